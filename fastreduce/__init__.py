@@ -1,0 +1,29 @@
+"""fastreduce: data-parallel gradient reduction as cheap as the collective itself.
+
+    loss.backward()
+    fastreduce.all_reduce_gradients(model)   # drop-in for optimum-habana's call
+    optimizer.step()
+
+Layers (one module each): :mod:`.engine` (process groups), :mod:`.backends` (device
+dispatch: HPU graphs, CUDA graphs, eager), :mod:`.collectives`, :mod:`.layout` and
+:mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
+(:mod:`.fused`).
+"""
+
+from .backends import GraphContractError
+from .engine import DistInfo, init_distributed
+from .fused import FusedReducer, ReducerConfig, ReducerStats, all_reduce_gradients
+from .layout import LayoutMismatchError
+
+__all__ = [
+    "DistInfo",
+    "FusedReducer",
+    "GraphContractError",
+    "LayoutMismatchError",
+    "ReducerConfig",
+    "ReducerStats",
+    "all_reduce_gradients",
+    "init_distributed",
+]
+
+__version__ = "0.1.0"

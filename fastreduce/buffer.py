@@ -1,0 +1,77 @@
+"""FusedBuffer: persistent flat storage for a layout, gradients as views, one wire buffer.
+
+Memory, for a layout with an fp32 and a bf16 segment and ``wire_dtype=torch.bfloat16``::
+
+    wire  (bf16) [ bf16 segment | cast of the fp32 segment ]   <- the collective's buffer
+    flats        [ = wire[0:n0] ][ fp32 storage, n1 elems   ]   <- grads are views of these
+
+A segment whose dtype equals the wire dtype *is* its slice of the wire buffer, so it
+needs no pack or unpack at all; every other segment is cast in with one ``copy_`` and
+cast back with one more. Pack and unpack therefore cost one op per dtype, never one
+per parameter, and touch only memory this object owns (what graph capture needs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import GradLayout, Slot
+
+__all__ = ["FusedBuffer"]
+
+
+def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """``slot``'s piece of ``flat``, with the parameter's own memory format when it is dense."""
+    piece = flat[slot.offset:slot.offset + slot.numel]
+    p = slot.param
+    if p.is_contiguous():
+        return piece.view(p.shape)
+    for fmt in (torch.channels_last, torch.channels_last_3d):
+        try:
+            if p.is_contiguous(memory_format=fmt):
+                return piece.as_strided(p.shape, p.stride())
+        except RuntimeError:  # memory format does not apply to this rank
+            continue
+    return piece.view(p.shape)
+
+
+class FusedBuffer:
+    """Flat storage for every gradient of ``layout`` plus the ``wire_dtype`` buffer sent."""
+
+    def __init__(self, layout: GradLayout, wire_dtype: torch.dtype, device: torch.device):
+        self.wire = torch.zeros(layout.numel, dtype=wire_dtype, device=device)
+        self.flats: list[torch.Tensor] = []
+        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, its wire slice)
+        start = 0
+        for seg in layout.segments:
+            wire_part = self.wire[start:start + seg.numel]
+            if seg.dtype == wire_dtype:
+                flat = wire_part
+            else:
+                flat = torch.zeros(seg.numel, dtype=seg.dtype, device=device)
+                self.casts.append((flat, wire_part))
+            self.flats.append(flat)
+            start += seg.numel
+        self.views: tuple[torch.Tensor, ...] = tuple(
+            _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire per reduction."""
+        return self.wire.numel() * self.wire.element_size()
+
+    def pack(self) -> None:
+        """Cast every non-wire-dtype segment into its slice of the wire buffer."""
+        for flat, wire_part in self.casts:
+            wire_part.copy_(flat)
+
+    def unpack(self) -> None:
+        """Cast the reduced wire buffer back into the non-wire-dtype segments."""
+        for flat, wire_part in self.casts:
+            flat.copy_(wire_part)
+
+    def zero_(self) -> None:
+        """Zero every gradient (one op per dtype)."""
+        self.wire.zero_()
+        for flat, _ in self.casts:
+            flat.zero_()

@@ -1,0 +1,63 @@
+"""The engine: a torch.distributed process group for this process, set up from torchrun's environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .backends import detect_device
+
+__all__ = ["DistInfo", "init_distributed"]
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    """Where this process stands: its ranks, its device and the process-group backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)) -> DistInfo:
+    """Join the default process group as torchrun describes it, on the best device here.
+
+    The device is an HPU (process-group backend ``hccl``) when ``habana_frameworks``
+    sees one, else a CUDA device (``nccl``, ``cuda:LOCAL_RANK``, made current), else
+    the CPU (``gloo``); ``backend`` overrides the process-group backend and
+    ``FASTREDUCE_DEVICE`` the device. Without torchrun's variables (``RANK``,
+    ``WORLD_SIZE``) it starts a world of one on 127.0.0.1. Calling it again returns the
+    same answer without re-initializing.
+
+    Example::
+
+        >>> info = fastreduce.init_distributed()   # under torchrun --nproc-per-node 2
+        >>> model = Net().to(info.device)
+    """
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    device, pg_backend = detect_device(local_rank)
+    backend = backend or pg_backend
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            from .launch import free_port
+
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(free_port()))
+            env.setdefault("RANK", "0")
+            env.setdefault("WORLD_SIZE", "1")
+        if backend == "hccl":
+            from .backends.hpu import import_hccl
+
+            import_hccl()
+        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                                timeout=timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())

@@ -1,0 +1,389 @@
+"""The fused reducer: one averaging all-reduce over every gradient, after backward.
+
+Per call, once warm::
+
+    grads still views of the flat buffer?  (identity check, no kernels)
+      no  -> copy the re-allocated ones in with one _foreach_copy_, re-attach views
+    pack    (replayed graph: cast each non-wire-dtype segment into the wire buffer)
+    all-reduce the wire buffer (AVG, or divided first), wait for it
+    unpack  (replayed graph: cast back)
+
+With ``zero_grad(set_to_none=False)`` (or :meth:`FusedReducer.zero_grad`) and a wire
+dtype equal to the gradients' dtype, that is the collective and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .backends import Backend, select_backend, warn_once
+from .buffer import FusedBuffer
+from .collectives import MeanPlan, plan_mean, start_all_reduce
+from .layout import GradLayout, verify_across_ranks
+
+__all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
+
+log = logging.getLogger(__name__)
+
+UnusedGrads = Literal["error", "zero"]
+_get_grad = operator.attrgetter("grad")
+_get_requires_grad = operator.attrgetter("requires_grad")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ReducerConfig:
+    """Settings of a :class:`FusedReducer`."""
+
+    wire_dtype: torch.dtype | None = torch.bfloat16
+    """dtype sent over the network; ``None`` sends each gradient in its own dtype
+    (mixed-dtype models then use the widest one)."""
+    use_graphs: bool = True
+    """Record pack and unpack as device graphs where the device has them (CUDA; HPU
+    in lazy mode); elsewhere ignored."""
+    backend: str = "auto"
+    """``auto`` (from the gradients' device), ``eager``, ``cuda``, ``hpu`` or
+    ``checked`` (the graph-contract checker used in tests)."""
+    unused_grads: UnusedGrads = "error"
+    """A parameter that requires grad but has none after backward: ``error`` raises
+    (freeze it, or choose ``zero``); ``zero`` counts it as a zero gradient, and a
+    parameter no rank produced a gradient for keeps ``grad=None``, as DDP does with
+    ``find_unused_parameters=True``."""
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
+            raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
+                             f"float32) or None, got {self.wire_dtype}")
+        if self.unused_grads not in ("error", "zero"):
+            raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
+        from .backends import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+@dataclass(slots=True)
+class ReducerStats:
+    """Cheap counters, updated on every reduction."""
+
+    calls: int = 0
+    collectives: int = 0
+    bytes_reduced: int = 0
+    wait_seconds: float = 0.0
+    reattached: int = 0
+    """Gradients found re-allocated (e.g. by ``zero_grad(set_to_none=True)``) and copied back."""
+
+
+@dataclass(slots=True)
+class _Built:
+    """Everything learned on the first call; replaced whole by :meth:`FusedReducer.rebuild`."""
+
+    layout: GradLayout
+    buffer: FusedBuffer
+    plan: MeanPlan
+    backend: Backend
+    pack: Callable[[], None] | None
+    unpack: Callable[[], None] | None
+    flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
+    frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
+
+
+class FusedReducer:
+    """Averages a model's gradients across a process group with one fused collective.
+
+    Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
+    step. The first call learns the layout (which parameters, in which order),
+    checks it is the same on every rank, allocates one flat buffer per gradient dtype
+    and makes each ``param.grad`` a view of it; later calls cost a constant number of
+    ops, however many parameters the model has. Parameters that do not require grad
+    are left alone; tied parameters are reduced once.
+
+    Args:
+        model: the module whose parameters' gradients are averaged.
+        group: process group (default: the world group).
+        **config: fields of :class:`ReducerConfig` (``wire_dtype``, ``use_graphs``,
+            ``backend``, ``unused_grads``).
+
+    Example::
+
+        >>> reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
+        >>> for x, y in batches:
+        ...     loss_fn(model(x), y).backward()
+        ...     reducer.reduce()
+        ...     opt.step()
+        ...     reducer.zero_grad()   # keeps grads as views: no copy next step
+    """
+
+    def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None,
+                 **config: Any):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized: call "
+                               "fastreduce.init_distributed() (or "
+                               "torch.distributed.init_process_group) on every rank first, "
+                               "e.g. in a script launched with torchrun")
+        self.config = ReducerConfig(**config)
+        self.model = model
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.stats = ReducerStats()
+        self._built: _Built | None = None
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def layout(self) -> GradLayout | None:
+        """The learned layout, or ``None`` before the first :meth:`reduce`."""
+        return self._built.layout if self._built else None
+
+    @property
+    def backend(self) -> Backend | None:
+        """The device backend in use, or ``None`` before the first :meth:`reduce`."""
+        return self._built.backend if self._built else None
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Average every participating gradient over the group, in place.
+
+        Collective: every rank of the group must call it. Invalid gradients (sparse,
+        on another device, missing under ``unused_grads="error"``) raise before any
+        gradient or buffer is touched.
+        """
+        if self.world_size == 1:
+            return
+        built = self._built
+        if built is None:
+            built = self._built = self._build()
+        grads = list(map(_get_grad, built.layout.params))
+        if built.frozen and any(map(_get_requires_grad, built.frozen)):
+            self._raise_unfrozen(built)
+        missing: list[int] = []
+        if not all(map(operator.is_, grads, built.buffer.views)):
+            missing = self._adopt(built, grads)
+        self._communicate(built, missing)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero every gradient in place (one op per dtype) and keep them as views.
+
+        Cheaper than ``optimizer.zero_grad()``: nothing is freed, so the next backward
+        accumulates straight into the flat buffer and :meth:`reduce` copies nothing.
+        Before the first :meth:`reduce` it falls back to zeroing each ``param.grad``.
+        """
+        built = self._built
+        if built is None:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            return
+        built.buffer.zero_()
+        for p, v in zip(built.layout.params, built.buffer.views):
+            if p.grad is not v:
+                p.grad = v
+
+    def rebuild(self) -> None:
+        """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
+        log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
+        self._built = None
+
+    # ------------------------------------------------------------------ first call
+
+    def _build(self) -> _Built:
+        cfg = self.config
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
+        if not named:
+            raise ValueError("no parameter of the model requires grad: nothing to reduce")
+        device = _one_device(named)
+        for n, p in named:
+            _check_grad(n, p, device)
+        wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
+        layout = GradLayout(named, first_dtype=wire_dtype)
+        # Which grads are present goes into the check too: a parameter that got a grad on
+        # one rank but not on another is caught here, on every rank, not as a hang.
+        present = tuple(p.grad is not None for p in layout.params)
+        verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
+        if cfg.unused_grads == "error" and not all(present):
+            raise RuntimeError(_missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
+        buffer = FusedBuffer(layout, wire_dtype, device)
+        plan = plan_mean(self.group, wire_dtype, device)
+        backend = select_backend(cfg.backend, device, cfg.use_graphs)
+        pack, unpack = self._capture(backend, buffer, plan)
+        flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
+        if dist.get_rank(self.group) == 0:
+            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s",
+                     layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
+                     plan, backend.name)
+        return _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
+
+    @staticmethod
+    def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
+        def pack() -> None:
+            buffer.pack()
+            if plan.prescale:
+                buffer.wire.div_(plan.world)
+
+        needs_pack = bool(buffer.casts) or plan.prescale
+        return (backend.capture(pack) if needs_pack else None,
+                backend.capture(buffer.unpack) if buffer.casts else None)
+
+    # ------------------------------------------------------------------ every call
+
+    def _adopt(self, built: _Built, grads: list[torch.Tensor | None]) -> list[int]:
+        """Bring re-allocated grads into the flat buffer and re-attach views.
+
+        Validates everything first, so an error leaves all grads as they were.
+        Returns the indices of parameters with no grad (``unused_grads="zero"``).
+        """
+        layout, views = built.layout, built.buffer.views
+        device = built.buffer.wire.device
+        missing, moved = [], []
+        for i, (g, v) in enumerate(zip(grads, views)):
+            if g is v:
+                continue
+            if g is None:
+                missing.append(i)
+            else:
+                _check_grad(layout.names[i], layout.params[i], device)
+                moved.append(i)
+        if missing and self.config.unused_grads == "error":
+            raise RuntimeError(_missing_message([layout.names[i] for i in missing]))
+        if moved:
+            torch._foreach_copy_([views[i] for i in moved], [grads[i] for i in moved])
+            for i in moved:
+                layout.params[i].grad = views[i]
+            self.stats.reattached += len(moved)
+        if missing:
+            torch._foreach_zero_([views[i] for i in missing])
+            warn_once(f"fastreduce: {len(missing)} parameter(s) got no gradient in a step "
+                      f"(first: {layout.names[missing[0]]!r}); counting them as zero")
+        return missing
+
+    def _communicate(self, built: _Built, missing: list[int]) -> None:
+        buf = built.buffer
+        with record_function("fastreduce::pack"):
+            if built.pack is not None:
+                built.pack()
+        with record_function("fastreduce::all_reduce"):
+            work = start_all_reduce(buf.wire, built.plan)
+            flag_work = None
+            if built.flags is not None:
+                built.flags.fill_(1.0)
+                if missing:
+                    built.flags[missing] = 0.0
+                flag_work = dist.all_reduce(built.flags, group=self.group, async_op=True)
+            t0 = time.perf_counter()
+            work.wait()
+            if flag_work is not None:
+                flag_work.wait()
+            self.stats.wait_seconds += time.perf_counter() - t0
+        with record_function("fastreduce::unpack"):
+            if built.unpack is not None:
+                built.unpack()
+        if missing:
+            self._attach_used(built, missing)
+        st = self.stats
+        st.calls += 1
+        st.collectives += 1 if flag_work is None else 2
+        st.bytes_reduced += buf.nbytes
+
+    @staticmethod
+    def _attach_used(built: _Built, missing: list[int]) -> None:
+        """A grad missing here but present on another rank gets the average; else stays None."""
+        assert built.flags is not None
+        used = built.flags[missing].tolist()
+        for i, count in zip(missing, used):
+            if count > 0:
+                built.layout.params[i].grad = built.buffer.views[i]
+
+    def _raise_unfrozen(self, built: _Built) -> None:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        thawed = [names.get(id(p), "?") for p in built.frozen if p.requires_grad]
+        raise RuntimeError(f"parameter(s) {thawed[:3]} now require grad but were frozen when "
+                           "fastreduce learned the layout, so their gradients would not be "
+                           "reduced; call reducer.rebuild() on every rank after changing "
+                           "requires_grad")
+
+
+def _one_device(named: list[tuple[str, torch.nn.Parameter]]) -> torch.device:
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        where = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"the model's trainable parameters live on several devices ({where}); "
+                         "fastreduce reduces one device's gradients per reducer: move the "
+                         "model with model.to(device), or build one reducer per device's submodule")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("the model's parameters are on the meta device; materialize them "
+                         "(e.g. model.to_empty(device=...)) before reducing")
+    return device
+
+
+def _check_grad(name: str, p: torch.nn.Parameter, device: torch.device) -> None:
+    g = p.grad
+    if g is None:
+        return
+    if g.is_sparse or g.layout != torch.strided:
+        raise ValueError(f"parameter {name!r} has a sparse gradient ({g.layout}); fastreduce "
+                         "reduces dense gradients only: build the layer with sparse=False "
+                         "(e.g. nn.Embedding(..., sparse=False))")
+    if g.device != device:
+        raise ValueError(f"parameter {name!r} has its gradient on {g.device}, the others on "
+                         f"{device}; keep all gradients of one reducer on one device")
+
+
+def _missing_message(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"parameter(s) {shown} require grad but have no gradient after backward. "
+            "Freeze parameters you do not train (param.requires_grad_(False)), or pass "
+            "unused_grads='zero' to count a missing gradient as zero (like DDP's "
+            "find_unused_parameters=True)")
+
+
+class _ReducerCache(dict):
+    """Reducers kept on the model; copies and pickles of the model start without any."""
+
+    def __deepcopy__(self, memo: dict) -> _ReducerCache:
+        return _ReducerCache()
+
+    def __reduce__(self):
+        return (_ReducerCache, ())
+
+
+def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
+                         use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
+                         backend: str = "auto", unused_grads: UnusedGrads = "error") -> None:
+    """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``.
+
+    A drop-in for optimum-habana's function of the same name (same positional
+    arguments and defaults) that runs on HPU, CUDA and CPU. The reducer behind it is
+    kept on the model, one per group and settings; see :class:`FusedReducer` for the
+    object form and the meaning of each argument. ``use_hpu_graphs`` means "record
+    pack/unpack as device graphs where the device has them".
+
+    Example::
+
+        >>> loss.backward()
+        >>> fastreduce.all_reduce_gradients(model)             # bf16 on the wire
+        >>> fastreduce.all_reduce_gradients(model, torch.float32)  # exact fp32
+        >>> optimizer.step()
+    """
+    cache = model.__dict__.get("_fastreduce_reducers")
+    if cache is None:
+        cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
+    key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
+           use_hpu_graphs, backend, unused_grads)
+    reducer = cache.get(key)
+    if reducer is None:
+        reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
+                                            use_graphs=use_hpu_graphs, backend=backend,
+                                            unused_grads=unused_grads)
+    reducer.reduce()

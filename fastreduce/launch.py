@@ -1,0 +1,140 @@
+"""Run a function on N local Gloo ranks: the harness behind the tests and ``fastreduce bench``.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` fresh processes, joins them in
+one Gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` in
+each and returns the per-rank results in rank order. A rank that raises fails the whole
+call with every failing rank's traceback; a rank that has not answered within
+``timeout`` seconds (a hang in a collective, say) gets every rank killed and raises
+:class:`RankTimeout`, so a hang fails a test instead of a CI job.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "RankFailure", "RankTimeout", "free_port"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not finish in time; all of them were killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+            threads: int, timeout: float, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        # Leave without running interpreter teardown: Gloo's threads may still be
+        # shutting down, and a crash there must not turn a pass into a failure.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              threads: int | None = None) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function). Returns the
+    ranks' return values in rank order.
+
+    Example::
+
+        >>> def worker(rank, world_size):
+        ...     t = torch.tensor([float(rank)])
+        ...     dist.all_reduce(t)
+        ...     return t.item()
+        >>> run_ranks(worker, 2)
+        [1.0, 1.0]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, port, args, threads, timeout, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f}s "
+                                  f"(a hang in a collective?); all ranks were killed"
+                                  + _failures(outcome))
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # a result may still be in flight
+                    while not results.empty():
+                        rank, ok, value = results.get()
+                        outcome[rank] = (ok, value)
+                    dead = [r for r in dead if r not in outcome]
+                    if dead:
+                        raise RankFailure(f"ranks {dead} died without a result (exit codes "
+                                          f"{[procs[r].exitcode for r in dead]})" + _failures(outcome))
+                continue
+            outcome[rank] = (ok, value)
+            if not ok:
+                # Give the other ranks a moment to report their own errors, then stop.
+                end = time.monotonic() + 5.0
+                while len(outcome) < world_size and time.monotonic() < end:
+                    try:
+                        r2, ok2, v2 = results.get(timeout=0.2)
+                        outcome[r2] = (ok2, v2)
+                    except queue_mod.Empty:
+                        pass
+                raise RankFailure(_failures(outcome).lstrip("\n"))
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outcome[r][1] for r in range(world_size)]
+
+
+def _failures(outcome: dict[int, tuple[bool, Any]]) -> str:
+    return "".join(f"\n--- rank {r} failed ---\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok)

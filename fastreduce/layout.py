@@ -1,0 +1,133 @@
+"""GradLayout: which gradients take part, in which order, and where each lives in the flat buffer.
+
+The layout is learned once from the model and fixed. Parameters are grouped by dtype
+(each dtype gets one contiguous segment of the flat buffer, the wire dtype's segment
+first), and inside a segment they keep ``named_parameters()`` order, so tied
+parameters appear once. Every offset is aligned to :data:`ALIGN` elements.
+
+The layout's signature (names, shapes, strides, dtypes) is hashed and compared across
+ranks with one small all-gather (:func:`verify_across_ranks`); a mismatch raises
+:class:`LayoutMismatchError` on every rank, naming the first differing parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "verify_across_ranks"]
+
+ALIGN = 32
+"""Every parameter's offset in its segment is a multiple of this many elements."""
+
+
+class LayoutMismatchError(RuntimeError):
+    """The ranks do not agree on which gradients to reduce (names, shapes, dtypes or order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One parameter's place: ``numel`` elements at ``offset`` of its dtype's segment."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+
+    def signature(self) -> str:
+        p = self.param
+        return f"{self.name}:{tuple(p.shape)}:{p.stride()}:{p.dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """All parameters of one dtype: one contiguous run of the flat buffer."""
+
+    dtype: torch.dtype
+    slots: tuple[Slot, ...]
+    numel: int  # padded to ALIGN
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class GradLayout:
+    """The fixed set of parameters a reducer serves, grouped into one segment per dtype.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs in model order, tied ones once.
+        first_dtype: the dtype whose segment comes first (the wire dtype, so that its
+            segment can alias the wire buffer).
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], first_dtype: torch.dtype):
+        if not named_params:
+            raise ValueError("no parameter requires a gradient: nothing to reduce")
+        dtypes = sorted({p.dtype for _, p in named_params}, key=lambda d: (d != first_dtype, str(d)))
+        segments = []
+        for dtype in dtypes:
+            slots, offset = [], 0
+            for name, p in named_params:
+                if p.dtype == dtype:
+                    slots.append(Slot(name, p, offset, p.numel()))
+                    offset = _align(offset + p.numel())
+            segments.append(Segment(dtype, tuple(slots), offset))
+        self.segments: tuple[Segment, ...] = tuple(segments)
+        # Slots in segment order: index i of every per-parameter list below.
+        self.slots: tuple[Slot, ...] = tuple(s for seg in self.segments for s in seg.slots)
+        self.params: tuple[torch.nn.Parameter, ...] = tuple(s.param for s in self.slots)
+        self.names: tuple[str, ...] = tuple(s.name for s in self.slots)
+        self.numel: int = sum(seg.numel for seg in self.segments)
+        self.signature: tuple[str, ...] = tuple(s.signature() for s in self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{len(s.slots)} {str(s.dtype).removeprefix('torch.')}" for s in self.segments)
+        n = sum(s.numel for s in self.slots)
+        return f"{len(self.slots)} grads ({parts}), {n:,} elements"
+
+
+def verify_across_ranks(layout: GradLayout, group: dist.ProcessGroup | None, device: torch.device,
+                        present: tuple[bool, ...] | None = None) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank unless all ranks hold the same layout.
+
+    ``present``, when given, marks which parameters have a gradient now; it must agree
+    too. One all-gather of a 32-byte digest; only on a mismatch are the full
+    signatures gathered to say which parameter differs. Every rank takes the same
+    branch, so a mismatch never leaves one rank waiting in a collective.
+    """
+    signature = layout.signature
+    if present is not None:
+        signature = tuple(s if ok else s + " (no grad)" for s, ok in zip(signature, present))
+    digest = hashlib.sha256("\n".join(signature).encode()).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device=device, dtype=torch.int32)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    signatures: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(signatures, signature, group=group)
+    raise LayoutMismatchError(_explain(signatures, dist.get_rank(group)))
+
+
+def _explain(signatures: list[tuple[str, ...]], rank: int) -> str:
+    lines = [f"gradient layouts differ across ranks (this is rank {rank}); every rank must "
+             "reduce the same parameters with the same shapes, strides, dtypes and order:"]
+    ref = signatures[0]
+    for r, sig in enumerate(signatures[1:], start=1):
+        for i in range(max(len(ref), len(sig))):
+            a = ref[i] if i < len(ref) else "<none>"
+            b = sig[i] if i < len(sig) else "<none>"
+            if a != b:
+                lines.append(f"  position {i}: rank 0 has {a!r}, rank {r} has {b!r}")
+                break
+    lines.append("Build the same model on every rank (same requires_grad flags, dtypes and "
+                 "memory formats) before the first reduction.")
+    return "\n".join(lines)
