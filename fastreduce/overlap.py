@@ -1,0 +1,204 @@
+"""Overlapped mode: buckets in backward order, each all-reduced as soon as its grads are ready.
+
+Communication pattern, per step::
+
+    backward:  grad of p ready -> post-accumulate-grad hook: pending[bucket] -= 1
+               bucket k complete and buckets < k launched -> pack k, start its all-reduce
+    finish():  launch what is left (unused params, changed order), wait for every
+               bucket in order, unpack once per dtype
+
+Buckets are launched strictly in index order on every rank, so ranks always issue the
+same collectives in the same sequence, whatever order their grads arrive in: a changed
+backward order or a parameter without a grad only delays launches to ``finish()``,
+never hangs. The first step learns the backward order (rank 0's, broadcast); the flat
+buffer is laid out in that order, so each bucket is one contiguous slice of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .buffer import FusedBuffer
+from .collectives import MeanPlan, start_all_reduce
+from .layout import GradLayout
+
+__all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "default_bucket_mb", "make_buckets"]
+
+log = logging.getLogger(__name__)
+
+
+def default_bucket_mb(pg_backend: str) -> float:
+    """Bucket size that pays on each backend: few large buckets where launches are dear."""
+    return {"nccl": 25.0, "hccl": 64.0, "gloo": 6.0}.get(pg_backend, 16.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A contiguous run of one dtype segment: ``slots`` (layout indices) and their buffers."""
+
+    slots: tuple[int, ...]
+    flat: torch.Tensor  # grads' storage slice (same tensor as ``wire`` when no cast is needed)
+    wire: torch.Tensor  # the slice of the wire buffer this bucket reduces
+
+    def pack(self, plan: MeanPlan) -> None:
+        if self.flat is not self.wire:
+            self.wire.copy_(self.flat)
+        if plan.prescale:
+            self.wire.div_(plan.world)
+
+
+def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> list[Bucket]:
+    """Cut each segment into runs of at most ``bucket_bytes`` (one parameter at least).
+
+    Buckets come ordered by their first parameter's position in ``layout.slots`` (the
+    backward order), so launches follow readiness across dtypes too.
+    """
+    elem = buffer.wire.element_size()
+    buckets: list[tuple[int, Bucket]] = []
+    first_index = 0
+    wire_start = 0
+    for seg, flat in zip(layout.segments, buffer.flats):
+        run: list[int] = []
+        run_start = 0
+        for k, slot in enumerate(seg.slots):
+            end = seg.slots[k + 1].offset if k + 1 < len(seg.slots) else seg.numel
+            run.append(first_index + k)
+            if (end - run_start) * elem >= bucket_bytes or k + 1 == len(seg.slots):
+                buckets.append((run[0], Bucket(tuple(run), flat[run_start:end],
+                                               buffer.wire[wire_start + run_start:wire_start + end])))
+                run, run_start = [], end
+        first_index += len(seg.slots)
+        wire_start += seg.numel
+    return [b for _, b in sorted(buckets, key=lambda t: t[0])]
+
+
+class OrderRecorder:
+    """First step only: notes the order in which parameters' grads become ready."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.order: list[int] = []
+        index = {p: i for i, p in enumerate(params)}
+        self.handles = [p.register_post_accumulate_grad_hook(lambda q: self.order.append(index[q]))
+                        for p in params]
+
+    def remove(self) -> list[int]:
+        for h in self.handles:
+            h.remove()
+        seen, order = set(), []
+        for i in self.order:  # a param fires once per backward; accumulation repeats it
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        return order
+
+
+def agreed_order(order: list[int], n: int, group: dist.ProcessGroup | None) -> list[int]:
+    """Rank 0's backward order (then the params it never saw, in model order), on every rank."""
+    box = [order]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    order = box[0]
+    seen = set(order)
+    return order + [i for i in range(n) if i not in seen]
+
+
+class OverlapSchedule:
+    """Hooks, counters and in-flight collectives of the overlapped mode.
+
+    Args:
+        layout, buffer, plan: the reducer's layout (in backward order), buffer and
+            averaging plan.
+        buckets: from :func:`make_buckets`.
+        adopt: ``adopt(indices) -> missing`` brings re-allocated grads of those
+            layout indices into the buffer and returns the ones with no grad.
+
+    ``launched_in_backward`` counts buckets started from a hook (the overlap achieved).
+    """
+
+    def __init__(self, layout: GradLayout, buffer: FusedBuffer, plan: MeanPlan,
+                 buckets: list[Bucket], adopt: Callable[[list[int]], list[int]]):
+        self.layout, self.buffer, self.plan, self.buckets = layout, buffer, plan, buckets
+        self.adopt = adopt
+        self.launched_in_backward = 0
+        self.bucket_of = [0] * len(layout)
+        for b, bucket in enumerate(buckets):
+            for i in bucket.slots:
+                self.bucket_of[i] = b
+        self.sizes = [len(b.slots) for b in buckets]
+        self.sync = True
+        self.late = False  # some bucket had to wait for finish(): logged once
+        self._reset()
+        index = {p: i for i, p in enumerate(layout.params)}
+        self.handles = [p.register_post_accumulate_grad_hook(lambda q: self._ready(index[q]))
+                        for p in layout.params]
+
+    def _reset(self) -> None:
+        self.pending = list(self.sizes)
+        self.fired = [False] * len(self.layout)
+        self.next = 0
+        self.works: list[dist.Work] = []
+        self.missing: list[int] = []
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    # -- hot path: one call per parameter per backward
+    def _ready(self, i: int) -> None:
+        if not self.sync:
+            return
+        if self.fired[i]:
+            raise RuntimeError(f"parameter {self.layout.names[i]!r} got a second gradient in one "
+                               "step while its bucket was already being reduced; run every "
+                               "backward but the last of an accumulation under reducer.no_sync()")
+        self.fired[i] = True
+        b = self.bucket_of[i]
+        self.pending[b] -= 1
+        if self.pending[b] == 0 and b == self.next:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.next)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        views = self.buffer.views
+        params = self.layout.params
+        if not all(params[i].grad is views[i] for i in bucket.slots):
+            self.missing += self.adopt(list(bucket.slots))
+        with record_function("fastreduce::pack"):
+            bucket.pack(self.plan)
+        with record_function("fastreduce::all_reduce"):
+            self.works.append(start_all_reduce(bucket.wire, self.plan))
+        self.next = b + 1
+
+    def finish(self, quiet: bool = False) -> tuple[list[int], list[dist.Work]]:
+        """Launch the buckets still waiting, in order; return (missing grads, works to wait)."""
+        self.launched_in_backward += self.next
+        if self.next < len(self.buckets):
+            if not (self.late or quiet):
+                self.late = True
+                log.info("fastreduce: %d of %d buckets were launched at finish(), not during "
+                         "backward (unused parameters or a changed backward order); results "
+                         "are complete, overlap is lost for them", len(self.buckets) - self.next,
+                         len(self.buckets))
+            while self.next < len(self.buckets):
+                self._launch(self.next)
+        missing, works = self.missing, self.works
+        self._reset()
+        return missing, works
