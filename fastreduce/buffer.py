@@ -20,19 +20,25 @@ from .layout import GradLayout, Slot
 __all__ = ["FusedBuffer"]
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``t.numel()`` consecutive slots in some dim order."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
-    """``slot``'s piece of ``flat``, with the parameter's own memory format when it is dense."""
+    """``slot``'s piece of ``flat``, with the parameter's own strides when it is dense."""
     piece = flat[slot.offset:slot.offset + slot.numel]
     p = slot.param
-    if p.is_contiguous():
+    if p.is_contiguous() or not _dense(p):
         return piece.view(p.shape)
-    for fmt in (torch.channels_last, torch.channels_last_3d):
-        try:
-            if p.is_contiguous(memory_format=fmt):
-                return piece.as_strided(p.shape, p.stride())
-        except RuntimeError:  # memory format does not apply to this rank
-            continue
-    return piece.view(p.shape)
+    return piece.as_strided(p.shape, p.stride())
 
 
 class FusedBuffer:

@@ -228,6 +228,7 @@ class FusedReducer:
 
         Cheaper than ``optimizer.zero_grad()``: nothing is freed, so the next backward
         accumulates straight into the flat buffer and :meth:`reduce` copies nothing.
+        Gradients that are ``None`` stay ``None``, as with ``zero_grad(set_to_none=False)``.
         Before the first :meth:`reduce` it falls back to zeroing each ``param.grad``.
         """
         built = self._built
@@ -238,7 +239,7 @@ class FusedReducer:
             return
         built.buffer.zero_()
         for p, v in zip(built.layout.params, built.buffer.views):
-            if p.grad is not v:
+            if p.grad is not None and p.grad is not v:
                 p.grad = v
 
     def rebuild(self) -> None:

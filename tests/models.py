@@ -1,0 +1,204 @@
+"""Small models for the fastreduce tests, and the inputs that drive them.
+
+Every model is built from a seed, so each rank (and each DDP reference copy) holds
+identical parameters; :func:`batch_for` gives every rank its own inputs per step.
+"""
+
+from __future__ import annotations
+
+from typing import Collection
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 40
+WIDTH = 16
+CLASSES = 5
+
+
+def batch_for(model: nn.Module, rank: int, step: int, batch: int = 4) -> tuple:
+    """Inputs for ``model`` that differ across ranks and steps but not across runs."""
+    g = torch.Generator().manual_seed(1000 * step + rank + 17)
+    return model.example_inputs(g, batch)
+
+
+def loss_of(model: nn.Module, inputs: tuple, **kwargs) -> torch.Tensor:
+    """A bounded scalar loss whose gradient reaches every parameter the forward used."""
+    out = model(*inputs, **kwargs)
+    return ((out.float() - 0.5) ** 2).mean()
+
+
+class ManyTensorModel(nn.Module):
+    """100+ parameter tensors of mixed shapes and memory formats, small enough to be fast.
+
+    Holds: Conv2d, a channels_last Conv2d, Linear, LayerNorm, Embedding, loose 1-D
+    biases, a transposed (dense but non-contiguous) weight, and an output head tied to
+    the embedding (two names, one parameter).
+    """
+
+    def __init__(self, blocks: int = 24):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.conv_cl = nn.Conv2d(4, 4, 3, padding=1).to(memory_format=torch.channels_last)
+        self.img_proj = nn.Linear(4, WIDTH)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.bias = nn.Parameter(torch.randn(WIDTH) * 0.1)
+        self.transposed = nn.Parameter(torch.randn(8, WIDTH).t())  # (WIDTH, 8), stride (1, WIDTH)
+        self.norms = nn.ModuleList(nn.LayerNorm(WIDTH) for _ in range(blocks))
+        self.lins = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(blocks))
+        self.down = nn.Linear(8, WIDTH, bias=False)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied pair
+        assert not self.transposed.is_contiguous()
+        assert self.conv_cl.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not self.conv_cl.weight.is_contiguous()
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        img = torch.randn(batch, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        tokens = torch.randint(0, VOCAB, (batch, 5), generator=g)
+        return img, tokens
+
+    def forward(self, img: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h_img = self.conv_cl(F.relu(self.conv(img))).mean((2, 3))
+        h = self.img_proj(h_img) + self.emb(tokens).mean(1) + self.bias
+        h = h + self.down(h @ self.transposed)
+        for norm, lin in zip(self.norms, self.lins):
+            h = h + torch.tanh(lin(norm(h)))
+        return self.head(h) * 0.1
+
+
+def many_tensor_model(seed: int, blocks: int = 24) -> ManyTensorModel:
+    torch.manual_seed(seed)
+    return ManyTensorModel(blocks)
+
+
+class LinearStack(nn.Module):
+    """``layers`` tiny Linear layers: exactly ``2 * layers`` parameter tensors."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 4, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def linear_stack(seed: int, tensors: int) -> LinearStack:
+    assert tensors % 2 == 0
+    torch.manual_seed(seed)
+    return LinearStack(tensors // 2)
+
+
+class MixedDtypeModel(nn.Module):
+    """fp32 input and output layers around a bf16 middle: grads of both dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.mid = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)).to(torch.bfloat16)
+        self.out = nn.Linear(WIDTH, CLASSES)
+        self.scale = nn.Parameter(torch.ones(CLASSES))
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 8, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).to(torch.bfloat16)
+        h = torch.tanh(self.mid(h)).float()
+        return self.out(h) * self.scale
+
+
+def mixed_dtype_model(seed: int) -> MixedDtypeModel:
+    torch.manual_seed(seed)
+    return MixedDtypeModel()
+
+
+class FrozenBackboneModel(nn.Module):
+    """A frozen backbone (requires_grad=False) under a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.backbone.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 8, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def frozen_backbone_model(seed: int) -> FrozenBackboneModel:
+    torch.manual_seed(seed)
+    return FrozenBackboneModel()
+
+
+class SkipModel(nn.Module):
+    """Layers the forward may skip: ``skip`` names the optional layers left out this step.
+
+    ``sometimes`` and ``rank_dep`` are optional (the caller decides per step and rank);
+    ``never`` is never used, so no rank ever produces its gradient.
+    """
+
+    OPTIONAL = ("sometimes", "rank_dep")
+
+    def __init__(self, with_never: bool = True):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.sometimes = nn.Linear(WIDTH, WIDTH)
+        self.rank_dep = nn.Linear(WIDTH, WIDTH)
+        self.never = nn.Linear(WIDTH, WIDTH) if with_never else None
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 8, generator=g),)
+
+    def forward(self, x: torch.Tensor, skip: Collection[str] = ()) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for name in self.OPTIONAL:
+            if name not in skip:
+                h = h + torch.tanh(getattr(self, name)(h))
+        return self.out(h)
+
+
+def skip_model(seed: int, with_never: bool = True) -> SkipModel:
+    torch.manual_seed(seed)
+    return SkipModel(with_never)
+
+
+class ShapeModel(nn.Module):
+    """``Linear(8, hidden) -> Linear(hidden, 5)``: build with a different ``hidden`` per rank
+    to get a layout mismatch."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.a = nn.Linear(8, hidden)
+        self.b = nn.Linear(hidden, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 8, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class SparseEmbeddingModel(nn.Module):
+    """An Embedding with ``sparse=True`` (sparse gradient) and a dense Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH, sparse=True)
+        self.lin = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randint(0, VOCAB, (batch, 3), generator=g),)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(tokens).mean(1))
