@@ -27,13 +27,13 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from .backends import Backend, select_backend, warn_once
+from .backends import BACKENDS, Backend, select_backend, warn_once
 from .buffer import FusedBuffer
 from .collectives import MeanPlan, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
 from .overlap import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, make_buckets
+from .profiling import span
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
 
@@ -77,8 +77,6 @@ class ReducerConfig:
                              f"float32) or None, got {self.wire_dtype}")
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
-        from .backends import BACKENDS
-
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
@@ -340,10 +338,10 @@ class FusedReducer:
         missing: list[int] = []
         if not all(map(operator.is_, map(_get_grad, built.layout.params), built.buffer.views)):
             missing = self._adopt(built, range(len(built.layout)))
-        with record_function("fastreduce::pack"):
+        with span("fastreduce::pack"):
             if built.pack is not None:
                 built.pack()
-        with record_function("fastreduce::all_reduce"):
+        with span("fastreduce::all_reduce"):
             return missing, [start_all_reduce(built.buffer.wire, built.plan)]
 
     def _complete(self, built: _Built, works: list[dist.Work], missing: list[int]) -> None:
@@ -354,11 +352,11 @@ class FusedReducer:
                 built.flags[missing] = 0.0
             works.append(dist.all_reduce(built.flags, group=self.group, async_op=True))
         t0 = time.perf_counter()
-        with record_function("fastreduce::wait"):
+        with span("fastreduce::wait"):
             for work in works:
                 work.wait()
         self.stats.wait_seconds += time.perf_counter() - t0
-        with record_function("fastreduce::unpack"):
+        with span("fastreduce::unpack"):
             if built.unpack is not None:
                 built.unpack()
         if missing:

@@ -10,6 +10,7 @@ call with every failing rank's traceback; a rank that has not answered within
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
@@ -18,6 +19,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 __all__ = ["run_ranks", "RankFailure", "RankTimeout", "free_port"]
@@ -40,7 +42,6 @@ def free_port() -> int:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
             threads: int, timeout: float, results: Any) -> None:
-    import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -50,8 +51,11 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        out = io.BytesIO()
+        # One byte string per result: a Queue would pass each tensor through its own
+        # shared-memory file descriptor, and results with many tensors run out of them.
+        torch.save(fn(rank, world_size, *args), out)
+        results.put((rank, True, out.getvalue()))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -133,7 +137,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [outcome[r][1] for r in range(world_size)]
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
 
 
 def _failures(outcome: dict[int, tuple[bool, Any]]) -> str:

@@ -23,11 +23,11 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from .buffer import FusedBuffer
 from .collectives import MeanPlan, start_all_reduce
 from .layout import GradLayout
+from .profiling import span
 
 __all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "default_bucket_mb", "make_buckets"]
 
@@ -181,9 +181,9 @@ class OverlapSchedule:
         params = self.layout.params
         if not all(params[i].grad is views[i] for i in bucket.slots):
             self.missing += self.adopt(list(bucket.slots))
-        with record_function("fastreduce::pack"):
+        with span("fastreduce::pack"):
             bucket.pack(self.plan)
-        with record_function("fastreduce::all_reduce"):
+        with span("fastreduce::all_reduce"):
             self.works.append(start_all_reduce(bucket.wire, self.plan))
         self.next = b + 1
 

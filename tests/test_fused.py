@@ -10,7 +10,6 @@ so one broken sub-case fails its own tests, not the whole group.
 from __future__ import annotations
 
 import copy
-import io
 import time
 import traceback
 from dataclasses import dataclass
@@ -53,18 +52,8 @@ pytestmark = pytest.mark.timeout(180)
 
 # ============================================================== spawning
 
-def _bytes_worker(rank: int, world: int, worker: Callable[..., Any], *args: Any) -> bytes:
-    """Run ``worker`` and ship its result as one byte string: a result made of many
-    tensors would otherwise cost one shared-memory file descriptor per tensor."""
-    buf = io.BytesIO()
-    torch.save(worker(rank, world, *args), buf)
-    return buf.getvalue()
-
-
 def spawn(worker: Callable[..., Any], world: int, *args: Any, timeout: float = SPAWN_TIMEOUT) -> list[Any]:
-    """``run_ranks(worker, world, *args)`` with results of any size."""
-    blobs = run_ranks(_bytes_worker, world, worker, *args, timeout=timeout)
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in blobs]
+    return run_ranks(worker, world, *args, timeout=timeout)
 
 
 # ============================================================== helpers run in ranks

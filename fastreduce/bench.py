@@ -1,0 +1,421 @@
+"""``fastreduce bench``: what the reduction step costs, next to what it cannot avoid.
+
+What is measured
+----------------
+Real Gloo ranks (spawned by :func:`fastreduce.launch.run_ranks`) build the same
+MLP-like stack of Linear layers (~100 layers, ~200 tensors, ~12M fp32 parameters by
+default), run one forward/backward to create gradients, and then time **only the
+reduction step** of each method below, on the same model and gradients:
+
+==========================  ====================================================
+ ``fastreduce_bf16``         ``all_reduce_gradients(model, torch.bfloat16)``
+ ``fastreduce_fp32``         ``all_reduce_gradients(model, torch.float32)``
+ ``bare_allreduce_bf16``     ``dist.all_reduce`` of a packed flat bf16 buffer
+ ``bare_allreduce_fp32``     ``dist.all_reduce`` of a packed flat fp32 buffer
+ ``flat_bf16_unavoidable``   a bf16 wire's unavoidable work on one flat fp32
+                             buffer: cast in, (divide,) all-reduce, cast back
+ ``per_param_loop_bf16``     the per-parameter loop optimum-habana runs: cast
+                             and scale each grad into a fused bf16 buffer, one
+                             SUM all-reduce, cast each slice back
+==========================  ====================================================
+
+Every fastreduce method and the loop get their own ``deepcopy`` of the model, so
+each has its own reducer and gradients; between calls the gradients are zeroed in
+place (``zero_grad(set_to_none=False)``, untimed) so they stay views of the flat
+buffer, as in a training loop. The bare collectives use the reducer's own averaging
+op (``ReduceOp.AVG`` where the backend has it).
+
+Why like this
+-------------
+The machine is shared and noisy, so methods are interleaved round-robin: every
+round runs each method a few times (the starting method rotates), and drift hits
+all methods alike. A ``dist.barrier()`` precedes each timed call, and a step's
+time is the **maximum over ranks** of that iteration's time: the slowest rank is
+what the optimizer step waits for. Medians and p10/p90 are reported, never means.
+
+The targets say what "as cheap as the collective itself" means: fastreduce's bf16
+step within 10% of the unavoidable flat cast+all-reduce+cast, its fp32 step within
+10% of a bare all-reduce, at least 1.2x faster than the per-parameter loop, and a
+constant number of dispatched ops per call (counted with a ``TorchDispatchMode``,
+c10d ops included) whether the model has 50 or 500 gradient tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .fused import FusedReducer, all_reduce_gradients
+from .launch import run_ranks
+
+__all__ = ["BenchConfig", "add_arguments", "run", "run_bench"]
+
+N_LAYERS = 100
+"""Linear layers of the timed model: weight + bias each, so ~200 gradient tensors."""
+OPS_MODEL_TENSORS = (50, 500)
+"""Gradient-tensor counts of the two small models whose per-call ops are counted."""
+BASELINES = {
+    "fastreduce_bf16": "bare_allreduce_bf16",
+    "fastreduce_fp32": "bare_allreduce_fp32",
+    "bare_allreduce_bf16": "bare_allreduce_bf16",
+    "bare_allreduce_fp32": "bare_allreduce_fp32",
+    "flat_bf16_unavoidable": "bare_allreduce_bf16",
+    "per_param_loop_bf16": "bare_allreduce_bf16",
+}
+"""Each method's table ratio is its median over this method's median (same wire dtype)."""
+METHODS = tuple(BASELINES)
+RATIO_TARGETS = (  # (target name, numerator, denominator, comparison, limit)
+    ("bf16_vs_unavoidable", "fastreduce_bf16", "flat_bf16_unavoidable", "<=", 1.1),
+    ("loop_vs_bf16", "per_param_loop_bf16", "fastreduce_bf16", ">=", 1.2),
+    ("fp32_vs_bare", "fastreduce_fp32", "bare_allreduce_fp32", "<=", 1.1),
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run; ``iters`` timed calls per method, ``reps`` of them per round."""
+
+    ranks: int = 2
+    iters: int = 20
+    params_m: float = 12.0
+    quick: bool = False
+    reps: int = 2
+    warmup_rounds: int = 1
+    batch: int = 8
+
+    @property
+    def rounds(self) -> int:
+        return -(-self.iters // self.reps)
+
+    @property
+    def width(self) -> int:
+        """Features per layer so that ``N_LAYERS`` layers hold ``params_m`` million parameters."""
+        return max(4, round((self.params_m * 1e6 / N_LAYERS) ** 0.5))
+
+
+@dataclass
+class Method:
+    """One timed reduction: ``prep`` (untimed) then ``step`` (timed); ``nbytes`` on the wire."""
+
+    name: str
+    step: Callable[[], Any]
+    prep: Callable[[], Any]
+    nbytes: int
+
+
+def _noop() -> None:
+    pass
+
+
+# ---------------------------------------------------------------- model and grads
+
+def make_model(n_layers: int, width: int) -> nn.Sequential:
+    """Linear+ReLU stack, He-initialized so gradients stay normal floats (no denormals)."""
+    torch.manual_seed(0)  # same weights on every rank
+    layers: list[nn.Module] = []
+    for _ in range(n_layers):
+        lin = nn.Linear(width, width)
+        nn.init.normal_(lin.weight, std=(2.0 / width) ** 0.5)
+        nn.init.normal_(lin.bias, std=0.01)
+        layers += [lin, nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def backward_once(model: nn.Sequential, rank: int, batch: int) -> None:
+    """One forward/backward on rank-specific data, leaving a gradient on every parameter."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(batch, model[0].in_features, generator=gen)
+    model(x).square().mean().backward()
+
+
+def clone_with_grads(model: nn.Module) -> nn.Module:
+    """A ``deepcopy`` of ``model`` with its own copy of every gradient (deepcopy drops them)."""
+    twin = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    return twin
+
+
+def _reducer_of(model: nn.Module) -> FusedReducer:
+    """The reducer ``all_reduce_gradients`` keeps on ``model`` (exactly one here)."""
+    (reducer,) = model.__dict__["_fastreduce_reducers"].values()
+    return reducer
+
+
+# ---------------------------------------------------------------- the methods
+
+def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype) -> tuple[Method, FusedReducer]:
+    """``all_reduce_gradients`` on a private copy; the first (untimed) call builds the reducer."""
+    m = clone_with_grads(model)
+    all_reduce_gradients(m, dtype)
+    reducer = _reducer_of(m)
+    assert reducer._built is not None
+    return (Method(name, lambda: all_reduce_gradients(m, dtype),
+                   lambda: m.zero_grad(set_to_none=False), reducer._built.buffer.nbytes), reducer)
+
+
+def bare_method(name: str, reducer: FusedReducer) -> Method:
+    """All-reduce of an already-packed buffer like the reducer's wire, with its op."""
+    built = reducer._built
+    assert built is not None
+    buf = torch.randn(built.buffer.wire.numel()).to(built.buffer.wire.dtype)
+    op = built.plan.op
+    return Method(name, lambda: dist.all_reduce(buf, op=op), _noop, buf.numel() * buf.element_size())
+
+
+def flat_unavoidable_method(name: str, reducer: FusedReducer) -> Method:
+    """A bf16 wire's unavoidable work for fp32 grads: contiguous cast in, reduce, cast out."""
+    built = reducer._built
+    assert built is not None
+    plan = built.plan
+    flat = torch.randn(built.buffer.wire.numel())
+    wire = torch.empty(flat.numel(), dtype=built.buffer.wire.dtype)
+
+    def step() -> None:
+        wire.copy_(flat)
+        if plan.prescale:
+            wire.div_(plan.world)
+        dist.all_reduce(wire, op=plan.op)
+        flat.copy_(wire)
+
+    return Method(name, step, _noop, wire.numel() * wire.element_size())
+
+
+def per_param_loop_method(name: str, model: nn.Module, world: int) -> Method:
+    """Per-parameter cast+scale into a fused bf16 buffer, one SUM, per-parameter cast back."""
+    m = clone_with_grads(model)
+    params = [p for p in m.parameters() if p.requires_grad]
+    fused = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16)
+    views, start = [], 0
+    for p in params:
+        views.append(fused[start:start + p.numel()].view(p.shape))
+        start += p.numel()
+    scale = 1.0 / world
+
+    def step() -> None:
+        for p, v in zip(params, views):
+            v.copy_(p.grad.to(torch.bfloat16) * scale)
+        dist.all_reduce(fused, op=dist.ReduceOp.SUM)
+        for p, v in zip(params, views):
+            p.grad.copy_(v.to(p.grad.dtype))
+
+    return Method(name, step, lambda: m.zero_grad(set_to_none=False), fused.numel() * fused.element_size())
+
+
+def build_methods(model: nn.Module, world: int) -> tuple[list[Method], dict[str, str]]:
+    """All six methods in :data:`METHODS` order, and each wire dtype's averaging plan."""
+    bf16, r_bf16 = fastreduce_method("fastreduce_bf16", model, torch.bfloat16)
+    fp32, r_fp32 = fastreduce_method("fastreduce_fp32", model, torch.float32)
+    plans = {"bf16": repr(r_bf16._built.plan), "fp32": repr(r_fp32._built.plan)}  # type: ignore[union-attr]
+    return [bf16, fp32,
+            bare_method("bare_allreduce_bf16", r_bf16),
+            bare_method("bare_allreduce_fp32", r_fp32),
+            flat_unavoidable_method("flat_bf16_unavoidable", r_bf16),
+            per_param_loop_method("per_param_loop_bf16", model, world)], plans
+
+
+# ---------------------------------------------------------------- timing
+
+def time_call(method: Method) -> float:
+    """Seconds for one ``step`` on this rank, all ranks released together by a barrier."""
+    method.prep()
+    dist.barrier()
+    t0 = time.perf_counter()
+    method.step()
+    return time.perf_counter() - t0
+
+
+def time_round_robin(methods: list[Method], cfg: BenchConfig) -> dict[str, list[float]]:
+    """``cfg.reps`` calls of every method per round, the starting method rotating."""
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for r in range(cfg.warmup_rounds + cfg.rounds):
+        k = r % len(methods)
+        for method in methods[k:] + methods[:k]:
+            for _ in range(cfg.reps):
+                t = time_call(method)
+                if r >= cfg.warmup_rounds:
+                    times[method.name].append(t)
+    return {name: ts[:cfg.iters] for name, ts in times.items()}
+
+
+# ---------------------------------------------------------------- op counting
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op reaching the dispatcher (aten, c10d, profiler) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(n_tensors: int, dtype: torch.dtype, rank: int) -> dict[str, Any]:
+    """Ops dispatched by one warm ``all_reduce_gradients`` call on an ``n_tensors`` model."""
+    model = make_model(n_tensors // 2, 8)
+    backward_once(model, rank, 2)
+    all_reduce_gradients(model, dtype)  # cold call: builds the reducer
+    model.zero_grad(set_to_none=False)
+    with OpCounter() as counter:
+        all_reduce_gradients(model, dtype)
+    return {"total": sum(counter.ops.values()), "ops": dict(counter.ops)}
+
+
+def count_all_ops(rank: int) -> dict[str, dict[str, dict[str, Any]]]:
+    return {name: {str(n): count_ops(n, dtype, rank) for n in OPS_MODEL_TENSORS}
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+
+
+# ---------------------------------------------------------------- one rank
+
+def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
+    """Everything one rank does; module-level so :func:`run_ranks` can pickle it."""
+    os.dup2(2, 1)  # a rank never writes to stdout: --json output must stay one object
+    ops = count_all_ops(rank)
+    model = make_model(N_LAYERS, cfg.width)
+    backward_once(model, rank, cfg.batch)
+    methods, plans = build_methods(model, world)
+    times = time_round_robin(methods, cfg)
+    return {"times": times, "nbytes": {m.name: m.nbytes for m in methods}, "ops": ops, "plans": plans,
+            "tensors": sum(1 for p in model.parameters()),
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
+# ---------------------------------------------------------------- the report
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values``, interpolated linearly between ranks."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def step_times(per_rank: list[dict[str, Any]], name: str) -> list[float]:
+    """Per-iteration step time of ``name``: the slowest rank's time for that iteration."""
+    return [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name in METHODS:
+        ms = [t * 1e3 for t in step_times(per_rank, name)]
+        out[name] = {"median_ms": percentile(ms, 0.5), "p10_ms": percentile(ms, 0.1),
+                     "p90_ms": percentile(ms, 0.9), "mb": per_rank[0]["nbytes"][name] / 1e6}
+    return out
+
+
+def judge(methods: dict[str, dict[str, float]], ops: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """Each target's value, limit and verdict."""
+    checks = {">=": float.__ge__, "<=": float.__le__}
+    targets: dict[str, dict[str, Any]] = {}
+    for name, num, den, cmp, limit in RATIO_TARGETS:
+        value = methods[num]["median_ms"] / methods[den]["median_ms"]
+        targets[name] = {"value": value, "limit": limit, "op": cmp,
+                         "pass": checks[cmp](value, limit), "what": f"{num} / {den}"}
+    small, large = (str(n) for n in OPS_MODEL_TENSORS)
+    for dt, counts in ops.items():
+        targets[f"ops_constant_{dt}"] = {
+            "value": counts[large], "limit": counts[small], "op": "==",
+            "pass": counts[large] == counts[small], "what": f"ops/call {dt}: {large} vs {small} tensors"}
+    return targets
+
+
+def build_report(cfg: BenchConfig, per_rank: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    r0 = per_rank[0]
+    methods = summarize(per_rank)
+    ops = {dt: {n: c["total"] for n, c in by_n.items()} for dt, by_n in r0["ops"].items()}
+    ratios = {f"{n}/{b}": methods[n]["median_ms"] / methods[b]["median_ms"] for n, b in BASELINES.items()}
+    ratios.update({f"{num}/{den}": methods[num]["median_ms"] / methods[den]["median_ms"]
+                   for _, num, den, _, _ in RATIO_TARGETS})
+    config = {**asdict(cfg), "rounds": cfg.rounds, "layers": N_LAYERS, "width": cfg.width,
+              "tensors": r0["tensors"], "numel": r0["numel"], "averaging": r0["plans"],
+              "step_time": "max over ranks per iteration", "wall_seconds": round(seconds, 1)}
+    return {"config": config, "methods": methods, "ratios": ratios, "targets": judge(methods, ops),
+            "ops_per_call": ops,
+            "ops_breakdown": {dt: {n: c["ops"] for n, c in by_n.items()} for dt, by_n in r0["ops"].items()},
+            "torch_version": torch.__version__,
+            "machine": {"platform": platform.platform(), "machine": platform.machine(),
+                        "python": platform.python_version(), "cpu_count": os.cpu_count()}}
+
+
+def format_text(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [f"fastreduce bench: {c['ranks']} Gloo ranks, {c['tensors']} grad tensors, "
+             f"{c['numel'] / 1e6:.2f}M fp32 params, {c['iters']} timed calls/method "
+             f"({c['rounds']} rounds x {c['reps']}), step = slowest rank; torch {report['torch_version']}",
+             "",
+             f"{'method':<24}{'median ms':>10}{'p10':>9}{'p90':>9}{'MB wire':>9}  ratio (vs bare, same wire dtype)"]
+    for name, m in report["methods"].items():
+        base = BASELINES[name]
+        lines.append(f"{name:<24}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
+                     f"{m['mb']:>9.1f}  {report['ratios'][f'{name}/{base}']:.2f}x {base}")
+    if c["quick"]:
+        lines.append("(--quick: a tiny model proves the benchmark runs; fixed per-call costs "
+                     "dominate its timings, so its targets mean little)")
+    lines += ["", "ops per warm call: " + ", ".join(
+        f"{dt} {' / '.join(f'{n} tensors: {k}' for n, k in by_n.items())}"
+        for dt, by_n in report["ops_per_call"].items()), "", "targets:"]
+    for name, t in report["targets"].items():
+        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"])
+        lines.append(f"  {'PASS' if t['pass'] else 'FAIL'}  {name:<22}{t['what']} = {value} "
+                     f"({t['op']} {t['limit']})")
+    return "\n".join(lines)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Spawn the ranks, time every method, and return the report (a JSON-able dict)."""
+    t0 = time.perf_counter()
+    per_rank = run_ranks(bench_rank, cfg.ranks, cfg, timeout=120.0 if cfg.quick else 900.0)
+    return build_report(cfg, per_rank, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls per method (default: 20; 4 with --quick)")
+    parser.add_argument("--params-m", type=float, default=None,
+                        help="model size in millions of fp32 parameters (default: 12; 0.25 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, few iterations: proves the benchmark runs (CI)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout and nothing else")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    iters = args.iters if args.iters is not None else (4 if args.quick else 20)
+    params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be at least 2 (one rank has nothing to reduce), got {args.ranks}")
+    if iters < 1 or params_m <= 0:
+        raise ValueError("--iters must be >= 1 and --params-m > 0")
+    return BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
+    cfg = config_from_args(args)
+    if not args.json:
+        print(f"running {cfg.ranks} ranks, {cfg.params_m:g}M params, {cfg.iters} iters/method ...",
+              file=sys.stderr, flush=True)
+    report = run_bench(cfg)
+    print(json.dumps(report) if args.json else format_text(report))
+    return 0
