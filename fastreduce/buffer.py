@@ -44,8 +44,10 @@ def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
 class FusedBuffer:
     """Flat storage for every gradient of ``layout`` plus the ``wire_dtype`` buffer sent."""
 
-    def __init__(self, layout: GradLayout, wire_dtype: torch.dtype, device: torch.device):
-        self.wire = torch.zeros(layout.numel, dtype=wire_dtype, device=device)
+    def __init__(self, layout: GradLayout, wire_dtype: torch.dtype, device: torch.device,
+                 pad_multiple: int = 1):
+        numel = -(-layout.numel // pad_multiple) * pad_multiple  # zero tail: splits evenly
+        self.wire = torch.zeros(numel, dtype=wire_dtype, device=device)
         self.flats: list[torch.Tensor] = []
         self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, its wire slice)
         start = 0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend, warn_once
 from .buffer import FusedBuffer
-from .collectives import MeanPlan, plan_mean, start_all_reduce
+from .collectives import Fp32Accumulate, MeanPlan, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
 from .overlap import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, make_buckets
 from .profiling import span
@@ -62,6 +62,10 @@ class ReducerConfig:
     (freeze it, or choose ``zero``); ``zero`` counts it as a zero gradient, and a
     parameter no rank produced a gradient for keeps ``grad=None``, as DDP does with
     ``find_unused_parameters=True``."""
+    accumulate_dtype: torch.dtype | None = None
+    """``torch.float32`` sums a bf16/fp16 wire in fp32 (same bytes, two roundings at
+    any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
+    lets the collective sum in the wire dtype. Fused mode only."""
     overlap: bool = False
     """Reduce during backward: buckets in backward order, each launched from a
     gradient hook as soon as its last gradient is ready."""
@@ -70,6 +74,11 @@ class ReducerConfig:
     large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
 
     def __post_init__(self) -> None:
+        if self.accumulate_dtype not in (None, torch.float32):
+            raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
+        if self.accumulate_dtype is not None and self.overlap:
+            raise ValueError("accumulate_dtype=torch.float32 works in fused mode only; "
+                             "drop it or pass overlap=False")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
@@ -108,6 +117,7 @@ class _Built:
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
     schedule: OverlapSchedule | None = None  # overlap mode only
+    accumulate: Fp32Accumulate | None = None  # accumulate_dtype=float32 only
 
 
 class FusedReducer:
@@ -272,12 +282,14 @@ class FusedReducer:
         verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
         if cfg.unused_grads == "error" and not all(present):
             raise RuntimeError(_missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
-        buffer = FusedBuffer(layout, wire_dtype, device)
-        plan = plan_mean(self.group, wire_dtype, device)
+        plan = plan_mean(self.group, wire_dtype, device, cfg.accumulate_dtype)
+        buffer = FusedBuffer(layout, wire_dtype, device, self.world_size if plan.fp32_accumulate else 1)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         pack, unpack = self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
+        if plan.fp32_accumulate:
+            built.accumulate = Fp32Accumulate(buffer.wire, plan)
         if cfg.overlap:
             mb = cfg.bucket_mb or default_bucket_mb(dist.get_backend(self.group))
             buckets = make_buckets(layout, buffer, int(mb * 2**20))
@@ -342,6 +354,9 @@ class FusedReducer:
             if built.pack is not None:
                 built.pack()
         with span("fastreduce::all_reduce"):
+            if built.accumulate is not None:
+                built.accumulate()  # synchronous: two collectives around a local fp32 sum
+                return missing, []
             return missing, [start_all_reduce(built.buffer.wire, built.plan)]
 
     def _complete(self, built: _Built, works: list[dist.Work], missing: list[int]) -> None:
@@ -363,7 +378,7 @@ class FusedReducer:
             self._attach_used(built, missing)
         st = self.stats
         st.calls += 1
-        st.collectives += len(works)
+        st.collectives += len(works) + (2 if built.accumulate is not None else 0)
         st.bytes_reduced += built.buffer.nbytes
 
     @staticmethod
@@ -431,14 +446,16 @@ class _ReducerCache(dict):
 
 def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
                          use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
-                         backend: str = "auto", unused_grads: UnusedGrads = "error") -> None:
+                         backend: str = "auto", unused_grads: UnusedGrads = "error",
+                         accumulate_dtype: torch.dtype | None = None) -> None:
     """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``.
 
     A drop-in for optimum-habana's function of the same name (same positional
     arguments and defaults) that runs on HPU, CUDA and CPU. The reducer behind it is
     kept on the model, one per group and settings; see :class:`FusedReducer` for the
     object form and the meaning of each argument. ``use_hpu_graphs`` means "record
-    pack/unpack as device graphs where the device has them".
+    pack/unpack as device graphs where the device has them". For the overlapped mode,
+    which must be set up before the first backward, use ``FusedReducer(overlap=True)``.
 
     Example::
 
@@ -451,10 +468,11 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
     key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads)
+           use_hpu_graphs, backend, unused_grads, accumulate_dtype)
     reducer = cache.get(key)
     if reducer is None:
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
-                                            unused_grads=unused_grads)
+                                            unused_grads=unused_grads,
+                                            accumulate_dtype=accumulate_dtype)
     reducer.reduce()
