@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 import torch.distributed as dist
 
-from .backends import BACKENDS, Backend, select_backend, warn_once
+from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer
 from .collectives import Fp32Accumulate, MeanPlan, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
@@ -164,6 +164,7 @@ class FusedReducer:
         self.stats = ReducerStats()
         self._built: _Built | None = None
         self._syncing = True
+        self._warned_missing = False
         self._recorder: OrderRecorder | None = None
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in model.parameters() if p.requires_grad])
@@ -205,8 +206,8 @@ class FusedReducer:
         if built.frozen and any(map(_get_requires_grad, built.frozen)):
             self._raise_unfrozen(built)
         if built.schedule is not None:  # the first step learns the order: all at finish()
+            self.stats.launched_in_backward += built.schedule.next
             missing, works = built.schedule.finish(quiet=first)
-            self.stats.launched_in_backward = built.schedule.launched_in_backward
         else:
             missing, works = self._start_fused(built)
         self._complete(built, works, missing)
@@ -256,6 +257,8 @@ class FusedReducer:
         if self._built is not None and self._built.schedule is not None:
             self._built.schedule.remove()
         self._built = None
+        if self._recorder is not None:
+            self._recorder.remove()
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
@@ -342,8 +345,6 @@ class FusedReducer:
             self.stats.reattached += len(moved)
         if missing:
             torch._foreach_zero_([views[i] for i in missing])
-            warn_once(f"fastreduce: {len(missing)} parameter(s) got no gradient in a step "
-                      f"(first: {layout.names[missing[0]]!r}); counting them as zero")
         return missing
 
     def _start_fused(self, built: _Built) -> tuple[list[int], list[dist.Work]]:
@@ -376,6 +377,12 @@ class FusedReducer:
                 built.unpack()
         if missing:
             self._attach_used(built, missing)
+            if not self._warned_missing:
+                self._warned_missing = True
+                names = ", ".join(repr(built.layout.names[i]) for i in missing[:5])
+                log.warning("fastreduce: %d parameter(s) got no gradient in this step (%s%s); "
+                            "counting them as zero, as unused_grads='zero' asks (logged once)",
+                            len(missing), names, ", ..." if len(missing) > 5 else "")
         st = self.stats
         st.calls += 1
         st.collectives += len(works) + (2 if built.accumulate is not None else 0)

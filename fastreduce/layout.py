@@ -80,6 +80,9 @@ class GradLayout:
         self.segments: tuple[Segment, ...] = tuple(segments)
         # Slots in segment order: index i of every per-parameter list below.
         self.slots: tuple[Slot, ...] = tuple(s for seg in self.segments for s in seg.slots)
+        # Each slot's position in ``named_params`` (the backward order, in overlap mode).
+        where = {id(p): k for k, (_, p) in enumerate(named_params)}
+        self.position: tuple[int, ...] = tuple(where[id(s.param)] for s in self.slots)
         self.params: tuple[torch.nn.Parameter, ...] = tuple(s.param for s in self.slots)
         self.names: tuple[str, ...] = tuple(s.name for s in self.slots)
         self.numel: int = sum(seg.numel for seg in self.segments)

@@ -57,11 +57,11 @@ class Bucket:
 def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> list[Bucket]:
     """Cut each segment into runs of at most ``bucket_bytes`` (one parameter at least).
 
-    Buckets come ordered by their first parameter's position in ``layout.slots`` (the
-    backward order), so launches follow readiness across dtypes too.
+    Buckets come ordered by when their last gradient arrives (``layout.position`` is
+    the backward order), so in-order launches follow readiness across dtypes too.
     """
     elem = buffer.wire.element_size()
-    buckets: list[tuple[int, Bucket]] = []
+    buckets: list[tuple[int, Bucket]] = []  # (backward position of its last grad, bucket)
     first_index = 0
     wire_start = 0
     for seg, flat in zip(layout.segments, buffer.flats):
@@ -71,8 +71,11 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> 
             end = seg.slots[k + 1].offset if k + 1 < len(seg.slots) else seg.numel
             run.append(first_index + k)
             if (end - run_start) * elem >= bucket_bytes or k + 1 == len(seg.slots):
-                buckets.append((run[0], Bucket(tuple(run), flat[run_start:end],
-                                               buffer.wire[wire_start + run_start:wire_start + end])))
+                piece = flat[run_start:end]
+                wire = piece if flat.dtype == buffer.wire.dtype else (
+                    buffer.wire[wire_start + run_start:wire_start + end])
+                ready = max(layout.position[i] for i in run)
+                buckets.append((ready, Bucket(tuple(run), piece, wire)))
                 run, run_start = [], end
         first_index += len(seg.slots)
         wire_start += seg.numel
@@ -118,14 +121,13 @@ class OverlapSchedule:
         adopt: ``adopt(indices) -> missing`` brings re-allocated grads of those
             layout indices into the buffer and returns the ones with no grad.
 
-    ``launched_in_backward`` counts buckets started from a hook (the overlap achieved).
+    Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
     def __init__(self, layout: GradLayout, buffer: FusedBuffer, plan: MeanPlan,
                  buckets: list[Bucket], adopt: Callable[[list[int]], list[int]]):
         self.layout, self.buffer, self.plan, self.buckets = layout, buffer, plan, buckets
         self.adopt = adopt
-        self.launched_in_backward = 0
         self.bucket_of = [0] * len(layout)
         for b, bucket in enumerate(buckets):
             for i in bucket.slots:
@@ -189,7 +191,6 @@ class OverlapSchedule:
 
     def finish(self, quiet: bool = False) -> tuple[list[int], list[dist.Work]]:
         """Launch the buckets still waiting, in order; return (missing grads, works to wait)."""
-        self.launched_in_backward += self.next
         if self.next < len(self.buckets):
             if not (self.late or quiet):
                 self.late = True

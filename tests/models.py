@@ -202,3 +202,34 @@ class SparseEmbeddingModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lin(self.emb(tokens).mean(1))
+
+
+class BranchModel(nn.Module):
+    """Two parallel branches whose forward order the caller picks per step.
+
+    Autograd runs the branch built last first, so ``flip=True`` (right branch built
+    first) changes the order in which the branches' gradients become ready in backward.
+    Every parameter is used on every step.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.left = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.right = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 8, generator=g),)
+
+    def forward(self, x: torch.Tensor, flip: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        first, second = (self.right, self.left) if flip else (self.left, self.right)
+        a = first(h)
+        b = second(h)
+        return self.out(torch.tanh(a + b))
+
+
+def branch_model(seed: int) -> BranchModel:
+    torch.manual_seed(seed)
+    return BranchModel()
