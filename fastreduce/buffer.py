@@ -79,7 +79,7 @@ class FusedBuffer:
             flat.copy_(wire_part)
 
     def zero_(self) -> None:
-        """Zero every gradient (one op per dtype)."""
-        self.wire.zero_()
-        for flat, _ in self.casts:
+        """Zero every gradient (one op per dtype); the cast-only part of the wire is
+        scratch that the next pack overwrites, so it is left alone."""
+        for flat in self.flats:
             flat.zero_()

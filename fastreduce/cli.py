@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastreduce", description="fastreduce tools")
     parser.add_argument("--version", action="version", version=f"fastreduce {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    p = sub.add_parser("bench", help="time the gradient reduction step against its baselines",
+    p = sub.add_parser("bench", help="time gradient reduction, alone and in whole training steps, "
+                                     "against its baselines and DDP",
                        description=bench.__doc__.split("\n", 1)[0] if bench.__doc__ else None)
     bench.add_arguments(p)
     p.set_defaults(handler=bench.run)

@@ -15,10 +15,15 @@ second all-to-all, much faster there) returns every rank's averaged chunk.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "plan_mean", "start_all_reduce"]
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "plan_mean", "start_all_reduce"]
+
+Pending = tuple[dist.Work | None, Callable[[], None] | None]
+"""A launched collective (``None`` if it already ran) and what to run once it is done."""
 
 
 class MeanPlan:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer
-from .collectives import Fp32Accumulate, MeanPlan, plan_mean, start_all_reduce
+from .collectives import Fp32Accumulate, MeanPlan, Pending, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
 from .overlap import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, make_buckets
 from .profiling import span
@@ -347,7 +347,7 @@ class FusedReducer:
             torch._foreach_zero_([views[i] for i in missing])
         return missing
 
-    def _start_fused(self, built: _Built) -> tuple[list[int], list[dist.Work]]:
+    def _start_fused(self, built: _Built) -> tuple[list[int], list[Pending]]:
         missing: list[int] = []
         if not all(map(operator.is_, map(_get_grad, built.layout.params), built.buffer.views)):
             missing = self._adopt(built, range(len(built.layout)))
@@ -357,24 +357,26 @@ class FusedReducer:
         with span("fastreduce::all_reduce"):
             if built.accumulate is not None:
                 built.accumulate()  # synchronous: two collectives around a local fp32 sum
-                return missing, []
-            return missing, [start_all_reduce(built.buffer.wire, built.plan)]
+                return missing, [(None, built.unpack)]
+            return missing, [(start_all_reduce(built.buffer.wire, built.plan), built.unpack)]
 
-    def _complete(self, built: _Built, works: list[dist.Work], missing: list[int]) -> None:
-        """Wait for every collective (and the used-flags one), unpack, account."""
+    def _complete(self, built: _Built, works: list[Pending], missing: list[int]) -> None:
+        """Wait for each collective in launch order and unpack what it delivered."""
         if built.flags is not None:
             built.flags.fill_(1.0)
             if missing:
                 built.flags[missing] = 0.0
-            works.append(dist.all_reduce(built.flags, group=self.group, async_op=True))
-        t0 = time.perf_counter()
+            works.append((dist.all_reduce(built.flags, group=self.group, async_op=True), None))
+        waited = 0.0
         with span("fastreduce::wait"):
-            for work in works:
-                work.wait()
-        self.stats.wait_seconds += time.perf_counter() - t0
-        with span("fastreduce::unpack"):
-            if built.unpack is not None:
-                built.unpack()
+            for work, then in works:
+                if work is not None:
+                    t0 = time.perf_counter()
+                    work.wait()
+                    waited += time.perf_counter() - t0
+                if then is not None:
+                    with span("fastreduce::unpack"):
+                        then()
         if missing:
             self._attach_used(built, missing)
             if not self._warned_missing:
@@ -385,7 +387,8 @@ class FusedReducer:
                             len(missing), names, ", ..." if len(missing) > 5 else "")
         st = self.stats
         st.calls += 1
-        st.collectives += len(works) + (2 if built.accumulate is not None else 0)
+        st.wait_seconds += waited
+        st.collectives += sum(w is not None for w, _ in works) + (2 if built.accumulate is not None else 0)
         st.bytes_reduced += built.buffer.nbytes
 
     @staticmethod

@@ -4,8 +4,8 @@ Communication pattern, per step::
 
     backward:  grad of p ready -> post-accumulate-grad hook: pending[bucket] -= 1
                bucket k complete and buckets < k launched -> pack k, start its all-reduce
-    finish():  launch what is left (unused params, changed order), wait for every
-               bucket in order, unpack once per dtype
+    finish():  launch what is left (unused params, changed order), then per bucket in
+               order: wait, unpack it (while later buckets are still on the wire)
 
 Buckets are launched strictly in index order on every rank, so ranks always issue the
 same collectives in the same sequence, whatever order their grads arrive in: a changed
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import FusedBuffer
-from .collectives import MeanPlan, start_all_reduce
+from .collectives import MeanPlan, Pending, start_all_reduce
 from .layout import GradLayout
 from .profiling import span
 
@@ -52,6 +52,9 @@ class Bucket:
             self.wire.copy_(self.flat)
         if plan.prescale:
             self.wire.div_(plan.world)
+
+    def unpack(self) -> None:
+        self.flat.copy_(self.wire)
 
 
 def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> list[Bucket]:
@@ -144,7 +147,7 @@ class OverlapSchedule:
         self.pending = list(self.sizes)
         self.fired = [False] * len(self.layout)
         self.next = 0
-        self.works: list[dist.Work] = []
+        self.works: list[Pending] = []
         self.missing: list[int] = []
 
     def remove(self) -> None:
@@ -186,11 +189,13 @@ class OverlapSchedule:
         with span("fastreduce::pack"):
             bucket.pack(self.plan)
         with span("fastreduce::all_reduce"):
-            self.works.append(start_all_reduce(bucket.wire, self.plan))
+            work = start_all_reduce(bucket.wire, self.plan)
+            self.works.append((work, bucket.unpack if bucket.flat is not bucket.wire else None))
         self.next = b + 1
 
-    def finish(self, quiet: bool = False) -> tuple[list[int], list[dist.Work]]:
-        """Launch the buckets still waiting, in order; return (missing grads, works to wait)."""
+    def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:
+        """Launch the buckets still waiting, in order; return the missing grads and, per
+        bucket, its collective and what to run once it is done (its unpack)."""
         if self.next < len(self.buckets):
             if not (self.late or quiet):
                 self.late = True

@@ -749,7 +749,7 @@ def test_second_backward_without_no_sync_raises(w2) -> None:
 @pytest.mark.parametrize("wire", list(WIRES))
 def test_added_ops_do_not_grow_with_parameters(w2, wire, zero) -> None:
     """What fastreduce adds to a warm backward + finish is per bucket (cast in, adopt
-    re-allocated grads, collective) plus one cast back per dtype, never per parameter."""
+    re-allocated grads, collective, cast back), never per parameter."""
     for traces in per_rank(w2, "ops"):
         small, large = (traces[(wire, zero, n)] for n in OPS_TENSORS)
         for t in (small, large):
@@ -757,7 +757,7 @@ def test_added_ops_do_not_grow_with_parameters(w2, wire, zero) -> None:
             assert t["in_backward"] == 2 * OPS_BUCKETS  # the traced step overlapped too
             assert t["dropped"] == Counter()  # the reducer changes nothing in backward itself
             assert t["added"]["c10d.allreduce_.default"] == OPS_BUCKETS
-            assert sum(t["added"].values()) <= 3 * OPS_BUCKETS + 1, t["added"]
+            assert sum(t["added"].values()) <= 4 * OPS_BUCKETS, t["added"]
         assert small["added"] == large["added"]
 
 
@@ -780,7 +780,7 @@ def test_profiler_ranges_recorded_under_a_profiler(w2) -> None:
         assert names.get("fastreduce::all_reduce") == nb, names
         assert names.get("fastreduce::pack") == nb, names  # bf16 wire: one cast in per bucket
         assert names.get("fastreduce::wait") == 1, names
-        assert names.get("fastreduce::unpack") == 1, names
+        assert names.get("fastreduce::unpack") == nb, names  # each bucket unpacked once it lands
 
 
 def test_no_record_function_without_a_profiler(w2) -> None:

@@ -1,4 +1,4 @@
-"""``fastreduce bench``: what the reduction step costs, next to what it cannot avoid.
+"""``fastreduce bench --suite reduce``: what the reduction call costs, next to what it cannot avoid.
 
 What is measured
 ----------------
@@ -42,26 +42,24 @@ c10d ops included) whether the model has 50 or 500 gradient tensors.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
-import platform
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .fused import FusedReducer, all_reduce_gradients
-from .launch import run_ranks
+from ..fused import FusedReducer, all_reduce_gradients
+from ..launch import run_ranks
+from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
+from .report import judge_ratios, target_lines
 
-__all__ = ["BenchConfig", "add_arguments", "run", "run_bench"]
+__all__ = ["BenchConfig", "format_text", "run_bench"]
 
 N_LAYERS = 100
 """Linear layers of the timed model: weight + bias each, so ~200 gradient tensors."""
@@ -104,20 +102,6 @@ class BenchConfig:
     def width(self) -> int:
         """Features per layer so that ``N_LAYERS`` layers hold ``params_m`` million parameters."""
         return max(4, round((self.params_m * 1e6 / N_LAYERS) ** 0.5))
-
-
-@dataclass
-class Method:
-    """One timed reduction: ``prep`` (untimed) then ``step`` (timed); ``nbytes`` on the wire."""
-
-    name: str
-    step: Callable[[], Any]
-    prep: Callable[[], Any]
-    nbytes: int
-
-
-def _noop() -> None:
-    pass
 
 
 # ---------------------------------------------------------------- model and grads
@@ -173,7 +157,7 @@ def bare_method(name: str, reducer: FusedReducer) -> Method:
     assert built is not None
     buf = torch.randn(built.buffer.wire.numel()).to(built.buffer.wire.dtype)
     op = built.plan.op
-    return Method(name, lambda: dist.all_reduce(buf, op=op), _noop, buf.numel() * buf.element_size())
+    return Method(name, lambda: dist.all_reduce(buf, op=op), nbytes=buf.numel() * buf.element_size())
 
 
 def flat_unavoidable_method(name: str, reducer: FusedReducer) -> Method:
@@ -191,7 +175,7 @@ def flat_unavoidable_method(name: str, reducer: FusedReducer) -> Method:
         dist.all_reduce(wire, op=plan.op)
         flat.copy_(wire)
 
-    return Method(name, step, _noop, wire.numel() * wire.element_size())
+    return Method(name, step, nbytes=wire.numel() * wire.element_size())
 
 
 def per_param_loop_method(name: str, model: nn.Module, world: int) -> Method:
@@ -225,30 +209,6 @@ def build_methods(model: nn.Module, world: int) -> tuple[list[Method], dict[str,
             bare_method("bare_allreduce_fp32", r_fp32),
             flat_unavoidable_method("flat_bf16_unavoidable", r_bf16),
             per_param_loop_method("per_param_loop_bf16", model, world)], plans
-
-
-# ---------------------------------------------------------------- timing
-
-def time_call(method: Method) -> float:
-    """Seconds for one ``step`` on this rank, all ranks released together by a barrier."""
-    method.prep()
-    dist.barrier()
-    t0 = time.perf_counter()
-    method.step()
-    return time.perf_counter() - t0
-
-
-def time_round_robin(methods: list[Method], cfg: BenchConfig) -> dict[str, list[float]]:
-    """``cfg.reps`` calls of every method per round, the starting method rotating."""
-    times: dict[str, list[float]] = {m.name: [] for m in methods}
-    for r in range(cfg.warmup_rounds + cfg.rounds):
-        k = r % len(methods)
-        for method in methods[k:] + methods[:k]:
-            for _ in range(cfg.reps):
-                t = time_call(method)
-                if r >= cfg.warmup_rounds:
-                    times[method.name].append(t)
-    return {name: ts[:cfg.iters] for name, ts in times.items()}
 
 
 # ---------------------------------------------------------------- op counting
@@ -290,7 +250,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     model = make_model(N_LAYERS, cfg.width)
     backward_once(model, rank, cfg.batch)
     methods, plans = build_methods(model, world)
-    times = time_round_robin(methods, cfg)
+    times = time_round_robin(methods, cfg.iters, cfg.reps, cfg.warmup_rounds)
     return {"times": times, "nbytes": {m.name: m.nbytes for m in methods}, "ops": ops, "plans": plans,
             "tensors": sum(1 for p in model.parameters()),
             "numel": sum(p.numel() for p in model.parameters())}
@@ -298,37 +258,15 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the report
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) of ``values``, interpolated linearly between ranks."""
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def step_times(per_rank: list[dict[str, Any]], name: str) -> list[float]:
-    """Per-iteration step time of ``name``: the slowest rank's time for that iteration."""
-    return [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
-
-
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for name in METHODS:
-        ms = [t * 1e3 for t in step_times(per_rank, name)]
-        out[name] = {"median_ms": percentile(ms, 0.5), "p10_ms": percentile(ms, 0.1),
-                     "p90_ms": percentile(ms, 0.9), "mb": per_rank[0]["nbytes"][name] / 1e6}
-    return out
+    times = [r["times"] for r in per_rank]
+    return {name: {**summary_ms(slowest_rank(times, name)), "mb": per_rank[0]["nbytes"][name] / 1e6}
+            for name in METHODS}
 
 
 def judge(methods: dict[str, dict[str, float]], ops: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
     """Each target's value, limit and verdict."""
-    checks = {">=": float.__ge__, "<=": float.__le__}
-    targets: dict[str, dict[str, Any]] = {}
-    for name, num, den, cmp, limit in RATIO_TARGETS:
-        value = methods[num]["median_ms"] / methods[den]["median_ms"]
-        targets[name] = {"value": value, "limit": limit, "op": cmp,
-                         "pass": checks[cmp](value, limit), "what": f"{num} / {den}"}
+    targets = judge_ratios(RATIO_TARGETS, lambda name: methods[name]["median_ms"])
     small, large = (str(n) for n in OPS_MODEL_TENSORS)
     for dt, counts in ops.items():
         targets[f"ops_constant_{dt}"] = {
@@ -350,14 +288,12 @@ def build_report(cfg: BenchConfig, per_rank: list[dict[str, Any]], seconds: floa
     return {"config": config, "methods": methods, "ratios": ratios, "targets": judge(methods, ops),
             "ops_per_call": ops,
             "ops_breakdown": {dt: {n: c["ops"] for n, c in by_n.items()} for dt, by_n in r0["ops"].items()},
-            "torch_version": torch.__version__,
-            "machine": {"platform": platform.platform(), "machine": platform.machine(),
-                        "python": platform.python_version(), "cpu_count": os.cpu_count()}}
+            "torch_version": torch.__version__, "machine": machine_info()}
 
 
 def format_text(report: dict[str, Any]) -> str:
     c = report["config"]
-    lines = [f"fastreduce bench: {c['ranks']} Gloo ranks, {c['tensors']} grad tensors, "
+    lines = [f"reduce suite (the reduction call alone): {c['ranks']} Gloo ranks, {c['tensors']} grad tensors, "
              f"{c['numel'] / 1e6:.2f}M fp32 params, {c['iters']} timed calls/method "
              f"({c['rounds']} rounds x {c['reps']}), step = slowest rank; torch {report['torch_version']}",
              "",
@@ -372,10 +308,7 @@ def format_text(report: dict[str, Any]) -> str:
     lines += ["", "ops per warm call: " + ", ".join(
         f"{dt} {' / '.join(f'{n} tensors: {k}' for n, k in by_n.items())}"
         for dt, by_n in report["ops_per_call"].items()), "", "targets:"]
-    for name, t in report["targets"].items():
-        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"])
-        lines.append(f"  {'PASS' if t['pass'] else 'FAIL'}  {name:<22}{t['what']} = {value} "
-                     f"({t['op']} {t['limit']})")
+    lines += target_lines(report["targets"])
     return "\n".join(lines)
 
 
@@ -384,38 +317,3 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     per_rank = run_ranks(bench_rank, cfg.ranks, cfg, timeout=120.0 if cfg.quick else 900.0)
     return build_report(cfg, per_rank, time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------- command line
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed calls per method (default: 20; 4 with --quick)")
-    parser.add_argument("--params-m", type=float, default=None,
-                        help="model size in millions of fp32 parameters (default: 12; 0.25 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny model, few iterations: proves the benchmark runs (CI)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout and nothing else")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    iters = args.iters if args.iters is not None else (4 if args.quick else 20)
-    params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
-    if args.ranks < 2:
-        raise ValueError(f"--ranks must be at least 2 (one rank has nothing to reduce), got {args.ranks}")
-    if iters < 1 or params_m <= 0:
-        raise ValueError("--iters must be >= 1 and --params-m > 0")
-    return BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick)
-
-
-def run(args: argparse.Namespace) -> int:
-    """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
-    cfg = config_from_args(args)
-    if not args.json:
-        print(f"running {cfg.ranks} ranks, {cfg.params_m:g}M params, {cfg.iters} iters/method ...",
-              file=sys.stderr, flush=True)
-    report = run_bench(cfg)
-    print(json.dumps(report) if args.json else format_text(report))
-    return 0

@@ -1,0 +1,133 @@
+"""``fastreduce bench``: what gradient reduction costs, alone and inside a training step.
+
+Two suites, each on real Gloo ranks the command launches itself (``--ranks``, 2 by
+default), both run unless ``--suite`` picks one:
+
+* ``reduce`` (:mod:`.reduce`): the reduction call alone, against the bare collective,
+  the unavoidable flat cast+all-reduce+cast and the per-parameter loop; plus the
+  ops-per-call count for 50 and 500 gradient tensors.
+* ``step`` (:mod:`.step`): whole steps (forward + backward + reduce + zero_grad, no
+  optimizer step) of fastreduce fused and overlapped, the per-parameter loops, DDP and
+  DDP with the fp16 compression hook, on a many-tensor and a few-tensor model.
+
+Both print a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
+target lines; the exit code is 0 whatever the targets say (it is a report). The step
+suite also writes ``step.csv`` and ``step.png`` (matplotlib, the ``plot`` extra; without
+it the chart is skipped with a one-line note) into ``--out``; every run writes the
+whole result as ``bench.json`` there too. ``--json`` prints that same object, and
+nothing else, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .common import machine_info
+from .reduce import BenchConfig, run_bench
+from .reduce import format_text as format_reduce
+from .report import write_chart, write_csv
+from .step import REFERENCE as STEP_REFERENCE
+from .step import StepConfig, chart_title, csv_rows, run_step_bench
+from .step import format_text as format_step
+
+__all__ = ["BenchConfig", "StepConfig", "add_arguments", "run", "run_bench", "run_step_bench"]
+
+SUITES = ("reduce", "step")
+DEFAULT_OUT = "bench-results"
+STEP_BATCH = 64
+"""Rows per rank and step: both compute and communication matter at 12M parameters."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all",
+                        help="which suite to run (default: all)")
+    parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls (reduce) / steps (step) per method (default: 20; 4 with --quick)")
+    parser.add_argument("--params-m", type=float, default=None,
+                        help="model size in millions of fp32 parameters (default: 12; 0.25 with --quick)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"step suite: input rows per rank (default: {STEP_BATCH}; 8 with --quick)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="step suite: bucket size of overlapped fastreduce in MB "
+                             "(default: the process-group backend's default)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="step suite: intra-op threads per rank (default: cores / ranks)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models, few iterations: proves the benchmark runs (CI)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout and nothing else")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"where the CSV, chart and JSON go (default: {DEFAULT_OUT}/)")
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig]:
+    iters = args.iters if args.iters is not None else (4 if args.quick else 20)
+    params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
+    batch = args.batch if args.batch is not None else (8 if args.quick else STEP_BATCH)
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be at least 2 (one rank has nothing to reduce), got {args.ranks}")
+    if iters < 1 or params_m <= 0 or batch < 1:
+        raise ValueError("--iters and --batch must be >= 1 and --params-m > 0")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
+            StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
+                       bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick))
+
+
+def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """``bench.json`` always; ``step.csv`` and ``step.png`` when the step suite ran."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {"json": str(out / "bench.json")}
+    step = result.get("step")
+    if step is not None:
+        rows = csv_rows(step)
+        write_csv(out / "step.csv", rows)
+        files["csv"] = str(out / "step.csv")
+        note = write_chart(out / "step.png", rows, chart_title(step), reference=STEP_REFERENCE)
+        files["png"] = None if note else str(out / "step.png")
+        files["chart_note"] = note
+    result["outputs"] = files
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    return files
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
+    reduce_cfg, step_cfg = configs_from_args(args)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    out = Path(args.out)
+
+    def note(text: str) -> None:  # progress and notes: stderr, so stdout stays the report
+        print(text, file=sys.stderr, flush=True)
+
+    def say(text: str) -> None:  # the report itself: stdout, unless --json
+        if not args.json:
+            print(text, flush=True)
+
+    result: dict[str, Any] = {"suites": list(suites), "machine": machine_info()}
+    for suite in suites:
+        if suite == "reduce":
+            note(f"reduce suite: {reduce_cfg.ranks} ranks, {reduce_cfg.params_m:g}M params, "
+                f"{reduce_cfg.iters} calls/method ...")
+            result["reduce"] = run_bench(reduce_cfg)
+            say(format_reduce(result["reduce"]) + "\n")
+        else:
+            note(f"step suite: {step_cfg.ranks} ranks, 2 models of {step_cfg.params_m:g}M params, "
+                f"batch {step_cfg.batch}, {step_cfg.iters} steps/method ...")
+            result["step"] = run_step_bench(step_cfg)
+            say(format_step(result["step"]) + "\n")
+    files = write_outputs(out, result)
+    if files.get("chart_note"):
+        note(files["chart_note"])
+    say("wrote " + ", ".join(v for k, v in files.items() if k != "chart_note" and v))
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,90 @@
+"""Timing and statistics shared by the bench suites.
+
+The machine a benchmark runs on is usually shared and noisy, so every suite times its
+methods the same way: interleaved round-robin (every round runs each method, the
+starting method rotating, so drift hits all methods alike), a ``dist.barrier()``
+before each timed call, and per iteration the **slowest rank's** time (what the next
+step waits for). Only medians and p10/p90 are reported, never means.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Method", "machine_info", "percentile", "slowest_rank", "summary_ms",
+           "time_call", "time_round_robin"]
+
+
+def _noop() -> None:
+    pass
+
+
+@dataclass
+class Method:
+    """One timed call: ``prep`` (untimed) then ``step`` (timed); ``nbytes`` on the wire per call."""
+
+    name: str
+    step: Callable[[], Any]
+    prep: Callable[[], Any] = _noop
+    nbytes: int = 0
+
+
+def time_call(method: Method) -> float:
+    """Seconds for one ``step`` on this rank, all ranks released together by a barrier."""
+    method.prep()
+    dist.barrier()
+    t0 = time.perf_counter()
+    method.step()
+    return time.perf_counter() - t0
+
+
+def time_round_robin(methods: list[Method], iters: int, reps: int = 1,
+                     warmup_rounds: int = 1) -> dict[str, list[float]]:
+    """``reps`` calls of every method per round, the starting method rotating each round.
+
+    ``warmup_rounds`` rounds run first, untimed; then enough rounds for ``iters``
+    timed calls per method. Returns each method's per-call seconds on this rank.
+    """
+    rounds = -(-iters // reps)
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for r in range(warmup_rounds + rounds):
+        k = r % len(methods)
+        for method in methods[k:] + methods[:k]:
+            for _ in range(reps):
+                t = time_call(method)
+                if r >= warmup_rounds:
+                    times[method.name].append(t)
+    return {name: ts[:iters] for name, ts in times.items()}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values``, interpolated linearly between ranks."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def slowest_rank(per_rank_times: list[dict[str, list[float]]], name: str) -> list[float]:
+    """Per-iteration time of ``name``: the slowest rank's time for that iteration."""
+    return [max(ts) for ts in zip(*(times[name] for times in per_rank_times))]
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 of ``seconds``, in milliseconds."""
+    ms = [t * 1e3 for t in seconds]
+    return {"median_ms": percentile(ms, 0.5), "p10_ms": percentile(ms, 0.1), "p90_ms": percentile(ms, 0.9)}
+
+
+def machine_info() -> dict[str, Any]:
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__}

@@ -1,0 +1,414 @@
+"""``fastreduce bench --suite step``: whole training steps, fastreduce against DDP and the loops.
+
+What is measured
+----------------
+Real Gloo ranks (spawned by :func:`fastreduce.launch.run_ranks`) time one data-parallel
+**step** per call::
+
+    forward + backward + gradient reduction + zero_grad(set_to_none=False)
+
+(for DDP the reduction happens inside backward; fastreduce zeroes with
+``reducer.zero_grad()``). The optimizer step is left out on purpose: it is the same
+work for every method and would only dilute the differences. With no optimizer step
+the weights never change, so every timed step of a method does identical work.
+
+Two models of ~12M fp32 parameters each (``--params-m``), built from one seed:
+
+* ``many``: a transformer-like stack of 33 pre-norm residual MLP blocks (LayerNorm,
+  Linear d->4d, GELU, Linear 4d->d) and a final LayerNorm: 200 gradient tensors;
+* ``few``: 5 large Linear layers with ReLU between them: 10 gradient tensors.
+
+Every rank feeds every method the same batch (``--batch`` rows, drawn from a
+rank-specific seed), and each method runs on its own ``deepcopy`` of the model:
+
+=============================  =========================================================
+ ``per_param_allreduce_fp32``   one blocking ``dist.all_reduce`` (SUM) per gradient,
+                                then a divide by the world size
+ ``ohabana_loop_bf16``          optimum-habana's loop: cast and scale each gradient
+                                into a fused bf16 buffer, one SUM all-reduce, cast
+                                each slice back
+ ``fastreduce_fused_bf16/fp32`` ``FusedReducer(wire_dtype=...)``: one fused collective
+                                after backward
+ ``fastreduce_overlap_bf16/fp32`` ``FusedReducer(overlap=True)``: buckets reduced
+                                during backward (``--bucket-mb``; default: the
+                                backend's default bucket size)
+ ``ddp_fp32``                   ``DistributedDataParallel(gradient_as_bucket_view=True)``,
+                                default buckets
+ ``ddp_fp16_hook``              the same with ``fp16_compress_hook`` (DDP's bf16 hook
+                                refuses Gloo)
+ ``no_reduce``                  reference only: forward + backward + zero_grad, no
+                                communication at all (the floor)
+=============================  =========================================================
+
+Before timing, one step of every method is checked against the fp32 per-parameter
+loop (largest gradient difference relative to the largest gradient), so the suite
+cannot time a method that skips work. Methods are interleaved round-robin with a
+barrier before each step; a step's time is the slowest rank's (see
+:mod:`fastreduce.bench.common`). "MB wire" is the payload all-reduced per step per
+rank (the ring's own traffic is a multiple of it, the same for every method).
+
+Targets (reported, never enforced), on the ``many`` model: overlapped bf16 at most
+0.9x DDP fp32 and at most 1.0x DDP with the fp16 hook; fused bf16 at most 1.0x DDP fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..fused import FusedReducer
+from ..launch import run_ranks
+from ..overlap import default_bucket_mb
+from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
+from .report import judge_ratios, target_lines
+
+__all__ = ["METHODS", "MODELS", "StepConfig", "csv_rows", "format_text", "run_step_bench"]
+
+MODELS = ("many", "few")
+MANY_BLOCKS = 33
+"""Residual MLP blocks of the ``many`` model: 6 tensors each, + a final LayerNorm = 200."""
+FEW_LAYERS = 5
+"""Linear layers of the ``few`` model: 10 tensors."""
+DDP_BASELINE = "ddp_fp32"
+REFERENCE = "no_reduce"
+METHODS = ("per_param_allreduce_fp32", "ohabana_loop_bf16", "fastreduce_fused_bf16",
+           "fastreduce_fused_fp32", "fastreduce_overlap_bf16", "fastreduce_overlap_fp32",
+           "ddp_fp32", "ddp_fp16_hook", REFERENCE)
+TARGET_MODEL = "many"
+TARGETS = (  # (name, numerator, denominator, comparison, limit), on TARGET_MODEL
+    ("overlap_bf16_vs_ddp", "fastreduce_overlap_bf16", "ddp_fp32", "<=", 0.9),
+    ("overlap_bf16_vs_ddp_fp16", "fastreduce_overlap_bf16", "ddp_fp16_hook", "<=", 1.0),
+    ("fused_bf16_vs_ddp", "fastreduce_fused_bf16", "ddp_fp32", "<=", 1.0),
+)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What to run: ``iters`` timed steps per method and model, after ``warmup_rounds`` rounds."""
+
+    ranks: int = 2
+    iters: int = 20
+    params_m: float = 12.0
+    batch: int = 64
+    bucket_mb: float | None = None
+    """Overlapped fastreduce's bucket size; ``None``: the backend's default."""
+    threads: int | None = None
+    """Intra-op threads per rank; ``None``: cores / ranks."""
+    quick: bool = False
+    warmup_rounds: int = 2
+
+
+# ---------------------------------------------------------------- models
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP block, as in a transformer layer: 6 gradient tensors."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ManyTensorNet(nn.Module):
+    """``blocks`` :class:`MLPBlock` and a final LayerNorm: ``6 * blocks + 2`` tensors."""
+
+    def __init__(self, width: int, blocks: int = MANY_BLOCKS):
+        super().__init__()
+        self.in_features = width
+        self.blocks = nn.Sequential(*(MLPBlock(width) for _ in range(blocks)))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x))
+
+
+class FewTensorNet(nn.Sequential):
+    """``layers`` square Linear layers with ReLU between: ``2 * layers`` tensors."""
+
+    def __init__(self, width: int, layers: int = FEW_LAYERS):
+        mods: list[nn.Module] = []
+        for i in range(layers):
+            mods.append(nn.Linear(width, width))
+            if i + 1 < layers:
+                mods.append(nn.ReLU())
+        super().__init__(*mods)
+        self.in_features = width
+
+
+def model_width(kind: str, params_m: float) -> int:
+    """Width that gives ``kind`` about ``params_m`` million parameters (multiple of 8)."""
+    n = params_m * 1e6
+    if kind == "many":  # per block 8w^2 + 7w, plus 2w for the final norm
+        w = (-7 + math.sqrt(49 + 32 * n / MANY_BLOCKS)) / 16
+    elif kind == "few":
+        w = math.sqrt(n / FEW_LAYERS)
+    else:
+        raise ValueError(f"unknown model {kind!r}")
+    return max(8, round(w / 8) * 8)
+
+
+def build_model(kind: str, params_m: float) -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    width = model_width(kind, params_m)
+    return ManyTensorNet(width) if kind == "many" else FewTensorNet(width)
+
+
+def batch_for(model: nn.Module, rank: int, batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(batch, model.in_features, generator=gen)
+
+
+# ---------------------------------------------------------------- methods
+
+@dataclass
+class StepMethod:
+    """One way to run a step: ``module`` to call, ``reduce`` after backward, ``zero`` at the end."""
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    reduce: Callable[[], Any]
+    zero: Callable[[], Any]
+    nbytes: int
+    reducer: FusedReducer | None = None
+    ddp: DDP | None = None
+
+    def forward_backward_reduce(self, x: torch.Tensor) -> None:
+        self.module(x).square().mean().backward()
+        self.reduce()
+
+    def timed(self, x: torch.Tensor) -> Method:
+        def step() -> None:
+            self.forward_backward_reduce(x)
+            self.zero()
+        return Method(self.name, step, nbytes=self.nbytes)
+
+    def info(self) -> dict[str, Any]:
+        """Bucket count (and overlap achieved) where the method has buckets."""
+        if self.reducer is not None:
+            r = self.reducer
+            mb = r.config.bucket_mb or default_bucket_mb(dist.get_backend(r.group))
+            return {"buckets": r.num_buckets, "bucket_mb": mb if r.config.overlap else None}
+        if self.ddp is not None:
+            data = self.ddp._get_ddp_logging_data()
+            sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+            return {"buckets": len([s for s in sizes.split(",") if s.strip()]) or None,
+                    "bucket_mb": data.get("bucket_cap_bytes", 0) / 2**20 or None}
+        return {"buckets": None, "bucket_mb": None}
+
+
+def _numel(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _plain(name: str, model: nn.Module, reduce: Callable[[list[nn.Parameter]], Callable[[], Any]],
+           nbytes: int) -> StepMethod:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return StepMethod(name, model, params, reduce(params),
+                      lambda: model.zero_grad(set_to_none=False), nbytes)
+
+
+def per_param_allreduce(params: list[nn.Parameter]) -> Callable[[], None]:
+    """The textbook loop: one blocking SUM all-reduce per fp32 gradient, then divide."""
+    world = dist.get_world_size()
+
+    def reduce() -> None:
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+    return reduce
+
+
+def ohabana_loop(params: list[nn.Parameter]) -> Callable[[], None]:
+    """optimum-habana's loop: per-param cast+scale into a bf16 buffer, one SUM, per-param cast back."""
+    fused = torch.zeros(_numel(params), dtype=torch.bfloat16)
+    views, start = [], 0
+    for p in params:
+        views.append(fused[start:start + p.numel()].view(p.shape))
+        start += p.numel()
+    scale = 1.0 / dist.get_world_size()
+
+    @torch.no_grad()
+    def reduce() -> None:
+        for p, v in zip(params, views):
+            v.copy_(p.grad.to(torch.bfloat16) * scale)
+        dist.all_reduce(fused, op=dist.ReduceOp.SUM)
+        for p, v in zip(params, views):
+            p.grad.copy_(v.to(p.grad.dtype))
+    return reduce
+
+
+def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype, overlap: bool,
+                      bucket_mb: float | None) -> StepMethod:
+    reducer = FusedReducer(model, wire_dtype=dtype, overlap=overlap,
+                           bucket_mb=bucket_mb if overlap else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    nbytes = _numel(params) * torch.empty((), dtype=dtype).element_size()  # exact once built
+    return StepMethod(name, model, params, reducer.finish if overlap else reducer.reduce,
+                      reducer.zero_grad, nbytes, reducer=reducer)
+
+
+def ddp_method(name: str, model: nn.Module, hook: Callable | None) -> StepMethod:
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    params = [p for p in model.parameters() if p.requires_grad]
+    elem = 2 if hook is fp16_compress_hook else 4
+    return StepMethod(name, ddp, params, lambda: None,
+                      lambda: ddp.zero_grad(set_to_none=False), _numel(params) * elem, ddp=ddp)
+
+
+def build_methods(base: nn.Module, cfg: StepConfig) -> list[StepMethod]:
+    """Every method of :data:`METHODS`, each on its own copy of ``base`` (same order on all ranks)."""
+    def twin() -> nn.Module:
+        return copy.deepcopy(base)
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return [
+        _plain("per_param_allreduce_fp32", twin(), per_param_allreduce, _numel(list(base.parameters())) * 4),
+        _plain("ohabana_loop_bf16", twin(), ohabana_loop, _numel(list(base.parameters())) * 2),
+        fastreduce_method("fastreduce_fused_bf16", twin(), bf16, False, None),
+        fastreduce_method("fastreduce_fused_fp32", twin(), fp32, False, None),
+        fastreduce_method("fastreduce_overlap_bf16", twin(), bf16, True, cfg.bucket_mb),
+        fastreduce_method("fastreduce_overlap_fp32", twin(), fp32, True, cfg.bucket_mb),
+        ddp_method("ddp_fp32", twin(), None),
+        ddp_method("ddp_fp16_hook", twin(), fp16_compress_hook),
+        _plain(REFERENCE, twin(), lambda params: (lambda: None), 0),
+    ]
+
+
+def check_against_reference(methods: list[StepMethod], x: torch.Tensor) -> dict[str, float]:
+    """One step of each method; each one's largest gradient error relative to the fp32 loop's."""
+    grads = {}
+    for m in methods:
+        m.zero()
+        m.forward_backward_reduce(x)
+        grads[m.name] = [p.grad.detach().clone() for p in m.params]
+        m.zero()
+        if m.reducer is not None:  # exact wire bytes now that the buffer exists
+            m.nbytes = m.reducer._built.buffer.nbytes  # type: ignore[union-attr]
+    ref = grads["per_param_allreduce_fp32"]
+    scale = max(g.abs().max().item() for g in ref) or 1.0
+    return {name: max((a - b).abs().max().item() for a, b in zip(gs, ref)) / scale
+            for name, gs in grads.items() if name != REFERENCE}
+
+
+# ---------------------------------------------------------------- one rank
+
+def step_rank(rank: int, world: int, cfg: StepConfig) -> dict[str, Any]:
+    """Everything one rank does; module-level so :func:`run_ranks` can pickle it."""
+    os.dup2(2, 1)  # a rank never writes to stdout: --json output must stay one object
+    out: dict[str, Any] = {"threads": torch.get_num_threads(),
+                           "default_bucket_mb": default_bucket_mb(dist.get_backend())}
+    for kind in MODELS:
+        base = build_model(kind, cfg.params_m)
+        x = batch_for(base, rank, cfg.batch)
+        methods = build_methods(base, cfg)
+        errors = check_against_reference(methods, x)
+        fr = {m.name: m.reducer for m in methods if m.reducer is not None}
+        before = {n: (r.stats.calls, r.stats.launched_in_backward) for n, r in fr.items()}
+        times = time_round_robin([m.timed(x) for m in methods], cfg.iters, 1, cfg.warmup_rounds)
+        info = {m.name: m.info() for m in methods}
+        for n, r in fr.items():
+            calls = r.stats.calls - before[n][0]
+            launched = r.stats.launched_in_backward - before[n][1]
+            info[n]["launched_in_backward"] = launched / calls if r.config.overlap and calls else None
+        out[kind] = {"times": times, "nbytes": {m.name: m.nbytes for m in methods}, "info": info,
+                     "errors": errors, "width": base.in_features,
+                     "tensors": sum(1 for _ in base.parameters()),
+                     "numel": sum(p.numel() for p in base.parameters())}
+        del methods, fr
+        gc.collect()
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+def build_report(cfg: StepConfig, per_rank: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    r0 = per_rank[0]
+    models: dict[str, Any] = {}
+    for kind in MODELS:
+        times = [r[kind]["times"] for r in per_rank]
+        methods = {name: {**summary_ms(slowest_rank(times, name)),
+                          "mb_wire": r0[kind]["nbytes"][name] / 1e6, **r0[kind]["info"][name],
+                          "max_rel_err": r0[kind]["errors"].get(name)}
+                   for name in METHODS}
+        ddp = methods[DDP_BASELINE]["median_ms"]
+        for m in methods.values():
+            m["speedup_vs_ddp"] = ddp / m["median_ms"]
+        models[kind] = {"width": r0[kind]["width"], "tensors": r0[kind]["tensors"],
+                        "numel": r0[kind]["numel"], "methods": methods}
+    targets = judge_ratios(TARGETS, lambda name: models[TARGET_MODEL]["methods"][name]["median_ms"],
+                           where=f"{TARGET_MODEL}: ")
+    config = {**asdict(cfg), "threads": r0["threads"], "default_bucket_mb": r0["default_bucket_mb"],
+              "step": "forward + backward + reduce + zero_grad(set_to_none=False); no optimizer step",
+              "step_time": "max over ranks per iteration", "wall_seconds": round(seconds, 1)}
+    return {"config": config, "models": models, "targets": targets,
+            "torch_version": torch.__version__, "machine": machine_info()}
+
+
+def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (model, method): the CSV's and the chart's data."""
+    return [{"model": kind, "method": name, **{k: m[k] for k in
+                                                ("median_ms", "p10_ms", "p90_ms", "mb_wire", "speedup_vs_ddp")}}
+            for kind, mod in report["models"].items() for name, m in mod["methods"].items()]
+
+
+def chart_title(report: dict[str, Any]) -> str:
+    c = report["config"]
+    return (f"fastreduce bench, step suite: {c['ranks']} Gloo ranks x {c['threads']} thread(s), "
+            f"batch {c['batch']}/rank, {c['iters']} steps/method, torch {report['torch_version']}\n"
+            "step = forward + backward + reduce + zero_grad (no optimizer step), slowest rank")
+
+
+def format_text(report: dict[str, Any]) -> str:
+    c = report["config"]
+    bucket = f"{c['bucket_mb']:g} MB" if c["bucket_mb"] else f"backend default, {c['default_bucket_mb']:g} MB"
+    lines = [f"step suite (forward + backward + reduce + zero_grad, no optimizer step): {c['ranks']} Gloo "
+             f"ranks x {c['threads']} thread(s), batch {c['batch']}/rank, {c['iters']} timed steps/method "
+             f"(round-robin), step = slowest rank; overlap buckets: {bucket}"]
+    for kind, mod in report["models"].items():
+        lines += ["", f"model {kind}: {mod['numel'] / 1e6:.2f}M fp32 params in {mod['tensors']} tensors "
+                      f"(width {mod['width']})",
+                  f"{'method':<27}{'median ms':>10}{'p10':>9}{'p90':>9}{'MB wire':>9}{'buckets':>8}"
+                  f"{'vs DDP':>8}  notes"]
+        for name, m in mod["methods"].items():
+            notes = []
+            if m.get("launched_in_backward") is not None:
+                notes.append(f"{m['launched_in_backward']:.0f}/{m['buckets']} launched in backward")
+            if name == REFERENCE:
+                notes.append("reference: no communication")
+            elif m["max_rel_err"] is not None and m["max_rel_err"] > 0:
+                notes.append(f"grad err {m['max_rel_err']:.1e}")
+            buckets = "-" if m["buckets"] is None else str(m["buckets"])
+            lines.append(f"{name:<27}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
+                         f"{m['mb_wire']:>9.1f}{buckets:>8}{m['speedup_vs_ddp']:>7.2f}x  {', '.join(notes)}")
+    if c["quick"]:
+        lines.append("(--quick: tiny models prove the benchmark runs; fixed per-call costs "
+                     "dominate their timings, so the targets mean little)")
+    lines += ["", "targets (report only):"] + target_lines(report["targets"], width=26)
+    return "\n".join(lines)
+
+
+def run_step_bench(cfg: StepConfig) -> dict[str, Any]:
+    """Spawn the ranks, time every method on both models, and return the report (JSON-able)."""
+    t0 = time.perf_counter()
+    per_rank = run_ranks(step_rank, cfg.ranks, cfg, threads=cfg.threads,
+                         timeout=120.0 if cfg.quick else 1800.0)
+    return build_report(cfg, per_rank, time.perf_counter() - t0)

@@ -1,0 +1,149 @@
+"""``fastreduce bench``: the command runs end to end and reports what it promises.
+
+One ``--quick --json`` run (both suites, real Gloo ranks) in a subprocess feeds every
+test here. Only the report's structure and the gradients' agreement are checked, never
+a timing: the machine is shared, and the targets are a report, not a contract.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastreduce.bench import reduce as reduce_suite
+from fastreduce.bench import step as step_suite
+from fastreduce.bench.report import CSV_FIELDS
+from fastreduce.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 120.0
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-results")
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--quick", "--json", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    return {"proc": proc, "out": out}
+
+
+@pytest.fixture(scope="module")
+def result(quick_run: dict) -> dict:
+    proc = quick_run["proc"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)  # the whole of stdout is one JSON object
+
+
+def _stats_ok(m: dict) -> None:
+    for key in ("median_ms", "p10_ms", "p90_ms"):
+        assert math.isfinite(m[key]) and m[key] > 0, (key, m)
+    assert m["p10_ms"] <= m["median_ms"] <= m["p90_ms"], m
+
+
+def test_exit_code_zero_whatever_the_targets(quick_run: dict) -> None:
+    assert quick_run["proc"].returncode == 0, quick_run["proc"].stderr[-4000:]
+
+
+def test_stdout_is_one_json_object_with_both_suites(quick_run: dict, result: dict) -> None:
+    assert quick_run["proc"].stdout.strip().count("\n") == 0
+    assert result["suites"] == ["reduce", "step"]
+    assert {"reduce", "step", "outputs", "machine"} <= result.keys()
+
+
+def test_step_suite_has_every_method_for_both_models(result: dict) -> None:
+    models = result["step"]["models"]
+    assert list(models) == list(step_suite.MODELS)
+    for kind, model in models.items():
+        assert list(model["methods"]) == list(step_suite.METHODS), kind
+        for name, m in model["methods"].items():
+            _stats_ok(m)
+            assert math.isfinite(m["speedup_vs_ddp"]) and m["speedup_vs_ddp"] > 0
+            assert m["mb_wire"] >= 0
+        assert model["methods"][step_suite.DDP_BASELINE]["speedup_vs_ddp"] == pytest.approx(1.0)
+    assert models["many"]["tensors"] == 200
+    assert models["few"]["tensors"] == 2 * step_suite.FEW_LAYERS
+
+
+def test_step_suite_methods_compute_the_same_average(result: dict) -> None:
+    """Each method's gradients match the fp32 per-parameter loop's (bf16/fp16 wires: loosely)."""
+    for kind, model in result["step"]["models"].items():
+        for name, m in model["methods"].items():
+            if name == step_suite.REFERENCE:
+                continue
+            limit = 1e-5 if ("fp32" in name and "hook" not in name) else 3e-2
+            assert m["max_rel_err"] is not None and m["max_rel_err"] <= limit, (kind, name, m["max_rel_err"])
+
+
+def test_step_suite_reports_buckets_and_wire_bytes(result: dict) -> None:
+    for kind, model in result["step"]["models"].items():
+        methods = model["methods"]
+        for name in ("fastreduce_overlap_bf16", "fastreduce_overlap_fp32", "ddp_fp32", "ddp_fp16_hook"):
+            assert methods[name]["buckets"] >= 1, (kind, name)
+        assert methods["fastreduce_fused_bf16"]["buckets"] == 1
+        assert methods["fastreduce_overlap_bf16"]["bucket_mb"] == result["step"]["config"]["default_bucket_mb"]
+        fp32_mb = methods["per_param_allreduce_fp32"]["mb_wire"]
+        assert methods["ddp_fp32"]["mb_wire"] == pytest.approx(fp32_mb)
+        assert methods["ddp_fp16_hook"]["mb_wire"] == pytest.approx(fp32_mb / 2)
+        assert methods["fastreduce_fused_bf16"]["mb_wire"] == pytest.approx(fp32_mb / 2, rel=0.05)
+        assert methods[step_suite.REFERENCE]["mb_wire"] == 0
+
+
+def test_step_targets_are_reported(result: dict) -> None:
+    targets = result["step"]["targets"]
+    assert set(targets) == {name for name, *_ in step_suite.TARGETS}
+    for t in targets.values():
+        assert isinstance(t["pass"], bool) and math.isfinite(t["value"])
+
+
+def test_reduce_suite_structure_and_constant_ops(result: dict) -> None:
+    red = result["reduce"]
+    assert list(red["methods"]) == list(reduce_suite.METHODS)
+    for m in red["methods"].values():
+        _stats_ok(m)
+    small, large = (str(n) for n in reduce_suite.OPS_MODEL_TENSORS)
+    for dtype, counts in red["ops_per_call"].items():
+        assert counts[small] == counts[large], (dtype, counts)
+
+
+def test_csv_has_one_row_per_model_and_method(quick_run: dict, result: dict) -> None:
+    path = quick_run["out"] / "step.csv"
+    assert result["outputs"]["csv"] == str(path)
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames or ()) == CSV_FIELDS
+        rows = list(reader)
+    expected = [(k, m) for k in step_suite.MODELS for m in step_suite.METHODS]
+    assert [(r["model"], r["method"]) for r in rows] == expected
+    for r in rows:
+        m = result["step"]["models"][r["model"]]["methods"][r["method"]]
+        for field in ("median_ms", "p10_ms", "p90_ms", "mb_wire", "speedup_vs_ddp"):
+            assert float(r[field]) == pytest.approx(m[field], abs=1e-3), (r, field)
+
+
+def test_chart_written_or_skipped_with_a_note(quick_run: dict, result: dict) -> None:
+    out = result["outputs"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert out["png"] is None and "matplotlib" in out["chart_note"]
+        return
+    assert out["chart_note"] is None
+    assert (quick_run["out"] / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_file_matches_stdout(quick_run: dict, result: dict) -> None:
+    assert json.loads((quick_run["out"] / "bench.json").read_text()) == result
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--bucket-mb", "0"], ["--iters", "0"], ["--threads", "0"]])
+def test_bad_arguments_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", *argv]) == 2
+    assert "error" in capsys.readouterr().err
