@@ -26,6 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[plot]"
 	$(BIN)/fastreduce bench
 
 lint: $(STAMP)
