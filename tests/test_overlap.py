@@ -252,6 +252,21 @@ def flipped(step: int, rank: int) -> bool:
     return step % 2 == 1 or (step == 2 and rank == 1)
 
 
+def branch_step(out: dict[str, Any], micro: Micro, model: torch.nn.Module, plain: torch.nn.Module,
+                ddp: DDP, order: ReadyOrder, reducer: fastreduce.FusedReducer) -> None:
+    """One BranchModel step through fastreduce and DDP; appends grads, scale and order."""
+    local_grads(plain, micro)
+    out["scale"].append(grad_scale(plain))
+    zero_grads(model, "reducer", reducer)
+    run_window(model, micro, reducer.no_sync)
+    out["orders"].append(order.take())
+    reducer.finish()
+    ddp.zero_grad(set_to_none=False)
+    run_window(ddp, micro, ddp.no_sync)
+    out["fr"].append(grads_of(model))
+    out["ddp"].append(grads_of(ddp.module))
+
+
 def flip_case(rank: int, world: int, wire: str) -> dict:
     model = branch_model(SEED)
     plain = copy.deepcopy(model)
@@ -261,16 +276,7 @@ def flip_case(rank: int, world: int, wire: str) -> dict:
     out: dict[str, Any] = {"fr": [], "ddp": [], "scale": [], "orders": []}
     for step in range(FLIP_STEPS):
         micro = window(model, rank, step, 1, lambda k: {"flip": flipped(k, rank)})
-        local_grads(plain, micro)
-        out["scale"].append(grad_scale(plain))
-        zero_grads(model, "reducer", reducer)
-        run_window(model, micro, reducer.no_sync)
-        out["orders"].append(order.take())
-        reducer.finish()
-        ddp.zero_grad(set_to_none=False)
-        run_window(ddp, micro, ddp.no_sync)
-        out["fr"].append(grads_of(model))
-        out["ddp"].append(grads_of(ddp.module))
+        branch_step(out, micro, model, plain, ddp, order, reducer)
     out["layout_names"] = reducer.layout.names
     out["num_buckets"] = reducer.num_buckets
     out["in_backward"] = reducer.stats.launched_in_backward
@@ -450,16 +456,7 @@ def rebuild_case(rank: int, world: int) -> dict:
                              "in_backward": reducer.stats.launched_in_backward}
             reducer.rebuild()
         micro = window(model, rank, step, 1, lambda k: {"flip": k >= REBUILD_STEPS})
-        local_grads(plain, micro)
-        out["scale"].append(grad_scale(plain))
-        zero_grads(model, "reducer", reducer)
-        run_window(model, micro, reducer.no_sync)
-        out["orders"].append(order.take())
-        reducer.finish()
-        ddp.zero_grad(set_to_none=False)
-        run_window(ddp, micro, ddp.no_sync)
-        out["fr"].append(grads_of(model))
-        out["ddp"].append(grads_of(ddp.module))
+        branch_step(out, micro, model, plain, ddp, order, reducer)
     out["after"] = {"layout_names": reducer.layout.names, "num_buckets": reducer.num_buckets,
                     "in_backward": reducer.stats.launched_in_backward, "calls": reducer.stats.calls}
     out["hooks"] = hook_counts(model)  # ReadyOrder's + the reducer's
