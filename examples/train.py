@@ -91,6 +91,7 @@ def main() -> None:
         print(f"{info.world_size} ranks on {info.device} ({info.backend}), wire {args.wire}: "
               f"{args.steps} steps in {elapsed:.1f}s, train accuracy {acc.item() / info.world_size:.1%}, "
               f"parameters identical on all ranks: {in_sync}")
+    dist.barrier()  # nobody tears its connections down while a peer still uses them
     dist.destroy_process_group()
     if not in_sync:
         raise SystemExit("parameters diverged across ranks")
