@@ -32,7 +32,8 @@ from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer
 from .collectives import Fp32Accumulate, MeanPlan, Pending, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
-from .overlap import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, make_buckets
+from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, first_bucket_mb,
+                      make_buckets)
 from .profiling import span
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
@@ -294,8 +295,10 @@ class FusedReducer:
         if plan.fp32_accumulate:
             built.accumulate = Fp32Accumulate(buffer.wire, plan)
         if cfg.overlap:
-            mb = cfg.bucket_mb or default_bucket_mb(dist.get_backend(self.group))
-            buckets = make_buckets(layout, buffer, int(mb * 2**20))
+            pg = dist.get_backend(self.group)
+            mb = cfg.bucket_mb or default_bucket_mb(pg)
+            first = first_bucket_mb(pg) if cfg.bucket_mb is None else None
+            buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
             built.schedule = OverlapSchedule(layout, buffer, plan, buckets,
                                              lambda idx: self._adopt(built, idx))
         if dist.get_rank(self.group) == 0:

@@ -39,6 +39,13 @@ def default_bucket_mb(pg_backend: str) -> float:
     return {"nccl": 25.0, "hccl": 64.0, "gloo": 6.0}.get(pg_backend, 16.0)
 
 
+def first_bucket_mb(pg_backend: str) -> float | None:
+    """A small first bucket starts communication early where launches are cheap (NCCL, as
+    DDP does); on Gloo and HCCL a launch costs more than the head start (measured on Gloo:
+    1 MB buckets were slower than 6 MB ones), so there the first bucket is like the rest."""
+    return 1.0 if pg_backend == "nccl" else None
+
+
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """A contiguous run of one dtype segment: ``slots`` (layout indices) and their buffers."""
@@ -57,8 +64,10 @@ class Bucket:
         self.flat.copy_(self.wire)
 
 
-def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> list[Bucket]:
-    """Cut each segment into runs of at most ``bucket_bytes`` (one parameter at least).
+def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
+                 first_bytes: int | None = None) -> list[Bucket]:
+    """Cut each segment into runs of about ``bucket_bytes`` (one parameter at least);
+    the run holding the earliest gradient of the backward is cut at ``first_bytes``.
 
     Buckets come ordered by when their last gradient arrives (``layout.position`` is
     the backward order), so in-order launches follow readiness across dtypes too.
@@ -70,10 +79,13 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int) -> 
     for seg, flat in zip(layout.segments, buffer.flats):
         run: list[int] = []
         run_start = 0
-        for k, slot in enumerate(seg.slots):
+        earliest = first_bytes is not None and layout.position[first_index] == 0
+        for k in range(len(seg.slots)):
             end = seg.slots[k + 1].offset if k + 1 < len(seg.slots) else seg.numel
             run.append(first_index + k)
-            if (end - run_start) * elem >= bucket_bytes or k + 1 == len(seg.slots):
+            limit = first_bytes if earliest else bucket_bytes
+            if (end - run_start) * elem >= limit or k + 1 == len(seg.slots):
+                earliest = False
                 piece = flat[run_start:end]
                 wire = piece if flat.dtype == buffer.wire.dtype else (
                     buffer.wire[wire_start + run_start:wire_start + end])
