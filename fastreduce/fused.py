@@ -342,7 +342,7 @@ class FusedReducer:
         if missing and self.config.unused_grads == "error":
             raise RuntimeError(_missing_message([layout.names[i] for i in missing]))
         if moved:
-            torch._foreach_copy_([views[i] for i in moved], [layout.params[i].grad for i in moved])
+            _foreach_copy([views[i] for i in moved], [layout.params[i].grad for i in moved])
             for i in moved:
                 layout.params[i].grad = views[i]
             self.stats.reattached += len(moved)
@@ -410,6 +410,15 @@ class FusedReducer:
                            "fastreduce learned the layout, so their gradients would not be "
                            "reduced; call reducer.rebuild() on every rank after changing "
                            "requires_grad")
+
+
+def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """One fused ``_foreach_copy_`` (torch >= 2.2); a plain loop on older torch."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # pragma: no cover - torch 2.1 only
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _one_device(named: list[tuple[str, torch.nn.Parameter]]) -> torch.device:
