@@ -289,7 +289,8 @@ class FusedReducer:
         plan = plan_mean(self.group, wire_dtype, device, cfg.accumulate_dtype)
         buffer = FusedBuffer(layout, wire_dtype, device, self.world_size if plan.fp32_accumulate else 1)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
-        pack, unpack = self._capture(backend, buffer, plan)
+        # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
+        pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
         if plan.fp32_accumulate:
