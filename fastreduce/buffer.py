@@ -13,11 +13,22 @@ per parameter, and touch only memory this object owns (what graph capture needs)
 
 from __future__ import annotations
 
+import operator
+from typing import Sequence
+
 import torch
 
 from .layout import GradLayout, Slot
 
-__all__ = ["FusedBuffer"]
+__all__ = ["FusedBuffer", "attached"]
+
+_get_grad = operator.attrgetter("grad")
+
+
+def attached(params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor]) -> bool:
+    """True while every ``param.grad`` is still its view: the per-step fast path, checked
+    at C speed (identity only, no kernels)."""
+    return all(map(operator.is_, map(_get_grad, params), views))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -48,8 +59,9 @@ class FusedBuffer:
                  pad_multiple: int = 1):
         numel = -(-layout.numel // pad_multiple) * pad_multiple  # zero tail: splits evenly
         self.wire = torch.zeros(numel, dtype=wire_dtype, device=device)
-        self.flats: list[torch.Tensor] = []
-        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, its wire slice)
+        self.flats: list[torch.Tensor] = []  # per segment: the grads' storage
+        self.wires: list[torch.Tensor] = []  # per segment: its slice of the wire buffer
+        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, wire) pairs that differ
         start = 0
         for seg in layout.segments:
             wire_part = self.wire[start:start + seg.numel]
@@ -59,6 +71,7 @@ class FusedBuffer:
                 flat = torch.zeros(seg.numel, dtype=seg.dtype, device=device)
                 self.casts.append((flat, wire_part))
             self.flats.append(flat)
+            self.wires.append(wire_part)
             start += seg.numel
         self.views: tuple[torch.Tensor, ...] = tuple(
             _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
@@ -68,10 +81,13 @@ class FusedBuffer:
         """Bytes on the wire per reduction."""
         return self.wire.numel() * self.wire.element_size()
 
-    def pack(self) -> None:
-        """Cast every non-wire-dtype segment into its slice of the wire buffer."""
+    def pack(self, prescale_by: int | None = None) -> None:
+        """Cast every non-wire-dtype segment into its slice of the wire buffer, then
+        divide the whole wire buffer by ``prescale_by`` if given."""
         for flat, wire_part in self.casts:
             wire_part.copy_(flat)
+        if prescale_by is not None:
+            self.wire.div_(prescale_by)
 
     def unpack(self) -> None:
         """Cast the reduced wire buffer back into the non-wire-dtype segments."""

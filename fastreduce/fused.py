@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend
-from .buffer import FusedBuffer
+from .buffer import FusedBuffer, attached
 from .collectives import Fp32Accumulate, MeanPlan, Pending, plan_mean, start_all_reduce
 from .layout import GradLayout, verify_across_ranks
 from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, first_bucket_mb,
@@ -41,7 +41,6 @@ __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradient
 log = logging.getLogger(__name__)
 
 UnusedGrads = Literal["error", "zero"]
-_get_grad = operator.attrgetter("grad")
 _get_requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -311,13 +310,9 @@ class FusedReducer:
 
     @staticmethod
     def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
-        def pack() -> None:
-            buffer.pack()
-            if plan.prescale:
-                buffer.wire.div_(plan.world)
-
+        prescale_by = plan.world if plan.prescale else None
         needs_pack = bool(buffer.casts) or plan.prescale
-        return (backend.capture(pack) if needs_pack else None,
+        return (backend.capture(lambda: buffer.pack(prescale_by)) if needs_pack else None,
                 backend.capture(buffer.unpack) if buffer.casts else None)
 
     # ------------------------------------------------------------------ every call
@@ -353,7 +348,7 @@ class FusedReducer:
 
     def _start_fused(self, built: _Built) -> tuple[list[int], list[Pending]]:
         missing: list[int] = []
-        if not all(map(operator.is_, map(_get_grad, built.layout.params), built.buffer.views)):
+        if not attached(built.layout.params, built.buffer.views):
             missing = self._adopt(built, range(len(built.layout)))
         with span("fastreduce::pack"):
             if built.pack is not None:

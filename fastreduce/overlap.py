@@ -17,14 +17,13 @@ buffer is laid out in that order, so each bucket is one contiguous slice of it.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .buffer import FusedBuffer
+from .buffer import FusedBuffer, attached
 from .collectives import MeanPlan, Pending, start_all_reduce
 from .layout import GradLayout
 from .profiling import span
@@ -51,6 +50,8 @@ class Bucket:
     """A contiguous run of one dtype segment: ``slots`` (layout indices) and their buffers."""
 
     slots: tuple[int, ...]
+    params: tuple[torch.nn.Parameter, ...]  # of ``slots``, for the per-launch identity check
+    views: tuple[torch.Tensor, ...]
     flat: torch.Tensor  # grads' storage slice (same tensor as ``wire`` when no cast is needed)
     wire: torch.Tensor  # the slice of the wire buffer this bucket reduces
 
@@ -75,8 +76,7 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
     elem = buffer.wire.element_size()
     buckets: list[tuple[int, Bucket]] = []  # (backward position of its last grad, bucket)
     first_index = 0
-    wire_start = 0
-    for seg, flat in zip(layout.segments, buffer.flats):
+    for seg, flat, seg_wire in zip(layout.segments, buffer.flats, buffer.wires):
         run: list[int] = []
         run_start = 0
         earliest = first_bytes is not None and layout.position[first_index] == 0
@@ -87,14 +87,26 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
             if (end - run_start) * elem >= limit or k + 1 == len(seg.slots):
                 earliest = False
                 piece = flat[run_start:end]
-                wire = piece if flat.dtype == buffer.wire.dtype else (
-                    buffer.wire[wire_start + run_start:wire_start + end])
+                wire = piece if flat is seg_wire else seg_wire[run_start:end]
                 ready = max(layout.position[i] for i in run)
-                buckets.append((ready, Bucket(tuple(run), piece, wire)))
+                bucket = Bucket(tuple(run), tuple(layout.params[i] for i in run),
+                                tuple(buffer.views[i] for i in run), piece, wire)
+                buckets.append((ready, bucket))
                 run, run_start = [], end
         first_index += len(seg.slots)
-        wire_start += seg.numel
     return [b for _, b in sorted(buckets, key=lambda t: t[0])]
+
+
+def on_grad_ready(params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter],
+                  fn: Callable[[int], None]) -> list[Any]:
+    """Call ``fn(i)`` when ``params[i]``'s grad is accumulated; returns the hook handles."""
+    index = {p: i for i, p in enumerate(params)}
+    return [p.register_post_accumulate_grad_hook(lambda q: fn(index[q])) for p in params]
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 class OrderRecorder:
@@ -102,13 +114,10 @@ class OrderRecorder:
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.order: list[int] = []
-        index = {p: i for i, p in enumerate(params)}
-        self.handles = [p.register_post_accumulate_grad_hook(lambda q: self.order.append(index[q]))
-                        for p in params]
+        self.handles = on_grad_ready(params, self.order.append)
 
     def remove(self) -> list[int]:
-        for h in self.handles:
-            h.remove()
+        remove_hooks(self.handles)
         seen, order = set(), []
         for i in self.order:  # a param fires once per backward; accumulation repeats it
             if i not in seen:
@@ -151,9 +160,7 @@ class OverlapSchedule:
         self.sync = True
         self.late = False  # some bucket had to wait for finish(): logged once
         self._reset()
-        index = {p: i for i, p in enumerate(layout.params)}
-        self.handles = [p.register_post_accumulate_grad_hook(lambda q: self._ready(index[q]))
-                        for p in layout.params]
+        self.handles = on_grad_ready(layout.params, self._ready)
 
     def _reset(self) -> None:
         self.pending = list(self.sizes)
@@ -163,16 +170,7 @@ class OverlapSchedule:
         self.missing: list[int] = []
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
+        remove_hooks(self.handles)
 
     # -- hot path: one call per parameter per backward
     def _ready(self, i: int) -> None:
@@ -194,9 +192,7 @@ class OverlapSchedule:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        views = self.buffer.views
-        params = self.layout.params
-        if not all(params[i].grad is views[i] for i in bucket.slots):
+        if not attached(bucket.params, bucket.views):
             self.missing += self.adopt(list(bucket.slots))
         with span("fastreduce::pack"):
             bucket.pack(self.plan)
