@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Method", "machine_info", "percentile", "slowest_rank", "summary_ms",
+__all__ = ["Method", "machine_info", "ohabana_loop", "percentile", "slowest_rank", "summary_ms",
            "time_call", "time_round_robin"]
 
 
@@ -88,3 +88,23 @@ def machine_info() -> dict[str, Any]:
     return {"platform": platform.platform(), "machine": platform.machine(),
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__}
+
+
+def ohabana_loop(params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    """The baseline both suites beat, optimum-habana's loop: per-parameter cast and scale
+    into a fused bf16 buffer, one SUM all-reduce, per-parameter cast back."""
+    fused = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16)
+    views, start = [], 0
+    for p in params:
+        views.append(fused[start:start + p.numel()].view(p.shape))
+        start += p.numel()
+    scale = 1.0 / dist.get_world_size()
+
+    @torch.no_grad()
+    def reduce() -> None:
+        for p, v in zip(params, views):
+            v.copy_(p.grad.to(torch.bfloat16) * scale)
+        dist.all_reduce(fused, op=dist.ReduceOp.SUM)
+        for p, v in zip(params, views):
+            p.grad.copy_(v.to(p.grad.dtype))
+    return reduce

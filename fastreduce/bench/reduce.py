@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..fused import FusedReducer, all_reduce_gradients
 from ..launch import run_ranks
-from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
+from .common import Method, machine_info, ohabana_loop, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 
 __all__ = ["BenchConfig", "format_text", "run_bench"]
@@ -178,28 +178,15 @@ def flat_unavoidable_method(name: str, reducer: FusedReducer) -> Method:
     return Method(name, step, nbytes=wire.numel() * wire.element_size())
 
 
-def per_param_loop_method(name: str, model: nn.Module, world: int) -> Method:
-    """Per-parameter cast+scale into a fused bf16 buffer, one SUM, per-parameter cast back."""
+def per_param_loop_method(name: str, model: nn.Module) -> Method:
+    """optimum-habana's per-parameter loop (:func:`.common.ohabana_loop`) on a private copy."""
     m = clone_with_grads(model)
     params = [p for p in m.parameters() if p.requires_grad]
-    fused = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16)
-    views, start = [], 0
-    for p in params:
-        views.append(fused[start:start + p.numel()].view(p.shape))
-        start += p.numel()
-    scale = 1.0 / world
-
-    def step() -> None:
-        for p, v in zip(params, views):
-            v.copy_(p.grad.to(torch.bfloat16) * scale)
-        dist.all_reduce(fused, op=dist.ReduceOp.SUM)
-        for p, v in zip(params, views):
-            p.grad.copy_(v.to(p.grad.dtype))
-
-    return Method(name, step, lambda: m.zero_grad(set_to_none=False), fused.numel() * fused.element_size())
+    return Method(name, ohabana_loop(params), lambda: m.zero_grad(set_to_none=False),
+                  sum(p.numel() for p in params) * 2)
 
 
-def build_methods(model: nn.Module, world: int) -> tuple[list[Method], dict[str, str]]:
+def build_methods(model: nn.Module) -> tuple[list[Method], dict[str, str]]:
     """All six methods in :data:`METHODS` order, and each wire dtype's averaging plan."""
     bf16, r_bf16 = fastreduce_method("fastreduce_bf16", model, torch.bfloat16)
     fp32, r_fp32 = fastreduce_method("fastreduce_fp32", model, torch.float32)
@@ -208,7 +195,7 @@ def build_methods(model: nn.Module, world: int) -> tuple[list[Method], dict[str,
             bare_method("bare_allreduce_bf16", r_bf16),
             bare_method("bare_allreduce_fp32", r_fp32),
             flat_unavoidable_method("flat_bf16_unavoidable", r_bf16),
-            per_param_loop_method("per_param_loop_bf16", model, world)], plans
+            per_param_loop_method("per_param_loop_bf16", model)], plans
 
 
 # ---------------------------------------------------------------- op counting
@@ -249,7 +236,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     ops = count_all_ops(rank)
     model = make_model(N_LAYERS, cfg.width)
     backward_once(model, rank, cfg.batch)
-    methods, plans = build_methods(model, world)
+    methods, plans = build_methods(model)
     times = time_round_robin(methods, cfg.iters, cfg.reps, cfg.warmup_rounds)
     return {"times": times, "nbytes": {m.name: m.nbytes for m in methods}, "ops": ops, "plans": plans,
             "tensors": sum(1 for p in model.parameters()),

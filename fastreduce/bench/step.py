@@ -71,7 +71,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..fused import FusedReducer
 from ..launch import run_ranks
 from ..overlap import default_bucket_mb
-from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
+from .common import Method, machine_info, ohabana_loop, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 
 __all__ = ["METHODS", "MODELS", "StepConfig", "csv_rows", "format_text", "run_step_bench"]
@@ -232,25 +232,6 @@ def per_param_allreduce(params: list[nn.Parameter]) -> Callable[[], None]:
         for p in params:
             dist.all_reduce(p.grad)
             p.grad.div_(world)
-    return reduce
-
-
-def ohabana_loop(params: list[nn.Parameter]) -> Callable[[], None]:
-    """optimum-habana's loop: per-param cast+scale into a bf16 buffer, one SUM, per-param cast back."""
-    fused = torch.zeros(_numel(params), dtype=torch.bfloat16)
-    views, start = [], 0
-    for p in params:
-        views.append(fused[start:start + p.numel()].view(p.shape))
-        start += p.numel()
-    scale = 1.0 / dist.get_world_size()
-
-    @torch.no_grad()
-    def reduce() -> None:
-        for p, v in zip(params, views):
-            v.copy_(p.grad.to(torch.bfloat16) * scale)
-        dist.all_reduce(fused, op=dist.ReduceOp.SUM)
-        for p, v in zip(params, views):
-            p.grad.copy_(v.to(p.grad.dtype))
     return reduce
 
 
