@@ -150,6 +150,22 @@ def per_rank(results: list[dict], key: str) -> list[Any]:
     return [unwrap(r[key]) for r in results]
 
 
+def assert_steps_match_ddp(outs: list[dict], world: int, wire: str, steps: int) -> None:
+    """Every rank's fastreduce grads match its DDP reference at every step."""
+    for rank, out in enumerate(outs):
+        for step in range(steps):
+            assert_grads_close(out["fr"][step], out["ddp"][step], out["scale"][step], wire,
+                               f"world {world} rank {rank} step {step}")
+
+
+def assert_steps_identical_on_ranks(outs: list[dict], steps: int) -> None:
+    """Every rank holds bit-identical fastreduce grads at every step."""
+    for out in outs[1:]:
+        for step in range(steps):
+            for name, g in outs[0]["fr"][step].items():
+                assert torch.equal(out["fr"][step][name], g), f"step {step} {name}"
+
+
 def assert_grads_close(got: dict, want: dict, scale: dict, tol: str, where: str) -> None:
     rtol, atol_unit = TOL[tol]
     assert got.keys() == want.keys(), where
@@ -248,20 +264,13 @@ def parity(request) -> tuple[int, list[dict]]:
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
 def test_grads_match_ddp(parity, case: Case) -> None:
     world, results = parity
-    for rank, out in enumerate(per_rank(results, case.id)):
-        for step in range(STEPS):
-            assert_grads_close(out["fr"][step], out["ddp"][step], out["scale"][step], case.wire,
-                               f"world {world} rank {rank} step {step}")
+    assert_steps_match_ddp(per_rank(results, case.id), world, case.wire, STEPS)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
 def test_every_rank_holds_the_same_grads(parity, case: Case) -> None:
     _, results = parity
-    outs = per_rank(results, case.id)
-    for out in outs[1:]:
-        for step in range(STEPS):
-            for name, g in outs[0]["fr"][step].items():
-                assert torch.equal(out["fr"][step][name], g), f"step {step} {name}"
+    assert_steps_identical_on_ranks(per_rank(results, case.id), STEPS)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)

@@ -37,7 +37,8 @@ from fastreduce.layout import ALIGN
 
 from models import (batch_for, branch_model, linear_stack, loss_of, many_tensor_model,
                     mixed_dtype_model, skip_model)
-from test_fused import (SEED, WIRES, OpRecorder, assert_grads_close, changed_since, ddp_zero,
+from test_fused import (SEED, WIRES, OpRecorder, assert_grads_close, assert_steps_identical_on_ranks,
+                        assert_steps_match_ddp, changed_since, ddp_zero,
                         expect_raises, grad_scale, grads_are_views, grads_of, guarded,
                         make_optimizer, per_rank, skipped, snapshot, spawn, zero_grads)
 
@@ -549,20 +550,13 @@ def test_grads_match_ddp(worlds, case: Case) -> None:
     """fp32 wire to 1e-6 relative, bf16 within its rounding (test_fused.TOL), with and
     without accumulation (DDP uses its own no_sync), however grads are zeroed."""
     world, results = worlds
-    for rank, out in enumerate(per_rank(results, f"parity-{case.id}")):
-        for step in range(STEPS):
-            assert_grads_close(out["fr"][step], out["ddp"][step], out["scale"][step], case.wire,
-                               f"world {world} rank {rank} step {step}")
+    assert_steps_match_ddp(per_rank(results, f"parity-{case.id}"), world, case.wire, STEPS)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
 def test_every_rank_holds_the_same_grads(worlds, case: Case) -> None:
     _, results = worlds
-    outs = per_rank(results, f"parity-{case.id}")
-    for out in outs[1:]:
-        for step in range(STEPS):
-            for name, g in outs[0]["fr"][step].items():
-                assert torch.equal(out["fr"][step][name], g), f"step {step} {name}"
+    assert_steps_identical_on_ranks(per_rank(results, f"parity-{case.id}"), STEPS)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
