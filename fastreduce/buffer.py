@@ -53,12 +53,21 @@ def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class FusedBuffer:
-    """Flat storage for every gradient of ``layout`` plus the ``wire_dtype`` buffer sent."""
+    """Flat storage for every gradient of ``layout`` plus the ``wire_dtype`` buffer sent.
+
+    ``wire``, if given, is zeroed storage for the wire buffer (e.g. a shared-memory
+    region, :meth:`~fastreduce.shm.ShmAllReduce.region`) of :meth:`wire_numel` elements.
+    """
 
     def __init__(self, layout: GradLayout, wire_dtype: torch.dtype, device: torch.device,
-                 pad_multiple: int = 1):
-        numel = -(-layout.numel // pad_multiple) * pad_multiple  # zero tail: splits evenly
-        self.wire = torch.zeros(numel, dtype=wire_dtype, device=device)
+                 pad_multiple: int = 1, wire: torch.Tensor | None = None):
+        numel = self.wire_numel(layout, pad_multiple)
+        if wire is None:
+            wire = torch.zeros(numel, dtype=wire_dtype, device=device)
+        elif wire.shape != (numel,) or wire.dtype != wire_dtype or wire.device != device:
+            raise ValueError(f"wire storage must be {numel} x {wire_dtype} on {device}, got "
+                             f"{tuple(wire.shape)} x {wire.dtype} on {wire.device}")
+        self.wire = wire
         self.flats: list[torch.Tensor] = []  # per segment: the grads' storage
         self.wires: list[torch.Tensor] = []  # per segment: its slice of the wire buffer
         self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, wire) pairs that differ
@@ -75,6 +84,12 @@ class FusedBuffer:
             start += seg.numel
         self.views: tuple[torch.Tensor, ...] = tuple(
             _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
+
+    @staticmethod
+    def wire_numel(layout: GradLayout, pad_multiple: int = 1) -> int:
+        """Elements of the wire buffer: the layout, padded with a zero tail so that it
+        splits into ``pad_multiple`` equal chunks."""
+        return -(-layout.numel // pad_multiple) * pad_multiple
 
     @property
     def nbytes(self) -> int:

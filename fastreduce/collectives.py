@@ -11,37 +11,52 @@ of ranks. :class:`Fp32Accumulate` sends the same bytes as a ring all-reduce but 
 only twice at any world size: an all-to-all hands each rank one chunk from every
 rank, the rank sums its chunk in fp32 and divides, and an all-gather (on Gloo a
 second all-to-all, much faster there) returns every rank's averaged chunk.
+
+CPU ranks on one host skip the process group for the data: :mod:`.shm` averages
+through a shared-memory segment (summing low-precision wires in fp32 as well), and a
+plan that carries one sends every launch there.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "plan_mean", "start_all_reduce"]
+from .shm import ShmAllReduce
 
-Pending = tuple[dist.Work | None, Callable[[], None] | None]
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "plan_mean", "start_all_reduce"]
+
+
+class Waitable(Protocol):
+    """A launched collective: ``dist.Work`` or a :class:`~fastreduce.shm.ShmWork`."""
+
+    def wait(self) -> bool: ...
+
+
+Pending = tuple[Waitable | None, Callable[[], None] | None]
 """A launched collective (``None`` if it already ran) and what to run once it is done."""
 
 
 class MeanPlan:
-    """How one buffer is averaged over a group: AVG in the collective, divide first, or
-    (``fp32_accumulate``) the all-to-all scheme of :class:`Fp32Accumulate`."""
+    """How one buffer is averaged over a group: AVG in the collective, divide first,
+    (``fp32_accumulate``) the all-to-all scheme of :class:`Fp32Accumulate`, or (``shm``)
+    through shared memory, which averages by itself."""
 
-    __slots__ = ("group", "world", "op", "prescale", "fp32_accumulate")
+    __slots__ = ("group", "world", "op", "prescale", "fp32_accumulate", "shm")
 
     def __init__(self, group: dist.ProcessGroup | None, world: int, use_avg: bool,
-                 fp32_accumulate: bool = False):
+                 fp32_accumulate: bool = False, shm: ShmAllReduce | None = None):
         self.group = group
         self.world = world
         self.op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
-        self.prescale = not (use_avg or fp32_accumulate)
+        self.prescale = not (use_avg or fp32_accumulate or shm is not None)
         self.fp32_accumulate = fp32_accumulate
+        self.shm = shm
 
     def __repr__(self) -> str:
-        how = ("fp32 accumulate" if self.fp32_accumulate else
+        how = ("shared memory" if self.shm else "fp32 accumulate" if self.fp32_accumulate else
                "divide then SUM" if self.prescale else "AVG")
         return f"MeanPlan(world={self.world}, {how})"
 
@@ -58,10 +73,14 @@ def _avg_works(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 
 
 def plan_mean(group: dist.ProcessGroup | None, wire_dtype: torch.dtype, device: torch.device,
-              accumulate_dtype: torch.dtype | None = None) -> MeanPlan:
-    """Decide, collectively, how a ``wire_dtype`` buffer is averaged over ``group``."""
+              accumulate_dtype: torch.dtype | None = None,
+              shm: ShmAllReduce | None = None) -> MeanPlan:
+    """Decide, collectively, how a ``wire_dtype`` buffer is averaged over ``group``
+    (through ``shm`` when given: it sums low-precision wires in fp32 anyway)."""
     world = dist.get_world_size(group)
     backend = dist.get_backend(group)
+    if shm is not None:
+        return MeanPlan(group, world, use_avg=False, shm=shm)
     if accumulate_dtype == torch.float32 and torch.finfo(wire_dtype).bits < 32:
         return MeanPlan(group, world, use_avg=False, fp32_accumulate=True)
     if wire_dtype == torch.float16:
@@ -73,8 +92,10 @@ def plan_mean(group: dist.ProcessGroup | None, wire_dtype: torch.dtype, device: 
     return MeanPlan(group, world, use_avg)
 
 
-def start_all_reduce(buf: torch.Tensor, plan: MeanPlan) -> dist.Work:
+def start_all_reduce(buf: torch.Tensor, plan: MeanPlan) -> Waitable:
     """Launch the averaging all-reduce of ``buf`` (already pre-divided if the plan says so)."""
+    if plan.shm is not None:
+        return plan.shm.start(buf)
     work = dist.all_reduce(buf, op=plan.op, group=plan.group, async_op=True)
     assert work is not None
     return work

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,12 +36,16 @@ from .layout import GradLayout, verify_across_ranks
 from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, first_bucket_mb,
                       make_buckets)
 from .profiling import span
+from .shm import ShmAllReduce
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
 
 log = logging.getLogger(__name__)
 
 UnusedGrads = Literal["error", "zero"]
+Transport = Literal["auto", "shm", "process_group"]
+TRANSPORTS = ("auto", "shm", "process_group")
+TRANSPORT_ENV = "FASTREDUCE_TRANSPORT"
 _get_requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -72,6 +77,11 @@ class ReducerConfig:
     bucket_mb: float | None = None
     """Bucket size on the wire in overlap mode (MB); ``None`` picks per backend (few
     large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
+    transport: Transport = field(default_factory=lambda: os.environ.get(TRANSPORT_ENV, "auto"))
+    """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else ``auto``). ``process_group``: the group's all-reduce
+    (HCCL, NCCL, Gloo). ``shm``: CPU ranks on one host average through a shared-memory
+    segment (:mod:`fastreduce.shm`; several times faster than Gloo's loopback TCP), and
+    it is an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
 
     def __post_init__(self) -> None:
         if self.accumulate_dtype not in (None, torch.float32):
@@ -86,6 +96,9 @@ class ReducerConfig:
                              f"float32) or None, got {self.wire_dtype}")
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r} (argument or ${TRANSPORT_ENV}); "
+                             f"choose one of {', '.join(TRANSPORTS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
@@ -134,7 +147,8 @@ class FusedReducer:
         model: the module whose parameters' gradients are averaged.
         group: process group (default: the world group).
         **config: fields of :class:`ReducerConfig` (``wire_dtype``, ``use_graphs``,
-            ``backend``, ``unused_grads``, ``overlap``, ``bucket_mb``).
+            ``backend``, ``unused_grads``, ``accumulate_dtype``, ``overlap``,
+            ``bucket_mb``, ``transport``).
 
     Example::
 
@@ -285,8 +299,11 @@ class FusedReducer:
         verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
         if cfg.unused_grads == "error" and not all(present):
             raise RuntimeError(_missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
-        plan = plan_mean(self.group, wire_dtype, device, cfg.accumulate_dtype)
-        buffer = FusedBuffer(layout, wire_dtype, device, self.world_size if plan.fp32_accumulate else 1)
+        shm = self._open_shm(layout, wire_dtype, device)
+        plan = plan_mean(self.group, wire_dtype, device, cfg.accumulate_dtype, shm)
+        pad = self.world_size if plan.fp32_accumulate else 1
+        wire = shm.region(wire_dtype, FusedBuffer.wire_numel(layout, pad)) if shm else None
+        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
@@ -307,6 +324,17 @@ class FusedReducer:
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
                      "order" if built.schedule else "one fused collective")
         return built
+
+    def _open_shm(self, layout: GradLayout, wire_dtype: torch.dtype,
+                  device: torch.device) -> ShmAllReduce | None:
+        transport = self.config.transport
+        if transport == "process_group" or (transport == "auto" and device.type != "cpu"):
+            return None
+        if device.type != "cpu":
+            raise ValueError(f"transport='shm' needs CPU gradients, these are on {device}; "
+                             "use transport='auto' or 'process_group'")
+        nbytes = FusedBuffer.wire_numel(layout, self.world_size) * wire_dtype.itemsize
+        return ShmAllReduce.open(self.group, nbytes, required=transport == "shm")
 
     @staticmethod
     def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
@@ -465,7 +493,8 @@ class _ReducerCache(dict):
 def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
                          use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
                          backend: str = "auto", unused_grads: UnusedGrads = "error",
-                         accumulate_dtype: torch.dtype | None = None) -> None:
+                         accumulate_dtype: torch.dtype | None = None,
+                         transport: Transport | None = None) -> None:
     """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``.
 
     A drop-in for optimum-habana's function of the same name (same positional
@@ -486,11 +515,12 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
     key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads, accumulate_dtype)
+           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport)
     reducer = cache.get(key)
     if reducer is None:
+        extra = {} if transport is None else {"transport": transport}
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
                                             unused_grads=unused_grads,
-                                            accumulate_dtype=accumulate_dtype)
+                                            accumulate_dtype=accumulate_dtype, **extra)
     reducer.reduce()
