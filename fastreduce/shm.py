@@ -12,16 +12,19 @@ Averaging one slice of the wire (a bucket, or all of it), on rank ``r`` of ``W``
 
     barrier A   every rank has packed its slice
     reduce      chunk r of my slice := mean over k of chunk r of rank k's slice
-    barrier B   every chunk is averaged
-    gather      chunk k of my slice := chunk k of rank k's slice, for each k != r
-    barrier C   nobody reads my slice any more: I may write it again
+    push        chunk r of every other rank's slice := that mean
+    barrier B   every chunk is averaged and pushed: each slice holds the result
 
-Each rank does 1/W of the arithmetic and (W-1)/W of one copy; no data goes through a
-socket. Every rank's result is bit-identical (each chunk is summed once, by one rank).
-A bf16/fp16 wire is summed in fp32 and rounded once, except bf16 at W=2, where a bf16
-add already rounds the exact sum once. The barriers are one-element all-reduces on a
-Gloo group of their own, issued by one worker thread per process group, so a launch
-from a backward hook returns at once and every rank runs the jobs in launch order.
+Each rank does 1/W of the arithmetic and writes (W-1)/W of a slice into the others'
+regions; no data goes through a socket. Chunk r of rank k's slice is only ever read
+and then written by rank r, so after barrier B no rank touches another's region: the
+owner may write its slice again (pack, backward) without a third barrier. Every
+rank's result is bit-identical (each chunk is averaged once, by one rank). At W=2 the
+average is one ``lerp(a, b, 0.5)`` pass, rounded once to the wire dtype; at W>2 a
+bf16/fp16 wire is summed in fp32 and rounded once. The barriers are one-element
+all-reduces on a Gloo group of their own, issued by one worker thread per process
+group, so a launch from a backward hook returns at once and every rank runs the jobs
+in launch order.
 
 The segment is unlinked as soon as every rank has mapped it, so nothing is left in
 ``/dev/shm`` when a rank dies. Ranks that cannot all open it (several hosts; separate
@@ -56,9 +59,8 @@ _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share 
 class ShmWork:
     """One slice's averaging, queued on the worker; ``wait()`` like a ``dist.Work``."""
 
-    own: torch.Tensor  # my chunk of my slice: summed here
+    own: torch.Tensor  # my chunk of my slice: averaged here
     peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice
-    gathers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (my chunk k, rank k's chunk k)
     acc: torch.Tensor | None  # fp32 scratch when the wire dtype must not sum in place
     tmp: torch.Tensor | None
     done: threading.Event = field(default_factory=threading.Event)
@@ -71,24 +73,25 @@ class ShmWork:
             raise RuntimeError(f"fastreduce: the shared-memory all-reduce failed: {err}") from err
         return True
 
-    def reduce(self, world: int) -> None:
-        own, acc, tmp = self.own, self.acc, self.tmp
-        if acc is None:
-            for peer in self.peers:
+    def reduce(self) -> None:
+        """Average my chunk over every rank's slice, into my slice and theirs."""
+        own, peers, acc, tmp = self.own, self.peers, self.acc, self.tmp
+        if len(peers) == 1:  # (a + b) / 2 in one pass, computed in fp32, rounded once
+            own.lerp_(peers[0], 0.5)
+        elif acc is None:
+            for peer in peers:
                 own.add_(peer)
-            own.div_(world)
-            return
-        assert tmp is not None
-        acc.copy_(own)
-        for peer in self.peers:
-            tmp.copy_(peer)
-            acc.add_(tmp)
-        acc.div_(world)
-        own.copy_(acc)
-
-    def gather(self) -> None:
-        for mine, theirs in self.gathers:
-            mine.copy_(theirs)
+            own.div_(len(peers) + 1)
+        else:
+            assert tmp is not None
+            acc.copy_(own)
+            for peer in peers:
+                tmp.copy_(peer)
+                acc.add_(tmp)
+            acc.div_(len(peers) + 1)
+            own.copy_(acc)
+        for peer in peers:
+            peer.copy_(own)
 
 
 class _Channel:
@@ -101,7 +104,6 @@ class _Channel:
     def __init__(self, group: dist.ProcessGroup | None):
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.sync = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        self.world = len(ranks)
         self.jobs: queue.SimpleQueue[ShmWork] = queue.SimpleQueue()
         self.tick = torch.zeros(1, dtype=torch.int32)
         threading.Thread(target=self._serve, name="fastreduce-shm", daemon=True).start()
@@ -114,10 +116,8 @@ class _Channel:
             job = self.jobs.get()
             try:
                 self._barrier()  # A: every rank packed
-                job.reduce(self.world)
-                self._barrier()  # B: every chunk averaged
-                job.gather()
-                self._barrier()  # C: nobody reads my slice any more
+                job.reduce()
+                self._barrier()  # B: every chunk averaged and pushed
             except BaseException as err:  # noqa: BLE001 - handed to wait()
                 job.error = err
             job.done.set()
@@ -251,13 +251,11 @@ class ShmAllReduce:
         r = self.rank
         own = slices[r][b[r]:b[r + 1]]
         peers = tuple(s[b[r]:b[r + 1]] for k, s in enumerate(slices) if k != r)
-        gathers = tuple((slices[r][b[k]:b[k + 1]], slices[k][b[k]:b[k + 1]])
-                        for k in range(self.world) if k != r and b[k + 1] > b[k])
-        in_place = buf.dtype.itemsize >= 4 or (buf.dtype == torch.bfloat16 and self.world == 2)
+        in_place = buf.dtype.itemsize >= 4 or self.world == 2
         acc = tmp = None
         if not in_place:
             if self.scratch is None:  # sized for the largest chunk of the region
                 most = -(-self.region_bytes // (2 * self.world)) + _ALIGN
                 self.scratch = (torch.empty(most), torch.empty(most))
             acc, tmp = (t[:own.numel()] for t in self.scratch)
-        return ShmWork(own, peers, gathers, acc, tmp)
+        return ShmWork(own, peers, acc, tmp)
