@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
 
+# The suites that reduce run again on the process group's transport (Gloo), which
+# CPU ranks on one host otherwise skip for shared memory.
+TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(TRANSPORT_SUITES)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[plot]"

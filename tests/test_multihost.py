@@ -63,7 +63,8 @@ def test_two_hosts_train_in_sync_through_torchrun(two_hosts):
         # The namespaces share the machine's hostname, so torchrun can tell neither which
         # node serves the rendezvous store (is_host: host A) nor which address a node's
         # workers are reached at (--local-addr): both are said explicitly.
-        cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={ifname}",
+        cmd = ["ip", "netns", "exec", ns, "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
+               "host", "env", f"GLOO_SOCKET_IFNAME={ifname}",
                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "fastreduce-test",
                "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60", "--local-addr", addr,
@@ -84,3 +85,6 @@ def test_two_hosts_train_in_sync_through_torchrun(two_hosts):
     assert len(summary) == 1, outputs  # printed by global rank 0 only, on one of the hosts
     assert summary[0].startswith("4 ranks on cpu (gloo)"), summary
     assert summary[0].endswith("parameters identical on all ranks: True"), summary
+    text = "".join(outputs)
+    assert "shared-memory transport off" in text and "several hosts" in text, text[-3000:]
+    assert "shared memory)" not in text  # no reducer averaged through /dev/shm

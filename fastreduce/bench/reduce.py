@@ -8,8 +8,9 @@ default), run one forward/backward to create gradients, and then time **only the
 reduction step** of each method below, on the same model and gradients:
 
 ==========================  ====================================================
- ``fastreduce_bf16``         ``all_reduce_gradients(model, torch.bfloat16)``
- ``fastreduce_fp32``         ``all_reduce_gradients(model, torch.float32)``
+ ``fastreduce_bf16``         ``all_reduce_gradients(model, torch.bfloat16,
+                             transport="process_group")``: over Gloo
+ ``fastreduce_fp32``         the same with ``torch.float32``
  ``bare_allreduce_bf16``     ``dist.all_reduce`` of a packed flat bf16 buffer
  ``bare_allreduce_fp32``     ``dist.all_reduce`` of a packed flat fp32 buffer
  ``flat_bf16_unavoidable``   a bf16 wire's unavoidable work on one flat fp32
@@ -17,7 +18,17 @@ reduction step** of each method below, on the same model and gradients:
  ``per_param_loop_bf16``     the per-parameter loop optimum-habana runs: cast
                              and scale each grad into a fused bf16 buffer, one
                              SUM all-reduce, cast each slice back
+ ``fastreduce_bf16_shm``     ``all_reduce_gradients(model, torch.bfloat16)`` with
+                             the default transport: shared memory on one host
+ ``fastreduce_fp32_shm``     the same with ``torch.float32``
+ ``bare_shm_bf16/fp32``      the shared-memory averaging alone, on the packed
+                             wire buffer of the reducer above
 ==========================  ====================================================
+
+The issue-2 targets are defined against Gloo's all-reduce, so they use the
+``process_group`` rows; the ``_shm`` rows show the same call on the transport
+fastreduce picks by default for ranks on one host (each against its own bare
+averaging; if /dev/shm is unusable they fall back to Gloo and say so).
 
 Every fastreduce method and the loop get their own ``deepcopy`` of the model, so
 each has its own reducer and gradients; between calls the gradients are zeroed in
@@ -72,6 +83,10 @@ BASELINES = {
     "bare_allreduce_fp32": "bare_allreduce_fp32",
     "flat_bf16_unavoidable": "bare_allreduce_bf16",
     "per_param_loop_bf16": "bare_allreduce_bf16",
+    "fastreduce_bf16_shm": "bare_shm_bf16",
+    "fastreduce_fp32_shm": "bare_shm_fp32",
+    "bare_shm_bf16": "bare_shm_bf16",
+    "bare_shm_fp32": "bare_shm_fp32",
 }
 """Each method's table ratio is its median over this method's median (same wire dtype)."""
 METHODS = tuple(BASELINES)
@@ -141,21 +156,27 @@ def _reducer_of(model: nn.Module) -> FusedReducer:
 
 # ---------------------------------------------------------------- the methods
 
-def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype) -> tuple[Method, FusedReducer]:
+def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype,
+                      transport: str = "process_group") -> tuple[Method, FusedReducer]:
     """``all_reduce_gradients`` on a private copy; the first (untimed) call builds the reducer."""
     m = clone_with_grads(model)
-    all_reduce_gradients(m, dtype)
+    all_reduce_gradients(m, dtype, transport=transport)  # type: ignore[arg-type]
     reducer = _reducer_of(m)
     assert reducer._built is not None
-    return (Method(name, lambda: all_reduce_gradients(m, dtype),
+    return (Method(name, lambda: all_reduce_gradients(m, dtype, transport=transport),  # type: ignore[arg-type]
                    lambda: m.zero_grad(set_to_none=False), reducer._built.buffer.nbytes), reducer)
 
 
 def bare_method(name: str, reducer: FusedReducer) -> Method:
-    """All-reduce of an already-packed buffer like the reducer's wire, with its op."""
+    """The reducer's averaging alone on an already-packed buffer: its shared-memory job on
+    its own wire buffer, or the process group's all-reduce of a copy with its op."""
     built = reducer._built
     assert built is not None
-    buf = torch.randn(built.buffer.wire.numel()).to(built.buffer.wire.dtype)
+    wire = built.buffer.wire
+    if built.plan.shm is not None:
+        shm = built.plan.shm
+        return Method(name, lambda: shm.start(wire).wait(), nbytes=built.buffer.nbytes)
+    buf = torch.randn(wire.numel()).to(wire.dtype)
     op = built.plan.op
     return Method(name, lambda: dist.all_reduce(buf, op=op), nbytes=buf.numel() * buf.element_size())
 
@@ -187,15 +208,21 @@ def per_param_loop_method(name: str, model: nn.Module) -> Method:
 
 
 def build_methods(model: nn.Module) -> tuple[list[Method], dict[str, str]]:
-    """All six methods in :data:`METHODS` order, and each wire dtype's averaging plan."""
+    """Every method in :data:`METHODS` order, and each reducer's averaging plan."""
     bf16, r_bf16 = fastreduce_method("fastreduce_bf16", model, torch.bfloat16)
     fp32, r_fp32 = fastreduce_method("fastreduce_fp32", model, torch.float32)
-    plans = {"bf16": repr(r_bf16._built.plan), "fp32": repr(r_fp32._built.plan)}  # type: ignore[union-attr]
+    bf16_shm, s_bf16 = fastreduce_method("fastreduce_bf16_shm", model, torch.bfloat16, "auto")
+    fp32_shm, s_fp32 = fastreduce_method("fastreduce_fp32_shm", model, torch.float32, "auto")
+    plans = {name: repr(r._built.plan) for name, r in  # type: ignore[union-attr]
+             (("bf16", r_bf16), ("fp32", r_fp32), ("bf16_shm", s_bf16), ("fp32_shm", s_fp32))}
     return [bf16, fp32,
             bare_method("bare_allreduce_bf16", r_bf16),
             bare_method("bare_allreduce_fp32", r_fp32),
             flat_unavoidable_method("flat_bf16_unavoidable", r_bf16),
-            per_param_loop_method("per_param_loop_bf16", model)], plans
+            per_param_loop_method("per_param_loop_bf16", model),
+            bf16_shm, fp32_shm,
+            bare_method("bare_shm_bf16", s_bf16),
+            bare_method("bare_shm_fp32", s_fp32)], plans
 
 
 # ---------------------------------------------------------------- op counting
@@ -216,10 +243,12 @@ def count_ops(n_tensors: int, dtype: torch.dtype, rank: int) -> dict[str, Any]:
     """Ops dispatched by one warm ``all_reduce_gradients`` call on an ``n_tensors`` model."""
     model = make_model(n_tensors // 2, 8)
     backward_once(model, rank, 2)
-    all_reduce_gradients(model, dtype)  # cold call: builds the reducer
+    # Gloo's collectives run on this thread, so the counter sees them (shared memory's
+    # run on a worker thread; tests/test_shm.py counts those).
+    all_reduce_gradients(model, dtype, transport="process_group")  # cold call: builds the reducer
     model.zero_grad(set_to_none=False)
     with OpCounter() as counter:
-        all_reduce_gradients(model, dtype)
+        all_reduce_gradients(model, dtype, transport="process_group")
     return {"total": sum(counter.ops.values()), "ops": dict(counter.ops)}
 
 
@@ -289,6 +318,7 @@ def format_text(report: dict[str, Any]) -> str:
         base = BASELINES[name]
         lines.append(f"{name:<24}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
                      f"{m['mb']:>9.1f}  {report['ratios'][f'{name}/{base}']:.2f}x {base}")
+    lines.append("averaging: " + ", ".join(f"{k} {v}" for k, v in c["averaging"].items()))
     if c["quick"]:
         lines.append("(--quick: a tiny model proves the benchmark runs; fixed per-call costs "
                      "dominate its timings, so its targets mean little)")

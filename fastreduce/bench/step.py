@@ -32,6 +32,10 @@ rank-specific seed), and each method runs on its own ``deepcopy`` of the model:
  ``fastreduce_overlap_bf16/fp32`` ``FusedReducer(overlap=True)``: buckets reduced
                                 during backward (``--bucket-mb``; default: the
                                 backend's default bucket size)
+ ``fastreduce_*_bf16_pg``       the fused and overlapped bf16 methods with
+                                ``transport="process_group"``: Gloo's all-reduce
+                                instead of the shared-memory transport that the
+                                methods above pick by default on one host
  ``ddp_fp32``                   ``DistributedDataParallel(gradient_as_bucket_view=True)``,
                                 default buckets
  ``ddp_fp16_hook``              the same with ``fp16_compress_hook`` (DDP's bf16 hook
@@ -85,6 +89,7 @@ DDP_BASELINE = "ddp_fp32"
 REFERENCE = "no_reduce"
 METHODS = ("per_param_allreduce_fp32", "ohabana_loop_bf16", "fastreduce_fused_bf16",
            "fastreduce_fused_fp32", "fastreduce_overlap_bf16", "fastreduce_overlap_fp32",
+           "fastreduce_fused_bf16_pg", "fastreduce_overlap_bf16_pg",
            "ddp_fp32", "ddp_fp16_hook", REFERENCE)
 TARGET_MODEL = "many"
 TARGETS = (  # (name, numerator, denominator, comparison, limit), on TARGET_MODEL
@@ -204,7 +209,9 @@ class StepMethod:
         if self.reducer is not None:
             r = self.reducer
             mb = r.config.bucket_mb or default_bucket_mb(dist.get_backend(r.group))
-            return {"buckets": r.num_buckets, "bucket_mb": mb if r.config.overlap else None}
+            shm = r._built is not None and r._built.plan.shm is not None
+            return {"buckets": r.num_buckets, "bucket_mb": mb if r.config.overlap else None,
+                    "transport": "shm" if shm else dist.get_backend(r.group)}
         if self.ddp is not None:
             data = self.ddp._get_ddp_logging_data()
             sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
@@ -236,9 +243,9 @@ def per_param_allreduce(params: list[nn.Parameter]) -> Callable[[], None]:
 
 
 def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype, overlap: bool,
-                      bucket_mb: float | None) -> StepMethod:
+                      bucket_mb: float | None, transport: str = "auto") -> StepMethod:
     reducer = FusedReducer(model, wire_dtype=dtype, overlap=overlap,
-                           bucket_mb=bucket_mb if overlap else None)
+                           bucket_mb=bucket_mb if overlap else None, transport=transport)
     params = [p for p in model.parameters() if p.requires_grad]
     nbytes = _numel(params) * torch.empty((), dtype=dtype).element_size()  # exact once built
     return StepMethod(name, model, params, reducer.finish if overlap else reducer.reduce,
@@ -268,6 +275,8 @@ def build_methods(base: nn.Module, cfg: StepConfig) -> list[StepMethod]:
         fastreduce_method("fastreduce_fused_fp32", twin(), fp32, False, None),
         fastreduce_method("fastreduce_overlap_bf16", twin(), bf16, True, cfg.bucket_mb),
         fastreduce_method("fastreduce_overlap_fp32", twin(), fp32, True, cfg.bucket_mb),
+        fastreduce_method("fastreduce_fused_bf16_pg", twin(), bf16, False, None, "process_group"),
+        fastreduce_method("fastreduce_overlap_bf16_pg", twin(), bf16, True, cfg.bucket_mb, "process_group"),
         ddp_method("ddp_fp32", twin(), None),
         ddp_method("ddp_fp16_hook", twin(), fp16_compress_hook),
         _plain(REFERENCE, twin(), lambda params: (lambda: None), 0),
@@ -370,7 +379,7 @@ def format_text(report: dict[str, Any]) -> str:
                   f"{'method':<27}{'median ms':>10}{'p10':>9}{'p90':>9}{'MB wire':>9}{'buckets':>8}"
                   f"{'vs DDP':>8}  notes"]
         for name, m in mod["methods"].items():
-            notes = []
+            notes = [f"via {m['transport']}"] if m.get("transport") else []
             if m.get("launched_in_backward") is not None:
                 notes.append(f"{m['launched_in_backward']:.0f}/{m['buckets']} launched in backward")
             if name == REFERENCE:
