@@ -5,7 +5,8 @@
     optimizer.step()
 
 Layers (one module each): :mod:`.engine` (process groups), :mod:`.backends` (device
-dispatch: HPU graphs, CUDA graphs, eager), :mod:`.collectives`, :mod:`.layout` and
+dispatch: HPU graphs, CUDA graphs, eager), :mod:`.collectives` (with :mod:`.shm`,
+shared-memory averaging for CPU ranks on one host), :mod:`.layout` and
 :mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
 (:mod:`.fused`).
 """

@@ -55,6 +55,12 @@ _PAGE = 4096
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()  # a job not yet started counts as done: nothing to wait for
+    return event
+
+
 @dataclass(slots=True, eq=False)
 class ShmWork:
     """One slice's averaging, queued on the worker; ``wait()`` like a ``dist.Work``."""
@@ -63,7 +69,7 @@ class ShmWork:
     peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice
     acc: torch.Tensor | None  # fp32 scratch when the wire dtype must not sum in place
     tmp: torch.Tensor | None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=_set_event)
     error: BaseException | None = None
 
     def wait(self) -> bool:
@@ -235,6 +241,9 @@ class ShmAllReduce:
         work = self.works.get(key)
         if work is None:
             work = self.works[key] = self._plan(buf)
+        elif not work.done.is_set():
+            raise RuntimeError("this slice is already being averaged; wait() for it before "
+                               "starting it again")
         work.done.clear()
         self.started += 1
         self.channel.jobs.put(work)
