@@ -237,6 +237,9 @@ class ShmAllReduce:
 
     def start(self, buf: torch.Tensor) -> ShmWork:
         """Queue the in-place averaging of ``buf``, a contiguous slice of :meth:`region`."""
+        if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
+            raise ValueError("the buffer to average must be contiguous (a slice of "
+                             "ShmAllReduce.region)")
         key = (buf.data_ptr(), buf.numel(), buf.dtype)
         work = self.works.get(key)
         if work is None:
@@ -252,7 +255,7 @@ class ShmAllReduce:
     def _plan(self, buf: torch.Tensor) -> ShmWork:
         es = buf.element_size()
         off = buf.data_ptr() - self.regions[self.rank].data_ptr()
-        if not buf.is_contiguous() or off < 0 or off + buf.numel() * es > self.region_bytes:
+        if off < 0 or off + buf.numel() * es > self.region_bytes:
             raise ValueError("the buffer to average is not a contiguous slice of this rank's "
                              "shared-memory region (ShmAllReduce.region)")
         slices = [r[off:off + buf.numel() * es].view(buf.dtype) for r in self.regions]

@@ -41,10 +41,10 @@ MIXED_WIRES = {**WIRES, "fp16": torch.float16, None: None}
 #  fp32: the two sides sum the same values in a different order (DDP divides by N
 #    before a Gloo sum, fastreduce sums with ReduceOp.AVG, and the bucket layouts
 #    differ), so they differ by a few fp32 ulps of the summands: 8 * 2**-23 ~ 1e-6.
-#  bf16: every contribution is rounded to bf16 once (relative 2**-9), the Gloo sum
-#    of N=2..3 terms rounds up to N-1 more times and the average once more: at most
-#    (N + 1) * 2**-9 * scale <= 2**-7 * scale. atol = 2**-6 * scale leaves a factor 2;
-#    rtol 2e-2 (~5 bf16 ulps) covers elements far from zero.
+#  bf16: every contribution is rounded to bf16 once (unit roundoff u = 2**-8), the
+#    Gloo sum of N=2..3 terms rounds up to N-1 more times and the average once more:
+#    at most (N + 1) * u * scale <= 2**-6 * scale, which is atol (a worst case; the
+#    errors seen are far smaller); rtol 2e-2 (~5 bf16 ulps) covers elements far from zero.
 TOL = {"fp32": (1e-6, 8 * 2.0**-23), "bf16": (2e-2, 2.0**-6)}
 
 pytestmark = pytest.mark.timeout(180)
