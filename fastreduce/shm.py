@@ -21,10 +21,11 @@ and then written by rank r, so after barrier B no rank touches another's region:
 owner may write its slice again (pack, backward) without a third barrier. Every
 rank's result is bit-identical (each chunk is averaged once, by one rank). At W=2 the
 average is one ``lerp(a, b, 0.5)`` pass, rounded once to the wire dtype; at W>2 a
-bf16/fp16 wire is summed in fp32 and rounded once. The barriers are one-element
-all-reduces on a Gloo group of their own, issued by one worker thread per process
-group, so a launch from a backward hook returns at once and every rank runs the jobs
-in launch order.
+bf16/fp16 wire is summed in fp32 and rounded once. The jobs run on one worker thread
+per process group, so a launch from a backward hook returns at once and every rank
+runs the jobs in launch order. The barriers are counters in the segment's first page
+(x86-64; see :class:`_FlagBarrier`), elsewhere one-element all-reduces on a Gloo
+group of fastreduce's own.
 
 The segment is unlinked as soon as every rank has mapped it, so nothing is left in
 ``/dev/shm`` when a rank dies. Ranks that cannot all open it (several hosts; separate
@@ -37,11 +38,15 @@ import logging
 import mmap
 import os
 import queue
+import itertools
+import platform
 import shutil
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +57,10 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _PAGE = 4096
+_LINE = 64
+FLAG_BARRIERS = platform.machine().lower() in ("x86_64", "amd64")
+"""Barriers through the segment (x86-64: total store order), else through Gloo."""
+BARRIER_TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
 
 
@@ -69,6 +78,7 @@ class ShmWork:
     peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice
     acc: torch.Tensor | None  # fp32 scratch when the wire dtype must not sum in place
     tmp: torch.Tensor | None
+    barrier: Callable[[], None]  # waits until every rank has reached the same point
     done: threading.Event = field(default_factory=_set_event)
     error: BaseException | None = None
 
@@ -100,6 +110,43 @@ class ShmWork:
             peer.copy_(own)
 
 
+class _FlagBarrier:
+    """A barrier through the segment itself: each rank stores how many barriers it has
+    reached in a cache line of its own and polls the others'. Microseconds when the
+    ranks arrive together, against a Gloo round trip per barrier; while it waits it
+    yields the core, then sleeps, so a rank still in backward keeps its CPU.
+
+    Ordering: the data a rank wrote before storing its count is visible to a rank that
+    has read that count, on x86-64's total store order (every store of ATen's kernels
+    and of ``fill_`` is a plain store, each kernel an opaque call). Elsewhere the Gloo
+    barrier is used.
+    """
+
+    def __init__(self, flags: torch.Tensor, rank: int, timeout: float):
+        self.flags = flags  # int64 [world], one per cache line
+        self.mine = flags[rank:rank + 1]
+        self.count = 0
+        self.timeout = timeout
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.mine.fill_(self.count)
+        flags, count = self.flags, self.count
+        if int(flags.min()) >= count:
+            return
+        deadline = time.monotonic() + self.timeout
+        for spin in itertools.count():
+            if int(flags.min()) >= count:
+                return
+            if spin < 200:
+                os.sched_yield()
+            else:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fastreduce: a rank did not reach the shared-memory barrier "
+                                       f"within {self.timeout:.0f} s")
+                time.sleep(5e-5 if spin < 2000 else 1e-3)
+
+
 class _Channel:
     """The worker thread and barrier group shared by every reducer on one process group.
 
@@ -108,22 +155,24 @@ class _Channel:
     """
 
     def __init__(self, group: dist.ProcessGroup | None):
+        # Gloo barriers (where flag barriers are not safe) get a group of their own, so
+        # they never meet the user's collectives.
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.sync = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self.jobs: queue.SimpleQueue[ShmWork] = queue.SimpleQueue()
         self.tick = torch.zeros(1, dtype=torch.int32)
         threading.Thread(target=self._serve, name="fastreduce-shm", daemon=True).start()
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         dist.all_reduce(self.tick, group=self.sync)
 
     def _serve(self) -> None:
         while True:
             job = self.jobs.get()
             try:
-                self._barrier()  # A: every rank packed
+                job.barrier()  # A: every rank packed
                 job.reduce()
-                self._barrier()  # B: every chunk averaged and pushed
+                job.barrier()  # B: every chunk averaged and pushed
             except BaseException as err:  # noqa: BLE001 - handed to wait()
                 job.error = err
             job.done.set()
@@ -148,6 +197,11 @@ def _bounds(n: int, world: int) -> list[int]:
     """Chunk edges of an ``n``-element slice: W chunks of about n/W, cache-line aligned."""
     step = _ceil(_ceil(n, world) // world, _ALIGN)
     return [min(k * step, n) for k in range(world + 1)]
+
+
+def _header_bytes(world: int) -> int:
+    """The segment's head: one cache line of barrier count per rank, page-aligned."""
+    return _ceil(world * _LINE, _PAGE)
 
 
 def _create(size: int) -> tuple[str | None, str | None]:
@@ -183,7 +237,12 @@ class ShmAllReduce:
         self.rank = dist.get_rank(group)
         self.channel = _channel(group)
         base = torch.frombuffer(segment, dtype=torch.uint8)  # keeps the mapping alive
-        self.regions = [base[k * region_bytes:(k + 1) * region_bytes] for k in range(self.world)]
+        header = _header_bytes(self.world)
+        self.regions = [base[header + k * region_bytes:header + (k + 1) * region_bytes]
+                        for k in range(self.world)]
+        flags = base[:header].view(torch.int64)[::_LINE // 8][:self.world]
+        self.barrier = (_FlagBarrier(flags, self.rank, BARRIER_TIMEOUT) if FLAG_BARRIERS
+                        else self.channel.barrier)
         self.region_bytes = region_bytes
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.works: dict[tuple[int, int, torch.dtype], ShmWork] = {}
@@ -199,7 +258,7 @@ class ShmAllReduce:
         """
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         region_bytes = _ceil(max(nbytes, 1), _PAGE)
-        size = region_bytes * world
+        size = _header_bytes(world) + region_bytes * world
         box: list[str | None] = list(_create(size)) if rank == 0 else [None, None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         path, why = box
@@ -270,4 +329,4 @@ class ShmAllReduce:
                 most = -(-self.region_bytes // (2 * self.world)) + _ALIGN
                 self.scratch = (torch.empty(most), torch.empty(most))
             acc, tmp = (t[:own.numel()] for t in self.scratch)
-        return ShmWork(own, peers, acc, tmp)
+        return ShmWork(own, peers, acc, tmp, self.barrier)

@@ -176,6 +176,13 @@ def direct_case(rank: int, world: int, name: str, private: str) -> dict:
     return out
 
 
+def gloo_barrier_case(rank: int, world: int, private: str) -> dict:
+    """direct_case for bf16 with the Gloo barriers used where flag barriers are not safe
+    (not x86-64): the same results must come out."""
+    with mock.patch.object(fastreduce.shm, "FLAG_BARRIERS", False):
+        return direct_case(rank, world, "bf16", private)
+
+
 def op_count_case(rank: int, world: int) -> dict:
     """The ops of ShmWork.reduce() of 1e3 and 1e6 elements, run as the worker runs it:
     on every rank, between two barriers."""
@@ -347,6 +354,7 @@ PARITY = [(w, m) for w in ("fp32", "bf16") for m in ("fused", "overlap")]
 
 def worker(rank: int, world: int, dirs: dict) -> dict:
     out = {name: guarded(direct_case, rank, world, name, dirs["private"]) for name in DTYPES}
+    out["gloo barriers"] = guarded(gloo_barrier_case, rank, world, dirs["private"])
     if world in (2, 3):
         out["ops"] = guarded(op_count_case, rank, world)
     if world == 2:
@@ -460,6 +468,17 @@ def test_jobs_run_in_order_and_touch_only_their_slices(group, name) -> None:
     for rank, out in enumerate(per_rank(group, name)):
         for rnd, res in zip(ROUNDS, out["rounds"]):
             assert res["fifo"] and res["queued"] == res["count"] and res["untouched"], (rank, rnd, res)
+
+
+@worlds(2, 3, 4)
+def test_gloo_barriers_give_the_same_results(group) -> None:
+    """With Gloo barriers instead of flag barriers (the non-x86-64 path), bf16 slices and
+    the whole region hold the mean, bit-identical on every rank, in FIFO order."""
+    outs = per_rank(group, "gloo barriers")
+    for rank, out in enumerate(outs):
+        for rnd, res, res0 in zip(ROUNDS, out["rounds"], outs[0]["rounds"]):
+            assert max(res["ratio"]) <= REL_TOL["bf16"], f"rank {rank} {rnd}: {res['ratio']}"
+            assert res["fifo"] and res["untouched"] and res["digest"] == res0["digest"], (rank, rnd)
 
 
 @worlds(2, 3, 4)
