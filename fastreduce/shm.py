@@ -41,6 +41,7 @@ import queue
 import itertools
 import platform
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -114,7 +115,9 @@ class _FlagBarrier:
     """A barrier through the segment itself: each rank stores how many barriers it has
     reached in a cache line of its own and polls the others'. Microseconds when the
     ranks arrive together, against a Gloo round trip per barrier; while it waits it
-    yields the core, then sleeps, so a rank still in backward keeps its CPU.
+    yields the core, then sleeps, so a rank still in backward keeps its CPU. A long
+    wait checks about once a second whether a rank has exited (its pid, stored next to
+    its count) and raises then, rather than at the timeout.
 
     Ordering: the data a rank wrote before storing its count is visible to a rank that
     has read that count, on x86-64's total store order (every store of ATen's kernels
@@ -122,9 +125,10 @@ class _FlagBarrier:
     barrier is used.
     """
 
-    def __init__(self, flags: torch.Tensor, rank: int, timeout: float):
-        self.flags = flags  # int64 [world], one per cache line
-        self.mine = flags[rank:rank + 1]
+    def __init__(self, header: torch.Tensor, rank: int, world: int, timeout: float):
+        lines = header.view(torch.int64).view(-1, _LINE // 8)[:world]  # [count, pid, pid ns]
+        self.flags, self.pids, self.pidns = lines[:, 0], lines[:, 1], lines[:, 2]
+        self.mine = lines[rank, 0:1]
         self.count = 0
         self.timeout = timeout
 
@@ -140,11 +144,39 @@ class _FlagBarrier:
                 return
             if spin < 200:
                 os.sched_yield()
-            else:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"fastreduce: a rank did not reach the shared-memory barrier "
-                                       f"within {self.timeout:.0f} s")
-                time.sleep(5e-5 if spin < 2000 else 1e-3)
+                continue
+            time.sleep(5e-5 if spin < 2000 else 1e-3)
+            if spin % 1000 == 0:  # about once a second once waiting is long
+                self._check(deadline)
+
+    def _check(self, deadline: float) -> None:
+        """Raise instead of waiting for a rank that has exited, or past the timeout."""
+        if len(set(self.pidns.tolist())) == 1:  # pids mean the same thing to every rank
+            gone = [k for k, pid in enumerate(self.pids.tolist()) if not _alive(pid)]
+            if gone:
+                raise RuntimeError(f"fastreduce: rank(s) {gone} of the shared-memory group exited "
+                                   "while the others waited for them")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fastreduce: a rank did not reach the shared-memory barrier "
+                               f"within {self.timeout:g} s")
+
+
+def _alive(pid: int) -> bool:
+    """False only when ``pid`` is known to have exited (gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return True
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class _Channel:
@@ -240,8 +272,7 @@ class ShmAllReduce:
         header = _header_bytes(self.world)
         self.regions = [base[header + k * region_bytes:header + (k + 1) * region_bytes]
                         for k in range(self.world)]
-        flags = base[:header].view(torch.int64)[::_LINE // 8][:self.world]
-        self.barrier = (_FlagBarrier(flags, self.rank, BARRIER_TIMEOUT) if FLAG_BARRIERS
+        self.barrier = (_FlagBarrier(base[:header], self.rank, self.world, BARRIER_TIMEOUT) if FLAG_BARRIERS
                         else self.channel.barrier)
         self.region_bytes = region_bytes
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -270,6 +301,8 @@ class ShmAllReduce:
                     segment = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
+                # who I am, for the barriers' check on exited ranks (_FlagBarrier._check)
+                struct.pack_into("qq", segment, rank * _LINE + 8, os.getpid(), _pid_namespace())
             except OSError as err:
                 why = f"rank {rank} cannot map {path}: {err.strerror}"
         ok = torch.tensor([segment is not None], dtype=torch.int32)

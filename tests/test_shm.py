@@ -638,3 +638,43 @@ def test_subgroups_average_over_their_own_ranks(group) -> None:
             assert shm_world == 2
             assert_within(got, ref, scale, REL_TOL["fp32"], f"rank {rank} step {step}")
             assert any(not torch.allclose(got[n], world_mean[n].float()) for n in got)
+
+
+# ============================================================== flag barriers, one process
+
+def _header(pids: list[int]) -> torch.Tensor:
+    """A barrier header as open() leaves it: per rank, count 0, its pid, its pid namespace."""
+    header = torch.zeros(fastreduce.shm._header_bytes(len(pids)), dtype=torch.uint8)
+    lines = header.view(torch.int64).view(-1, 8)
+    for k, pid in enumerate(pids):
+        lines[k, 1], lines[k, 2] = pid, fastreduce.shm._pid_namespace()
+    return header
+
+
+def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
+    """Rank 0 waits for rank 1, whose process has exited: an error naming rank 1 within a
+    few seconds, not a wait until the (here 60 s) timeout."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: the pid names no process now
+    barrier = fastreduce.shm._FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*exited"):
+        barrier()
+    assert time.monotonic() - t0 < 10
+
+
+def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:
+    """Rank 1 is alive (this very process) but never arrives: the timeout, with a message."""
+    barrier = fastreduce.shm._FlagBarrier(_header([os.getpid(), os.getpid()]), 0, 2, timeout=0.5)
+    with pytest.raises(RuntimeError, match="did not reach the shared-memory barrier within 0.5 s"):
+        barrier()
+
+
+def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
+    """Counts at or past this barrier's number let it through at once."""
+    header = _header([os.getpid(), os.getpid()])
+    barrier = fastreduce.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    header.view(torch.int64).view(-1, 8)[1, 0] = 2  # rank 1 is already one barrier ahead
+    barrier()
+    barrier()
+    assert barrier.count == 2 and int(barrier.flags[0]) == 2
