@@ -69,8 +69,8 @@ def write_chart(path: Path, rows: Sequence[dict[str, Any]], title: str,
     n = len(methods)
     width = 0.8 / n
     fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + 0.55 * n * len(models)), 5.0))
-    cmap = plt.get_cmap("tab10")
-    palette = [cmap(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # tab10 without its grey (the reference's)
+    cmap = plt.get_cmap("tab20")
+    palette = [cmap(i) for i in range(20) if i not in (14, 15)]  # tab20 without its greys (the reference's)
     for j, method in enumerate(methods):
         xs, med, lo, hi, speed = [], [], [], [], []
         for i, model in enumerate(models):
