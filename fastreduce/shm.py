@@ -34,12 +34,12 @@ The segment is unlinked as soon as every rank has mapped it, so nothing is left 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
-import queue
-import itertools
 import platform
+import queue
 import shutil
 import struct
 import threading
@@ -131,8 +131,11 @@ class _FlagBarrier:
         self.mine = lines[rank, 0:1]
         self.count = 0
         self.timeout = timeout
+        self.failed = False
 
     def __call__(self) -> None:
+        if self.failed:  # stays failed: never let the others pass on a broken result
+            raise RuntimeError("fastreduce: an earlier shared-memory all-reduce failed on this rank")
         self.count += 1
         self.mine.fill_(self.count)
         flags, count = self.flags, self.count
@@ -140,14 +143,24 @@ class _FlagBarrier:
             return
         deadline = time.monotonic() + self.timeout
         for spin in itertools.count():
-            if int(flags.min()) >= count:
+            least = int(flags.min())
+            if least >= count:
                 return
+            if least < 0:
+                failed = [k for k, c in enumerate(flags.tolist()) if c < 0]
+                raise RuntimeError(f"fastreduce: rank(s) {failed} of the shared-memory group failed "
+                                   "in an all-reduce; its result is not valid")
             if spin < 200:
                 os.sched_yield()
                 continue
             time.sleep(5e-5 if spin < 2000 else 1e-3)
             if spin % 1000 == 0:  # about once a second once waiting is long
                 self._check(deadline)
+
+    def fail(self) -> None:
+        """Tell the other ranks this rank's job failed: their wait raises, not hangs."""
+        self.failed = True
+        self.mine.fill_(-1)
 
     def _check(self, deadline: float) -> None:
         """Raise instead of waiting for a rank that has exited, or past the timeout."""
@@ -207,6 +220,9 @@ class _Channel:
                 job.barrier()  # B: every chunk averaged and pushed
             except BaseException as err:  # noqa: BLE001 - handed to wait()
                 job.error = err
+                fail = getattr(job.barrier, "fail", None)
+                if fail is not None:
+                    fail()
             job.done.set()
 
 

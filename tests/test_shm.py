@@ -678,3 +678,16 @@ def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
     barrier()
     barrier()
     assert barrier.count == 2 and int(barrier.flags[0]) == 2
+
+
+def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
+    """A rank whose job failed marks its count; a rank waiting for it raises at once."""
+    header = _header([os.getpid(), os.getpid()])
+    peer = fastreduce.shm._FlagBarrier(header, 1, 2, timeout=5.0)
+    barrier = fastreduce.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    peer.fail()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*failed"):
+        barrier()
+    with pytest.raises(RuntimeError, match="earlier shared-memory all-reduce failed"):
+        peer()  # the failed rank never signals a count again
+    assert int(header.view(torch.int64)[8]) == -1
