@@ -84,6 +84,14 @@ class FusedBuffer:
             start += seg.numel
         self.views: tuple[torch.Tensor, ...] = tuple(
             _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
+        # Each gradient's place in the wire buffer (its view itself where no cast is
+        # needed): where fresh gradients replace the views, they are cast straight in.
+        self.wire_views: tuple[torch.Tensor, ...] = tuple(
+            _view(wire_part, slot) for seg, wire_part in zip(layout.segments, self.wires) for slot in seg.slots)
+        self.cast: tuple[bool, ...] = tuple(
+            flat is not wire_part for seg, flat, wire_part in zip(layout.segments, self.flats, self.wires)
+            for _ in seg.slots)
+        """Per gradient: does its segment need a cast between the flat buffer and the wire?"""
 
     @staticmethod
     def wire_numel(layout: GradLayout, pad_multiple: int = 1) -> int:

@@ -317,7 +317,7 @@ class FusedReducer:
             first = first_bucket_mb(pg) if cfg.bucket_mb is None else None
             buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
             built.schedule = OverlapSchedule(layout, buffer, plan, buckets,
-                                             lambda idx: self._adopt(built, idx))
+                                             lambda idx, direct: self._adopt(built, idx, direct))
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
@@ -345,14 +345,23 @@ class FusedReducer:
 
     # ------------------------------------------------------------------ every call
 
-    def _adopt(self, built: _Built, indices: list[int] | range) -> list[int]:
-        """Bring re-allocated grads of ``indices`` into the flat buffer and re-attach views.
+    def _adopt(self, built: _Built, indices: list[int] | range, direct: bool = False) -> tuple[list[int], bool]:
+        """Bring re-allocated grads of ``indices`` into the buffer and re-attach views.
 
-        Validates everything first, so an error leaves all grads as they were.
-        Returns the indices of parameters with no grad (``unused_grads="zero"``).
+        Validates everything first, so an error leaves all grads as they were. Returns
+        the indices of parameters with no grad (``unused_grads="zero"``), and whether
+        the grads went straight into the wire buffer (see below), in which case the
+        caller must skip packing these ``indices``.
+
+        ``direct=True`` allows that shortcut, taken when every grad of ``indices`` that
+        needs a cast was re-allocated (e.g. after ``zero_grad(set_to_none=True)``): each
+        is cast into its wire slot at once instead of copied into the flat buffer and
+        cast from there, one pass over the gradients instead of two. Their views then
+        hold stale values until the unpack, before anyone reads them.
         """
-        layout, views = built.layout, built.buffer.views
-        device = built.buffer.wire.device
+        layout, buffer = built.layout, built.buffer
+        views = buffer.views
+        device = buffer.wire.device
         missing, moved = [], []
         for i in indices:
             g = layout.params[i].grad
@@ -365,21 +374,27 @@ class FusedReducer:
                 moved.append(i)
         if missing and self.config.unused_grads == "error":
             raise RuntimeError(_missing_message([layout.names[i] for i in missing]))
+        cast = buffer.cast
+        direct = direct and bool(moved) and sum(map(cast.__getitem__, moved)) == sum(map(cast.__getitem__, indices))
         if moved:
-            _foreach_copy([views[i] for i in moved], [layout.params[i].grad for i in moved])
+            dst = buffer.wire_views if direct else views
+            _foreach_copy([dst[i] for i in moved], [layout.params[i].grad for i in moved])
             for i in moved:
                 layout.params[i].grad = views[i]
             self.stats.reattached += len(moved)
         if missing:
             torch._foreach_zero_([views[i] for i in missing])
-        return missing
+        return missing, direct
 
     def _start_fused(self, built: _Built) -> tuple[list[int], list[Pending]]:
         missing: list[int] = []
+        direct = False
         if not attached(built.layout.params, built.buffer.views):
-            missing = self._adopt(built, range(len(built.layout)))
+            # Straight into the wire only where the pack would do nothing else (no
+            # divide); it then replaces the pack, graph or not.
+            missing, direct = self._adopt(built, range(len(built.layout)), direct=not built.plan.prescale)
         with span("fastreduce::pack"):
-            if built.pack is not None:
+            if built.pack is not None and not direct:
                 built.pack()
         with span("fastreduce::all_reduce"):
             if built.accumulate is not None:

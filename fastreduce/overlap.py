@@ -142,14 +142,15 @@ class OverlapSchedule:
         layout, buffer, plan: the reducer's layout (in backward order), buffer and
             averaging plan.
         buckets: from :func:`make_buckets`.
-        adopt: ``adopt(indices) -> missing`` brings re-allocated grads of those
-            layout indices into the buffer and returns the ones with no grad.
+        adopt: ``adopt(indices, direct) -> (missing, direct)`` brings re-allocated
+            grads of those layout indices into the buffer (straight into the wire, and
+            says so, where ``direct`` allows it) and returns the ones with no grad.
 
     Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
     def __init__(self, layout: GradLayout, buffer: FusedBuffer, plan: MeanPlan,
-                 buckets: list[Bucket], adopt: Callable[[list[int]], list[int]]):
+                 buckets: list[Bucket], adopt: Callable[[list[int], bool], tuple[list[int], bool]]):
         self.layout, self.buffer, self.plan, self.buckets = layout, buffer, plan, buckets
         self.adopt = adopt
         self.bucket_of = [0] * len(layout)
@@ -192,10 +193,13 @@ class OverlapSchedule:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        direct = False
         if not attached(bucket.params, bucket.views):
-            self.missing += self.adopt(list(bucket.slots))
-        with span("fastreduce::pack"):
-            bucket.pack(self.plan)
+            missing, direct = self.adopt(list(bucket.slots), not self.plan.prescale)
+            self.missing += missing
+        if not direct:
+            with span("fastreduce::pack"):
+                bucket.pack(self.plan)
         with span("fastreduce::all_reduce"):
             work = start_all_reduce(bucket.wire, self.plan)
             self.works.append((work, bucket.unpack if bucket.flat is not bucket.wire else None))
