@@ -70,7 +70,8 @@ class ReducerConfig:
     accumulate_dtype: torch.dtype | None = None
     """``torch.float32`` sums a bf16/fp16 wire in fp32 (same bytes, two roundings at
     any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
-    lets the collective sum in the wire dtype. Fused mode only."""
+    lets the collective sum in the wire dtype. Fused mode only. The shared-memory
+    transport sums in fp32 either way."""
     overlap: bool = False
     """Reduce during backward: buckets in backward order, each launched from a
     gradient hook as soon as its last gradient is ready."""
@@ -78,10 +79,11 @@ class ReducerConfig:
     """Bucket size on the wire in overlap mode (MB); ``None`` picks per backend (few
     large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
     transport: Transport = field(default_factory=lambda: os.environ.get(TRANSPORT_ENV, "auto"))
-    """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else ``auto``). ``process_group``: the group's all-reduce
-    (HCCL, NCCL, Gloo). ``shm``: CPU ranks on one host average through a shared-memory
-    segment (:mod:`fastreduce.shm`; several times faster than Gloo's loopback TCP), and
-    it is an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
+    """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else
+    ``auto``). ``process_group``: the group's all-reduce (HCCL, NCCL, Gloo). ``shm``:
+    CPU ranks on one host average through a shared-memory segment
+    (:mod:`fastreduce.shm`; several times faster than Gloo's loopback TCP), and it is
+    an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
 
     def __post_init__(self) -> None:
         if self.accumulate_dtype not in (None, torch.float32):
