@@ -56,7 +56,7 @@ class MeanPlan:
         self.shm = shm
 
     def __repr__(self) -> str:
-        how = ("shared memory" if self.shm else "fp32 accumulate" if self.fp32_accumulate else
+        how = ("shared memory" if self.shm is not None else "fp32 accumulate" if self.fp32_accumulate else
                "divide then SUM" if self.prescale else "AVG")
         return f"MeanPlan(world={self.world}, {how})"
 
