@@ -61,6 +61,10 @@ class Bucket:
         if plan.prescale:
             self.wire.div_(plan.world)
 
+    def pack_shm(self) -> None:
+        """The shared-memory transport's pack: a cast, never a divide."""
+        self.wire.copy_(self.flat)
+
     def unpack(self) -> None:
         self.flat.copy_(self.wire)
 
@@ -197,12 +201,19 @@ class OverlapSchedule:
         if not attached(bucket.params, bucket.views):
             missing, direct = self.adopt(list(bucket.slots), not self.plan.prescale)
             self.missing += missing
+        unpack = bucket.unpack if bucket.flat is not bucket.wire else None
+        if self.plan.shm is not None:  # the worker packs, averages and unpacks: off backward's thread
+            pack = None if direct or unpack is None else bucket.pack_shm
+            with span("fastreduce::all_reduce"):
+                self.works.append((self.plan.shm.start(bucket.wire, pack, unpack), None))
+            self.next = b + 1
+            return
         if not direct:
             with span("fastreduce::pack"):
                 bucket.pack(self.plan)
         with span("fastreduce::all_reduce"):
             work = start_all_reduce(bucket.wire, self.plan)
-            self.works.append((work, bucket.unpack if bucket.flat is not bucket.wire else None))
+            self.works.append((work, unpack))
         self.next = b + 1
 
     def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:

@@ -10,15 +10,22 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.autograd import profiler as _autograd_profiler
 from torch.profiler import record_function
 
-__all__ = ["span"]
+__all__ = ["profiling", "span"]
 
 _NULL = nullcontext()
 
 
+def profiling() -> bool:
+    """Is a profiler recording: on this thread, or anywhere in the process (a profile
+    taken with ``profile_all_threads=True`` also records fastreduce's worker thread)?"""
+    return torch._C._autograd._profiler_enabled() or getattr(_autograd_profiler, "_is_profiler_enabled", False)
+
+
 def span(name: str) -> AbstractContextManager:
-    """``record_function(name)`` under an active profiler, else a no-op context."""
-    if torch._C._autograd._profiler_enabled():
+    """``record_function(name)`` while a profiler records, else a no-op context."""
+    if profiling():
         return record_function(name)
     return _NULL

@@ -52,6 +52,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .profiling import span
+
 __all__ = ["ShmAllReduce", "ShmWork"]
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class ShmWork:
     barrier: Callable[[], None]  # waits until every rank has reached the same point
     done: threading.Event = field(default_factory=_set_event)
     error: BaseException | None = None
+    before: Callable[[], None] | None = None  # this launch's pack, run by the worker
+    after: Callable[[], None] | None = None  # this launch's unpack, run by the worker
 
     def wait(self) -> bool:
         self.done.wait()
@@ -215,9 +219,17 @@ class _Channel:
         while True:
             job = self.jobs.get()
             try:
-                job.barrier()  # A: every rank packed
-                job.reduce()
-                job.barrier()  # B: every chunk averaged and pushed
+                # Ranges show in a profile taken with profile_all_threads=True.
+                if job.before is not None:
+                    with span("fastreduce::pack"):
+                        job.before()
+                with span("fastreduce::shm_average"):
+                    job.barrier()  # A: every rank packed
+                    job.reduce()
+                    job.barrier()  # B: every chunk averaged and pushed
+                if job.after is not None:
+                    with span("fastreduce::unpack"):
+                        job.after()
             except BaseException as err:  # noqa: BLE001 - handed to wait()
                 job.error = err
                 fail = getattr(job.barrier, "fail", None)
@@ -343,8 +355,12 @@ class ShmAllReduce:
             raise ValueError(f"{numel} x {dtype} needs {nbytes} bytes; the region has {self.region_bytes}")
         return self.regions[self.rank][:nbytes].view(dtype)
 
-    def start(self, buf: torch.Tensor) -> ShmWork:
-        """Queue the in-place averaging of ``buf``, a contiguous slice of :meth:`region`."""
+    def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
+              after: Callable[[], None] | None = None) -> ShmWork:
+        """Queue the in-place averaging of ``buf``, a contiguous slice of :meth:`region`.
+
+        ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
+        too, right before and after the averaging, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
             raise ValueError("the buffer to average must be contiguous (a slice of "
                              "ShmAllReduce.region)")
@@ -356,6 +372,7 @@ class ShmAllReduce:
             raise RuntimeError("this slice is already being averaged; wait() for it before "
                                "starting it again")
         work.done.clear()
+        work.before, work.after = before, after
         self.started += 1
         self.channel.jobs.put(work)
         return work
