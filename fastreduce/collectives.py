@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from .profiling import span
 from .shm import ShmAllReduce
 
 __all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "plan_mean", "start_all_reduce"]
@@ -92,13 +93,22 @@ def plan_mean(group: dist.ProcessGroup | None, wire_dtype: torch.dtype, device: 
     return MeanPlan(group, world, use_avg)
 
 
-def start_all_reduce(buf: torch.Tensor, plan: MeanPlan) -> Waitable:
-    """Launch the averaging all-reduce of ``buf`` (already pre-divided if the plan says so)."""
+def start_all_reduce(buf: torch.Tensor, plan: MeanPlan, pack: Callable[[], None] | None = None,
+                     unpack: Callable[[], None] | None = None) -> Pending:
+    """Launch the averaging all-reduce of ``buf``: ``pack`` fills it first (and divides,
+    if the plan says so), ``unpack`` reads the result. On the shared-memory transport
+    both run on its worker thread, off the caller's; otherwise ``pack`` runs here and
+    ``unpack`` comes back for whoever waits on the collective."""
     if plan.shm is not None:
-        return plan.shm.start(buf)
-    work = dist.all_reduce(buf, op=plan.op, group=plan.group, async_op=True)
+        with span("fastreduce::all_reduce"):
+            return plan.shm.start(buf, pack, unpack), None
+    if pack is not None:
+        with span("fastreduce::pack"):
+            pack()
+    with span("fastreduce::all_reduce"):
+        work = dist.all_reduce(buf, op=plan.op, group=plan.group, async_op=True)
     assert work is not None
-    return work
+    return work, unpack
 
 
 def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -398,11 +398,12 @@ class FusedReducer:
         with span("fastreduce::pack"):
             if built.pack is not None and not direct:
                 built.pack()
-        with span("fastreduce::all_reduce"):
-            if built.accumulate is not None:
+        if built.accumulate is not None:
+            with span("fastreduce::all_reduce"):
                 built.accumulate()  # synchronous: two collectives around a local fp32 sum
-                return missing, [(None, built.unpack)]
-            return missing, [(start_all_reduce(built.buffer.wire, built.plan), built.unpack)]
+            return missing, [(None, built.unpack)]
+        work, _ = start_all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
+        return missing, [(work, built.unpack)]
 
     def _complete(self, built: _Built, works: list[Pending], missing: list[int]) -> None:
         """Wait for each collective in launch order and unpack what it delivered."""

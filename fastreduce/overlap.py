@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,6 @@ import torch.distributed as dist
 from .buffer import FusedBuffer, attached
 from .collectives import MeanPlan, Pending, start_all_reduce
 from .layout import GradLayout
-from .profiling import span
 
 __all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "default_bucket_mb", "make_buckets"]
 
@@ -55,15 +55,13 @@ class Bucket:
     flat: torch.Tensor  # grads' storage slice (same tensor as ``wire`` when no cast is needed)
     wire: torch.Tensor  # the slice of the wire buffer this bucket reduces
 
-    def pack(self, plan: MeanPlan) -> None:
+    def pack(self, prescale_by: int | None = None) -> None:
+        """Cast into the wire slice where the dtypes differ, then divide it by
+        ``prescale_by`` if given (as :meth:`FusedBuffer.pack` does for the whole buffer)."""
         if self.flat is not self.wire:
             self.wire.copy_(self.flat)
-        if plan.prescale:
-            self.wire.div_(plan.world)
-
-    def pack_shm(self) -> None:
-        """The shared-memory transport's pack: a cast, never a divide."""
-        self.wire.copy_(self.flat)
+        if prescale_by is not None:
+            self.wire.div_(prescale_by)
 
     def unpack(self) -> None:
         self.flat.copy_(self.wire)
@@ -162,6 +160,11 @@ class OverlapSchedule:
             for i in bucket.slots:
                 self.bucket_of[i] = b
         self.sizes = [len(b.slots) for b in buckets]
+        # Per bucket, what to run before and after its collective (None: nothing to do).
+        prescale_by = plan.world if plan.prescale else None
+        self.packs = [None if b.flat is b.wire and prescale_by is None else partial(b.pack, prescale_by)
+                      for b in buckets]
+        self.unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
         self.sync = True
         self.late = False  # some bucket had to wait for finish(): logged once
         self._reset()
@@ -197,23 +200,13 @@ class OverlapSchedule:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        direct = False
+        pack = self.packs[b]
         if not attached(bucket.params, bucket.views):
             missing, direct = self.adopt(list(bucket.slots), not self.plan.prescale)
             self.missing += missing
-        unpack = bucket.unpack if bucket.flat is not bucket.wire else None
-        if self.plan.shm is not None:  # the worker packs, averages and unpacks: off backward's thread
-            pack = None if direct or unpack is None else bucket.pack_shm
-            with span("fastreduce::all_reduce"):
-                self.works.append((self.plan.shm.start(bucket.wire, pack, unpack), None))
-            self.next = b + 1
-            return
-        if not direct:
-            with span("fastreduce::pack"):
-                bucket.pack(self.plan)
-        with span("fastreduce::all_reduce"):
-            work = start_all_reduce(bucket.wire, self.plan)
-            self.works.append((work, unpack))
+            if direct:  # the fresh grads were cast straight into the wire
+                pack = None
+        self.works.append(start_all_reduce(bucket.wire, self.plan, pack, self.unpacks[b]))
         self.next = b + 1
 
     def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:
