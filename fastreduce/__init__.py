@@ -5,16 +5,18 @@
     optimizer.step()
 
 Layers (one module each): :mod:`.engine` (process groups), :mod:`.backends` (device
-dispatch: HPU graphs, CUDA graphs, eager), :mod:`.collectives` (with :mod:`.shm`,
-shared-memory averaging for CPU ranks on one host), :mod:`.layout` and
+dispatch: HPU graphs, CUDA graphs, eager), :mod:`.comm` (the communication layer:
+all-reduce, reduce-scatter, all-gather; with :mod:`.comm.shm`, shared memory for CPU
+ranks on one host), :mod:`.layout` and
 :mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
-(:mod:`.fused`).
+(:mod:`.fused`, :mod:`.overlap`, :mod:`.zero`).
 """
 
 from .backends import GraphContractError
 from .engine import DistInfo, init_distributed
 from .fused import FusedReducer, ReducerConfig, ReducerStats, all_reduce_gradients
 from .layout import LayoutMismatchError
+from .zero import ZeroOptimizer
 
 __all__ = [
     "DistInfo",
@@ -23,6 +25,7 @@ __all__ = [
     "LayoutMismatchError",
     "ReducerConfig",
     "ReducerStats",
+    "ZeroOptimizer",
     "all_reduce_gradients",
     "init_distributed",
 ]

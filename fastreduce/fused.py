@@ -31,21 +31,18 @@ import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer, attached
-from .collectives import Fp32Accumulate, MeanPlan, Pending, plan_mean, start_all_reduce
+from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Fp32Accumulate, MeanPlan, Pending, Transport, get_comm
+from .grads import adopt, check_grad, missing_message, one_device
 from .layout import GradLayout, verify_across_ranks
-from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, first_bucket_mb,
-                      make_buckets)
+from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_launcher, default_bucket_mb,
+                      first_bucket_mb, make_buckets)
 from .profiling import span
-from .shm import ShmAllReduce
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
 
 log = logging.getLogger(__name__)
 
 UnusedGrads = Literal["error", "zero"]
-Transport = Literal["auto", "shm", "process_group"]
-TRANSPORTS = ("auto", "shm", "process_group")
-TRANSPORT_ENV = "FASTREDUCE_TRANSPORT"
 _get_requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -82,7 +79,7 @@ class ReducerConfig:
     """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else
     ``auto``). ``process_group``: the group's all-reduce (HCCL, NCCL, Gloo). ``shm``:
     CPU ranks on one host average through a shared-memory segment
-    (:mod:`fastreduce.shm`; several times faster than Gloo's loopback TCP), and it is
+    (:mod:`fastreduce.comm.shm`; several times faster than Gloo's loopback TCP), and it is
     an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
 
     def __post_init__(self) -> None:
@@ -125,6 +122,7 @@ class _Built:
 
     layout: GradLayout
     buffer: FusedBuffer
+    comm: Comm
     plan: MeanPlan
     backend: Backend
     pack: Callable[[], None] | None
@@ -286,9 +284,9 @@ class FusedReducer:
         frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
         if not named:
             raise ValueError("no parameter of the model requires grad: nothing to reduce")
-        device = _one_device(named)
+        device = one_device(named)
         for n, p in named:
-            _check_grad(n, p, device)
+            check_grad(n, p, device)
         if self._recorder is not None:  # lay the buffer out in backward order
             order = agreed_order(self._recorder.remove(), len(named), self.group)
             self._recorder = None
@@ -300,17 +298,17 @@ class FusedReducer:
         present = tuple(p.grad is not None for p in layout.params)
         verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
         if cfg.unused_grads == "error" and not all(present):
-            raise RuntimeError(_missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
-        shm = self._open_shm(layout, wire_dtype, device)
-        plan = plan_mean(self.group, wire_dtype, device, cfg.accumulate_dtype, shm)
-        pad = self.world_size if plan.fp32_accumulate else 1
-        wire = shm.region(wire_dtype, FusedBuffer.wire_numel(layout, pad)) if shm else None
+            raise RuntimeError(missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
+        comm = get_comm(self.group, device, cfg.transport)
+        pad = self.world_size if cfg.accumulate_dtype is not None else 1
+        wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
+        plan = comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         buffer = FusedBuffer(layout, wire_dtype, device, pad, wire)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
-        built = _Built(layout, buffer, plan, backend, pack, unpack, flags, frozen)
+        built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
         if plan.fp32_accumulate:
             built.accumulate = Fp32Accumulate(buffer.wire, plan)
         if cfg.overlap:
@@ -318,25 +316,15 @@ class FusedReducer:
             mb = cfg.bucket_mb or default_bucket_mb(pg)
             first = first_bucket_mb(pg) if cfg.bucket_mb is None else None
             buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
-            built.schedule = OverlapSchedule(layout, buffer, plan, buckets,
-                                             lambda idx, direct: self._adopt(built, idx, direct))
+            built.schedule = OverlapSchedule(layout, buckets, all_reduce_launcher(comm, plan, buckets),
+                                             lambda idx, direct: self._adopt(built, idx, direct),
+                                             direct=not plan.prescale)
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
                      "order" if built.schedule else "one fused collective")
         return built
-
-    def _open_shm(self, layout: GradLayout, wire_dtype: torch.dtype,
-                  device: torch.device) -> ShmAllReduce | None:
-        transport = self.config.transport
-        if transport == "process_group" or (transport == "auto" and device.type != "cpu"):
-            return None
-        if device.type != "cpu":
-            raise ValueError(f"transport='shm' needs CPU gradients, these are on {device}; "
-                             "use transport='auto' or 'process_group'")
-        nbytes = FusedBuffer.wire_numel(layout, self.world_size) * wire_dtype.itemsize
-        return ShmAllReduce.open(self.group, nbytes, required=transport == "shm")
 
     @staticmethod
     def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
@@ -348,44 +336,10 @@ class FusedReducer:
     # ------------------------------------------------------------------ every call
 
     def _adopt(self, built: _Built, indices: list[int] | range, direct: bool = False) -> tuple[list[int], bool]:
-        """Bring re-allocated grads of ``indices`` into the buffer and re-attach views.
-
-        Validates everything first, so an error leaves all grads as they were. Returns
-        the indices of parameters with no grad (``unused_grads="zero"``), and whether
-        the grads went straight into the wire buffer (see below), in which case the
-        caller must skip packing these ``indices``.
-
-        ``direct=True`` allows that shortcut, taken when every grad of ``indices`` that
-        needs a cast was re-allocated (e.g. after ``zero_grad(set_to_none=True)``): each
-        is cast into its wire slot at once instead of copied into the flat buffer and
-        cast from there, one pass over the gradients instead of two. Their views then
-        hold stale values until the unpack, before anyone reads them.
-        """
-        layout, buffer = built.layout, built.buffer
-        views = buffer.views
-        device = buffer.wire.device
-        missing, moved = [], []
-        for i in indices:
-            g = layout.params[i].grad
-            if g is views[i]:
-                continue
-            if g is None:
-                missing.append(i)
-            else:
-                _check_grad(layout.names[i], layout.params[i], device)
-                moved.append(i)
-        if missing and self.config.unused_grads == "error":
-            raise RuntimeError(_missing_message([layout.names[i] for i in missing]))
-        cast = buffer.cast
-        direct = direct and bool(moved) and sum(map(cast.__getitem__, moved)) == sum(map(cast.__getitem__, indices))
-        if moved:
-            dst = buffer.wire_views if direct else views
-            _foreach_copy([dst[i] for i in moved], [layout.params[i].grad for i in moved])
-            for i in moved:
-                layout.params[i].grad = views[i]
-            self.stats.reattached += len(moved)
-        if missing:
-            torch._foreach_zero_([views[i] for i in missing])
+        """:func:`~fastreduce.grads.adopt` under this reducer's ``unused_grads``."""
+        missing, moved, direct = adopt(built.layout, built.buffer, indices, direct=direct,
+                                       missing_ok=self.config.unused_grads == "zero")
+        self.stats.reattached += moved
         return missing, direct
 
     def _start_fused(self, built: _Built) -> tuple[list[int], list[Pending]]:
@@ -402,7 +356,7 @@ class FusedReducer:
             with span("fastreduce::all_reduce"):
                 built.accumulate()  # synchronous: two collectives around a local fp32 sum
             return missing, [(None, built.unpack)]
-        work, _ = start_all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
+        work, _ = built.comm.all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
         return missing, [(work, built.unpack)]
 
     def _complete(self, built: _Built, works: list[Pending], missing: list[int]) -> None:
@@ -452,50 +406,6 @@ class FusedReducer:
                            "fastreduce learned the layout, so their gradients would not be "
                            "reduced; call reducer.rebuild() on every rank after changing "
                            "requires_grad")
-
-
-def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """One fused ``_foreach_copy_`` (torch >= 2.2); a plain loop on older torch."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dsts, srcs)
-    else:  # pragma: no cover - torch 2.1 only
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-
-
-def _one_device(named: list[tuple[str, torch.nn.Parameter]]) -> torch.device:
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        where = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"the model's trainable parameters live on several devices ({where}); "
-                         "fastreduce reduces one device's gradients per reducer: move the "
-                         "model with model.to(device), or build one reducer per device's submodule")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError("the model's parameters are on the meta device; materialize them "
-                         "(e.g. model.to_empty(device=...)) before reducing")
-    return device
-
-
-def _check_grad(name: str, p: torch.nn.Parameter, device: torch.device) -> None:
-    g = p.grad
-    if g is None:
-        return
-    if g.is_sparse or g.layout != torch.strided:
-        raise ValueError(f"parameter {name!r} has a sparse gradient ({g.layout}); fastreduce "
-                         "reduces dense gradients only: build the layer with sparse=False "
-                         "(e.g. nn.Embedding(..., sparse=False))")
-    if g.device != device:
-        raise ValueError(f"parameter {name!r} has its gradient on {g.device}, the others on "
-                         f"{device}; keep all gradients of one reducer on one device")
-
-
-def _missing_message(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return (f"parameter(s) {shown} require grad but have no gradient after backward. "
-            "Freeze parameters you do not train (param.requires_grad_(False)), or pass "
-            "unused_grads='zero' to count a missing gradient as zero (like DDP's "
-            "find_unused_parameters=True)")
 
 
 class _ReducerCache(dict):

@@ -63,20 +63,30 @@ class GradLayout:
         named_params: ``(name, parameter)`` pairs in model order, tied ones once.
         first_dtype: the dtype whose segment comes first (the wire dtype, so that its
             segment can alias the wire buffer).
+        segments: explicit segments instead, as lists of indices into ``named_params``
+            (each of one dtype): the ZeRO mode makes one per bucket.
+        pad_to: each segment's length is padded to a multiple of this (equal shards).
     """
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], first_dtype: torch.dtype):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], first_dtype: torch.dtype, *,
+                 segments: list[list[int]] | None = None, pad_to: int = 1):
         if not named_params:
             raise ValueError("no parameter requires a gradient: nothing to reduce")
-        dtypes = sorted({p.dtype for _, p in named_params}, key=lambda d: (d != first_dtype, str(d)))
-        segments = []
-        for dtype in dtypes:
+        if segments is None:  # one per dtype, the first dtype's first
+            dtypes = sorted({p.dtype for _, p in named_params}, key=lambda d: (d != first_dtype, str(d)))
+            segments = [[k for k, (_, p) in enumerate(named_params) if p.dtype == d] for d in dtypes]
+        built = []
+        for members in segments:
+            dtype = named_params[members[0]][1].dtype
             slots, offset = [], 0
-            for name, p in named_params:
-                if p.dtype == dtype:
-                    slots.append(Slot(name, p, offset, p.numel()))
-                    offset = _align(offset + p.numel())
-            segments.append(Segment(dtype, tuple(slots), offset))
+            for k in members:
+                name, p = named_params[k]
+                if p.dtype != dtype:
+                    raise ValueError(f"segment mixes {dtype} and {p.dtype} ({name!r})")
+                slots.append(Slot(name, p, offset, p.numel()))
+                offset = _align(offset + p.numel())
+            built.append(Segment(dtype, tuple(slots), -(-offset // pad_to) * pad_to))
+        segments = built
         self.segments: tuple[Segment, ...] = tuple(segments)
         # Slots in segment order: index i of every per-parameter list below.
         self.slots: tuple[Slot, ...] = tuple(s for seg in self.segments for s in seg.slots)

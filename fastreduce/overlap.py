@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached
-from .collectives import MeanPlan, Pending, start_all_reduce
+from .comm import Comm, MeanPlan, Pending
 from .layout import GradLayout
 
-__all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "default_bucket_mb", "make_buckets"]
+__all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "all_reduce_launcher", "default_bucket_mb",
+           "make_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -137,34 +138,50 @@ def agreed_order(order: list[int], n: int, group: dist.ProcessGroup | None) -> l
     return order + [i for i in range(n) if i not in seen]
 
 
+Launch = Callable[[int, bool], Pending]
+"""``launch(b, packed)`` starts bucket ``b``'s collective; ``packed``: its wire slice
+already holds the gradients (they were cast straight in), so skip its pack."""
+
+
+def all_reduce_launcher(comm: Comm, plan: MeanPlan, buckets: list[Bucket]) -> Launch:
+    """The overlapped mode's launch: each bucket's pack (and divide, where the plan
+    says so), an averaging all-reduce, and its unpack once done."""
+    prescale_by = plan.world if plan.prescale else None
+    packs = [None if b.flat is b.wire and prescale_by is None else partial(b.pack, prescale_by)
+             for b in buckets]
+    unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
+
+    def launch(b: int, packed: bool) -> Pending:
+        return comm.all_reduce(buckets[b].wire, plan, None if packed else packs[b], unpacks[b])
+
+    return launch
+
+
 class OverlapSchedule:
-    """Hooks, counters and in-flight collectives of the overlapped mode.
+    """Hooks, counters and in-flight collectives of a bucketed mode (overlapped, ZeRO).
 
     Args:
-        layout, buffer, plan: the reducer's layout (in backward order), buffer and
-            averaging plan.
+        layout: the layout (in backward order) whose parameters get the hooks.
         buckets: from :func:`make_buckets`.
+        launch: starts one bucket's collective (:data:`Launch`).
         adopt: ``adopt(indices, direct) -> (missing, direct)`` brings re-allocated
             grads of those layout indices into the buffer (straight into the wire, and
             says so, where ``direct`` allows it) and returns the ones with no grad.
+        direct: whether fresh grads may be cast straight into the wire (not where the
+            pack must also divide).
 
     Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
-    def __init__(self, layout: GradLayout, buffer: FusedBuffer, plan: MeanPlan,
-                 buckets: list[Bucket], adopt: Callable[[list[int], bool], tuple[list[int], bool]]):
-        self.layout, self.buffer, self.plan, self.buckets = layout, buffer, plan, buckets
-        self.adopt = adopt
+    def __init__(self, layout: GradLayout, buckets: list[Bucket], launch: Launch,
+                 adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool = True):
+        self.layout, self.buckets, self.launch, self.adopt = layout, buckets, launch, adopt
+        self.direct = direct
         self.bucket_of = [0] * len(layout)
         for b, bucket in enumerate(buckets):
             for i in bucket.slots:
                 self.bucket_of[i] = b
         self.sizes = [len(b.slots) for b in buckets]
-        # Per bucket, what to run before and after its collective (None: nothing to do).
-        prescale_by = plan.world if plan.prescale else None
-        self.packs = [None if b.flat is b.wire and prescale_by is None else partial(b.pack, prescale_by)
-                      for b in buckets]
-        self.unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
         self.sync = True
         self.late = False  # some bucket had to wait for finish(): logged once
         self._reset()
@@ -200,13 +217,11 @@ class OverlapSchedule:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        pack = self.packs[b]
+        packed = False
         if not attached(bucket.params, bucket.views):
-            missing, direct = self.adopt(list(bucket.slots), not self.plan.prescale)
+            missing, packed = self.adopt(list(bucket.slots), self.direct)
             self.missing += missing
-            if direct:  # the fresh grads were cast straight into the wire
-                pack = None
-        self.works.append(start_all_reduce(bucket.wire, self.plan, pack, self.unpacks[b]))
+        self.works.append(self.launch(b, packed))
         self.next = b + 1
 
     def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:

@@ -1,4 +1,4 @@
-"""The shared-memory transport (:mod:`fastreduce.shm`) on real Gloo process groups.
+"""The shared-memory transport (:mod:`fastreduce.comm.shm`) on real Gloo process groups.
 
 Same structure as test_fused.py, whose helpers it reuses: the module-scoped ``group``
 fixture spawns one group per world size (2, 3, 4) and runs every sub-case of that size
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 import fastreduce
-import fastreduce.shm
+import fastreduce.comm.shm
 from fastreduce.launch import run_ranks
-from fastreduce.shm import ShmAllReduce
+from fastreduce.comm.shm import ShmAllReduce
 
 from models import batch_for, linear_stack, loss_of, many_tensor_model
 from test_fused import (ALLOCATING_OPS, SEED, OpRecorder, changed_since, expect_raises, grads_of, guarded,
@@ -58,7 +58,7 @@ pytestmark = [pytest.mark.timeout(180),
 # ============================================================== helpers run in ranks
 
 def shm_dir(path: str):
-    return mock.patch.object(fastreduce.shm, "SHM_DIR", path)
+    return mock.patch.object(fastreduce.comm.shm, "SHM_DIR", path)
 
 
 def transport_env(value: str):
@@ -179,7 +179,7 @@ def direct_case(rank: int, world: int, name: str, private: str) -> dict:
 def gloo_barrier_case(rank: int, world: int, private: str) -> dict:
     """direct_case for bf16 with the Gloo barriers used where flag barriers are not safe
     (not x86-64): the same results must come out."""
-    with mock.patch.object(fastreduce.shm, "FLAG_BARRIERS", False):
+    with mock.patch.object(fastreduce.comm.shm, "FLAG_BARRIERS", False):
         return direct_case(rank, world, "bf16", private)
 
 
@@ -644,10 +644,10 @@ def test_subgroups_average_over_their_own_ranks(group) -> None:
 
 def _header(pids: list[int]) -> torch.Tensor:
     """A barrier header as open() leaves it: per rank, count 0, its pid, its pid namespace."""
-    header = torch.zeros(fastreduce.shm._header_bytes(len(pids)), dtype=torch.uint8)
+    header = torch.zeros(fastreduce.comm.shm._header_bytes(len(pids)), dtype=torch.uint8)
     lines = header.view(torch.int64).view(-1, 8)
     for k, pid in enumerate(pids):
-        lines[k, 1], lines[k, 2] = pid, fastreduce.shm._pid_namespace()
+        lines[k, 1], lines[k, 2] = pid, fastreduce.comm.shm._pid_namespace()
     return header
 
 
@@ -656,7 +656,7 @@ def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
     few seconds, not a wait until the (here 60 s) timeout."""
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: the pid names no process now
-    barrier = fastreduce.shm._FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
+    barrier = fastreduce.comm.shm._FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*exited"):
         barrier()
@@ -665,7 +665,7 @@ def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
 
 def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:
     """Rank 1 is alive (this very process) but never arrives: the timeout, with a message."""
-    barrier = fastreduce.shm._FlagBarrier(_header([os.getpid(), os.getpid()]), 0, 2, timeout=0.5)
+    barrier = fastreduce.comm.shm._FlagBarrier(_header([os.getpid(), os.getpid()]), 0, 2, timeout=0.5)
     with pytest.raises(RuntimeError, match="did not reach the shared-memory barrier within 0.5 s"):
         barrier()
 
@@ -673,7 +673,7 @@ def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:
 def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
     """Counts at or past this barrier's number let it through at once."""
     header = _header([os.getpid(), os.getpid()])
-    barrier = fastreduce.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    barrier = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=5.0)
     header.view(torch.int64).view(-1, 8)[1, 0] = 2  # rank 1 is already one barrier ahead
     barrier()
     barrier()
@@ -683,8 +683,8 @@ def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
 def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
     """A rank whose job failed marks its count; a rank waiting for it raises at once."""
     header = _header([os.getpid(), os.getpid()])
-    peer = fastreduce.shm._FlagBarrier(header, 1, 2, timeout=5.0)
-    barrier = fastreduce.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    peer = fastreduce.comm.shm._FlagBarrier(header, 1, 2, timeout=5.0)
+    barrier = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=5.0)
     peer.fail()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*failed"):
         barrier()

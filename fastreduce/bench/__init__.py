@@ -1,7 +1,8 @@
 """``fastreduce bench``: what gradient reduction costs, alone and inside a training step.
 
-Two suites, each on real Gloo ranks the command launches itself (``--ranks``, 2 by
-default), both run unless ``--suite`` picks one:
+Three suites, each on real Gloo ranks the command launches itself (``--ranks``, 2 by
+default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` run unless
+``--suite`` picks one (``all``: all three):
 
 * ``reduce`` (:mod:`.reduce`): the reduction call alone, against the bare collective,
   the unavoidable flat cast+all-reduce+cast and the per-parameter loop; plus the
@@ -9,11 +10,17 @@ default), both run unless ``--suite`` picks one:
 * ``step`` (:mod:`.step`): whole steps (forward + backward + reduce + zero_grad, no
   optimizer step) of fastreduce fused and overlapped, the per-parameter loops, DDP and
   DDP with the fp16 compression hook, on a many-tensor and a few-tensor model.
+* ``optim`` (:mod:`.optim`): whole training steps with the AdamW step (forward +
+  backward + reduce + AdamW + zero_grad) of ``fastreduce.ZeroOptimizer`` (sharded
+  AdamW state), fastreduce's fused reducer + AdamW, DDP + AdamW and PyTorch's
+  ``ZeroRedundancyOptimizer``, at each world size; also each one's optimizer-state
+  bytes per rank.
 
-Both print a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
+Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
 suite also writes ``step.csv`` and ``step.png`` (matplotlib, the ``plot`` extra; without
-it the chart is skipped with a one-line note) into ``--out``; every run writes the
+it the chart is skipped with a one-line note) into ``--out``, the optim suite
+``optim.csv`` (the same columns, one row per world size and method); every run writes the
 whole result as ``bench.json`` there too. ``--json`` prints that same object, and
 nothing else, on stdout.
 """
@@ -27,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from .common import machine_info
+from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
+from .optim import csv_rows as optim_csv_rows
+from .optim import format_text as format_optim
 from .reduce import BenchConfig, run_bench
 from .reduce import format_text as format_reduce
 from .report import write_chart, write_csv
@@ -34,29 +44,36 @@ from .step import REFERENCE as STEP_REFERENCE
 from .step import StepConfig, chart_title, csv_rows, run_step_bench
 from .step import format_text as format_step
 
-__all__ = ["BenchConfig", "StepConfig", "add_arguments", "run", "run_bench", "run_step_bench"]
+__all__ = ["BenchConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
+           "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step")
+SUITES = ("reduce", "step", "optim")
+DEFAULT_SUITES = ("reduce", "step")
+"""What runs without ``--suite``: the optim suite (two world sizes) is asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all",
-                        help="which suite to run (default: all)")
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default=None,
+                        help="which suite to run (default: reduce and step; all: all three)")
     parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed calls (reduce) / steps (step) per method (default: 20; 4 with --quick)")
+                        help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick)")
     parser.add_argument("--params-m", type=float, default=None,
                         help="model size in millions of fp32 parameters (default: 12; 0.25 with --quick)")
     parser.add_argument("--batch", type=int, default=None,
-                        help=f"step suite: input rows per rank (default: {STEP_BATCH}; 8 with --quick)")
+                        help=f"step and optim suites: input rows per rank (default: {STEP_BATCH}; 8 with --quick)")
     parser.add_argument("--bucket-mb", type=float, default=None,
-                        help="step suite: bucket size of overlapped fastreduce in MB "
-                             "(default: the process-group backend's default)")
+                        help="step and optim suites: bucket size of overlapped fastreduce (and of "
+                             "ZeroOptimizer) in MB (default: the process-group backend's default)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="step suite: intra-op threads per rank (default: cores / ranks)")
+                        help="step and optim suites: intra-op threads per rank (default: cores / ranks)")
+    parser.add_argument("--optim-ranks", default=None, metavar="N,N",
+                        help="optim suite: the world sizes to run, comma-separated (default: "
+                             + ",".join(map(str, DEFAULT_WORLD_SIZES)) + "; "
+                             + ",".join(map(str, QUICK_WORLD_SIZES)) + " with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -65,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where the CSV, chart and JSON go (default: {DEFAULT_OUT}/)")
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig]:
+def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig]:
     iters = args.iters if args.iters is not None else (4 if args.quick else 20)
     params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
     batch = args.batch if args.batch is not None else (8 if args.quick else STEP_BATCH)
@@ -77,13 +94,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
         raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.optim_ranks is not None:
+        worlds = parse_world_sizes(args.optim_ranks)
+    else:
+        worlds = QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES
     return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
             StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
-                       bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick))
+                       bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
+            OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
+                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick))
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
-    """``bench.json`` always; ``step.csv`` and ``step.png`` when the step suite ran."""
+    """``bench.json`` always; ``step.csv`` and ``step.png`` when the step suite ran, ``optim.csv``
+    when the optim suite did."""
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any] = {"json": str(out / "bench.json")}
     step = result.get("step")
@@ -94,6 +118,11 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         note = write_chart(out / "step.png", rows, chart_title(step), reference=STEP_REFERENCE)
         files["png"] = None if note else str(out / "step.png")
         files["chart_note"] = note
+    optim = result.get("optim")
+    if optim is not None:
+        rows = optim_csv_rows(optim)
+        write_csv(out / "optim.csv", rows)
+        files["optim_csv"] = str(out / "optim.csv")
     result["outputs"] = files
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     return files
@@ -101,8 +130,8 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
-    reduce_cfg, step_cfg = configs_from_args(args)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    reduce_cfg, step_cfg, optim_cfg = configs_from_args(args)
+    suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     out = Path(args.out)
 
     def note(text: str) -> None:  # progress and notes: stderr, so stdout stays the report
@@ -119,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{reduce_cfg.iters} calls/method ...")
             result["reduce"] = run_bench(reduce_cfg)
             say(format_reduce(result["reduce"]) + "\n")
+        elif suite == "optim":
+            note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
+                 f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
+            result["optim"] = run_optim_bench(optim_cfg)
+            say(format_optim(result["optim"]) + "\n")
         else:
             note(f"step suite: {step_cfg.ranks} ranks, 2 models of {step_cfg.params_m:g}M params, "
                 f"batch {step_cfg.batch}, {step_cfg.iters} steps/method ...")

@@ -52,9 +52,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .profiling import span
+from ..profiling import span
 
-__all__ = ["ShmAllReduce", "ShmWork"]
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork"]
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +73,26 @@ def _set_event() -> threading.Event:
     return event
 
 
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+
+
 @dataclass(slots=True, eq=False)
 class ShmWork:
-    """One slice's averaging, queued on the worker; ``wait()`` like a ``dist.Work``."""
+    """One slice's collective, queued on the worker; ``wait()`` like a ``dist.Work``.
 
-    own: torch.Tensor  # my chunk of my slice: averaged here
+    ``all_reduce``: chunk r averaged, then pushed into every rank's slice.
+    ``reduce_scatter``: chunk r averaged into ``out`` (default: my own chunk), no push.
+    ``all_gather``: every rank's chunk k copied from rank k's slice (``pulls``).
+    """
+
+    own: torch.Tensor  # my chunk of my slice
     peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice
     acc: torch.Tensor | None  # fp32 scratch when the wire dtype must not sum in place
     tmp: torch.Tensor | None
     barrier: Callable[[], None]  # waits until every rank has reached the same point
+    kind: str = ALL_REDUCE
+    out: torch.Tensor | None = None  # reduce_scatter: where my averaged chunk goes
+    pulls: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # all_gather: (dst, src)
     done: threading.Event = field(default_factory=_set_event)
     error: BaseException | None = None
     before: Callable[[], None] | None = None  # this launch's pack, run by the worker
@@ -91,28 +102,45 @@ class ShmWork:
         self.done.wait()
         if self.error is not None:
             err, self.error = self.error, None
-            raise RuntimeError(f"fastreduce: the shared-memory all-reduce failed: {err}") from err
+            raise RuntimeError(f"fastreduce: the shared-memory {self.kind} failed: {err}") from err
         return True
 
     def reduce(self) -> None:
-        """Average my chunk over every rank's slice, into my slice and theirs."""
-        own, peers, acc, tmp = self.own, self.peers, self.acc, self.tmp
-        if len(peers) == 1:  # (a + b) / 2 in one pass, computed in fp32, rounded once
-            own.lerp_(peers[0], 0.5)
-        elif acc is None:
-            for peer in peers:
-                own.add_(peer)
-            own.div_(len(peers) + 1)
-        else:
-            assert tmp is not None
+        """The work between the two barriers."""
+        if self.kind == ALL_GATHER:
+            for dst, src in self.pulls:
+                dst.copy_(src)
+            return
+        own = self.own
+        self._average(own if self.out is None else self.out)
+        if self.kind == ALL_REDUCE:
+            for peer in self.peers:
+                peer.copy_(own)
+
+    def _average(self, dst: torch.Tensor) -> None:
+        """``dst`` := mean of my chunk over every rank's slice."""
+        own, peers = self.own, self.peers
+        if len(peers) == 1 and dst.dtype == own.dtype:  # (a + b) / 2 in one pass, rounded once
+            if dst is own:
+                own.lerp_(peers[0], 0.5)
+            else:
+                torch.lerp(own, peers[0], 0.5, out=dst)
+            return
+        wide = dst.dtype.itemsize >= 4
+        acc = dst if wide else self.acc
+        assert acc is not None
+        if acc is not own:
             acc.copy_(own)
-            for peer in peers:
-                tmp.copy_(peer)
-                acc.add_(tmp)
-            acc.div_(len(peers) + 1)
-            own.copy_(acc)
         for peer in peers:
-            peer.copy_(own)
+            if peer.dtype == acc.dtype:
+                acc.add_(peer)
+            else:  # a mixed-dtype add would allocate a cast copy on CPU
+                assert self.tmp is not None
+                self.tmp.copy_(peer)
+                acc.add_(self.tmp)
+        acc.div_(len(peers) + 1)
+        if acc is not dst:
+            dst.copy_(acc)
 
 
 class _FlagBarrier:
@@ -356,18 +384,23 @@ class ShmAllReduce:
         return self.regions[self.rank][:nbytes].view(dtype)
 
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
-              after: Callable[[], None] | None = None) -> ShmWork:
-        """Queue the in-place averaging of ``buf``, a contiguous slice of :meth:`region`.
+              after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
+              out: torch.Tensor | None = None) -> ShmWork:
+        """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
-        ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
-        too, right before and after the averaging, off the caller's thread."""
+        ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
+        chunk of the mean into ``out``, default: that chunk of ``buf``) or ``all_gather``
+        (every rank's chunk of ``buf`` into ``out``, default ``buf`` itself); for the
+        last two ``buf`` must split into world-size equal chunks. ``before`` and
+        ``after`` (e.g. the slice's pack and unpack) run on the worker too, right before
+        and after the collective, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
             raise ValueError("the buffer to average must be contiguous (a slice of "
                              "ShmAllReduce.region)")
-        key = (buf.data_ptr(), buf.numel(), buf.dtype)
+        key = (buf.data_ptr(), buf.numel(), buf.dtype, kind, None if out is None else out.data_ptr())
         work = self.works.get(key)
         if work is None:
-            work = self.works[key] = self._plan(buf)
+            work = self.works[key] = self._plan(buf, kind, out)
         elif not work.done.is_set():
             raise RuntimeError("this slice is already being averaged; wait() for it before "
                                "starting it again")
@@ -377,22 +410,38 @@ class ShmAllReduce:
         self.channel.jobs.put(work)
         return work
 
-    def _plan(self, buf: torch.Tensor) -> ShmWork:
+    def _plan(self, buf: torch.Tensor, kind: str, out: torch.Tensor | None) -> ShmWork:
         es = buf.element_size()
         off = buf.data_ptr() - self.regions[self.rank].data_ptr()
         if off < 0 or off + buf.numel() * es > self.region_bytes:
             raise ValueError("the buffer to average is not a contiguous slice of this rank's "
                              "shared-memory region (ShmAllReduce.region)")
         slices = [r[off:off + buf.numel() * es].view(buf.dtype) for r in self.regions]
-        b = _bounds(buf.numel(), self.world)
+        if kind == ALL_REDUCE:
+            b = _bounds(buf.numel(), self.world)
+        elif buf.numel() % self.world:
+            raise ValueError(f"{kind} needs a buffer that splits into {self.world} equal chunks, "
+                             f"got {buf.numel()} elements")
+        else:
+            b = [k * (buf.numel() // self.world) for k in range(self.world + 1)]
         r = self.rank
         own = slices[r][b[r]:b[r + 1]]
         peers = tuple(s[b[r]:b[r + 1]] for k, s in enumerate(slices) if k != r)
-        in_place = buf.dtype.itemsize >= 4 or self.world == 2
+        if kind == ALL_GATHER:
+            dst = slices[r] if out is None else out
+            if dst.numel() != buf.numel() or not dst.is_contiguous():
+                raise ValueError("all_gather's output must be contiguous and as long as its input")
+            pulls = tuple((dst[b[k]:b[k + 1]], slices[k][b[k]:b[k + 1]])
+                          for k in range(self.world) if k != r or out is not None)
+            return ShmWork(own, (), None, None, self.barrier, kind, out, pulls)
+        if out is not None and out.shape != own.shape:
+            raise ValueError(f"reduce_scatter's output must hold {own.numel()} elements, got "
+                             f"{tuple(out.shape)}")
+        dst_dtype = buf.dtype if out is None else out.dtype
         acc = tmp = None
-        if not in_place:
+        if not (dst_dtype == buf.dtype and (buf.dtype.itemsize >= 4 or self.world == 2)):
             if self.scratch is None:  # sized for the largest chunk of the region
                 most = -(-self.region_bytes // (2 * self.world)) + _ALIGN
                 self.scratch = (torch.empty(most), torch.empty(most))
             acc, tmp = (t[:own.numel()] for t in self.scratch)
-        return ShmWork(own, peers, acc, tmp, self.barrier)
+        return ShmWork(own, peers, acc, tmp, self.barrier, kind, out)

@@ -19,15 +19,16 @@ plan that carries one sends every launch there.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .profiling import span
+from ..profiling import span
 from .shm import ShmAllReduce
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "plan_mean", "start_all_reduce"]
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "plan_mean",
+           "reduce_scatter_flat", "start_all_reduce"]
 
 
 class Waitable(Protocol):
@@ -111,10 +112,20 @@ def start_all_reduce(buf: torch.Tensor, plan: MeanPlan, pack: Callable[[], None]
     return work, unpack
 
 
-def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """All-gather equal shards into ``out`` under whichever name this torch has."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None,
+                    async_op: bool = False) -> Any:
+    """All-gather equal shards into ``out`` under whichever name this torch has
+    (``all_gather_single`` from 2.13 on, ``all_gather_into_tensor`` before)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, shard, group=group)
+    return gather(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, buf: torch.Tensor, op: Any, group: dist.ProcessGroup | None,
+                        async_op: bool = False) -> Any:
+    """Reduce-scatter ``buf`` into equal shards under whichever name this torch has
+    (``reduce_scatter_single`` from 2.13 on, ``reduce_scatter_tensor`` before)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, buf, op=op, group=group, async_op=async_op)
 
 
 class Fp32Accumulate:
@@ -148,4 +159,4 @@ class Fp32Accumulate:
             dist.all_to_all_single(self.wire, self.recv, group=self.group)
         else:
             self.rows[0].copy_(self.acc)
-            _all_gather_flat(self.wire, self.rows[0], self.group)
+            all_gather_flat(self.wire, self.rows[0], self.group)

@@ -1,0 +1,15 @@
+"""The communication layer: averaging all-reduce, reduce-scatter and all-gather of flat
+buffers over one process group, on the transport that is fastest and correct for it.
+
+:mod:`.comm` holds :class:`Comm`, the one object every mode talks to (:func:`get_comm`);
+:mod:`.collectives` the process-group plans (AVG probe, divide-first, fp32
+accumulation, renamed-collective compat); :mod:`.shm` the shared-memory transport for
+CPU ranks on one host.
+"""
+
+from .collectives import Fp32Accumulate, MeanPlan, Pending, Waitable, all_gather_flat, reduce_scatter_flat
+from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Transport, get_comm, resolve_transport
+from .shm import ShmAllReduce
+
+__all__ = ["Comm", "Fp32Accumulate", "MeanPlan", "Pending", "ShmAllReduce", "TRANSPORTS", "TRANSPORT_ENV",
+           "Transport", "Waitable", "all_gather_flat", "get_comm", "reduce_scatter_flat", "resolve_transport"]
