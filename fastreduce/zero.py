@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import FusedBuffer, _view
+from .checkpoint import RangeShard
 from .comm import Pending, all_gather_flat, get_comm
 from .grads import adopt, check_grad, one_device
 from .layout import GradLayout, verify_across_ranks
@@ -605,6 +606,95 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"state {key!r} of parameter {k} has shape {tuple(v.shape)}, the "
                                      f"parameter {self.layout.names[index[k]]!r} {tuple(p.shape)}: the "
                                      "checkpoint is from another model")
+
+
+    # ------------------------------------------------------------------ sharded checkpoints
+
+    @torch.no_grad()
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's ranges of the optimizer state, for ``torch.distributed.checkpoint``.
+
+        Per parameter (torch.optim's index) and state key, a
+        :class:`~fastreduce.checkpoint.RangeShard` over the parameter's elements
+        (flattened in memory order) holding a view of this rank's range of the state, so ``dcp.save`` writes each range once, from its owner, and
+        ``dcp.load`` fills it in place on any world size; scalars (``step``) and the
+        hyperparameters are saved once. Collective. A fresh optimizer's state is first
+        made by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
+        so that a template exists to load into::
+
+            sd = opt.sharded_state_dict()
+            torch.distributed.checkpoint.load(sd, checkpoint_id=path)
+            opt.load_sharded_state_dict(sd)
+        """
+        self._wait_gathers()
+        self._materialize_state()
+        index, per_group = self._index()
+        by_slot = {i: k for k, i in index.items()}
+        W, r = self.world_size, self.rank
+        state: dict[str, dict[str, Any]] = {}
+        for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
+            seg = self.layout.segments[s]
+            c = seg.numel // W
+            items = dict(chunk_state)
+            if shard.low:
+                items[_MASTER] = shard.master
+            for slot_i in self._segment_slots()[s]:
+                slot = self.layout.slots[slot_i]
+                lo, hi = slot.offset, slot.offset + slot.numel
+                a = min(max(lo, r * c), hi)
+                b = max(min(hi, (r + 1) * c), a)  # [a, b): my part of the parameter, maybe empty
+                entry: dict[str, Any] = {}
+                for key, v in items.items():
+                    if key in _SCALARS or not torch.is_tensor(v) or v.shape != shard.master.shape:
+                        entry[key] = v.clone() if torch.is_tensor(v) else v
+                    else:
+                        entry[key] = RangeShard(v[a - r * c:b - r * c], a - lo, slot.numel)
+                state[str(by_slot[slot_i])] = entry
+        groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Finish loading what ``dcp.load`` put into :meth:`sharded_state_dict`'s dict:
+        the state ranges were filled in place; this sets the scalars and hyperparameters."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if groups is None or "state" not in state_dict or len(groups) != len(self.param_groups):
+            raise ValueError("not a ZeroOptimizer.sharded_state_dict() of this optimizer (its "
+                             "param groups differ); build the dict with sharded_state_dict() and "
+                             "fill it with torch.distributed.checkpoint.load")
+        index, _ = self._index()
+        by_slot = {i: k for k, i in index.items()}
+        for s, chunk_state in enumerate(self._chunk_states()):
+            first = state_dict["state"][str(by_slot[self._segment_slots()[s][0]])]
+            for key, v in first.items():
+                if key in chunk_state and not isinstance(v, RangeShard):
+                    if torch.is_tensor(v) and torch.is_tensor(chunk_state[key]):
+                        chunk_state[key].copy_(v)
+                    else:
+                        chunk_state[key] = v
+        for pg, src in zip(self.param_groups, groups):
+            pg.update({k: v for k, v in src.items() if k != "params"})
+        self._sync_hyperparameters()
+
+    def _materialize_state(self) -> None:
+        """Create the shard's optimizer state where it does not exist yet: one step at
+        lr=0 on zero gradients (the gradients are restored)."""
+        if all(s.master in self.inner.state and self.inner.state[s.master] for s in self.shards):
+            return
+        grads = [s.master.grad for s in self.shards]
+        saved = [g.clone() for g in grads]
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        try:
+            for g in grads:
+                g.zero_()
+            for g in self.inner.param_groups:
+                g["lr"] = 0.0
+            self.inner.step()
+        finally:
+            for g, lr in zip(self.inner.param_groups, lrs):
+                g["lr"] = lr
+            for g, v in zip(grads, saved):
+                g.copy_(v)
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
