@@ -291,8 +291,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reset the gradients: ``set_to_none=False`` zeroes the flat buffer in place (one
         op per bucket) and keeps every ``param.grad`` a view of it, the fast path;
         ``True`` (torch's default) sets them to ``None``, and the next step copies
-        autograd's fresh gradients in."""
-        self._wait_gathers()
+        autograd's fresh gradients in. It does not wait for the parameters' all-gather
+        (the gradients are other memory), so that stays overlapped with what follows."""
         for p, v in zip(self.layout.params, self.buffer.views):
             if set_to_none:
                 p.grad = None

@@ -233,3 +233,31 @@ class BranchModel(nn.Module):
 def branch_model(seed: int) -> BranchModel:
     torch.manual_seed(seed)
     return BranchModel()
+
+
+class OddModel(nn.Module):
+    """``Linear(7, 13) -> Linear(13, 11) -> Linear(11, 5)`` times a learned scale: 323 = 17 * 19
+    parameters in 7 tensors of odd sizes, a count that neither 2, 3 nor 32 divides (so
+    shards and alignment pads come out uneven). Follows its parameters' dtype."""
+
+    NUMEL = 323
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.b = nn.Linear(13, 11)
+        self.c = nn.Linear(11, CLASSES)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, CLASSES))
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 7, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x.to(self.a.weight.dtype)))
+        h = torch.tanh(self.b(h))
+        return self.c(h) * self.scale
+
+
+def odd_model(seed: int) -> OddModel:
+    torch.manual_seed(seed)
+    return OddModel()

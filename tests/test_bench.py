@@ -1,8 +1,9 @@
 """``fastreduce bench``: the command runs end to end and reports what it promises.
 
-One ``--quick --json`` run (both suites, real Gloo ranks) in a subprocess feeds every
-test here. Only the report's structure and the gradients' agreement are checked, never
-a timing: the machine is shared, and the targets are a report, not a contract.
+One ``--quick --json`` run (the default suites, real Gloo ranks) in a subprocess feeds
+most tests here, one ``--suite optim --quick --json`` run the optim suite's. Only the
+report's structure and the gradients' (parameters') agreement are checked, never a
+timing: the machine is shared, and the targets are a report, not a contract.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import fastreduce
+from fastreduce.bench import optim as optim_suite
 from fastreduce.bench import reduce as reduce_suite
 from fastreduce.bench import step as step_suite
 from fastreduce.bench.report import CSV_FIELDS
@@ -143,7 +146,57 @@ def test_json_file_matches_stdout(quick_run: dict, result: dict) -> None:
     assert json.loads((quick_run["out"] / "bench.json").read_text()) == result
 
 
-@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--bucket-mb", "0"], ["--iters", "0"], ["--threads", "0"]])
+@pytest.fixture(scope="module")
+def optim_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-optim")
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "optim", "--quick", "--json",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().count("\n") == 0
+    return {"result": json.loads(proc.stdout), "out": out}
+
+
+def test_optim_suite_quick_smoke(optim_run: dict) -> None:
+    """Every method is timed (ZeroOptimizer's only once fastreduce has it), agrees with DDP +
+    AdamW after two steps, and reports its optimizer-state bytes; targets are reported."""
+    result, out = optim_run["result"], optim_run["out"]
+    assert result["suites"] == ["optim"] and "reduce" not in result and "step" not in result
+    optim = result["optim"]
+    assert list(optim["worlds"]) == [str(n) for n in optim_suite.QUICK_WORLD_SIZES]
+    assert optim["model"]["tensors"] == 200
+    has_zero = hasattr(fastreduce, "ZeroOptimizer")
+    for world, w in optim["worlds"].items():
+        assert list(w["methods"]) == list(optim_suite.METHODS)
+        plain = w["plain_state_bytes"]
+        assert plain >= 2 * 4 * optim["model"]["numel"]  # two fp32 moments per parameter
+        assert optim_suite.PARAM_TOL * 10 < w["param_update"]  # a skipped step would be caught
+        for name, m in w["methods"].items():
+            if name in optim_suite.ZERO_METHODS and not has_zero:
+                assert "not available" in m["skipped"]
+                continue
+            assert m["skipped"] is None, (world, name, m["skipped"])
+            _stats_ok(m)
+            assert m["param_err"] <= optim_suite.PARAM_TOL, (world, name, m["param_err"])
+            assert m["state_bytes"] > 0 and math.isfinite(m["speedup_vs_ddp"])
+        ms = w["methods"]
+        assert ms["fused_adamw"]["state_bytes"] == plain
+        assert ms["torch_zero_adamw"]["state_bytes"] < plain  # sharded across ranks
+        if has_zero:
+            assert w["state_bound"]["pass"] is not None and ms["zero_adamw"]["buckets"] >= 1
+    targets = optim["targets"]
+    assert {name for name, *_ in optim_suite.TARGETS} <= set(targets)
+    for t in targets.values():
+        assert t["pass"] is None or isinstance(t["pass"], bool)
+    with (out / "optim.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    timed = [(n, name) for n, w in optim["worlds"].items() for name, m in w["methods"].items()
+             if m["median_ms"] is not None]
+    assert [(r["model"], r["method"]) for r in rows] == [(f"many@{n}ranks", name) for n, name in timed]
+    assert json.loads((out / "bench.json").read_text()) == result
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--bucket-mb", "0"], ["--iters", "0"], ["--threads", "0"],
+                                  ["--optim-ranks", "1"], ["--optim-ranks", "2,x"]])
 def test_bad_arguments_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *argv]) == 2
     assert "error" in capsys.readouterr().err

@@ -223,6 +223,8 @@ def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | N
             out["transport"] = "shm" if opt.comm.shm_of(opt.buffer.wire) is not None else opt.comm.pg_backend
         except AttributeError:  # an internal this suite peeks at has changed: say nothing
             pass
+        if hasattr(opt, "state_bytes") and hasattr(opt, "inner"):  # cross-check from the tensors
+            out["inner_state_bytes"] = state_tensor_bytes(opt.inner.state)
         return out
     return OptimMethod(base, opt, state_bytes, info)
 
@@ -415,6 +417,9 @@ def format_text(report: dict[str, Any]) -> str:
                              f"skipped: {m['skipped']}")
                 continue
             notes = [f"via {m['transport']}"] if m.get("transport") else []
+            if m.get("inner_state_bytes") not in (None, m["state_bytes"]):
+                notes.append(f"state_bytes() {m['state_bytes']} B but inner state tensors "
+                             f"{m['inner_state_bytes']} B")
             if name != DDP_BASELINE:
                 notes.append(f"param diff {m['param_err']:.1e}")
             else:
