@@ -133,7 +133,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
         params = list(params)
-        defaults = _fused_if_possible(optimizer_class, params, defaults)
+        if dist.get_world_size(group) > 1:  # one rank: exactly the plain optimizer, its own kernel
+            defaults = _fused_if_possible(optimizer_class, params, defaults)
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks defaults
         self._ready = False
         super().__init__(params, dict(probe.defaults))
