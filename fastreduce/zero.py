@@ -71,7 +71,6 @@ class _Shard:
     group: int  # param group index
     seg: int  # layout segment (= bucket) index
     params: torch.Tensor  # the bucket's slice of the flat parameter buffer
-    stage: torch.Tensor | None  # its shared-memory staging for the all-gather, if any
     master: torch.Tensor  # chunk r of ``params`` (a view), or its fp32 copy
     out: torch.Tensor | None  # where the reduce-scatter puts chunk r (None: the wire itself)
 
@@ -101,8 +100,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_mb: bucket size on the wire (default: per process-group backend).
         transport: ``auto`` / ``shm`` / ``process_group`` (see :class:`~fastreduce.comm.Comm`).
         module: the model; with it the parameter all-gather after ``step()`` is waited
-            per bucket in forward pre-hooks (overlapping the next forward); without it
-            ``step()`` waits before returning.
+            per bucket in forward pre-hooks (overlapping the next forward), and in full
+            before ``module.state_dict()`` / ``load_state_dict()``; read parameters any
+            other way only after :meth:`wait_params`. Without it ``step()`` waits before
+            returning.
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``, ...).
@@ -220,8 +221,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sizes: dict[torch.dtype, int] = {}
         for seg in layout.segments:
             sizes[seg.dtype] = sizes.get(seg.dtype, 0) + seg.numel
-        flats = {d: torch.zeros(n, dtype=d, device=self.device) for d, n in sizes.items()}
-        stages = {d: comm.staging(n, d) for d, n in sizes.items()}
+        # On one host, this rank's region of a shared segment: the all-gather pulls the
+        # other ranks' chunks straight into the parameters.
+        flats = {d: comm.buffer(n, d) for d, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         separate_out = self.scaler is not None
         self.shards: list[_Shard] = []
@@ -230,7 +232,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 o = offsets[seg.dtype]
                 offsets[seg.dtype] += seg.numel
                 flat = flats[seg.dtype][o:o + seg.numel]
-                stage = stages[seg.dtype]
                 for slot in seg.slots:
                     view = _view(flat, slot)
                     view.copy_(slot.param)
@@ -240,8 +241,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 master = chunk if seg.dtype.itemsize >= 4 else chunk.float()
                 out = None if (master.dtype == self.buffer.wire.dtype and not separate_out) else \
                     torch.zeros(c, dtype=master.dtype, device=self.device)
-                self.shards.append(_Shard(group_of[members[0]], s, flat,
-                                          None if stage is None else stage[o:o + seg.numel], master, out))
+                self.shards.append(_Shard(group_of[members[0]], s, flat, master, out))
         for sh, b in zip(self.shards, self.buckets):
             wire = b.wire
             c = wire.numel() // W
@@ -261,6 +261,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mine:
                 self._module_hooks.append(m.register_forward_pre_hook(
                     lambda _m, _a, mine=tuple(mine): self._wait_gathers(mine)))
+        # Saving or loading the model's weights also needs them complete.
+        self._module_hooks.append(module.register_state_dict_pre_hook(lambda *_: self._wait_gathers()))
+        load_hook = getattr(module, "register_load_state_dict_pre_hook", None)  # public from torch 2.5
+        if load_hook is not None:
+            self._module_hooks.append(load_hook(lambda *_: self._wait_gathers()))
+        else:  # pragma: no cover - older torch
+            self._module_hooks.append(module._register_load_state_dict_pre_hook(lambda *_: self._wait_gathers()))
 
     # ------------------------------------------------------------------ public
 
@@ -392,7 +399,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 s.params[r * c:(r + 1) * c].copy_(s.master)
         if W == 1:
             return
-        self._gathers = [self.comm.all_gather(s.params, s.stage) for s in self.shards]
+        self._gathers = [self.comm.all_gather(s.params) for s in self.shards]
         if not self._module_hooks:
             self._wait_gathers()
 

@@ -161,15 +161,16 @@ def direct_case(rank: int, world: int, name: str, private: str) -> dict:
             "seen": seen, "queued": shm.started - started, "count": len(spans), "fifo": fifo,
             "ratio": ratio, "excess": excess, "untouched": torch.equal(after[~inside], local[rank][~inside]),
             "digest": hashlib.sha256(after[inside].view(torch.uint8).numpy().tobytes()).hexdigest()})
-    mine = shm.regions[rank].view(dtype)  # a window over my region's end (the last rank: its start)
-    edge = mine.storage_offset() + (numel - 32 if rank < world - 1 else -32)
+    mine = shm.regions[rank].view(dtype)  # a window over my region's end
+    edge = mine.storage_offset() + mine.numel() - 32
     o, n = slices_for(world)[2]
     out["errors"] = {
         "fresh tensor": start_error(shm, torch.zeros(64, dtype=dtype)),
         "strided view": start_error(shm, region[numel - 200::2]),
         "other rank's region": start_error(shm, shm.regions[(rank + 1) % world].view(dtype)[:64]),
-        "straddling the region's edge": start_error(shm, mine.as_strided((64,), (1,), edge)),
     }
+    # Each region is a storage of its own: no view can reach past its edge at all.
+    out["straddle"] = expect_raises(RuntimeError, lambda: mine.as_strided((64,), (1,), edge))
     out["strided_started_slice"] = start_error(shm, region[o:o + 2 * n:2])  # ptr, numel of a started one
     out["too_big"] = expect_raises(ValueError, lambda: shm.region(dtype, numel + 1))
     out["region_bytes"] = shm.region_bytes
@@ -490,6 +491,7 @@ def test_buffers_outside_the_region_are_rejected(group, name) -> None:
     for out in per_rank(group, name):
         for case, res in out["errors"].items():
             assert res["raised"] and "region" in res["message"] and res["queued"] == 0, (case, res)
+        assert out["straddle"]["raised"] == "RuntimeError", out["straddle"]
         res = out["too_big"]
         assert res["raised"] == "ValueError", res["message"]
         assert f"the region has {out['region_bytes']}" in res["message"]

@@ -4,7 +4,8 @@ Modes never pick a transport or a collective; they ask a :class:`Comm` for
 
 * ``all_reduce(buf, plan)``: ``buf`` := mean over the ranks (fused, overlapped modes);
 * ``reduce_scatter(buf, out)``: ``out`` := this rank's chunk of that mean (ZeRO);
-* ``all_gather(buf)``: every rank's chunk of ``buf`` to every rank (ZeRO's parameters);
+* ``all_gather(buf)``: every rank's chunk of ``buf`` to every rank, in place (ZeRO's
+  parameters);
 
 each launched asynchronously and returned as a :data:`~.collectives.Pending`
 ``(work, then)``: wait on ``work``, then run ``then``. Chunk ``r`` of a buffer of ``n``
@@ -109,14 +110,6 @@ class Comm:
                 return shm.region(dtype, numel)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
-    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A shared region to all-gather a private ``numel``-element buffer through, or
-        ``None`` where the collective works on the buffer itself (collective)."""
-        if not (self.wants_shm and self.world > 1):
-            return None
-        buf = self.buffer(numel, dtype)
-        return buf if self.shm_of(buf) is not None else None
-
     def shm_of(self, buf: torch.Tensor) -> ShmAllReduce | None:
         """The shared-memory segment ``buf`` lives in, if any."""
         if buf.device.type != "cpu":
@@ -181,19 +174,16 @@ class Comm:
             work = reduce_scatter_flat(dst, buf, plan.op, self.group, async_op=True)
             return work, (None if dst is out else lambda: out.copy_(dst))
 
-    def all_gather(self, buf: torch.Tensor, stage: torch.Tensor | None = None) -> Pending:
-        """Launch the all-gather of ``buf`` (private memory) in place: chunk k of every
-        rank's ``buf`` := rank k's chunk k. ``stage`` is :meth:`staging`'s region for
-        ``buf``, if it gave one (this rank's chunk is copied there and read from there)."""
+    def all_gather(self, buf: torch.Tensor) -> Pending:
+        """Launch the all-gather of ``buf`` in place: chunk k of every rank's ``buf`` :=
+        rank k's chunk k. On shared memory (``buf`` from :meth:`buffer`) each rank
+        pulls the other chunks straight from their owners' regions."""
         n = self._chunk(buf)
-        r = self.rank
-        mine = buf[r * n:(r + 1) * n]
+        mine = buf[self.rank * n:(self.rank + 1) * n]
+        shm = self.shm_of(buf)
         with span("fastreduce::all_gather"):
-            if stage is not None:
-                shm = self.shm_of(stage)
-                assert shm is not None and stage.shape == buf.shape
-                own = stage[r * n:(r + 1) * n]
-                return shm.start(stage, lambda: own.copy_(mine), kind=ALL_GATHER, out=buf), None
+            if shm is not None:
+                return shm.start(buf, kind=ALL_GATHER), None
             if self.by_all_to_all:
                 send = self._scratch_like(buf, "send")
                 send.view(self.world, n).copy_(mine.expand(self.world, n))

@@ -324,11 +324,13 @@ class ShmAllReduce:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.channel = _channel(group)
-        base = torch.frombuffer(segment, dtype=torch.uint8)  # keeps the mapping alive
         header = _header_bytes(self.world)
-        self.regions = [base[header + k * region_bytes:header + (k + 1) * region_bytes]
-                        for k in range(self.world)]
-        self.barrier = (_FlagBarrier(base[:header], self.rank, self.world, BARRIER_TIMEOUT) if FLAG_BARRIERS
+        # One storage per region (each keeps the mapping alive): a tensor viewing this
+        # rank's region, e.g. a parameter, saves with torch.save as that region alone.
+        self.regions = [torch.frombuffer(segment, dtype=torch.uint8, count=region_bytes,
+                                         offset=header + k * region_bytes) for k in range(self.world)]
+        head = torch.frombuffer(segment, dtype=torch.uint8, count=header)
+        self.barrier = (_FlagBarrier(head, self.rank, self.world, BARRIER_TIMEOUT) if FLAG_BARRIERS
                         else self.channel.barrier)
         self.region_bytes = region_bytes
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
