@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import fastreduce
+import fastreduce.zero
 from fastreduce.launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,7 +85,9 @@ def zero_worker(rank: int, world: int, dtype_name: str, with_module: bool) -> di
     ref = copy.deepcopy(model).float()  # fp32 masters, as ZeroOptimizer keeps for bf16
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                    bucket_mb=0.05, module=model if with_module else None)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    # the reference steps with the kernel ZeroOptimizer picks at two ranks (fused on CUDA)
+    kernel = fastreduce.zero.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **kernel)
     norms = []
     for step in range(8):
         _loss(model, rank, step, dtype).backward()
