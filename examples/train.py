@@ -1,10 +1,13 @@
 """Data-parallel training through fastreduce: the main job of the README.
 
-    torchrun --standalone --nproc-per-node 2 examples/train.py
+    torchrun --standalone --nproc-per-node 2 examples/train.py              # fused
+    torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero  # ZeRO
 
 Each rank trains the same small classifier on its own shard of a synthetic data set,
-averages gradients with ``fastreduce.all_reduce_gradients`` after every backward, and
-at the end checks that every rank holds bit-identical parameters. Runs on CPU (gloo),
+averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (or,
+with ``--mode zero``, lets ``fastreduce.ZeroOptimizer`` reduce-scatter them and step
+its shard of AdamW), and at the end checks that every rank holds bit-identical
+parameters. Runs on CPU (gloo),
 CUDA (nccl) and Gaudi (hccl); the device is picked by ``fastreduce.init_distributed``.
 """
 
@@ -55,13 +58,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--mode", choices=("fused", "zero"), default="fused",
+                    help="fused: all_reduce_gradients + AdamW; zero: ZeroOptimizer(AdamW)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     info = fastreduce.init_distributed()
     torch.manual_seed(0)  # same initial weights on every rank
     model = make_model(dim=32, hidden=128, classes=8, depth=4).to(info.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    zero = args.mode == "zero"
+    if zero:  # reduce-scatter during backward, 1/N of AdamW per rank, all-gather after
+        opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=args.lr,
+                                       wire_dtype=DTYPES[args.wire], module=model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     x, y = make_data(4096, 32, 8)
     shard = slice(info.rank, None, info.world_size)  # each rank its own examples
     x, y = x[shard].to(info.device), y[shard].to(info.device)
@@ -73,7 +83,8 @@ def main() -> None:
         idx = torch.randint(0, x.shape[0], (args.batch,), generator=gen).to(info.device)
         loss = loss_fn(model(x[idx]), y[idx])
         loss.backward()
-        fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
+        if not zero:
+            fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
         opt.step()
         opt.zero_grad(set_to_none=False)  # grads stay views of the fused buffer
         if step % 10 == 0:
@@ -86,9 +97,11 @@ def main() -> None:
     with torch.no_grad():
         acc = (model(x).argmax(dim=1) == y).float().mean()
     dist.all_reduce(acc)
+    if zero:
+        opt.wait_params()  # read outside forward: wait for the last all-gather
     in_sync = params_in_sync(model)
     if info.rank == 0:
-        print(f"{info.world_size} ranks on {info.device} ({info.backend}), wire {args.wire}: "
+        print(f"{info.world_size} ranks on {info.device} ({info.backend}), {args.mode}, wire {args.wire}: "
               f"{args.steps} steps in {elapsed:.1f}s, train accuracy {acc.item() / info.world_size:.1%}, "
               f"parameters identical on all ranks: {in_sync}")
     dist.barrier()  # nobody tears its connections down while a peer still uses them
