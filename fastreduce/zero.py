@@ -549,56 +549,55 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._wait_gathers()
         index, per_group = self._index()
         self._check_loadable(state_dict, index, per_group)
-        layout, W, r = self.layout, self.world_size, self.rank
-        state = state_dict["state"]
         by_slot = {i: k for k, i in index.items()}
-        inner_state: dict[int, dict[str, Any]] = {}
-        masters: dict[int, torch.Tensor] = {}
+        chunks, masters = {}, {}
         for s, idx in enumerate(self._segment_slots()):
-            seg, shard = layout.segments[s], self.shards[s]
-            c = seg.numel // W
-            entries = [(layout.slots[i], state.get(by_slot[i], {})) for i in idx]
-            keys = {k for _, st in entries for k in st}
-            chunk_state: dict[str, Any] = {}
-            for key in sorted(keys):
-                shaped = [(slot, st[key]) for slot, st in entries if key in st]
-                if key not in _SCALARS and all(torch.is_tensor(v) and v.shape == slot.param.shape
-                                               for slot, v in shaped):
-                    full = torch.zeros(seg.numel, dtype=shaped[0][1].dtype, device=self.device)
-                    for slot, v in shaped:
-                        _view(full, slot).copy_(v)
-                    if key == _MASTER:
-                        masters[s] = full[r * c:(r + 1) * c].float()
-                    else:
-                        chunk_state[key] = full[r * c:(r + 1) * c].clone()
-                elif key != _MASTER:
-                    v = shaped[0][1]
-                    chunk_state[key] = v.clone() if torch.is_tensor(v) else v
+            entries = [(self.layout.slots[i], state_dict["state"].get(by_slot[i], {})) for i in idx]
+            chunk_state, masters[s] = self._chunk_of(s, entries)
             if chunk_state:
-                inner_state[s] = chunk_state
-        inner_groups = []
-        k = 0
-        for pg, src in zip(self.param_groups, state_dict["param_groups"]):
-            n = sum(1 for sh in self.shards if sh.group == len(inner_groups))
-            inner_groups.append({**{a: b for a, b in src.items() if a != "params"}, "params": list(range(k, k + n))})
+                chunks[s] = chunk_state
+        # The shard's optimizer numbers its tensors group by group, in shard order.
+        order = [s for g in range(len(self.param_groups)) for s, sh in enumerate(self.shards) if sh.group == g]
+        position = {s: k for k, s in enumerate(order)}
+        groups, k = [], 0
+        for g, src in enumerate(state_dict["param_groups"]):
+            n = sum(sh.group == g for sh in self.shards)
+            groups.append({**{a: b for a, b in src.items() if a != "params"}, "params": list(range(k, k + n))})
             k += n
-        shard_index = {}
-        k = 0
-        for g in range(len(self.param_groups)):
-            for s, sh in enumerate(self.shards):
-                if sh.group == g:
-                    shard_index[s] = k
-                    k += 1
-        self.inner.load_state_dict({"state": {shard_index[s]: st for s, st in inner_state.items()},
-                                    "param_groups": inner_groups})
+        self.inner.load_state_dict({"state": {position[s]: st for s, st in chunks.items()},
+                                    "param_groups": groups})
         for pg, src in zip(self.param_groups, state_dict["param_groups"]):
-            for a, b in src.items():
-                if a != "params":
-                    pg[a] = b
+            pg.update({a: b for a, b in src.items() if a != "params"})
+        W, r = self.world_size, self.rank
         for s, shard in enumerate(self.shards):  # masters: loaded, else from the params
             if shard.low:
                 c = shard.params.numel() // W
-                shard.master.copy_(masters[s] if s in masters else shard.params[r * c:(r + 1) * c])
+                m = masters[s]
+                shard.master.copy_(m if m is not None else shard.params[r * c:(r + 1) * c])
+
+    def _chunk_of(self, s: int, entries: list[tuple[Any, dict[str, Any]]]) -> tuple[dict[str, Any],
+                                                                                   torch.Tensor | None]:
+        """This rank's chunk of bucket ``s``'s state, from per-parameter ``(slot, state)``
+        entries; and its fp32 masters if the entries carry them."""
+        seg, W, r = self.layout.segments[s], self.world_size, self.rank
+        c = seg.numel // W
+        chunk_state: dict[str, Any] = {}
+        master = None
+        for key in sorted({k for _, st in entries for k in st}):
+            shaped = [(slot, st[key]) for slot, st in entries if key in st]
+            if key in _SCALARS or not all(torch.is_tensor(v) and v.shape == slot.param.shape for slot, v in shaped):
+                if key != _MASTER:  # a scalar (step): the same for every parameter of a bucket
+                    v = shaped[0][1]
+                    chunk_state[key] = v.clone() if torch.is_tensor(v) else v
+                continue
+            full = torch.zeros(seg.numel, dtype=shaped[0][1].dtype, device=self.device)
+            for slot, v in shaped:
+                _view(full, slot).copy_(v)
+            if key == _MASTER:
+                master = full[r * c:(r + 1) * c].float()
+            else:
+                chunk_state[key] = full[r * c:(r + 1) * c].clone()
+        return chunk_state, master
 
     def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
