@@ -93,8 +93,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group: process group (default: the world).
         wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own dtype,
             the widest if they differ); bf16/fp16 halve the bytes.
-        accumulate_dtype: ``torch.float32`` sums a low-precision wire in fp32. The
-            shared-memory and Gloo paths always do; on NCCL/HCCL it is the collective's.
+        accumulate_dtype: ``torch.float32`` sums a low-precision wire in fp32 on NCCL
+            and HCCL too (all-to-all and a local sum: the same bytes, two roundings at
+            any world size); the shared-memory and Gloo paths always do.
         overlap: reduce-scatter each bucket from backward hooks as soon as its grads
             are ready (else all at ``step()``).
         bucket_mb: bucket size on the wire (default: :func:`zero_bucket_mb`, 25 MB; 64 on HCCL).
@@ -201,8 +202,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
             outs = [s.out for s in self.shards]
 
+            fp32_sum = accumulate_dtype == torch.float32
+
             def launch(b: int, packed: bool) -> Pending:
-                return comm.reduce_scatter(self.buckets[b].wire, outs[b], None if packed else packs[b])
+                return comm.reduce_scatter(self.buckets[b].wire, outs[b], None if packed else packs[b], fp32_sum)
 
             self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt)
             self._schedule.sync = self.overlap

@@ -142,13 +142,15 @@ class Comm:
         return start_all_reduce(buf, plan, pack, unpack)
 
     def reduce_scatter(self, buf: torch.Tensor, out: torch.Tensor | None = None,
-                       pack: Callable[[], None] | None = None) -> Pending:
+                       pack: Callable[[], None] | None = None, fp32_sum: bool = False) -> Pending:
         """Launch ``out`` := this rank's chunk of the mean of ``buf`` over ranks.
 
         ``out`` (default: that chunk of ``buf`` itself) may be wider than ``buf``: a
         bf16 ``buf`` averaged into an fp32 ``out`` is summed in fp32 and rounded once.
         ``pack`` fills ``buf`` first. ``buf``'s other chunks are left as they were, or
-        (the default ``out``, Gloo) undefined.
+        (the default ``out``, Gloo) undefined. Shared memory and Gloo always sum in
+        fp32; ``fp32_sum`` makes NCCL/HCCL do so too (an all-to-all and a local sum, the
+        same bytes) instead of summing in ``buf``'s dtype inside the collective.
         """
         n = self._chunk(buf)
         mine = buf[self.rank * n:(self.rank + 1) * n]
@@ -163,7 +165,7 @@ class Comm:
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
-            if self.by_all_to_all:
+            if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):
                 recv = self._scratch_like(buf, "recv")
                 work = dist.all_to_all_single(recv, buf, group=self.group, async_op=True)
                 return work, lambda: self._sum_rows(recv, out)
