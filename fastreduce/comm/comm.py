@@ -6,6 +6,8 @@ Modes never pick a transport or a collective; they ask a :class:`Comm` for
 * ``reduce_scatter(buf, out)``: ``out`` := this rank's chunk of that mean (ZeRO);
 * ``all_gather(buf)``: every rank's chunk of ``buf`` to every rank, in place (ZeRO's
   parameters);
+* ``mix(buf, out, matrix)``: ``out`` := this rank's row of a gossip mixing matrix
+  applied to every rank's ``buf`` (decentralized modes);
 
 each launched asynchronously and returned as a :data:`~.collectives.Pending`
 ``(work, then)``: wait on ``work``, then run ``then``. Chunk ``r`` of a buffer of ``n``
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 from ..profiling import span
 from .collectives import MeanPlan, Pending, all_gather_flat, plan_mean, reduce_scatter_flat, start_all_reduce
-from .shm import ALL_GATHER, REDUCE_SCATTER, ShmAllReduce
+from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
 
@@ -192,7 +194,54 @@ class Comm:
                 return dist.all_to_all_single(buf, send, group=self.group, async_op=True), None
             return all_gather_flat(buf, mine, self.group, async_op=True), None
 
+    def mix(self, buf: torch.Tensor, out: torch.Tensor, matrix: torch.Tensor,
+            pack: Callable[[], None] | None = None) -> Pending:
+        """Launch gossip mixing: ``out`` := sum over ranks j of ``matrix[rank, j]`` x rank
+        j's ``buf`` (summed in fp32 or wider), for a world x world mixing matrix that
+        every rank passes whole. ``pack`` fills ``buf`` (the block this rank sends)
+        first; ``out`` is other, private memory as long as ``buf``.
+
+        Shared memory: each rank reads its row's sources straight from their regions.
+        Process groups: a uniform matrix (every rank averages with every rank) on an
+        fp32 ``buf`` is one averaging all-reduce; any other is point-to-point, ``buf`` sent to the ranks whose
+        row uses it and received from those this rank's row uses (one receive buffer
+        per peer, allocated on first use).
+        """
+        if out.shape != buf.shape:
+            raise ValueError(f"mix's output must be as long as its input ({buf.numel()}), got {tuple(out.shape)}")
+        if tuple(matrix.shape) != (self.world, self.world):
+            raise ValueError(f"the mixing matrix must be {self.world} x {self.world}, got {tuple(matrix.shape)}")
+        r = self.rank
+        row = matrix[r].tolist()
+        shm = self.shm_of(buf)
+        with span("fastreduce::mix"):
+            if shm is not None:
+                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row)), None
+            if pack is not None:
+                with span("fastreduce::pack"):
+                    pack()
+            if buf.dtype.itemsize >= 4 and bool((matrix == matrix[0, 0]).all()):  # everyone with everyone
+                plan = self.plan(buf.dtype)
+                if plan.prescale:
+                    buf.div_(self.world)
+                work = dist.all_reduce(buf, op=plan.op, group=self.group, async_op=True)
+                return work, lambda: out.copy_(buf)
+            col = matrix[:, r].tolist()
+            peers = [j for j in range(self.world) if j != r and row[j] != 0.0]
+            recvs = [self._scratch_like(buf, f"recv{j}") for j in peers]
+            ops = [dist.P2POp(dist.isend, buf, self._global(i), self.group)
+                   for i in range(self.world) if i != r and col[i] != 0.0]
+            ops += [dist.P2POp(dist.irecv, t, self._global(j), self.group) for j, t in zip(peers, recvs)]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
+            tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)
+            weights = [row[r]] + [row[j] for j in peers]
+            return _AllWorks(works), lambda: weighted_sum(out, acc, tmp, weights, [buf, *recvs])
+
     # ------------------------------------------------------------------ helpers
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _chunk(self, buf: torch.Tensor) -> int:
         if buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % self.world:
@@ -224,6 +273,18 @@ class Comm:
         acc.div_(self.world)
         if acc is not out:
             out.copy_(acc)
+
+
+class _AllWorks:
+    """Several launched point-to-point operations, waited on as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 _comms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

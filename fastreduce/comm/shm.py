@@ -47,14 +47,14 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..profiling import span
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork"]
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "weighted_sum"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _set_event() -> threading.Event:
     return event
 
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, MIX = "all_reduce", "reduce_scatter", "all_gather", "mix"
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +83,8 @@ class ShmWork:
     ``all_reduce``: chunk r averaged, then pushed into every rank's slice.
     ``reduce_scatter``: chunk r averaged into ``out`` (default: my own chunk), no push.
     ``all_gather``: every rank's chunk k copied from rank k's slice (``pulls``).
+    ``mix``: ``out`` := sum over k of ``weights[k]`` x rank k's whole slice (``peers``
+    holds every rank's slice, in rank order), summed in fp32.
     """
 
     own: torch.Tensor  # my chunk of my slice
@@ -93,6 +95,7 @@ class ShmWork:
     kind: str = ALL_REDUCE
     out: torch.Tensor | None = None  # reduce_scatter: where my averaged chunk goes
     pulls: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # all_gather: (dst, src)
+    weights: tuple[float, ...] = ()  # mix: this launch's weight for every rank's slice
     done: threading.Event = field(default_factory=_set_event)
     error: BaseException | None = None
     before: Callable[[], None] | None = None  # this launch's pack, run by the worker
@@ -111,11 +114,18 @@ class ShmWork:
             for dst, src in self.pulls:
                 dst.copy_(src)
             return
+        if self.kind == MIX:
+            self._mix()
+            return
         own = self.own
         self._average(own if self.out is None else self.out)
         if self.kind == ALL_REDUCE:
             for peer in self.peers:
                 peer.copy_(own)
+
+    def _mix(self) -> None:
+        assert self.out is not None and self.acc is not None
+        weighted_sum(self.out, self.acc, self.tmp, self.weights, self.peers)
 
     def _average(self, dst: torch.Tensor) -> None:
         """``dst`` := mean of my chunk over every rank's slice."""
@@ -141,6 +151,28 @@ class ShmWork:
         acc.div_(len(peers) + 1)
         if acc is not dst:
             dst.copy_(acc)
+
+
+def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
+                 weights: Sequence[float], sources: Sequence[torch.Tensor]) -> None:
+    """``out`` := sum of ``weights[k] * sources[k]``, accumulated in ``acc`` (``out``
+    itself when it is fp32 or wider) through ``tmp`` where a source's dtype differs (a
+    mixed-dtype op would allocate a cast copy on CPU). Zero weights are skipped."""
+    first = True
+    for w, src in zip(weights, sources):
+        if w == 0.0:
+            continue
+        if src.dtype != acc.dtype:
+            assert tmp is not None
+            tmp.copy_(src)
+            src = tmp
+        if first:
+            torch.mul(src, w, out=acc)
+            first = False
+        else:
+            acc.add_(src, alpha=w)
+    if acc is not out:
+        out.copy_(acc)
 
 
 class _FlagBarrier:
@@ -387,13 +419,14 @@ class ShmAllReduce:
 
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
               after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
-              out: torch.Tensor | None = None) -> ShmWork:
+              out: torch.Tensor | None = None, weights: tuple[float, ...] = ()) -> ShmWork:
         """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
         ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
         chunk of the mean into ``out``, default: that chunk of ``buf``) or ``all_gather``
-        (every rank's chunk of ``buf`` into ``out``, default ``buf`` itself); for the
-        last two ``buf`` must split into world-size equal chunks. ``before`` and
+        (every rank's chunk of ``buf`` into ``out``, default ``buf`` itself), for these
+        two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, private
+        memory as long as ``buf``, := the ``weights``-weighted sum of every rank's ``buf``). ``before`` and
         ``after`` (e.g. the slice's pack and unpack) run on the worker too, right before
         and after the collective, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
@@ -408,6 +441,10 @@ class ShmAllReduce:
                                "starting it again")
         work.done.clear()
         work.before, work.after = before, after
+        if kind == MIX:
+            if len(weights) != self.world:
+                raise ValueError(f"mix needs one weight per rank ({self.world}), got {len(weights)}")
+            work.weights = tuple(float(w) for w in weights)
         self.started += 1
         self.channel.jobs.put(work)
         return work
@@ -419,6 +456,8 @@ class ShmAllReduce:
             raise ValueError("the buffer to average is not a contiguous slice of this rank's "
                              "shared-memory region (ShmAllReduce.region)")
         slices = [r[off:off + buf.numel() * es].view(buf.dtype) for r in self.regions]
+        if kind == MIX:
+            return self._plan_mix(buf, slices, out)
         if kind == ALL_REDUCE:
             b = _bounds(buf.numel(), self.world)
         elif buf.numel() % self.world:
@@ -447,3 +486,12 @@ class ShmAllReduce:
                 self.scratch = (torch.empty(most), torch.empty(most))
             acc, tmp = (t[:own.numel()] for t in self.scratch)
         return ShmWork(own, peers, acc, tmp, self.barrier, kind, out)
+
+    def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
+        if out is None or out.shape != buf.shape or not out.is_contiguous() or self.regions[self.rank].data_ptr() \
+                <= out.data_ptr() < self.regions[self.rank].data_ptr() + self.region_bytes:
+            raise ValueError("mix needs an output in private memory, contiguous and as long as its input")
+        wide = out.dtype.itemsize >= 4
+        acc = out if wide else torch.empty(buf.numel(), dtype=torch.float32, device=buf.device)
+        tmp = None if buf.dtype == acc.dtype else torch.empty(buf.numel(), dtype=acc.dtype, device=buf.device)
+        return ShmWork(slices[self.rank], tuple(slices), acc, tmp, self.barrier, MIX, out)
