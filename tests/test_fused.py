@@ -62,7 +62,9 @@ def guarded(fn: Callable[..., Any], *args: Any) -> dict:
     """Run one sub-case; an exception becomes ``{"error": traceback}`` for the parent."""
     try:
         return {"ok": fn(*args)}
-    except Exception:  # noqa: BLE001 - reported to the parent test
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - reported to the parent test (DCP's CheckpointException is a BaseException)
         return {"error": traceback.format_exc()}
 
 

@@ -54,6 +54,7 @@ from fastreduce.launch import run_ranks
 
 from models import (OddModel, ShapeModel, SparseEmbeddingModel, batch_for, loss_of, many_tensor_model,
                     mixed_dtype_model, odd_model)
+from test_fused import guarded
 
 SEED = 7
 STEPS = 20
@@ -77,16 +78,6 @@ def spawn(worker: Callable[..., Any], world: int, *args: Any, timeout: float = S
 
 
 # ============================================================== helpers run in ranks
-
-def guarded(fn: Callable[..., Any], *args: Any) -> dict:
-    """Run one sub-case; an exception becomes ``{"error": traceback}`` for the parent."""
-    try:
-        return {"ok": fn(*args)}
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:  # noqa: BLE001 - reported to the parent test (DCP's CheckpointException is a BaseException)
-        return {"error": traceback.format_exc()}
-
 
 def expect_raises(exc_type: type, fn: Callable[[], Any]) -> dict:
     """Call ``fn`` expecting ``exc_type``; report what was raised and its message."""
