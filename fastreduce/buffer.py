@@ -14,13 +14,13 @@ per parameter, and touch only memory this object owns (what graph capture needs)
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .layout import GradLayout, Slot
 
-__all__ = ["FusedBuffer", "attached"]
+__all__ = ["FusedBuffer", "attached", "params_as_views"]
 
 _get_grad = operator.attrgetter("grad")
 
@@ -122,3 +122,26 @@ class FusedBuffer:
         scratch that the next pack overwrites, so it is left alone."""
         for flat in self.flats:
             flat.zero_()
+
+
+def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> list[torch.Tensor]:
+    """Make every parameter of ``layout`` a view of one flat buffer per dtype (from
+    ``alloc(numel, dtype)``, zeroed) laid out like the layout; return each segment's
+    slice. The parameters keep their values, identities, shapes and strides."""
+    sizes: dict[torch.dtype, int] = {}
+    for seg in layout.segments:
+        sizes[seg.dtype] = sizes.get(seg.dtype, 0) + seg.numel
+    flats = {d: alloc(n, d) for d, n in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    out = []
+    with torch.no_grad():
+        for seg in layout.segments:
+            o = offsets[seg.dtype]
+            offsets[seg.dtype] += seg.numel
+            flat = flats[seg.dtype][o:o + seg.numel]
+            for slot in seg.slots:
+                view = _view(flat, slot)
+                view.copy_(slot.param)
+                slot.param.data = view
+            out.append(flat)
+    return out

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "verify_across_ranks"]
+__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "verify_across_ranks"]
 
 ALIGN = 32
 """Every parameter's offset in its segment is a multiple of this many elements."""
@@ -144,3 +144,22 @@ def _explain(signatures: list[tuple[str, ...]], rank: int) -> str:
     lines.append("Build the same model on every rank (same requires_grad flags, dtypes and "
                  "memory formats) before the first reduction.")
     return "\n".join(lines)
+
+
+def bucket_runs(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int], limit: int) -> list[list[int]]:
+    """Cut ``named`` into buckets: runs of one group (``group_of[k]``, e.g. a param group)
+    and dtype, in ``named`` order, of about ``limit`` elements; ordered by their last
+    member (when its gradient is expected, if ``named`` is in backward order)."""
+    open_runs: dict[tuple[int, torch.dtype], list[int]] = {}
+    sizes: dict[tuple[int, torch.dtype], int] = {}
+    done: list[list[int]] = []
+    for k, (_, p) in enumerate(named):
+        key = (group_of[k], p.dtype)
+        run = open_runs.setdefault(key, [])
+        run.append(k)
+        sizes[key] = sizes.get(key, 0) + p.numel()
+        if sizes[key] >= limit:
+            done.append(open_runs.pop(key))
+            sizes[key] = 0
+    done += [run for run in open_runs.values() if run]
+    return sorted(done, key=max)  # by when the last grad of each is expected

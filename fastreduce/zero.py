@@ -42,11 +42,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from .buffer import FusedBuffer, _view
+from .buffer import FusedBuffer, _view, params_as_views
 from .checkpoint import RangeShard
 from .comm import Pending, all_gather_flat, get_comm
 from .grads import adopt, check_grad, one_device
-from .layout import GradLayout, verify_across_ranks
+from .layout import GradLayout, bucket_runs, verify_across_ranks
 from .overlap import OverlapSchedule, default_bucket_mb, make_buckets
 from .profiling import span
 
@@ -188,7 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
         mb = bucket_mb or zero_bucket_mb(comm.pg_backend)
-        segments = _buckets(named, group_of, int(mb * 2**20) // wire.itemsize)
+        segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize)
         self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=comm.shard_multiple)
         verify_across_ranks(layout, self.group, device)
         self.buffer = FusedBuffer(layout, wire, device, 1, comm.buffer(layout.numel, wire))
@@ -220,25 +220,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _flatten_params(self, named: list[tuple[str, torch.nn.Parameter]], segments: list[list[int]],
                         group_of: list[int]) -> None:
         """One flat buffer per dtype; every parameter becomes a view of it."""
-        layout, comm, W, r = self.layout, self.comm, self.world_size, self.rank
-        sizes: dict[torch.dtype, int] = {}
-        for seg in layout.segments:
-            sizes[seg.dtype] = sizes.get(seg.dtype, 0) + seg.numel
+        layout, W, r = self.layout, self.world_size, self.rank
         # On one host, this rank's region of a shared segment: the all-gather pulls the
         # other ranks' chunks straight into the parameters.
-        flats = {d: comm.buffer(n, d) for d, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
+        flats = params_as_views(layout, self.comm.buffer)
         separate_out = self.scaler is not None
         self.shards: list[_Shard] = []
         with torch.no_grad():
-            for s, (seg, members) in enumerate(zip(layout.segments, segments)):
-                o = offsets[seg.dtype]
-                offsets[seg.dtype] += seg.numel
-                flat = flats[seg.dtype][o:o + seg.numel]
-                for slot in seg.slots:
-                    view = _view(flat, slot)
-                    view.copy_(slot.param)
-                    slot.param.data = view
+            for s, (seg, members, flat) in enumerate(zip(layout.segments, segments, flats)):
                 c = seg.numel // W
                 chunk = flat[r * c:(r + 1) * c]
                 master = chunk if seg.dtype.itemsize >= 4 else chunk.float()
@@ -740,23 +729,6 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return list(groups.values())
-
-
-def _buckets(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int], limit: int) -> list[list[int]]:
-    """Runs of one param group and dtype, in ``named`` order, of about ``limit`` elements."""
-    open_runs: dict[tuple[int, torch.dtype], list[int]] = {}
-    sizes: dict[tuple[int, torch.dtype], int] = {}
-    done: list[list[int]] = []
-    for k, (_, p) in enumerate(named):
-        key = (group_of[k], p.dtype)
-        run = open_runs.setdefault(key, [])
-        run.append(k)
-        sizes[key] = sizes.get(key, 0) + p.numel()
-        if sizes[key] >= limit:
-            done.append(open_runs.pop(key))
-            sizes[key] = 0
-    done += [run for run in open_runs.values() if run]
-    return sorted(done, key=max)  # by when the last grad of each is expected
 
 
 def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
