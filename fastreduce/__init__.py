@@ -9,16 +9,19 @@ dispatch: HPU graphs, CUDA graphs, eager), :mod:`.comm` (the communication layer
 all-reduce, reduce-scatter, all-gather; with :mod:`.comm.shm`, shared memory for CPU
 ranks on one host), :mod:`.layout` and
 :mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
-(:mod:`.fused`, :mod:`.overlap`, :mod:`.zero`).
+(:mod:`.fused`, :mod:`.overlap`, :mod:`.zero`, :mod:`.decentralized` with
+:mod:`.topology`).
 """
 
 from .backends import GraphContractError
+from .decentralized import DecentralizedDataParallel
 from .engine import DistInfo, init_distributed
 from .fused import FusedReducer, ReducerConfig, ReducerStats, all_reduce_gradients
 from .layout import LayoutMismatchError
 from .zero import ZeroOptimizer
 
 __all__ = [
+    "DecentralizedDataParallel",
     "DistInfo",
     "FusedReducer",
     "GraphContractError",

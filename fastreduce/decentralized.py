@@ -1,0 +1,347 @@
+"""Decentralized (gossip) data parallelism: each rank mixes its parameters with a few peers.
+
+No global all-reduce: in round t rank r replaces its parameters by
+``sum_j W_t[r, j] x_j`` over what the ranks sent, ``W_t`` the round's doubly stochastic
+mixing matrix from a :mod:`~fastreduce.topology` (``complete``, ``ring``,
+``one-peer-exp``, ``alternating-exp-ring``, or your own). The exchange of a bucket
+overlaps the next step's forward and backward. Communication pattern, per step::
+
+    forward:   (the first time: build buckets in rank 0's backward order, step every
+               bucket's optimizer on the first gradients, launch round 0's exchanges)
+    backward:  bucket b's last grad ready -> hook: wait for b's exchange of round t-1,
+               parameters := the mixed result, b's optimizer (and scheduler) step on
+               the gradients (taken at the pre-mix parameters), zero them, send the new
+               parameters: launch b's exchange of round t (async)
+
+so a step's update is ``x <- mix(x) - lr * grad(x)``: with a doubly stochastic ``W`` the
+mean over ranks follows SGD on the mean of the local gradients. Buckets launch in the
+same order on every rank (the overlapped mode's schedule), a bucket whose gradients did
+not all arrive is stepped at the next forward. Parameters are views of one flat block
+per bucket; what a rank sends is a copy (in ``wire_dtype``) in the communication
+layer's buffer (shared memory on one host), and the mix lands in a third block, so the
+next forward never reads memory a peer is writing.
+
+Unlike decent-dp (whose API this mirrors): any world size, any device (no ``.cuda()``),
+everything needed to resume in :meth:`DecentralizedDataParallel.state_dict`, float
+buffers averaged by :meth:`~DecentralizedDataParallel.global_avg`, a parameter used twice
+in one forward is fine (autograd accumulates it once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buffer import params_as_views
+from .comm import Pending, get_comm
+from .grads import one_device
+from .layout import GradLayout, bucket_runs
+from .overlap import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
+from .topology import Topology, make_topology
+
+__all__ = ["DecentralizedDataParallel"]
+
+log = logging.getLogger(__name__)
+
+OptimFn = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+SchedulerFn = Callable[[torch.optim.Optimizer], Any]
+_DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
+
+
+class DecentralizedDataParallel(nn.Module):
+    """Gossip data parallelism over a time-varying topology (see the module doc).
+
+    Args:
+        model: the module to train; ``forward`` calls it.
+        optim_fn: ``optim_fn([(name, param), ...]) -> Optimizer``, called once per bucket.
+        lr_scheduler_fn: ``lr_scheduler_fn(optimizer) -> scheduler``, per bucket, or ``None``.
+        topology: a name in :data:`fastreduce.topology.TOPOLOGIES` or a
+            :class:`~fastreduce.topology.Topology`.
+        scaler: a ``torch.amp.GradScaler`` (each rank steps it on its own buckets).
+        grad_clip_norm: clip each bucket's gradients to this norm before its step (0: off).
+        group: process group (default: the world).
+        bucket_mb: bucket size (default: the overlapped mode's, per backend).
+        wire_dtype: dtype the parameters are sent in (default: their own); mixing sums
+            in fp32 either way.
+        local_world_size: ranks per node, for ``alternating-exp-ring`` (default:
+            ``$LOCAL_WORLD_SIZE``, as torchrun sets it).
+
+    Example::
+
+        >>> ddp = fastreduce.DecentralizedDataParallel(
+        ...     model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9),
+        ...     topology="one-peer-exp")
+        >>> for x, y in batches:
+        ...     loss_fn(ddp(x), y).backward()   # each bucket mixes, steps and sends in backward
+        >>> ddp.global_avg()                    # exact average of parameters and buffers, to evaluate
+    """
+
+    def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: SchedulerFn | None = None,
+                 topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
+                 group: dist.ProcessGroup | None = None, bucket_mb: float | None = None,
+                 wire_dtype: torch.dtype | None = None, local_world_size: int | None = None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
+                               "(or torch.distributed.init_process_group) on every rank first")
+        if grad_clip_norm < 0:
+            raise ValueError(f"grad_clip_norm must be >= 0, got {grad_clip_norm}")
+        self.module = model
+        self.optim_fn, self.lr_scheduler_fn = optim_fn, lr_scheduler_fn
+        self.scaler, self.grad_clip_norm = scaler, grad_clip_norm
+        self.group = group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        self.topology = make_topology(topology, self.world_size, local_world_size)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("no parameter of the model requires grad: nothing to train")
+        self.device = one_device(named)
+        self.comm = get_comm(group, self.device, None)
+        self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
+        self._named = named
+        self._round = 0  # the round of the next exchange
+        self._accumulating = False
+        self._built = False
+        self._broadcast_from_rank0()
+        self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
+
+    # ------------------------------------------------------------------ public
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training and torch.is_grad_enabled():
+            self._catch_up()
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients: backward under this block updates and sends nothing."""
+        before = self._accumulating
+        self.set_accumulate_grad(True)
+        try:
+            yield
+        finally:
+            self.set_accumulate_grad(before)
+
+    def set_accumulate_grad(self, enable: bool = True) -> None:
+        """decent-dp's switch: while ``True``, backward only accumulates gradients."""
+        self._accumulating = enable
+        if self._built:
+            self._schedule.sync = not enable
+
+    @property
+    def step(self) -> int:
+        """Rounds of exchange launched so far."""
+        return self._round
+
+    @torch.no_grad()
+    def global_avg(self) -> None:
+        """Every rank's parameters and float buffers := their exact mean over ranks
+        (e.g. to evaluate); :meth:`revert_global_avg` puts this rank's own back."""
+        self._drain()
+        self._saved = ([t.clone() for t in self._state_tensors()],
+                       [m.clone() for m in self._mixed] if self._built else [])
+        for t in self._state_tensors():
+            dist.all_reduce(t, group=self.group)
+            t.div_(self.world_size)
+        for b, flat in enumerate(self._flats if self._built else ()):
+            self._mixed[b].copy_(flat)  # the pending mix is now the average itself
+
+    @torch.no_grad()
+    def revert_global_avg(self) -> None:
+        """Undo the last :meth:`global_avg` on this rank."""
+        saved = getattr(self, "_saved", None)
+        if saved is None:
+            raise RuntimeError("revert_global_avg() needs a global_avg() before it")
+        tensors, mixed = saved
+        for t, s in zip(self._state_tensors() + (self._mixed if self._built else []), tensors + mixed):
+            t.copy_(s)
+        self._saved = None
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """Mean over ranks of ``||x_r - mean|| / ||mean||`` over all trainable parameters:
+        0 when every rank holds the same parameters. The same number on every rank."""
+        x = torch.cat([p.detach().reshape(-1).double() for _, p in self._named])
+        mean = x.clone()
+        dist.all_reduce(mean, group=self.group)
+        mean.div_(self.world_size)
+        d = torch.stack([(x - mean).norm() / mean.norm().clamp_min(1e-30)])
+        dist.all_reduce(d, group=self.group)
+        return float(d.item() / self.world_size)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Everything to resume (collective): the model, every bucket's optimizer and
+        scheduler, the round, the bucket order, and the exchange in flight (drained:
+        its mixed result is saved and applied at the next step, as it would have been)."""
+        self._drain()
+        out: dict[str, Any] = {"model": self.module.state_dict(), "round": self._round, "built": self._built}
+        if self._built:
+            out["buckets"] = [[self._names[i] for i in b.slots] for b in self._buckets]
+            out["optimizers"] = [o.state_dict() for o in self._optims]
+            out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
+            out["mixed"] = [m.clone() for m in self._mixed]
+            out["pending"] = [self._exchanges[b] is not None for b in range(len(self._buckets))]
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
+        """Resume from :meth:`state_dict` (same world size and model)."""
+        self.module.load_state_dict(state_dict["model"], strict=strict)
+        self._round = int(state_dict["round"])
+        if state_dict.get("built"):
+            index = {n: k for k, (n, _) in enumerate(self._named)}
+            order = [index[n] for names in state_dict["buckets"] for n in names]
+            self._build(order, [len(names) for names in state_dict["buckets"]])
+            for o, s in zip(self._optims, state_dict["optimizers"]):
+                o.load_state_dict(s)
+            for sch, s in zip(self._scheds, state_dict["schedulers"]):
+                if sch is not None and s is not None:
+                    sch.load_state_dict(s)
+            with torch.no_grad():
+                for b, (m, pending) in enumerate(zip(state_dict["mixed"], state_dict["pending"])):
+                    self._mixed[b].copy_(m)
+                    self._exchanges[b] = _DONE if pending else None
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+    # ------------------------------------------------------------------ build
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for t in [p for _, p in self._named] + [b for b in self.module.buffers()]:
+            dist.broadcast(t.data, src=src, group=self.group)
+
+    def _catch_up(self) -> None:
+        """Close the last step: build after the first backward, or step the buckets whose
+        gradients did not all arrive (unused parameters), then advance the round."""
+        if not self._built:
+            if self._recorder is None or not self._recorder.order or self._accumulating:
+                return
+            order = agreed_order(self._recorder.remove(), len(self._named), self.group)
+            self._recorder = None
+            self._build(order)
+            for b in range(len(self._buckets)):
+                self._update(b, False)
+            self._round += 1
+            return
+        sched = self._schedule
+        if any(sched.fired) or sched.next:
+            sched.finish(quiet=True)
+            self._round += 1
+
+    def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
+        named = [self._named[i] for i in order]
+        if sizes is None:
+            wire = self.wire_dtype or named[0][1].dtype
+            mb = self.bucket_mb or default_bucket_mb(self.comm.pg_backend)
+            segments = bucket_runs(named, [0] * len(named), int(mb * 2**20) // wire.itemsize)
+        else:
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            segments = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+        layout = GradLayout(named, named[0][1].dtype, segments=segments)
+        self._names = layout.names
+        self._flats = params_as_views(layout, lambda n, d: torch.zeros(n, dtype=d, device=self.device))
+        self._mixed = [torch.zeros_like(f) for f in self._flats]
+        sends = self._send_blocks()
+        self._buckets = []
+        first = 0
+        for seg, flat, send in zip(layout.segments, self._flats, sends):
+            slots = tuple(range(first, first + len(seg.slots)))
+            self._buckets.append(Bucket(slots, (), (), flat, send))
+            first += len(seg.slots)
+        self._optims = [self.optim_fn([(s.name, s.param) for s in seg.slots]) for seg in layout.segments]
+        self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
+        self._exchanges: list[Pending | None] = [None] * len(self._buckets)
+        self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False))
+        self._schedule.sync = not self._accumulating
+        self._built = True
+        if self.rank == 0:
+            log.info("fastreduce: DecentralizedDataParallel: %s in %d buckets, topology %s (period %d), "
+                     "%d ranks", layout.describe(), len(self._buckets), self.topology.name,
+                     self.topology.period, self.world_size)
+
+    def _send_blocks(self) -> list[torch.Tensor]:
+        """What each bucket sends: slices of one communication-layer buffer per dtype
+        (a shared-memory region on one host)."""
+        dtypes = [self.wire_dtype or f.dtype for f in self._flats]
+        sizes: dict[torch.dtype, int] = {}
+        for d, f in zip(dtypes, self._flats):
+            sizes[d] = sizes.get(d, 0) + f.numel()
+        whole = {d: self.comm.buffer(n, d) for d, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        out = []
+        for d, f in zip(dtypes, self._flats):
+            out.append(whole[d][offsets[d]:offsets[d] + f.numel()])
+            offsets[d] += f.numel()
+        return out
+
+    # ------------------------------------------------------------------ every bucket, every step
+
+    @torch.no_grad()
+    def _update(self, b: int, _packed: bool) -> Pending:
+        """Bucket ``b``'s step: apply the mix of its last exchange, step its optimizer,
+        send the new parameters (the next round's exchange)."""
+        flat, mixed = self._flats[b], self._mixed[b]
+        pending = self._exchanges[b]
+        if pending is not None:
+            work, then = pending
+            if work is not None:
+                work.wait()
+            if then is not None:
+                then()
+            flat.copy_(mixed)
+        self._step_optimizer(b)
+        bucket = self._buckets[b]
+        send = bucket.wire
+        pack = None if send is flat else (lambda: send.copy_(flat))
+        self._exchanges[b] = self.comm.mix(send, mixed, self.topology.mixing(self._round), pack)
+        return _DONE
+
+    def _step_optimizer(self, b: int) -> None:
+        opt = self._optims[b]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            if self.grad_clip_norm > 0:
+                self.scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+            self.scaler.step(opt)
+            if b == len(self._optims) - 1:
+                self.scaler.update()
+        else:
+            if self.grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+            opt.step()
+        opt.zero_grad()
+        if self._scheds[b] is not None:
+            self._scheds[b].step()
+
+    def _drain(self) -> None:
+        """Finish the step in progress and wait for every exchange in flight (its mixed
+        result stays pending, to be applied at the bucket's next step)."""
+        self._catch_up()
+        if not self._built:
+            return
+        for b, pending in enumerate(self._exchanges):
+            if pending is not None and pending is not _DONE:
+                work, then = pending
+                if work is not None:
+                    work.wait()
+                if then is not None:
+                    then()
+                self._exchanges[b] = _DONE
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """What global_avg averages: the flat parameter blocks (or the parameters, before
+        the first step) and the float buffers."""
+        params = list(self._flats) if self._built else [p.data for _, p in self._named]
+        return params + [b for b in self.module.buffers() if b.is_floating_point()]
