@@ -18,8 +18,9 @@ mean over ranks follows SGD on the mean of the local gradients. Buckets launch i
 same order on every rank (the overlapped mode's schedule), a bucket whose gradients did
 not all arrive is stepped at the next forward. Parameters are views of one flat block
 per bucket; what a rank sends is a copy (in ``wire_dtype``) in the communication
-layer's buffer (shared memory on one host), and the mix lands in a third block, so the
-next forward never reads memory a peer is writing.
+layer's buffer (shared memory on one host), and the mix lands in a second block, so
+the next forward never reads memory being written; applying the mix swaps the two
+blocks (the parameters become views of the other one: no copy).
 
 Unlike decent-dp (whose API this mirrors): any world size, any device (no ``.cuda()``),
 everything needed to resume in :meth:`DecentralizedDataParallel.state_dict`, float
@@ -32,13 +33,14 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import params_as_views
+from .buffer import _view, params_as_views
 from .comm import Pending, get_comm
 from .grads import one_device
 from .layout import GradLayout, bucket_runs
@@ -140,6 +142,16 @@ class DecentralizedDataParallel(nn.Module):
     def step(self) -> int:
         """Rounds of exchange launched so far."""
         return self._round
+
+    @property
+    def num_buckets(self) -> int:
+        """Buckets (0 before the first step is closed)."""
+        return len(self._buckets) if self._built else 0
+
+    def wait_exchanges(self) -> None:
+        """Finish the step in progress and wait for every exchange in flight (their mixes
+        are still applied at each bucket's next step, as without the wait)."""
+        self._drain()
 
     @torch.no_grad()
     def global_avg(self) -> None:
@@ -252,6 +264,10 @@ class DecentralizedDataParallel(nn.Module):
         self._names = layout.names
         self._flats = params_as_views(layout, lambda n, d: torch.zeros(n, dtype=d, device=self.device))
         self._mixed = [torch.zeros_like(f) for f in self._flats]
+        # Per bucket, each parameter's view of either block: the mix lands in the block
+        # the parameters do not use, and applying it swaps the two (no copy).
+        self._views = [[(s.param, _view(f, s), _view(m, s)) for s in seg.slots]
+                       for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
         sends = self._send_blocks()
         self._buckets = []
         first = 0
@@ -299,13 +315,24 @@ class DecentralizedDataParallel(nn.Module):
                 work.wait()
             if then is not None:
                 then()
-            flat.copy_(mixed)
+            flat, mixed = self._swap(b)
         self._step_optimizer(b)
         bucket = self._buckets[b]
         send = bucket.wire
-        pack = None if send is flat else (lambda: send.copy_(flat))
+        pack = None if send is flat else partial(send.copy_, flat)
         self._exchanges[b] = self.comm.mix(send, mixed, self.topology.mixing(self._round), pack)
         return _DONE
+
+    def _swap(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply bucket ``b``'s mix: its parameters become views of the mixed block, and
+        the block they used takes the next mix."""
+        flat, mixed = self._mixed[b], self._flats[b]
+        self._flats[b], self._mixed[b] = flat, mixed
+        views = self._views[b]
+        for k, (p, a, m) in enumerate(views):
+            p.data = m
+            views[k] = (p, m, a)
+        return flat, mixed
 
     def _step_optimizer(self, b: int) -> None:
         opt = self._optims[b]

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import machine_info
+from .gossip import GossipConfig, run_gossip_bench
+from .gossip import format_text as format_gossip
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
@@ -47,9 +49,10 @@ from .step import format_text as format_step
 __all__ = ["BenchConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim")
+SUITES = ("reduce", "step", "optim", "decentralized")
 DEFAULT_SUITES = ("reduce", "step")
-"""What runs without ``--suite``: the optim suite (two world sizes) is asked for by name or ``all``."""
+"""What runs without ``--suite``: the optim and decentralized suites (two world sizes each)
+are asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
@@ -74,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optim suite: the world sizes to run, comma-separated (default: "
                              + ",".join(map(str, DEFAULT_WORLD_SIZES)) + "; "
                              + ",".join(map(str, QUICK_WORLD_SIZES)) + " with --quick)")
+    parser.add_argument("--gossip-ranks", default=None, metavar="N,N",
+                        help="decentralized suite: the world sizes to run (default: 2,4; 2 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -82,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where the CSV, chart and JSON go (default: {DEFAULT_OUT}/)")
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig]:
+def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig]:
     iters = args.iters if args.iters is not None else (4 if args.quick else 20)
     params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
     batch = args.batch if args.batch is not None else (8 if args.quick else STEP_BATCH)
@@ -98,11 +103,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
         worlds = parse_world_sizes(args.optim_ranks)
     else:
         worlds = QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES
+    if args.gossip_ranks is not None:
+        gossip_worlds = parse_world_sizes(args.gossip_ranks)
+    else:
+        gossip_worlds = QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES
     return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
             StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
             OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
-                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick))
+                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
+            GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=params_m, batch=batch,
+                         threads=args.threads, quick=args.quick))
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +141,7 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
-    reduce_cfg, step_cfg, optim_cfg = configs_from_args(args)
+    reduce_cfg, step_cfg, optim_cfg, gossip_cfg = configs_from_args(args)
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     out = Path(args.out)
 
@@ -148,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{reduce_cfg.iters} calls/method ...")
             result["reduce"] = run_bench(reduce_cfg)
             say(format_reduce(result["reduce"]) + "\n")
+        elif suite == "decentralized":
+            note(f"decentralized suite: {', '.join(map(str, gossip_cfg.world_sizes))} ranks, "
+                 f"{gossip_cfg.params_m:g}M params, batch {gossip_cfg.batch}, {gossip_cfg.iters} blocks/method ...")
+            result["decentralized"] = run_gossip_bench(gossip_cfg)
+            say(format_gossip(result["decentralized"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
