@@ -27,7 +27,7 @@ import torch
 from ..backends import select_backend
 from ..buffer import FusedBuffer
 from ..layout import GradLayout
-from ..zero import _fused_if_possible
+from ..zero import fused_if_possible
 from .common import machine_info
 from .step import build_model
 
@@ -128,7 +128,7 @@ def run_device_bench(device: str = "cuda", params_m: float = 12.0, iters: int = 
                                          iters, dev, fused=True)
     for n in (2, 4, 8):  # the kernel ZeroOptimizer picks: fused where the device has it
         shard = [torch.zeros(-(-numel // (n * 64)) * 64, device=dev)]
-        kw = _fused_if_possible(torch.optim.AdamW, shard, {})
+        kw = fused_if_possible(torch.optim.AdamW, shard, {})
         step[f"zero_shard_1_of_{n}"] = _adamw(shard, iters, dev, **kw)
     report["optimizer_step_ms"] = step
     return report
