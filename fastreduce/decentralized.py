@@ -44,7 +44,8 @@ from .buffer import _view, params_as_views
 from .comm import Pending, get_comm
 from .grads import one_device
 from .layout import GradLayout, bucket_runs
-from .overlap import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
+from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
+                      remove_hooks)
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
@@ -114,6 +115,8 @@ class DecentralizedDataParallel(nn.Module):
         self._built = False
         self._broadcast_from_rank0()
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
+        self._synced_backward = False  # the first step closes after a backward outside no_sync
+        self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
 
     # ------------------------------------------------------------------ public
 
@@ -230,14 +233,18 @@ class DecentralizedDataParallel(nn.Module):
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for t in [p for _, p in self._named] + [b for b in self.module.buffers()]:
+        for t in list(self.module.parameters()) + list(self.module.buffers()):  # frozen ones too
             dist.broadcast(t.data, src=src, group=self.group)
+
+    def _mark_synced(self, _i: int) -> None:
+        if not self._accumulating:
+            self._synced_backward = True
 
     def _catch_up(self) -> None:
         """Close the last step: build after the first backward, or step the buckets whose
         gradients did not all arrive (unused parameters), then advance the round."""
         if not self._built:
-            if self._recorder is None or not self._recorder.order or self._accumulating:
+            if self._recorder is None or not self._synced_backward:
                 return
             order = agreed_order(self._recorder.remove(), len(self._named), self.group)
             self._recorder = None
@@ -252,6 +259,11 @@ class DecentralizedDataParallel(nn.Module):
             self._round += 1
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
+        if self._recorder is not None:  # built from a checkpoint: no order to learn
+            self._recorder.remove()
+            self._recorder = None
+        remove_hooks(self._marks)
+        self._marks = []
         named = [self._named[i] for i in order]
         if sizes is None:
             wire = self.wire_dtype or named[0][1].dtype
