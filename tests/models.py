@@ -261,3 +261,49 @@ class OddModel(nn.Module):
 def odd_model(seed: int) -> OddModel:
     torch.manual_seed(seed)
     return OddModel()
+
+
+class TwiceModel(nn.Module):
+    """One hidden Linear applied twice in the forward: its parameters get two grad
+    contributions per backward (summed before they are accumulated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, WIDTH)
+        self.shared = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 6, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+def twice_model(seed: int) -> TwiceModel:
+    torch.manual_seed(seed)
+    return TwiceModel()
+
+
+class BatchNormModel(nn.Module):
+    """``Linear -> BatchNorm1d -> Linear``: float running stats (and an int64 counter) as buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, WIDTH)
+        self.bn = nn.BatchNorm1d(WIDTH)
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def example_inputs(self, g: torch.Generator, batch: int) -> tuple:
+        return (torch.randn(batch, 6, generator=g),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.bn(self.inp(x))))
+
+
+def batchnorm_model(seed: int) -> BatchNormModel:
+    torch.manual_seed(seed)
+    return BatchNormModel()

@@ -1,0 +1,705 @@
+"""fastreduce.DecentralizedDataParallel (decentralized / gossip SGD with overlapped
+communication, after decent-dp) on real Gloo process groups.
+
+Same structure as test_zero.py: module-scoped fixtures spawn one group per world size
+(``run_ranks``) and run every sub-case in it, each through ``guarded`` so a broken
+sub-case fails its own tests only; the tests assert on the returned per-rank results here,
+in the parent. No transport is hard-coded (``FASTREDUCE_TRANSPORT`` picks it).
+
+The algorithm under test, with x_r rank r's parameters, G_r(k) the gradient of rank r's
+loss at step k, computed at the parameters the k-th forward saw (``snap_r(k)``), and
+W_t = ``topology.mixing(t)``:
+
+* step 0: the backward only traces; at the next forward every bucket's optimizer steps
+  on G(0) and the first exchange (round 0) of the updated parameters starts:
+  ``snap(1) = snap(0) - lr G(0)``;
+* step k >= 1: when a bucket's grads are ready its parameters become the mixed result of
+  the previous exchange, then the optimizer steps with G(k) (computed before the mix):
+  ``x_r(after k) = sum_j W_{k-1}[r, j] snap_j(k) - lr G_r(k)`` (plain SGD), and the exchange
+  of round k starts.
+
+The reference grads are computed independently, inside a forward pre-hook on the wrapped
+model, with ``torch.func.functional_call`` on an untouched copy of the model at the
+parameters the forward is about to use; the hook also snapshots those parameters. The
+tests then check
+
+* the mean over ranks evolves as plain SGD on the mean gradient (true for any doubly
+  stochastic topology and any ordering of the mixes): ``mean_r snap_r(k+1) =
+  mean_r snap_r(k) - lr mean_r G_r(k)``;
+* the exact per-rank recursion above (the documented algorithm: which round's matrix,
+  which parameters are mixed);
+* lr = 0 with ranks perturbed after construction: the parameters after i backwards are
+  ``W_{i-2} ... W_0`` applied to the perturbations, an exact average once
+  ``consensus_rounds(N)`` mixes of ``one-peer-exp`` were applied (complete: after one);
+* ``global_avg``, ``consensus_distance``, ``no_sync`` / ``set_accumulate_grad``,
+  ``state_dict`` resume in a new group of processes, shared / frozen parameters, ``group=``,
+  errors.
+
+Tolerances (fp32): every comparison is against values recomputed from the ranks' own
+snapshots (no long reference trajectories), so errors are a few fp32 ulps of |x| <= ~5.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+import fastreduce
+from fastreduce.launch import run_ranks
+from fastreduce.topology import consensus_rounds, make_topology
+
+from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, twice_model
+from test_fused import guarded
+
+SEED = 11
+LR = 0.1
+STEPS = 6          # trajectory steps before the global average
+EXTRA = 2          # steps after it
+SMALL_BUCKET_MB = 0.0002   # ~210 bytes: OddModel's 1292 bytes of fp32 params span several buckets
+ATOL = 1e-6
+RTOL = 1e-5
+SPAWN_TIMEOUT = 120.0
+EVAL_AT = 3        # an eval-mode, no_grad forward before this step's training forward
+
+pytestmark = pytest.mark.timeout(300)
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "odd": odd_model, "twice": twice_model, "frozen": frozen_backbone_model, "bn": batchnorm_model,
+}
+
+CLIP = 0.05          # below the bucket grad norms of OddModel: clipping is active
+SCHED_GAMMA, SCHED_EVERY = 0.5, 3   # StepLR(step_size=3, gamma=0.5), one per bucket
+
+# (topology, local_world_size, bucket_mb, model, grad_clip_norm, StepLR) per world size
+TRAJ_CASES: dict[int, list[tuple[str, int | None, float | None, str, float, bool]]] = {
+    2: [("complete", None, None, "odd", 0.0, False), ("ring", None, None, "odd", 0.0, False),
+        ("complete", None, SMALL_BUCKET_MB, "odd", 0.0, False), ("ring", None, SMALL_BUCKET_MB, "twice", 0.0, False),
+        ("one-peer-exp", None, None, "frozen", 0.0, False)],
+    3: [("complete", None, None, "odd", 0.0, False), ("ring", None, SMALL_BUCKET_MB, "odd", 0.0, False),
+        ("one-peer-exp", None, SMALL_BUCKET_MB, "odd", 0.0, False), ("complete", None, None, "twice", 0.0, False),
+        ("ring", None, SMALL_BUCKET_MB, "odd", CLIP, True)],
+    4: [("one-peer-exp", None, SMALL_BUCKET_MB, "odd", 0.0, False), ("alternating-exp-ring", 2, None, "odd", 0.0, False)],
+    5: [("one-peer-exp", None, None, "odd", 0.0, False)],
+}
+CONSENSUS_CASES: dict[int, list[tuple[str, int | None]]] = {
+    2: [("complete", None), ("ring", None), ("one-peer-exp", None)],
+    3: [("complete", None), ("ring", None), ("one-peer-exp", None)],
+    4: [("one-peer-exp", None), ("ring", None), ("alternating-exp-ring", 2)],
+    5: [("one-peer-exp", None)],
+}
+BN_CASES = {2: ["ring"], 3: ["one-peer-exp"]}
+NO_SYNC_CASES = {2: ["ring"], 3: ["one-peer-exp"]}
+RESUME_CASES = {2: "ring", 3: "one-peer-exp"}
+GROUP_RANKS = (1, 3)   # a 2-rank group= inside the 4-rank world
+
+
+def spawn(worker: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    return run_ranks(worker, world, *args, timeout=SPAWN_TIMEOUT)
+
+
+def traj_key(topology: str, lws: int | None, bucket_mb: float | None, model: str, clip: float = 0.0,
+             sched: bool = False) -> str:
+    return (f"{topology}-lws{lws}-{'small' if bucket_mb else 'default'}-{model}"
+            + (f"-clip{clip}" if clip else "") + ("-steplr" if sched else ""))
+
+
+# ============================================================== helpers run in ranks
+
+def expect_raises(exc_type: type, fn: Callable[[], Any]) -> dict:
+    try:
+        fn()
+    except exc_type as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    except Exception as e:  # noqa: BLE001
+        return {"raised": type(e).__name__, "message": traceback.format_exc()}
+    return {"raised": None, "message": ""}
+
+
+def out_loss(out: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - 0.5) ** 2).mean()
+
+
+def sum_loss(out: torch.Tensor) -> torch.Tensor:
+    """Summed over the batch: the loss of a concatenated batch is the sum of its parts'."""
+    return ((out.float() - 0.5) ** 2).sum()
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def buffers_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def make_ddp(model: nn.Module, topology: str = "complete", *, lr: float = LR, momentum: float = 0.0,
+             sched: bool = False, names: list | None = None, **kw: Any) -> Any:
+    def optim_fn(named: list) -> torch.optim.Optimizer:
+        if names is not None:
+            names.append([n for n, _ in named])
+        return torch.optim.SGD([p for _, p in named], lr=lr, momentum=momentum)
+
+    sched_fn = ((lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=SCHED_EVERY, gamma=SCHED_GAMMA))
+                if sched else None)
+    return fastreduce.DecentralizedDataParallel(model, optim_fn, sched_fn, topology, **kw)
+
+
+class Recorder:
+    """Forward pre-hook: snapshot the parameters the forward sees and the local gradient
+    of ``out_loss`` at them, computed on an untouched copy of the model."""
+
+    def __init__(self, model: nn.Module):
+        self.ref = copy.deepcopy(model)
+        self.snaps: list[dict[str, torch.Tensor]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return   # an evaluation forward: no step
+        snap = params_of(module)
+        self.snaps.append(snap)
+        with torch.enable_grad():
+            leaves = {n: t.clone().requires_grad_(p.requires_grad)
+                      for (n, t), p in zip(snap.items(), module.parameters())}
+            buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+            loss = out_loss(functional_call(self.ref, {**leaves, **buffers}, tuple(a.detach() for a in args)))
+            trainable = [n for n, t in leaves.items() if t.requires_grad]
+            gs = torch.autograd.grad(loss, [leaves[n] for n in trainable])
+        self.grads.append(dict(zip(trainable, (g.detach() for g in gs))))
+
+
+def case_traj(rank: int, world: int, topology: str, lws: int | None, bucket_mb: float | None,
+              model_name: str, clip: float, sched: bool) -> dict:
+    model = MODELS[model_name](SEED + 100 * rank)   # rank-dependent: construction must broadcast rank 0's
+    rec = Recorder(model)   # before the wrapper: its copy carries none of the wrapper's hooks
+    names: list[list[str]] = []
+    ddp = make_ddp(model, topology, names=names, bucket_mb=bucket_mb, local_world_size=lws, sched=sched,
+                   grad_clip_norm=clip)
+    init = params_of(model)
+    for k in range(STEPS):
+        if k == EVAL_AT:   # evaluating between steps changes nothing
+            ddp.eval()
+            with torch.no_grad():
+                ddp(*batch_for(model, rank, 999))
+            ddp.train()
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+    final_local = params_of(model)
+    cd = ddp.consensus_distance()
+    ddp.global_avg()
+    avg = params_of(model)
+    for k in range(STEPS, STEPS + EXTRA):
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+    final2 = params_of(model)
+    ddp.global_avg()
+    avg2 = params_of(model)
+    rec.handle.remove()
+    return {"init": init, "snaps": rec.snaps, "grads": rec.grads, "final_local": final_local, "cd": cd,
+            "avg": avg, "final2": final2, "avg2": avg2, "names": names,
+            "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}
+
+
+def case_consensus(rank: int, world: int, topology: str, lws: int | None,
+                   wire_dtype: torch.dtype | None = None) -> dict:
+    """lr = 0, every parameter shifted by +rank after construction: only the mixing moves them."""
+    model = odd_model(SEED)
+    ddp = make_ddp(model, topology, lr=0.0, bucket_mb=SMALL_BUCKET_MB, local_world_size=lws,
+                   wire_dtype=wire_dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(rank))
+    steps = consensus_rounds(world) + 2 if topology == "one-peer-exp" else 4
+    after, cds = [], []
+    for k in range(steps):
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+        after.append(params_of(model))
+        cds.append(ddp.consensus_distance())
+    ddp.global_avg()
+    return {"after": after, "cd": cds, "avg": params_of(model)}
+
+
+def case_unknown_topology(rank: int, world: int) -> dict:
+    return expect_raises(ValueError, lambda: make_ddp(odd_model(SEED), "no-such-topology"))
+
+
+def case_bn(rank: int, world: int, topology: str) -> dict:
+    model = batchnorm_model(SEED)
+    with torch.no_grad():
+        model.bn.running_mean.add_(float(rank + 1))   # construction must broadcast rank 0's buffers
+    ddp = make_ddp(model, topology)
+    buffers_init = buffers_of(model)
+    for k in range(3):
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+    before = (params_of(model), buffers_of(model))
+    ddp.global_avg()
+    after = (params_of(model), buffers_of(model))
+    return {"buffers_init": buffers_init, "before": before, "after": after}
+
+
+def case_no_sync(rank: int, world: int, topology: str) -> dict:
+    """Three micro-batches per step: two accumulated (no_sync / set_accumulate_grad) + one,
+    against one backward of the summed loss of their concatenation. ``late``: no_sync only
+    from step 2 on (the first two steps, which trace and build, without accumulation)."""
+    out = {}
+    for mode in ("summed", "ctx", "flag", "late"):
+        model = odd_model(SEED)
+        ddp = make_ddp(model, topology, lr=0.02)
+        for k in range(4):
+            mbs = [batch_for(model, rank, 10 * k + i)[0] for i in range(3)]
+            if mode == "summed" or (mode == "late" and k < 2):
+                sum_loss(ddp(torch.cat(mbs))).backward()
+            elif mode in ("ctx", "late"):
+                with ddp.no_sync():
+                    sum_loss(ddp(mbs[0])).backward()
+                    sum_loss(ddp(mbs[1])).backward()
+                sum_loss(ddp(mbs[2])).backward()
+            else:
+                ddp.set_accumulate_grad(True)
+                sum_loss(ddp(mbs[0])).backward()
+                sum_loss(ddp(mbs[1])).backward()
+                ddp.set_accumulate_grad(False)
+                sum_loss(ddp(mbs[2])).backward()
+        out[mode] = params_of(model)
+        ddp.global_avg()
+    return out
+
+
+def resume_ddp(model: nn.Module, topology: str) -> Any:
+    return make_ddp(model, topology, lr=0.05, momentum=0.9, sched=True, bucket_mb=SMALL_BUCKET_MB)
+
+
+def train(ddp: Any, model: nn.Module, rank: int, steps: range) -> None:
+    for k in steps:
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+
+
+def case_resume_save(rank: int, world: int, topology: str, path: str) -> dict:
+    model = odd_model(SEED)
+    ddp = resume_ddp(model, topology)
+    train(ddp, model, rank, range(10))
+    full = params_of(model)
+    ddp.global_avg()
+    model = odd_model(SEED)
+    ddp = resume_ddp(model, topology)
+    train(ddp, model, rank, range(5))
+    torch.save(ddp.state_dict(), f"{path}/rank{rank}.pt")
+    half = params_of(model)
+    ddp.global_avg()
+    return {"full": full, "half": half}
+
+
+def resume_worker(rank: int, world: int, topology: str, path: str) -> dict:
+    def run() -> dict:
+        model = odd_model(SEED + 1)   # other values: everything must come from the file
+        ddp = resume_ddp(model, topology)
+        ddp.load_state_dict(torch.load(f"{path}/rank{rank}.pt", weights_only=False))
+        loaded = params_of(model)
+        train(ddp, model, rank, range(5, 10))
+        out = params_of(model)
+        ddp.global_avg()
+        return {"loaded": loaded, "out": out}
+    return guarded(run)
+
+
+def case_group(rank: int, world: int) -> dict | None:
+    group = dist.new_group(list(GROUP_RANKS))
+    if rank not in GROUP_RANKS:
+        return None
+    model = odd_model(SEED + rank)
+    ddp = make_ddp(model, "complete", lr=0.0, group=group)
+    init = params_of(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(rank))
+    after = []
+    for k in range(3):
+        out_loss(ddp(*batch_for(model, rank, k))).backward()
+        after.append(params_of(model))
+    ddp.global_avg()
+    return {"init": init, "after": after, "avg": params_of(model)}
+
+
+def world_worker(rank: int, world: int, path: str) -> dict:
+    res: dict[str, Any] = {}
+    if world == 2:
+        res["unknown_topology"] = guarded(case_unknown_topology, rank, world)
+    for case in TRAJ_CASES.get(world, []):
+        res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
+    for topology, lws in CONSENSUS_CASES.get(world, []):
+        res[f"consensus/{topology}"] = guarded(case_consensus, rank, world, topology, lws)
+    if world == 2:
+        res["consensus_bf16"] = guarded(case_consensus, rank, world, "complete", None, torch.bfloat16)
+    for topology in BN_CASES.get(world, []):
+        res[f"bn/{topology}"] = guarded(case_bn, rank, world, topology)
+    for topology in NO_SYNC_CASES.get(world, []):
+        res[f"no_sync/{topology}"] = guarded(case_no_sync, rank, world, topology)
+    if world in RESUME_CASES:
+        res["resume_save"] = guarded(case_resume_save, rank, world, RESUME_CASES[world], path)
+    if world == 4:   # last: a wrong group would hang the others' world collectives
+        res["group"] = guarded(case_group, rank, world)
+    return res
+
+
+# ============================================================== fixtures and helpers (parent)
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("decentralized_ckpt"))
+
+
+_RESULTS: dict[int, list[dict] | BaseException] = {}
+
+
+@pytest.fixture(scope="module")
+def worlds(ckpt_dir):
+    """``worlds(N)``: the per-rank results of world N's spawn, run once (a failed spawn is
+    reported by every test that needs it, not retried by each)."""
+    def get(world: int) -> list[dict]:
+        if world not in _RESULTS:
+            path = f"{ckpt_dir}/w{world}"
+            os.makedirs(path, exist_ok=True)
+            try:
+                _RESULTS[world] = spawn(world_worker, world, path)
+            except Exception as e:  # noqa: BLE001
+                _RESULTS[world] = e
+        res = _RESULTS[world]
+        if isinstance(res, BaseException):
+            pytest.fail(f"the world-{world} spawn failed: {res}")
+        return res
+    yield get
+    _RESULTS.clear()
+
+
+def ok(results: list[dict], key: str) -> list[Any]:
+    """The per-rank results of sub-case ``key``; fails the test with the first rank's error."""
+    outs = []
+    for rank, res in enumerate(results):
+        r = res[key]
+        if "error" in r:
+            pytest.fail(f"rank {rank} failed in {key}:\n{r['error']}")
+        outs.append(r["ok"])
+    return outs
+
+
+def mean_of(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: torch.stack([d[n].double() for d in dicts]).mean(0) for n in dicts[0]}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, msg: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{msg}\n{m}")
+
+
+def flat(d: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([d[n].double().reshape(-1) for n in names])
+
+
+def consensus_distance(per_rank: list[dict[str, torch.Tensor]], names: list[str]) -> float:
+    xs = [flat(d, names) for d in per_rank]
+    m = torch.stack(xs).mean(0)
+    return float(torch.stack([(x - m).norm() / m.norm() for x in xs]).mean())
+
+
+ALL_TRAJ = [(w, c) for w, cs in TRAJ_CASES.items() for c in cs]
+ALL_CONSENSUS = [(w, c) for w, cs in CONSENSUS_CASES.items() for c in cs]
+
+
+def tid(v: Any) -> str:
+    w, c = v
+    return f"world{w}-" + (traj_key(*c) if len(c) == 6 else "-".join(str(x) for x in c))
+
+
+# ============================================================== trajectory tests
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_construction_broadcasts_rank0_parameters(worlds, wc) -> None:
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    expected = params_of(MODELS[case[3]](SEED))
+    for rank, o in enumerate(outs):
+        for n, t in expected.items():
+            assert torch.equal(o["init"][n], t), f"rank {rank}: {n} is not rank 0's after construction"
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_optim_fn_gets_every_trainable_parameter_once(worlds, wc) -> None:
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    for rank, o in enumerate(outs):
+        got = [n for bucket in o["names"] for n in bucket]
+        assert sorted(got) == sorted(o["trainable"]), f"rank {rank}: optimizers got {o['names']}"
+        assert all(o["names"]), f"rank {rank}: an empty bucket: {o['names']}"
+        if case[2] == SMALL_BUCKET_MB and case[3] == "odd":
+            assert len(o["names"]) > 1, f"rank {rank}: bucket_mb={case[2]} gave one bucket"
+
+
+def step_of(o: dict, k: int, case: tuple) -> dict[str, torch.Tensor]:
+    """What plain SGD subtracts at step k on one rank: lr_k * the gradient, clipped per bucket
+    (``clip_grad_norm_`` over the bucket's grads, as decent-dp) when the case clips."""
+    clip, sched = case[4], case[5]
+    lr = LR * (SCHED_GAMMA ** (k // SCHED_EVERY) if sched else 1.0)
+    g = {n: t.double() for n, t in o["grads"][k].items()}
+    if clip:
+        for bucket in o["names"]:
+            norm = torch.cat([g[n].reshape(-1) for n in bucket]).norm()
+            coef = min(1.0, clip / (float(norm) + 1e-6))
+            for n in bucket:
+                g[n] = g[n] * coef
+    return {n: lr * t for n, t in g.items()}
+
+
+def _next_params(o: dict, k: int) -> dict:
+    """The parameters after step k's backward (before any later forward)."""
+    if k == STEPS - 1:
+        return o["final_local"]
+    if k == STEPS + EXTRA - 1:
+        return o["final2"]
+    return o["snaps"][k + 1]
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_mean_over_ranks_follows_sgd_on_the_mean_gradient(worlds, wc) -> None:
+    """mean_r x_r(after step k) == mean_r snap_r(k) - lr * mean_r G_r(k), every step,
+    global averages included: any doubly stochastic mixing preserves the mean.
+    (Assumes that by the time step k's backward returns, its gradient has been applied:
+    the first step's at the second forward, the others in their backward.)"""
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    assert all(len(o["snaps"]) == STEPS + EXTRA for o in outs), "the forward pre-hook did not run once per step"
+    for k in range(STEPS + EXTRA):
+        before = mean_of([o["snaps"][k] for o in outs])
+        update = mean_of([step_of(o, k, case) for o in outs])
+        after = mean_of([_next_params(o, k) for o in outs])
+        for n in update:
+            close(after[n], before[n] - update[n], f"step {k}: mean of {n}")
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_each_rank_follows_the_documented_recursion(worlds, wc) -> None:
+    """snap(1) = snap(0) - lr G(0); for k >= 1 x_r(after k) = sum_j W_{k-1}[r, j] snap_j(k) - lr G_r(k)."""
+    world, case = wc
+    topology, lws = case[0], case[1]
+    topo = make_topology(topology, world, lws)
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    for k in range(STEPS):
+        w = torch.eye(world, dtype=torch.float64) if k == 0 else topo.mixing(k - 1)
+        for r, o in enumerate(outs):
+            for n, u in step_of(o, k, case).items():
+                mixed = sum(w[r, j] * outs[j]["snaps"][k][n].double() for j in range(world))
+                close(_next_params(o, k)[n], mixed - u,
+                      f"rank {r}, step {k} ({topology}, round {k - 1}): {n}")
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_frozen_parameters_never_change(worlds, wc) -> None:
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    for rank, o in enumerate(outs):
+        frozen = [n for n in o["init"] if n not in o["trainable"]]
+        assert (case[3] == "frozen") == bool(frozen)
+        for n in frozen:
+            for what in ("final_local", "avg", "final2", "avg2"):
+                assert torch.equal(o[what][n], o["init"][n]), f"rank {rank}: frozen {n} changed ({what})"
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_global_avg_gives_every_rank_the_exact_mean(worlds, wc) -> None:
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    trainable = outs[0]["trainable"]   # frozen ones: test_construction_broadcasts_rank0_parameters
+    for before, after in (("final_local", "avg"), ("final2", "avg2")):
+        mean = mean_of([o[before] for o in outs])
+        for n, m in mean.items():
+            if n not in trainable:
+                continue
+            for rank, o in enumerate(outs):
+                close(o[after][n], m, f"rank {rank}: {n} after global_avg ({after})")
+                assert torch.equal(o[after][n], outs[0][after][n]), f"rank {rank}: {n} differs from rank 0's"
+    for rank, o in enumerate(outs):   # the next forward sees the averaged parameters
+        for n, t in o["avg"].items():
+            assert torch.equal(o["snaps"][STEPS][n], t), f"rank {rank}: {n} changed between global_avg and forward"
+
+
+@pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+def test_consensus_distance_is_the_mean_relative_distance(worlds, wc) -> None:
+    world, case = wc
+    outs = ok(worlds(world), "traj/" + traj_key(*case))
+    cds = [o["cd"] for o in outs]
+    assert all(isinstance(c, float) for c in cds), cds
+    assert len(set(cds)) == 1, f"consensus_distance differs across ranks: {cds}"
+    expected = consensus_distance([o["final_local"] for o in outs], outs[0]["trainable"])
+    assert cds[0] == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    if case[0] != "complete":
+        assert cds[0] > 1e-6, "ranks should disagree before global_avg on an inexact topology"
+
+
+def test_clipping_case_clips_and_schedules(worlds) -> None:
+    """The clip + StepLR case really exercises both (else its recursion test proves little)."""
+    case = ("ring", None, SMALL_BUCKET_MB, "odd", CLIP, True)
+    outs = ok(worlds(3), "traj/" + traj_key(*case))
+    assert STEPS > SCHED_EVERY
+    coefs = []
+    for o in outs:
+        for k in range(STEPS):
+            for bucket in o["names"]:
+                norm = torch.cat([o["grads"][k][n].reshape(-1) for n in bucket]).norm()
+                coefs.append(CLIP / (float(norm) + 1e-6))
+    assert min(coefs) < 0.5 and len(outs[0]["names"]) > 1, coefs
+
+
+def test_parameter_used_twice_trains(worlds) -> None:
+    """decent-dp asserts on a parameter used twice in one backward; here it just works
+    (its grad is complete when its hook fires): the recursion tests above cover it too."""
+    outs = ok(worlds(2), "traj/" + traj_key("ring", None, SMALL_BUCKET_MB, "twice", 0.0, False))
+    assert not torch.equal(outs[0]["avg2"]["shared.weight"], outs[0]["init"]["shared.weight"])
+
+
+# ============================================================== consensus (lr = 0)
+
+@pytest.mark.parametrize("wc", ALL_CONSENSUS, ids=tid)
+def test_lr0_parameters_are_the_mixing_products(worlds, wc) -> None:
+    """After i backwards (i >= 1), i - 1 mixes were applied: x_r = base + (W_{i-2}...W_0 v)[r]
+    with v = (0, 1, ..., N-1) the shifts given after construction."""
+    world, (topology, lws) = wc
+    topo = make_topology(topology, world, lws)
+    outs = ok(worlds(world), f"consensus/{topology}")
+    base = params_of(odd_model(SEED))
+    v = torch.arange(world, dtype=torch.float64)
+    for i in range(len(outs[0]["after"])):
+        if i >= 1:
+            v = topo.mixing(i - 1) @ v
+        for r, o in enumerate(outs):
+            for n, b in base.items():
+                close(o["after"][i][n], b.double() + v[r],
+                      f"rank {r} after backward {i} ({i} mixes, expected shift {float(v[r]):.6f}): {n}")
+
+
+@pytest.mark.parametrize("wc", ALL_CONSENSUS, ids=tid)
+def test_lr0_consensus_distance_and_exact_average(worlds, wc) -> None:
+    world, (topology, lws) = wc
+    outs = ok(worlds(world), f"consensus/{topology}")
+    names = list(outs[0]["avg"])
+    base = params_of(odd_model(SEED))
+    mean = {n: b.double() + (world - 1) / 2 for n, b in base.items()}
+    exact_after = {"complete": 1, "one-peer-exp": consensus_rounds(world),
+                   "alternating-exp-ring": make_topology(topology, world, lws).period}.get(topology)
+    if topology == "ring" and world <= 3:
+        exact_after = 1   # N <= 3: the ring is the complete graph
+    for i in range(len(outs[0]["after"])):
+        cds = [o["cd"][i] for o in outs]
+        assert len(set(cds)) == 1, f"backward {i}: consensus_distance differs across ranks: {cds}"
+        assert cds[0] == pytest.approx(consensus_distance([o["after"][i] for o in outs], names), rel=1e-4, abs=1e-7)
+        if exact_after is not None and i >= exact_after:
+            assert cds[0] < 1e-6, f"backward {i}: not an exact average after {i} mixes: {cds[0]}"
+            for r, o in enumerate(outs):
+                for n, m in mean.items():
+                    close(o["after"][i][n], m, f"rank {r}, backward {i}: {n} is not the initial mean")
+        elif i == 0 or exact_after is not None:
+            assert cds[0] > 1e-3, f"backward {i}: consensus before {exact_after} mixes?"
+    for r, o in enumerate(outs):
+        for n, m in mean.items():
+            close(o["avg"][n], m, f"rank {r}: {n} after global_avg")
+
+
+def test_bf16_wire_mixes_to_the_mean_within_bf16_rounding(worlds) -> None:
+    """wire_dtype=bf16, complete, lr = 0: after the first mix every rank holds the mean of the
+    initial parameters up to bf16 rounding of what was sent (|x| < 2: 2^-8 * 2)."""
+    outs = ok(worlds(2), "consensus_bf16")
+    base = params_of(odd_model(SEED))
+    for r, o in enumerate(outs):
+        for n, b in base.items():
+            close(o["after"][0][n], b.double() + r, f"rank {r}: {n} before any mix")
+            for i in range(1, len(o["after"])):
+                close(o["after"][i][n], b.double() + 0.5, f"rank {r}, backward {i}: {n}", atol=1e-2, rtol=0)
+        assert o["cd"][-1] < 1e-2
+
+
+# ============================================================== buffers, no_sync, errors
+
+@pytest.mark.parametrize("wc", [(w, (t,)) for w, ts in BN_CASES.items() for t in ts], ids=tid)
+def test_global_avg_averages_params_and_float_buffers(worlds, wc) -> None:
+    world, (topology,) = wc
+    outs = ok(worlds(world), f"bn/{topology}")
+    for rank, o in enumerate(outs):
+        assert torch.equal(o["buffers_init"]["bn.running_mean"], torch.ones(16)), \
+            f"rank {rank}: construction did not broadcast rank 0's buffers"
+    assert not torch.equal(outs[0]["before"][1]["bn.running_mean"], outs[1]["before"][1]["bn.running_mean"])
+    for i, what in ((0, "parameter"), (1, "buffer")):
+        for n in outs[0]["before"][i]:
+            values = [o["before"][i][n] for o in outs]
+            for rank, o in enumerate(outs):
+                got = o["after"][i][n]
+                assert torch.equal(got, outs[0]["after"][i][n]), f"rank {rank}: {what} {n} differs from rank 0's"
+                if got.is_floating_point():
+                    close(got, torch.stack([v.double() for v in values]).mean(0), f"rank {rank}: {what} {n}")
+                else:
+                    assert torch.equal(got, values[rank]), f"rank {rank}: integer buffer {n} changed"
+
+
+@pytest.mark.parametrize("wc", [(w, (t,)) for w, ts in NO_SYNC_CASES.items() for t in ts], ids=tid)
+@pytest.mark.parametrize("mode", ["ctx", "flag", "late"])
+def test_accumulation_matches_one_backward_of_the_summed_loss(worlds, wc, mode) -> None:
+    """``ctx`` / ``flag`` accumulate from the very first step: the step-0 backward under
+    no_sync must not count as the traced step, and the build at step 1's first forward must
+    happen even under no_sync (decent-dp: ``_trace_fn`` ignores accumulating backwards, the
+    lazy init runs at the second step's first forward whatever the flag)."""
+    world, (topology,) = wc
+    outs = ok(worlds(world), f"no_sync/{topology}")
+    for rank, o in enumerate(outs):
+        for n, t in o["summed"].items():
+            close(o[mode][n], t, f"rank {rank}: {n} ({mode})")
+
+
+def test_unknown_topology_raises_value_error(worlds) -> None:
+    for rank, r in enumerate(ok(worlds(2), "unknown_topology")):
+        assert r["raised"] == "ValueError", f"rank {rank}: {r}"
+
+
+def test_no_process_group_raises() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError):
+        make_ddp(odd_model(SEED), "complete")
+
+
+def test_group_of_two_ranks(worlds) -> None:
+    outs = ok(worlds(4), "group")
+    base = params_of(odd_model(SEED + GROUP_RANKS[0]))   # the group's first rank is its source
+    shift = sum(GROUP_RANKS) / len(GROUP_RANKS)
+    for rank in range(4):
+        if rank not in GROUP_RANKS:
+            assert outs[rank] is None
+            continue
+        o = outs[rank]
+        for n, b in base.items():
+            assert torch.equal(o["init"][n], b), f"rank {rank}: {n} is not the group's first rank's"
+            close(o["after"][0][n], b.double() + rank, f"rank {rank}: {n} before any mix")
+            for i in (1, 2):
+                close(o["after"][i][n], b.double() + shift, f"rank {rank}, backward {i}: {n}")
+            close(o["avg"][n], b.double() + shift, f"rank {rank}: {n} after global_avg")
+
+
+# ============================================================== resume
+
+@pytest.mark.parametrize("world", sorted(RESUME_CASES))
+def test_state_dict_resume_in_new_processes_continues_the_run(worlds, ckpt_dir, world) -> None:
+    """momentum SGD + StepLR: 5 steps, state_dict() per rank to a file; new processes build
+    a fresh model (other values) and DDP, load it, train steps 5..9: the same parameters
+    as 10 uninterrupted steps."""
+    saved = ok(worlds(world), "resume_save")
+    path = f"{ckpt_dir}/w{world}"
+    resumed = spawn(resume_worker, world, RESUME_CASES[world], path)
+    for rank, (s, r) in enumerate(zip(saved, resumed)):
+        if "error" in r:
+            pytest.fail(f"rank {rank} failed resuming:\n{r['error']}")
+        r = r["ok"]
+        for n, t in s["half"].items():
+            assert torch.equal(r["loaded"][n], t), f"rank {rank}: {n} not restored by load_state_dict"
+        for n, t in s["full"].items():
+            close(r["out"][n], t, f"rank {rank}: {n} after resume vs uninterrupted")
