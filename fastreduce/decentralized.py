@@ -17,10 +17,11 @@ so a step's update is ``x <- mix(x) - lr * grad(x)``: with a doubly stochastic `
 mean over ranks follows SGD on the mean of the local gradients. Buckets launch in the
 same order on every rank (the overlapped mode's schedule), a bucket whose gradients did
 not all arrive is stepped at the next forward. Parameters are views of one flat block
-per bucket; what a rank sends is a copy (in ``wire_dtype``) in the communication
-layer's buffer (shared memory on one host), and the mix lands in a second block, so
-the next forward never reads memory being written; applying the mix swaps the two
-blocks (the parameters become views of the other one: no copy).
+per bucket, and the mix lands in a second block, so the next forward never reads
+memory being written; applying the mix swaps the two blocks (the parameters become
+views of the other one: no copy). A rank sends its parameter block itself (both blocks
+live in the communication layer's buffers: shared memory on one host, where the peers
+read it in place); a ``wire_dtype`` other than the parameters' sends a cast copy.
 
 Unlike decent-dp (whose API this mirrors): any world size, any device (no ``.cuda()``),
 everything needed to resume in :meth:`DecentralizedDataParallel.state_dict`, float
@@ -274,13 +275,21 @@ class DecentralizedDataParallel(nn.Module):
             segments = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
         layout = GradLayout(named, named[0][1].dtype, segments=segments)
         self._names = layout.names
-        self._flats = params_as_views(layout, lambda n, d: torch.zeros(n, dtype=d, device=self.device))
-        self._mixed = [torch.zeros_like(f) for f in self._flats]
+        # Sent in the parameters' own dtype, a rank sends its parameter block itself: both
+        # blocks then come from the communication layer (shared memory on one host), so
+        # the peers read it where it is. A cast wire needs a send block of its own.
+        in_place = self.wire_dtype is None or all(seg.dtype == self.wire_dtype for seg in layout.segments)
+        private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
+        alloc = self.comm.buffer if in_place else private
+        self._flats = params_as_views(layout, alloc)
+        self._mixed = self._blocks_like([f.dtype for f in self._flats], alloc)
         # Per bucket, each parameter's view of either block: the mix lands in the block
         # the parameters do not use, and applying it swaps the two (no copy).
         self._views = [[(s.param, _view(f, s), _view(m, s)) for s in seg.slots]
                        for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
-        sends = self._send_blocks()
+        sends = self._flats if in_place else self._blocks_like([self.wire_dtype] * len(self._flats),
+                                                              self.comm.buffer)
+        self._sends = None if in_place else sends
         self._buckets = []
         first = 0
         for seg, flat, send in zip(layout.segments, self._flats, sends):
@@ -298,14 +307,14 @@ class DecentralizedDataParallel(nn.Module):
                      "%d ranks", layout.describe(), len(self._buckets), self.topology.name,
                      self.topology.period, self.world_size)
 
-    def _send_blocks(self) -> list[torch.Tensor]:
-        """What each bucket sends: slices of one communication-layer buffer per dtype
-        (a shared-memory region on one host)."""
-        dtypes = [self.wire_dtype or f.dtype for f in self._flats]
+    def _blocks_like(self, dtypes: list[torch.dtype], alloc: Callable[[int, torch.dtype], torch.Tensor]
+                     ) -> list[torch.Tensor]:
+        """One block per bucket, as long as its parameter block, in ``dtypes``: slices of
+        one ``alloc(numel, dtype)`` buffer per dtype."""
         sizes: dict[torch.dtype, int] = {}
         for d, f in zip(dtypes, self._flats):
             sizes[d] = sizes.get(d, 0) + f.numel()
-        whole = {d: self.comm.buffer(n, d) for d, n in sizes.items()}
+        whole = {d: alloc(n, d) for d, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         out = []
         for d, f in zip(dtypes, self._flats):
@@ -329,8 +338,7 @@ class DecentralizedDataParallel(nn.Module):
                 then()
             flat, mixed = self._swap(b)
         self._step_optimizer(b)
-        bucket = self._buckets[b]
-        send = bucket.wire
+        send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)
         self._exchanges[b] = self.comm.mix(send, mixed, self.topology.mixing(self._round), pack)
         return _DONE

@@ -199,7 +199,8 @@ class Comm:
         """Launch gossip mixing: ``out`` := sum over ranks j of ``matrix[rank, j]`` x rank
         j's ``buf`` (summed in fp32 or wider), for a world x world mixing matrix that
         every rank passes whole. ``pack`` fills ``buf`` (the block this rank sends)
-        first; ``out`` is other, private memory as long as ``buf``.
+        first; ``out`` is as long as ``buf`` and apart from it (it may be another
+        buffer of :meth:`buffer`, to be sent in a later round).
 
         Shared memory: each rank reads its row's sources straight from their regions.
         Process groups: a uniform matrix (every rank averages with every rank) on an

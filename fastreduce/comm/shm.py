@@ -425,8 +425,8 @@ class ShmAllReduce:
         ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
         chunk of the mean into ``out``, default: that chunk of ``buf``) or ``all_gather``
         (every rank's chunk of ``buf`` into ``out``, default ``buf`` itself), for these
-        two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, private
-        memory as long as ``buf``, := the ``weights``-weighted sum of every rank's ``buf``). ``before`` and
+        two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, as long
+        as ``buf`` and apart from it, := the ``weights``-weighted sum of every rank's ``buf``). ``before`` and
         ``after`` (e.g. the slice's pack and unpack) run on the worker too, right before
         and after the collective, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
@@ -488,9 +488,10 @@ class ShmAllReduce:
         return ShmWork(own, peers, acc, tmp, self.barrier, kind, out)
 
     def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
-        if out is None or out.shape != buf.shape or not out.is_contiguous() or self.regions[self.rank].data_ptr() \
-                <= out.data_ptr() < self.regions[self.rank].data_ptr() + self.region_bytes:
-            raise ValueError("mix needs an output in private memory, contiguous and as long as its input")
+        start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        if out is None or out.shape != buf.shape or not out.is_contiguous() or \
+                start < out.data_ptr() + out.numel() * out.element_size() and out.data_ptr() < end:
+            raise ValueError("mix needs an output apart from its input, contiguous and as long as it")
         wide = out.dtype.itemsize >= 4
         acc = out if wide else torch.empty(buf.numel(), dtype=torch.float32, device=buf.device)
         tmp = None if buf.dtype == acc.dtype else torch.empty(buf.numel(), dtype=acc.dtype, device=buf.device)
