@@ -204,7 +204,8 @@ class Comm:
 
         Shared memory: each rank reads its row's sources straight from their regions.
         Process groups: a uniform matrix (every rank averages with every rank) on an
-        fp32 ``buf`` is one averaging all-reduce; any other is point-to-point, ``buf`` sent to the ranks whose
+        fp32 ``buf`` is one averaging all-reduce (of a copy in ``out``: ``buf`` is never
+        written); any other is point-to-point, ``buf`` sent to the ranks whose
         row uses it and received from those this rank's row uses (one receive buffer
         per peer, allocated on first use).
         """
@@ -221,12 +222,12 @@ class Comm:
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
-            if buf.dtype.itemsize >= 4 and bool((matrix == matrix[0, 0]).all()):  # everyone with everyone
-                plan = self.plan(buf.dtype)
+            if out.dtype == buf.dtype and buf.dtype.itemsize >= 4 and bool((matrix == matrix[0, 0]).all()):
+                plan = self.plan(buf.dtype)  # everyone averages with everyone: ``buf`` stays as sent
+                out.copy_(buf)
                 if plan.prescale:
-                    buf.div_(self.world)
-                work = dist.all_reduce(buf, op=plan.op, group=self.group, async_op=True)
-                return work, lambda: out.copy_(buf)
+                    out.div_(self.world)
+                return dist.all_reduce(out, op=plan.op, group=self.group, async_op=True), None
             col = matrix[:, r].tolist()
             peers = [j for j in range(self.world) if j != r and row[j] != 0.0]
             recvs = [self._scratch_like(buf, f"recv{j}") for j in peers]
