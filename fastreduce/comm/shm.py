@@ -157,20 +157,37 @@ def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
                  weights: Sequence[float], sources: Sequence[torch.Tensor]) -> None:
     """``out`` := sum of ``weights[k] * sources[k]``, accumulated in ``acc`` (``out``
     itself when it is fp32 or wider) through ``tmp`` where a source's dtype differs (a
-    mixed-dtype op would allocate a cast copy on CPU). Zero weights are skipped."""
-    first = True
-    for w, src in zip(weights, sources):
-        if w == 0.0:
-            continue
-        if src.dtype != acc.dtype:
-            assert tmp is not None
-            tmp.copy_(src)
-            src = tmp
-        if first:
-            torch.mul(src, w, out=acc)
-            first = False
+    mixed-dtype op would allocate a cast copy on CPU). Zero weights are skipped.
+
+    A row of a mixing matrix (weights >= 0 summing to 1) is summed as a chain of
+    ``lerp``: one pass over two sources and the output per source after the first,
+    where a multiply-then-add would take two."""
+    terms = [(float(w), s) for w, s in zip(weights, sources) if w != 0.0]
+
+    def cast(src: torch.Tensor) -> torch.Tensor:
+        if src.dtype == acc.dtype:
+            return src
+        assert tmp is not None
+        return tmp.copy_(src)
+
+    convex = len(terms) > 1 and all(w > 0 for w, _ in terms) and abs(sum(w for w, _ in terms) - 1.0) < 1e-9
+    if convex:
+        (w0, s0), (w1, s1) = terms[0], terms[1]
+        if s0.dtype == acc.dtype and s1.dtype == acc.dtype:
+            torch.lerp(s0, s1, w1 / (w0 + w1), out=acc)
         else:
-            acc.add_(src, alpha=w)
+            acc.copy_(s0)
+            acc.lerp_(cast(s1), w1 / (w0 + w1))
+        seen = w0 + w1
+        for w, src in terms[2:]:
+            acc.lerp_(cast(src), w / (seen + w))
+            seen += w
+    else:
+        for k, (w, src) in enumerate(terms):
+            if k == 0:
+                torch.mul(cast(src), w, out=acc)
+            else:
+                acc.add_(cast(src), alpha=w)
     if acc is not out:
         out.copy_(acc)
 
