@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train.py              # fused
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero  # ZeRO
+    torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip  # decentralized
 
 Each rank trains the same small classifier on its own shard of a synthetic data set,
 averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (or,
 with ``--mode zero``, lets ``fastreduce.ZeroOptimizer`` reduce-scatter them and step
-its shard of AdamW), and at the end checks that every rank holds bit-identical
-parameters. Runs on CPU (gloo),
+its shard of AdamW; with ``--mode gossip``, ``fastreduce.DecentralizedDataParallel``
+mixes parameters with one peer per round and averages them globally at the end), and
+at the end checks that every rank holds bit-identical parameters. Runs on CPU (gloo),
 CUDA (nccl) and Gaudi (hccl); the device is picked by ``fastreduce.init_distributed``.
 """
 
@@ -58,16 +60,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--mode", choices=("fused", "zero"), default="fused",
-                    help="fused: all_reduce_gradients + AdamW; zero: ZeroOptimizer(AdamW)")
+    ap.add_argument("--mode", choices=("fused", "zero", "gossip"), default="fused",
+                    help="fused: all_reduce_gradients + AdamW; zero: ZeroOptimizer(AdamW); "
+                         "gossip: DecentralizedDataParallel (one-peer-exp) + AdamW per bucket")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     info = fastreduce.init_distributed()
     torch.manual_seed(0)  # same initial weights on every rank
     model = make_model(dim=32, hidden=128, classes=8, depth=4).to(info.device)
-    zero = args.mode == "zero"
-    if zero:  # reduce-scatter during backward, 1/N of AdamW per rank, all-gather after
+    zero, gossip = args.mode == "zero", args.mode == "gossip"
+    net = model
+    if gossip:  # no all-reduce: each bucket mixes with one peer per round, in backward
+        net = fastreduce.DecentralizedDataParallel(
+            model, lambda named: torch.optim.AdamW([p for _, p in named], lr=args.lr), topology="one-peer-exp",
+            wire_dtype=DTYPES[args.wire])
+        opt = None
+    elif zero:  # reduce-scatter during backward, 1/N of AdamW per rank, all-gather after
         opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=args.lr,
                                        wire_dtype=DTYPES[args.wire], module=model)
     else:
@@ -81,12 +90,13 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(args.steps + 1):
         idx = torch.randint(0, x.shape[0], (args.batch,), generator=gen).to(info.device)
-        loss = loss_fn(model(x[idx]), y[idx])
+        loss = loss_fn(net(x[idx]), y[idx])
         loss.backward()
-        if not zero:
-            fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # grads stay views of the fused buffer
+        if opt is not None:
+            if not zero:
+                fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # grads stay views of the fused buffer
         if step % 10 == 0:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
@@ -94,6 +104,10 @@ def main() -> None:
                 print(f"step {step:4d}  loss {avg.item() / info.world_size:.4f}", flush=True)
     elapsed = time.perf_counter() - t0
 
+    if gossip:
+        print(f"rank {info.rank}: consensus distance before the global average "
+              f"{net.consensus_distance():.2e}", flush=True)
+        net.global_avg()  # every rank: the exact mean of the ranks' parameters
     with torch.no_grad():
         acc = (model(x).argmax(dim=1) == y).float().mean()
     dist.all_reduce(acc)
