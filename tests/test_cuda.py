@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import fastreduce
+import fastreduce.topology
 import fastreduce.zero
 from fastreduce.launch import run_ranks
 
@@ -138,3 +139,45 @@ def test_zero_on_cuda_matches_adamw(dtype_name: str, with_module: bool) -> None:
         # on the same bf16 grads, so the params differ by bf16 rounding at most
         assert r["err"] < (1e-5 if dtype_name == "float32" else 1.6e-2), r
     assert_close(torch.tensor(out[0]["err"]), torch.tensor(out[1]["err"]))
+
+
+class _LopsidedPair(fastreduce.topology.Topology):
+    """Two ranks mixing 0.7 / 0.3: not uniform, so the exchange is point-to-point."""
+
+    period = 1
+
+    def build(self, step: int) -> torch.Tensor:
+        return torch.tensor([[0.7, 0.3], [0.3, 0.7]], dtype=torch.float64)
+
+
+def gossip_worker(rank: int, world: int, topology: str) -> dict:
+    torch.cuda.set_device(0)
+    model = _model()
+    topo = _LopsidedPair(world) if topology == "lopsided" else topology
+    ddp = fastreduce.DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0),
+                                               topology=topo, bucket_mb=0.05)
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.add_(float(rank))  # ranks differ by +rank: the mean is the base + (world - 1) / 2
+    base = [p.detach().clone() - rank for p in ddp.parameters()]
+    dists = []
+    for step in range(6):
+        _loss(ddp, rank, step).backward()
+        dists.append(ddp.consensus_distance())
+    ddp.wait_exchanges()
+    ddp.global_avg()
+    err = max((p - (b + (world - 1) / 2)).abs().max().item() for p, b in zip(ddp.parameters(), base))
+    return {"dists": dists, "err": err, "device": str(next(model.parameters()).device),
+            "buckets": ddp.num_buckets}
+
+
+@pytest.mark.parametrize("topology", ["complete", "lopsided"])
+def test_gossip_on_cuda_keeps_the_mean(topology: str) -> None:
+    out = run_ranks(gossip_worker, 2, topology, timeout=300)
+    for r in out:
+        assert r["device"].startswith("cuda") and r["buckets"] > 1
+        assert r["err"] < 1e-5, r  # lr=0: mixing only moves ranks towards the mean, never the mean
+        if topology == "complete":
+            assert r["dists"][1] < 1e-6, r["dists"]  # one mix: every rank holds the mean
+        else:
+            assert r["dists"][-1] < 0.5 * r["dists"][0], r["dists"]  # 0.7/0.3: contracts by 0.4 per mix

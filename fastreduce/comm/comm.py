@@ -207,7 +207,8 @@ class Comm:
         fp32 ``buf`` is one averaging all-reduce (of a copy in ``out``: ``buf`` is never
         written); any other is point-to-point, ``buf`` sent to the ranks whose
         row uses it and received from those this rank's row uses (one receive buffer
-        per peer, allocated on first use).
+        per peer, allocated on first use; Gloo moves only host memory, so device
+        tensors are staged through it).
         """
         if out.shape != buf.shape:
             raise ValueError(f"mix's output must be as long as its input ({buf.numel()}), got {tuple(out.shape)}")
@@ -230,15 +231,23 @@ class Comm:
                 return dist.all_reduce(out, op=plan.op, group=self.group, async_op=True), None
             col = matrix[:, r].tolist()
             peers = [j for j in range(self.world) if j != r and row[j] != 0.0]
-            recvs = [self._scratch_like(buf, f"recv{j}") for j in peers]
-            ops = [dist.P2POp(dist.isend, buf, self._global(i), self.group)
+            # Gloo sends and receives host memory only: stage device tensors through it.
+            host = torch.device("cpu") if self.pg_backend == "gloo" and buf.device.type != "cpu" else None
+            send = buf if host is None else self._scratch_like(buf, "send_host", device=host).copy_(buf)
+            recvs = [self._scratch_like(buf, f"recv{j}", device=host) for j in peers]
+            ops = [dist.P2POp(dist.isend, send, self._global(i), self.group)
                    for i in range(self.world) if i != r and col[i] != 0.0]
             ops += [dist.P2POp(dist.irecv, t, self._global(j), self.group) for j, t in zip(peers, recvs)]
             works = dist.batch_isend_irecv(ops) if ops else []
             acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
             tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)
             weights = [row[r]] + [row[j] for j in peers]
-            return _AllWorks(works), lambda: weighted_sum(out, acc, tmp, weights, [buf, *recvs])
+
+            def combine() -> None:
+                sources = recvs if host is None else [self._scratch_like(buf, f"recv_dev{j}").copy_(t)
+                                                      for j, t in zip(peers, recvs)]
+                weighted_sum(out, acc, tmp, weights, [buf, *sources])
+            return _AllWorks(works), combine
 
     # ------------------------------------------------------------------ helpers
 
@@ -251,11 +260,12 @@ class Comm:
                              f"splits into {self.world} equal chunks; got {tuple(buf.shape)}")
         return buf.numel() // self.world
 
-    def _scratch_like(self, buf: torch.Tensor, role: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _scratch_like(self, buf: torch.Tensor, role: str, dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
         key = (role, buf.data_ptr(), buf.numel(), dtype or buf.dtype)
         t = self._scratch.get(key)
         if t is None:
-            t = self._scratch[key] = torch.empty(buf.numel(), dtype=dtype or buf.dtype, device=buf.device)
+            t = self._scratch[key] = torch.empty(buf.numel(), dtype=dtype or buf.dtype, device=device or buf.device)
         return t
 
     def _sum_rows(self, recv: torch.Tensor, out: torch.Tensor) -> None:
