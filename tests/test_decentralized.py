@@ -703,3 +703,34 @@ def test_state_dict_resume_in_new_processes_continues_the_run(worlds, ckpt_dir, 
             assert torch.equal(r["loaded"][n], t), f"rank {rank}: {n} not restored by load_state_dict"
         for n, t in s["full"].items():
             close(r["out"][n], t, f"rank {rank}: {n} after resume vs uninterrupted")
+
+
+# ============================================================== one-peer-exp at 6 to 8 ranks
+
+def exact_consensus_worker(rank: int, world: int) -> dict:
+    from fastreduce.topology import consensus_rounds
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ddp = fastreduce.DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0),
+                                               topology="one-peer-exp")
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.add_(float(rank))  # lr = 0: only the mixing moves the ranks, towards base + (N - 1) / 2
+    base = [p.detach().clone() - rank for p in ddp.parameters()]
+    dists = []
+    for step in range(consensus_rounds(world) + 1):  # after i backwards, i - 1 mixes are applied
+        ddp(torch.ones(1, 3)).sum().backward()
+        dists.append(ddp.consensus_distance())
+    err = max((p - (b + (world - 1) / 2)).abs().max().item() for p, b in zip(ddp.parameters(), base))
+    return {"dists": dists, "err": err, "rounds": consensus_rounds(world)}
+
+
+@pytest.mark.parametrize("world", [6, 7, 8])
+def test_one_peer_exp_reaches_the_exact_mean_after_its_period(world: int) -> None:
+    """N = 8: log2 N = 3 mixes; N = 6 and 7: the finite schedule's 5 and 6 (2 to 5 ranks:
+    the trajectory tests above)."""
+    outs = run_ranks(exact_consensus_worker, world, timeout=240, threads=1)
+    for rank, o in enumerate(outs):
+        assert o["rounds"] == {6: 5, 7: 6, 8: 3}[world]
+        assert o["dists"][-2] > 1e-3, f"rank {rank}: consensus one mix early? {o['dists']}"
+        assert o["dists"][-1] < 1e-6 and o["err"] < 1e-6, (rank, o)
