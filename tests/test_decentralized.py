@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 from typing import Any, Callable
 
 import pytest
@@ -57,7 +56,7 @@ from fastreduce.launch import run_ranks
 from fastreduce.topology import consensus_rounds, make_topology
 
 from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, twice_model
-from test_fused import guarded
+from test_fused import expect_raises, guarded
 
 SEED = 11
 LR = 0.1
@@ -113,14 +112,6 @@ def traj_key(topology: str, lws: int | None, bucket_mb: float | None, model: str
 
 # ============================================================== helpers run in ranks
 
-def expect_raises(exc_type: type, fn: Callable[[], Any]) -> dict:
-    try:
-        fn()
-    except exc_type as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    except Exception as e:  # noqa: BLE001
-        return {"raised": type(e).__name__, "message": traceback.format_exc()}
-    return {"raised": None, "message": ""}
 
 
 def out_loss(out: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from fastreduce.launch import run_ranks
 
 from models import (OddModel, ShapeModel, SparseEmbeddingModel, batch_for, loss_of, many_tensor_model,
                     mixed_dtype_model, odd_model)
-from test_fused import guarded
+from test_fused import expect_raises, guarded, per_rank, unwrap
 
 SEED = 7
 STEPS = 20
@@ -79,15 +79,6 @@ def spawn(worker: Callable[..., Any], world: int, *args: Any, timeout: float = S
 
 # ============================================================== helpers run in ranks
 
-def expect_raises(exc_type: type, fn: Callable[[], Any]) -> dict:
-    """Call ``fn`` expecting ``exc_type``; report what was raised and its message."""
-    try:
-        fn()
-    except exc_type as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    except Exception as e:  # noqa: BLE001
-        return {"raised": type(e).__name__, "message": traceback.format_exc()}
-    return {"raised": None, "message": ""}
 
 
 def loss_fn(model: nn.Module, inputs: tuple) -> torch.Tensor:
@@ -348,14 +339,8 @@ def parity_worker(rank: int, world: int) -> dict:
 
 # ============================================================== helpers run in the parent
 
-def unwrap(result: dict) -> Any:
-    if "error" in result:
-        pytest.fail("sub-case raised inside a rank:\n" + result["error"], pytrace=False)
-    return result["ok"]
 
 
-def per_rank(results: list[dict], key: str) -> list[Any]:
-    return [unwrap(r[key]) for r in results]
 
 
 def assert_params_close(got: dict, want: dict, where: str, rtol: float = RTOL, atol: float = ATOL) -> None:
