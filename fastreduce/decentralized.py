@@ -43,7 +43,7 @@ from torch import nn
 
 from .buffer import _view, params_as_views
 from .comm import Pending, get_comm
-from .grads import one_device
+from .grads import foreach_copy, one_device
 from .layout import GradLayout, bucket_runs
 from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
                       remove_hooks)
@@ -75,6 +75,9 @@ class DecentralizedDataParallel(nn.Module):
             in fp32 either way.
         local_world_size: ranks per node, for ``alternating-exp-ring`` (default:
             ``$LOCAL_WORLD_SIZE``, as torchrun sets it).
+        buffers: ``mix``: float buffers (BatchNorm statistics) are mixed with the same
+            topology as each step closes (in the next forward, before the model runs);
+            ``local``: each rank keeps its own until :meth:`global_avg` (decent-dp's way).
 
     Example::
 
@@ -89,8 +92,11 @@ class DecentralizedDataParallel(nn.Module):
     def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: SchedulerFn | None = None,
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
                  group: dist.ProcessGroup | None = None, bucket_mb: float | None = None,
-                 wire_dtype: torch.dtype | None = None, local_world_size: int | None = None):
+                 wire_dtype: torch.dtype | None = None, local_world_size: int | None = None,
+                 buffers: str = "mix"):
         super().__init__()
+        if buffers not in ("mix", "local"):
+            raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
@@ -111,6 +117,9 @@ class DecentralizedDataParallel(nn.Module):
         self.comm = get_comm(group, self.device, None)
         self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
         self._named = named
+        self.buffers = buffers
+        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._buffer_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._round = 0  # the round of the next exchange
         self._accumulating = False
         self._built = False
@@ -252,12 +261,36 @@ class DecentralizedDataParallel(nn.Module):
             self._build(order)
             for b in range(len(self._buckets)):
                 self._update(b, False)
-            self._round += 1
+            self._close_step()
             return
         sched = self._schedule
         if any(sched.fired) or sched.next:
             sched.finish(quiet=True)
-            self._round += 1
+            self._close_step()
+
+    def _close_step(self) -> None:
+        self._mix_buffers()
+        self._round += 1
+
+    @torch.no_grad()
+    def _mix_buffers(self) -> None:
+        """``buffers="mix"``: this round's mix of the float buffers, synchronously (they
+        are small, and the forward about to run reads them)."""
+        bufs = self._float_buffers
+        if self.buffers != "mix" or not bufs:
+            return
+        if self._buffer_blocks is None:
+            n = sum(b.numel() for b in bufs)
+            self._buffer_blocks = (self.comm.buffer(n, torch.float32), torch.zeros(n, device=self.device))
+        send, out = self._buffer_blocks
+        flat_views = [t.view_as(b) for t, b in zip(send.split([b.numel() for b in bufs]), bufs)]
+        foreach_copy(flat_views, bufs)
+        work, then = self.comm.mix(send, out, self.topology.mixing(self._round))
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
+        foreach_copy(bufs, [t.view_as(b) for t, b in zip(out.split([b.numel() for b in bufs]), bufs)])
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
         if self._recorder is not None:  # built from a checkpoint: no order to learn

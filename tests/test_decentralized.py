@@ -725,3 +725,26 @@ def test_one_peer_exp_reaches_the_exact_mean_after_its_period(world: int) -> Non
         assert o["rounds"] == {6: 5, 7: 6, 8: 3}[world]
         assert o["dists"][-2] > 1e-3, f"rank {rank}: consensus one mix early? {o['dists']}"
         assert o["dists"][-1] < 1e-6 and o["err"] < 1e-6, (rank, o)
+
+
+# ============================================================== float buffers mixed every step
+
+def buffer_mix_worker(rank: int, world: int, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=0.0))  # forward leaves the stats alone
+    ddp = fastreduce.DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.1),
+                                               topology="complete", buffers=mode)
+    with torch.no_grad():
+        model[1].running_mean.add_(float(rank))  # after construction: the ranks' statistics differ
+    for _ in range(3):
+        ddp(torch.randn(5, 3)).sum().backward()
+    return {"mean": model[1].running_mean.clone(), "batches": int(model[1].num_batches_tracked)}
+
+
+@pytest.mark.parametrize("mode", ["mix", "local"])
+def test_float_buffers_are_mixed_with_the_parameters(mode: str) -> None:
+    outs = run_ranks(buffer_mix_worker, 3, mode, timeout=120)
+    for rank, o in enumerate(outs):
+        assert o["batches"] == 3  # integer buffers are never mixed
+        want = torch.full((4,), 1.0) if mode == "mix" else torch.full((4,), float(rank))
+        torch.testing.assert_close(o["mean"], want, rtol=0, atol=1e-6)
