@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buffer import _view, params_as_views
-from .comm import Pending, get_comm
+from .comm import Pending, complete, get_comm
 from .grads import foreach_copy, one_device
 from .layout import GradLayout, bucket_runs
 from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
@@ -119,7 +119,7 @@ class DecentralizedDataParallel(nn.Module):
         self._named = named
         self.buffers = buffers
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self._buffer_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffer_blocks: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._round = 0  # the round of the next exchange
         self._accumulating = False
         self._built = False
@@ -279,18 +279,16 @@ class DecentralizedDataParallel(nn.Module):
         bufs = self._float_buffers
         if self.buffers != "mix" or not bufs:
             return
-        if self._buffer_blocks is None:
+        if self._buffer_blocks is None:  # made on the first step: views of two flat blocks
             n = sum(b.numel() for b in bufs)
-            self._buffer_blocks = (self.comm.buffer(n, torch.float32), torch.zeros(n, device=self.device))
-        send, out = self._buffer_blocks
-        flat_views = [t.view_as(b) for t, b in zip(send.split([b.numel() for b in bufs]), bufs)]
-        foreach_copy(flat_views, bufs)
-        work, then = self.comm.mix(send, out, self.topology.mixing(self._round))
-        if work is not None:
-            work.wait()
-        if then is not None:
-            then()
-        foreach_copy(bufs, [t.view_as(b) for t, b in zip(out.split([b.numel() for b in bufs]), bufs)])
+            send, out = self.comm.buffer(n, torch.float32), torch.zeros(n, device=self.device)
+            sizes = [b.numel() for b in bufs]
+            self._buffer_blocks = (send, out, [t.view_as(b) for t, b in zip(send.split(sizes), bufs)],
+                                   [t.view_as(b) for t, b in zip(out.split(sizes), bufs)])
+        send, out, send_views, out_views = self._buffer_blocks
+        foreach_copy(send_views, bufs)
+        complete(self.comm.mix(send, out, self.topology.mixing(self._round)))
+        foreach_copy(bufs, out_views)
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
         if self._recorder is not None:  # built from a checkpoint: no order to learn
@@ -327,7 +325,7 @@ class DecentralizedDataParallel(nn.Module):
         first = 0
         for seg, flat, send in zip(layout.segments, self._flats, sends):
             slots = tuple(range(first, first + len(seg.slots)))
-            self._buckets.append(Bucket(slots, (), (), flat, send))
+            self._buckets.append(Bucket(slots, (), (), flat, send))  # the schedule reads slots only
             first += len(seg.slots)
         self._optims = [self.optim_fn([(s.name, s.param) for s in seg.slots]) for seg in layout.segments]
         self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
@@ -364,11 +362,7 @@ class DecentralizedDataParallel(nn.Module):
         flat, mixed = self._flats[b], self._mixed[b]
         pending = self._exchanges[b]
         if pending is not None:
-            work, then = pending
-            if work is not None:
-                work.wait()
-            if then is not None:
-                then()
+            complete(pending)
             flat, mixed = self._swap(b)
         self._step_optimizer(b)
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
@@ -413,11 +407,7 @@ class DecentralizedDataParallel(nn.Module):
             return
         for b, pending in enumerate(self._exchanges):
             if pending is not None and pending is not _DONE:
-                work, then = pending
-                if work is not None:
-                    work.wait()
-                if then is not None:
-                    then()
+                complete(pending)
                 self._exchanges[b] = _DONE
 
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .buffer import FusedBuffer, _view, params_as_views
 from .checkpoint import RangeShard
-from .comm import Pending, all_gather_flat, get_comm
+from .comm import Pending, all_gather_flat, complete, get_comm
 from .grads import adopt, check_grad, one_device
 from .layout import GradLayout, bucket_runs, verify_across_ranks
 from .overlap import OverlapSchedule, default_bucket_mb, make_buckets
@@ -375,11 +375,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             _, works = self._schedule.finish(quiet=not self.overlap)
             with span("fastreduce::wait"):
-                for work, then in works:
-                    if work is not None:
-                        work.wait()
-                    if then is not None:
-                        then()
+                for pending in works:
+                    complete(pending)
         self._reduced = True
 
     def _gather(self) -> None:
@@ -404,11 +401,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pending = gathers[b]
                 if pending is not None:
                     gathers[b] = None
-                    work, then = pending
-                    if work is not None:
-                        work.wait()
-                    if then is not None:
-                        then()
+                    complete(pending)
         if which is None or all(p is None for p in gathers):
             self._gathers = []
 
@@ -478,13 +471,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             per_group.append(ids)
         return index, per_group
 
-    def _segment_slots(self) -> list[list[int]]:
-        out, i = [], 0
-        for seg in self.layout.segments:
-            out.append(list(range(i, i + len(seg.slots))))
-            i += len(seg.slots)
-        return out
-
     def _chunk_states(self) -> list[dict[str, Any]]:
         return [self.inner.state.get(s.master, {}) for s in self.shards]
 
@@ -498,7 +484,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         self._wait_gathers()
         index, per_group = self._index()
-        slots_of_seg = self._segment_slots()
+        slots_of_seg = [b.slots for b in self.buckets]
         layout = self.layout
         state: dict[int, dict[str, Any]] = {}
         by_slot = {i: k for k, i in index.items()}
@@ -543,7 +529,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_loadable(state_dict, index, per_group)
         by_slot = {i: k for k, i in index.items()}
         chunks, masters = {}, {}
-        for s, idx in enumerate(self._segment_slots()):
+        for s, idx in enumerate(b.slots for b in self.buckets):
             entries = [(self.layout.slots[i], state_dict["state"].get(by_slot[i], {})) for i in idx]
             chunk_state, masters[s] = self._chunk_of(s, entries)
             if chunk_state:
@@ -639,7 +625,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             items = dict(chunk_state)
             if shard.low:
                 items[_MASTER] = shard.master
-            for slot_i in self._segment_slots()[s]:
+            for slot_i in self.buckets[s].slots:
                 slot = self.layout.slots[slot_i]
                 lo, hi = slot.offset, slot.offset + slot.numel
                 a = min(max(lo, r * c), hi)
@@ -666,7 +652,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         index, _ = self._index()
         by_slot = {i: k for k, i in index.items()}
         for s, chunk_state in enumerate(self._chunk_states()):
-            first = state_dict["state"][str(by_slot[self._segment_slots()[s][0]])]
+            first = state_dict["state"][str(by_slot[self.buckets[s].slots[0]])]
             for key, v in first.items():
                 if key in chunk_state and not isinstance(v, RangeShard):
                     if torch.is_tensor(v) and torch.is_tensor(chunk_state[key]):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..profiling import span
 from .shm import ShmAllReduce
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "plan_mean",
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "complete", "plan_mean",
            "reduce_scatter_flat", "start_all_reduce"]
 
 
@@ -39,6 +39,15 @@ class Waitable(Protocol):
 
 Pending = tuple[Waitable | None, Callable[[], None] | None]
 """A launched collective (``None`` if it already ran) and what to run once it is done."""
+
+
+def complete(pending: Pending) -> None:
+    """Wait for a launched collective, then run what was to follow it."""
+    work, then = pending
+    if work is not None:
+        work.wait()
+    if then is not None:
+        then()
 
 
 class MeanPlan:

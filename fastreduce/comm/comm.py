@@ -85,6 +85,7 @@ class Comm:
         self.shms: list[ShmAllReduce] = []
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._plans: dict[torch.dtype, MeanPlan] = {}
+        self._rows: dict[int, tuple] = {}  # mixing matrix -> (it, row, column, uniform)
 
     @property
     def shard_multiple(self) -> int:
@@ -215,7 +216,7 @@ class Comm:
         if tuple(matrix.shape) != (self.world, self.world):
             raise ValueError(f"the mixing matrix must be {self.world} x {self.world}, got {tuple(matrix.shape)}")
         r = self.rank
-        row = matrix[r].tolist()
+        row, col, uniform = self._rows_of(matrix)
         shm = self.shm_of(buf)
         with span("fastreduce::mix"):
             if shm is not None:
@@ -223,13 +224,12 @@ class Comm:
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
-            if out.dtype == buf.dtype and buf.dtype.itemsize >= 4 and bool((matrix == matrix[0, 0]).all()):
+            if out.dtype == buf.dtype and buf.dtype.itemsize >= 4 and uniform:
                 plan = self.plan(buf.dtype)  # everyone averages with everyone: ``buf`` stays as sent
                 out.copy_(buf)
                 if plan.prescale:
                     out.div_(self.world)
                 return dist.all_reduce(out, op=plan.op, group=self.group, async_op=True), None
-            col = matrix[:, r].tolist()
             peers = [j for j in range(self.world) if j != r and row[j] != 0.0]
             # Gloo sends and receives host memory only: stage device tensors through it.
             host = torch.device("cpu") if self.pg_backend == "gloo" and buf.device.type != "cpu" else None
@@ -250,6 +250,19 @@ class Comm:
             return _AllWorks(works), combine
 
     # ------------------------------------------------------------------ helpers
+
+    def _rows_of(self, matrix: torch.Tensor) -> tuple[list[float], list[float], bool]:
+        """This rank's row and column of a mixing matrix and whether it is uniform, read
+        once per matrix (a topology hands out the same cached tensor every period)."""
+        key = id(matrix)
+        got = self._rows.get(key)
+        if got is None or got[0] is not matrix:
+            if len(self._rows) >= 64:  # matrices made afresh per call: keep the cache small
+                self._rows.clear()
+            r = self.rank
+            got = self._rows[key] = (matrix, matrix[r].tolist(), matrix[:, r].tolist(),
+                                     bool((matrix == matrix[0, 0]).all()))
+        return got[1], got[2], got[3]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
