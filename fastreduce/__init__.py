@@ -10,7 +10,7 @@ all-reduce, reduce-scatter, all-gather; with :mod:`.comm.shm`, shared memory for
 ranks on one host), :mod:`.layout` and
 :mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
 (:mod:`.fused`, :mod:`.overlap`, :mod:`.zero`, :mod:`.decentralized` with
-:mod:`.topology`).
+:mod:`.topology`, :mod:`.local`).
 """
 
 from .backends import GraphContractError
@@ -18,14 +18,17 @@ from .decentralized import DecentralizedDataParallel
 from .engine import DistInfo, init_distributed
 from .fused import FusedReducer, ReducerConfig, ReducerStats, all_reduce_gradients
 from .layout import LayoutMismatchError
+from .local import DiLoCo, LocalSGD
 from .zero import ZeroOptimizer
 
 __all__ = [
     "DecentralizedDataParallel",
+    "DiLoCo",
     "DistInfo",
     "FusedReducer",
     "GraphContractError",
     "LayoutMismatchError",
+    "LocalSGD",
     "ReducerConfig",
     "ReducerStats",
     "ZeroOptimizer",

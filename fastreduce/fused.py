@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer, attached
-from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Fp32Accumulate, MeanPlan, Pending, Transport, get_comm
+from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, get_comm
 from .grads import adopt, check_grad, missing_message, one_device
 from .layout import GradLayout, verify_across_ranks
 from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_launcher, default_bucket_mb,
@@ -130,7 +130,6 @@ class _Built:
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
     schedule: OverlapSchedule | None = None  # overlap mode only
-    accumulate: Fp32Accumulate | None = None  # accumulate_dtype=float32 only
 
 
 class FusedReducer:
@@ -309,8 +308,6 @@ class FusedReducer:
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        if plan.fp32_accumulate:
-            built.accumulate = Fp32Accumulate(buffer.wire, plan)
         if cfg.overlap:
             pg = dist.get_backend(self.group)
             mb = cfg.bucket_mb or default_bucket_mb(pg)
@@ -352,10 +349,6 @@ class FusedReducer:
         with span("fastreduce::pack"):
             if built.pack is not None and not direct:
                 built.pack()
-        if built.accumulate is not None:
-            with span("fastreduce::all_reduce"):
-                built.accumulate()  # synchronous: two collectives around a local fp32 sum
-            return missing, [(None, built.unpack)]
         work, _ = built.comm.all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
         return missing, [(work, built.unpack)]
 
@@ -387,7 +380,7 @@ class FusedReducer:
         st = self.stats
         st.calls += 1
         st.wait_seconds += waited
-        st.collectives += sum(w is not None for w, _ in works) + (2 if built.accumulate is not None else 0)
+        st.collectives += sum(w is not None for w, _ in works) + (2 if built.plan.fp32_accumulate else 0)
         st.bytes_reduced += built.buffer.nbytes
 
     @staticmethod

@@ -27,8 +27,10 @@ import torch.distributed as dist
 from ..profiling import span
 from .shm import ShmAllReduce
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "complete", "plan_mean",
-           "reduce_scatter_flat", "start_all_reduce"]
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "broadcast_from_rank0",
+           "complete", "plan_mean", "reduce_scatter_flat", "start_all_reduce"]
+
+_BROADCAST_CHUNK = 1 << 24  # elements received at a time when checking what rank 0 sends
 
 
 class Waitable(Protocol):
@@ -169,3 +171,29 @@ class Fp32Accumulate:
         else:
             self.rows[0].copy_(self.acc)
             all_gather_flat(self.wire, self.rows[0], self.group)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
+    """Give every rank rank 0's values of ``tensors`` (in place, as DDP does at
+    construction); return whether any rank's differed (the same answer on every rank).
+
+    Each rank receives into scratch of at most 16M elements at a time and compares
+    before copying, so a mode can say when it overwrote a rank's model."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    rank0 = dist.get_rank(group) == 0
+    differed = False
+    for t in tensors:
+        pieces = t.view(-1).split(_BROADCAST_CHUNK) if t.is_contiguous() else (t,)
+        for piece in pieces:
+            if rank0:
+                dist.broadcast(piece, src=src, group=group)
+                continue
+            got = torch.empty_like(piece)
+            dist.broadcast(got, src=src, group=group)
+            if not torch.equal(got, piece):
+                differed = True
+                piece.copy_(got)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flag = torch.tensor([float(differed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..profiling import span
-from .collectives import MeanPlan, Pending, all_gather_flat, plan_mean, reduce_scatter_flat, start_all_reduce
+from .collectives import Fp32Accumulate, MeanPlan, Pending, all_gather_flat, plan_mean, reduce_scatter_flat, start_all_reduce
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
@@ -85,6 +85,7 @@ class Comm:
         self.shms: list[ShmAllReduce] = []
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._plans: dict[torch.dtype, MeanPlan] = {}
+        self._accumulators: dict[tuple, Fp32Accumulate] = {}
         self._rows: dict[int, tuple] = {}  # mixing matrix -> (it, row, column, uniform)
 
     @property
@@ -141,8 +142,21 @@ class Comm:
                    unpack: Callable[[], None] | None = None) -> Pending:
         """Launch ``buf`` := mean over ranks; ``pack`` fills it first (dividing, if
         ``plan.prescale``), ``unpack`` runs once it is done (see
-        :func:`~.collectives.start_all_reduce`)."""
-        return start_all_reduce(buf, plan, pack, unpack)
+        :func:`~.collectives.start_all_reduce`). A ``plan.fp32_accumulate`` plan runs
+        :class:`~.collectives.Fp32Accumulate` here, synchronously (``buf`` splits into
+        world-size chunks; its scratch is kept per buffer)."""
+        if not plan.fp32_accumulate:
+            return start_all_reduce(buf, plan, pack, unpack)
+        key = ("fp32_accumulate", buf.data_ptr(), buf.numel(), buf.dtype)
+        accumulate = self._accumulators.get(key)
+        if accumulate is None:
+            accumulate = self._accumulators[key] = Fp32Accumulate(buf, plan)
+        if pack is not None:
+            with span("fastreduce::pack"):
+                pack()
+        with span("fastreduce::all_reduce"):
+            accumulate()  # two collectives around a local fp32 sum
+        return None, unpack
 
     def reduce_scatter(self, buf: torch.Tensor, out: torch.Tensor | None = None,
                        pack: Callable[[], None] | None = None, fp32_sum: bool = False) -> Pending:
