@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode local
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode diloco
 
 # The suites that reduce run again on the process group's transport (Gloo), which
 # CPU ranks on one host otherwise skip for shared memory.

@@ -3,12 +3,17 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py              # fused
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero  # ZeRO
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip  # decentralized
+    torchrun --standalone --nproc-per-node 2 examples/train.py --mode local   # local SGD
+    torchrun --standalone --nproc-per-node 2 examples/train.py --mode diloco  # DiLoCo
 
 Each rank trains the same small classifier on its own shard of a synthetic data set,
 averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (or,
 with ``--mode zero``, lets ``fastreduce.ZeroOptimizer`` reduce-scatter them and step
 its shard of AdamW; with ``--mode gossip``, ``fastreduce.DecentralizedDataParallel``
-mixes parameters with one peer per round and averages them globally at the end), and
+mixes parameters with one peer per round and averages them globally at the end; with
+``--mode local``, ``fastreduce.LocalSGD`` averages the parameters every 4th step after 10
+synchronous ones; with ``--mode diloco``, ``fastreduce.DiLoCo`` runs an outer Nesterov
+step on the averaged pseudo-gradient of two staggered fragments every 10 steps), and
 at the end checks that every rank holds bit-identical parameters. Runs on CPU (gloo),
 CUDA (nccl) and Gaudi (hccl); the device is picked by ``fastreduce.init_distributed``.
 """
@@ -62,9 +67,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--mode", choices=("fused", "zero", "gossip"), default="fused",
+    ap.add_argument("--mode", choices=("fused", "zero", "gossip", "local", "diloco"), default="fused",
                     help="fused: all_reduce_gradients + AdamW; zero: ZeroOptimizer(AdamW); "
-                         "gossip: DecentralizedDataParallel (one-peer-exp) + AdamW per bucket")
+                         "gossip: DecentralizedDataParallel (one-peer-exp) + AdamW per bucket; "
+                         "local: LocalSGD(AdamW, every 4 steps); diloco: DiLoCo(AdamW, outer Nesterov SGD)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -72,8 +78,17 @@ def main() -> None:
     torch.manual_seed(0)  # same initial weights on every rank
     model = make_model(dim=32, hidden=128, classes=8, depth=4).to(info.device)
     zero, gossip = args.mode == "zero", args.mode == "gossip"
+    local = None  # a local-update mode: hooked on the optimizer's step, no gradient all-reduce
     net = model
-    if gossip:  # no all-reduce: each bucket mixes with one peer per round, in backward
+    if args.mode == "local":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        local = fastreduce.LocalSGD(model, opt, sync_every=4, warmup_steps=10, wire_dtype=DTYPES[args.wire])
+    elif args.mode == "diloco":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        local = fastreduce.DiLoCo(model, opt, outer, sync_every=10, fragments=2, fragment_delay=1,
+                                  wire_dtype=DTYPES[args.wire])
+    elif gossip:  # no all-reduce: each bucket mixes with one peer per round, in backward
         net = fastreduce.DecentralizedDataParallel(
             model, lambda named: torch.optim.AdamW([p for _, p in named], lr=args.lr), topology="one-peer-exp",
             wire_dtype=DTYPES[args.wire])
@@ -95,7 +110,7 @@ def main() -> None:
         loss = loss_fn(net(x[idx]), y[idx])
         loss.backward()
         if opt is not None:
-            if not zero:
+            if not zero and local is None:
                 fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
             opt.step()
             opt.zero_grad(set_to_none=False)  # grads stay views of the fused buffer
@@ -110,6 +125,8 @@ def main() -> None:
         print(f"rank {info.rank}: consensus distance before the global average "
               f"{net.consensus_distance():.2e}", flush=True)
         net.global_avg()  # every rank: the exact mean of the ranks' parameters
+    if local is not None:
+        local.sync()  # LocalSGD: the mean now; DiLoCo: an outer step of every fragment now
     with torch.no_grad():
         acc = (model(x).argmax(dim=1) == y).float().mean()
     dist.all_reduce(acc)

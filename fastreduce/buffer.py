@@ -20,7 +20,7 @@ import torch
 
 from .layout import GradLayout, Slot
 
-__all__ = ["FusedBuffer", "attached", "params_as_views"]
+__all__ = ["FusedBuffer", "TensorBlock", "attached", "foreach_copy", "params_as_views"]
 
 _get_grad = operator.attrgetter("grad")
 
@@ -145,3 +145,32 @@ def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torc
                 slot.param.data = view
             out.append(flat)
     return out
+
+
+def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """One fused ``_foreach_copy_`` (torch >= 2.2); a plain loop on older torch."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(dsts), list(srcs))
+    else:  # pragma: no cover - torch 2.1 only
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
+class TensorBlock:
+    """Copies of several tensors side by side in one flat ``dtype`` block (from
+    ``alloc(numel, dtype)``), to move them with one collective: e.g. a model's float
+    buffers, which modules replace or update in place, so they cannot be views of it."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor],
+                 dtype: torch.dtype = torch.float32):
+        self.tensors = list(tensors)
+        self.flat = alloc(sum(t.numel() for t in self.tensors), dtype)
+        self.views = [v.view_as(t) for v, t in zip(self.flat.split([t.numel() for t in self.tensors]), self.tensors)]
+
+    def load(self) -> None:
+        """The block := the tensors (one fused copy, casting to the block's dtype)."""
+        foreach_copy(self.views, self.tensors)
+
+    def store(self, other: TensorBlock | None = None) -> None:
+        """The tensors := this block (or ``other``, a block of the same tensors)."""
+        foreach_copy(self.tensors, (other or self).views)

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import _view, params_as_views
+from .buffer import TensorBlock, _view, params_as_views
 from .comm import Pending, complete, get_comm
-from .grads import foreach_copy, one_device
+from .grads import one_device, start_from_rank0
 from .layout import GradLayout, bucket_runs
 from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
                       remove_hooks)
@@ -119,7 +119,7 @@ class DecentralizedDataParallel(nn.Module):
         self._named = named
         self.buffers = buffers
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self._buffer_blocks: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
         self._round = 0  # the round of the next exchange
         self._accumulating = False
         self._built = False
@@ -242,9 +242,8 @@ class DecentralizedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for t in list(self.module.parameters()) + list(self.module.buffers()):  # frozen ones too
-            dist.broadcast(t.data, src=src, group=self.group)
+        start_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.group,
+                         "DecentralizedDataParallel")  # frozen ones too
 
     def _mark_synced(self, _i: int) -> None:
         if not self._accumulating:
@@ -279,16 +278,13 @@ class DecentralizedDataParallel(nn.Module):
         bufs = self._float_buffers
         if self.buffers != "mix" or not bufs:
             return
-        if self._buffer_blocks is None:  # made on the first step: views of two flat blocks
-            n = sum(b.numel() for b in bufs)
-            send, out = self.comm.buffer(n, torch.float32), torch.zeros(n, device=self.device)
-            sizes = [b.numel() for b in bufs]
-            self._buffer_blocks = (send, out, [t.view_as(b) for t, b in zip(send.split(sizes), bufs)],
-                                   [t.view_as(b) for t, b in zip(out.split(sizes), bufs)])
-        send, out, send_views, out_views = self._buffer_blocks
-        foreach_copy(send_views, bufs)
-        complete(self.comm.mix(send, out, self.topology.mixing(self._round)))
-        foreach_copy(bufs, out_views)
+        if self._buffer_blocks is None:  # made on the first step
+            private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
+            self._buffer_blocks = (TensorBlock(bufs, self.comm.buffer), TensorBlock(bufs, private))
+        send, out = self._buffer_blocks
+        send.load()
+        complete(self.comm.mix(send.flat, out.flat, self.topology.mixing(self._round)))
+        out.store()
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
         if self._recorder is not None:  # built from a checkpoint: no order to learn

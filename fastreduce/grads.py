@@ -9,14 +9,18 @@ first, so an error leaves all of them as they were.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from .buffer import FusedBuffer
+from .buffer import FusedBuffer, foreach_copy
+from .comm import broadcast_from_rank0
 from .layout import GradLayout
 
-__all__ = ["adopt", "check_grad", "foreach_copy", "missing_message", "one_device"]
+__all__ = ["adopt", "check_grad", "missing_message", "one_device", "start_from_rank0"]
 
 
 def one_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
@@ -56,15 +60,6 @@ def missing_message(names: list[str]) -> str:
             "find_unused_parameters=True)")
 
 
-def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """One fused ``_foreach_copy_`` (torch >= 2.2); a plain loop on older torch."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dsts, srcs)
-    else:  # pragma: no cover - torch 2.1 only
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-
-
 def adopt(layout: GradLayout, buffer: FusedBuffer, indices: Sequence[int], *, direct: bool = False,
           missing_ok: bool = True) -> tuple[list[int], int, bool]:
     """Bring re-allocated grads of layout ``indices`` into ``buffer`` and re-attach views.
@@ -100,3 +95,14 @@ def adopt(layout: GradLayout, buffer: FusedBuffer, indices: Sequence[int], *, di
     if missing:
         torch._foreach_zero_([views[i] for i in missing])
     return missing, len(moved), direct
+
+
+def start_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, mode: str) -> None:
+    """Give every rank rank 0's ``tensors`` (a model's parameters and buffers, as DDP does
+    at construction), and warn on every rank when some rank's differed."""
+    if broadcast_from_rank0(list(tensors), group):
+        msg = (f"fastreduce.{mode}: the ranks' initial parameters or buffers differed; rank 0's were "
+               f"broadcast to every rank. Seed the model alike on every rank (to resume, load the "
+               f"{mode}'s state_dict after building it)")
+        warnings.warn(msg, UserWarning, stacklevel=4)
+        logging.getLogger("fastreduce").warning(msg)

@@ -51,16 +51,15 @@ pseudo-gradient's sign pinned by a test against the paper's equations.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import _view, params_as_views
-from .comm import Comm, Pending, broadcast_from_rank0, complete, get_comm, resolve_transport
-from .grads import foreach_copy, one_device
+from .buffer import TensorBlock, _view, params_as_views
+from .comm import Comm, Pending, complete, get_comm, resolve_transport
+from .grads import one_device, start_from_rank0
 from .layout import GradLayout
 
 __all__ = ["DiLoCo", "LocalSGD"]
@@ -167,7 +166,7 @@ class _LocalUpdates:
         self._flats = params_as_views(self.layout, lambda n, d: self._blocks.append(alloc(n, d)) or self._blocks[-1])
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         frozen = [p.data for p in model.parameters() if not p.requires_grad]
-        self._announce_differences(broadcast_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group))
+        start_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group, type(self).__name__)
         self._anchor: list[torch.Tensor] = []
         self._wire: list[torch.Tensor] = []
         self._frag_wire: list[torch.Tensor] = []
@@ -189,7 +188,7 @@ class _LocalUpdates:
             self._plan = self.comm.plan(wire_dtype, accumulate_dtype, wire)
             if scratch:
                 self._scratch = self._blocks_per_dtype()
-        self._buffer_block: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._buffer_block: TensorBlock | None = None
         self._hooks = [optimizer.register_step_post_hook(self._on_step)]
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -224,14 +223,6 @@ class _LocalUpdates:
         """The parameters' per-dtype blocks (what a collective over all of them takes)."""
         return self._blocks
 
-    def _announce_differences(self, differed: bool) -> None:
-        if differed:
-            msg = (f"fastreduce.{type(self).__name__}: the ranks' initial parameters or buffers differed; "
-                   "rank 0's were broadcast to every rank. Seed the model alike on every rank, and to "
-                   "resume, load this mode's state_dict after building it")
-            warnings.warn(msg, UserWarning, stacklevel=4)
-            log.warning(msg)
-
     # ------------------------------------------------------------------ hooks
 
     def _on_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -265,14 +256,11 @@ class _LocalUpdates:
         if self.buffers != "average" or not bufs:
             return
         if self._buffer_block is None:
-            n = sum(b.numel() for b in bufs)
-            block = self.comm.buffer(n, torch.float32)
-            views = [v.view_as(b) for v, b in zip(block.split([b.numel() for b in bufs]), bufs)]
-            self._buffer_block = (block, views)
-        block, views = self._buffer_block
-        foreach_copy(views, bufs)
-        self._average([block], comm)
-        foreach_copy(bufs, views)
+            self._buffer_block = TensorBlock(bufs, self.comm.buffer)
+        block = self._buffer_block
+        block.load()
+        self._average([block.flat], comm)
+        block.store()
 
     def _launch(self, k: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient ``anchor - x`` through the wire.
@@ -295,13 +283,13 @@ class _LocalUpdates:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
 
-    def _land(self, k: int) -> None:
+    def _land(self, k: int, mix: bool = True) -> None:
         """Wait for fragment ``k``'s average and apply it (:meth:`_apply`)."""
         complete(self._in_flight.pop(k))
-        self._apply(k)
+        self._apply(k, mix)
         self.syncs += 1
 
-    def _apply(self, k: int) -> None:
+    def _apply(self, k: int, mix: bool) -> None:
         raise NotImplementedError
 
     @property
@@ -526,7 +514,7 @@ class LocalSGD(_LocalUpdates):
             self.syncs += 1
         self._average_buffers(comm)
 
-    def _apply(self, k: int) -> None:
+    def _apply(self, k: int, mix: bool) -> None:
         """``x := anchor - mean(anchor - x)``; ``anchor := x``."""
         for j in self._frag_segments[k]:
             x, a = self._flats[j], self._anchor[j]
@@ -646,6 +634,20 @@ class DiLoCo(_LocalUpdates):
 
     # ------------------------------------------------------------------ public
 
+    @torch.no_grad()
+    def sync(self) -> None:
+        """An outer step of every fragment now (collective), the one on the wire first,
+        without ``fragment_alpha``: every rank then holds the same global parameters
+        (e.g. at the end of training). The schedule goes on counting as before."""
+        landed = set(self._in_flight)
+        for k in sorted(landed):
+            self._land(k, mix=False)
+        for k in range(self.num_fragments):
+            if k not in landed:
+                self._launch(k)
+                self._land(k, mix=False)
+        self._average_buffers(self.comm)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: the step count (hence the fragment phase), the
         last synced parameters, this rank's parameters, the outer optimizer's state and
@@ -675,10 +677,11 @@ class DiLoCo(_LocalUpdates):
         if s % H == 0:
             self._average_buffers(self.comm)
 
-    def _apply(self, k: int) -> None:
-        """The outer step of fragment ``k`` on its averaged pseudo-gradient (in the wire)."""
+    def _apply(self, k: int, mix: bool) -> None:
+        """The outer step of fragment ``k`` on its averaged pseudo-gradient (in the wire);
+        ``mix``: then mix in the local parameters by ``fragment_alpha``."""
         segs = self._frag_segments[k]
-        keep = self._scratch_of(k, self._scratch) if self.fragment_alpha > 0 else None
+        keep = self._scratch_of(k, self._scratch) if mix and self.fragment_alpha > 0 else None
         homes = self._scratch_of(k, self._spare) if self._spare else [self._anchor[j] for j in segs]
         for n, j in enumerate(segs):
             x, a = self._flats[j], self._anchor[j]
