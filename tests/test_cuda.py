@@ -181,3 +181,47 @@ def test_gossip_on_cuda_keeps_the_mean(topology: str) -> None:
             assert r["dists"][1] < 1e-6, r["dists"]  # one mix: every rank holds the mean
         else:
             assert r["dists"][-1] < 0.5 * r["dists"][0], r["dists"]  # 0.7/0.3: contracts by 0.4 per mix
+
+
+def local_worker(rank: int, world: int) -> dict:
+    """LocalSGD and DiLoCo with CUDA parameters against plain reference loops."""
+    torch.cuda.set_device(0)
+    H, steps = 4, 10
+    models = {k: _model() for k in ("local", "ref", "diloco1", "diloco_gpu", "diloco_cpu")}
+    inner = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    fastreduce.LocalSGD(models["local"], inner["local"], H)
+    fastreduce.DiLoCo(models["diloco1"], inner["diloco1"], torch.optim.SGD(models["diloco1"].parameters(), lr=1.0),
+                      H, wire_dtype=torch.float32)
+    streaming = dict(fragments=2, fragment_delay=1, fragment_alpha=0.5)
+    modes = {}
+    for where in ("gpu", "cpu"):
+        m = models[f"diloco_{where}"]
+        outer = torch.optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        modes[where] = fastreduce.DiLoCo(m, inner[f"diloco_{where}"], outer, H, backup_device="cpu" if where == "cpu"
+                                         else None, **streaming)
+    for step in range(steps):
+        for k, m in models.items():
+            _loss(m, rank, step).backward()
+            inner[k].step()
+            inner[k].zero_grad()
+        if (step + 1) % H == 0:  # the reference: a plain loop that averages every H steps
+            with torch.no_grad():
+                for p in models["ref"].parameters():
+                    dist.all_reduce(p)
+                    p.div_(world)
+
+    def gap(a: str, b: str) -> float:
+        return max((p - q).abs().max().item() for p, q in zip(models[a].parameters(), models[b].parameters()))
+
+    return {"local_vs_ref": gap("local", "ref"), "diloco_lr1_vs_local": gap("diloco1", "local"),
+            "cpu_vs_gpu_anchor": gap("diloco_cpu", "diloco_gpu"), "syncs": modes["gpu"].syncs,
+            "anchor": str(modes["cpu"]._anchor[0].device), "device": str(next(models["local"].parameters()).device)}
+
+
+def test_local_updates_on_cuda_match_reference_loops() -> None:
+    for r in run_ranks(local_worker, 2, timeout=300):
+        assert r["device"].startswith("cuda") and r["anchor"] == "cpu", r
+        assert r["local_vs_ref"] < 1e-5, r
+        assert r["diloco_lr1_vs_local"] < 1e-5, r
+        assert r["cpu_vs_gpu_anchor"] < 1e-6, r
+        assert r["syncs"] == 5, r  # fragments applied after steps 2, 4, 6, 8, 10 (launched a step before)
