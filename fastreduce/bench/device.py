@@ -13,6 +13,13 @@ A collective needs several devices; the rest of a reduction does not. On one dev
   on one flat 1/N shard with the kernel :class:`~fastreduce.ZeroOptimizer` picks
   (``fused`` where the device has one), for N = 2, 4, 8.
 
+* **a local-update sync's own work** (a one-rank Gloo group, so the collective is
+  nearly free and what is left is each method's work around it), on the same model:
+  torch's ``average_parameters`` (what ``PeriodicModelAverager`` runs: a new flat
+  buffer per call, a device synchronize, each parameter re-pointed), ``LocalSGD.sync()``
+  in place on the flat blocks, and ``DiLoCo.sync()`` (pseudo-gradient, bf16 wire, the
+  outer Nesterov step) with the anchor on the device and on the CPU.
+
 Times are medians of ``--iters`` runs of 10 calls each, with CUDA events on a GPU.
 """
 
@@ -109,6 +116,28 @@ def _adamw(params: list[torch.Tensor], iters: int, device: torch.device, **kw: A
     return _timer(device, opt.step, iters)
 
 
+def _local_sync(model: torch.nn.Module, device: torch.device, iters: int) -> dict[str, float]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+    from ..local import DiLoCo, LocalSGD
+
+    if not dist.is_initialized():  # one rank: each method's own work around the collective
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    out = {"torch_average_parameters": _timer(device, lambda: average_parameters(list(model.parameters()), None),
+                                              iters)}
+    mode = LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), 1 << 30)
+    out["fastreduce_localsgd"] = _timer(device, mode.sync, iters)
+    mode.remove()
+    for where in ("device", "cpu") if device.type != "cpu" else ("device",):
+        outer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, nesterov=True)
+        mode = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.0), outer, 1 << 30,
+                      backup_device="cpu" if where == "cpu" else None)
+        out[f"fastreduce_diloco_anchor_on_{where}"] = _timer(device, mode.sync, iters)
+        mode.remove()
+    return out
+
+
 def run_device_bench(device: str = "cuda", params_m: float = 12.0, iters: int = 20) -> dict[str, Any]:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -131,6 +160,7 @@ def run_device_bench(device: str = "cuda", params_m: float = 12.0, iters: int = 
         kw = fused_if_possible(torch.optim.AdamW, shard, {})
         step[f"zero_shard_1_of_{n}"] = _adamw(shard, iters, dev, **kw)
     report["optimizer_step_ms"] = step
+    report["local_sync_ms"] = _local_sync(model, dev, max(3, iters // 4))
     return report
 
 
@@ -143,6 +173,9 @@ def format_text(report: dict[str, Any]) -> str:
     lines += ["", "optimizer step, ms per call:"]
     for k, v in report["optimizer_step_ms"].items():
         lines.append(f"  {k:<22} {v:8.3f}")
+    lines += ["", "a local-update sync's work around the collective (one rank), ms per call:"]
+    for k, v in report.get("local_sync_ms", {}).items():
+        lines.append(f"  {k:<32} {v:8.3f}")
     return "\n".join(lines)
 
 
