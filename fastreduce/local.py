@@ -174,7 +174,10 @@ class _LocalUpdates:
         self._in_flight: dict[int, Pending] = {}
         if self._delta:
             where = torch.device(backup_device) if backup_device is not None else self.device
+            pin = where.type == "cpu" and self.device.type == "cuda"  # page-locked: fast, async uploads
             self._anchor = [f.detach().to(where, copy=True) for f in self._flats]
+            if pin:
+                self._anchor = [a.pin_memory() for a in self._anchor]
             sizes = [sum(self.layout.segments[j].numel for j in segs) for segs in self._frag_segments]
             assert wire_dtype is not None
             wire = self.comm.buffer(max(sizes), wire_dtype)
@@ -687,7 +690,7 @@ class DiLoCo(_LocalUpdates):
             x, a = self._flats[j], self._anchor[j]
             if keep is not None:
                 keep[n].copy_(x)
-            x.copy_(a)                       # the fragment's global parameters
+            x.copy_(a, non_blocking=True)    # the fragment's global parameters (an upload, if on the CPU)
             homes[n].copy_(self._wire[j])    # their grad: the mean pseudo-gradient
         self._outer_step(self._grad_views[k])
         for n, j in enumerate(segs):

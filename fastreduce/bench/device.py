@@ -13,8 +13,9 @@ A collective needs several devices; the rest of a reduction does not. On one dev
   on one flat 1/N shard with the kernel :class:`~fastreduce.ZeroOptimizer` picks
   (``fused`` where the device has one), for N = 2, 4, 8.
 
-* **a local-update sync's own work** (a one-rank Gloo group, so the collective is
-  nearly free and what is left is each method's work around it), on the same model:
+* **a local-update sync's own work** (a one-rank group, NCCL on a GPU, Gloo on the CPU,
+  so the collective is nearly free and what is left is each method's work around it),
+  on the same model:
   torch's ``average_parameters`` (what ``PeriodicModelAverager`` runs: a new flat
   buffer per call, a device synchronize, each parameter re-pointed), ``LocalSGD.sync()``
   in place on the flat blocks, and ``DiLoCo.sync()`` (pseudo-gradient, bf16 wire, the
@@ -122,8 +123,10 @@ def _local_sync(model: torch.nn.Module, device: torch.device, iters: int) -> dic
 
     from ..local import DiLoCo, LocalSGD
 
-    if not dist.is_initialized():  # one rank: each method's own work around the collective
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own = not dist.is_initialized()
+    if own:  # one rank: each method's own work around the collective
+        backend = "nccl" if device.type == "cuda" else "gloo"  # (Gloo would stage GPU tensors via the host)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     out = {"torch_average_parameters": _timer(device, lambda: average_parameters(list(model.parameters()), None),
                                               iters)}
     mode = LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), 1 << 30)
@@ -135,6 +138,8 @@ def _local_sync(model: torch.nn.Module, device: torch.device, iters: int) -> dic
                       backup_device="cpu" if where == "cpu" else None)
         out[f"fastreduce_diloco_anchor_on_{where}"] = _timer(device, mode.sync, iters)
         mode.remove()
+    if own:
+        dist.destroy_process_group()
     return out
 
 
