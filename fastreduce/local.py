@@ -298,7 +298,8 @@ class _LocalUpdates:
     @property
     def bytes_per_sync(self) -> int:
         """Bytes one full sync averages, per rank: every fragment's wire (or parameter
-        block) once; a step costs ``bytes_per_sync / sync_every`` on average."""
+        block) once, as sent (alignment padding included: a few hundred elements per
+        dtype and fragment); a step costs ``bytes_per_sync / sync_every`` on average."""
         if self._delta:
             return sum(w.numel() * w.element_size() for w in self._frag_wire)
         return sum(f.numel() * f.element_size() for f in self._whole_flats())

@@ -1,0 +1,1033 @@
+"""fastreduce.LocalSGD and fastreduce.DiLoCo (local-update modes: periodic, post-local and
+hierarchical model averaging; DiLoCo with an outer optimizer and streaming fragments) on
+real Gloo process groups, against real torch and references written here.
+
+Same structure as test_decentralized.py / test_zero.py: module-scoped fixtures spawn one
+group per world size (``run_ranks``) and run every sub-case in it, each through
+``guarded`` so a broken sub-case fails its own tests only; the tests assert on the
+returned per-rank results here, in the parent. A second world-2 spawn (``resumed``) loads
+the checkpoints the first one wrote. No transport is hard-coded: CI reruns this file with
+``FASTREDUCE_TRANSPORT=process_group``.
+
+Every sub-case trains with each rank's own inputs (``batch_for(model, rank, step)``) and
+records the parameters and buffers after every optimizer step; the reference is a
+separate loop over the same inputs, on a process group of its own (``ref_group``) so
+that its collectives never interleave with the mode's:
+
+* torch DDP (``DistributedDataParallel``) for ``LocalSGD(sync_every=1)``: averaging the
+  parameters after each SGD-with-momentum step equals averaging the gradients before it
+  (the update is linear in the grads, and the mean of the ranks' momentum buffers is
+  DDP's buffer);
+* ``ref_local``: each rank steps on its own copy; after steps warmup + H, warmup + 2H, ...
+  its parameters (and float buffers with ``buffers="average"``) are averaged with
+  ``dist.all_reduce`` / world; during the warm-up the gradients are averaged before each
+  step (DDP-style) and the float buffers after it;
+* torch's own ``HierarchicalModelAverager`` (world 4, groups of 2), with its counter
+  aligned (``averager.step = 1`` before the first call, see the spec);
+* ``ref_diloco``: DiLoCo written from the update equations (anchor; pseudo-gradient
+  anchor - local, all_reduce'd / world when launched, tau steps before it is applied;
+  outer SGD / Nesterov momentum by hand, torch.optim's conventions: b = g at a
+  parameter's first outer step, then b = mu b + g, update g + mu b; x := alpha x + (1 -
+  alpha) theta), over the fragments the mode reports in ``fragment_names``.
+
+Then: bf16 wires against the fp32 references within a bound derived from the
+pseudo-gradients' size; resume in new processes (LocalSGD with warm-up, fp32 and bf16
+wire; DiLoCo with a fragment in flight) against uninterrupted runs; ``backup_device``;
+errors (each must change nothing and leave no hook); the broadcast of rank 0's
+parameters with its warning; ``group=`` (world 4, a 2-rank subgroup).
+
+Tolerances (fp32): the mode and its reference average the same values but may sum them
+in another order (and DiLoCo computes anchor - mean(anchor - x) instead of mean(x)), a few
+fp32 ulps per averaging of |x| <~ 2; SGD/AdamW steps over 12-20 steps do not amplify that:
+atol 1e-6, rtol 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+
+import fastreduce
+from fastreduce.launch import run_ranks
+
+from models import batch_for, batchnorm_model, frozen_backbone_model, loss_of, odd_model
+from test_fused import expect_raises, guarded, per_rank, unwrap
+
+SEED = 5
+ATOL = 1e-6
+SPAWN_TIMEOUT = 150.0
+BF16_EPS = 2.0 ** -8   # bf16 has 8 significant bits: round-to-nearest is within 2^-9 relative
+ODD_NUMEL = 323        # OddModel's parameter count
+GROUP_RANKS = (1, 3)   # a 2-rank group= inside the 4-rank world
+
+pytestmark = pytest.mark.timeout(300)
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "odd": odd_model, "bn": batchnorm_model, "frozen": frozen_backbone_model,
+}
+INNER = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+NESTEROV = (0.7, 0.9, True)     # outer SGD: lr, momentum, nesterov
+HEAVY_BALL = (0.5, 0.9, False)
+PLAIN_AVG = (1.0, 0.0, False)   # outer SGD(lr=1): x := mean of the ranks' x
+
+
+def spawn(worker: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    return run_ranks(worker, world, *args, timeout=SPAWN_TIMEOUT)
+
+
+# ============================================================== helpers run in ranks
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers (int ones too), cloned."""
+    return {n: t.detach().clone() for n, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def inner_opt(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    cls, hp = INNER[name]
+    return cls(trainable(model), **hp)
+
+
+def outer_sgd(model: nn.Module, outer: tuple[float, float, bool]) -> torch.optim.SGD:
+    lr, mu, nesterov = outer
+    return torch.optim.SGD(trainable(model), lr=lr, momentum=mu, nesterov=nesterov)
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, s: int,
+         before: Callable[[], None] | None = None) -> None:
+    opt.zero_grad()
+    loss_of(model, batch_for(model, rank, s)).backward()
+    if before is not None:
+        before()
+    opt.step()
+
+
+@torch.no_grad()
+def all_mean_(tensors: list[torch.Tensor], group: Any) -> None:
+    """The references' exact mean: all_reduce (sum) per tensor, then / group size."""
+    n = dist.get_world_size(group)
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t.div_(n)
+
+
+def ref_local(rank: int, model: nn.Module, opt: torch.optim.Optimizer, steps: int, H: int, group: Any,
+              warmup: int = 0, buffers: str = "average") -> dict:
+    """Plain periodic averaging (post-local SGD with ``warmup``)."""
+    params = trainable(model)
+    traj, pre = [], []
+    for s in range(1, steps + 1):
+        warm = s <= warmup
+        step(model, opt, rank, s, (lambda: all_mean_([p.grad for p in params], group)) if warm else None)
+        pre.append(state_of(model))
+        if warm:
+            if buffers == "average":
+                all_mean_(float_buffers(model), group)
+        elif (s - warmup) % H == 0:
+            all_mean_(params, group)
+            if buffers == "average":
+                all_mean_(float_buffers(model), group)
+        traj.append(state_of(model))
+    return {"traj": traj, "pre": pre}
+
+
+def ref_diloco(rank: int, model: nn.Module, inner: torch.optim.Optimizer, steps: int, H: int, group: Any,
+               frags: list[list[str]], outer: tuple[float, float, bool], tau: int = 0, alpha: float = 0.0) -> dict:
+    """DiLoCo / Streaming DiLoCo from the update equations (nothing from torch.optim for the
+    outer step). Fragment k is applied after steps s with s % H == ((k + 1) H // F) % H and
+    launched (its pseudo-gradient averaged) after step s - tau."""
+    lr, mu, nesterov = outer
+    F = len(frags)
+    named = dict(model.named_parameters())
+    anchor = {n: named[n].detach().clone() for f in frags for n in f}
+    phase = [((k + 1) * H // F) % H for k in range(F)]
+    mom: dict[str, torch.Tensor] = {}
+    pending: dict[int, list[torch.Tensor]] = {}
+    traj, launches, applies = [], [], []
+    for s in range(1, steps + 1):
+        step(model, inner, rank, s)
+        with torch.no_grad():
+            for k in range(F):
+                if (s + tau) % H == phase[k]:   # launch: Delta = anchor - x, averaged
+                    delta = [anchor[n] - named[n] for n in frags[k]]
+                    all_mean_(delta, group)
+                    pending[k] = delta
+                    launches.append((s, k))
+            for k in range(F):
+                if s % H == phase[k]:           # apply tau steps later
+                    for n, g in zip(frags[k], pending.pop(k)):
+                        if mu:
+                            b = mom[n] = g.clone() if n not in mom else mom[n].mul_(mu).add_(g)
+                            update = g + mu * b if nesterov else b
+                        else:
+                            update = g
+                        anchor[n] = anchor[n] - lr * update
+                        named[n].copy_(alpha * named[n] + (1 - alpha) * anchor[n])
+                    applies.append((s, k))
+            if s % H == 0:
+                all_mean_(float_buffers(model), group)
+        traj.append(state_of(model))
+    return {"traj": traj, "launches": launches, "applies": applies}
+
+
+def train_mode(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range,
+               grads_at: tuple[int, ...] = ()) -> dict:
+    """Drive a mode through ``opt.step()``; at the steps in ``grads_at``, also check that
+    the grads after the step are the ones before it (DiLoCo restores the inner grads)."""
+    traj, grads_kept = [], []
+    for s in steps:
+        opt.zero_grad()
+        loss_of(model, batch_for(model, rank, s)).backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        if s in grads_at:
+            after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            grads_kept.append(after.keys() == before.keys()
+                              and all(torch.equal(after[n], g) for n, g in before.items()))
+        traj.append(state_of(model))
+    return {"traj": traj, "grads_kept": grads_kept}
+
+
+def counters(mode: Any) -> dict:
+    return {"steps": mode.steps, "syncs": mode.syncs, "bytes_per_sync": mode.bytes_per_sync,
+            "fragment_names": [list(f) for f in mode.fragment_names]}
+
+
+# ------------------------------------------------------------------ LocalSGD sub-cases
+
+# name: (world, model, inner optimizer, steps, sync_every, warmup_steps, buffers)
+PERIODIC: dict[str, tuple[int, str, str, int, int, int, str]] = {
+    "odd-sgd-H4": (2, "odd", "sgd", 12, 4, 0, "average"),
+    "odd-adamw-H3": (2, "odd", "adamw", 10, 3, 0, "average"),
+    "bn-sgd-H4-average": (2, "bn", "sgd", 12, 4, 0, "average"),
+    "bn-sgd-H4-local": (2, "bn", "sgd", 12, 4, 0, "local"),
+    "odd-adamw-H4-warmup3": (2, "odd", "adamw", 15, 4, 3, "average"),
+    "bn-sgd-H4-warmup3": (2, "bn", "sgd", 13, 4, 3, "average"),
+    "frozen-sgd-H2": (2, "frozen", "sgd", 8, 2, 0, "average"),
+    "w4-odd-sgd-H4": (4, "odd", "sgd", 12, 4, 0, "average"),
+}
+
+
+def case_periodic(rank: int, world: int, name: str, ref_group: Any) -> dict:
+    _, model_name, opt_name, steps, H, warmup, buffers = PERIODIC[name]
+    model = MODELS[model_name](SEED)
+    opt = inner_opt(model, opt_name)
+    mode = fastreduce.LocalSGD(model, opt, H, warmup_steps=warmup, buffers=buffers)
+    fr = train_mode(model, opt, rank, range(1, steps + 1))
+    out = {"fr": fr["traj"], **counters(mode)}
+    mode.remove()
+    model = MODELS[model_name](SEED)
+    ref = ref_local(rank, model, inner_opt(model, opt_name), steps, H, ref_group, warmup, buffers)
+    return out | {"ref": ref["traj"], "ref_pre": ref["pre"]}
+
+
+def case_ddp(rank: int, world: int, ref_group: Any) -> dict:
+    """LocalSGD(sync_every=1) against torch DDP, both SGD(lr 0.05, momentum 0.9), 20 steps."""
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    mode = fastreduce.LocalSGD(model, opt, 1)
+    fr = train_mode(model, opt, rank, range(1, 21))["traj"]
+    mode.remove()
+    ref_model = odd_model(SEED)
+    ddp = nn.parallel.DistributedDataParallel(ref_model, process_group=ref_group)
+    ref_opt = inner_opt(ddp, "sgd")
+    ref = []
+    for s in range(1, 21):
+        ref_opt.zero_grad()
+        loss_of(ddp, batch_for(ref_model, rank, s)).backward()
+        ref_opt.step()
+        ref.append(state_of(ref_model))
+    return {"fr": fr, "ref": ref}
+
+
+def case_sync_remove(rank: int, world: int, ref_group: Any) -> dict:
+    """H=4, 10 steps (mid-period), sync(), remove(), 4 more steps: local only."""
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    mode = fastreduce.LocalSGD(model, opt, 4)
+    train_mode(model, opt, rank, range(1, 11))
+    before = params_of(model)
+    mode.sync()
+    synced = params_of(model)
+    mode.remove()
+    hooks = opt_hook_counts(opt)
+    after = train_mode(model, opt, rank, range(11, 15))["traj"]
+    model = odd_model(SEED)
+    ref_opt = inner_opt(model, "sgd")
+    ref_local(rank, model, ref_opt, 10, 4, ref_group)
+    ref_before = params_of(model)
+    all_mean_(trainable(model), ref_group)
+    ref_synced = params_of(model)
+    ref_after = []
+    for s in range(11, 15):
+        step(model, ref_opt, rank, s)
+        ref_after.append(state_of(model))
+    return {"before": before, "synced": synced, "after": after, "hooks_after_remove": hooks,
+            "ref_before": ref_before, "ref_synced": ref_synced, "ref_after": ref_after}
+
+
+def case_diloco_sync(rank: int, world: int) -> dict:
+    """DiLoCo F=2, H=4, tau=1, alpha=0.5, outer SGD lr=1, fp32 wire: 5 steps (fragment 0 on
+    the wire since step 5), then sync(): an outer step of both fragments without alpha."""
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    mode = fastreduce.DiLoCo(model, opt, torch.optim.SGD(trainable(model), lr=1.0), 4, fragments=2,
+                             fragment_delay=1, fragment_alpha=0.5, wire_dtype=torch.float32)
+    train_mode(model, opt, rank, range(1, 6))
+    before, syncs = params_of(model), mode.syncs
+    mode.sync()
+    return {"before": before, "after": params_of(model), "steps": mode.steps, "syncs": mode.syncs - syncs}
+
+
+HIERARCHIES = {"full": {2: 2, 4: 4}, "no-world-entry": {2: 2}}
+HIER_STEPS = 10
+
+
+def case_hierarchy(rank: int, world: int, hierarchy_name: str) -> dict:
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    mode = fastreduce.LocalSGD(model, opt, 4, hierarchy=HIERARCHIES[hierarchy_name])
+    fr = train_mode(model, opt, rank, range(1, HIER_STEPS + 1))["traj"]
+    out = {"fr": fr, "steps": mode.steps}
+    mode.remove()
+    return out
+
+
+def case_torch_hierarchy(rank: int, world: int) -> dict:
+    """torch's HierarchicalModelAverager({2: 2, 4: 4}) after each step, counter aligned."""
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=0)
+    averager.step = 1
+    traj = []
+    for s in range(1, HIER_STEPS + 1):
+        step(model, opt, rank, s)
+        averager.average_parameters(model.parameters())
+        traj.append(state_of(model))
+    return {"ref": traj}
+
+
+def case_bf16_local(rank: int, world: int, ref_group: Any) -> dict:
+    model = odd_model(SEED)
+    opt = inner_opt(model, "sgd")
+    mode = fastreduce.LocalSGD(model, opt, 4, wire_dtype=torch.bfloat16)
+    fr = train_mode(model, opt, rank, range(1, 13))["traj"]
+    out = {"fr": fr, **counters(mode)}
+    mode.remove()
+    model = odd_model(SEED)
+    ref = ref_local(rank, model, inner_opt(model, "sgd"), 12, 4, ref_group)
+    return out | {"ref": ref["traj"], "ref_pre": ref["pre"]}
+
+
+# ------------------------------------------------------------------ DiLoCo sub-cases
+
+# name: (world, model, inner, steps, H, fragments, delay, alpha, outer, wire, extra kwargs)
+DILOCO: dict[str, tuple] = {
+    "lr1-fp32": (2, "odd", "sgd", 12, 4, 1, 0, 0.0, PLAIN_AVG, torch.float32, {}),
+    "lr1-bf16": (2, "odd", "sgd", 12, 4, 1, 0, 0.0, PLAIN_AVG, None, {}),   # None: the default wire
+    "nesterov-F1": (2, "odd", "adamw", 16, 4, 1, 0, 0.0, NESTEROV, torch.float32, {}),
+    "F2-tau0-heavyball": (2, "odd", "adamw", 12, 4, 2, 0, 0.0, HEAVY_BALL, torch.float32, {}),
+    "F2-tau1-a0": (2, "odd", "adamw", 12, 4, 2, 1, 0.0, NESTEROV, torch.float32, {}),
+    "F2-tau1-a0.5": (2, "odd", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {}),
+    "F2-tau1-a0.5-cpu": (2, "odd", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {"backup_device": "cpu"}),
+    "F3-H6-tau1-a0": (2, "odd", "adamw", 12, 6, 3, 1, 0.0, NESTEROV, torch.float32, {}),
+    "F3-H6-tau1-a0.5": (2, "odd", "sgd", 12, 6, 3, 1, 0.5, HEAVY_BALL, torch.float32, {}),
+    "F3-H6-tau0-a0.5": (2, "odd", "adamw", 12, 6, 3, 0, 0.5, NESTEROV, torch.float32, {}),
+    "frozen-F2-tau1": (2, "frozen", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {}),
+    "bn-F2-tau1": (2, "bn", "sgd", 12, 4, 2, 1, 0.0, NESTEROV, torch.float32, {}),
+    "w4-F2-tau1-a0.5": (4, "odd", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {}),
+}
+
+
+def diloco_kwargs(F: int, tau: int, alpha: float, wire: torch.dtype | None, extra: dict) -> dict:
+    kw = dict(fragments=F, fragment_delay=tau, fragment_alpha=alpha, **extra)
+    if wire is not None:
+        kw["wire_dtype"] = wire
+    return kw
+
+
+def case_diloco(rank: int, world: int, name: str, ref_group: Any) -> dict:
+    _, model_name, opt_name, steps, H, F, tau, alpha, outer, wire, extra = DILOCO[name]
+    model = MODELS[model_name](SEED)
+    inner = inner_opt(model, opt_name)
+    mode = fastreduce.DiLoCo(model, inner, outer_sgd(model, outer), H, **diloco_kwargs(F, tau, alpha, wire, extra))
+    fr = train_mode(model, inner, rank, range(1, steps + 1), grads_at=tuple(range(1, steps + 1)))
+    c = counters(mode)
+    out = {"fr": fr["traj"], "grads_kept": fr["grads_kept"], **c,
+           "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+           "numel": {n: p.numel() for n, p in model.named_parameters()}}
+    mode.remove()
+    model = MODELS[model_name](SEED)
+    ref = ref_diloco(rank, model, inner_opt(model, opt_name), steps, H, ref_group, c["fragment_names"], outer,
+                     tau, alpha)
+    return out | {"ref": ref["traj"], "applies": ref["applies"], "launches": ref["launches"]}
+
+
+# ------------------------------------------------------------------ resume
+
+# name: (kind, inner, sync_every, steps, save after step, mode kwargs)
+RESUME: dict[str, tuple[str, str, int, int, int, dict]] = {
+    "local-warmup": ("local", "adamw", 4, 15, 9, {"warmup_steps": 3}),
+    "local-in-warmup": ("local", "adamw", 4, 10, 2, {"warmup_steps": 3}),
+    "local-warmup-bf16": ("local", "sgd", 4, 15, 9, {"warmup_steps": 3, "wire_dtype": torch.bfloat16}),
+    # launches after 1, 3, 5, ...; applies after 2, 4, 6, ...: saved with fragment 0 in flight
+    "diloco-fragments": ("diloco", "adamw", 4, 12, 5,
+                         {"fragments": 2, "fragment_delay": 1, "fragment_alpha": 0.5}),
+    "diloco-fragments-fp32": ("diloco", "sgd", 4, 12, 7,
+                              {"fragments": 2, "fragment_delay": 1, "wire_dtype": torch.float32}),
+}
+
+
+def build_resume(name: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    kind, opt_name, H, _, _, kw = RESUME[name]
+    model = odd_model(seed)
+    inner = inner_opt(model, opt_name)
+    if kind == "local":
+        mode = fastreduce.LocalSGD(model, inner, H, **kw)
+    else:
+        mode = fastreduce.DiLoCo(model, inner, outer_sgd(model, NESTEROV), H, **kw)
+    return model, inner, mode
+
+
+def resume_files(path: str, name: str, rank: int) -> dict[str, str]:
+    return {what: os.path.join(path, f"{name}-rank{rank}-{what}.pt") for what in ("model", "optim", "mode")}
+
+
+def case_resume_save(rank: int, world: int, name: str, path: str) -> dict:
+    _, _, _, steps, save_at, _ = RESUME[name]
+    model, inner, mode = build_resume(name, SEED)
+    full = train_mode(model, inner, rank, range(1, steps + 1))["traj"][-1]
+    mode.remove()
+    model, inner, mode = build_resume(name, SEED)
+    train_mode(model, inner, rank, range(1, save_at + 1))
+    files = resume_files(path, name, rank)
+    torch.save(model.state_dict(), files["model"])
+    torch.save(inner.state_dict(), files["optim"])
+    torch.save(mode.state_dict(), files["mode"])
+    at_save = state_of(model)
+    # Saving must not disturb the run: the saving run goes on to the end like the full one.
+    continued = train_mode(model, inner, rank, range(save_at + 1, steps + 1))["traj"][-1]
+    mode.remove()
+    return {"full": full, "at_save": at_save, "continued": continued}
+
+
+def case_resume_load(rank: int, world: int, name: str, path: str, load_mode: bool) -> dict:
+    _, _, _, steps, save_at, _ = RESUME[name]
+    model, inner, mode = build_resume(name, SEED + 1)   # other values: all must come from the files
+    files = resume_files(path, name, rank)
+    model.load_state_dict(torch.load(files["model"]))
+    inner.load_state_dict(torch.load(files["optim"]))
+    if load_mode:
+        mode.load_state_dict(torch.load(files["mode"]))
+    loaded, steps_loaded = state_of(model), mode.steps
+    out = train_mode(model, inner, rank, range(save_at + 1, steps + 1))["traj"][-1]
+    mode.remove()
+    return {"loaded": loaded, "steps_loaded": steps_loaded, "out": out}
+
+
+def resume_worker(rank: int, world: int, path: str) -> dict:
+    res = {}
+    for name in RESUME:
+        res[name] = guarded(case_resume_load, rank, world, name, path, True)
+        res[name + "/without-mode-state"] = guarded(case_resume_load, rank, world, name, path, False)
+    return res
+
+
+# ------------------------------------------------------------------ warnings (rank 0's broadcast)
+
+def case_warn(rank: int, world: int, kind: str, differ: bool) -> dict:
+    """Ranks with different (``differ``) or identical initial params. DiLoCo trains H=4 steps
+    at inner lr 0: the params stay rank 0's only if the anchor is rank 0's too."""
+    model = odd_model(SEED + (rank if differ else 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if kind == "local":
+            opt = inner_opt(model, "sgd")
+            mode = fastreduce.LocalSGD(model, opt, 4)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            mode = fastreduce.DiLoCo(model, opt, outer_sgd(model, NESTEROV), 4)
+    constructed = params_of(model)
+    after = train_mode(model, opt, rank, range(1, 5))["traj"][-1] if kind == "diloco" else None
+    mode.remove()
+    return {"warnings": [(w.category.__name__, str(w.message)) for w in caught],
+            "constructed": constructed, "after": after}
+
+
+# ------------------------------------------------------------------ errors
+
+def snapshot(model: nn.Module) -> list[tuple]:
+    return [(n, p.grad, None if p.grad is None else p.grad.detach().clone(), p.detach().clone())
+            for n, p in model.named_parameters()]
+
+
+def changed_since(snap: list[tuple], model: nn.Module) -> list[str]:
+    params = dict(model.named_parameters())
+    bad = []
+    for name, grad, grad_copy, data in snap:
+        p = params[name]
+        same_grad = p.grad is grad and (grad is None or torch.equal(p.grad, grad_copy))
+        if not same_grad or not torch.equal(p.detach(), data):
+            bad.append(name)
+    return bad
+
+
+def opt_hook_counts(opt: torch.optim.Optimizer) -> list[int]:
+    import torch.optim.optimizer as optim_mod
+    own = [len(v) for k, v in sorted(vars(opt).items()) if k.startswith("_optimizer_") and isinstance(v, dict)]
+    return own + [len(optim_mod._global_optimizer_pre_hooks), len(optim_mod._global_optimizer_post_hooks)]
+
+
+def hook_counts(model: nn.Module, opt: torch.optim.Optimizer) -> list[int]:
+    """Hooks on each parameter, module and the optimizer (its own and torch's global ones)."""
+    per_param = [len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) + len(p._backward_hooks or ())
+                 for p in model.parameters()]
+    per_module = [len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+                  + len(m._backward_pre_hooks) + len(m._state_dict_hooks) + len(m._load_state_dict_pre_hooks)
+                  for m in model.modules()]
+    return per_param + per_module + opt_hook_counts(opt)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _extra_param() -> nn.Parameter:
+    return nn.Parameter(torch.zeros(3))
+
+
+def _inner_plain(model: nn.Module) -> torch.optim.Optimizer:
+    return inner_opt(model, "sgd")
+
+
+def _inner_foreign(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(trainable(model) + [_extra_param()], lr=0.05, momentum=0.9)
+
+
+BF16 = torch.bfloat16
+
+
+def _local(*args: Any, **kw: Any) -> Callable:
+    return lambda model, opt: fastreduce.LocalSGD(model, opt, *args, **kw)
+
+
+def _diloco(*args: Any, outer: Callable[[nn.Module, Any], Any] | None = None, **kw: Any) -> Callable:
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        out = outer(model, opt) if outer is not None else outer_sgd(model, NESTEROV)
+        return fastreduce.DiLoCo(model, opt, out, *args, **kw)
+    return make
+
+
+# name: (world, model, inner optimizer, construction, exception, words its message must contain)
+ERRORS: dict[str, tuple[int, str, Callable, Callable, str, list[str]]] = {
+    "local-sync_every-0": (2, "odd", _inner_plain, _local(0), "ValueError", ["sync_every"]),
+    "local-sync_every-negative": (2, "odd", _inner_plain, _local(-3), "ValueError", ["sync_every"]),
+    # (beyond the spec's list, the issue's "bad input with clear errors")
+    "local-warmup-negative": (2, "odd", _inner_plain, _local(4, warmup_steps=-1), "ValueError", ["warmup"]),
+    "local-buffers": (2, "odd", _inner_plain, _local(4, buffers="mean"), "ValueError", ["buffers"]),
+    "local-inner-foreign-param": (2, "odd", _inner_foreign, _local(4), "ValueError", ["model"]),
+    "diloco-sync_every-0": (2, "odd", _inner_plain, _diloco(0), "ValueError", ["sync_every"]),
+    "diloco-fragments-0": (2, "odd", _inner_plain, _diloco(4, fragments=0), "ValueError", ["fragments"]),
+    "diloco-fragments-more-than-params": (2, "odd", _inner_plain, _diloco(8, fragments=8), "ValueError",
+                                          ["fragments"]),
+    "diloco-fragments-do-not-divide-H": (2, "odd", _inner_plain, _diloco(4, fragments=3), "ValueError",
+                                         ["fragments"]),
+    "diloco-delay-negative": (2, "odd", _inner_plain, _diloco(4, fragment_delay=-1), "ValueError",
+                              ["fragment_delay"]),
+    "diloco-delay-H/F": (2, "odd", _inner_plain, _diloco(4, fragments=2, fragment_delay=2), "ValueError",
+                         ["fragment_delay"]),
+    "diloco-delay-H": (2, "odd", _inner_plain, _diloco(4, fragment_delay=4), "ValueError", ["fragment_delay"]),
+    "diloco-alpha-negative": (2, "odd", _inner_plain, _diloco(4, fragment_alpha=-0.1), "ValueError",
+                              ["alpha"]),
+    "diloco-alpha-above-1": (2, "odd", _inner_plain, _diloco(4, fragment_alpha=1.5), "ValueError", ["alpha"]),
+    "diloco-outer-subset": (2, "odd", _inner_plain,
+                            _diloco(4, outer=lambda m, o: torch.optim.SGD(trainable(m)[:-1], lr=0.7)),
+                            "ValueError", ["outer"]),
+    "diloco-outer-extra-param": (2, "odd", _inner_plain,
+                                 _diloco(4, outer=lambda m, o: torch.optim.SGD(trainable(m) + [_extra_param()],
+                                                                               lr=0.7)),
+                                 "ValueError", ["outer"]),
+    "diloco-outer-holds-frozen": (2, "frozen", _inner_plain,
+                                  _diloco(4, outer=lambda m, o: torch.optim.SGD(m.parameters(), lr=0.7)),
+                                  "ValueError", ["outer"]),
+    "diloco-outer-is-inner": (2, "odd", _inner_plain, _diloco(4, outer=lambda m, o: o), "ValueError", ["outer"]),
+    "diloco-inner-foreign-param": (2, "odd", _inner_foreign, _diloco(4), "ValueError", ["model"]),
+    "diloco-buffers": (2, "odd", _inner_plain, _diloco(4, buffers="none"), "ValueError", ["buffers"]),
+    # world 4: hierarchy problems
+    "hierarchy-size-does-not-divide-world": (4, "odd", _inner_plain, _local(4, hierarchy={2: 3, 4: 4}),
+                                             "ValueError", ["hierarchy"]),
+    "hierarchy-size-above-world": (4, "odd", _inner_plain, _local(4, hierarchy={2: 8}), "ValueError",
+                                   ["hierarchy"]),
+    "hierarchy-world-period-not-sync_every": (4, "odd", _inner_plain, _local(8, hierarchy={2: 2, 4: 4}),
+                                              "ValueError", ["hierarchy"]),
+    "hierarchy-size-shrinks-with-period": (4, "odd", _inner_plain, _local(2, hierarchy={2: 4, 4: 2}),
+                                           "ValueError", ["hierarchy"]),
+    "hierarchy-period-0": (4, "odd", _inner_plain, _local(4, hierarchy={0: 2, 4: 4}), "ValueError",
+                           ["hierarchy"]),
+    "hierarchy-with-wire_dtype": (4, "odd", _inner_plain, _local(4, hierarchy={2: 2, 4: 4}, wire_dtype=BF16),
+                                  "ValueError", ["hierarchy"]),
+}
+
+
+def case_error(rank: int, world: int, name: str) -> dict:
+    """Ranks with different params (a broadcast before the check would show), optimizer
+    state and grads present; the failed construction must change none of them and leave no
+    hook: 4 more steps equal plain local steps on a copy taken before it."""
+    _, model_name, make_inner, construct, _, _ = ERRORS[name]
+    model = MODELS[model_name](SEED + rank)
+    inner = make_inner(model)
+    step(model, inner, rank, 100)
+    loss_of(model, batch_for(model, rank, 101)).backward()
+    ref_model, ref_inner = copy.deepcopy((model, inner))
+    snap, hooks, sd = snapshot(model), hook_counts(model, inner), copy.deepcopy(inner.state_dict())
+    res = expect_raises(Exception, lambda: construct(model, inner))
+    res |= {"changed": changed_since(snap, model), "hooks_left": hook_counts(model, inner) != hooks,
+            "optim_same": same_state(inner.state_dict(), sd)}
+    for s in range(1, 5):
+        step(model, inner, rank, s)
+        step(ref_model, ref_inner, rank, s)
+    res["plain_after"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    return res
+
+
+# ------------------------------------------------------------------ group= (world 4)
+
+def case_group(rank: int, world: int, kind: str, group: Any, ref_group: Any) -> dict | None:
+    """The mode on ranks GROUP_RANKS only, from different initial params (the group's first
+    rank's are broadcast); the reference runs from those on its own subgroup."""
+    if rank not in GROUP_RANKS:
+        return None
+    model = odd_model(SEED + rank)
+    inner = inner_opt(model, "adamw")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if kind == "local":
+            mode = fastreduce.LocalSGD(model, inner, 4, group=group)
+        else:
+            mode = fastreduce.DiLoCo(model, inner, outer_sgd(model, NESTEROV), 4, group=group, fragments=2,
+                                     fragment_delay=1, fragment_alpha=0.5, wire_dtype=torch.float32)
+    frags = [list(f) for f in mode.fragment_names]
+    init = params_of(model)
+    fr = train_mode(model, inner, rank, range(1, 13))["traj"]
+    mode.remove()
+    model = odd_model(SEED + GROUP_RANKS[0])
+    ref_inner = inner_opt(model, "adamw")
+    if kind == "local":
+        ref = ref_local(rank, model, ref_inner, 12, 4, ref_group)
+    else:
+        ref = ref_diloco(rank, model, ref_inner, 12, 4, ref_group, frags, NESTEROV, tau=1, alpha=0.5)
+    return {"fr": fr, "ref": ref["traj"], "init": init,
+            "warned": any(issubclass(w.category, UserWarning) for w in caught)}
+
+
+# ------------------------------------------------------------------ the spawned worlds
+
+def world_worker(rank: int, world: int, path: str) -> dict:
+    ref_group = dist.new_group(backend="gloo")   # the references' own collectives
+    res: dict[str, Any] = {}
+    if world == 2:
+        res["ddp"] = guarded(case_ddp, rank, world, ref_group)
+        res["sync_remove"] = guarded(case_sync_remove, rank, world, ref_group)
+        res["diloco_sync"] = guarded(case_diloco_sync, rank, world)
+        res["bf16_local"] = guarded(case_bf16_local, rank, world, ref_group)
+    for name, spec in PERIODIC.items():
+        if spec[0] == world:
+            res["periodic/" + name] = guarded(case_periodic, rank, world, name, ref_group)
+    for name, spec in DILOCO.items():
+        if spec[0] == world:
+            res["diloco/" + name] = guarded(case_diloco, rank, world, name, ref_group)
+    if world == 4:
+        for name in HIERARCHIES:
+            res["hierarchy/" + name] = guarded(case_hierarchy, rank, world, name)
+        res["torch_hierarchy"] = guarded(case_torch_hierarchy, rank, world)
+    if world == 2:
+        for name in RESUME:
+            res["resume_save/" + name] = guarded(case_resume_save, rank, world, name, path)
+        for kind in ("local", "diloco"):
+            for differ in (True, False):
+                res[f"warn/{kind}-{'differ' if differ else 'same'}"] = guarded(case_warn, rank, world, kind, differ)
+    for name, spec in ERRORS.items():
+        if spec[0] == world:
+            res["error/" + name] = guarded(case_error, rank, world, name)
+    if world == 4:   # last: a wrong group would hang the others' world collectives
+        group = dist.new_group(list(GROUP_RANKS))   # every rank creates every group
+        sub_ref = dist.new_group(list(GROUP_RANKS))
+        for kind in ("local", "diloco"):
+            res["group/" + kind] = guarded(case_group, rank, world, kind, group, sub_ref)
+    return res
+
+
+# ============================================================== fixtures and helpers (parent)
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("local_ckpt"))
+
+
+_RESULTS: dict[Any, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def worlds(ckpt_dir):
+    """``worlds(N)``: the per-rank results of world N's spawn, run once (a failed spawn is
+    reported by every test that needs it, not retried by each)."""
+    def get(world: int) -> list[dict]:
+        if world not in _RESULTS:
+            try:
+                _RESULTS[world] = spawn(world_worker, world, ckpt_dir)
+            except Exception as e:  # noqa: BLE001
+                _RESULTS[world] = e
+        res = _RESULTS[world]
+        if isinstance(res, BaseException):
+            pytest.fail(f"the world-{world} spawn failed: {res}")
+        return res
+    yield get
+    _RESULTS.clear()
+
+
+@pytest.fixture(scope="module")
+def resumed(worlds, ckpt_dir) -> list[dict]:
+    """A second world-2 spawn (new processes, new group) loading what world 2 saved."""
+    worlds(2)
+    if "resumed" not in _RESULTS:
+        try:
+            _RESULTS["resumed"] = spawn(resume_worker, 2, ckpt_dir)
+        except Exception as e:  # noqa: BLE001
+            _RESULTS["resumed"] = e
+    res = _RESULTS["resumed"]
+    if isinstance(res, BaseException):
+        pytest.fail(f"the resume spawn failed: {res}")
+    return res
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, msg: str, atol: float = ATOL, rtol: float = 0.0) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{msg}\n{m}")
+
+
+def assert_state_close(got: dict, want: dict, where: str, atol: float = ATOL) -> None:
+    """Float tensors to ``atol``, integer buffers exactly."""
+    assert got.keys() == want.keys(), where
+    for n, w in want.items():
+        if w.is_floating_point():
+            close(got[n], w, f"{where}: {n}", atol=atol)
+        else:
+            assert torch.equal(got[n], w), f"{where}: integer buffer {n}: {got[n]} != {w}"
+
+
+def assert_traj_close(got: list[dict], want: list[dict], where: str, atol: float = ATOL) -> None:
+    assert len(got) == len(want), where
+    for s, (g, w) in enumerate(zip(got, want), 1):
+        assert_state_close(g, w, f"{where}, after step {s}", atol=atol)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """Largest difference over the float tensors both hold."""
+    return max(float((a[n].double() - b[n].double()).abs().max()) for n in a.keys() & b.keys()
+               if a[n].is_floating_point())
+
+
+def assert_wire_bytes(got: int | list[int], itemsize: int) -> None:
+    """``bytes_per_sync``: OddModel's numel x the wire's itemsize, plus at most the
+    communication layer's alignment padding (equal cache-line chunks per rank: < 1024 elements)."""
+    total = sum(got) if isinstance(got, list) else got
+    assert ODD_NUMEL * itemsize <= total < (ODD_NUMEL + 1024) * itemsize and total % itemsize == 0, got
+
+
+def identical(states: list[dict]) -> bool:
+    return all(torch.equal(s[n], states[0][n]) for s in states[1:] for n in states[0])
+
+
+# ============================================================== LocalSGD
+
+def test_sync_every_1_matches_torch_ddp(worlds) -> None:
+    outs = per_rank(worlds(2), "ddp")
+    for rank, o in enumerate(outs):
+        assert_traj_close(o["fr"], o["ref"], f"rank {rank}: LocalSGD(1) vs DDP")
+    for s in range(20):
+        assert identical([o["fr"][s] for o in outs]), f"after step {s + 1}: the ranks' parameters differ"
+    assert max_diff(outs[0]["fr"][-1], params_of(odd_model(SEED))) > 1e-2, "the run did not train"
+
+
+@pytest.mark.parametrize("name", list(PERIODIC))
+def test_periodic_averaging_matches_reference_loop(worlds, name) -> None:
+    world, model_name, _, steps, H, warmup, buffers = PERIODIC[name]
+    outs = per_rank(worlds(world), "periodic/" + name)
+    for rank, o in enumerate(outs):
+        assert_traj_close(o["fr"], o["ref"], f"{name}, rank {rank}")
+        assert o["steps"] == steps
+        assert o["syncs"] == (steps - warmup) // H, f"rank {rank}: syncs {o['syncs']}"
+    model = MODELS[model_name](SEED)
+    averaged = [n for n, p in model.named_parameters() if p.requires_grad]
+    if buffers == "average":
+        averaged += [n for n, b in model.named_buffers() if b.is_floating_point()]
+    for s in range(1, steps + 1):
+        if s <= warmup or (s - warmup) % H == 0:   # every rank holds the same averaged values
+            for n in averaged:
+                assert all(torch.equal(o["fr"][s - 1][n], outs[0]["fr"][s - 1][n]) for o in outs), \
+                    f"{name}: after step {s} (averaged) the ranks' {n} differ"
+        else:   # the reference itself: ranks apart mid-period (else the test proves little)
+            assert max_diff(outs[0]["ref"][s - 1], outs[1]["ref"][s - 1]) > 1e-5, (name, s)
+
+
+def test_buffers_local_are_left_alone_and_average_are_averaged(worlds) -> None:
+    """Reference sanity and the mode: with buffers="local" the running stats stay apart after
+    a sync; with "average" they are equal; num_batches_tracked is never averaged."""
+    local = per_rank(worlds(2), "periodic/bn-sgd-H4-local")
+    avg = per_rank(worlds(2), "periodic/bn-sgd-H4-average")
+    for s in (4, 8, 12):
+        assert not torch.equal(local[0]["fr"][s - 1]["bn.running_mean"], local[1]["fr"][s - 1]["bn.running_mean"])
+        assert torch.equal(avg[0]["fr"][s - 1]["bn.running_mean"], avg[1]["fr"][s - 1]["bn.running_mean"])
+        for o in local + avg:
+            assert int(o["fr"][s - 1]["bn.num_batches_tracked"]) == s
+
+
+def test_sync_averages_now_and_remove_stops_syncing(worlds) -> None:
+    outs = per_rank(worlds(2), "sync_remove")
+    assert max_diff(outs[0]["ref_before"], outs[1]["ref_before"]) > 1e-5   # mid-period: ranks apart
+    for rank, o in enumerate(outs):
+        assert_state_close(o["before"], o["ref_before"], f"rank {rank}: before sync()")
+        assert_state_close(o["synced"], o["ref_synced"], f"rank {rank}: after sync()")
+        assert all(c == 0 for c in o["hooks_after_remove"]), f"rank {rank}: hooks left after remove(): {o}"
+        assert_traj_close(o["after"], o["ref_after"], f"rank {rank}: local steps after remove()")
+    assert identical([o["synced"] for o in outs])
+
+
+def test_diloco_sync_steps_every_fragment_now_without_alpha(worlds) -> None:
+    outs = per_rank(worlds(2), "diloco_sync")
+    assert max_diff(outs[0]["before"], outs[1]["before"]) > 1e-5   # ranks apart before
+    mean = {k: (outs[0]["before"][k] + outs[1]["before"][k]) / 2 for k in outs[0]["before"]}
+    for rank, o in enumerate(outs):  # outer SGD lr=1: the global parameters are the mean
+        assert_state_close(o["after"], mean, f"rank {rank}: after DiLoCo.sync()")
+        assert o["steps"] == 5 and o["syncs"] == 2, o   # the one on the wire, then the other
+    assert identical([o["after"] for o in outs])
+
+
+@pytest.mark.parametrize("hierarchy", list(HIERARCHIES))
+def test_hierarchy_matches_torch_hierarchical_model_averager(worlds, hierarchy) -> None:
+    res = worlds(4)
+    fr = per_rank(res, "hierarchy/" + hierarchy)
+    ref = per_rank(res, "torch_hierarchy")
+    for rank in range(4):
+        assert_traj_close(fr[rank]["fr"], ref[rank]["ref"], f"hierarchy {HIERARCHIES[hierarchy]}, rank {rank}")
+        assert fr[rank]["steps"] == HIER_STEPS
+    # the reference really has two levels: after step 2 the pairs agree, the world does not
+    at2 = [r["ref"][1] for r in ref]
+    assert identical(at2[:2]) and identical(at2[2:]) and not identical(at2)
+    assert identical([r["ref"][3] for r in ref])
+
+
+def test_bf16_wire_is_close_to_fp32_and_keeps_fp32_params(worlds) -> None:
+    """Bound: at a sync each rank's pseudo-gradient Delta = x - x_synced goes over the wire
+    in bf16 (relative rounding <= 2^-9, and <= 2^-9 more if the sum is kept in bf16), so
+    one averaging is off by at most 2^-8 max|Delta|; the errors add up over the syncs and
+    the few SGD steps between them barely move them (x2 margin)."""
+    outs = per_rank(worlds(2), "bf16_local")
+    ref_pre = [o["ref_pre"] for o in outs]
+    ref = [o["ref"] for o in outs]
+    tol, synced = 0.0, params_of(odd_model(SEED))
+    for s in (4, 8, 12):
+        delta = max(max_diff(pre[s - 1], synced) for pre in ref_pre)
+        tol += 2 * BF16_EPS * delta
+        synced = ref[0][s - 1]
+        for rank, o in enumerate(outs):
+            assert_state_close(o["fr"][s - 1], ref[rank][s - 1], f"rank {rank}, after step {s} (bf16 wire)", atol=tol)
+        assert identical([o["fr"][s - 1] for o in outs]), f"after step {s}: ranks differ"
+    assert tol < 0.05, tol
+    final = outs[0]["fr"][-1]
+    assert max_diff(final, ref[0][-1]) > 0, "bit-identical to the fp32 run: was the wire bf16 at all?"
+    flat = torch.cat([t.reshape(-1) for t in final.values()])
+    on_grid = float((flat == flat.bfloat16().float()).double().mean())
+    assert on_grid < 0.05, f"{on_grid:.0%} of the averaged params are bf16 values: rounded to bf16?"
+    assert_wire_bytes(outs[0]["bytes_per_sync"], 2)
+    assert_wire_bytes(per_rank(worlds(2), "periodic/odd-sgd-H4")[0]["bytes_per_sync"], 4)
+    assert outs[0]["fragment_names"] == [[n for n, _ in odd_model(SEED).named_parameters()]]
+
+
+# ============================================================== DiLoCo
+
+def test_diloco_outer_sgd_lr1_fp32_equals_localsgd(worlds) -> None:
+    res = worlds(2)
+    dl = per_rank(res, "diloco/lr1-fp32")
+    ls = per_rank(res, "periodic/odd-sgd-H4")
+    for rank in range(2):
+        assert_traj_close(dl[rank]["fr"], ls[rank]["fr"], f"rank {rank}: DiLoCo(lr 1) vs LocalSGD(4)")
+        assert_traj_close(dl[rank]["fr"], ls[rank]["ref"], f"rank {rank}: DiLoCo(lr 1) vs the reference loop")
+    assert_wire_bytes(dl[0]["bytes_per_sync"], 4)
+
+
+def test_diloco_default_bf16_wire_is_close_to_localsgd(worlds) -> None:
+    """Same bound as the LocalSGD bf16 test, with Delta = anchor - x."""
+    res = worlds(2)
+    dl = per_rank(res, "diloco/lr1-bf16")
+    ls = per_rank(res, "periodic/odd-sgd-H4")
+    tol, anchor = 0.0, params_of(odd_model(SEED))
+    for s in (4, 8, 12):
+        tol += 2 * BF16_EPS * max(max_diff(o["ref_pre"][s - 1], anchor) for o in ls)
+        anchor = ls[0]["ref"][s - 1]
+        for rank in range(2):
+            assert_state_close(dl[rank]["fr"][s - 1], ls[rank]["ref"][s - 1], f"rank {rank} after step {s}", atol=tol)
+    assert max_diff(dl[0]["fr"][-1], ls[0]["ref"][-1]) > 0, "bit-identical to fp32: was the default wire bf16?"
+    assert_wire_bytes(dl[0]["bytes_per_sync"], 2)
+
+
+@pytest.mark.parametrize("name", [n for n, spec in DILOCO.items() if spec[9] is not None])   # bf16: below
+def test_diloco_matches_reference_from_the_equations(worlds, name) -> None:
+    world, model_name, _, steps, H, F, tau, alpha, outer, wire, _ = DILOCO[name]
+    outs = per_rank(worlds(world), "diloco/" + name)
+    for rank, o in enumerate(outs):
+        assert_traj_close(o["fr"], o["ref"], f"{name}, rank {rank}")
+        assert o["steps"] == steps and o["syncs"] == len(o["applies"]), (o["steps"], o["syncs"], o["applies"])
+    # the schedule the reference ran: every fragment applied, each tau steps after its launch
+    applies, launches = outs[0]["applies"], outs[0]["launches"]
+    assert {k for _, k in applies} == set(range(F))
+    assert [(s - tau, k) for s, k in applies] == [x for x in launches if x[0] + tau <= steps]
+    assert max_diff(outs[0]["fr"][-1], params_of(MODELS[model_name](SEED))) > 1e-2, "the run did not train"
+
+
+@pytest.mark.parametrize("name", list(DILOCO))
+def test_fragment_names_partition_the_trainable_params_in_order(worlds, name) -> None:
+    world, F = DILOCO[name][0], DILOCO[name][5]
+    outs = per_rank(worlds(world), "diloco/" + name)
+    frags = outs[0]["fragment_names"]
+    assert len(frags) == F and all(frags), frags
+    assert [n for f in frags for n in f] == outs[0]["trainable"], frags
+    assert all(o["fragment_names"] == frags for o in outs)
+
+
+def test_diloco_restores_the_inner_grads_after_an_outer_step(worlds) -> None:
+    for name in ("nesterov-F1", "F2-tau1-a0.5"):
+        for rank, o in enumerate(per_rank(worlds(2), "diloco/" + name)):
+            assert o["grads_kept"] and all(o["grads_kept"]), f"{name}, rank {rank}: grads after step() changed"
+
+
+def test_backup_device_cpu_gives_the_same_run(worlds) -> None:
+    res = worlds(2)
+    cpu = per_rank(res, "diloco/F2-tau1-a0.5-cpu")
+    default = per_rank(res, "diloco/F2-tau1-a0.5")
+    for rank in range(2):
+        for s, (a, b) in enumerate(zip(cpu[rank]["fr"], default[rank]["fr"]), 1):
+            assert identical([a, b]), f"rank {rank}, after step {s}: backup_device='cpu' changed the run"
+
+
+# ============================================================== resume
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_resume_in_new_processes_ends_like_the_uninterrupted_run(worlds, resumed, name) -> None:
+    _, _, _, steps, save_at, _ = RESUME[name]
+    saved = per_rank(worlds(2), "resume_save/" + name)
+    loaded = per_rank(resumed, name)
+    for rank, (s, r) in enumerate(zip(saved, loaded)):
+        assert_state_close(s["continued"], s["full"], f"{name}, rank {rank}: the saving run (state_dict() disturbed it?)")
+        assert identical([r["loaded"], s["at_save"]]), f"{name}, rank {rank}: not restored by load_state_dict"
+        assert r["steps_loaded"] == save_at, f"{name}, rank {rank}: steps {r['steps_loaded']} after load"
+        assert_state_close(r["out"], s["full"], f"{name}, rank {rank}: resumed vs uninterrupted")
+    if name != "local-in-warmup":   # ranks apart at the save: a mid-period checkpoint
+        assert max_diff(saved[0]["at_save"], saved[1]["at_save"]) > 1e-5
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_resume_without_the_modes_state_differs(worlds, resumed, name) -> None:
+    """Sanity of the test above: the mode's state matters (counter, anchor, in-flight)."""
+    saved = per_rank(worlds(2), "resume_save/" + name)
+    bare = per_rank(resumed, name + "/without-mode-state")
+    assert max(max_diff(b["out"], s["full"]) for s, b in zip(saved, bare)) > 1e-4
+
+
+# ============================================================== errors
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_is_raised_before_anything_changes(worlds, name) -> None:
+    world, _, _, _, exc, words = ERRORS[name]
+    for rank, res in enumerate(per_rank(worlds(world), "error/" + name)):
+        assert res["raised"] == exc, f"rank {rank}: raised {res['raised']}: {res['message']}"
+        for word in words:
+            assert word.lower() in res["message"].lower(), f"rank {rank}: {word!r} not in {res['message']!r}"
+        assert res["changed"] == [], f"rank {rank}: the failed construction changed {res['changed']}"
+        assert res["optim_same"], f"rank {rank}: the failed construction changed the optimizer's state"
+        assert not res["hooks_left"], f"rank {rank}: the failed construction left hooks behind"
+        assert res["plain_after"], f"rank {rank}: optimizer.step() after the failure is not a plain local step"
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_no_process_group_raises_runtime_error(kind) -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("this process has a default process group")
+    model = odd_model(SEED)
+    inner = inner_opt(model, "sgd")
+    loss_of(model, batch_for(model, 0, 0)).backward()
+    snap, hooks = snapshot(model), hook_counts(model, inner)
+    with pytest.raises(RuntimeError, match=r"(?i)process group|init_process_group|initiali[sz]"):
+        if kind == "local":
+            fastreduce.LocalSGD(model, inner, 4)
+        else:
+            fastreduce.DiLoCo(model, inner, outer_sgd(model, NESTEROV), 4)
+    assert changed_since(snap, model) == []
+    assert hook_counts(model, inner) == hooks
+
+
+# ============================================================== rank 0's broadcast
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_differing_ranks_get_rank0_params_and_a_warning(worlds, kind) -> None:
+    rank0 = params_of(odd_model(SEED))
+    for rank, o in enumerate(per_rank(worlds(2), f"warn/{kind}-differ")):
+        user = [m for c, m in o["warnings"] if c == "UserWarning"]
+        assert user, f"rank {rank}: no UserWarning: {o['warnings']}"
+        assert any(w in m.lower() for m in user for w in ("broadcast", "differ", "rank 0")), user
+        assert identical([o["constructed"], rank0]), f"rank {rank}: params after construction are not rank 0's"
+        if kind == "diloco":   # inner lr 0: nothing moves if the anchor is rank 0's params too
+            assert identical([o["after"], rank0]), f"rank {rank}: the anchor is not rank 0's params"
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_identical_ranks_get_no_warning(worlds, kind) -> None:
+    rank0 = params_of(odd_model(SEED))
+    for rank, o in enumerate(per_rank(worlds(2), f"warn/{kind}-same")):
+        assert not [w for w in o["warnings"] if w[0] == "UserWarning"], f"rank {rank}: {o['warnings']}"
+        assert identical([o["constructed"], rank0])
+
+
+# ============================================================== group= and world 4
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_group_of_two_ranks_in_a_world_of_four(worlds, kind) -> None:
+    outs = [unwrap(r["group/" + kind]) for r in worlds(4)]
+    first = params_of(odd_model(SEED + GROUP_RANKS[0]))
+    for rank, o in enumerate(outs):
+        if rank not in GROUP_RANKS:
+            assert o is None
+            continue
+        assert identical([o["init"], first]), f"rank {rank}: not the group's first rank's params"
+        assert o["warned"], f"rank {rank}: ranks differed and no warning"
+        assert_traj_close(o["fr"], o["ref"], f"group {GROUP_RANKS}, {kind}, rank {rank}")
