@@ -11,6 +11,14 @@ Per call, once warm::
 With ``zero_grad(set_to_none=False)`` (or :meth:`FusedReducer.zero_grad`) and a wire
 dtype equal to the gradients' dtype, that is the collective and nothing else.
 
+After ``optimizer.zero_grad()`` / ``model.zero_grad()`` (``set_to_none=True``, what
+trainers and most loops call) the gradients are ``None``; the model's next forward (a
+forward pre-hook, under grad mode) zeroes their views of the flat buffer (one op per
+dtype) and re-attaches them, so backward accumulates straight into the buffer as after
+:meth:`FusedReducer.zero_grad`: no fresh allocation, no copy in ``reduce()``. A
+re-attached gradient that backward never wrote (an unused parameter) is ``None`` again
+before the reduction, so unused parameters behave exactly as without the re-attach.
+
 With ``overlap=True`` the same buffer is cut into buckets laid out in backward order
 and each bucket's all-reduce starts from a gradient hook during backward
 (:mod:`.overlap`); ``reduce()`` (alias ``finish()``) then only waits and unpacks.
@@ -35,7 +43,7 @@ from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport,
 from .grads import adopt, check_grad, missing_message, one_device
 from .layout import GradLayout, verify_across_ranks
 from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_launcher, default_bucket_mb,
-                      first_bucket_mb, make_buckets)
+                      first_bucket_mb, make_buckets, on_grad_ready, remove_hooks)
 from .profiling import span
 
 __all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
@@ -114,6 +122,59 @@ class ReducerStats:
     """Gradients found re-allocated (e.g. by ``zero_grad(set_to_none=True)``) and copied back."""
     launched_in_backward: int = 0
     """Overlap mode: buckets whose all-reduce started during backward, not at finish()."""
+    preattached: int = 0
+    """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
+
+
+class _Reattach:
+    """Gradients that ``zero_grad(set_to_none=True)`` freed come back as zeroed views of
+    the flat buffer at the next forward (see the module doc), so that backward
+    accumulates into the buffer; one that backward then leaves unwritten is ``None``
+    again as backward ends (a callback queued from the first gradient hook of that
+    backward), and at the latest in ``reduce()``: unused parameters look exactly as
+    without the re-attach, and ``unused_grads`` sees them."""
+
+    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: ReducerStats):
+        self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
+        self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
+        self.fresh: list[int] = []  # re-attached since the last reduce
+        self.queued = False
+
+    @torch.no_grad()
+    def before_forward(self) -> None:
+        params, views = self.params, self.views
+        if attached(params, views):
+            return
+        fresh = [i for i, p in enumerate(params) if p.grad is None]
+        if not fresh:
+            return  # re-allocated ones (not None): reduce() copies them in
+        if len(fresh) == len(params):
+            self.buffer.zero_()
+        else:
+            torch._foreach_zero_([views[i] for i in fresh])
+        for i in fresh:
+            params[i].grad = views[i]
+            self.written[i] = False
+        self.fresh += fresh
+        self.stats.preattached += len(fresh)
+
+    def grad_ready(self, i: int) -> None:
+        """Every gradient hook, fused or overlapped: note it, and at the first one of a
+        backward with re-attached gradients, queue :meth:`settle` for its end."""
+        self.written[i] = True
+        if self.fresh and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+
+    def settle(self, done: bool = False) -> None:
+        """Re-attached gradients that no backward wrote become ``None`` again; ``done``
+        (the reduction): forget which were re-attached."""
+        self.queued = False
+        if self.fresh:
+            for i in self.fresh:
+                if not self.written[i]:
+                    self.params[i].grad = None
+            self.fresh = [] if done else [i for i in self.fresh if self.written[i]]
 
 
 @dataclass(slots=True)
@@ -130,6 +191,8 @@ class _Built:
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
     schedule: OverlapSchedule | None = None  # overlap mode only
+    reattach: _Reattach | None = None
+    hooks: list[Any] = field(default_factory=list)  # the re-attach's forward pre-hook (and grad hooks)
 
 
 class FusedReducer:
@@ -216,6 +279,7 @@ class FusedReducer:
         first = built is None
         if built is None:
             built = self._built = self._build()
+        built.reattach.settle(done=True)  # re-attached but never written by backward: None again
         if built.frozen and any(map(_get_requires_grad, built.frozen)):
             self._raise_unfrozen(built)
         if built.schedule is not None:  # the first step learns the order: all at finish()
@@ -267,8 +331,10 @@ class FusedReducer:
     def rebuild(self) -> None:
         """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
         log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
-        if self._built is not None and self._built.schedule is not None:
-            self._built.schedule.remove()
+        if self._built is not None:
+            remove_hooks(self._built.hooks)
+            if self._built.schedule is not None:
+                self._built.schedule.remove()
         self._built = None
         if self._recorder is not None:
             self._recorder.remove()
@@ -308,6 +374,7 @@ class FusedReducer:
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
+        built.reattach = reattach = _Reattach(layout, buffer, self.stats)
         if cfg.overlap:
             pg = dist.get_backend(self.group)
             mb = cfg.bucket_mb or default_bucket_mb(pg)
@@ -315,7 +382,11 @@ class FusedReducer:
             buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
             built.schedule = OverlapSchedule(layout, buckets, all_reduce_launcher(comm, plan, buckets),
                                              lambda idx, direct: self._adopt(built, idx, direct),
-                                             direct=not plan.prescale)
+                                             direct=not plan.prescale, on_grad=reattach.grad_ready)
+        built.hooks = [self.model.register_forward_pre_hook(
+            lambda _m, _a: built.reattach.before_forward() if torch.is_grad_enabled() else None)]
+        if built.schedule is None:  # (the overlapped schedule's own hooks call it)
+            built.hooks += on_grad_ready(layout.params, built.reattach.grad_ready)
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,

@@ -169,13 +169,17 @@ class OverlapSchedule:
             says so, where ``direct`` allows it) and returns the ones with no grad.
         direct: whether fresh grads may be cast straight into the wire (not where the
             pack must also divide).
+        on_grad: also called with every gradient's index as it is accumulated, synced
+            or not (the fused reducer's re-attach of freed gradients).
 
     Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
     def __init__(self, layout: GradLayout, buckets: list[Bucket], launch: Launch,
-                 adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool = True):
+                 adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool = True,
+                 on_grad: Callable[[int], None] | None = None):
         self.layout, self.buckets, self.launch, self.adopt = layout, buckets, launch, adopt
+        self.on_grad = on_grad
         self.direct = direct
         self.bucket_of = [0] * len(layout)
         for b, bucket in enumerate(buckets):
@@ -199,6 +203,8 @@ class OverlapSchedule:
 
     # -- hot path: one call per parameter per backward
     def _ready(self, i: int) -> None:
+        if self.on_grad is not None:
+            self.on_grad(i)
         if not self.sync:
             return
         if self.fired[i]:

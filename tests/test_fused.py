@@ -210,7 +210,7 @@ def parity_case(rank: int, world: int, case: Case) -> dict:
     else:
         reducer = None
         reduce = lambda: fastreduce.all_reduce_gradients(model, wire, backend=case.backend)  # noqa: E731
-    out: dict[str, list] = {"fr": [], "ddp": [], "scale": [], "views": [], "reattached": []}
+    out: dict[str, list] = {"fr": [], "ddp": [], "scale": [], "views": [], "reattached": [], "preattached": []}
     for step in range(STEPS):
         inputs = batch_for(model, rank, step)
         zero_grads(model, case.zero, reducer)
@@ -224,6 +224,7 @@ def parity_case(rank: int, world: int, case: Case) -> dict:
         out["ddp"].append(grads_of(ddp.module))
         out["views"].append(grads_are_views(reducer))
         out["reattached"].append(reducer.stats.reattached)
+        out["preattached"].append(reducer.stats.preattached)
     out["replays"] = getattr(reducer.backend, "replays", None)
     out["layout_names"] = reducer.layout.names
     out["calls"] = reducer.stats.calls
@@ -285,25 +286,27 @@ def test_grads_are_views_of_the_flat_buffer(parity, case: Case) -> None:
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
 def test_reattached_counts_only_reallocated_grads(parity, case: Case) -> None:
-    """First call adopts every grad; later calls copy only what zero_grad(set_to_none) freed."""
+    """The first call adopts every grad; after it nothing is copied in: what
+    zero_grad(set_to_none=True) freed is re-attached, zeroed, at the next forward."""
     _, results = parity
     for out in per_rank(results, case.id):
         n = len(out["layout_names"])
         per_call = [b - a for a, b in zip([0] + out["reattached"], out["reattached"])]
-        expect_later = n if case.zero == "none" else 0
-        assert per_call == [n] + [expect_later] * (STEPS - 1)
+        assert per_call == [n] + [0] * (STEPS - 1)
+        pre = [b - a for a, b in zip([0] + out["preattached"], out["preattached"])]
+        assert pre == [0] + [n if case.zero == "none" else 0] * (STEPS - 1)
 
 
 @pytest.mark.parametrize("case", [c for c in PARITY_CASES if c.backend == "checked"], ids=lambda c: c.id)
 def test_checked_backend_replays_pack_and_unpack(parity, case: Case) -> None:
     """With fp32 grads and a bf16 wire, unpack is replayed each call, and so is pack
-    whenever the grads are still views of the flat buffer; a call that finds autograd's
-    fresh grads instead (the first, and every one after zero_grad(set_to_none=True))
-    casts them straight into the wire, so it has nothing to pack. With an fp32 wire
-    (and Gloo's AVG, or shared memory) there is nothing to pack or unpack: no replays."""
+    whenever the grads are still views of the flat buffer: every call but the first,
+    which finds autograd's fresh grads and casts them straight into the wire (after
+    zero_grad(set_to_none=True) the next forward re-attaches the views). With an fp32
+    wire (and Gloo's AVG, or shared memory) there is nothing to pack or unpack: no replays."""
     _, results = parity
     for out in per_rank(results, case.id):
-        packs = 0 if case.zero == "none" else STEPS - 1
+        packs = STEPS - 1
         assert out["replays"] == (STEPS + packs if case.wire == "bf16" else 0)
 
 
@@ -511,11 +514,11 @@ def test_mixed_dtype_model_matches_manual_all_reduce(misc, wire) -> None:
         expect = ("shared memory)" if "shared memory" in out["plan"] else
                   "divide then SUM)" if wire == "fp16" else "AVG)")
         assert out["plan"].endswith(expect), out["plan"]
-        # One segment is never the wire dtype: unpack every step; pack too, except where
-        # the step zeroed with set_to_none (even steps) and nothing divides first: then
-        # the fresh grads are cast straight into the wire.
+        # One segment is never the wire dtype: unpack every step; pack too, except on the
+        # first call when nothing divides first: it adopts autograd's fresh grads, cast
+        # straight into the wire (later, set_to_none grads are re-attached at forward).
         divides = expect == "divide then SUM)"
-        packs = STEPS if divides else sum(step % 2 for step in range(STEPS))
+        packs = STEPS if divides else STEPS - 1
         assert out["replays"] == STEPS + packs, out["replays"]
         for step in range(STEPS):
             for name, want in out["ref"][step].items():
@@ -581,11 +584,12 @@ def test_training_matches_ddp(misc, name) -> None:
 
 
 def test_checked_training_loop_replays(misc) -> None:
-    """set_to_none=True re-allocates grads every step; they are cast straight into the
-    wire, and the checked backend's replays (the unpack each step) only ever touch the
+    """set_to_none=True frees the grads every step; the next forward re-attaches them as
+    zeroed views (after the first step, whose fresh grads are cast straight into the
+    wire), and the checked backend's replays (pack and unpack) only ever touch the
     reducer's persistent buffers."""
     for out in per_rank(misc, "train-sgd-bf16-checked-none"):
-        assert out["replays"] == TRAIN_STEPS
+        assert out["replays"] == 2 * TRAIN_STEPS - 1
 
 
 # ============================================================== unused gradients
@@ -730,7 +734,8 @@ def sparse_later_call(rank: int, world: int) -> dict:
     model.emb.weight.grad = model.emb.weight.grad.to_dense()
     reducer.reduce()
     model.zero_grad(set_to_none=True)
-    loss_of(model, batch_for(model, rank, 1)).backward()
+    loss_of(model, batch_for(model, rank, 1)).backward()  # (into the re-attached dense view)
+    model.emb.weight.grad = model.emb.weight.grad.to_sparse()  # a sparse grad replaces it
     snap = snapshot(model)
     res = expect_raises(ValueError, reducer.reduce)
     return res | {"changed": changed_since(snap, model)}

@@ -433,7 +433,9 @@ def op_count_case(rank: int, world: int) -> dict:
                 model = linear_stack(SEED, tensors)
                 reducer = overlapped(model, wire, wire_bytes / OPS_BUCKETS / 2**20)
                 with_reducer = traced_step(model, rank, zero, reducer)
-                bare = traced_step(linear_stack(SEED, tensors), rank, zero, None)
+                # set_to_none grads come back as zeroed views at forward: backward then
+                # accumulates in place, as the bare model does after zero_grad(set_to_none=False)
+                bare = traced_step(linear_stack(SEED, tensors), rank, "zeros" if zero == "none" else zero, None)
                 out[(wire, zero, tensors)] = {"added": with_reducer - bare, "dropped": bare - with_reducer,
                                               "shm": shm_started(reducer) is not None,
                                               "num_buckets": reducer.num_buckets,
