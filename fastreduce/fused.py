@@ -328,16 +328,33 @@ class FusedReducer:
             if p.grad is not None and p.grad is not v:
                 p.grad = v
 
+    def reattach(self) -> None:
+        """Re-attach gradients freed by ``zero_grad(set_to_none=True)`` as zeroed views of
+        the flat buffer now. The model's forward does this by itself (a pre-hook); call
+        it before a backward whose forward did not go through the model's own
+        ``forward`` (e.g. a trainer that runs a submodule), or the next :meth:`reduce`
+        copies the fresh gradients in instead (correct, one copy slower)."""
+        if self._built is not None and torch.is_grad_enabled():
+            self._built.reattach.before_forward()
+
+    def close(self) -> None:
+        """Take every hook of this reducer off the model and its parameters (forward
+        pre-hook, gradient hooks, the order recorder); :attr:`stats` stay readable. The
+        reducer must not be used afterwards."""
+        if self._built is not None:
+            remove_hooks(self._built.hooks)
+            self._built.hooks = []
+            if self._built.schedule is not None:
+                self._built.schedule.remove()
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
     def rebuild(self) -> None:
         """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
         log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
-        if self._built is not None:
-            remove_hooks(self._built.hooks)
-            if self._built.schedule is not None:
-                self._built.schedule.remove()
+        self.close()
         self._built = None
-        if self._recorder is not None:
-            self._recorder.remove()
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 

@@ -1,0 +1,131 @@
+"""Hugging Face Accelerate training loop with fastreduce instead of DDP.
+
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py              # bf16 wire, fused
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py --overlap    # reduce during backward
+    accelerate launch --num_processes 2 examples/accelerate_train.py                   # the same, by accelerate
+
+The recipe: ``accelerator.prepare_model(model, evaluation_mode=True)`` places the model
+and applies mixed precision and ``torch.compile`` but does not wrap it in DDP;
+``broadcast_parameters`` gives every rank rank 0's weights (DDP's job at wrap time); a
+``fastreduce.FusedReducer`` averages the gradients at the end of each accumulation
+window, before clipping; the optimizer and the data loader are prepared as usual. Each
+rank trains a small GPT-2 built from a config (no download) on its shard of a synthetic
+corpus and checks at the end that it holds rank 0's exact parameters. Needs the ``hf``
+extra: ``pip install 'fastreduce[hf]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, Dataset
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+import fastreduce
+from fastreduce.integrations.transformers import broadcast_parameters
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Progressions(Dataset):
+    """``n`` sequences ``(start + stride * j) % 256``: a causal LM can learn to continue them."""
+
+    def __init__(self, n: int, length: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, 256, (n, 1), generator=g)
+        stride = torch.randint(1, 8, (n, 1), generator=g)
+        self.ids = (start + stride * torch.arange(length)) % 256
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def params_in_sync(model: torch.nn.Module) -> bool:
+    """True when every rank holds exactly rank 0's parameters."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(flat, ref))], device=flat.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
+    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
+    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
+    args = ap.parse_args()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    # The process group and device as fastreduce picks them (HPU, CUDA, else CPU; a world
+    # of one without torchrun); Accelerate runs CPU processes together only when told cpu=True.
+    info = fastreduce.init_distributed()
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, cpu=info.device.type == "cpu")
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(accelerator.process_index)  # ranks differ here on purpose: rank 0's weights win
+    model = GPT2LMHeadModel(config)
+
+    # --- the recipe: no DDP, rank 0's weights everywhere, a reducer on the model
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    broadcast_parameters(model)
+    reducer = fastreduce.FusedReducer(model, wire_dtype=DTYPES[args.wire], overlap=args.overlap)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = DataLoader(Progressions(2048), batch_size=args.batch, shuffle=True)
+    optimizer, loader = accelerator.prepare(optimizer, loader)  # shards the data per rank
+
+    model.train()
+    step, t0 = 0, time.perf_counter()
+    while step < args.steps:
+        for batch in loader:
+            with accelerator.accumulate(model):  # sets accelerator.sync_gradients
+                with contextlib.nullcontext() if accelerator.sync_gradients else reducer.no_sync():
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)  # divides by the accumulation steps
+                if accelerator.sync_gradients:
+                    reducer.reduce()            # average over the ranks, then clip and step
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    reducer.zero_grad()         # grads stay views of fastreduce's buffer
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            if step % max(1, args.steps // 6) == 0 or step == args.steps:
+                avg = accelerator.reduce(loss.detach(), reduction="mean")
+                accelerator.print(f"step {step:4d}  loss {avg.item():.4f}")
+            if step == args.steps:
+                break
+    elapsed = time.perf_counter() - t0
+
+    in_sync = params_in_sync(model)
+    accelerator.print(f"{accelerator.num_processes} ranks on {accelerator.device}, wire {args.wire}, "
+                      f"{'overlapped' if args.overlap else 'fused'}: {args.steps} steps in {elapsed:.1f}s, "
+                      f"{reducer.stats.calls} reductions; parameters identical on all ranks: {in_sync}")
+    accelerator.wait_for_everyone()  # nobody tears its connections down while a peer still uses them
+    dist.destroy_process_group()
+    if not in_sync:
+        raise SystemExit("parameters diverged across ranks")
+    # Leave without interpreter teardown, as examples/train.py does: once in a loaded
+    # CI run a rank aborted there (a torch runtime thread destroyed unjoined).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

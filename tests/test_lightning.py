@@ -1,0 +1,233 @@
+"""Lightning: ``FastReduceStrategy`` against Lightning's own ``DDPStrategy``, on real ranks.
+
+The parity test launches this file as a script under ``torchrun --standalone
+--nproc-per-node 2`` (Gloo on CPU, ``accelerator="cpu"``, ``devices=2``). Each rank
+fits the same MLP LightningModule twice, once with ``DDPStrategy`` and once with
+``FastReduceStrategy(wire_dtype=torch.float32)``, from the same rank-dependent initial
+weights (so the initial broadcast of rank 0's parameters is exercised), on its own
+shard of a synthetic data set (Lightning's DistributedSampler), with
+``accumulate_grad_batches=2`` and a ``gradient_clip_val`` small enough that every step
+clips, for 10 optimizer steps; rank 0 writes what both runs saw to a JSON file.
+The model has a BatchNorm layer, whose running statistics differ per rank and are
+broadcast from rank 0 when DDP would (``broadcast_buffers``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, ACCUMULATE, BATCH, CLIP = 10, 2, 8, 0.05
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+pytestmark = pytest.mark.timeout(120)  # the torchrun tests set their own
+
+
+def _torchrun(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [str(TORCHRUN) if TORCHRUN.exists() else "torchrun", "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+# ---------------------------------------------------------------------- in-process checks
+
+def test_import_fastreduce_does_not_import_lightning() -> None:
+    code = ("import sys, fastreduce\n"
+            "import importlib.util\n"
+            "if importlib.util.find_spec('fastreduce.integrations'):\n"
+            "    import fastreduce.integrations\n"
+            "assert not any(m == 'lightning' or m.startswith(('lightning.', 'pytorch_lightning'))"
+            " for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_arguments_split_between_fastreduce_and_ddp() -> None:
+    pytest.importorskip("lightning")
+    import torch
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from fastreduce.integrations.lightning import FastReduceStrategy
+
+    s = FastReduceStrategy(wire_dtype=torch.float32, overlap=True, find_unused_parameters=True,
+                           process_group_backend="gloo", static_graph=True)
+    assert s.reducer_config.wire_dtype == torch.float32 and s.reducer_config.overlap
+    assert s.reducer_config.unused_grads == "zero"  # DDP's find_unused_parameters=True
+    assert s.process_group_backend == "gloo" and s.reducer is None
+    assert StrategyRegistry["fastreduce"]["strategy"] is FastReduceStrategy
+    assert StrategyRegistry["ddp"]["strategy"] is not FastReduceStrategy  # DDP's names untouched
+    with pytest.raises(TypeError, match="bucket_mb"):
+        FastReduceStrategy(bucket_cap_mb=25)
+    with pytest.raises(TypeError, match="unexpected"):
+        FastReduceStrategy(wire_dtyp=torch.float32)
+    with pytest.raises(ValueError, match="wire_dtype"):  # fastreduce's own validation, at construction
+        FastReduceStrategy(wire_dtype=torch.int8)
+    with pytest.raises(ValueError, match="unused_grads"):
+        FastReduceStrategy(find_unused_parameters=True, unused_grads="error")
+
+
+# ---------------------------------------------------------------------- on real ranks
+
+@pytest.mark.timeout(200)
+def test_parity_with_ddp_strategy_under_torchrun(tmp_path: Path) -> None:
+    """Equal parameters after 10 steps (fp32 wire, atol 1e-5), identical on both ranks,
+    gradients reduced before clipping, and no reduce on a non-final accumulation step."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "result.json"
+    t0 = time.perf_counter()
+    _torchrun(str(Path(__file__).resolve()), str(out), timeout=170)
+    print(f"torchrun parity run: {time.perf_counter() - t0:.1f}s")
+    res = json.loads(out.read_text())
+    ddp = res["ddp"]
+    for run in (ddp, res["fastreduce"], res["fastreduce_overlap"]):
+        assert run["optimizer_steps"] == STEPS and run["batches"] == STEPS * ACCUMULATE
+        assert run["initial_params_identical"], "rank 0's parameters were not broadcast at setup"
+        assert run["params_identical_across_ranks"]
+        # on_before_optimizer_step runs after post_backward and before clipping: the
+        # gradients there are already averaged (identical on both ranks) and too large,
+        # so clipping is active on every step
+        assert run["grads_identical_before_clip"] == [True] * STEPS
+        assert min(run["grad_norm_before_clip"]) > CLIP
+        assert run["loss_decreased"]
+    assert not ddp["not_wrapped"]
+    for mode in ("fastreduce", "fastreduce_overlap"):  # fused, then overlapped (buckets in backward)
+        fr = res[mode]
+        assert fr["max_abs_param_diff_vs_ddp"] < 1e-5, (mode, fr["max_abs_param_diff_vs_ddp"])
+        # BatchNorm's running statistics: rank 0's broadcast where DDP broadcasts them
+        assert fr["max_abs_buffer_diff_vs_ddp"] < 1e-5, (mode, fr["max_abs_buffer_diff_vs_ddp"])
+        assert fr["grad_norm_before_clip"] == pytest.approx(ddp["grad_norm_before_clip"], rel=1e-4)
+        # the reducer ran once per optimizer step, after the final micro-batch only:
+        # nothing on the non-final accumulation steps
+        assert fr["reducer_calls_after_batch"] == [(i + 1) // ACCUMULATE for i in range(STEPS * ACCUMULATE)]
+        assert fr["reducer_calls"] == STEPS
+        assert fr["not_wrapped"]
+
+
+@pytest.mark.timeout(150)
+def test_example_runs(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    proc = _torchrun(str(ROOT / "examples" / "lightning_train.py"), "--steps", "12", "--wire", "fp32",
+                     "--overlap", timeout=120)
+    assert "parameters identical on all ranks: True" in proc.stdout, proc.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------- the worker (one rank)
+
+def _worker(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastreduce.integrations.lightning import FastReduceStrategy
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+
+    class MLP(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1000 + rank)  # different weights per rank: the strategy must broadcast
+            self.net = nn.Sequential(nn.Linear(16, 64, bias=False), nn.BatchNorm1d(64), nn.GELU(),
+                                     nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+            self.loss_fn = nn.CrossEntropyLoss()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.loss_fn(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def flat(tensors) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+    def identical_across_ranks(t: torch.Tensor) -> bool:
+        ref = t.clone()
+        dist.broadcast(ref, src=0)
+        same = torch.tensor([float(torch.equal(t, ref))])
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        return bool(same.item())
+
+    class Probe(Callback):
+        """Records, on every rank, what the strategy left for clipping and the step."""
+
+        def __init__(self) -> None:
+            self.grads_identical, self.norms, self.calls_after_batch, self.losses = [], [], [], []
+            self.initial_identical = self.unwrapped = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.unwrapped = trainer.strategy.model is pl_module
+            self.initial_identical = identical_across_ranks(flat(pl_module.parameters()))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = flat(p.grad for p in pl_module.parameters())
+            self.grads_identical.append(identical_across_ranks(grads))
+            self.norms.append(grads.norm().item())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+            reducer = getattr(trainer.strategy, "reducer", None)
+            if reducer is not None:
+                self.calls_after_batch.append(reducer.stats.calls)
+
+    g = torch.Generator().manual_seed(7)
+    n = world * STEPS * ACCUMULATE * BATCH  # one epoch: exactly STEPS optimizer steps per rank
+    x = torch.randn(n, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
+
+    def fit(strategy) -> dict:
+        model, probe = MLP(), Probe()
+        trainer = Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_steps=STEPS,
+                          accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
+                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                          logger=False, num_sanity_val_steps=0, callbacks=[probe])
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
+        params = flat(model.parameters())
+        reducer = getattr(trainer.strategy, "reducer", None)
+        k = len(probe.losses) // 2
+        return {
+            "params": params, "buffers": flat(b for b in model.buffers() if b.is_floating_point()),
+            "optimizer_steps": trainer.global_step, "batches": len(probe.losses),
+            "initial_params_identical": probe.initial_identical,
+            "params_identical_across_ranks": identical_across_ranks(params),
+            "grads_identical_before_clip": probe.grads_identical, "grad_norm_before_clip": probe.norms,
+            "loss_decreased": sum(probe.losses[k:]) < sum(probe.losses[:k]),
+            "reducer_calls_after_batch": probe.calls_after_batch,
+            "reducer_calls": reducer.stats.calls if reducer else None,
+            "not_wrapped": probe.unwrapped,
+        }
+
+    ddp = fit(DDPStrategy(process_group_backend="gloo"))
+    fr = fit(FastReduceStrategy(wire_dtype=torch.float32, process_group_backend="gloo"))
+    ov = fit(FastReduceStrategy(wire_dtype=torch.float32, overlap=True, process_group_backend="gloo"))
+    for run in (fr, ov):
+        diffs = torch.tensor([(run["params"] - ddp["params"]).abs().max().item(),
+                              (run["buffers"] - ddp["buffers"]).abs().max().item()])
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)  # the worst rank
+        run["max_abs_param_diff_vs_ddp"], run["max_abs_buffer_diff_vs_ddp"] = diffs.tolist()
+    if rank == 0:
+        for run in (ddp, fr, ov):
+            del run["params"], run["buffers"]
+        Path(out).write_text(json.dumps({"ddp": ddp, "fastreduce": fr, "fastreduce_overlap": ov}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # done and written; skip interpreter teardown, as examples/train.py does
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

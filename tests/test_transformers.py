@@ -1,0 +1,267 @@
+"""The Hugging Face integration on real processes: ``torchrun --standalone --nproc-per-node 2``, Gloo on CPU.
+
+The parity test launches this file as a torchrun script (its ``__main__`` part below):
+in one process group each rank trains a small GPT-2 three times on the same synthetic
+tokens, 10 optimizer steps of ``gradient_accumulation_steps=2`` with SGD, clipping at
+``max_grad_norm=0.25`` (below every step's gradient norm, so every step clips): with
+the stock ``Trainer`` (Accelerate wraps it in DDP), with ``FastReduceTrainer`` (fused,
+fp32 wire) and with ``FastReduceTrainer`` (overlapped, the gradients' own dtype on the
+wire, the process group's transport). Every rank starts from *different* weights, so
+the runs also show that rank 0's are broadcast. Each rank saves its parameters and
+what it logged; the tests compare them here, in the parent.
+The two examples run under torchrun too. Skipped without the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REASON = "the hf extra (transformers, accelerate) is not installed: pip install 'fastreduce[hf]'"
+pytest.importorskip("transformers", reason=REASON)
+pytest.importorskip("accelerate", reason=REASON)
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+STEPS = 10
+ACCUM = 2
+MAX_NORM = 0.25  # below every step's gradient norm (about 1 here), so each step clips
+LR = 0.2
+RUNS = ("stock", "fused", "overlap")  # the trainers of the parity run, in order
+ATOL = 1e-5  # fp32 wire: both sides sum the same two fp32 values; only the order of ops differs
+
+
+def torchrun(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 ranks under torchrun (one torch thread each); kill it all on timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script.name} did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def check_ran(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 0, f"exit code {res.returncode}; output:\n{res.stdout[-8000:]}"
+    return res.stdout
+
+
+# ============================================================== parity with DDP
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One torchrun launch; returns ``{run: [per-rank {"params": flat tensor, **facts}]}``."""
+    out = tmp_path_factory.mktemp("parity")
+    check_ran(torchrun(Path(__file__), "parity", str(out), timeout=150))
+    results: dict = {}
+    for run in RUNS:
+        ranks = []
+        for r in range(WORLD):
+            facts = json.loads((out / f"{run}.rank{r}.json").read_text())
+            facts["params"] = torch.load(out / f"{run}.rank{r}.pt")
+            ranks.append(facts)
+        results[run] = ranks
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("run", ["fused", "overlap"])
+def test_trainer_matches_ddp(parity: dict, run: str) -> None:
+    """FastReduceTrainer's parameters after 10 steps equal the stock Trainer's with DDP."""
+    ddp, ours = parity["stock"][0]["params"], parity[run][0]["params"]
+    start = parity["stock"][0]["start"]
+    assert not torch.allclose(ddp, torch.load(start), atol=1e-3), "training did not move the parameters"
+    torch.testing.assert_close(ours, ddp, rtol=0, atol=ATOL)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("run", RUNS)
+def test_ranks_identical(parity: dict, run: str) -> None:
+    """Every rank ends with bit-identical parameters, though each started from its own."""
+    ranks = parity[run]
+    assert ranks[0]["started_different"] and ranks[1]["started_different"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("run", RUNS)
+def test_clipping_active(parity: dict, run: str) -> None:
+    """Each step's gradient norm (before clipping, the same on every rank) exceeds
+    max_grad_norm, and each SGD step moved the parameters by exactly lr * max_grad_norm."""
+    norms = [r["grad_norms"] for r in parity[run]]
+    assert len(norms[0]) == STEPS
+    assert min(norms[0]) > 2 * MAX_NORM, norms[0]
+    assert parity[run][0]["step_sizes"] == pytest.approx([LR * MAX_NORM] * STEPS, rel=1e-3)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    assert norms[0] == pytest.approx(parity["stock"][0]["grad_norms"], rel=1e-4)
+
+
+@pytest.mark.timeout(180)
+def test_no_ddp_one_reduce_per_optimizer_step(parity: dict) -> None:
+    """The stock run is DDP-wrapped; fastreduce's is not and reduces once per accumulation window."""
+    assert parity["stock"][0]["wrapped"] == "DistributedDataParallel"
+    for run in ("fused", "overlap"):
+        for rank in parity[run]:
+            assert rank["wrapped"] == "GPT2LMHeadModel"
+            assert rank["reduces"] == STEPS
+    assert parity["overlap"][0]["launched_in_backward"] > 0  # overlap: buckets went out during backward
+
+
+@pytest.mark.timeout(60)
+def test_config_checked_at_construction(tmp_path: Path) -> None:
+    """A bad fastreduce setting fails when the trainer is built, not after the first backward."""
+    from transformers import TrainingArguments
+
+    from fastreduce.integrations.transformers import FastReduceTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="wire_dtype"):
+        FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_config=dict(wire_dtype=torch.int8))
+    with pytest.raises(TypeError):
+        FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_config=dict(wire=torch.float32))
+
+
+@pytest.mark.timeout(60)
+def test_import_is_lazy() -> None:
+    """Importing fastreduce and this integration imports neither transformers nor accelerate."""
+    code = ("import sys, fastreduce, fastreduce.integrations.transformers as t; "
+            "assert t.FastReduceMixin and t.broadcast_parameters; "
+            "loaded = {'transformers', 'accelerate'} & set(sys.modules); assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+# ============================================================== the examples
+
+@pytest.mark.timeout(150)
+def test_accelerate_example() -> None:
+    """The Accelerate recipe trains and ends with identical parameters on every rank."""
+    out = check_ran(torchrun(ROOT / "examples" / "accelerate_train.py", "--steps", "6", timeout=120))
+    assert "parameters identical on all ranks: True" in out, out[-4000:]
+
+
+@pytest.mark.timeout(150)
+def test_hf_trainer_example() -> None:
+    """The Trainer example trains through FastReduceTrainer, with the Trainer's progress and logs."""
+    out = check_ran(torchrun(ROOT / "examples" / "hf_trainer.py", "--steps", "6", timeout=120))
+    assert "6/6" in out, out[-4000:]              # the Trainer's progress bar
+    assert "'loss'" in out and "'grad_norm'" in out, out[-4000:]  # its logging
+    assert "without DDP" in out, out[-4000:]
+    assert "parameters identical on all ranks: True" in out, out[-4000:]
+
+
+# ============================================================== the torchrun worker
+
+def _parity_worker(out: Path) -> None:
+    """One rank of the parity run: the three trainers in turn, each on a fresh model."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from fastreduce.integrations.transformers import FastReduceTrainer
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    logging.basicConfig(level=logging.WARNING)
+
+    class Tokens(Dataset):
+        """Fixed random token sequences, the labels the inputs (causal LM)."""
+
+        def __init__(self, n: int, length: int = 32) -> None:
+            g = torch.Generator().manual_seed(5)
+            self.ids = torch.randint(0, 256, (n, length), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class StepSizes(TrainerCallback):
+        """Records how far each optimizer step moved the parameters (L2 norm)."""
+
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.params, self.sizes = list(model.parameters()), []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = self.flat()  # after the broadcast
+
+        def flat(self) -> torch.Tensor:
+            return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = self.flat()
+            self.sizes.append(float((now - self.last).norm()))
+            self.last = now
+
+    data = Tokens(STEPS * ACCUM * WORLD * 2)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    settings = {"fused": dict(wire_dtype=torch.float32),
+                "overlap": dict(wire_dtype=None, overlap=True, transport="process_group")}
+    for run in RUNS:
+        args = TrainingArguments(
+            output_dir=str(out / run), use_cpu=True, report_to="none", save_strategy="no",
+            per_device_train_batch_size=2, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
+            max_grad_norm=MAX_NORM, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+            weight_decay=0.0, logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        rank = dist.get_rank()
+        torch.manual_seed(100 + rank)  # each rank its own weights: the trainers must broadcast rank 0's
+        model = GPT2LMHeadModel(config)
+        start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        mine = start.clone()
+        dist.broadcast(start, src=0)
+        if rank == 0:
+            torch.save(start, out / "start.pt")
+        if run == "stock":
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+        else:
+            trainer = FastReduceTrainer(model=model, args=args, train_dataset=data,
+                                        fastreduce_config=settings[run])
+        sizes = StepSizes(model)
+        trainer.add_callback(sizes)
+        trainer.train()
+        reducer = getattr(trainer, "fastreduce_reducer", None)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.save(flat, out / f"{run}.rank{rank}.pt")
+        started_different = torch.tensor([float(not torch.equal(mine, start) or rank == 0)])
+        dist.all_reduce(started_different, op=dist.ReduceOp.MIN)  # rank 1 differed from rank 0
+        facts = {
+            "start": str(out / "start.pt"),
+            "started_different": bool(started_different.item()),
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "grad_norms": [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
+            "step_sizes": sizes.sizes,
+            "reduces": reducer.stats.calls if reducer else None,
+            "launched_in_backward": reducer.stats.launched_in_backward if reducer else None,
+        }
+        (out / f"{run}.rank{rank}.json").write_text(json.dumps(facts))
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without interpreter teardown, as examples/train.py does (a rank once
+    # aborted there in CI, a torch runtime thread destroyed unjoined).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["parity"]:
+        _parity_worker(Path(sys.argv[2]))
+    raise SystemExit(f"usage: torchrun --standalone --nproc-per-node {WORLD} {sys.argv[0]} parity OUT_DIR")
