@@ -30,7 +30,8 @@ def judge_ratios(specs: Iterable[tuple[str, str, str, str, float]], median: Call
 
 
 def target_lines(targets: dict[str, dict[str, Any]], width: int = 22) -> list[str]:
-    """One ``PASS``/``FAIL`` line per target."""
+    """One ``PASS``/``FAIL`` line per target (names padded to ``width``, or wider)."""
+    width = max([width] + [len(name) + 2 for name in targets])
     lines = []
     for name, t in targets.items():
         value = f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"])

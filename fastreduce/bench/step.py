@@ -32,6 +32,10 @@ rank-specific seed), and each method runs on its own ``deepcopy`` of the model:
  ``fastreduce_overlap_bf16/fp32`` ``FusedReducer(overlap=True)``: buckets reduced
                                 during backward (``--bucket-mb``; default: the
                                 backend's default bucket size)
+ ``fastreduce_*_set_to_none``    fused fp32 and overlapped bf16 zeroed as trainers and
+                                most loops do, ``model.zero_grad()`` (``set_to_none=True``):
+                                the next forward re-attaches the gradients as zeroed
+                                views of the flat buffer
  ``fastreduce_*_bf16_pg``       the fused and overlapped bf16 methods with
                                 ``transport="process_group"``: Gloo's all-reduce
                                 instead of the shared-memory transport that the
@@ -98,6 +102,7 @@ DDP_BASELINE = "ddp_fp32"
 REFERENCE = "no_reduce"
 METHODS = ("per_param_allreduce_fp32", "ohabana_loop_bf16", "fastreduce_fused_bf16",
            "fastreduce_fused_fp32", "fastreduce_overlap_bf16", "fastreduce_overlap_fp32",
+           "fastreduce_fused_fp32_set_to_none", "fastreduce_overlap_bf16_set_to_none",
            "fastreduce_fused_bf16_pg", "fastreduce_overlap_bf16_pg",
            "ddp_fp32", "ddp_fp32_set_to_none", "ddp_fp16_hook", REFERENCE)
 DDP_FASTEST = "ddp_fp32_set_to_none"
@@ -108,6 +113,9 @@ TARGETS = (  # (name, numerator, denominator, comparison, limit), on TARGET_MODE
     ("overlap_bf16_vs_ddp", "fastreduce_overlap_bf16", "ddp_fp32", "<=", 0.9),
     ("overlap_bf16_vs_ddp_fp16", "fastreduce_overlap_bf16", "ddp_fp16_hook", "<=", 1.0),
     ("fused_bf16_vs_ddp", "fastreduce_fused_bf16", "ddp_fp32", "<=", 1.0),
+    # the path trainers take (zero_grad(set_to_none=True)) as fast as reducer.zero_grad()
+    ("set_to_none_vs_reducer_zero_grad", "fastreduce_fused_fp32_set_to_none", "fastreduce_fused_fp32", "<=", 1.05),
+    ("set_to_none_vs_fastest_ddp", "fastreduce_fused_fp32_set_to_none", DDP_FASTEST, "<=", 1.0),
 )
 
 
@@ -255,13 +263,14 @@ def per_param_allreduce(params: list[nn.Parameter]) -> Callable[[], None]:
 
 
 def fastreduce_method(name: str, model: nn.Module, dtype: torch.dtype, overlap: bool,
-                      bucket_mb: float | None, transport: str = "auto") -> StepMethod:
+                      bucket_mb: float | None, transport: str = "auto", set_to_none: bool = False) -> StepMethod:
     reducer = FusedReducer(model, wire_dtype=dtype, overlap=overlap,
                            bucket_mb=bucket_mb if overlap else None, transport=transport)
     params = [p for p in model.parameters() if p.requires_grad]
     nbytes = _numel(params) * torch.empty((), dtype=dtype).element_size()  # exact once built
+    zero = (lambda: model.zero_grad(set_to_none=True)) if set_to_none else reducer.zero_grad
     return StepMethod(name, model, params, reducer.finish if overlap else reducer.reduce,
-                      reducer.zero_grad, nbytes, reducer=reducer)
+                      zero, nbytes, reducer=reducer)
 
 
 def ddp_method(name: str, model: nn.Module, hook: Callable | None, set_to_none: bool = False) -> StepMethod:
@@ -287,6 +296,9 @@ def build_methods(base: nn.Module, cfg: StepConfig) -> list[StepMethod]:
         fastreduce_method("fastreduce_fused_fp32", twin(), fp32, False, None),
         fastreduce_method("fastreduce_overlap_bf16", twin(), bf16, True, cfg.bucket_mb),
         fastreduce_method("fastreduce_overlap_fp32", twin(), fp32, True, cfg.bucket_mb),
+        fastreduce_method("fastreduce_fused_fp32_set_to_none", twin(), fp32, False, None, set_to_none=True),
+        fastreduce_method("fastreduce_overlap_bf16_set_to_none", twin(), bf16, True, cfg.bucket_mb,
+                          set_to_none=True),
         fastreduce_method("fastreduce_fused_bf16_pg", twin(), bf16, False, None, "process_group"),
         fastreduce_method("fastreduce_overlap_bf16_pg", twin(), bf16, True, cfg.bucket_mb, "process_group"),
         ddp_method("ddp_fp32", twin(), None),
@@ -392,7 +404,7 @@ def format_text(report: dict[str, Any]) -> str:
     for kind, mod in report["models"].items():
         lines += ["", f"model {kind}: {mod['numel'] / 1e6:.2f}M fp32 params in {mod['tensors']} tensors "
                       f"(width {mod['width']})",
-                  f"{'method':<27}{'median ms':>10}{'p10':>9}{'p90':>9}{'MB wire':>9}{'buckets':>8}"
+                  f"{'method':<37}{'median ms':>10}{'p10':>9}{'p90':>9}{'MB wire':>9}{'buckets':>8}"
                   f"{'vs DDP':>8}  notes"]
         for name, m in mod["methods"].items():
             notes = [f"via {m['transport']}"] if m.get("transport") else []
@@ -403,7 +415,7 @@ def format_text(report: dict[str, Any]) -> str:
             elif m["max_rel_err"] is not None and m["max_rel_err"] > 0:
                 notes.append(f"grad err {m['max_rel_err']:.1e}")
             buckets = "-" if m["buckets"] is None else str(m["buckets"])
-            lines.append(f"{name:<27}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
+            lines.append(f"{name:<37}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
                          f"{m['mb_wire']:>9.1f}{buckets:>8}{m['speedup_vs_ddp']:>7.2f}x  {', '.join(notes)}")
     if c["quick"]:
         lines.append("(--quick: tiny models prove the benchmark runs; fixed per-call costs "
