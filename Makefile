@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode overlap
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode local

@@ -1,13 +1,16 @@
 """Data-parallel training through fastreduce: the main job of the README.
 
     torchrun --standalone --nproc-per-node 2 examples/train.py              # fused
+    torchrun --standalone --nproc-per-node 2 examples/train.py --mode overlap  # overlapped
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero  # ZeRO
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip  # decentralized
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode local   # local SGD
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode diloco  # DiLoCo
 
 Each rank trains the same small classifier on its own shard of a synthetic data set,
-averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (or,
+averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (with
+``--mode overlap``, a ``fastreduce.FusedReducer(overlap=True)`` starts bucketed
+all-reduces during backward and ``reduce()`` waits for them; or,
 with ``--mode zero``, lets ``fastreduce.ZeroOptimizer`` reduce-scatter them and step
 its shard of AdamW; with ``--mode gossip``, ``fastreduce.DecentralizedDataParallel``
 mixes parameters with one peer per round and averages them globally at the end; with
@@ -67,8 +70,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--mode", choices=("fused", "zero", "gossip", "local", "diloco"), default="fused",
-                    help="fused: all_reduce_gradients + AdamW; zero: ZeroOptimizer(AdamW); "
+    ap.add_argument("--mode", choices=("fused", "overlap", "zero", "gossip", "local", "diloco"), default="fused",
+                    help="fused: all_reduce_gradients + AdamW; overlap: FusedReducer(overlap=True) + AdamW; "
+                         "zero: ZeroOptimizer(AdamW); "
                          "gossip: DecentralizedDataParallel (one-peer-exp) + AdamW per bucket; "
                          "local: LocalSGD(AdamW, every 4 steps); diloco: DiLoCo(AdamW, outer Nesterov SGD)")
     args = ap.parse_args()
@@ -79,8 +83,12 @@ def main() -> None:
     model = make_model(dim=32, hidden=128, classes=8, depth=4).to(info.device)
     zero, gossip = args.mode == "zero", args.mode == "gossip"
     local = None  # a local-update mode: hooked on the optimizer's step, no gradient all-reduce
+    reducer = None  # overlap: the reducer object (its hooks start all-reduces during backward)
     net = model
-    if args.mode == "local":
+    if args.mode == "overlap":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        reducer = fastreduce.FusedReducer(model, wire_dtype=DTYPES[args.wire], overlap=True)
+    elif args.mode == "local":
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         local = fastreduce.LocalSGD(model, opt, sync_every=4, warmup_steps=10, wire_dtype=DTYPES[args.wire])
     elif args.mode == "diloco":
@@ -110,10 +118,12 @@ def main() -> None:
         loss = loss_fn(net(x[idx]), y[idx])
         loss.backward()
         if opt is not None:
-            if not zero and local is None:
+            if reducer is not None:
+                reducer.reduce()  # wait for the buckets launched during backward
+            elif not zero and local is None:
                 fastreduce.all_reduce_gradients(model, DTYPES[args.wire])
             opt.step()
-            opt.zero_grad(set_to_none=False)  # grads stay views of the fused buffer
+            opt.zero_grad()  # set_to_none: the next forward re-attaches the grads as zeroed views
         if step % 10 == 0:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
