@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-gpu bench lint clean
 
 install: $(STAMP)
 
@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,hf,lightning]"
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/optimum-habana "optimum-habana==1.21.2" "optimum==2.0.0"
 	touch $@
 
 demo: $(STAMP)
@@ -34,6 +35,10 @@ TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numeric
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(TRANSPORT_SUITES)
+
+# Needs a CUDA GPU (skipped without one): every mode with CUDA tensors, parity with DDP.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[plot]"
