@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import fastreduce
+from fastreduce.bench import local as local_suite
 from fastreduce.bench import optim as optim_suite
 from fastreduce.bench import reduce as reduce_suite
 from fastreduce.bench import step as step_suite
@@ -199,4 +200,55 @@ def test_optim_suite_quick_smoke(optim_run: dict) -> None:
                                   ["--optim-ranks", "1"], ["--optim-ranks", "2,x"]])
 def test_bad_arguments_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *argv]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-local")
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "local", "--quick", "--json",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().count("\n") == 0
+    return {"result": json.loads(proc.stdout), "out": out}
+
+
+def test_local_suite_quick_smoke(local_run: dict) -> None:
+    """Every method is timed in blocks holding whole periods, with the bytes each sends per
+    step; the loss table trains every method to a synced model that learned something;
+    targets are reported."""
+    result, out = local_run["result"], local_run["out"]
+    assert result["suites"] == ["local"] and "step" not in result
+    local = result["local"]
+    numel = local["model"]["numel"]
+    assert list(local["worlds"]) == [str(n) for n in local_suite.DEFAULT_WORLD_SIZES]
+    for world, w in local["worlds"].items():
+        assert list(w["methods"]) == list(local_suite.METHODS)
+        for name, m in w["methods"].items():
+            _stats_ok(m)
+            assert math.isfinite(m["vs_no_comm"]) and m["vs_no_comm"] > 0
+            if m["sync_every"] is not None:  # every block of every method held whole periods
+                assert m["steps"] % local_suite.BLOCK == 0 and m["syncs"] == m["steps"] // m["sync_every"], m
+        ms = w["methods"]
+        assert ms[local_suite.REFERENCE]["bytes_per_step"] == 0
+        assert ms["ddp"]["bytes_per_step"] == 4 * numel  # fp32 gradients every step
+        for h in local_suite.PERIODS:
+            assert ms[f"localsgd_H{h}"]["bytes_per_step"] == pytest.approx(4 * numel / h)  # fp32 params
+            assert ms[f"diloco_H{h}"]["bytes_per_step"] == pytest.approx(2 * numel / h, rel=0.01)  # bf16 wire
+        loss = w["loss"]
+        assert list(loss["methods"]) == list(local_suite.LOSS_METHODS)
+        for name, m in loss["methods"].items():
+            assert math.isfinite(m["loss"]) and m["loss"] < loss["initial_loss"], (world, name, m)
+            assert m["rank_spread"] == 0, (world, name, m)  # the ranks hold one model after the last sync
+            if m["sync_every"] is not None:
+                assert m["syncs"] == local["config"]["loss_steps"] // m["sync_every"], (name, m)
+    assert {name for name, *_ in local_suite.TARGETS} == set(local["targets"])
+    for t in local["targets"].values():
+        assert isinstance(t["pass"], bool) and math.isfinite(t["value"])
+    assert json.loads((out / "bench.json").read_text()) == result
+
+
+@pytest.mark.parametrize("argv", [["--local-ranks", "1"], ["--local-ranks", "2,x"]])
+def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "local", *argv]) == 2
     assert "error" in capsys.readouterr().err

@@ -15,6 +15,12 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   AdamW state), fastreduce's fused reducer + AdamW, DDP + AdamW and PyTorch's
   ``ZeroRedundancyOptimizer``, at each world size; also each one's optimizer-state
   bytes per rank.
+* ``decentralized`` (:mod:`.gossip`): gossip training steps
+  (``DecentralizedDataParallel``) against the reducers, at ``--gossip-ranks``.
+* ``local`` (:mod:`.local`): local-update training steps (``LocalSGD``, ``DiLoCo`` at
+  H = 1, 8, 32) against DDP and a step without communication, at ``--local-ranks``
+  (2 by default): step time and bytes on the wire per step, and a table of the loss
+  each reaches after the same number of steps on a small model.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -36,6 +42,11 @@ from typing import Any
 from .common import machine_info
 from .gossip import GossipConfig, run_gossip_bench
 from .gossip import format_text as format_gossip
+from .local import DEFAULT_BATCH as LOCAL_BATCH
+from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
+from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
+from .local import QUICK_LOSS_STEPS, LocalConfig, run_local_bench
+from .local import format_text as format_local
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
@@ -46,13 +57,13 @@ from .step import REFERENCE as STEP_REFERENCE
 from .step import StepConfig, chart_title, csv_rows, run_step_bench
 from .step import format_text as format_step
 
-__all__ = ["BenchConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
-           "run_optim_bench", "run_step_bench"]
+__all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
+           "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized")
+SUITES = ("reduce", "step", "optim", "decentralized", "local")
 DEFAULT_SUITES = ("reduce", "step")
-"""What runs without ``--suite``: the optim and decentralized suites (two world sizes each)
-are asked for by name or ``all``."""
+"""What runs without ``--suite``: the optim, decentralized and local suites are asked for
+by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
@@ -60,14 +71,16 @@ STEP_BATCH = 64
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default=None,
-                        help="which suite to run (default: reduce and step; all: all three)")
+                        help="which suite to run (default: reduce and step; all: every suite)")
     parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick)")
     parser.add_argument("--params-m", type=float, default=None,
-                        help="model size in millions of fp32 parameters (default: 12; 0.25 with --quick)")
+                        help="model size in millions of fp32 parameters (default: 12, the local suite "
+                             f"{LOCAL_PARAMS_M:g}; 0.25 with --quick)")
     parser.add_argument("--batch", type=int, default=None,
-                        help=f"step and optim suites: input rows per rank (default: {STEP_BATCH}; 8 with --quick)")
+                        help=f"step, optim, decentralized and local suites: input rows per rank (default: "
+                             f"{STEP_BATCH}, the local suite {LOCAL_BATCH}; 8 with --quick)")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="step and optim suites: bucket size of overlapped fastreduce (and of "
                              "ZeroOptimizer) in MB (default: the process-group backend's default)")
@@ -79,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ",".join(map(str, QUICK_WORLD_SIZES)) + " with --quick)")
     parser.add_argument("--gossip-ranks", default=None, metavar="N,N",
                         help="decentralized suite: the world sizes to run (default: 2,4; 2 with --quick)")
+    parser.add_argument("--local-ranks", default=None, metavar="N,N",
+                        help="local suite: the world sizes to run (default: "
+                             + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -87,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where the CSV, chart and JSON go (default: {DEFAULT_OUT}/)")
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig]:
+def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
+                                                         LocalConfig]:
     iters = args.iters if args.iters is not None else (4 if args.quick else 20)
     params_m = args.params_m if args.params_m is not None else (0.25 if args.quick else 12.0)
     batch = args.batch if args.batch is not None else (8 if args.quick else STEP_BATCH)
@@ -107,13 +124,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
         gossip_worlds = parse_world_sizes(args.gossip_ranks)
     else:
         gossip_worlds = QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES
+    local_worlds = parse_world_sizes(args.local_ranks) if args.local_ranks is not None else LOCAL_WORLD_SIZES
+    # the local suite's own default model size and batch, unless asked for or --quick
+    local_params_m = params_m if args.quick or args.params_m is not None else LOCAL_PARAMS_M
+    local_batch = batch if args.quick or args.batch is not None else LOCAL_BATCH
     return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
             StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
             OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
                         bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
             GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=params_m, batch=batch,
-                         threads=args.threads, quick=args.quick))
+                         threads=args.threads, quick=args.quick),
+            LocalConfig(world_sizes=local_worlds, iters=-(-iters // 2),
+                        params_m=local_params_m, batch=local_batch, threads=args.threads, quick=args.quick,
+                        **({"loss_steps": QUICK_LOSS_STEPS} if args.quick else {})))
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +165,7 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
-    reduce_cfg, step_cfg, optim_cfg, gossip_cfg = configs_from_args(args)
+    reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     out = Path(args.out)
 
@@ -164,6 +188,12 @@ def run(args: argparse.Namespace) -> int:
                  f"{gossip_cfg.params_m:g}M params, batch {gossip_cfg.batch}, {gossip_cfg.iters} blocks/method ...")
             result["decentralized"] = run_gossip_bench(gossip_cfg)
             say(format_gossip(result["decentralized"]) + "\n")
+        elif suite == "local":
+            note(f"local suite: {', '.join(map(str, local_cfg.world_sizes))} ranks, "
+                 f"{local_cfg.params_m:g}M params, batch {local_cfg.batch}, {local_cfg.iters} blocks/method, "
+                 f"loss table of {local_cfg.loss_steps} steps ...")
+            result["local"] = run_local_bench(local_cfg)
+            say(format_local(result["local"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
