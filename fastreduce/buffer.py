@@ -20,7 +20,7 @@ import torch
 
 from .layout import GradLayout, Slot
 
-__all__ = ["FusedBuffer", "TensorBlock", "attached", "foreach_copy", "params_as_views"]
+__all__ = ["FusedBuffer", "TensorBlock", "attached", "cast_in", "foreach_copy", "params_as_views"]
 
 _get_grad = operator.attrgetter("grad")
 
@@ -60,7 +60,7 @@ class FusedBuffer:
     """
 
     def __init__(self, layout: GradLayout, wire_dtype: torch.dtype, device: torch.device,
-                 pad_multiple: int = 1, wire: torch.Tensor | None = None):
+                 pad_multiple: int = 1, wire: torch.Tensor | None = None, error_feedback: bool = False):
         numel = self.wire_numel(layout, pad_multiple)
         if wire is None:
             wire = torch.zeros(numel, dtype=wire_dtype, device=device)
@@ -82,6 +82,12 @@ class FusedBuffer:
             self.flats.append(flat)
             self.wires.append(wire_part)
             start += seg.numel
+        # Error feedback: per segment that is cast to a narrower wire, what the last cast
+        # rounded away, added back before the next one (persistent, zero at first).
+        self.residuals: list[torch.Tensor | None] = [
+            torch.zeros_like(flat) if error_feedback and flat is not wire_part
+            and torch.finfo(wire_dtype).bits < torch.finfo(flat.dtype).bits else None
+            for flat, wire_part in zip(self.flats, self.wires)]
         self.views: tuple[torch.Tensor, ...] = tuple(
             _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
         # Each gradient's place in the wire buffer (its view itself where no cast is
@@ -105,10 +111,12 @@ class FusedBuffer:
         return self.wire.numel() * self.wire.element_size()
 
     def pack(self, prescale_by: int | None = None) -> None:
-        """Cast every non-wire-dtype segment into its slice of the wire buffer, then
-        divide the whole wire buffer by ``prescale_by`` if given."""
-        for flat, wire_part in self.casts:
-            wire_part.copy_(flat)
+        """Cast every non-wire-dtype segment into its slice of the wire buffer (with
+        error feedback: plus the residual the last cast left, see :func:`cast_in`),
+        then divide the whole wire buffer by ``prescale_by`` if given."""
+        for flat, wire_part, residual in zip(self.flats, self.wires, self.residuals):
+            if flat is not wire_part:
+                cast_in(wire_part, flat, residual)
         if prescale_by is not None:
             self.wire.div_(prescale_by)
 
@@ -122,6 +130,19 @@ class FusedBuffer:
         scratch that the next pack overwrites, so it is left alone."""
         for flat in self.flats:
             flat.zero_()
+
+
+def cast_in(wire: torch.Tensor, flat: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """``wire`` := ``flat`` cast to the wire's dtype. With a ``residual`` (error feedback,
+    1-bit-Adam style): ``wire`` := cast(``flat`` + residual), and residual := what that
+    cast rounded away, so a rank's rounding errors cancel over steps instead of adding
+    up. Three in-place ops on persistent buffers (graph-safe), never an allocation."""
+    if residual is None:
+        wire.copy_(flat)
+        return
+    residual.add_(flat)
+    wire.copy_(residual)
+    residual.sub_(wire)
 
 
 def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> list[torch.Tensor]:

@@ -77,6 +77,12 @@ class ReducerConfig:
     any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
     lets the collective sum in the wire dtype. Fused mode only. The shared-memory
     transport sums in fp32 either way."""
+    error_feedback: bool = False
+    """With a wire narrower than the gradients (bf16/fp16 for fp32 grads): each rank
+    adds what its last cast rounded away to the next step's gradients before casting
+    (a persistent residual per gradient, fp32, one more model's worth of memory), so
+    rounding errors cancel over steps instead of accumulating. The residual is per rank
+    and not checkpointed (it is bounded by one rounding)."""
     overlap: bool = False
     """Reduce during backward: buckets in backward order, each launched from a
     gradient hook as soon as its last gradient is ready."""
@@ -385,7 +391,7 @@ class FusedReducer:
         pad = self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
         plan = comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
-        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire)
+        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
@@ -399,7 +405,8 @@ class FusedReducer:
             buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
             built.schedule = OverlapSchedule(layout, buckets, all_reduce_launcher(comm, plan, buckets),
                                              lambda idx, direct: self._adopt(built, idx, direct),
-                                             direct=not plan.prescale, on_grad=reattach.grad_ready)
+                                             direct=not (plan.prescale or cfg.error_feedback),
+                                             on_grad=reattach.grad_ready)
         built.hooks = [self.model.register_forward_pre_hook(
             lambda _m, _a: built.reattach.before_forward() if torch.is_grad_enabled() else None)]
         if built.schedule is None:  # (the overlapped schedule's own hooks call it)
@@ -433,7 +440,8 @@ class FusedReducer:
         if not attached(built.layout.params, built.buffer.views):
             # Straight into the wire only where the pack would do nothing else (no
             # divide); it then replaces the pack, graph or not.
-            missing, direct = self._adopt(built, range(len(built.layout)), direct=not built.plan.prescale)
+            missing, direct = self._adopt(built, range(len(built.layout)),
+                                          direct=not (built.plan.prescale or self.config.error_feedback))
         with span("fastreduce::pack"):
             if built.pack is not None and not direct:
                 built.pack()
@@ -503,7 +511,7 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
                          use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
                          backend: str = "auto", unused_grads: UnusedGrads = "error",
                          accumulate_dtype: torch.dtype | None = None,
-                         transport: Transport | None = None) -> None:
+                         transport: Transport | None = None, error_feedback: bool = False) -> None:
     """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``.
 
     A drop-in for optimum-habana's function of the same name (same positional
@@ -524,12 +532,12 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
     key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport)
+           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback)
     reducer = cache.get(key)
     if reducer is None:
         extra = {} if transport is None else {"transport": transport}
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
-                                            unused_grads=unused_grads,
-                                            accumulate_dtype=accumulate_dtype, **extra)
+                                            unused_grads=unused_grads, accumulate_dtype=accumulate_dtype,
+                                            error_feedback=error_feedback, **extra)
     reducer.reduce()

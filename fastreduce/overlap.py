@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .buffer import FusedBuffer, attached
+from .buffer import FusedBuffer, attached, cast_in
 from .comm import Comm, MeanPlan, Pending
 from .layout import GradLayout
 
@@ -55,12 +55,14 @@ class Bucket:
     views: tuple[torch.Tensor, ...]
     flat: torch.Tensor  # grads' storage slice (same tensor as ``wire`` when no cast is needed)
     wire: torch.Tensor  # the slice of the wire buffer this bucket reduces
+    residual: torch.Tensor | None = None  # error feedback: its slice of the segment's residual
 
     def pack(self, prescale_by: int | None = None) -> None:
-        """Cast into the wire slice where the dtypes differ, then divide it by
-        ``prescale_by`` if given (as :meth:`FusedBuffer.pack` does for the whole buffer)."""
+        """Cast into the wire slice where the dtypes differ (with error feedback, see
+        :func:`~fastreduce.buffer.cast_in`), then divide it by ``prescale_by`` if given
+        (as :meth:`FusedBuffer.pack` does for the whole buffer)."""
         if self.flat is not self.wire:
-            self.wire.copy_(self.flat)
+            cast_in(self.wire, self.flat, self.residual)
         if prescale_by is not None:
             self.wire.div_(prescale_by)
 
@@ -79,7 +81,7 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
     elem = buffer.wire.element_size()
     buckets: list[tuple[int, Bucket]] = []  # (backward position of its last grad, bucket)
     first_index = 0
-    for seg, flat, seg_wire in zip(layout.segments, buffer.flats, buffer.wires):
+    for seg, flat, seg_wire, residual in zip(layout.segments, buffer.flats, buffer.wires, buffer.residuals):
         run: list[int] = []
         run_start = 0
         earliest = first_bytes is not None and layout.position[first_index] == 0
@@ -93,7 +95,8 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
                 wire = piece if flat is seg_wire else seg_wire[run_start:end]
                 ready = max(layout.position[i] for i in run)
                 bucket = Bucket(tuple(run), tuple(layout.params[i] for i in run),
-                                tuple(buffer.views[i] for i in run), piece, wire)
+                                tuple(buffer.views[i] for i in run), piece, wire,
+                                None if residual is None else residual[run_start:end])
                 buckets.append((ready, bucket))
                 run, run_start = [], end
         first_index += len(seg.slots)
