@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 # The suites that reduce run again on the process group's transport (Gloo), which
 # CPU ranks on one host otherwise skip for shared memory.
-TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py
+TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py tests/test_nonfinite.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

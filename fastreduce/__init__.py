@@ -16,7 +16,7 @@ ranks on one host), :mod:`.layout` and
 from .backends import GraphContractError
 from .decentralized import DecentralizedDataParallel
 from .engine import DistInfo, init_distributed
-from .fused import FusedReducer, ReducerConfig, ReducerStats, all_reduce_gradients
+from .fused import FusedReducer, NonFiniteGradError, ReducerConfig, ReducerStats, all_reduce_gradients
 from .layout import LayoutMismatchError
 from .local import DiLoCo, LocalSGD
 from .zero import ZeroOptimizer
@@ -29,6 +29,7 @@ __all__ = [
     "GraphContractError",
     "LayoutMismatchError",
     "LocalSGD",
+    "NonFiniteGradError",
     "ReducerConfig",
     "ReducerStats",
     "ZeroOptimizer",

@@ -46,11 +46,16 @@ from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_l
                       first_bucket_mb, make_buckets, on_grad_ready, remove_hooks)
 from .profiling import span
 
-__all__ = ["FusedReducer", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
+__all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
 
 log = logging.getLogger(__name__)
 
 UnusedGrads = Literal["error", "zero"]
+NonFinite = Literal["ignore", "raise", "skip"]
+
+
+class NonFiniteGradError(RuntimeError):
+    """The averaged gradients hold inf or NaN (``nonfinite="raise"``); raised on every rank."""
 _get_requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -77,6 +82,13 @@ class ReducerConfig:
     any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
     lets the collective sum in the wire dtype. Fused mode only. The shared-memory
     transport sums in fp32 either way."""
+    nonfinite: NonFinite = "ignore"
+    """What a reduction whose averaged gradients hold inf or NaN does (one check of the
+    wire buffer after the collective: a non-finite value on any rank reaches every
+    rank's average, so every rank decides alike with no collective of its own):
+    ``ignore`` (no check); ``raise`` (:class:`NonFiniteGradError` on every rank, naming
+    the first such parameter); ``skip`` (:meth:`FusedReducer.reduce` returns ``False``
+    on every rank, as ``GradScaler`` skips a step: do not step the optimizer)."""
     error_feedback: bool = False
     """With a wire narrower than the gradients (bf16/fp16 for fp32 grads): each rank
     adds what its last cast rounded away to the next step's gradients before casting
@@ -107,6 +119,8 @@ class ReducerConfig:
         if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
             raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
                              f"float32) or None, got {self.wire_dtype}")
+        if self.nonfinite not in ("ignore", "raise", "skip"):
+            raise ValueError(f"nonfinite must be 'ignore', 'raise' or 'skip', got {self.nonfinite!r}")
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
         if self.transport not in TRANSPORTS:
@@ -128,6 +142,8 @@ class ReducerStats:
     """Gradients found re-allocated (e.g. by ``zero_grad(set_to_none=True)``) and copied back."""
     launched_in_backward: int = 0
     """Overlap mode: buckets whose all-reduce started during backward, not at finish()."""
+    nonfinite: int = 0
+    """Reductions whose average held inf or NaN (``nonfinite`` ``raise`` or ``skip``)."""
     preattached: int = 0
     """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
 
@@ -271,8 +287,10 @@ class FusedReducer:
         return len(self._built.schedule.buckets) if self._built.schedule else 1
 
     @torch.no_grad()
-    def reduce(self) -> None:
-        """Average every participating gradient over the group, in place.
+    def reduce(self) -> bool:
+        """Average every participating gradient over the group, in place; return whether
+        to step (``False`` only under ``nonfinite="skip"`` when the average is not
+        finite, the same on every rank).
 
         Collective: every rank of the group must call it. In overlap mode it waits for
         the buckets launched during backward (launching any left). Invalid gradients
@@ -280,7 +298,7 @@ class FusedReducer:
         before any gradient is touched. Under :meth:`no_sync` it does nothing.
         """
         if self.world_size == 1 or not self._syncing:
-            return
+            return True
         built = self._built
         first = built is None
         if built is None:
@@ -294,8 +312,27 @@ class FusedReducer:
         else:
             missing, works = self._start_fused(built)
         self._complete(built, works, missing)
+        return self._finite(built) if self.config.nonfinite != "ignore" else True
 
     finish = reduce
+
+    def _finite(self, built: _Built) -> bool:
+        """One check of the averaged wire buffer; on inf/NaN, ``raise`` or ``skip``."""
+        with span("fastreduce::nonfinite_check"):
+            if bool(torch.isfinite(built.buffer.wire).all()):
+                return True
+        self.stats.nonfinite += 1
+        if self.config.nonfinite == "skip":
+            log.warning("fastreduce: the averaged gradients hold inf or NaN; reduce() returns False: "
+                        "skip this optimizer step (nonfinite='skip')")
+            return False
+        name = next((n for n, v in zip(built.layout.names, built.buffer.wire_views)
+                     if not bool(torch.isfinite(v).all())), "?")
+        raise NonFiniteGradError(
+            f"the averaged gradients hold inf or NaN, first in parameter {name!r} (some rank's "
+            "gradient was not finite, or overflowed the wire dtype); this step's gradients are "
+            "lost. Lower the learning rate or loss scale, use a GradScaler, or pass "
+            "nonfinite='skip' to skip such steps")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -511,8 +548,11 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
                          use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
                          backend: str = "auto", unused_grads: UnusedGrads = "error",
                          accumulate_dtype: torch.dtype | None = None,
-                         transport: Transport | None = None, error_feedback: bool = False) -> None:
-    """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``.
+                         transport: Transport | None = None, error_feedback: bool = False,
+                         nonfinite: NonFinite = "ignore") -> bool:
+    """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``;
+    returns :meth:`FusedReducer.reduce`'s verdict (``False``: skip the step, only under
+    ``nonfinite="skip"``).
 
     A drop-in for optimum-habana's function of the same name (same positional
     arguments and defaults) that runs on HPU, CUDA and CPU. The reducer behind it is
@@ -532,12 +572,12 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
     key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback)
+           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite)
     reducer = cache.get(key)
     if reducer is None:
         extra = {} if transport is None else {"transport": transport}
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
                                             unused_grads=unused_grads, accumulate_dtype=accumulate_dtype,
-                                            error_feedback=error_feedback, **extra)
-    reducer.reduce()
+                                            error_feedback=error_feedback, nonfinite=nonfinite, **extra)
+    return reducer.reduce()
