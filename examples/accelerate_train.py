@@ -25,40 +25,16 @@ import time
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 import fastreduce
 from fastreduce.integrations.transformers import broadcast_parameters
+from hf_trainer import Progressions  # examples/hf_trainer.py
+from train import params_in_sync  # examples/train.py
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-class Progressions(Dataset):
-    """``n`` sequences ``(start + stride * j) % 256``: a causal LM can learn to continue them."""
-
-    def __init__(self, n: int, length: int = 32, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, 256, (n, 1), generator=g)
-        stride = torch.randint(1, 8, (n, 1), generator=g)
-        self.ids = (start + stride * torch.arange(length)) % 256
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def params_in_sync(model: torch.nn.Module) -> bool:
-    """True when every rank holds exactly rank 0's parameters."""
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(flat, ref))], device=flat.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 
 import fastreduce
 from fastreduce.integrations.transformers import FastReduceTrainer
+from train import params_in_sync  # examples/train.py (the script's folder is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -48,16 +49,6 @@ class Progressions(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def params_in_sync(model: torch.nn.Module) -> bool:
-    """True when every rank holds exactly rank 0's parameters."""
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(flat, ref))], device=flat.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
 
 
 def main() -> None:

@@ -27,17 +27,9 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastreduce.integrations.lightning import FastReduceStrategy
+from train import make_data, params_in_sync  # examples/train.py (the script's folder is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def make_data(n: int, dim: int, classes: int) -> TensorDataset:
-    """A fixed, learnable problem: labels from a random linear teacher plus noise."""
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, dim, generator=g)
-    teacher = torch.randn(dim, classes, generator=g)
-    y = (x @ teacher + 0.5 * torch.randn(n, classes, generator=g)).argmax(dim=1)
-    return TensorDataset(x, y)
 
 
 class Classifier(LightningModule):
@@ -65,16 +57,6 @@ class Classifier(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def params_in_sync(model: nn.Module) -> bool:
-    """True when every rank holds exactly rank 0's parameters."""
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(flat, ref))], device=flat.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
@@ -96,7 +78,7 @@ def main() -> None:
                       max_steps=args.steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0,
                       logger=False, enable_checkpointing=False, enable_model_summary=False,
                       log_every_n_steps=10)
-    data = make_data(4096, 32, 8)
+    data = TensorDataset(*make_data(4096, 32, 8))
     t0 = time.perf_counter()
     trainer.fit(model, DataLoader(data, batch_size=args.batch, shuffle=True))
     elapsed = time.perf_counter() - t0

@@ -56,7 +56,7 @@ from fastreduce.launch import run_ranks
 from fastreduce.topology import consensus_rounds, make_topology
 
 from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, twice_model
-from test_fused import expect_raises, guarded
+from test_fused import expect_raises, guarded, spawn_once
 
 SEED = 11
 LR = 0.1
@@ -353,19 +353,12 @@ _RESULTS: dict[int, list[dict] | BaseException] = {}
 def worlds(ckpt_dir):
     """``worlds(N)``: the per-rank results of world N's spawn, run once (a failed spawn is
     reported by every test that needs it, not retried by each)."""
-    def get(world: int) -> list[dict]:
-        if world not in _RESULTS:
-            path = f"{ckpt_dir}/w{world}"
-            os.makedirs(path, exist_ok=True)
-            try:
-                _RESULTS[world] = spawn(world_worker, world, path)
-            except Exception as e:  # noqa: BLE001
-                _RESULTS[world] = e
-        res = _RESULTS[world]
-        if isinstance(res, BaseException):
-            pytest.fail(f"the world-{world} spawn failed: {res}")
-        return res
-    yield get
+    def start(world: int) -> list[dict]:
+        path = f"{ckpt_dir}/w{world}"
+        os.makedirs(path, exist_ok=True)
+        return spawn(world_worker, world, path)
+
+    yield lambda world: spawn_once(_RESULTS, world, lambda: start(world))
     _RESULTS.clear()
 
 

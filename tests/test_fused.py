@@ -56,6 +56,20 @@ def spawn(worker: Callable[..., Any], world: int, *args: Any, timeout: float = S
     return run_ranks(worker, world, *args, timeout=timeout)
 
 
+def spawn_once(cache: dict, key: Any, start: Callable[[], Any]) -> Any:
+    """``cache[key]``, from ``start()`` (a spawn) the first time. A failed spawn is kept and
+    reported by every test that asks for it (``pytest.fail``), never retried by each."""
+    if key not in cache:
+        try:
+            cache[key] = start()
+        except Exception as e:  # noqa: BLE001
+            cache[key] = e
+    res = cache[key]
+    if isinstance(res, BaseException):
+        pytest.fail(f"the spawn {key!r} failed: {res}")
+    return res
+
+
 # ============================================================== helpers run in ranks
 
 def guarded(fn: Callable[..., Any], *args: Any) -> dict:

@@ -61,7 +61,7 @@ import fastreduce
 from fastreduce.launch import run_ranks
 
 from models import batch_for, batchnorm_model, frozen_backbone_model, loss_of, odd_model
-from test_fused import expect_raises, guarded, per_rank, unwrap
+from test_fused import expect_raises, guarded, per_rank, spawn_once, unwrap
 
 SEED = 5
 ATOL = 1e-6
@@ -701,17 +701,7 @@ _RESULTS: dict[Any, Any] = {}
 def worlds(ckpt_dir):
     """``worlds(N)``: the per-rank results of world N's spawn, run once (a failed spawn is
     reported by every test that needs it, not retried by each)."""
-    def get(world: int) -> list[dict]:
-        if world not in _RESULTS:
-            try:
-                _RESULTS[world] = spawn(world_worker, world, ckpt_dir)
-            except Exception as e:  # noqa: BLE001
-                _RESULTS[world] = e
-        res = _RESULTS[world]
-        if isinstance(res, BaseException):
-            pytest.fail(f"the world-{world} spawn failed: {res}")
-        return res
-    yield get
+    yield lambda world: spawn_once(_RESULTS, world, lambda: spawn(world_worker, world, ckpt_dir))
     _RESULTS.clear()
 
 
@@ -719,15 +709,7 @@ def worlds(ckpt_dir):
 def resumed(worlds, ckpt_dir) -> list[dict]:
     """A second world-2 spawn (new processes, new group) loading what world 2 saved."""
     worlds(2)
-    if "resumed" not in _RESULTS:
-        try:
-            _RESULTS["resumed"] = spawn(resume_worker, 2, ckpt_dir)
-        except Exception as e:  # noqa: BLE001
-            _RESULTS["resumed"] = e
-    res = _RESULTS["resumed"]
-    if isinstance(res, BaseException):
-        pytest.fail(f"the resume spawn failed: {res}")
-    return res
+    return spawn_once(_RESULTS, "resumed", lambda: spawn(resume_worker, 2, ckpt_dir))
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, msg: str, atol: float = ATOL, rtol: float = 0.0) -> None:

@@ -389,7 +389,7 @@ def postlude_hf_trainer(ns: dict, ctx: dict) -> dict:
 def prelude_accelerate() -> tuple[dict, dict]:
     import torch
     from accelerate import Accelerator
-    from accelerate_train import Progressions
+    from hf_trainer import Progressions
     from torch.utils.data import DataLoader
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -415,7 +415,7 @@ def postlude_accelerate(ns: dict, ctx: dict) -> dict:
 def prelude_lightning() -> tuple[dict, dict]:
     import torch
     from lightning_train import Classifier, make_data
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, TensorDataset
 
     class OneEpoch(Classifier):
         """The example's classifier, stopping after one epoch (the snippet sets no
@@ -431,7 +431,7 @@ def prelude_lightning() -> tuple[dict, dict]:
 
     torch.manual_seed(RANK)  # ranks differ on purpose: the strategy must broadcast rank 0's weights
     model = OneEpoch(dim=16, hidden=32, classes=4, depth=1)
-    train_loader = DataLoader(make_data(WORLD * 8 * 8, 16, 4), batch_size=8)  # 8 batches per rank (its sampler)
+    train_loader = DataLoader(TensorDataset(*make_data(WORLD * 8 * 8, 16, 4)), batch_size=8)  # 8 per rank (its sampler)
     return {"model": model, "train_loader": train_loader}, {"start": flat_params(model)}
 
 
