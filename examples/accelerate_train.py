@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -32,7 +30,7 @@ from transformers.utils import logging as hf_logging
 import fastreduce
 from fastreduce.integrations.transformers import broadcast_parameters
 from hf_trainer import Progressions  # examples/hf_trainer.py
-from train import params_in_sync  # examples/train.py
+from train import leave, params_in_sync  # examples/train.py
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -92,15 +90,7 @@ def main() -> None:
     accelerator.print(f"{accelerator.num_processes} ranks on {accelerator.device}, wire {args.wire}, "
                       f"{'overlapped' if args.overlap else 'fused'}: {args.steps} steps in {elapsed:.1f}s, "
                       f"{reducer.stats.calls} reductions; parameters identical on all ranks: {in_sync}")
-    accelerator.wait_for_everyone()  # nobody tears its connections down while a peer still uses them
-    dist.destroy_process_group()
-    if not in_sync:
-        raise SystemExit("parameters diverged across ranks")
-    # Leave without interpreter teardown, as examples/train.py does: once in a loaded
-    # CI run a rank aborted there (a torch runtime thread destroyed unjoined).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(in_sync)
 
 
 if __name__ == "__main__":

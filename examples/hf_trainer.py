@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 import fastreduce
 from fastreduce.integrations.transformers import FastReduceTrainer
-from train import params_in_sync  # examples/train.py (the script's folder is on sys.path)
+from train import leave, params_in_sync  # examples/train.py (the script's folder is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -93,15 +91,7 @@ def main() -> None:
               f"{stats.wait_seconds if stats else 0.0:.2f}s waited", flush=True)
         print(f"{info.world_size} ranks, wire {args.wire}, {'overlapped' if args.overlap else 'fused'}: "
               f"parameters identical on all ranks: {in_sync}", flush=True)
-    dist.barrier()  # nobody tears its connections down while a peer still uses them
-    dist.destroy_process_group()
-    if not in_sync:
-        raise SystemExit("parameters diverged across ranks")
-    # Leave without interpreter teardown, as examples/train.py does: once in a loaded
-    # CI run a rank aborted there (a torch runtime thread destroyed unjoined).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(in_sync)
 
 
 if __name__ == "__main__":

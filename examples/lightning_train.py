@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastreduce.integrations.lightning import FastReduceStrategy
-from train import make_data, params_in_sync  # examples/train.py (the script's folder is on sys.path)
+from train import leave, make_data, params_in_sync  # examples/train.py (the script's folder is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -96,15 +94,7 @@ def main() -> None:
               f"({args.accumulate} micro-batches each) in {elapsed:.1f}s, {stats.calls} reduces"
               f"{f' ({stats.launched_in_backward} buckets started in backward)' if args.overlap else ''}, "
               f"train accuracy {acc.item():.1%}, parameters identical on all ranks: {in_sync}", flush=True)
-    dist.barrier()  # nobody tears its connections down while a peer still uses them
-    dist.destroy_process_group()
-    if not in_sync:
-        raise SystemExit("parameters diverged across ranks")
-    # Checked and done: leave without interpreter teardown, as examples/train.py does
-    # (a rank once aborted there in a loaded CI run).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(in_sync)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,22 @@ def params_in_sync(model: nn.Module) -> bool:
     return bool(same.item())
 
 
+def leave(in_sync: bool = True) -> None:
+    """End a checked run on every rank (every example ends here): wait for the peers, so
+    nobody tears its connections down while one still uses them; fail if the ranks'
+    parameters diverged; then exit without interpreter teardown: once in a loaded CI run a
+    rank aborted there ("terminate called without an active exception", a C++ thread of
+    the torch runtime destroyed unjoined) after the work was done and checked;
+    fastreduce.launch.run_ranks leaves its ranks the same way."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if not in_sync:
+        raise SystemExit("parameters diverged across ranks")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
@@ -147,17 +163,7 @@ def main() -> None:
         print(f"{info.world_size} ranks on {info.device} ({info.backend}), {args.mode}, wire {args.wire}: "
               f"{args.steps} steps in {elapsed:.1f}s, train accuracy {acc.item() / info.world_size:.1%}, "
               f"parameters identical on all ranks: {in_sync}")
-    dist.barrier()  # nobody tears its connections down while a peer still uses them
-    dist.destroy_process_group()
-    if not in_sync:
-        raise SystemExit("parameters diverged across ranks")
-    # The work is done and checked. Leave without interpreter teardown: once in a
-    # loaded CI run a rank aborted there ("terminate called without an active
-    # exception", a C++ thread of the torch runtime destroyed unjoined) after this
-    # point; fastreduce.launch.run_ranks leaves its ranks the same way.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(in_sync)
 
 
 if __name__ == "__main__":
