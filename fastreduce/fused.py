@@ -156,11 +156,16 @@ class _Reattach:
     backward), and at the latest in ``reduce()``: unused parameters look exactly as
     without the re-attach, and ``unused_grads`` sees them."""
 
-    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: ReducerStats):
+    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: ReducerStats,
+                 watch: Callable[[], None] | None = None):
         self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
         self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
         self.fresh: list[int] = []  # re-attached since the last reduce
         self.queued = False
+        # Registers the gradient hooks that call grad_ready, on the first re-attach: a loop
+        # that zeroes with reducer.zero_grad() never pays for a Python hook per gradient.
+        # (None: someone else's hooks call it already, the overlapped schedule's.)
+        self.watch = watch
 
     @torch.no_grad()
     def before_forward(self) -> None:
@@ -174,6 +179,9 @@ class _Reattach:
             self.buffer.zero_()
         else:
             torch._foreach_zero_([views[i] for i in fresh])
+        if self.watch is not None:
+            self.watch()
+            self.watch = None
         for i in fresh:
             params[i].grad = views[i]
             self.written[i] = False
@@ -434,7 +442,9 @@ class FusedReducer:
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        built.reattach = reattach = _Reattach(layout, buffer, self.stats)
+        watch = None if cfg.overlap else (lambda: built.hooks.extend(on_grad_ready(layout.params,
+                                                                                reattach.grad_ready)))
+        built.reattach = reattach = _Reattach(layout, buffer, self.stats, watch)
         if cfg.overlap:
             pg = dist.get_backend(self.group)
             mb = cfg.bucket_mb or default_bucket_mb(pg)
@@ -446,8 +456,6 @@ class FusedReducer:
                                              on_grad=reattach.grad_ready)
         built.hooks = [self.model.register_forward_pre_hook(
             lambda _m, _a: built.reattach.before_forward() if torch.is_grad_enabled() else None)]
-        if built.schedule is None:  # (the overlapped schedule's own hooks call it)
-            built.hooks += on_grad_ready(layout.params, built.reattach.grad_ready)
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,

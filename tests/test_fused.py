@@ -914,3 +914,24 @@ def test_checked_backend_rejects_different_op_count() -> None:
     calls["n"] = 2
     with pytest.raises(GraphContractError):
         replay()
+
+
+def hook_count_worker(rank: int, world: int) -> list[int]:
+    """Post-accumulate-grad hooks per parameter: none while the loop zeroes with
+    reducer.zero_grad(), one each from the first zero_grad(set_to_none=True) on."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32)
+    counts = []
+    for zero in ("reducer", "reducer", "none", "none"):
+        model(torch.randn(3, 4)).sum().backward()
+        reducer.reduce()
+        zero_grads(model, zero, reducer)
+        model(torch.randn(3, 4))  # the forward that re-attaches (after set_to_none)
+        counts.append(max(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()))
+        model.zero_grad(set_to_none=False)
+    return counts
+
+
+def test_fused_mode_adds_grad_hooks_only_once_grads_are_set_to_none() -> None:
+    for counts in spawn(hook_count_worker, 2):
+        assert counts == [0, 0, 1, 1], counts
