@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from torch.distributed.utils import _sync_module_states, _sync_params_and_buffers
+from torch.distributed.utils import _sync_params_and_buffers
 
+from ..comm import broadcast_from_rank0
 from ..fused import FusedReducer, ReducerConfig
 
 __all__ = ["FastReduceStrategy"]
@@ -44,7 +45,7 @@ __all__ = ["FastReduceStrategy"]
 log = logging.getLogger(__name__)
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ReducerConfig))
-_BROADCAST_BUCKET_BYTES = 250 * 2**20  # as DDP and Lightning's _sync_module_states
+_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's buffer broadcast buckets
 # DDP constructor arguments that have no meaning here: what to use instead.
 _DDP_ONLY = {
     "ddp_comm_state": "fastreduce replaces DDP's communication hooks; pass fastreduce's settings "
@@ -144,9 +145,10 @@ class FastReduceStrategy(DDPStrategy):
         self._release()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
-            _sync_module_states(self.model, dist.group.WORLD, _BROADCAST_BUCKET_BYTES, src=0,
-                                params_and_buffers_to_ignore=ignore,
-                                broadcast_buffers=self._broadcast_buffers)
+            state = list(self.model.named_parameters())
+            if self._broadcast_buffers:
+                state += list(self.model.named_buffers())
+            broadcast_from_rank0([t.detach() for n, t in state if n not in ignore], None)
         self._reducer = FusedReducer(self.model, **self._config)
         self._blocked = False
         self._sync_buffers_next = True
