@@ -660,9 +660,12 @@ def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
     gone.wait()  # reaped: the pid names no process now
     barrier = fastreduce.comm.shm._FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*exited"):
+    with pytest.raises(fastreduce.RankLostError, match=r"rank 1 \(pid \d+ on host .*was lost.*exited") as err:
         barrier()
     assert time.monotonic() - t0 < 10
+    assert err.value.ranks == [1]
+    with pytest.raises(fastreduce.RankLostError):  # and at once from then on
+        barrier()
 
 
 def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:

@@ -41,6 +41,7 @@ import os
 import platform
 import queue
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -52,6 +53,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..faults import RankLostError, TransportError, group_timeout, note_lost
 from ..profiling import span
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "weighted_sum"]
@@ -63,7 +65,6 @@ _PAGE = 4096
 _LINE = 64
 FLAG_BARRIERS = platform.machine().lower() in ("x86_64", "amd64")
 """Barriers through the segment (x86-64: total store order), else through Gloo."""
-BARRIER_TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
 
 
@@ -105,7 +106,9 @@ class ShmWork:
         self.done.wait()
         if self.error is not None:
             err, self.error = self.error, None
-            raise RuntimeError(f"fastreduce: the shared-memory {self.kind} failed: {err}") from err
+            if isinstance(err, RankLostError):
+                raise err
+            raise TransportError(f"fastreduce: the shared-memory {self.kind} failed: {err}") from err
         return True
 
     def reduce(self) -> None:
@@ -198,7 +201,9 @@ class _FlagBarrier:
     ranks arrive together, against a Gloo round trip per barrier; while it waits it
     yields the core, then sleeps, so a rank still in backward keeps its CPU. A long
     wait checks about once a second whether a rank has exited (its pid, stored next to
-    its count) and raises then, rather than at the timeout.
+    its count) and raises :class:`~fastreduce.faults.RankLostError` then, naming it by
+    its global rank (``ranks``), rather than at the timeout (the process group's).
+    Once failed it stays failed: every later barrier raises at once.
 
     Ordering: the data a rank wrote before storing its count is visible to a rank that
     has read that count, on x86-64's total store order (every store of ATen's kernels
@@ -206,17 +211,22 @@ class _FlagBarrier:
     barrier is used.
     """
 
-    def __init__(self, header: torch.Tensor, rank: int, world: int, timeout: float):
+    def __init__(self, header: torch.Tensor, rank: int, world: int, timeout: float,
+                 ranks: Sequence[int] | None = None):
         lines = header.view(torch.int64).view(-1, _LINE // 8)[:world]  # [count, pid, pid ns]
         self.flags, self.pids, self.pidns = lines[:, 0], lines[:, 1], lines[:, 2]
         self.mine = lines[rank, 0:1]
         self.count = 0
         self.timeout = timeout
+        self.ranks = list(ranks) if ranks is not None else list(range(world))  # global ranks
         self.failed = False
+        self.lost: RankLostError | None = None
 
     def __call__(self) -> None:
         if self.failed:  # stays failed: never let the others pass on a broken result
-            raise RuntimeError("fastreduce: an earlier shared-memory all-reduce failed on this rank")
+            if self.lost is not None:
+                raise self.lost
+            raise TransportError("fastreduce: an earlier shared-memory all-reduce failed on this rank")
         self.count += 1
         self.mine.fill_(self.count)
         flags, count = self.flags, self.count
@@ -228,9 +238,10 @@ class _FlagBarrier:
             if least >= count:
                 return
             if least < 0:
-                failed = [k for k, c in enumerate(flags.tolist()) if c < 0]
-                raise RuntimeError(f"fastreduce: rank(s) {failed} of the shared-memory group failed "
-                                   "in an all-reduce; its result is not valid")
+                self._check_exited()  # a rank that failed because another one exited
+                failed = [self.ranks[k] for k, c in enumerate(flags.tolist()) if c < 0]
+                raise TransportError(f"fastreduce: rank(s) {failed} of the shared-memory group failed "
+                                     "in an all-reduce; its result is not valid")
             if spin < 200:
                 os.sched_yield()
                 continue
@@ -245,14 +256,25 @@ class _FlagBarrier:
 
     def _check(self, deadline: float) -> None:
         """Raise instead of waiting for a rank that has exited, or past the timeout."""
-        if len(set(self.pidns.tolist())) == 1:  # pids mean the same thing to every rank
-            gone = [k for k, pid in enumerate(self.pids.tolist()) if not _alive(pid)]
-            if gone:
-                raise RuntimeError(f"fastreduce: rank(s) {gone} of the shared-memory group exited "
-                                   "while the others waited for them")
+        self._check_exited()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"fastreduce: a rank did not reach the shared-memory barrier "
-                               f"within {self.timeout:g} s")
+            raise TransportError(f"fastreduce: a rank did not reach the shared-memory barrier "
+                                 f"within {self.timeout:g} s (the process group's timeout)")
+
+    def _check_exited(self) -> None:
+        """Raise :class:`RankLostError` if a rank's process has exited."""
+        if len(set(self.pidns.tolist())) != 1:  # pids do not mean the same thing to every rank
+            return
+        host = socket.gethostname()
+        gone = {self.ranks[k]: f"pid {pid} on host {host}" for k, pid in enumerate(self.pids.tolist())
+                if not _alive(pid)}
+        if gone:
+            how = "its process exited (seen by the shared-memory transport)"
+            note_lost(gone, how)
+            world = dist.get_world_size() if dist.is_initialized() else None
+            self.lost = RankLostError(list(gone), how=how, world=world, who=gone)
+            self.fail()
+            raise self.lost
 
 
 def _alive(pid: int) -> bool:
@@ -379,8 +401,9 @@ class ShmAllReduce:
         self.regions = [torch.frombuffer(segment, dtype=torch.uint8, count=region_bytes,
                                          offset=header + k * region_bytes) for k in range(self.world)]
         head = torch.frombuffer(segment, dtype=torch.uint8, count=header)
-        self.barrier = (_FlagBarrier(head, self.rank, self.world, BARRIER_TIMEOUT) if FLAG_BARRIERS
-                        else self.channel.barrier)
+        self.barrier = (_FlagBarrier(head, self.rank, self.world, group_timeout(group),
+                                     dist.get_process_group_ranks(group or dist.group.WORLD))
+                        if FLAG_BARRIERS else self.channel.barrier)
         self.region_bytes = region_bytes
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.works: dict[tuple[int, int, torch.dtype], ShmWork] = {}
@@ -449,6 +472,8 @@ class ShmAllReduce:
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
             raise ValueError("the buffer to average must be contiguous (a slice of "
                              "ShmAllReduce.region)")
+        if getattr(self.barrier, "failed", False):  # a rank was lost: raise now, queue nothing
+            self.barrier()
         key = (buf.data_ptr(), buf.numel(), buf.dtype, kind, None if out is None else out.data_ptr())
         work = self.works.get(key)
         if work is None:

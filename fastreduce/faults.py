@@ -1,0 +1,384 @@
+"""Lost ranks: a heartbeat per process, a diagnosis when a collective fails, :class:`RankLostError`.
+
+When a rank's process dies mid-step, the survivors' collectives fail: Gloo at once
+("Connection closed by peer") or at the process group's timeout, the shared-memory
+transport within about a second (it watches the ranks' pids, :mod:`.comm.shm`). Such an
+error names no rank, or the wrong one (whichever peer a survivor happened to read
+from). fastreduce turns it into a :class:`RankLostError` that names the lost ranks and
+says what the failed call left behind:
+
+* **heartbeat**: from the first :class:`~fastreduce.comm.Comm` on, a daemon thread of
+  every process adds 1 to ``fastreduce/heartbeat/<global rank>`` in the job's c10d store
+  (the one ``init_process_group`` rendezvoused through; a connection of its own, cloned
+  from it) every ``$FASTREDUCE_HEARTBEAT_S`` seconds (default 1; ``0`` turns it off),
+  and registers ``"<host> <pid>"`` once. One small store request per second per rank;
+  it stops by itself when the process group is destroyed or the store is gone.
+* **diagnosis** (:func:`diagnose`), only after a collective failed: read every rank's
+  counter, wait until each has moved again or ``$FASTREDUCE_LOST_AFTER_S`` (default 3
+  heartbeats) has passed; the ranks whose counter did not move are lost. If the store
+  itself stops answering and it lives in rank 0's process (``init_process_group``
+  through ``MASTER_ADDR``, not torchrun's agent store), rank 0 is the lost one. A lost
+  rank stays known: a later failing call raises at once.
+* **guard** (:func:`guard`, :func:`guarded`): wraps each mode's calls that wait on
+  collectives; a transport failure whose diagnosis finds a lost rank is re-raised as a
+  :class:`RankLostError` with the mode's statement of what its state now is; any other
+  error goes through unchanged.
+
+So a survivor raises within the transport's detection time (Gloo: at once for a dead
+peer, at most the process group's timeout) plus ``$FASTREDUCE_LOST_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "TransportError", "diagnose", "group_timeout",
+           "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat"]
+
+HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
+"""Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
+LOST_AFTER_ENV = "FASTREDUCE_LOST_AFTER_S"
+"""Seconds a diagnosis waits for a silent rank's heartbeat before calling it lost
+(default 3 heartbeats)."""
+DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
+RESTART = ("Restart from the last checkpoint (fastreduce.checkpoint); under torchrun, "
+           "--max-restarts=N restarts the job by itself.")
+_KEY = "fastreduce/"
+# Words of the transports' failures (Gloo raises plain RuntimeErrors; NCCL and the
+# stores DistErrors): only such errors are diagnosed, a user error goes through at once.
+_MARKERS = ("gloo", "nccl", "hccl", "connection", "closed by peer", "timed out", "broken pipe", "socket")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class TransportError(RuntimeError):
+    """A collective of fastreduce's own transport (shared memory) failed; the guard
+    diagnoses it like a process group's failure."""
+
+
+class RankLostError(RuntimeError):
+    """A rank of the job was lost (its process died, or its host went away) while this
+    rank waited on a collective with it.
+
+    Attributes:
+        ranks: the lost global ranks, sorted.
+        where: the fastreduce call that failed (``"ZeroOptimizer.step()"``), or ``None``
+            when raised below the modes.
+        state: what that call left behind (gradients, parameters), in words.
+        how: how the loss was seen (heartbeat, exited pid, the store).
+        world: the job's world size.
+        who: per lost rank, ``"pid P on host H"`` where known.
+    """
+
+    def __init__(self, ranks: list[int], where: str | None = None, state: str | None = None,
+                 how: str = "", world: int | None = None, who: dict[int, str] | None = None):
+        self.ranks, self.where, self.state, self.how = sorted(ranks), where, state, how
+        self.world, self.who = world, dict(who or {})
+        super().__init__(self._message())
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.ranks, self.where, self.state, self.how, self.world, self.who))
+
+    def _message(self) -> str:
+        of = f" of {self.world}" if self.world else ""
+        names = ", ".join(f"{r}" + (f" ({self.who[r]})" if self.who.get(r) else "") for r in self.ranks)
+        head = (f"fastreduce: rank {names}{of} was lost" if len(self.ranks) == 1 else
+                f"fastreduce: ranks {names}{of} were lost")
+        head += f" during {self.where}" if self.where else ""
+        head += f": {self.how}." if self.how else "."
+        return " ".join(s for s in (head, self.state, RESTART) if s)
+
+    def at(self, where: str, state: str) -> RankLostError:
+        """The same loss, as seen by the call ``where`` that leaves ``state``."""
+        return RankLostError(self.ranks, where, state, self.how, self.world, self.who)
+
+
+# ---------------------------------------------------------------------- settings
+
+def heartbeat_interval() -> float:
+    """``$FASTREDUCE_HEARTBEAT_S`` (default 1 s)."""
+    return _env_seconds(HEARTBEAT_ENV, 1.0)
+
+
+def lost_after() -> float:
+    """``$FASTREDUCE_LOST_AFTER_S`` (default: 3 heartbeats, at least 1 s)."""
+    return _env_seconds(LOST_AFTER_ENV, max(1.0, 3 * heartbeat_interval()))
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> float:
+    """The process group's collective timeout in seconds (what ``init_process_group`` or
+    ``new_group`` got as ``timeout``), or torch's default of 1800 s where this torch does
+    not expose it."""
+    pg = group or dist.group.WORLD
+    for device in ("cpu", "cuda", "hpu"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend here, or an older torch
+            continue
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    timeout = getattr(getattr(pg, "options", None), "_timeout", None)
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return DEFAULT_TIMEOUT_S
+
+
+# ---------------------------------------------------------------------- heartbeat
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - not initialized, or destroyed
+        return None
+
+
+class _Heartbeat:
+    """This process's heartbeat thread and its own connection to the job's store."""
+
+    def __init__(self, default: Any, interval: float):
+        # The default store by id only: holding it would keep rank 0's store server alive
+        # after destroy_process_group().
+        self.default, self.interval = id(default), interval
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
+            store = default.clone()
+            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after())))
+        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
+            store = default
+        self.store = store
+        self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
+        store.set(f"{_KEY}host/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        store.add(f"{_KEY}heartbeat/{self.rank}", 1)
+        self.thread = threading.Thread(target=self._run, name="fastreduce-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        key = f"{_KEY}heartbeat/{self.rank}"
+        while True:
+            time.sleep(self.interval)
+            if id(_default_store()) != self.default:  # destroyed, or another job's group
+                break
+            try:
+                self.store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: so is the job
+                break
+        _forget(self)
+
+    def counts(self) -> list[int]:
+        return [self.store.add(f"{_KEY}heartbeat/{r}", 0) for r in range(self.world)]
+
+    def who(self, ranks: list[int]) -> dict[int, str]:
+        out = {}
+        for r in ranks:
+            key = f"{_KEY}host/{r}"
+            try:
+                if self.store.check([key]):
+                    host, pid = self.store.get(key).decode().split()
+                    out[r] = f"pid {pid} on host {host}"
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        return out
+
+
+_lock = threading.Lock()
+_beat: _Heartbeat | None = None
+
+
+def _forget(beat: _Heartbeat) -> None:
+    global _beat
+    with _lock:
+        if _beat is beat and id(_default_store()) != beat.default:
+            _beat = None
+
+
+def start_heartbeat() -> None:
+    """Start this process's heartbeat (idempotent; a no-op without a process group of
+    more than one rank, or with ``$FASTREDUCE_HEARTBEAT_S`` <= 0). Called by
+    :func:`~fastreduce.comm.get_comm`."""
+    global _beat
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    default = _default_store()
+    beat = _beat
+    if default is None or (beat is not None and beat.default == id(default)):
+        return
+    interval = heartbeat_interval()
+    if interval <= 0:
+        return
+    with _lock:
+        if _beat is None or _beat.default != id(default):
+            try:
+                _beat = _Heartbeat(default, interval)
+            except Exception:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
+                _beat = None
+
+
+def _store_host_rank() -> int | None:
+    """The rank whose process hosts the job's store: rank 0 when ``init_process_group``
+    made a TCP store itself; ``None`` under torchrun's agent store or another store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+        return None
+    store = _default_store()
+    base = getattr(store, "_underlying_non_prefix_store", None)
+    if base is not None and not isinstance(base, dist.TCPStore):
+        return None
+    return 0
+
+
+def note_lost(lost: dict[int, str], how: str) -> None:
+    """Remember ranks found lost another way (the shared-memory transport's pid check)."""
+    beat = _beat
+    if beat is not None:
+        for r, who in lost.items():
+            beat.lost.setdefault(r, (how, {r: who} if who else {}))
+
+
+def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]:
+    """Which ranks are lost: ``(ranks, how, who)``, ``ranks`` empty when none is (or
+    when this process has no heartbeat to tell). Waits up to ``wait`` seconds
+    (default :func:`lost_after`) for every rank's heartbeat to move; returns as soon
+    as all have. Ranks found lost once are answered at once from then on."""
+    beat = _beat
+    if beat is None or beat.default != id(_default_store()):
+        return [], "", {}
+    if beat.lost:
+        ranks = sorted(beat.lost)
+        who = {r: w for r in ranks for w in beat.lost[r][1].values()}
+        return ranks, beat.lost[ranks[0]][0], who
+    wait = lost_after() if wait is None else wait
+    me = beat.rank
+    silent = [r for r in range(beat.world) if r != me]
+    start = None
+    try:
+        before = beat.counts()
+        start = time.monotonic()
+        while silent and time.monotonic() < start + wait:
+            time.sleep(min(0.25, beat.interval / 2))
+            now = beat.counts()
+            silent = [r for r in silent if now[r] == before[r]]
+        how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
+        who = beat.who(silent)
+    except Exception:  # noqa: BLE001 - the store itself does not answer
+        # [Note: the store dies mid-diagnosis] The store's host (rank 0) may have exited
+        # because it raised this very error first: ranks silent for two heartbeats while
+        # the others beat are the lost ones; with less evidence, the store's host is.
+        quiet = time.monotonic() - start if start is not None else 0.0
+        host = _store_host_rank()
+        if silent and quiet >= 2 * beat.interval and len(silent) < beat.world - 1:
+            how = f"its heartbeat in the c10d store stopped for {quiet:.1f} s (its process died, or its host is unreachable)"
+        elif host is None or host == me:
+            return [], "", {}
+        else:
+            silent = [host]
+            how = "the job's c10d store, which its process hosts, stopped answering"
+        who = {}
+    if silent:
+        for r in silent:
+            beat.lost[r] = (how, {r: who[r]} if r in who else {})
+    return silent, how, who
+
+
+# ---------------------------------------------------------------------- guard
+
+def is_transport_failure(err: BaseException) -> bool:
+    """Whether ``err`` looks like a failed collective (worth a diagnosis)."""
+    if isinstance(err, (TransportError, RankLostError)):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _MARKERS)
+
+
+def as_rank_lost(err: BaseException, where: str, state: str) -> RankLostError | None:
+    """``err`` as a :class:`RankLostError` of the call ``where`` leaving ``state``, or
+    ``None`` when it is not a lost rank's doing (or is one already told)."""
+    if isinstance(err, RankLostError):
+        if err.where is not None:
+            return None
+        _linger_if_store_host()
+        return err.at(where, state)
+    if not is_transport_failure(err) or not dist.is_initialized():
+        return None
+    ranks, how, who = diagnose()
+    if not ranks:
+        return None
+    _linger_if_store_host()
+    return RankLostError(ranks, where, state, how, dist.get_world_size(), who)
+
+
+_lingering = False
+
+
+def _linger_if_store_host() -> None:
+    """On the rank that hosts the store: at exit, wait one diagnosis window, so that the
+    other survivors finish theirs before the store goes (see [Note: the store dies
+    mid-diagnosis]); a few seconds, only in a job that lost a rank."""
+    global _lingering
+    if _lingering or not dist.is_initialized() or _store_host_rank() != dist.get_rank():
+        return
+    _lingering = True
+    atexit.register(time.sleep, lost_after() + heartbeat_interval())
+
+
+@contextmanager
+def guard(where: str, state: str) -> Iterator[None]:
+    """Re-raise a collective failure inside the block as a :class:`RankLostError` of
+    ``where`` (e.g. ``"ZeroOptimizer.step()"``), whose message says ``state`` (what the
+    failure left behind), when a diagnosis finds a lost rank; else unchanged."""
+    if _beat is None:
+        start_heartbeat()
+    try:
+        yield
+    except RuntimeError as err:
+        lost = as_rank_lost(err, where, state)
+        if lost is None:
+            raise
+        raise lost from err
+
+
+def guarded(where: str, state: str | Callable[[Any], str]) -> Callable[[F], F]:
+    """:func:`guard` as a method decorator. ``where`` may hold ``{cls}`` (the instance's
+    class name); ``state`` may be a function of the instance.
+
+    Example::
+
+        @guarded("{cls}.step()", "this step's gradients are lost; the parameters are as before it.")
+        def step(self): ...
+    """
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _beat is None:  # a mode's first collectives may come before its Comm
+                start_heartbeat()
+            try:
+                return fn(self, *args, **kwargs)
+            except RuntimeError as err:
+                lost = as_rank_lost(err, where.format(cls=type(self).__name__),
+                                    state(self) if callable(state) else state)
+                if lost is None:
+                    raise
+                raise lost from err
+        return inner  # type: ignore[return-value]
+    return wrap

@@ -1,0 +1,391 @@
+"""A rank's process dies mid-step: every survivor raises :class:`fastreduce.RankLostError`
+naming it, within the process group's timeout + 10 s, in every mode and on both
+transports (pinned here, so this file is not in the Makefile's transport rerun).
+
+Each case spawns its own small Gloo group (the kill breaks it for good) with a short
+process-group timeout, trains a few steps, then the victim kills itself with SIGKILL at
+a point of the step (before the mode's collective, or inside backward while buckets
+are in flight); the survivors run the step and report what they raised, how long it
+took, what their gradients or parameters hold afterwards, and how long a second call
+takes. ``launch.run_ranks`` treats a dead rank as a failure, so the spawn is our own.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_mod
+import re
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fastreduce
+from fastreduce.launch import free_port
+
+from models import batch_for, linear_stack, loss_of
+
+PG_TIMEOUT = 15.0  # seconds: the process group's timeout in every case
+DEATH_FILE = "FASTREDUCE_TEST_DEATH_FILE"  # where the victim writes the time it dies
+SHM_GLOO_BARRIERS = "shm-gloo-barriers"  # shared memory, with the Gloo barriers of non-x86 machines
+BOUND = PG_TIMEOUT + 10.0  # the promise: survivors raise within the timeout + 10 s
+TRANSPORTS = ("shm", "process_group")
+WARM_STEPS = 2
+SPAWN_DEADLINE = 90.0
+
+pytestmark = pytest.mark.timeout(150)
+
+
+# ============================================================== in the ranks
+
+def _die() -> None:
+    """SIGKILL this process, first noting when (for the survivors' time to raise)."""
+    with open(os.environ[DEATH_FILE], "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _model() -> torch.nn.Module:
+    return linear_stack(3, 6)
+
+
+def _backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    loss_of(model, batch_for(model, rank, step)).backward()
+
+
+def _lost(call: Callable[[], Any]) -> dict:
+    """Run ``call`` (a step that must fail); what it raised, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except fastreduce.RankLostError as err:
+        return {"ranks": err.ranks, "where": err.where, "message": str(err),
+                "elapsed": time.monotonic() - t0, "raised_at": time.time()}
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        return {"other": f"{type(err).__name__}: {err}"[:3000], "elapsed": time.monotonic() - t0}
+    return {"other": "no error was raised", "elapsed": time.monotonic() - t0}
+
+
+def _again(out: dict, call: Callable[[], Any]) -> dict:
+    """A second call after the loss: it must raise at once, not hang."""
+    again = _lost(call)
+    out["again_ranks"], out["again_elapsed"] = again.get("ranks", again.get("other")), again["elapsed"]
+    return out
+
+
+def _clone(tensors) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def case_fused(rank: int, world: int, victim: int) -> dict:
+    """bf16 wire (grads fp32: a separate wire, never unpacked on failure): the survivors'
+    gradients must still be their own."""
+    model = _model()
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(WARM_STEPS):
+        _backward(model, rank, s)
+        reducer.reduce()
+        opt.step()
+        reducer.zero_grad()
+    _backward(model, rank, WARM_STEPS)
+    if rank == victim:
+        _die()
+    grads = _clone(p.grad for p in model.parameters())
+    params = _clone(model.parameters())
+    out = _lost(reducer.reduce)
+    out["grads_kept"] = _same(grads, [p.grad for p in model.parameters()])
+    out["params_kept"] = _same(params, list(model.parameters()))
+    out["pg_timeout"] = fastreduce.faults.group_timeout()
+    return _again(out, reducer.reduce)
+
+
+def case_fused_fp32(rank: int, world: int, victim: int) -> dict:
+    """``all_reduce_gradients`` with an fp32 wire: the gradients are the wire (averaged in
+    place), so the message must say they are lost."""
+    model = _model()
+    for s in range(WARM_STEPS):
+        _backward(model, rank, s)
+        fastreduce.all_reduce_gradients(model, torch.float32)
+        model.zero_grad()
+    _backward(model, rank, WARM_STEPS)
+    if rank == victim:
+        _die()
+    return _lost(lambda: fastreduce.all_reduce_gradients(model, torch.float32))
+
+
+def case_overlap(rank: int, world: int, victim: int) -> dict:
+    """Overlapped, one bucket per tensor: the victim dies inside backward, after the
+    buckets of the later layers were launched."""
+    model = _model()
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=True, bucket_mb=1e-6)
+    for s in range(WARM_STEPS):
+        _backward(model, rank, s)
+        reducer.finish()
+        reducer.zero_grad()
+    if rank == victim:
+        first = next(model.parameters())  # its grad is among the last of the backward
+        first.register_post_accumulate_grad_hook(lambda _p: _die())
+    out = _lost(lambda: (_backward(model, rank, WARM_STEPS), reducer.finish()))
+    return _again(out, reducer.finish)
+
+
+def case_zero(rank: int, world: int, victim: int) -> dict:
+    """ZeRO, buckets reduce-scattered in backward: the victim dies before step(); the
+    survivors' step must leave the parameters as they were."""
+    model = _model()
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_mb=1e-6, module=model)
+    for s in range(WARM_STEPS):
+        _backward(model, rank, s)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    _backward(model, rank, WARM_STEPS)
+    if rank == victim:
+        _die()
+    params = _clone(model.parameters())
+    out = _lost(opt.step)
+    out["params_kept"] = _same(params, list(model.parameters()))
+    return _again(out, opt.step)
+
+
+def case_decentralized(rank: int, world: int, victim: int) -> dict:
+    """Gossip: the victim dies after its forward; the survivors' backward launches the
+    next round, whose wait fails."""
+    model = _model()
+    ddp = fastreduce.DecentralizedDataParallel(
+        model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.1), topology="complete", bucket_mb=1e-6)
+    for s in range(WARM_STEPS):
+        loss_of(ddp, batch_for(model, rank, s)).backward()
+    loss = loss_of(ddp, batch_for(model, rank, WARM_STEPS))
+    if rank == victim:
+        _die()
+    out = _lost(lambda: (loss.backward(), ddp.wait_exchanges()))
+    return _again(out, ddp.wait_exchanges)
+
+
+def case_local_sgd(rank: int, world: int, victim: int) -> dict:
+    """LocalSGD, averaging every 2 steps from the optimizer's step hook: the victim dies
+    before the step that syncs."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fastreduce.LocalSGD(model, opt, sync_every=2)
+    for s in range(2 * WARM_STEPS - 1):
+        _backward(model, rank, s)
+        opt.step()
+        opt.zero_grad()
+    _backward(model, rank, 2 * WARM_STEPS - 1)
+    if rank == victim:
+        _die()
+    return _lost(opt.step)
+
+
+def case_diloco(rank: int, world: int, victim: int) -> dict:
+    """DiLoCo, an outer step every 2 inner steps: the victim dies before the inner step
+    whose hook launches and applies the outer step."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    mode = fastreduce.DiLoCo(model, inner, outer, sync_every=2)
+    for s in range(2 * WARM_STEPS - 1):
+        _backward(model, rank, s)
+        inner.step()
+        inner.zero_grad()
+    _backward(model, rank, 2 * WARM_STEPS - 1)
+    if rank == victim:
+        _die()
+    out = _lost(inner.step)
+    return _again(out, mode.sync)
+
+
+def case_stuck(rank: int, world: int, victim: int) -> dict:
+    """The victim is alive but late (a hang, not a death): the survivors' collective
+    times out, the diagnosis finds every heartbeat alive, and the error is the
+    transport's own, unchanged; no rank is named."""
+    model = _model()
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32)
+    _backward(model, rank, 0)
+    reducer.reduce()
+    _backward(model, rank, 1)
+    if rank == victim:
+        time.sleep(60)  # killed by the parent once the others have reported
+    return _lost(reducer.reduce)
+
+
+CASES = {f.__name__[len("case_"):]: f for f in (case_fused, case_fused_fp32, case_overlap, case_zero,
+                                                 case_decentralized, case_local_sgd, case_diloco, case_stuck)}
+
+
+def _worker(case: str, rank: int, world: int, victim: int, port: int, transport: str, pg_timeout: float,
+            death_file: str, results: Any) -> None:
+    os.environ.update(**{DEATH_FILE: death_file}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), FASTREDUCE_HEARTBEAT_S="0.5",
+                      FASTREDUCE_TRANSPORT="shm" if transport == SHM_GLOO_BARRIERS else transport)
+    if transport == SHM_GLOO_BARRIERS:  # the barriers of machines other than x86-64
+        fastreduce.comm.shm.FLAG_BARRIERS = False
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        out = io.BytesIO()
+        torch.save(CASES[case](rank, world, victim), out)
+        results.put((rank, True, out.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # no teardown: the group is broken
+
+
+def run_kill(case: str, transport: str, world: int = 2, victim: int = 1, pg_timeout: float = PG_TIMEOUT,
+             dies: bool = True) -> dict[int, dict]:
+    """Spawn ``world`` ranks running ``case``; return each survivor's report, with
+    ``since_death``: seconds from the victim's death to the survivor's raise. The victim
+    must die (SIGKILL), never report (``dies=False``: it is killed once the others have
+    reported)."""
+    fd, death_file = tempfile.mkstemp(prefix="fastreduce-death-")
+    os.close(fd)
+    # Children fork from a server that imported torch once (a fresh process that ran no
+    # op: safe to fork), instead of importing it again each: seconds per case.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "fastreduce", __name__])
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(case, r, world, victim, port, transport, pg_timeout, death_file, results),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + SPAWN_DEADLINE
+    try:
+        while len(got) < world - 1 and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                continue
+            if not ok:
+                pytest.fail(f"rank {rank} of case {case!r} failed:\n{value}")
+            if rank == victim:
+                pytest.fail(f"the victim rank {victim} reported instead of dying")
+            got[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if dies else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        with open(death_file) as f:
+            died = float(f.read() or "nan")
+        os.unlink(death_file)
+    assert procs[victim].exitcode == -signal.SIGKILL
+    missing = sorted(set(range(world)) - {victim} - set(got))
+    assert not missing, f"survivor ranks {missing} did not report within {SPAWN_DEADLINE:.0f} s (a hang?)"
+    if dies:
+        for out in got.values():
+            if "raised_at" in out:
+                out["since_death"] = out["raised_at"] - died
+    return got
+
+
+# ============================================================== tests
+
+def _check_reports(reports: dict[int, dict], victim: int, where: str) -> None:
+    for rank, out in reports.items():
+        assert "other" not in out, f"rank {rank} raised something else: {out['other']}"
+        assert out["ranks"] == [victim], f"rank {rank}: {out['message']}"
+        assert 0 < out["since_death"] < BOUND, \
+            f"rank {rank} raised {out['since_death']:.1f} s after the death (bound {BOUND:g} s)"
+        assert where in out["where"], out["where"]
+        msg = out["message"]
+        assert re.match(rf"fastreduce: rank {victim}( \(pid \d+ on host [^)]+\))? of {len(reports) + 1} "
+                        r"was lost during ", msg), msg
+        assert "lost" in msg.split(" was lost during ", 1)[1], msg  # what the step's state is
+        assert "Restart from the last checkpoint" in msg and "--max-restarts" in msg, msg
+        if "again_elapsed" in out:
+            assert out["again_ranks"] == [victim]
+            assert out["again_elapsed"] < 1.0, f"a second call took {out['again_elapsed']:.1f} s"
+
+
+WHERE = {"fused": "FusedReducer.reduce()", "fused_fp32": "FusedReducer.reduce()",
+         "overlap": "FusedReducer.reduce()", "zero": "ZeroOptimizer.step()",
+         "decentralized": "DecentralizedDataParallel", "local_sgd": "LocalSGD", "diloco": "DiLoCo"}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", [c for c in CASES if c != "stuck"])
+def test_survivors_name_the_dead_rank(case: str, transport: str) -> None:
+    world = 3 if case == "zero" else 2  # two survivors must agree on the lost rank
+    reports = run_kill(case, transport, world)
+    _check_reports(reports, 1, WHERE[case])
+    for out in reports.values():
+        if case == "fused":  # a separate bf16 wire: the grads were never unpacked
+            assert out["grads_kept"] and out["params_kept"]
+            assert out["pg_timeout"] == PG_TIMEOUT  # what the shared-memory barriers wait at most
+        if case == "fused_fp32":
+            assert "gradients are lost" in out["message"]
+        if case == "zero":  # the reduce-scatter failed: the step changed nothing
+            assert out["params_kept"]
+            assert "the parameters and optimizer state are as before the step" in out["message"]
+        if case in ("local_sgd", "diloco", "decentralized", "overlap"):
+            assert "are lost" in out["message"] or "is lost" in out["message"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_rank0_dies(transport: str) -> None:
+    """Rank 0 hosts the c10d store (init_process_group through MASTER_ADDR): when it
+    dies, the survivors name it from the store going silent (Gloo) or its pid (shm)."""
+    reports = run_kill("fused", transport, world=2, victim=0)
+    _check_reports(reports, 0, "FusedReducer.reduce()")
+
+
+def test_gloo_barriers_of_the_shared_memory_transport() -> None:
+    """Shared memory with Gloo barriers (machines other than x86-64): no pid check, the
+    barrier's Gloo failure is diagnosed through the heartbeat."""
+    _check_reports(run_kill("fused", SHM_GLOO_BARRIERS), 1, "FusedReducer.reduce()")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_late_rank_is_not_called_lost(transport: str) -> None:
+    """A rank that is alive but stuck: the survivors raise the transport's own timeout
+    error (not RankLostError) after the process group's timeout (3 s here)."""
+    reports = run_kill("stuck", transport, pg_timeout=3.0, dies=False)
+    out = reports[0]
+    assert "ranks" not in out, out["message"]
+    assert "timed out" in out["other"].lower() or "did not reach" in out["other"], out["other"]
+    assert 3.0 <= out["elapsed"] < 3.0 + 10.0
+
+
+# ============================================================== in one process
+
+def test_guard_lets_other_errors_through_unchanged() -> None:
+    """Errors that are no failed collective (a user's mistake) are not diagnosed."""
+    err = RuntimeError("parameter 'w' got a second gradient in one step")
+    with pytest.raises(RuntimeError) as got:
+        with fastreduce.faults.guard("FusedReducer.reduce()", "lost"):
+            raise err
+    assert got.value is err
+    assert not fastreduce.faults.is_transport_failure(err)
+    assert fastreduce.faults.is_transport_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+
+
+def test_rank_lost_error_message_and_pickle() -> None:
+    import pickle
+
+    err = fastreduce.RankLostError([3, 1], "ZeroOptimizer.step()", "The gradients are lost.", "its heartbeat stopped",
+                                   4, {1: "pid 7 on host a"})
+    assert err.ranks == [1, 3]
+    assert str(err).startswith("fastreduce: ranks 1 (pid 7 on host a), 3 of 4 were lost during ZeroOptimizer.step(): "
+                               "its heartbeat stopped. The gradients are lost. Restart from the last checkpoint")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is fastreduce.RankLostError and str(back) == str(err) and back.ranks == [1, 3]
