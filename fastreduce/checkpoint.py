@@ -1,4 +1,30 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), on any world size.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): a whole training state in
+every mode (:class:`Checkpointer`), and the ZeRO shard's piece of it (:class:`RangeShard`).
+
+:class:`Checkpointer` saves and restores the model, the optimizer (a torch optimizer, or
+the mode's own), the mode's state, the step, each rank's random generators and any
+extra ``state_dict()`` objects, so that a job that ``torchrun --max-restarts`` brings
+back after a crash goes on exactly as if it had never stopped. One checkpoint is a
+folder ``step-00000123/`` of DCP files plus ``fastreduce.json``, the commit marker:
+rank 0 writes it (atomically: a rename) once every rank has written its files, and
+only a folder that has it is ever loaded; it holds the fingerprint (mode, optimizer,
+world size, every parameter's and buffer's name, shape and dtype) that a load checks,
+on every rank and before anything is changed.
+
+Inside, as DCP keys::
+
+    model            the model's state_dict, where it is the same on every rank (DCP
+                     writes a key that several ranks hold once); loaded in place
+    optimizer        a torch optimizer's state_dict (same on every rank), or a
+                     ZeroOptimizer's sharded_state_dict (each rank writes its ranges;
+                     loads onto any world size)
+    rank<r>/...      what rank r alone holds: random generators, extras, the mode's
+                     state (error-feedback residuals; gossip, LocalSGD, DiLoCo: the
+                     rank's own parameters, optimizer and mode state)
+
+A tree of per-rank state is stored as its tensors (DCP tensors ``rank<r>/<i>``) and its
+skeleton (``rank<r>/tree``, pickled, with each tensor's place marked), so that a load
+needs no template of it: the tensors' sizes come from DCP's metadata.
 
 A ZeRO shard is a contiguous range of a flat buffer, so the piece of a parameter's
 state that a rank holds is a contiguous range of that parameter's elements, of any
@@ -13,11 +39,497 @@ another world size reads, into each rank's range, whatever saved ranges overlap 
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-__all__ = ["RangeShard"]
+__all__ = ["Checkpointer", "CheckpointMismatchError", "RangeShard"]
+
+log = logging.getLogger(__name__)
+
+MARKER = "fastreduce.json"
+"""The commit marker in a checkpoint folder: written last, it holds the fingerprint."""
+FORMAT = 1
+_STEP_DIR = re.compile(r"step-(\d+)$")
+PER_RANK_MODES = ("gossip", "local", "diloco")
+"""Modes whose parameters differ across ranks: saved per rank, resumed on as many ranks."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the job loading it (another model, mode, optimizer or
+    world size); raised on every rank before anything is loaded."""
+
+
+class Checkpointer:
+    """Save and resume a whole training state with ``torch.distributed.checkpoint``.
+
+    Args:
+        directory: where the checkpoints go, one folder per step (shared by the ranks:
+            a local path on one host, a shared file system across hosts).
+        model: the module trained (for gossip, the module inside
+            :class:`~fastreduce.DecentralizedDataParallel`, or the wrapper itself).
+        optimizer: the torch optimizer, a :class:`~fastreduce.ZeroOptimizer`, or
+            ``None`` (gossip: its optimizers are the mode's; LocalSGD and DiLoCo:
+            default their inner optimizer).
+        mode: the mode object, if any: a :class:`~fastreduce.FusedReducer` (fused or
+            ``overlap=True``), :class:`~fastreduce.DecentralizedDataParallel`,
+            :class:`~fastreduce.LocalSGD` or :class:`~fastreduce.DiLoCo`. ``None`` for
+            ``all_reduce_gradients(model)`` (its reducers' error-feedback residuals are
+            saved from the model) and for ZeRO.
+        keep: complete checkpoints kept; older ones are removed after each save.
+        extras: ``{name: object}`` with ``state_dict()`` / ``load_state_dict()`` (LR
+            schedulers, a ``GradScaler``, a sampler), saved per rank.
+
+    Build it after the model, optimizer and mode, on every rank, then::
+
+        ckpt = fastreduce.checkpoint.Checkpointer("ckpt", model, opt, mode=reducer)
+        start = ckpt.load_latest()          # 0 when there is no complete checkpoint
+        for step in range(start, steps):
+            ...                             # one training step
+            if (step + 1) % 100 == 0:
+                ckpt.save(step + 1)         # the number of steps done: where to resume
+
+    Under ``torchrun --max-restarts``, launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+    a restarted Gloo group can otherwise read a dead attempt's addresses (pytorch#135712).
+
+    World size: fused, overlapped, ``all_reduce_gradients`` and ZeRO checkpoints load
+    onto any world size (ZeRO re-cuts its shards; ranks that did not exist keep their
+    random generators; error-feedback residuals start at zero); gossip, LocalSGD and
+    DiLoCo ones only onto the world size they were saved at.
+    """
+
+    def __init__(self, directory: str | os.PathLike, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, mode: Any = None, *, keep: int = 2,
+                 extras: dict[str, Any] | None = None):
+        from .decentralized import DecentralizedDataParallel  # the modes import this module (RangeShard)
+        from .fused import FusedReducer
+        from .local import DiLoCo, LocalSGD
+        from .zero import ZeroOptimizer
+
+        if isinstance(model, DecentralizedDataParallel):
+            if mode not in (None, model):
+                raise ValueError("model is a DecentralizedDataParallel: pass mode=None (or the same object)")
+            mode, model = model, model.module
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        extras = dict(extras or {})
+        for name, obj in extras.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"extras[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        if isinstance(mode, FusedReducer):
+            kind = "overlap" if mode.config.overlap else "fused"
+        elif isinstance(mode, DecentralizedDataParallel):
+            kind = "gossip"
+            if optimizer is not None:
+                raise ValueError("DecentralizedDataParallel steps its own per-bucket optimizers (saved with "
+                                 "the mode): pass optimizer=None")
+        elif isinstance(mode, (LocalSGD, DiLoCo)):
+            kind = "local" if isinstance(mode, LocalSGD) else "diloco"
+            if optimizer is None:
+                optimizer = mode.optimizer
+            elif optimizer is not mode.optimizer:
+                raise ValueError(f"optimizer is not the inner optimizer the {type(mode).__name__} was built with")
+        elif mode is None:
+            kind = "zero" if isinstance(optimizer, ZeroOptimizer) else "fused"  # all_reduce_gradients, or none
+        else:
+            raise TypeError(f"mode must be a FusedReducer, DecentralizedDataParallel, LocalSGD, DiLoCo or None, "
+                            f"got {type(mode).__name__}")
+        if mode is not None and (mode.module if kind == "gossip" else mode.model) is not model:
+            raise ValueError(f"the {type(mode).__name__} was built over another module than model")
+        if isinstance(optimizer, ZeroOptimizer) and kind != "zero":
+            raise ValueError("a ZeroOptimizer is a mode of its own: pass it as optimizer with mode=None")
+        self.directory = os.fspath(directory)
+        self.model, self.optimizer, self.mode, self.kind = model, optimizer, mode, kind
+        self.keep, self.extras = keep, extras
+
+    # ------------------------------------------------------------------ public
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints in :attr:`directory`, oldest first."""
+        return [s for s, _ in _complete(self.directory)]
+
+    def save(self, step: int) -> str:
+        """Write the whole training state as checkpoint ``step`` (collective: every rank).
+
+        ``step`` is what :meth:`load_latest` returns for it: the number of steps done.
+        Rank 0 commits it (the marker) only after every rank has written, then removes
+        checkpoints beyond ``keep`` and folders of saves that never completed. Returns
+        the folder."""
+        import torch.distributed.checkpoint as dcp
+
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        t0 = time.perf_counter()
+        path = os.path.join(self.directory, f"step-{step:08d}")
+        _on_rank0(lambda: _fresh_folder(path))  # what a killed save of this step left, gone
+        state = self._state()
+        dcp.save(state, checkpoint_id=path)
+        marker = self._fingerprint() | {"step": step, "saved_at": time.time()}
+        _on_rank0(lambda: self._commit(path, marker))
+        if _rank() == 0:
+            log.info("fastreduce: checkpoint step %d saved to %s in %.2fs", step, path, time.perf_counter() - t0)
+        return path
+
+    def load_latest(self) -> int:
+        """Restore everything from the newest complete checkpoint and return its step
+        (collective); return 0 and change nothing if there is none.
+
+        A checkpoint from another model, mode, optimizer or (gossip, LocalSGD, DiLoCo)
+        world size raises :class:`CheckpointMismatchError` on every rank, naming the
+        first difference, before anything is changed."""
+        found = _on_rank0(lambda: _latest(self.directory))
+        if found is None:
+            if _rank() == 0:
+                log.info("fastreduce: no complete checkpoint in %s: starting from step 0", self.directory)
+            return 0
+        path, saved = found
+        _agree(self._mismatch(saved, path))
+        self._load(path, saved)
+        if _rank() == 0:
+            log.info("fastreduce: resumed from %s (step %d, saved at %d ranks)", path, saved["step"],
+                     saved["world_size"])
+        return int(saved["step"])
+
+    # ------------------------------------------------------------------ what is saved
+
+    def _fingerprint(self) -> dict[str, Any]:
+        opt = self.optimizer
+        name = None if opt is None else type(opt).__name__
+        if self.kind == "zero":
+            name = f"ZeroOptimizer({opt.optimizer_class.__name__})"  # type: ignore[union-attr]
+        tensors = [["param", n, list(p.shape), str(p.dtype)] for n, p in self.model.named_parameters()]
+        tensors += [["buffer", n, list(b.shape), str(b.dtype)] for n, b in self.model.named_buffers()]
+        return {"format": FORMAT, "mode": self.kind, "optimizer": name, "world_size": _world(),
+                "tensors": tensors, "extras": sorted(self.extras)}
+
+    def _state(self) -> dict[str, Any]:
+        """The DCP state dict to save (collective: the modes drain what is in flight)."""
+        state: dict[str, Any] = {}
+        mine: dict[str, Any] = {"rng": _rng_state(), "extras": {k: o.state_dict() for k, o in self.extras.items()}}
+        per_rank = self.kind in PER_RANK_MODES
+        if not per_rank:
+            state["model"] = self.model.state_dict()
+        if self.kind == "zero":
+            state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
+        elif self.optimizer is not None:
+            if per_rank:
+                mine["optimizer"] = self.optimizer.state_dict()
+            else:
+                state.update(_pack(self.optimizer.state_dict(), "optimizer"))
+        if self.kind in ("local", "diloco"):
+            mine["model"] = self.model.state_dict()
+        if self.mode is not None:
+            mine["mode"] = self.mode.state_dict()
+        elif self.kind == "fused":
+            mine["mode"] = _functional_state(self.model)
+        state.update(_pack(mine, f"rank{_rank()}"))
+        return state
+
+    def _commit(self, path: str, marker: dict[str, Any]) -> None:
+        """Rank 0, after every rank wrote: the marker (write, then rename), then pruning."""
+        tmp = os.path.join(path, MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, MARKER))
+        complete = _complete(self.directory)
+        done = {p for _, p in complete}
+        stale = [p for _, p in complete[:-self.keep]]
+        stale += [os.path.join(self.directory, n) for n in os.listdir(self.directory)
+                  if _STEP_DIR.match(n) and os.path.join(self.directory, n) not in done]
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ loading
+
+    def _mismatch(self, saved: dict[str, Any], path: str) -> str | None:
+        """Why checkpoint ``saved`` cannot be loaded here (``None``: it can)."""
+        mine = self._fingerprint()
+        why = None
+        if saved.get("format") != FORMAT:
+            why = f"it is in format {saved.get('format')!r}, this fastreduce reads {FORMAT}"
+        elif saved["mode"] != mine["mode"]:
+            why = f"it was saved in mode {saved['mode']!r}, this job runs mode {mine['mode']!r}"
+        elif saved["tensors"] != mine["tensors"]:
+            why = _first_difference(saved["tensors"], mine["tensors"])
+        elif saved["optimizer"] != mine["optimizer"]:
+            why = f"its optimizer is {saved['optimizer']}, this job's is {mine['optimizer']}"
+        elif saved["extras"] != mine["extras"]:
+            why = f"its extras are {saved['extras']}, this job's are {mine['extras']}"
+        elif saved["world_size"] != mine["world_size"] and self.kind in PER_RANK_MODES:
+            why = (f"it holds the per-rank state of {saved['world_size']} ranks (mode {self.kind}: every rank's "
+                   f"parameters differ) and this job has {mine['world_size']}; resume it on "
+                   f"{saved['world_size']} ranks")
+        if why is None:
+            return None
+        return (f"checkpoint {path} does not fit this job: {why}. Nothing was loaded; resume with the "
+                "model, mode and optimizer it was saved from, or point the Checkpointer at another directory")
+
+    def _load(self, path: str, saved: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        rank, world = _rank(), _world()
+        same_world = saved["world_size"] == world
+        src = rank if rank < saved["world_size"] else 0  # a rank that did not exist: rank 0's extras
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        per_rank = self.kind in PER_RANK_MODES
+        state: dict[str, Any] = {}
+        if not per_rank:
+            state["model"] = self.model.state_dict()  # filled in place
+        if self.kind == "zero":
+            state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
+        elif self.optimizer is not None and not per_rank:
+            state.update(_template(metadata, "optimizer"))
+        state.update(_template(metadata, f"rank{src}"))
+        dcp.load(state, checkpoint_id=path)
+        if self.kind == "zero":
+            self.optimizer.load_sharded_state_dict(state["optimizer"])  # type: ignore[union-attr]
+        elif self.optimizer is not None and not per_rank:
+            self.optimizer.load_state_dict(_unpack(state, "optimizer"))
+        mine = _unpack(state, f"rank{src}")
+        if "model" in mine:
+            self.model.load_state_dict(mine["model"])
+        if per_rank and self.optimizer is not None:
+            self.optimizer.load_state_dict(mine["optimizer"])
+        for name, obj in self.extras.items():
+            obj.load_state_dict(mine["extras"][name])
+        if src == rank:
+            _set_rng_state(mine["rng"])
+        if same_world or per_rank:
+            if self.mode is not None:
+                self.mode.load_state_dict(mine["mode"])
+            elif self.kind == "fused":
+                _load_functional_state(self.model, mine["mode"])
+        elif rank == 0 and (mine.get("mode", {}).get("residuals") or world > saved["world_size"]):
+            log.warning("fastreduce: checkpoint %s was saved at %d ranks, this job has %d: error-feedback "
+                        "residuals start at zero%s", path, saved["world_size"], world,
+                        f"; ranks {saved['world_size']}.. keep their random generators and take rank 0's "
+                        "extras" if world > saved["world_size"] else "")
+
+
+# ---------------------------------------------------------------------- folders
+
+
+def _complete(directory: str) -> list[tuple[int, str]]:
+    """``[(step, folder)]`` of the committed checkpoints in ``directory``, by step."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(directory, name, MARKER)):
+            out.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(out)
+
+
+def _latest(directory: str) -> tuple[str, dict[str, Any]] | None:
+    complete = _complete(directory)
+    if not complete:
+        return None
+    path = complete[-1][1]
+    with open(os.path.join(path, MARKER)) as f:
+        return path, json.load(f)
+
+
+def _fresh_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def _first_difference(saved: list[list[Any]], mine: list[list[Any]]) -> str:
+    """The first of the fingerprints' ``[kind, name, shape, dtype]`` entries that differ."""
+    def desc(t: list[Any]) -> str:
+        return f"{tuple(t[2])} {t[3]}"
+
+    for k, (a, b) in enumerate(zip(saved, mine)):
+        if a[:2] == b[:2] and a != b:
+            return f"its {_KIND[a[0]]} {a[1]!r} is {desc(a)}, this model's is {desc(b)}"
+        if a != b:
+            return (f"its {_KIND[a[0]]} #{k} is {a[1]!r} {desc(a)}, this model's is {_KIND[b[0]]} "
+                    f"{b[1]!r} {desc(b)}")
+    if len(saved) > len(mine):
+        a = saved[len(mine)]
+        return f"it holds {len(saved)} tensors, this model {len(mine)}: this model lacks {_KIND[a[0]]} {a[1]!r}"
+    b = mine[len(saved)]
+    return f"it holds {len(saved)} tensors, this model {len(mine)}: the checkpoint lacks {_KIND[b[0]]} {b[1]!r}"
+
+
+_KIND = {"param": "parameter", "buffer": "buffer"}
+
+
+# ---------------------------------------------------------------------- ranks agree
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank: a barrier too."""
+    box: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            box[0] = (True, fn())
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = (False, f"{type(e).__name__}: {e}")
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise RuntimeError(f"fastreduce checkpoint: rank 0 failed: {value}")
+    return value
+
+
+def _agree(problem: str | None) -> None:
+    """Raise on every rank if any rank has a ``problem`` (so none goes on into a collective)."""
+    problems = [problem]
+    if _world() > 1:
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+    for r, p in enumerate(problems):
+        if p is not None:
+            raise CheckpointMismatchError(p if r == _rank() or _world() == 1 else f"on rank {r}: {p}")
+
+
+# ---------------------------------------------------------------------- per-rank trees
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorAt:
+    """A tensor's place in a packed tree's skeleton: its number among the tree's tensors."""
+
+    index: int
+
+
+def _pack(tree: Any, prefix: str) -> dict[str, Any]:
+    """``tree`` as DCP entries: ``prefix/<i>`` per tensor, ``prefix/tree`` the pickled rest
+    (key types, tuples and plain values kept as they are)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return _TensorAt(len(tensors) - 1)
+        if isinstance(x, dict):
+            out = OrderedDict() if isinstance(x, OrderedDict) else {}
+            out.update((k, strip(v)) for k, v in x.items())
+            if hasattr(x, "_metadata"):  # a module state_dict's versions
+                out._metadata = x._metadata  # type: ignore[attr-defined]
+            return out
+        if type(x) in (list, tuple):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = strip(tree)
+    return {f"{prefix}/tree": pickle.dumps(skeleton), **{f"{prefix}/{i}": t for i, t in enumerate(tensors)}}
+
+
+def _template(metadata: Any, prefix: str) -> dict[str, Any]:
+    """Empty entries for :func:`_pack`'s keys under ``prefix``, from the checkpoint's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "/"):
+            out[key] = torch.empty(md.size, dtype=md.properties.dtype) \
+                if isinstance(md, TensorStorageMetadata) else b""
+    return out
+
+
+def _unpack(state: dict[str, Any], prefix: str) -> Any:
+    def fill(x: Any) -> Any:
+        if isinstance(x, _TensorAt):
+            return state[f"{prefix}/{x.index}"]
+        if isinstance(x, dict):
+            for k, v in x.items():
+                x[k] = fill(v)
+            return x
+        if type(x) in (list, tuple):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(pickle.loads(state[f"{prefix}/tree"]))
+
+
+# ---------------------------------------------------------------------- random generators
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's generators: torch's CPU one, CUDA's (if CUDA is in use), Python's,
+    NumPy's (if installed)."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        out["numpy"] = np.random.get_state()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+# ---------------------------------------------------------------------- all_reduce_gradients
+
+
+def _functional_state(model: nn.Module) -> dict[str, Any]:
+    """The error-feedback residuals of the reducers ``all_reduce_gradients`` keeps on ``model``."""
+    residuals: dict[str, torch.Tensor] = {}
+    for reducer in model.__dict__.get("_fastreduce_reducers", {}).values():
+        for name, t in reducer.state_dict()["residuals"].items():
+            residuals.setdefault(name, t)
+    return {"residuals": residuals}
+
+
+def _load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Residuals into the reducers on ``model`` that use error feedback, or, if there is
+    none yet, handed to the next one ``all_reduce_gradients`` makes."""
+    from .fused import _ReducerCache
+
+    if not state["residuals"]:
+        return
+    cache = model.__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
+    users = [r for r in cache.values() if r.config.error_feedback]
+    for reducer in users:
+        reducer.load_state_dict(state)
+    if not users:
+        cache.restore = state
+
+
+# ---------------------------------------------------------------------- ZeRO's ranges
 
 
 class RangeShard(torch.Tensor):

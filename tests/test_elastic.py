@@ -1,0 +1,430 @@
+"""Elastic restarts: fastreduce.checkpoint.Checkpointer in every mode, and torchrun
+bringing a job back after a rank is SIGKILLed.
+
+Two kinds of test:
+
+* Checkpointer on spawned Gloo ranks (one group per world size, many sub-cases each):
+  train, save, train on (the reference); then fresh objects with other weights and
+  other random state load the checkpoint and train the same steps: the parameters must
+  equal the reference (optimizer state, mode state, error-feedback residuals, step and
+  random generators all feed into them). Uncommitted checkpoints, ``keep``, a
+  checkpoint from another model (nothing changed) and other world sizes.
+* examples/elastic.py under ``torchrun --max-restarts 3`` per mode: rank 1 SIGKILLed
+  at step 13 (checkpoints every 5 steps); the final parameters of every rank must
+  equal those of the same training never stopped (the example's ``train()``, every
+  mode in one spawned group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing import assert_close
+
+import fastreduce
+from fastreduce.checkpoint import MARKER, CheckpointMismatchError
+from fastreduce.launch import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from elastic import MODES, Job, make_net, train as train_example  # noqa: E402  (examples/elastic.py)
+from train import make_model  # noqa: E402
+from test_fused import spawn_once  # noqa: E402
+
+SAVE_AT = 5  # steps before the checkpoint
+MORE = 4  # steps after it, on both sides
+KINDS = MODES + ("reducer",)  # reducer: the fused mode's object form
+SPAWN_TIMEOUT = 150.0
+EXACT = {"rtol": 0.0, "atol": 1e-6}
+
+pytestmark = pytest.mark.timeout(400)
+
+
+# ============================================================== helpers run in ranks
+
+class ReducerJob(Job):
+    """The fused mode in its object form: ``FusedReducer(error_feedback=True).reduce()``."""
+
+    def __init__(self, model: nn.Module):
+        self.kind, self.model, self.net = "reducer", model, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.mode = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16, error_feedback=True)
+
+
+def make_job(kind: str, model: nn.Module) -> Job:
+    return ReducerJob(model) if kind == "reducer" else Job(kind, model)
+
+
+def fresh(kind: str, rank: int, seed: int) -> Job:
+    """A job on a new model: weights from ``seed``, this rank's own random state after."""
+    torch.manual_seed(seed)
+    model = make_net()
+    torch.manual_seed(seed + 1 + rank)
+    return make_job(kind, model)
+
+
+def train(job: Job, steps: int) -> None:
+    """Batches from the global generator: a resumed run reproduces them only if the
+    checkpoint restored it."""
+    dtype = next(job.model.parameters()).dtype
+    for _ in range(steps):
+        job.step(torch.randn(16, 16).to(dtype), torch.randint(0, 4, (16,)))
+
+
+def params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def snapshot(job: Job) -> dict[str, Any]:
+    """Parameters and optimizer state (each rank's own), to check a failed load changed nothing."""
+    opt = None if job.opt is None else {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in st.items()}
+                                        for k, st in job.opt.state_dict()["state"].items()}
+    return {"params": params(job.model), "opt": opt}
+
+
+def guarded(fn: Callable[..., Any], *args: Any) -> dict:
+    try:
+        return {"ok": fn(*args)}
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        return {"error": traceback.format_exc()}
+
+
+def roundtrip(rank: int, root: str, kind: str) -> dict[str, Any]:
+    """Reference: SAVE_AT steps, save, MORE steps. Resumed: a fresh job loads, MORE steps."""
+    job = fresh(kind, rank, 0)
+    ckpt = job.checkpointer(f"{root}/{kind}")
+    train(job, SAVE_AT)
+    ckpt.save(SAVE_AT)
+    train(job, MORE)
+    job.settle()
+    again = fresh(kind, rank, 100)
+    before = params(again.model)
+    step = again.checkpointer(f"{root}/{kind}").load_latest()
+    train(again, MORE)
+    again.settle()
+    return {"step": step, "ref": params(job.model), "resumed": params(again.model), "before": before}
+
+
+def uncommitted(rank: int, root: str) -> dict[str, Any]:
+    """A save whose marker never came (killed before the commit) and a stray partial
+    folder are never loaded, and the next save clears them."""
+    d = f"{root}/uncommitted"
+    job = fresh("fused", rank, 0)
+    ckpt = job.checkpointer(d, keep=5)
+    train(job, 2)
+    ckpt.save(2)
+    at_2 = params(job.model)
+    train(job, 2)
+    ckpt.save(4)
+    if rank == 0:
+        os.remove(f"{d}/step-00000004/{MARKER}")  # as if killed after writing, before the commit
+        os.makedirs(f"{d}/step-00000009")
+        Path(f"{d}/step-00000009/__0_0.distcp").write_bytes(b"half a file")
+    dist.barrier()
+    again = fresh("fused", rank, 100)
+    ck2 = again.checkpointer(d, keep=5)
+    step = ck2.load_latest()
+    loaded = params(again.model)
+    ck2.save(3)
+    dist.barrier()
+    return {"step": step, "at_2": at_2, "loaded": loaded, "steps_after": ck2.steps(),
+            "folders_after": sorted(os.listdir(d))}
+
+
+def keep_two(rank: int, root: str) -> dict[str, Any]:
+    d = f"{root}/keep"
+    job = fresh("zero", rank, 0)
+    ckpt = job.checkpointer(d, keep=2)
+    for s in range(1, 5):
+        train(job, 1)
+        ckpt.save(s)
+    dist.barrier()
+    return {"steps": ckpt.steps(), "folders": sorted(os.listdir(d))}
+
+
+def nothing_yet(rank: int, root: str) -> dict[str, Any]:
+    job = fresh("fused", rank, 0)
+    before = snapshot(job)
+    step = job.checkpointer(f"{root}/empty").load_latest()
+    return {"step": step, "same": _same(before, snapshot(job))}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    try:
+        assert_close(a, b, rtol=0, atol=0)
+        return True
+    except AssertionError:
+        return False
+
+
+class Renamed(nn.Module):
+    """make_net()'s layers under other names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+        self.body = make_model(dim=16, hidden=32, classes=4, depth=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.drop(x))
+
+
+OTHERS: dict[str, Callable[[], Job]] = {
+    "shape": lambda: Job("fused", nn.Sequential(nn.Dropout(0.1), make_model(dim=16, hidden=24, classes=4, depth=1))),
+    "names": lambda: Job("fused", Renamed()),
+    "dtype": lambda: Job("fused", make_net().double()),
+    "mode": lambda: Job("overlap", make_net()),
+    "optimizer": lambda: _sgd_job(),
+}
+"""Jobs that must refuse the ``fused`` AdamW checkpoint of make_net(), each for one reason."""
+
+
+def _sgd_job() -> Job:
+    job = Job("fused", make_net())
+    job.opt = torch.optim.SGD(job.model.parameters(), lr=0.1, momentum=0.9)
+    return job
+
+
+def mismatches(rank: int, root: str) -> dict[str, Any]:
+    d = f"{root}/mismatch"
+    job = fresh("fused", rank, 0)
+    train(job, 2)
+    job.checkpointer(d).save(2)
+    out = {}
+    for why, make in OTHERS.items():
+        torch.manual_seed(7)
+        other = make()
+        train(other, 1)  # optimizer state to keep
+        before = snapshot(other)
+        try:
+            other.checkpointer(d).load_latest()
+            out[why] = {"raised": None}
+        except CheckpointMismatchError as e:
+            out[why] = {"raised": type(e).__name__, "message": str(e), "unchanged": _same(before, snapshot(other))}
+    return out
+
+
+def reducer_state_errors(rank: int, root: str) -> dict[str, str]:
+    """FusedReducer.load_state_dict refuses residuals it cannot hold, before the layout exists."""
+    torch.manual_seed(0)
+    model = make_net()
+    residuals = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
+    out = {}
+    for why, reducer, state in [
+            ("no error feedback", fastreduce.FusedReducer(model), {"residuals": residuals}),
+            ("another size", fastreduce.FusedReducer(model, error_feedback=True),
+             {"residuals": {**residuals, "1.0.weight": torch.zeros(3)}}),
+            ("not a state", fastreduce.FusedReducer(model, error_feedback=True), {"step": 3})]:
+        try:
+            reducer.load_state_dict(state)
+            out[why] = "no error"
+        except ValueError as e:
+            out[why] = str(e)
+    return out
+
+
+def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    out = {f"roundtrip-{k}": guarded(roundtrip, rank, root, k) for k in KINDS}
+    for name, fn in [("uncommitted", uncommitted), ("keep", keep_two), ("nothing", nothing_yet),
+                     ("mismatch", mismatches), ("saved-at-2", saved_at_2), ("reducer-errors", reducer_state_errors)]:
+        out[name] = guarded(fn, rank, root)
+    return out
+
+
+def saved_at_2(rank: int, root: str) -> dict[str, Any]:
+    """Checkpoints for the 3-rank group: ZeRO with its full state, gossip, fused."""
+    out = {}
+    for kind in ("zero", "gossip", "fused"):
+        job = fresh(kind, rank, 0)
+        train(job, SAVE_AT)
+        job.checkpointer(f"{root}/w2-{kind}").save(SAVE_AT)
+        job.settle()
+        out[kind] = {"params": params(job.model),
+                     "opt": job.opt.state_dict() if kind in ("zero", "fused") else None}
+    return out
+
+
+def three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    out = {}
+    for kind in ("zero", "fused", "gossip"):
+        def load(kind: str = kind) -> dict[str, Any]:
+            job = fresh(kind, rank, 100)
+            step = job.checkpointer(f"{root}/w2-{kind}").load_latest()
+            job.settle()
+            return {"step": step, "params": params(job.model), "opt": job.opt.state_dict() if job.opt else None}
+
+        def refused(kind: str = kind) -> dict[str, Any]:
+            try:
+                load(kind)
+            except CheckpointMismatchError as e:
+                return {"message": str(e)}
+            return {"message": None}
+
+        out[kind] = guarded(refused if kind == "gossip" else load)
+    return out
+
+
+# ============================================================== helpers run in the parent
+
+_SPAWNS: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+def spawn(name: str, fn: Callable[..., Any], world: int, root: str) -> list[dict[str, Any]]:
+    """One group per name, run once per module; a failed spawn fails every test asking."""
+    return spawn_once(_SPAWNS, name, lambda: run_ranks(fn, world, root, timeout=SPAWN_TIMEOUT))
+
+
+def unwrap(result: dict) -> Any:
+    if "error" in result:
+        pytest.fail("sub-case raised inside a rank:\n" + result["error"], pytrace=False)
+    return result["ok"]
+
+
+def at_two(root: str, key: str) -> list[Any]:
+    return [unwrap(r[key]) for r in spawn("two", two_ranks, 2, root)]
+
+
+# ============================================================== Checkpointer
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_equals_uninterrupted(root: str, kind: str) -> None:
+    """Save, then fresh objects (other weights, other random state) load and train on:
+    the same parameters as never stopping, on every rank."""
+    results = at_two(root, f"roundtrip-{kind}")
+    for rank, r in enumerate(results):
+        assert r["step"] == SAVE_AT
+        assert not _same({"p": r["before"]}, {"p": r["ref"]}), "the fresh job must start elsewhere"
+        assert_close(r["resumed"], r["ref"], **EXACT, msg=lambda m, rank=rank: f"rank {rank}: {m}")
+    if kind in ("gossip", "local", "diloco"):  # per-rank parameters: rank 1 did not get rank 0's
+        assert not _same({"p": results[0]["ref"]}, {"p": results[1]["ref"]})
+
+
+def test_uncommitted_checkpoint_is_never_loaded(root: str) -> None:
+    for r in at_two(root, "uncommitted"):
+        assert r["step"] == 2
+        assert_close(r["loaded"], r["at_2"], rtol=0, atol=0)
+        assert r["steps_after"] == [2, 3]
+        assert r["folders_after"] == ["step-00000002", "step-00000003"]  # the partial ones removed
+
+
+def test_keep_prunes_older_checkpoints(root: str) -> None:
+    for r in at_two(root, "keep"):
+        assert r["steps"] == [3, 4]
+        assert r["folders"] == ["step-00000003", "step-00000004"]
+
+
+def test_no_checkpoint_starts_at_zero(root: str) -> None:
+    for r in at_two(root, "nothing"):
+        assert r == {"step": 0, "same": True}
+
+
+def test_reducer_state_refuses_residuals_it_cannot_hold(root: str) -> None:
+    for r in at_two(root, "reducer-errors"):
+        assert "built without error_feedback=True" in r["no error feedback"]
+        assert "the residual saved for '1.0.weight' does not fit this model" in r["another size"]
+        assert "not a FusedReducer.state_dict()" in r["not a state"]
+
+
+EXPECTED = {
+    "shape": "its parameter '1.0.weight' is (32, 16) torch.float32, this model's is (24, 16) torch.float32",
+    "names": "its parameter #0 is '1.0.weight' (32, 16) torch.float32, this model's is parameter 'body.0.weight'",
+    "dtype": "its parameter '1.0.weight' is (32, 16) torch.float32, this model's is (32, 16) torch.float64",
+    "mode": "it was saved in mode 'fused', this job runs mode 'overlap'",
+    "optimizer": "its optimizer is AdamW, this job's is SGD",
+}
+
+
+@pytest.mark.parametrize("why", sorted(EXPECTED))
+def test_checkpoint_from_another_model_raises_and_changes_nothing(root: str, why: str) -> None:
+    for r in at_two(root, "mismatch"):
+        got = r[why]
+        assert got["raised"] == "CheckpointMismatchError", got
+        assert EXPECTED[why] in got["message"], got["message"]
+        assert "Nothing was loaded" in got["message"]
+        assert got["unchanged"]
+
+
+def test_zero_loads_onto_another_world_size(root: str) -> None:
+    saved = at_two(root, "saved-at-2")[0]["zero"]
+    for r in spawn("three", three_ranks, 3, root):
+        got = unwrap(r["zero"])
+        assert got["step"] == SAVE_AT
+        assert_close(got["params"], saved["params"], rtol=0, atol=0)
+        assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
+
+
+def test_fused_loads_onto_another_world_size(root: str) -> None:
+    saved = at_two(root, "saved-at-2")[0]["fused"]
+    for r in spawn("three", three_ranks, 3, root):
+        got = unwrap(r["fused"])
+        assert_close(got["params"], saved["params"], rtol=0, atol=0)
+        assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
+
+
+def test_per_rank_mode_refuses_another_world_size(root: str) -> None:
+    at_two(root, "saved-at-2")
+    for r in spawn("three", three_ranks, 3, root):
+        msg = unwrap(r["gossip"])["message"]
+        assert msg is not None and "per-rank state of 2 ranks" in msg and "resume it on 2 ranks" in msg
+
+
+# ============================================================== torchrun, a rank killed
+
+KILL_AT, EVERY, STEPS = 13, 5, 16
+TORCHRUN_TIMEOUT = 240
+
+
+def uninterrupted(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The reference: examples/elastic.py's training, every mode, never stopped."""
+    return {mode: train_example(mode, f"{root}/whole-{mode}", steps=STEPS, every=EVERY) for mode in MODES}
+
+
+def torchrun(mode: str, directory: Path, out: Path) -> str:
+    """examples/elastic.py under torchrun --max-restarts 3, rank 1 SIGKILLed at KILL_AT."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--monitor-interval", "0.1", str(ROOT / "examples" / "elastic.py"),
+           "--mode", mode, "--dir", str(directory), "--out", str(out), "--steps", str(STEPS),
+           "--every", str(EVERY), "--kill-rank", "1", "--kill-at-step", str(KILL_AT)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=TORCHRUN_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT}s:\n{str(e.output)[-4000:]}")
+    assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-6000:]}"
+    return done.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_killed_rank_restarts_and_ends_as_uninterrupted(root: str, tmp_path: Path, mode: str) -> None:
+    """Rank 1 SIGKILLed at step 13: torchrun restarts the job, which resumes from step 10
+    and ends with every rank's parameters equal to an uninterrupted run's."""
+    log = torchrun(mode, tmp_path / "ckpt", tmp_path / "out.pt")
+    killed = torch.load(tmp_path / "out.pt")["ranks"]
+    whole = [r[mode] for r in spawn("whole", uninterrupted, 2, root)]
+    assert "exitcode: -9" in log and "local_rank: 1" in log, log[-3000:]
+    assert [(r["attempt"], r["resumed_at"]) for r in killed] == [(1, 10), (1, 10)], log[-3000:]
+    assert [(r["attempt"], r["resumed_at"]) for r in whole] == [(0, 0), (0, 0)]
+    for rank, (a, b) in enumerate(zip(killed, whole)):
+        assert_close(a["params"], b["params"], **EXACT, msg=lambda m, rank=rank: f"rank {rank}: {m}")
+    if mode in ("gossip", "local", "diloco"):  # per-rank parameters: each rank got its own back
+        assert not _same({"p": killed[0]["params"]}, {"p": killed[1]["params"]})
+    shutil.rmtree(tmp_path, ignore_errors=True)
