@@ -5,13 +5,17 @@ After ``zero_grad(set_to_none=True)`` autograd hands each parameter a fresh grad
 instead of accumulating into its view of the flat buffer. :func:`adopt` copies those in
 (one ``_foreach_copy_``) and re-attaches the views, after validating every gradient
 first, so an error leaves all of them as they were.
+
+Non-finite gradients (every mode's ``nonfinite`` setting): :class:`FiniteCheck` looks
+for inf/NaN in a mode's flat buffers (or a list of gradients) with one fused kernel per
+dtype; :func:`nonfinite_error` names the first parameter holding one.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +24,75 @@ from .buffer import FusedBuffer, foreach_copy
 from .comm import broadcast_from_rank0
 from .layout import GradLayout
 
-__all__ = ["adopt", "check_grad", "missing_message", "one_device", "start_from_rank0"]
+__all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "adopt", "agree_first", "check_grad",
+           "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error", "one_device",
+           "start_from_rank0"]
+
+NonFinite = Literal["ignore", "raise", "skip"]
+NONFINITE = ("ignore", "raise", "skip")
+
+
+class NonFiniteGradError(RuntimeError):
+    """Gradients (or what a mode averages: parameters, pseudo-gradients) hold inf or NaN
+    under ``nonfinite="raise"``; raised on every rank that shares the verdict."""
+
+
+def check_nonfinite(value: str) -> str:
+    """``value`` if it is a ``nonfinite`` setting, else a ``ValueError`` listing them."""
+    if value not in NONFINITE:
+        raise ValueError(f"nonfinite must be 'ignore', 'raise' or 'skip', got {value!r}")
+    return value
+
+
+class FiniteCheck:
+    """Whether tensors hold inf or NaN: one ``torch._amp_foreach_non_finite_check_and_unscale_``
+    per dtype (GradScaler's kernel, with a unit scale, so the values stay bit-identical)
+    into a persistent flag, so a check allocates nothing and launches one kernel per
+    dtype, however many tensors (on CPU, measured: 10 ms for 10M fp32 elements against
+    140 ms for ``isfinite(t).all()``, which allocates a mask). The flag stays on the
+    device; :meth:`__call__` reads it back (one host sync)."""
+
+    def __init__(self, device: torch.device):
+        self.found = torch.zeros(1, dtype=torch.float32, device=device)
+        self.unit = torch.ones(1, dtype=torch.float32, device=device)
+
+    def flag(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The device flag: 1.0 if any of ``tensors`` holds inf/NaN, else 0.0."""
+        self.found.zero_()
+        dtypes: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:  # a few flat buffers, or one list per dtype
+            dtypes.setdefault(t.dtype, []).append(t)
+        for same in dtypes.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, self.found, self.unit)
+        return self.found
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True when every one of ``tensors`` is finite."""
+        return not bool(self.flag(tensors).item())
+
+
+def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int | None:
+    """Index of the first of ``tensors`` holding inf/NaN (error path only: one check each)."""
+    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), None)
+
+
+def agree_first(index: int | None, n: int, group: dist.ProcessGroup | None, device: torch.device) -> int | None:
+    """The smallest of every rank's ``index`` (``None``: none on this rank) of ``n``, on
+    every rank: one MIN all-reduce, to name the same parameter everywhere (error path)."""
+    t = torch.tensor([float(n if index is None else index)], device=device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    first = int(t.item())
+    return first if first < n else None
+
+
+def nonfinite_error(what: str, name: str | None, state: str) -> NonFiniteGradError:
+    """The error of ``nonfinite="raise"``: ``what`` holds inf/NaN, first in ``name``;
+    ``state`` says what the failed step left behind."""
+    where = f", first in parameter {name!r}" if name is not None else ""
+    return NonFiniteGradError(
+        f"{what} hold inf or NaN{where}; {state} Lower the learning rate or loss scale, use a "
+        "GradScaler, or pass nonfinite='skip' to skip such steps")
 
 
 def one_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:

@@ -19,6 +19,7 @@ plan that carries one sends every launch there.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Protocol
 
 import torch
@@ -143,11 +144,25 @@ class Fp32Accumulate:
     """Average a bf16/fp16 ``wire`` buffer in place, summing in fp32 (see the module doc).
 
     ``wire.numel()`` must be a multiple of the world size. Holds persistent scratch:
-    one wire-sized receive buffer and two fp32 chunks, so a call allocates nothing.
-    Synchronous: the local sum sits between the two collectives.
+    one wire-sized receive buffer and two fp32 chunks, so a launch allocates nothing.
+
+    Two phases, so that a bucket launched from a backward hook never waits there for
+    its own data: :meth:`start` launches the all-to-all and returns; :meth:`advance`
+    waits for it, sums this rank's chunk in fp32 and launches the gather;
+    :meth:`wait` advances, then waits for the gather. Every rank must issue the
+    collectives of a group in the same order, so the accumulations of one group share
+    a ``backlog`` (started, not yet advanced, in launch order) and an advance first
+    advances every earlier one: the order of the second collectives is then the launch
+    order on every rank, whatever the timing. The caller decides when to advance (the
+    overlapped mode: the previous bucket, right after launching the next one, so the
+    sum of one bucket overlaps the next one's all-to-all; on NCCL/HCCL a wait is a
+    stream wait, so nothing there blocks the host).
     """
 
-    def __init__(self, wire: torch.Tensor, plan: MeanPlan):
+    collectives = 2
+    """Collectives per launch (for counters)."""
+
+    def __init__(self, wire: torch.Tensor, plan: MeanPlan, backlog: deque[Fp32Accumulate] | None = None):
         world = plan.world
         if wire.numel() % world:
             raise ValueError(f"buffer of {wire.numel()} elements does not split into {world} chunks")
@@ -157,9 +172,32 @@ class Fp32Accumulate:
         self.acc = torch.empty(self.rows.shape[1], dtype=torch.float32, device=wire.device)
         self.tmp = torch.empty_like(self.acc)
         self.gather_by_all_to_all = dist.get_backend(plan.group) == "gloo"
+        self.backlog: deque[Fp32Accumulate] = deque() if backlog is None else backlog
+        self.first: Any = None  # the all-to-all in flight (phase 1)
+        self.second: Any = None  # the gather in flight (phase 2)
 
     def __call__(self) -> None:
-        dist.all_to_all_single(self.recv, self.wire, group=self.group)
+        """Both phases, synchronously."""
+        self.start().wait()
+
+    def start(self) -> Fp32Accumulate:
+        """Launch the all-to-all of every rank's chunks (phase 1); return ``self`` to wait on."""
+        if self.first is not None or self.second is not None:
+            raise RuntimeError("this buffer's fp32 accumulation is already in flight; wait() for "
+                               "it before starting it again")
+        self.first = dist.all_to_all_single(self.recv, self.wire, group=self.group, async_op=True)
+        self.backlog.append(self)
+        return self
+
+    def advance(self) -> None:
+        """Sum and launch the gather (phase 2) of this accumulation and, first, of every
+        earlier one of the backlog; a no-op once done."""
+        while self.first is not None:
+            self.backlog.popleft()._gather()
+
+    def _gather(self) -> None:
+        self.first.wait()
+        self.first = None
         self.acc.copy_(self.rows[0])
         for r in range(1, self.world):  # world-size ops, never per-parameter ones
             self.tmp.copy_(self.rows[r])
@@ -167,10 +205,18 @@ class Fp32Accumulate:
         self.acc.div_(self.world)
         if self.gather_by_all_to_all:
             self.rows.copy_(self.acc.expand_as(self.rows))
-            dist.all_to_all_single(self.wire, self.recv, group=self.group)
+            self.second = dist.all_to_all_single(self.wire, self.recv, group=self.group, async_op=True)
         else:
             self.rows[0].copy_(self.acc)
-            all_gather_flat(self.wire, self.rows[0], self.group)
+            self.second = all_gather_flat(self.wire, self.rows[0], self.group, async_op=True)
+
+    def wait(self) -> bool:
+        """Advance, then wait for the gather: ``wire`` holds the mean."""
+        self.advance()
+        if self.second is not None:
+            second, self.second = self.second, None
+            second.wait()
+        return True
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:

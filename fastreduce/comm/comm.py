@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 
+from ..faults import start_heartbeat
 from ..profiling import span
 from .collectives import Fp32Accumulate, MeanPlan, Pending, all_gather_flat, plan_mean, reduce_scatter_flat, start_all_reduce
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
@@ -86,6 +88,7 @@ class Comm:
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._plans: dict[torch.dtype, MeanPlan] = {}
         self._accumulators: dict[tuple, Fp32Accumulate] = {}
+        self._backlog: deque[Fp32Accumulate] = deque()  # launched, sum and gather not yet issued
         self._rows: dict[int, tuple] = {}  # mixing matrix -> (it, row, column, uniform)
 
     @property
@@ -142,21 +145,28 @@ class Comm:
                    unpack: Callable[[], None] | None = None) -> Pending:
         """Launch ``buf`` := mean over ranks; ``pack`` fills it first (dividing, if
         ``plan.prescale``), ``unpack`` runs once it is done (see
-        :func:`~.collectives.start_all_reduce`). A ``plan.fp32_accumulate`` plan runs
-        :class:`~.collectives.Fp32Accumulate` here, synchronously (``buf`` splits into
-        world-size chunks; its scratch is kept per buffer)."""
+        :func:`~.collectives.start_all_reduce`).
+
+        A ``plan.fp32_accumulate`` plan launches the first half of
+        :class:`~.collectives.Fp32Accumulate` (``buf`` splits into world-size chunks;
+        its scratch is kept per buffer) and returns it to wait on; the second half of
+        the previous such launch on this group (its fp32 sum and gather) is issued
+        right after, so in the overlapped mode each bucket's sum runs while the next
+        bucket's all-to-all is on the wire and the last one's in ``wait()``."""
         if not plan.fp32_accumulate:
             return start_all_reduce(buf, plan, pack, unpack)
         key = ("fp32_accumulate", buf.data_ptr(), buf.numel(), buf.dtype)
         accumulate = self._accumulators.get(key)
         if accumulate is None:
-            accumulate = self._accumulators[key] = Fp32Accumulate(buf, plan)
+            accumulate = self._accumulators[key] = Fp32Accumulate(buf, plan, self._backlog)
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
         with span("fastreduce::all_reduce"):
-            accumulate()  # two collectives around a local fp32 sum
-        return None, unpack
+            accumulate.start()  # all-to-all out; the fp32 sum and the gather follow
+            if len(self._backlog) > 1:
+                self._backlog[-2].advance()
+        return accumulate, unpack
 
     def reduce_scatter(self, buf: torch.Tensor, out: torch.Tensor | None = None,
                        pack: Callable[[], None] | None = None, fp32_sum: bool = False) -> Pending:
@@ -336,6 +346,7 @@ def get_comm(group: dist.ProcessGroup | None, device: torch.device, transport: s
         raise RuntimeError("torch.distributed is not initialized: call "
                            "fastreduce.init_distributed() (or torch.distributed.init_process_group) "
                            "on every rank first, e.g. in a script launched with torchrun")
+    start_heartbeat()  # so that a rank lost later can be named (fastreduce.faults)
     pg = group or dist.group.WORLD
     per_pg = _comms.setdefault(pg, {})
     key = (torch.device(device), resolve_transport(transport))
