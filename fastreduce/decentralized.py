@@ -43,8 +43,11 @@ from torch import nn
 
 from .buffer import TensorBlock, _view, params_as_views
 from .comm import Pending, complete, get_comm
-from .grads import one_device, start_from_rank0
-from .layout import GradLayout, bucket_runs
+from .faults import guarded
+from .grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
+                    one_device, start_from_rank0)
+from .join import JoinableMode
+from .layout import GradLayout, bucket_runs, verify_model
 from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
                       remove_hooks)
 from .topology import Topology, make_topology
@@ -58,7 +61,7 @@ SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 _DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
 
 
-class DecentralizedDataParallel(nn.Module):
+class DecentralizedDataParallel(nn.Module, JoinableMode):
     """Gossip data parallelism over a time-varying topology (see the module doc).
 
     Args:
@@ -78,6 +81,19 @@ class DecentralizedDataParallel(nn.Module):
         buffers: ``mix``: float buffers (BatchNorm statistics) are mixed with the same
             topology as each step closes (in the next forward, before the model runs);
             ``local``: each rank keeps its own until :meth:`global_avg` (decent-dp's way).
+        nonfinite: gradients holding inf/NaN: ``ignore`` (no check), ``skip`` or
+            ``raise``. Gradients never leave their rank here (only parameters go to a
+            few neighbours), so there is no average for all ranks to judge alike: each
+            rank checks its own gradients of each bucket before stepping that bucket
+            (one fused kernel over the bucket's gradients), and the verdict is that
+            rank's. ``skip``: the bucket's optimizer step is skipped on that rank (its
+            parameters are the mixed ones, its optimizer state untouched), its gradients
+            are zeroed and its exchange goes on as usual, so the rounds stay matched and
+            no inf/NaN reaches a neighbour; :attr:`skipped_steps` counts such bucket
+            steps. ``raise``: the same, then :class:`~fastreduce.NonFiniteGradError`
+            (naming the first such parameter) on that rank only, as its backward ends
+            (every exchange of the step launched), or from the forward that closes the
+            step. With a ``scaler``, the scaler's own check decides.
 
     Example::
 
@@ -93,8 +109,11 @@ class DecentralizedDataParallel(nn.Module):
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
                  group: dist.ProcessGroup | None = None, bucket_mb: float | None = None,
                  wire_dtype: torch.dtype | None = None, local_world_size: int | None = None,
-                 buffers: str = "mix"):
+                 buffers: str = "mix", nonfinite: NonFinite = "ignore"):
         super().__init__()
+        self.nonfinite = check_nonfinite(nonfinite)
+        self.skipped_steps = 0  # bucket steps skipped on this rank for inf/NaN gradients
+        self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
         if not (dist.is_available() and dist.is_initialized()):
@@ -114,10 +133,14 @@ class DecentralizedDataParallel(nn.Module):
         if not named:
             raise ValueError("no parameter of the model requires grad: nothing to train")
         self.device = one_device(named)
+        verify_model(named, group, self.device, type(self).__name__)
         self.comm = get_comm(group, self.device, None)
+        self._init_join(group, self.device)
+        self._join_owes_close = False  # a joined rank's shadow step is closed at the next one
         self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
         self._named = named
         self.buffers = buffers
+        self._check: FiniteCheck | None = None  # nonfinite: made on first use
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
         self._round = 0  # the round of the next exchange
@@ -130,9 +153,14 @@ class DecentralizedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public
 
+    @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
+             "took the last step and others did not.")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
+            if self._join_config.enable and self._step_open():
+                self._join_notify()  # under Join: this rank is active; closing the step opens the next
             self._catch_up()
+            self._raise_nonfinite()
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -262,10 +290,31 @@ class DecentralizedDataParallel(nn.Module):
                 self._update(b, False)
             self._close_step()
             return
+        if self._join_owes_close:
+            self._join_owes_close = False
+            self._close_step()
+            return
         sched = self._schedule
         if any(sched.fired) or sched.next:
             sched.finish(quiet=True)
             self._close_step()
+
+    def _step_open(self) -> bool:
+        """Whether :meth:`_catch_up` has a step to close (collectives to run)."""
+        if not self._built:
+            return self._recorder is not None and self._synced_backward
+        return self._join_owes_close or any(self._schedule.fired) or bool(self._schedule.next)
+
+    def _join_shadow(self) -> None:
+        """A joined rank's step under Join: close its last step, then every bucket
+        exchanges as on the active ranks, with no optimizer step (the rank keeps mixing
+        its parameters with its peers', it adds no gradient); closed at the next one."""
+        self._catch_up()
+        if not self._built:
+            raise RuntimeError("a rank joined before its first synced step: under Join every rank "
+                               "must train at least one step (the first one lays out the buckets)")
+        self._schedule.finish(quiet=True)
+        self._join_owes_close = True
 
     def _close_step(self) -> None:
         self._mix_buffers()
@@ -351,6 +400,8 @@ class DecentralizedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ every bucket, every step
 
+    @guarded("{cls}'s exchange of a bucket (in backward, or closing the step in forward)", "The parameters "
+             "are lost: the buckets before this one took this step, this one and those after it did not.")
     @torch.no_grad()
     def _update(self, b: int, _packed: bool) -> Pending:
         """Bucket ``b``'s step: apply the mix of its last exchange, step its optimizer,
@@ -360,7 +411,8 @@ class DecentralizedDataParallel(nn.Module):
         if pending is not None:
             complete(pending)
             flat, mixed = self._swap(b)
-        self._step_optimizer(b)
+        if not self._join_joined:  # a joined rank (Join) mixes but does not step
+            self._step_optimizer(b)
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)
         self._exchanges[b] = self.comm.mix(send, mixed, self.topology.mixing(self._round), pack)
@@ -387,7 +439,7 @@ class DecentralizedDataParallel(nn.Module):
             self.scaler.step(opt)
             if b == len(self._optims) - 1:
                 self.scaler.update()
-        else:
+        elif self._finite(b, params):
             if self.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
             opt.step()
@@ -395,6 +447,38 @@ class DecentralizedDataParallel(nn.Module):
         if self._scheds[b] is not None:
             self._scheds[b].step()
 
+    def _finite(self, b: int, params: list[nn.Parameter]) -> bool:
+        """``nonfinite``: whether bucket ``b``'s gradients are finite (one fused check of
+        them); if not, count it and, under ``raise``, arrange for the error."""
+        if self.nonfinite == "ignore":
+            return True
+        if self._check is None:
+            self._check = FiniteCheck(self.device)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or self._check(grads):
+            return True
+        self.skipped_steps += 1
+        if self.nonfinite == "skip":
+            log.warning("fastreduce: DecentralizedDataParallel: rank %d's gradients hold inf or NaN; its step "
+                        "of bucket %d is skipped (nonfinite='skip')", self.rank, b)
+        elif self._nonfinite_error is None:
+            names = [self._names[i] for i in self._buckets[b].slots]
+            i = first_nonfinite([p.grad if p.grad is not None else p.detach()[:0] for p in params])
+            self._nonfinite_error = nonfinite_error(
+                f"rank {self.rank}'s gradients", None if i is None else names[i],
+                "this rank skipped that bucket's optimizer step and sent its parameters as usual: the "
+                "parameters and optimizer state are as before the step, and the other ranks go on.")
+            if torch._C._current_graph_task_id() != -1:  # in backward: raise as it ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._raise_nonfinite)
+        return False
+
+    def _raise_nonfinite(self) -> None:
+        err, self._nonfinite_error = self._nonfinite_error, None
+        if err is not None:
+            raise err
+
+    @guarded("the wait for {cls}'s exchanges in flight", "The exchange in flight is lost; the parameters are this "
+             "rank's own, unmixed with the other ranks' since the last exchange that completed.")
     def _drain(self) -> None:
         """Finish the step in progress and wait for every exchange in flight (its mixed
         result stays pending, to be applied at the bucket's next step)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from .backends import detect_device
 
-__all__ = ["DistInfo", "init_distributed"]
+__all__ = ["DistInfo", "GroupSnapshot", "init_distributed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,11 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta = timedel
             env.setdefault("MASTER_PORT", str(free_port()))
             env.setdefault("RANK", "0")
             env.setdefault("WORLD_SIZE", "1")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            logging.getLogger(__name__).warning(
+                "fastreduce: a torchrun restart on the store its failed attempt used: a rank may read an "
+                "address that attempt left there and fail to connect (pytorch#135712); launch torchrun "
+                "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that every attempt gets a fresh store")
         if backend == "hccl":
             from .backends.hpu import import_hccl
 
@@ -61,3 +67,39 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta = timedel
         dist.init_process_group(backend, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                                 timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+class GroupSnapshot:
+    """The process group a mode was built on, to tell later whether it is still the same.
+
+    A layout, its buffers and its shared-memory segments belong to one group: when the
+    default group is destroyed and made again (an in-process restart), or resized, they
+    must not be used. :meth:`check` costs two Python calls.
+    """
+
+    __slots__ = ("group", "world_size", "world")
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.world = dist.group.WORLD  # what group=None meant then
+
+    def changed(self) -> bool:
+        try:
+            return (not dist.is_initialized() or dist.get_world_size(self.group) != self.world_size
+                    or (self.group is None and dist.group.WORLD is not self.world))
+        except (RuntimeError, ValueError):  # a subgroup destroyed since
+            return True
+
+    def check(self, owner: str) -> None:
+        """Raise if the group changed since ``owner`` (e.g. ``"FusedReducer"``) was built."""
+        if not self.changed():
+            return
+        try:
+            now: object = dist.get_world_size(self.group)
+        except (RuntimeError, ValueError):
+            now = "none (the group is gone)"
+        raise RuntimeError(f"the process group changed since this {owner} was built (world size "
+                           f"{self.world_size} then, {now} now): its layout and buffers belong to "
+                           f"the old group. Build a new {owner} on the current group and, after a "
+                           "restart, load the training state from a checkpoint (fastreduce.checkpoint)")

@@ -39,23 +39,23 @@ import torch.distributed as dist
 
 from .backends import BACKENDS, Backend, select_backend
 from .buffer import FusedBuffer, attached
-from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, get_comm
-from .grads import adopt, check_grad, missing_message, one_device
-from .layout import GradLayout, verify_across_ranks
+from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
+from .engine import GroupSnapshot
+from .faults import guarded
+from .grads import (FiniteCheck, NonFinite, NonFiniteGradError, adopt, check_grad, check_nonfinite, first_nonfinite,
+                    missing_message, nonfinite_error, one_device)
+from .join import JoinableMode, sync_from_last_joiner
+from .layout import GradLayout, bucket_runs, verify_across_ranks
 from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_launcher, default_bucket_mb,
                       first_bucket_mb, make_buckets, on_grad_ready, remove_hooks)
 from .profiling import span
 
-__all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "all_reduce_gradients"]
+__all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "all_reduce_gradients",
+           "gradient_reducer"]
 
 log = logging.getLogger(__name__)
 
 UnusedGrads = Literal["error", "zero"]
-NonFinite = Literal["ignore", "raise", "skip"]
-
-
-class NonFiniteGradError(RuntimeError):
-    """The averaged gradients hold inf or NaN (``nonfinite="raise"``); raised on every rank."""
 _get_requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -80,7 +80,9 @@ class ReducerConfig:
     accumulate_dtype: torch.dtype | None = None
     """``torch.float32`` sums a bf16/fp16 wire in fp32 (same bytes, two roundings at
     any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
-    lets the collective sum in the wire dtype. Fused mode only. The shared-memory
+    lets the collective sum in the wire dtype. In overlap mode each bucket is laid out
+    to split into world-size equal chunks and its sum and gather are issued after the
+    next bucket's all-to-all (at the latest in ``reduce()``). The shared-memory
     transport sums in fp32 either way."""
     nonfinite: NonFinite = "ignore"
     """What a reduction whose averaged gradients hold inf or NaN does (one check of the
@@ -93,8 +95,8 @@ class ReducerConfig:
     """With a wire narrower than the gradients (bf16/fp16 for fp32 grads): each rank
     adds what its last cast rounded away to the next step's gradients before casting
     (a persistent residual per gradient, fp32, one more model's worth of memory), so
-    rounding errors cancel over steps instead of accumulating. The residual is per rank
-    and not checkpointed (it is bounded by one rounding)."""
+    rounding errors cancel over steps instead of accumulating. The residual is per rank;
+    :meth:`FusedReducer.state_dict` holds it, for ``fastreduce.checkpoint``."""
     overlap: bool = False
     """Reduce during backward: buckets in backward order, each launched from a
     gradient hook as soon as its last gradient is ready."""
@@ -111,16 +113,12 @@ class ReducerConfig:
     def __post_init__(self) -> None:
         if self.accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
-        if self.accumulate_dtype is not None and self.overlap:
-            raise ValueError("accumulate_dtype=torch.float32 works in fused mode only; "
-                             "drop it or pass overlap=False")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
             raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
                              f"float32) or None, got {self.wire_dtype}")
-        if self.nonfinite not in ("ignore", "raise", "skip"):
-            raise ValueError(f"nonfinite must be 'ignore', 'raise' or 'skip', got {self.nonfinite!r}")
+        check_nonfinite(self.nonfinite)
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
         if self.transport not in TRANSPORTS:
@@ -225,7 +223,7 @@ class _Built:
     hooks: list[Any] = field(default_factory=list)  # the re-attach's forward pre-hook (and grad hooks)
 
 
-class FusedReducer:
+class FusedReducer(JoinableMode):
     """Averages a model's gradients across a process group with fused collectives.
 
     Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
@@ -267,13 +265,16 @@ class FusedReducer:
         self.model = model
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self._group_built = GroupSnapshot(group)
         self.stats = ReducerStats()
         self._built: _Built | None = None
         self._syncing = True
         self._warned_missing = False
         self._recorder: OrderRecorder | None = None
+        self._check: FiniteCheck | None = None  # nonfinite="raise"/"skip": made on first use
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in model.parameters() if p.requires_grad])
+        self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
     # ------------------------------------------------------------------ public
 
@@ -294,6 +295,9 @@ class FusedReducer:
             return 0
         return len(self._built.schedule.buckets) if self._built.schedule else 1
 
+    @guarded("{cls}.reduce()", "This step's gradients are lost: param.grad may hold this rank's own "
+             "gradients, a partial average or stale values (do not step the optimizer); the parameters "
+             "and optimizer state are as before the step.")
     @torch.no_grad()
     def reduce(self) -> bool:
         """Average every participating gradient over the group, in place; return whether
@@ -303,10 +307,17 @@ class FusedReducer:
         Collective: every rank of the group must call it. In overlap mode it waits for
         the buckets launched during backward (launching any left). Invalid gradients
         (sparse, on another device, missing under ``unused_grads="error"``) raise
-        before any gradient is touched. Under :meth:`no_sync` it does nothing.
+        before any gradient is touched. Calling it inside :meth:`no_sync` is an error
+        (the accumulated gradients would step unaveraged): call it after the block.
         """
-        if self.world_size == 1 or not self._syncing:
+        if not self._syncing:
+            raise RuntimeError("reduce() was called inside no_sync(): nothing would be averaged "
+                               "and each rank would step on its own gradients. Call reduce() "
+                               "after the no_sync() block, once per accumulation window; the "
+                               "gradients are left as they were")
+        if self.world_size == 1:
             return True
+        self._group_built.check("FusedReducer")
         built = self._built
         first = built is None
         if built is None:
@@ -318,29 +329,30 @@ class FusedReducer:
             self.stats.launched_in_backward += built.schedule.next
             missing, works = built.schedule.finish(quiet=first)
         else:
+            self._join_notify()  # under Join: this rank is active (overlap: at bucket 0's launch)
             missing, works = self._start_fused(built)
         self._complete(built, works, missing)
+        self._scale_grads(built, self._join_factor())
         return self._finite(built) if self.config.nonfinite != "ignore" else True
 
     finish = reduce
 
     def _finite(self, built: _Built) -> bool:
         """One check of the averaged wire buffer; on inf/NaN, ``raise`` or ``skip``."""
+        if self._check is None:
+            self._check = FiniteCheck(built.buffer.wire.device)
         with span("fastreduce::nonfinite_check"):
-            if bool(torch.isfinite(built.buffer.wire).all()):
+            if self._check((built.buffer.wire,)):
                 return True
         self.stats.nonfinite += 1
         if self.config.nonfinite == "skip":
             log.warning("fastreduce: the averaged gradients hold inf or NaN; reduce() returns False: "
                         "skip this optimizer step (nonfinite='skip')")
             return False
-        name = next((n for n, v in zip(built.layout.names, built.buffer.wire_views)
-                     if not bool(torch.isfinite(v).all())), "?")
-        raise NonFiniteGradError(
-            f"the averaged gradients hold inf or NaN, first in parameter {name!r} (some rank's "
-            "gradient was not finite, or overflowed the wire dtype); this step's gradients are "
-            "lost. Lower the learning rate or loss scale, use a GradScaler, or pass "
-            "nonfinite='skip' to skip such steps")
+        i = first_nonfinite(built.buffer.wire_views)
+        raise nonfinite_error("the averaged gradients", None if i is None else built.layout.names[i],
+                              "some rank's gradient was not finite, or overflowed the wire dtype; this "
+                              "step's gradients are lost.")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -409,6 +421,49 @@ class FusedReducer:
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's own state, for a checkpoint (``fastreduce.checkpoint.Checkpointer``
+        saves it under a per-rank key): each parameter's error-feedback residual, flat, by
+        name; empty without ``error_feedback`` or before the first :meth:`reduce`. The
+        rest (layout, buffers) is learned again from the model."""
+        out: dict[str, torch.Tensor] = {}
+        if self._built is not None:
+            for seg, res in zip(self._built.layout.segments, self._built.buffer.residuals):
+                if res is not None:
+                    out.update((s.name, res[s.offset:s.offset + s.numel].clone()) for s in seg.slots)
+        return {"residuals": out}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: now, or, before the first :meth:`reduce`, when that
+        learns the layout. Checked first (``ValueError``, nothing changed)."""
+        residuals = state_dict.get("residuals") if isinstance(state_dict, dict) else None
+        if not isinstance(residuals, dict):
+            raise ValueError("not a FusedReducer.state_dict() (no 'residuals' entry)")
+        if residuals and not self.config.error_feedback:
+            raise ValueError("this state holds error-feedback residuals but the reducer was built "
+                             "without error_feedback=True; build it with the settings it was saved with")
+        sizes = {n: p.numel() for n, p in self.model.named_parameters() if p.requires_grad}
+        for name, t in residuals.items():
+            if not torch.is_tensor(t) or sizes.get(name) != t.numel():
+                raise ValueError(f"the residual saved for {name!r} does not fit this model (its trainable "
+                                 f"parameter {name!r} has {sizes.get(name)} elements); another model?")
+        self._pending_state = residuals
+        if self._built is not None:
+            self._restore(self._built)
+
+    @torch.no_grad()
+    def _restore(self, built: _Built) -> None:
+        """Copy the residuals :meth:`load_state_dict` left waiting, if any, into ``built``'s buffer."""
+        pending = self.__dict__.pop("_pending_state", None)
+        if pending:
+            for seg, res in zip(built.layout.segments, built.buffer.residuals):
+                if res is not None:
+                    for s in seg.slots:
+                        if s.name in pending:
+                            res[s.offset:s.offset + s.numel].copy_(pending[s.name].reshape(-1))
+
     # ------------------------------------------------------------------ first call
 
     def _build(self) -> _Built:
@@ -425,7 +480,14 @@ class FusedReducer:
             self._recorder = None
             named = [named[i] for i in order]
         wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
-        layout = GradLayout(named, first_dtype=wire_dtype)
+        pg = dist.get_backend(self.group)
+        mb = cfg.bucket_mb or default_bucket_mb(pg)
+        # fp32 accumulation splits each collective's buffer into world-size chunks: in
+        # overlap mode every bucket is a segment of its own, padded to that.
+        per_bucket = cfg.overlap and cfg.accumulate_dtype is not None
+        segments = bucket_runs(named, [0] * len(named), int(mb * 2**20) // wire_dtype.itemsize) if per_bucket else None
+        layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
+                            pad_to=self.world_size if per_bucket else 1)
         # Which grads are present goes into the check too: a parameter that got a grad on
         # one rank but not on another is caught here, on every rank, not as a hang.
         present = tuple(p.grad is not None for p in layout.params)
@@ -446,11 +508,18 @@ class FusedReducer:
                                                                                 reattach.grad_ready)))
         built.reattach = reattach = _Reattach(layout, buffer, self.stats, watch)
         if cfg.overlap:
-            pg = dist.get_backend(self.group)
-            mb = cfg.bucket_mb or default_bucket_mb(pg)
-            first = first_bucket_mb(pg) if cfg.bucket_mb is None else None
-            buckets = make_buckets(layout, buffer, int(mb * 2**20), first and int(first * 2**20))
-            built.schedule = OverlapSchedule(layout, buckets, all_reduce_launcher(comm, plan, buckets),
+            first = first_bucket_mb(pg) if cfg.bucket_mb is None and not per_bucket else None
+            # (per_bucket: one bucket per segment, in segment order)
+            buckets = make_buckets(layout, buffer, 2**62 if per_bucket else int(mb * 2**20),
+                                   first and int(first * 2**20))
+            launch = all_reduce_launcher(comm, plan, buckets)
+
+            def launch_joined(b: int, packed: bool) -> Pending:
+                if b == 0:  # buckets launch in order: bucket 0 opens the step's collectives
+                    self._join_notify()
+                return launch(b, packed)
+
+            built.schedule = OverlapSchedule(layout, buckets, launch_joined,
                                              lambda idx, direct: self._adopt(built, idx, direct),
                                              direct=not (plan.prescale or cfg.error_feedback),
                                              on_grad=reattach.grad_ready)
@@ -461,6 +530,7 @@ class FusedReducer:
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
                      "order" if built.schedule else "one fused collective")
+        self._restore(built)  # residuals a checkpoint loaded before the layout existed
         return built
 
     @staticmethod
@@ -521,7 +591,7 @@ class FusedReducer:
         st = self.stats
         st.calls += 1
         st.wait_seconds += waited
-        st.collectives += sum(w is not None for w, _ in works) + (2 if built.plan.fp32_accumulate else 0)
+        st.collectives += sum(getattr(w, "collectives", 1) for w, _ in works if w is not None)
         st.bytes_reduced += built.buffer.nbytes
 
     @staticmethod
@@ -533,6 +603,40 @@ class FusedReducer:
             if count > 0:
                 built.layout.params[i].grad = built.buffer.views[i]
 
+    # ------------------------------------------------------------------ uneven inputs (Join)
+
+    @staticmethod
+    def _scale_grads(built: _Built, factor: float) -> None:
+        """Averaged over the group with joined ranks' zeros in it: x world / active."""
+        if factor != 1.0:
+            torch._foreach_mul_(built.buffer.flats, factor)
+
+    @torch.no_grad()
+    def _join_shadow(self) -> None:
+        """A joined rank's reduce(): the same collectives on a zeroed wire buffer (its
+        gradients are zeros from here on); nothing else (its optimizer does not step)."""
+        built = self._built
+        if built is None:
+            raise RuntimeError("a rank joined before its first reduce(): under Join every rank must "
+                               "reduce at least once (the first step learns the layout on every rank)")
+        built.buffer.wire.zero_()
+        built.buffer.zero_()
+        if built.schedule is not None:
+            works = [built.schedule.launch(b, True) for b in range(len(built.schedule.buckets))]
+        else:
+            works = [built.comm.all_reduce(built.buffer.wire, built.plan)]
+        if built.flags is not None:
+            built.flags.zero_()
+            works.append((dist.all_reduce(built.flags, group=self.group, async_op=True), None))
+        for pending in works:
+            complete(pending)
+
+    def _join_finish(self, is_last_joiner: bool) -> None:
+        """Joined ranks did not step: every rank takes a last joiner's parameters and
+        buffers (as DDP does), so all end alike."""
+        sync_from_last_joiner([t.data for t in self.model.parameters()] + list(self.model.buffers()),
+                              self.group, is_last_joiner)
+
     def _raise_unfrozen(self, built: _Built) -> None:
         names = {id(p): n for n, p in self.model.named_parameters()}
         thawed = [names.get(id(p), "?") for p in built.frozen if p.requires_grad]
@@ -543,7 +647,11 @@ class FusedReducer:
 
 
 class _ReducerCache(dict):
-    """Reducers kept on the model; copies and pickles of the model start without any."""
+    """Reducers kept on the model; copies and pickles of the model start without any.
+    ``restore``: a reducer state a checkpoint loaded before any reducer existed, handed
+    to the next one made."""
+
+    restore: dict[str, Any] | None = None
 
     def __deepcopy__(self, memo: dict) -> _ReducerCache:
         return _ReducerCache()
@@ -575,6 +683,34 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
         >>> fastreduce.all_reduce_gradients(model)             # bf16 on the wire
         >>> fastreduce.all_reduce_gradients(model, torch.float32)  # exact fp32
         >>> optimizer.step()
+
+    Under uneven inputs pass :func:`gradient_reducer` (the same reducer) to ``Join``.
+    """
+    return gradient_reducer(model, fusion_buffer_dtype, use_hpu_graphs, group=group, backend=backend,
+                            unused_grads=unused_grads, accumulate_dtype=accumulate_dtype, transport=transport,
+                            error_feedback=error_feedback, nonfinite=nonfinite).reduce()
+
+
+def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
+                     use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
+                     backend: str = "auto", unused_grads: UnusedGrads = "error",
+                     accumulate_dtype: torch.dtype | None = None,
+                     transport: Transport | None = None, error_feedback: bool = False,
+                     nonfinite: NonFinite = "ignore") -> FusedReducer:
+    """The :class:`FusedReducer` that :func:`all_reduce_gradients` uses for ``model`` with
+    the same arguments (made now if it does not exist yet; made by any rank, it is
+    built collectively at the first reduction). It is what to hand to ``Join`` (and
+    what exposes ``stats``, ``no_sync()`` and ``zero_grad()``).
+
+    Example::
+
+        >>> from torch.distributed.algorithms.join import Join
+        >>> with Join([fastreduce.gradient_reducer(model)]):   # this rank may run out first
+        ...     for x, y in my_batches:
+        ...         loss_fn(model(x), y).backward()
+        ...         fastreduce.all_reduce_gradients(model)      # averaged over the active ranks
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
     """
     cache = model.__dict__.get("_fastreduce_reducers")
     if cache is None:
@@ -583,9 +719,14 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
            use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite)
     reducer = cache.get(key)
     if reducer is None:
+        for old in [k for k, r in cache.items() if r._group_built.changed()]:
+            cache.pop(old).close()  # built on a process group since destroyed and re-made
         extra = {} if transport is None else {"transport": transport}
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
                                             unused_grads=unused_grads, accumulate_dtype=accumulate_dtype,
                                             error_feedback=error_feedback, nonfinite=nonfinite, **extra)
-    return reducer.reduce()
+        if cache.restore is not None:
+            reducer.load_state_dict(cache.restore)
+            cache.restore = None
+    return reducer

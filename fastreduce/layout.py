@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "verify_across_ranks"]
+__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "verify_across_ranks",
+           "verify_model"]
 
 ALIGN = 32
 """Every parameter's offset in its segment is a multiple of this many elements."""
@@ -119,6 +120,26 @@ def verify_across_ranks(layout: GradLayout, group: dist.ProcessGroup | None, dev
     signature = layout.signature
     if present is not None:
         signature = tuple(s if ok else s + " (no grad)" for s, ok in zip(signature, present))
+    _agree(signature, group, device, "gradient layouts differ across ranks (this is rank {rank}); every "
+           "rank must reduce the same parameters with the same shapes, strides, dtypes and order:",
+           "Build the same model on every rank (same requires_grad flags, dtypes and memory formats) "
+           "before the first reduction.")
+
+
+def verify_model(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None,
+                 device: torch.device, mode: str) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank unless every rank's ``named``
+    tensors (a model's trainable parameters, in order) have the same names, shapes and
+    dtypes: what a mode that exchanges whole parameters checks before it touches them.
+    One digest all-gather, as :func:`verify_across_ranks`."""
+    signature = tuple(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named)
+    _agree(signature, group, device, "the models differ across ranks (this is rank {rank}); every rank "
+           "must hold the same trainable parameters, with the same names, shapes, dtypes and order:",
+           f"Build the same model on every rank before building {mode}; nothing was changed.")
+
+
+def _agree(signature: tuple[str, ...], group: dist.ProcessGroup | None, device: torch.device,
+           head: str, tail: str) -> None:
     digest = hashlib.sha256("\n".join(signature).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device=device, dtype=torch.int32)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -127,12 +148,11 @@ def verify_across_ranks(layout: GradLayout, group: dist.ProcessGroup | None, dev
         return
     signatures: list[Any] = [None] * len(gathered)
     dist.all_gather_object(signatures, signature, group=group)
-    raise LayoutMismatchError(_explain(signatures, dist.get_rank(group)))
+    raise LayoutMismatchError(_explain(signatures, dist.get_rank(group), head, tail))
 
 
-def _explain(signatures: list[tuple[str, ...]], rank: int) -> str:
-    lines = [f"gradient layouts differ across ranks (this is rank {rank}); every rank must "
-             "reduce the same parameters with the same shapes, strides, dtypes and order:"]
+def _explain(signatures: list[tuple[str, ...]], rank: int, head: str, tail: str) -> str:
+    lines = [head.format(rank=rank)]
     ref = signatures[0]
     for r, sig in enumerate(signatures[1:], start=1):
         for i in range(max(len(ref), len(sig))):
@@ -141,8 +161,7 @@ def _explain(signatures: list[tuple[str, ...]], rank: int) -> str:
             if a != b:
                 lines.append(f"  position {i}: rank 0 has {a!r}, rank {r} has {b!r}")
                 break
-    lines.append("Build the same model on every rank (same requires_grad flags, dtypes and "
-                 "memory formats) before the first reduction.")
+    lines.append(tail)
     return "\n".join(lines)
 
 

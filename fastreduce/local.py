@@ -58,9 +58,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .buffer import TensorBlock, _view, params_as_views
+from .faults import guarded
 from .comm import Comm, Pending, complete, get_comm, resolve_transport
-from .grads import one_device, start_from_rank0
-from .layout import GradLayout
+from .grads import (FiniteCheck, NonFinite, NonFiniteGradError, agree_first, check_nonfinite, first_nonfinite,
+                    nonfinite_error, one_device, start_from_rank0)
+from .join import JoinableMode
+from .layout import GradLayout, verify_model
+from .overlap import remove_hooks
 
 __all__ = ["DiLoCo", "LocalSGD"]
 
@@ -121,8 +125,11 @@ def _fragments(named: list[tuple[str, nn.Parameter]], count: int) -> list[list[i
 
 # ---------------------------------------------------------------------- the shared mechanism
 
+_SYNC_LOST = ("The parameters are lost: the sync may have left them partly averaged, or holding "
+              "its pseudo-gradient (anchor - x) instead of weights.")
 
-class _LocalUpdates:
+
+class _LocalUpdates(JoinableMode):
     """Parameters as flat blocks, cut into fragments; anchors, wire, step hooks, state.
 
     The modes subclass it with :meth:`_after_step` (when to sync) and, for DiLoCo, how
@@ -130,6 +137,7 @@ class _LocalUpdates:
     """
 
     _delta: bool  # average the change since the last sync (through ``anchor``)
+    _averages_params = True  # under Join a sync is a mean over the active ranks, whatever the divisor asked
 
     def _setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None,
                wire_dtype: torch.dtype | None, accumulate_dtype: torch.dtype | None, buffers: str,
@@ -140,6 +148,7 @@ class _LocalUpdates:
         self.model, self.optimizer, self.group = model, optimizer, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = one_device(named)
+        verify_model(named, group, self.device, type(self).__name__)
         self.comm: Comm = get_comm(group, self.device, transport)
         self.buffers = buffers
         self.wire_dtype = wire_dtype
@@ -193,6 +202,10 @@ class _LocalUpdates:
                 self._scratch = self._blocks_per_dtype()
         self._buffer_block: TensorBlock | None = None
         self._hooks = [optimizer.register_step_post_hook(self._on_step)]
+        # Under Join: every inner step is an iteration; its notify precedes any collective
+        # of the step (the warm-up's gradient average runs in a later pre-hook).
+        self._init_join(group, self.device)
+        self._join_hook = optimizer.register_step_pre_hook(lambda *_: self._join_notify())
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=self.device)
@@ -228,7 +241,9 @@ class _LocalUpdates:
 
     # ------------------------------------------------------------------ hooks
 
+    @guarded("the sync after {cls}'s optimizer step", _SYNC_LOST)
     def _on_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._unstash()  # a step skipped for inf/NaN gradients: they come back for the user
         self.steps += 1
         with torch.no_grad():
             self._after_step(self.steps)
@@ -241,11 +256,25 @@ class _LocalUpdates:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._join_hook.remove()
+        remove_hooks(self._nonfinite_hooks)
+        self._nonfinite_hooks = []
+
+    def _join_shadow(self) -> None:
+        """A joined rank's inner step under Join: no update of its own, the step's
+        collectives as on the active ranks (it sends zeros into every average)."""
+        if not self._hooks:
+            return
+        reducer = getattr(self, "_reducer", None)
+        if reducer is not None and self.steps < getattr(self, "warmup_steps", 0):
+            reducer._join_shadow()  # the warm-up's gradient average
+        self._on_step(self.optimizer, (), {})
 
     # ------------------------------------------------------------------ averaging
 
     def _average(self, bufs: list[torch.Tensor], comm: Comm) -> None:
         """Each of ``bufs`` := its mean over ``comm``'s group (in place, all launched, then waited)."""
+        self._join_contribute(bufs, active_only=True)  # under Join: zeros from joined ranks
         pendings = []
         for b in bufs:
             plan = comm.plan(b.dtype, None, b)
@@ -282,15 +311,95 @@ class _LocalUpdates:
                 d.sub_(x)
             self._wire[j].copy_(d)
         wire = self._frag_wire[k]
+        self._join_contribute([wire], active_only=self._averages_params)
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
 
     def _land(self, k: int, mix: bool = True) -> None:
-        """Wait for fragment ``k``'s average and apply it (:meth:`_apply`)."""
+        """Wait for fragment ``k``'s average and apply it (:meth:`_apply`), unless
+        ``nonfinite`` finds inf/NaN in it (:meth:`_average_finite`)."""
         complete(self._in_flight.pop(k))
+        if not self._average_finite(k):
+            return
         self._apply(k, mix)
         self.syncs += 1
+
+    # ------------------------------------------------------------------ non-finite values
+
+    def _guard_steps(self) -> None:
+        """``nonfinite``: hooks around the inner optimizer's step, registered after the
+        mode's own. [Note: skipping an inner step] A pre-hook checks the gradients the
+        step will use (in warm-up, the fused reducer's verdict on the average; else this
+        rank's own, one fused kernel per dtype); to skip, it sets every gradient of the
+        optimizer to ``None`` for the call (torch's optimizers then leave a parameter and
+        its state alone) and :meth:`_on_step` puts them back, so every step hook still
+        runs: the step counter advances and the syncs stay matched across ranks."""
+        self.skipped_steps = 0  # inner steps this rank skipped for inf/NaN gradients
+        self.skipped_syncs = 0  # syncs every rank skipped for an inf/NaN average
+        self._check = FiniteCheck(self.device)
+        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._step_error: NonFiniteGradError | None = None
+        self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
+        self._nonfinite_hooks: list[Any] = []
+        if self.nonfinite != "ignore":
+            self._nonfinite_hooks = [self.optimizer.register_step_pre_hook(self._check_step),
+                                     self.optimizer.register_step_post_hook(self._raise_step_error)]
+
+    def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        verdict, self._warm_verdict = self._warm_verdict, None
+        local = verdict is None
+        if local:  # no communication in this step: this rank's gradients, this rank's verdict
+            grads = [p.grad for _, p in self._named if p.grad is not None]
+            verdict = not grads or self._check(grads)
+        if verdict:
+            return
+        self.skipped_steps += 1
+        if local and self.nonfinite == "raise":
+            i = first_nonfinite([p.grad if p.grad is not None else p.detach()[:0] for _, p in self._named])
+            self._step_error = nonfinite_error(
+                f"rank {self.rank}'s gradients", None if i is None else self._named[i][0],
+                "no collective is involved in an inner step, so only this rank raises; it skipped the step "
+                "(parameters and optimizer state as before it) and counted it, so the syncs stay matched.")
+        elif self.nonfinite == "skip":
+            log.warning("fastreduce: %s: rank %d's %s gradients hold inf or NaN; the inner step is skipped "
+                        "(nonfinite='skip')", type(self).__name__, self.rank, "own" if local else "averaged")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._stash = [(p, p.grad) for p in params]
+        for p in params:  # the skip path only: torch's optimizers pass over a parameter with no grad
+            p.grad = None
+
+    def _unstash(self) -> None:
+        stash, self._stash = self._stash, []
+        for p, g in stash:
+            p.grad = g
+
+    def _raise_step_error(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        err, self._step_error = self._step_error, None
+        if err is not None:
+            raise err
+
+    def _average_finite(self, k: int) -> bool:
+        """``nonfinite``: whether fragment ``k``'s averaged pseudo-gradient (the wire) is
+        finite; one fused check, and every rank holds the same average, so every rank
+        decides alike with no collective. If not, the outer step is skipped: every
+        rank's parameters of the fragment := the last synced ones (the anchor, the
+        parameters the outer step would have updated), outer optimizer untouched."""
+        if self.nonfinite == "ignore" or self._check((self._frag_wire[k],)):
+            return True
+        self.skipped_syncs += 1
+        for j in self._frag_segments[k]:
+            self._flats[j].copy_(self._anchor[j], non_blocking=True)
+        if self.nonfinite == "skip":
+            log.warning("fastreduce: %s: the averaged pseudo-gradient holds inf or NaN; the sync is skipped "
+                        "on every rank, which return to the last synced parameters (nonfinite='skip')",
+                        type(self).__name__)
+            return False
+        slots = [(j, slot) for j in self._frag_segments[k] for slot in self.layout.segments[j].slots]
+        i = first_nonfinite([_view(self._wire[j], slot) for j, slot in slots])
+        raise nonfinite_error("the averaged pseudo-gradients (anchor - x)", None if i is None else slots[i][1].name,
+                              "the sync is lost on every rank: the fragment's parameters are reset to the last "
+                              "synced ones, the outer optimizer did not step.")
 
     def _apply(self, k: int, mix: bool) -> None:
         raise NotImplementedError
@@ -306,6 +415,8 @@ class _LocalUpdates:
 
     # ------------------------------------------------------------------ state
 
+    @guarded("the wait for {cls}'s sync in flight", "The sync in flight is lost; the parameters "
+             "are this rank's own since the last sync that completed.")
     def _drain(self) -> None:
         """Wait for the fragment on the wire, if any (it stays due at its step)."""
         for k, pending in list(self._in_flight.items()):
@@ -413,6 +524,19 @@ class LocalSGD(_LocalUpdates):
         buffers: ``average`` (float buffers averaged with the parameters) or ``local``.
         transport: the communication layer's transport (default ``$FASTREDUCE_TRANSPORT``
             or ``auto``).
+        nonfinite: inf/NaN: ``ignore`` (no check), ``skip`` or ``raise``. An inner step
+            (no communication) checks this rank's gradients (one fused kernel per dtype):
+            ``skip`` skips it on this rank (parameters and optimizer state untouched,
+            :attr:`skipped_steps` counts it) and still counts the step, so the syncs stay
+            matched; ``raise`` does the same, then raises
+            :class:`~fastreduce.NonFiniteGradError` on this rank only. A warm-up step
+            checks the averaged gradients (the fused reducer's check): every rank skips
+            or raises alike. A sync checks what is averaged, the same on every rank: with
+            ``wire_dtype`` the averaged change (``skip``: every rank returns to the last
+            averaged parameters); without, each rank's parameters before the in-place
+            average, agreed by a one-element MAX all-reduce per sync (``skip``: no rank
+            averages, each keeps its own); ``raise`` raises on every rank.
+            :attr:`skipped_syncs` counts skipped syncs.
 
     Example::
 
@@ -427,9 +551,10 @@ class LocalSGD(_LocalUpdates):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int, *,
                  warmup_steps: int = 0, group: dist.ProcessGroup | None = None,
                  hierarchy: dict[int, int] | None = None, wire_dtype: torch.dtype | None = None,
-                 buffers: str = "average", transport: str | None = None):
+                 buffers: str = "average", transport: str | None = None, nonfinite: NonFinite = "ignore"):
         self.sync_every = _check_int("sync_every", sync_every, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.nonfinite = check_nonfinite(nonfinite)
         if buffers not in BUFFERS:
             raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
         _require_distributed()
@@ -453,19 +578,27 @@ class LocalSGD(_LocalUpdates):
         self._reducer = None
         if self.warmup_steps:
             from .fused import FusedReducer  # the fused mode averages the warm-up's gradients
-            self._reducer = FusedReducer(model, group=group, wire_dtype=None,
+            self._reducer = FusedReducer(model, group=group, wire_dtype=None, nonfinite=self.nonfinite,
                                          transport=resolve_transport(transport))
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+        self._guard_steps()
         if self.rank == 0:
             log.info("fastreduce: LocalSGD: %s; average every %s, warm-up %d steps, %d ranks",
                      self.layout.describe(), ", ".join(f"{p} steps over {g} ranks" for p, g in self._level_sizes),
                      self.warmup_steps, self.world_size)
+
+    def _join_check(self) -> None:
+        if len(self._levels) > 1:
+            raise ValueError("LocalSGD with hierarchy cannot run under Join: its subgroup averages "
+                             "would need the active count of each subgroup; use one level (no "
+                             "hierarchy) or give every rank the same number of batches")
 
     def _param_alloc(self) -> Callable[[int, torch.dtype], torch.Tensor]:
         return self._levels[0][1].buffer  # the most frequent level's transport holds them
 
     # ------------------------------------------------------------------ public
 
+    @guarded("{cls}.sync()", _SYNC_LOST)
     @torch.no_grad()
     def sync(self) -> None:
         """Average the parameters (and float buffers) over the whole group now (collective)."""
@@ -489,7 +622,10 @@ class LocalSGD(_LocalUpdates):
 
     def _before_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self._reducer is not None and self.steps < self.warmup_steps:
-            self._reducer.reduce()
+            finite = self._reducer.reduce()  # nonfinite="raise": raises here, on every rank
+            if self.nonfinite != "ignore":
+                self._warm_verdict = finite  # the same on every rank: skip (or not) alike
+            self._reducer._scale_grads(self._reducer._built, self._join_factor())  # under Join
 
     def _after_step(self, s: int) -> None:
         if s <= self.warmup_steps:
@@ -513,10 +649,31 @@ class LocalSGD(_LocalUpdates):
         if self._delta:  # x - anchor in the wire dtype, into x itself: x is replaced next
             self._launch(0)
             self._land(0)
-        else:
+        elif self._params_finite(comm):
             self._average(self._whole_flats(), comm)
             self.syncs += 1
         self._average_buffers(comm)
+
+    def _params_finite(self, comm: Comm) -> bool:
+        """``nonfinite``, for parameters averaged in place (no anchor to return to): one
+        fused check of this rank's parameter blocks and a one-element MAX all-reduce over
+        ``comm``'s group before the average (once per sync, every ``sync_every`` steps),
+        so every rank decides alike and, if any rank's parameters hold inf/NaN, every
+        rank skips the sync and keeps its own parameters."""
+        if self.nonfinite == "ignore":
+            return True
+        flag = self._check.flag(self._whole_flats())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.group)
+        if not flag.item():
+            return True
+        self.skipped_syncs += 1
+        if self.nonfinite == "skip":
+            log.warning("fastreduce: LocalSGD: some rank's parameters hold inf or NaN; the sync is skipped on "
+                        "every rank, each keeps its own parameters (nonfinite='skip')")
+            return False
+        i = agree_first(first_nonfinite([p for _, p in self._named]), len(self._named), comm.group, self.device)
+        raise nonfinite_error("some rank's parameters", None if i is None else self._named[i][0],
+                              "the sync did not run on any rank: each keeps its own parameters.")
 
     def _apply(self, k: int, mix: bool) -> None:
         """``x := anchor - mean(anchor - x)``; ``anchor := x``."""
@@ -555,6 +712,16 @@ class DiLoCo(_LocalUpdates):
             device; ``"cpu"`` frees a model's worth of accelerator memory).
         buffers: ``average`` (float buffers averaged every ``H`` steps) or ``local``.
         transport: the communication layer's transport.
+        nonfinite: inf/NaN: ``ignore`` (no check), ``skip`` or ``raise``. An inner step
+            checks this rank's gradients, as :class:`LocalSGD` does (``skip``: this rank
+            skips it, still counted, :attr:`skipped_steps`; ``raise``: the same, then
+            :class:`~fastreduce.NonFiniteGradError` on this rank only). A fragment's
+            averaged pseudo-gradient is checked once it lands (one fused kernel; it is
+            the same on every rank, so every rank decides alike with no collective):
+            ``skip`` skips the outer step and every rank's parameters of the fragment
+            return to the last synced ones (outer optimizer untouched,
+            :attr:`skipped_syncs` counts it); ``raise`` does the same and raises on every
+            rank, naming the parameter.
 
     Example::
 
@@ -567,13 +734,16 @@ class DiLoCo(_LocalUpdates):
         ...     inner.zero_grad()
     """
 
+    _averages_params = False  # pseudo-gradients: divide_by_initial_world_size applies
+
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: torch.optim.Optimizer, sync_every: int, *, fragments: int = 1,
                  fragment_delay: int = 0, fragment_alpha: float = 0.0, group: dist.ProcessGroup | None = None,
                  wire_dtype: torch.dtype = torch.bfloat16, accumulate_dtype: torch.dtype | None = None,
                  backup_device: str | torch.device | None = None, buffers: str = "average",
-                 transport: str | None = None):
+                 transport: str | None = None, nonfinite: NonFinite = "ignore"):
         self.sync_every = H = _check_int("sync_every", sync_every, 1)
+        self.nonfinite = check_nonfinite(nonfinite)
         self.num_fragments = F = _check_int("fragments", fragments, 1)
         self.fragment_delay = tau = _check_int("fragment_delay", fragment_delay, 0)
         if F > 1 and H % F:
@@ -635,9 +805,11 @@ class DiLoCo(_LocalUpdates):
             log.info("fastreduce: DiLoCo: %s; %d fragment(s) every %d inner steps (delay %d, alpha %g), "
                      "wire %s, anchor on %s, %d ranks", self.layout.describe(), F, H, tau,
                      self.fragment_alpha, wire_dtype, self._anchor[0].device, self.world_size)
+        self._guard_steps()
 
     # ------------------------------------------------------------------ public
 
+    @guarded("{cls}.sync()", _SYNC_LOST)
     @torch.no_grad()
     def sync(self) -> None:
         """An outer step of every fragment now (collective), the one on the wire first,

@@ -329,8 +329,7 @@ def no_sync_case(rank: int, world: int) -> dict:
         with reducer.no_sync():
             for inputs in micro[:2]:
                 loss_of(model, inputs).backward()
-            reducer.reduce()  # no-op under no_sync
-            reducer.finish()
+            inside = expect_raises(RuntimeError, reducer.reduce)  # an error: it would average nothing
     after_no_sync = stats_tuple(reducer)
     quiet_launches, shm1 = launches(reducer, quiet, shm0), shm_started(reducer)
     plain.zero_grad(set_to_none=True)
@@ -354,6 +353,7 @@ def no_sync_case(rank: int, world: int) -> dict:
             "quiet_c10d": [op for op in quiet.ops if op.startswith("c10d.")],
             "synced_c10d": Counter(op for op in synced.ops if op.startswith("c10d.")),
             "not_local": untouched, "num_buckets": reducer.num_buckets, "shm": shm0 is not None,
+            "inside": inside,
             "fr": grads_of(model), "ref": ref, "scale": grad_scale(plain)}
 
 
@@ -748,7 +748,9 @@ def test_each_bucket_launches_when_its_last_grad_is_ready(w2, case) -> None:
 
 def test_no_sync_communicates_nothing(w2) -> None:
     for rank, out in enumerate(per_rank(w2, "no_sync")):
-        assert out["quiet_c10d"] == []  # no collective from the hooks, reduce() or finish()
+        assert out["quiet_c10d"] == []  # no collective from the hooks or the refused reduce()
+        assert out["inside"]["raised"] == "RuntimeError", out["inside"]
+        assert "inside no_sync()" in out["inside"]["message"], out["inside"]
         assert out["quiet_launches"] == 0
         assert out["after_no_sync"] == out["before"]
         assert out["not_local"] == []  # grads are this rank's own accumulated sums, bit for bit
@@ -866,14 +868,14 @@ def solo_worker(rank: int, world: int) -> dict:
     loss_of(model, batch_for(model, rank, 1)).backward()  # no hook to object either
     snap = snapshot(model)
     with reducer.no_sync():
-        reducer.reduce()
+        inside = expect_raises(RuntimeError, reducer.reduce)  # a mistake at any world size
     reducer.finish()
     changed = changed_since(snap, model)
     reducer.zero_grad()
     bad = {mb: expect_raises(ValueError, lambda mb=mb: overlapped(model, "fp32", mb)) for mb in (0, -1.0)}
     return {"hooks": hooks, "changed": changed, "calls": reducer.stats.calls,
             "num_buckets": reducer.num_buckets, "zeroed": all(not p.grad.any() for p in model.parameters()),
-            "bad": bad}
+            "bad": bad, "inside": inside}
 
 
 @pytest.fixture(scope="module")
@@ -887,6 +889,7 @@ def test_world_of_one_is_a_no_op_without_hooks(solo) -> None:
     assert solo["changed"] == []
     assert solo["calls"] == 0 and solo["num_buckets"] == 0
     assert solo["zeroed"]  # zero_grad() before any reduce still zeroes every grad
+    assert solo["inside"]["raised"] == "RuntimeError" and "inside no_sync()" in solo["inside"]["message"]
 
 
 @pytest.mark.parametrize("mb", [0, -1.0])
