@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached, cast_in
 from .comm import Comm, MeanPlan, Pending
+from .faults import guarded
 from .layout import GradLayout
 
 __all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "all_reduce_launcher", "default_bucket_mb",
@@ -224,6 +225,8 @@ class OverlapSchedule:
         while self.next < len(self.buckets) and self.pending[self.next] == 0:
             self._launch(self.next)
 
+    @guarded("a bucket's launch in backward", "This step's gradients are lost (some buckets were "
+             "launched, others not); the parameters and optimizer state are as before the step.")
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         packed = False
