@@ -140,7 +140,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
         self._named = named
         self.buffers = buffers
-        self._check: FiniteCheck | None = None  # nonfinite: made on first use
+        self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
         self._round = 0  # the round of the next exchange
@@ -452,8 +452,6 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         them); if not, count it and, under ``raise``, arrange for the error."""
         if self.nonfinite == "ignore":
             return True
-        if self._check is None:
-            self._check = FiniteCheck(self.device)
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or self._check(grads):
             return True

@@ -358,9 +358,9 @@ def guard(where: str, state: str) -> Iterator[None]:
         raise lost from err
 
 
-def guarded(where: str, state: str | Callable[[Any], str]) -> Callable[[F], F]:
-    """:func:`guard` as a method decorator. ``where`` may hold ``{cls}`` (the instance's
-    class name); ``state`` may be a function of the instance.
+def guarded(where: str, state: str) -> Callable[[F], F]:
+    """:func:`guard` as a method decorator (a plain ``try``, no context manager on the
+    hot path). ``where`` may hold ``{cls}`` (the instance's class name).
 
     Example::
 
@@ -375,8 +375,7 @@ def guarded(where: str, state: str | Callable[[Any], str]) -> Callable[[F], F]:
             try:
                 return fn(self, *args, **kwargs)
             except RuntimeError as err:
-                lost = as_rank_lost(err, where.format(cls=type(self).__name__),
-                                    state(self) if callable(state) else state)
+                lost = as_rank_lost(err, where.format(cls=type(self).__name__), state)
                 if lost is None:
                     raise
                 raise lost from err

@@ -56,14 +56,17 @@ class FiniteCheck:
         self.found = torch.zeros(1, dtype=torch.float32, device=device)
         self.unit = torch.ones(1, dtype=torch.float32, device=device)
 
-    def flag(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The device flag: 1.0 if any of ``tensors`` holds inf/NaN, else 0.0."""
+    def flag(self, tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The device flag: 1.0 if any of ``tensors`` holds inf/NaN, else 0.0. With
+        ``inv_scale`` (a one-element fp32 tensor) the same kernel also unscales them in
+        place, as ``GradScaler.unscale_`` does."""
         self.found.zero_()
         dtypes: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:  # a few flat buffers, or one list per dtype
             dtypes.setdefault(t.dtype, []).append(t)
         for same in dtypes.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, self.found, self.unit)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, self.found,
+                                                             self.unit if inv_scale is None else inv_scale)
         return self.found
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:

@@ -173,8 +173,8 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
         self._found: torch.Tensor | None = None  # set when the shard was unscaled this step
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
-        self._check: FiniteCheck | None = None  # nonfinite: made on first use
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport)
+        self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
         self._clip_args: tuple[float, float] | None = None  # this step's clip_grad_norm_, for Join
         self._last_clip: tuple[float, float] | None = None  # the last step's: a joined rank repeats it
@@ -504,13 +504,8 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
         chunk of the rank that owns it."""
         if self.nonfinite == "ignore" or self._found is not None:  # a scaler decided already
             return False
-        if self._check is None:
-            self._check = FiniteCheck(self.device)
         with span("fastreduce::nonfinite_check"):
-            flag = self._check.flag([s.master.grad for s in self.shards])
-            if self.world_size > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if not flag.item():
+            if not self._shard_flag().item():
                 return False
         if self.nonfinite == "skip":
             self.skipped_steps += 1
@@ -522,6 +517,16 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
         raise nonfinite_error("the averaged gradients", name, "some rank's gradient was not finite, or "
                               "overflowed the wire dtype; nothing was stepped: the parameters and optimizer "
                               "state are as before this step.")
+
+    def _shard_flag(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """1.0 on every rank if any rank's shard of the averaged gradients holds inf/NaN:
+        one fused check of this rank's shard (unscaling it by ``inv_scale`` in the same
+        kernel, for a GradScaler), then a one-element MAX all-reduce. The flag is the
+        check's persistent tensor: valid until the next check."""
+        flag = self._check.flag([s.master.grad for s in self.shards], inv_scale)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag
 
     def _first_nonfinite(self) -> str | None:
         """The first parameter (layout order) holding inf/NaN in any rank's shard: this
@@ -549,13 +554,7 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
         scale = scaler._scale
         if scale is None:  # the scaler has not scaled a loss yet
             return
-        found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = scale.double().reciprocal().float().to(self.device)
-        for dtype_grads in _by_dtype([s.master.grad for s in self.shards]):
-            torch._amp_foreach_non_finite_check_and_unscale_(dtype_grads, found, inv)
-        if self.world_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
-        self._found = found
+        self._found = self._shard_flag(scale.double().reciprocal().float().to(self.device))
 
     def _scaled(self) -> bool:
         """Handle a GradScaler driving this step; True if the step must be skipped."""
@@ -834,13 +833,6 @@ def fused_if_possible(optimizer_class: type, params: list[Any], defaults: dict[s
     except (RuntimeError, TypeError, ValueError):
         return defaults
     return {**defaults, "fused": True}
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
 
 
 def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
