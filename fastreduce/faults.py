@@ -319,7 +319,10 @@ def as_rank_lost(err: BaseException, where: str, state: str) -> RankLostError | 
             return None
         _linger_if_store_host()
         return err.at(where, state)
-    if not is_transport_failure(err) or not dist.is_initialized():
+    beat = _beat
+    known = beat is not None and bool(beat.lost)  # then any failure is the loss's doing (e.g. a
+    # collective left in flight by the failed call), and every later call raises at once
+    if not (known or is_transport_failure(err)) or not dist.is_initialized():
         return None
     ranks, how, who = diagnose()
     if not ranks:

@@ -137,7 +137,9 @@ def case_overlap(rank: int, world: int, victim: int, **config: Any) -> dict:
         reducer.zero_grad()
     if rank == victim:
         first = next(model.parameters())  # its grad is among the last of the backward
-        first.register_post_accumulate_grad_hook(lambda _p: _die())
+        # before its grad is accumulated, so before the reducer's hook can launch the
+        # last bucket (which could otherwise complete on every rank before the death)
+        first.register_hook(lambda _g: _die())
     out = _lost(lambda: (_backward(model, rank, WARM_STEPS), reducer.finish()))
     return _again(out, reducer.finish)
 
