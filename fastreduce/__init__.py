@@ -4,26 +4,28 @@
     fastreduce.all_reduce_gradients(model)   # drop-in for optimum-habana's call
     optimizer.step()
 
-Layers (one module each): :mod:`.engine` (process groups), :mod:`.backends` (device
-dispatch: HPU graphs, CUDA graphs, eager), :mod:`.comm` (the communication layer:
-all-reduce, reduce-scatter, all-gather; with :mod:`.comm.shm`, shared memory for CPU
-ranks on one host), :mod:`.layout` and
-:mod:`.buffer` (which grads, where in the flat buffer), and the modes on top
-(:mod:`.fused`, :mod:`.overlap`, :mod:`.zero`, :mod:`.decentralized` with
-:mod:`.topology`, :mod:`.local`); :mod:`.checkpoint` saves and resumes any of them.
+Layers, bottom up: :mod:`.engine` (process groups), :mod:`.backends` (device dispatch:
+HPU graphs, CUDA graphs, eager), :mod:`.comm` (the communication layer: all-reduce,
+reduce-scatter, all-gather; :mod:`.comm.shm`, shared memory for CPU ranks on one host),
+:mod:`.layout`, :mod:`.buffer` and :mod:`.grads` (which grads, where in the flat buffer),
+:mod:`.buckets` (backward-order buckets launched from hooks), then the modes, one module
+each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloco);
+:mod:`.checkpoint` saves and resumes any of them. This module holds the public names only.
 """
 
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
 from .backends import GraphContractError
 from .checkpoint import CheckpointMismatchError
-from .decentralized import DecentralizedDataParallel
 from .engine import DistInfo, init_distributed
 from .faults import RankLostError
-from .fused import (FusedReducer, NonFiniteGradError, ReducerConfig, ReducerStats, all_reduce_gradients,
-                    gradient_reducer)
+from .grads import NonFiniteGradError
 from .layout import LayoutMismatchError
-from .local import DiLoCo, LocalSGD
-from .zero import ZeroOptimizer
+from .modes.diloco import DiLoCo
+from .modes.functional import all_reduce_gradients, gradient_reducer
+from .modes.fused import FusedReducer, ReducerConfig, ReducerStats
+from .modes.gossip import DecentralizedDataParallel
+from .modes.localsgd import LocalSGD
+from .modes.zero import ZeroOptimizer
 
 __all__ = [
     "CheckpointMismatchError",

@@ -131,6 +131,22 @@ class FusedBuffer:
         for flat in self.flats:
             flat.zero_()
 
+    def residual_state(self, layout: GradLayout) -> dict[str, torch.Tensor]:
+        """Each gradient's error-feedback residual (a copy, flat), by parameter name; empty
+        without error feedback. ``layout`` is the one this buffer was made for."""
+        return {s.name: res[s.offset:s.offset + s.numel].clone()
+                for seg, res in zip(layout.segments, self.residuals) if res is not None for s in seg.slots}
+
+    @torch.no_grad()
+    def load_residuals(self, layout: GradLayout, residuals: dict[str, torch.Tensor]) -> None:
+        """Copy :meth:`residual_state`'s entries (by name) into the residuals; names this
+        buffer has no residual for are ignored."""
+        for seg, res in zip(layout.segments, self.residuals):
+            if res is not None:
+                for s in seg.slots:
+                    if s.name in residuals:
+                        res[s.offset:s.offset + s.numel].copy_(residuals[s.name].reshape(-1))
+
 
 def cast_in(wire: torch.Tensor, flat: torch.Tensor, residual: torch.Tensor | None) -> None:
     """``wire`` := ``flat`` cast to the wire's dtype. With a ``residual`` (error feedback,

@@ -1,5 +1,5 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP): a whole training state in
-every mode (:class:`Checkpointer`), and the ZeRO shard's piece of it (:class:`RangeShard`).
+every mode (:class:`Checkpointer`).
 
 :class:`Checkpointer` saves and restores the model, the optimizer (a torch optimizer, or
 the mode's own), the mode's state, the step, each rank's random generators and any
@@ -26,15 +26,9 @@ A tree of per-rank state is stored as its tensors (DCP tensors ``rank<r>/<i>``) 
 skeleton (``rank<r>/tree``, pickled, with each tensor's place marked), so that a load
 needs no template of it: the tensors' sizes come from DCP's metadata.
 
-A ZeRO shard is a contiguous range of a flat buffer, so the piece of a parameter's
-state that a rank holds is a contiguous range of that parameter's elements, of any
-length, possibly empty. Neither of DCP's own sharded types fits: a ``DTensor`` is cut
-evenly, and a ``ShardedTensor`` (deprecated) is dropped from a load plan on ranks that
-hold none of it. :class:`RangeShard` is the small missing piece: a 1-D tensor of the
-parameter's full length that carries only this rank's range and answers DCP's
-checkpoint protocol (``__create_write_items__``, ``__create_chunk_list__``,
-``__get_tensor_shard__``). Saving writes each range once, from its owner; loading on
-another world size reads, into each rank's range, whatever saved ranges overlap it.
+A ZeRO optimizer's state is saved as its ranges (:meth:`~fastreduce.ZeroOptimizer.sharded_state_dict`,
+:class:`~fastreduce.modes.zero_state.RangeShard`): each range written once by its owner,
+read back on any world size.
 """
 
 from __future__ import annotations
@@ -55,7 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "RangeShard"]
+from .modes.diloco import DiLoCo
+from .modes.functional import functional_state, load_functional_state
+from .modes.fused import FusedReducer
+from .modes.gossip import DecentralizedDataParallel
+from .modes.localsgd import LocalSGD
+from .modes.zero import ZeroOptimizer
+
+__all__ = ["Checkpointer", "CheckpointMismatchError"]
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +114,6 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, mode: Any = None, *, keep: int = 2,
                  extras: dict[str, Any] | None = None):
-        from .decentralized import DecentralizedDataParallel  # the modes import this module (RangeShard)
-        from .fused import FusedReducer
-        from .local import DiLoCo, LocalSGD
-        from .zero import ZeroOptimizer
-
         if isinstance(model, DecentralizedDataParallel):
             if mode not in (None, model):
                 raise ValueError("model is a DecentralizedDataParallel: pass mode=None (or the same object)")
@@ -237,7 +233,7 @@ class Checkpointer:
         if self.mode is not None:
             mine["mode"] = self.mode.state_dict()
         elif self.kind == "fused":
-            mine["mode"] = _functional_state(self.model)
+            mine["mode"] = functional_state(self.model)
         state.update(_pack(mine, f"rank{_rank()}"))
         return state
 
@@ -316,7 +312,7 @@ class Checkpointer:
             if self.mode is not None:
                 self.mode.load_state_dict(mine["mode"])
             elif self.kind == "fused":
-                _load_functional_state(self.model, mine["mode"])
+                load_functional_state(self.model, mine["mode"])
         elif rank == 0 and (mine.get("mode", {}).get("residuals") or world > saved["world_size"]):
             log.warning("fastreduce: checkpoint %s was saved at %d ranks, this job has %d: error-feedback "
                         "residuals start at zero%s", path, saved["world_size"], world,
@@ -500,85 +496,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
-
-
-# ---------------------------------------------------------------------- all_reduce_gradients
-
-
-def _functional_state(model: nn.Module) -> dict[str, Any]:
-    """The error-feedback residuals of the reducers ``all_reduce_gradients`` keeps on ``model``."""
-    residuals: dict[str, torch.Tensor] = {}
-    for reducer in model.__dict__.get("_fastreduce_reducers", {}).values():
-        for name, t in reducer.state_dict()["residuals"].items():
-            residuals.setdefault(name, t)
-    return {"residuals": residuals}
-
-
-def _load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
-    """Residuals into the reducers on ``model`` that use error feedback, or, if there is
-    none yet, handed to the next one ``all_reduce_gradients`` makes."""
-    from .fused import _ReducerCache
-
-    if not state["residuals"]:
-        return
-    cache = model.__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
-    users = [r for r in cache.values() if r.config.error_feedback]
-    for reducer in users:
-        reducer.load_state_dict(state)
-    if not users:
-        cache.restore = state
-
-
-# ---------------------------------------------------------------------- ZeRO's ranges
-
-
-class RangeShard(torch.Tensor):
-    """``numel`` elements, of which this rank holds ``local`` at ``offset``.
-
-    Only a checkpoint view: DCP reads and fills ``local`` in place; any other
-    operation on it raises.
-    """
-
-    local: torch.Tensor
-    offset: int
-
-    @staticmethod
-    def __new__(cls, local: torch.Tensor, offset: int, numel: int) -> RangeShard:
-        if local.dim() != 1 or not 0 <= offset <= offset + local.numel() <= numel:
-            raise ValueError(f"a range of {local.numel()} elements at {offset} does not fit in {numel}")
-        t = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
-        t.local, t.offset = local, offset
-        return t
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise NotImplementedError(f"{func} on a fastreduce RangeShard: it is a checkpoint view of one "
-                                  "rank's range; read .local instead")
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"RangeShard([{self.offset}, {self.offset + self.local.numel()}) of {self.shape[0]}, {self.dtype})"
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        if self.local.numel() == 0:
-            return []
-        offsets = torch.Size([self.offset])
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=self.local.shape),
-                              properties=TensorProperties.create_from_tensor(self.local),
-                              size=self.shape))]
-
-    def __create_chunk_list__(self) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        if self.local.numel() == 0:
-            return []
-        return [ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=self.local.shape)]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        return self.local

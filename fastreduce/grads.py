@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .buffer import FusedBuffer, foreach_copy
+from .buffer import FusedBuffer, attached, foreach_copy
 from .comm import broadcast_from_rank0
+from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
-__all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "adopt", "agree_first", "check_grad",
+__all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first", "check_grad",
            "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error", "one_device",
            "start_from_rank0"]
 
@@ -181,3 +182,79 @@ def start_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
                f"{mode}'s state_dict after building it)")
         warnings.warn(msg, UserWarning, stacklevel=4)
         logging.getLogger("fastreduce").warning(msg)
+
+
+class Reattach:
+    """Gradients that ``zero_grad(set_to_none=True)`` freed come back as zeroed views of
+    the flat buffer at the next forward (a forward pre-hook calls :meth:`before_forward`), so that backward
+    accumulates into the buffer; one that backward then leaves unwritten is ``None``
+    again as backward ends (a callback queued from the first gradient hook of that
+    backward), and at the latest in ``reduce()``: unused parameters look exactly as
+    without the re-attach, and ``unused_grads`` sees them.
+
+    Args:
+        model: the module whose forward re-attaches (a forward pre-hook, under grad mode).
+        layout, buffer: the gradients and their flat buffer.
+        stats: counts the re-attached gradients in its ``preattached``.
+        grad_hooks: register this object's own gradient hooks (calling :meth:`grad_ready`),
+            on the first re-attach, so that a loop zeroing with ``reducer.zero_grad()``
+            never pays for a Python hook per gradient; ``False`` where another owner's
+            hooks call :meth:`grad_ready` already (the overlapped schedule's).
+    """
+
+    def __init__(self, model: torch.nn.Module, layout: GradLayout, buffer: FusedBuffer, stats: Any, *,
+                 grad_hooks: bool):
+        self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
+        self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
+        self.fresh: list[int] = []  # re-attached since the last reduce
+        self.queued = False
+        self.watch = grad_hooks
+        self.handles = [model.register_forward_pre_hook(self._pre_forward)]
+
+    def _pre_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():
+            self.before_forward()
+
+    def remove(self) -> None:
+        """Take this object's hooks off the model and its parameters."""
+        remove_hooks(self.handles)
+        self.handles = []
+
+    @torch.no_grad()
+    def before_forward(self) -> None:
+        params, views = self.params, self.views
+        if attached(params, views):
+            return
+        fresh = [i for i, p in enumerate(params) if p.grad is None]
+        if not fresh:
+            return  # re-allocated ones (not None): reduce() copies them in
+        if len(fresh) == len(params):
+            self.buffer.zero_()
+        else:
+            torch._foreach_zero_([views[i] for i in fresh])
+        if self.watch:
+            self.handles += on_grad_ready(self.params, self.grad_ready)
+            self.watch = False
+        for i in fresh:
+            params[i].grad = views[i]
+            self.written[i] = False
+        self.fresh += fresh
+        self.stats.preattached += len(fresh)
+
+    def grad_ready(self, i: int) -> None:
+        """Every gradient hook, fused or overlapped: note it, and at the first one of a
+        backward with re-attached gradients, queue :meth:`settle` for its end."""
+        self.written[i] = True
+        if self.fresh and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+
+    def settle(self, done: bool = False) -> None:
+        """Re-attached gradients that no backward wrote become ``None`` again; ``done``
+        (the reduction): forget which were re-attached."""
+        self.queued = False
+        if self.fresh:
+            for i in self.fresh:
+                if not self.written[i]:
+                    self.params[i].grad = None
+            self.fresh = [] if done else [i for i in self.fresh if self.written[i]]

@@ -46,13 +46,14 @@ import torch.distributed as dist
 
 from . import __version__
 from .backends import detect_device, select_backend
+from .buckets import default_bucket_mb, first_bucket_mb
 from .comm.comm import TRANSPORT_ENV, resolve_transport
 from .comm.shm import _PAGE, SHM_DIR, _create
-from .decentralized import DecentralizedDataParallel
-from .fused import ReducerConfig
-from .local import DiLoCo, LocalSGD
-from .overlap import default_bucket_mb, first_bucket_mb
-from .zero import ZeroOptimizer, zero_bucket_mb
+from .modes.diloco import DiLoCo
+from .modes.fused import ReducerConfig
+from .modes.gossip import DecentralizedDataParallel
+from .modes.localsgd import LocalSGD
+from .modes.zero import ZeroOptimizer, zero_bucket_mb
 
 __all__ = ["INTEGRATIONS", "add_arguments", "collect", "format_text", "run"]
 
@@ -272,7 +273,7 @@ def _signature(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
 
 def _overlap_buckets(pg: str) -> dict[str, float]:
     """The overlapped mode's bucket sizes on ``pg``: its first bucket is like the rest
-    unless :func:`~fastreduce.overlap.first_bucket_mb` says otherwise."""
+    unless :func:`~fastreduce.buckets.first_bucket_mb` says otherwise."""
     bucket = default_bucket_mb(pg)
     first = first_bucket_mb(pg)
     return {"bucket_mb": bucket, "first_bucket_mb": bucket if first is None else first}

@@ -7,7 +7,7 @@ from torch import nn
 
 from fastreduce.buffer import FusedBuffer
 from fastreduce.layout import GradLayout
-from fastreduce.overlap import first_bucket_mb, make_buckets
+from fastreduce.buckets import first_bucket_mb, make_buckets
 
 MB = 2**20
 

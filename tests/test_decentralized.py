@@ -53,7 +53,7 @@ from torch.func import functional_call
 
 import fastreduce
 from fastreduce.launch import run_ranks
-from fastreduce.topology import consensus_rounds, make_topology
+from fastreduce.modes.topology import consensus_rounds, make_topology
 
 from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, twice_model
 from test_fused import expect_raises, guarded, spawn_once
@@ -692,7 +692,7 @@ def test_state_dict_resume_in_new_processes_continues_the_run(worlds, ckpt_dir, 
 # ============================================================== one-peer-exp at 6 to 8 ranks
 
 def exact_consensus_worker(rank: int, world: int) -> dict:
-    from fastreduce.topology import consensus_rounds
+    from fastreduce.modes.topology import consensus_rounds
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     ddp = fastreduce.DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0),

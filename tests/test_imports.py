@@ -3,8 +3,10 @@ device code is imported lazily, inside the functions that need it)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,105 @@ def test_module_imports(name: str) -> None:
 def test_public_names_resolve() -> None:
     for name in fastreduce.__all__:
         assert getattr(fastreduce, name) is not None
+
+
+# ---------------------------------------------------------------------- the layers
+
+PACKAGE = Path(fastreduce.__file__).parent
+MODE_LINES = 560
+"""A mode module past this (``modes/``) holds a second concern: split it."""
+
+
+def _module_name(path: Path) -> str:
+    parts = ("fastreduce",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``, read from the source (``ast``, nothing
+    run): every import statement counts, at module level or inside a function (a lazy import
+    that closes a circle is a circle of the design all the same). ``from .pkg import name``
+    is an edge to ``pkg`` and, where ``name`` is a submodule, to ``pkg.name``."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                root = ".".join(base[:len(base) - node.level + 1]) if node.level else ""
+                mod = ".".join(filter(None, [root, node.module or ""]))
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in files and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert "fastreduce.modes.fused" in graph and graph["fastreduce"], "the graph reader found no modules"
+    found = cycles(graph)
+    assert not found, "import circles in the package (a module of each imports another, directly or " \
+                      f"through others; move the shared piece below both): {found}"
+
+
+def test_modes_are_thin() -> None:
+    """One concern per mode module, and no transport or device code in any (DESIGN: modes
+    stand on the comm and backends layers and pick neither)."""
+    graph = import_graph()
+    modes = sorted(PACKAGE.joinpath("modes").glob("*.py"))
+    assert len(modes) >= 8
+    for path in modes:
+        lines = len(path.read_text().splitlines())
+        assert lines <= MODE_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines (at most {MODE_LINES})"
+        name = _module_name(path)
+        low_level = {m for m in graph[name]
+                     if m.startswith(("fastreduce.comm.shm", "fastreduce.backends.cuda", "fastreduce.backends.hpu"))}
+        assert not low_level, f"{name} imports transport or device modules {sorted(low_level)}"
+        text = path.read_text()
+        assert "habana_frameworks" not in text and "torch.cuda." not in text, f"{name} holds device code"

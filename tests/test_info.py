@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 import fastreduce
 from fastreduce.cli import main
-from fastreduce.overlap import default_bucket_mb
-from fastreduce.zero import zero_bucket_mb
+from fastreduce.buckets import default_bucket_mb
+from fastreduce.modes.zero import zero_bucket_mb
 
 pytestmark = pytest.mark.timeout(120)
 

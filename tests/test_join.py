@@ -256,7 +256,7 @@ def case_gossip(rank: int, world: int, counts: list[int], topology: str) -> dict
     # Reference: every rank's model in one process. Rank r's step k+1: gradient at its
     # parameters p_k, parameters := sum_j W_{k-1}[r, j] p_k(j) (from step 2 on), then its
     # optimizer steps with that gradient; a rank out of batches only mixes.
-    topo = fastreduce.topology.make_topology(topology, world, world)
+    topo = fastreduce.modes.topology.make_topology(topology, world, world)
     models = [make_model() for _ in range(world)]
     opts = [sgd(m.parameters()) for m in models]
     for k in range(max(counts)):

@@ -234,7 +234,7 @@ NO_GRAD = "got no gradient"     # fused.py's warning about parameters without a 
 def skip_case(rank: int, world: int, case: Case) -> dict:
     """SkipModel, whose forward leaves layers out (some on every rank, some on some ranks,
     ``never`` always): test_fused.skipped() decides per micro-step and rank."""
-    fastreduce.backends._warned.clear()  # warn_once remembers per process: start each case afresh
+    fastreduce.backends.eager._warned.clear()  # warn_once remembers per process: start each case afresh
     model = skip_model(SEED)
     plain = copy.deepcopy(model)
     ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)

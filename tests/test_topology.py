@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from fastreduce import topology
-from fastreduce.topology import (
+from fastreduce.modes import topology
+from fastreduce.modes.topology import (
     TOPOLOGIES,
     Topology,
     consensus_rounds,

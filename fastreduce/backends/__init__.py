@@ -19,19 +19,16 @@ backends that need them, so ``import fastreduce`` works on any machine.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Callable, Protocol
 
 import torch
 
 from .checked import CheckedBackend, GraphContractError
-from .eager import EagerBackend
+from .eager import EagerBackend, warn_once
 
 __all__ = ["Backend", "BACKENDS", "CheckedBackend", "EagerBackend", "GraphContractError",
            "detect_device", "select_backend", "warn_once"]
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager", "cuda", "hpu", "checked")
 
@@ -49,16 +46,6 @@ class Backend(Protocol):
         exactly those addresses, whatever ``fn`` would read if called again.
         """
         ...
-
-
-_warned: set[str] = set()
-
-
-def warn_once(msg: str) -> None:
-    """Log ``msg`` as a warning the first time it is seen in this process."""
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
 
 
 def select_backend(name: str, device: torch.device, use_graphs: bool = True) -> Backend:

@@ -5,12 +5,11 @@ Verified on CPU only through the checked backend's contract; not yet run on a GP
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from .eager import warn_once
 
 WARMUP = 2
 
@@ -39,8 +38,6 @@ class CudaGraphBackend:
             with torch.cuda.graph(graph):
                 fn()
         except RuntimeError as e:  # capture unsupported here: stay correct, lose speed
-            from . import warn_once
-
             warn_once(f"CUDA graph capture failed ({e}); running pack/unpack eagerly")
             return fn
         return graph.replay

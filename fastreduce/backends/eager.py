@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
+
+log = logging.getLogger("fastreduce.backends")
+_warned: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """Log ``msg`` as a warning the first time it is seen in this process (a graph
+    backend that falls back to eager says so once)."""
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
 
 
 class EagerBackend:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from .eager import warn_once
+
 
 def available() -> bool:
     """True when ``habana_frameworks`` imports and sees at least one HPU."""
@@ -54,8 +56,6 @@ class HpuGraphBackend:
                 fn()
                 graph.capture_end()
         except RuntimeError as e:
-            from . import warn_once
-
             warn_once(f"HPU graph capture failed ({e}); running pack/unpack eagerly")
             return fn
         return graph.replay

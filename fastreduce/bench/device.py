@@ -35,7 +35,7 @@ import torch
 from ..backends import select_backend
 from ..buffer import FusedBuffer
 from ..layout import GradLayout
-from ..zero import fused_if_possible
+from ..modes.zero_shard import fused_if_possible
 from .common import machine_info
 from .step import build_model
 
@@ -121,7 +121,8 @@ def _local_sync(model: torch.nn.Module, device: torch.device, iters: int) -> dic
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-    from ..local import DiLoCo, LocalSGD
+    from ..modes.diloco import DiLoCo
+    from ..modes.localsgd import LocalSGD
 
     own = not dist.is_initialized()
     if own:  # one rank: each method's own work around the collective

@@ -35,10 +35,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..decentralized import DecentralizedDataParallel
-from ..fused import FusedReducer
 from ..launch import run_ranks
-from ..zero import fused_if_possible
+from ..modes.fused import FusedReducer
+from ..modes.gossip import DecentralizedDataParallel
+from ..modes.zero_shard import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 from .step import batch_for, build_model

@@ -63,11 +63,11 @@ from torch import nn
 import fastreduce
 
 from ..launch import run_ranks
-from ..zero import fused_if_possible
+from ..modes.zero_shard import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
-from .gossip import _sgd
 from .gossip import LR as SGD_LR
 from .gossip import MOMENTUM as SGD_MOMENTUM
+from .gossip import _sgd
 from .optim import OptimMethod, fastest_kernel
 from .report import judge_ratios, target_lines
 from .step import _plain, batch_for, build_model, ddp_method

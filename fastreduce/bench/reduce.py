@@ -65,8 +65,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..fused import FusedReducer, all_reduce_gradients
 from ..launch import run_ranks
+from ..modes.functional import all_reduce_gradients
+from ..modes.fused import FusedReducer
 from .common import Method, machine_info, ohabana_loop, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 

@@ -85,9 +85,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..fused import FusedReducer
+from ..buckets import default_bucket_mb
 from ..launch import run_ranks
-from ..overlap import default_bucket_mb
+from ..modes.fused import FusedReducer
 from .common import Method, machine_info, ohabana_loop, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 

@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.utils import _sync_params_and_buffers
 
 from ..comm import broadcast_from_rank0
-from ..fused import FusedReducer, ReducerConfig
+from ..modes.fused import FusedReducer, ReducerConfig
 
 __all__ = ["FastReduceStrategy"]
 

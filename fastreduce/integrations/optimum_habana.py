@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import fused
+from ..modes import functional
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -158,13 +158,13 @@ def _make_replacement(fusion_buffer_dtype: Any, use_hpu_graphs: bool | None,
     def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = default_dtype,
                              use_hpu_graphs: bool = True, **kwargs: Any) -> None:
         graphs = use_hpu_graphs if forced_graphs is None else forced_graphs
-        fused.all_reduce_gradients(model, fusion_buffer_dtype, graphs, **{**settings, **kwargs})
+        functional.all_reduce_gradients(model, fusion_buffer_dtype, graphs, **{**settings, **kwargs})
 
     forced_graphs = use_hpu_graphs
     all_reduce_gradients._fastreduce_installed = True  # type: ignore[attr-defined]
     all_reduce_gradients.__doc__ = ("fastreduce's all_reduce_gradients, installed in optimum-habana's place by "
                                     "fastreduce.integrations.optimum_habana.install().\n\n"
-                                    + (fused.all_reduce_gradients.__doc__ or ""))
+                                    + (functional.all_reduce_gradients.__doc__ or ""))
     return all_reduce_gradients
 
 

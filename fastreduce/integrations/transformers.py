@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import broadcast_from_rank0
-from ..fused import FusedReducer, ReducerConfig
+from ..modes.fused import FusedReducer, ReducerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import transformers

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import fastreduce
-import fastreduce.topology
-import fastreduce.zero
+import fastreduce.modes.topology
+import fastreduce.modes.zero_shard
 from fastreduce.launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -88,7 +88,7 @@ def zero_worker(rank: int, world: int, dtype_name: str, with_module: bool) -> di
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                    bucket_mb=0.05, module=model if with_module else None)
     # the reference steps with the kernel ZeroOptimizer picks at two ranks (fused on CUDA)
-    kernel = fastreduce.zero.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
+    kernel = fastreduce.modes.zero_shard.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **kernel)
     norms = []
     for step in range(8):
@@ -142,7 +142,7 @@ def test_zero_on_cuda_matches_adamw(dtype_name: str, with_module: bool) -> None:
     assert_close(torch.tensor(out[0]["err"]), torch.tensor(out[1]["err"]))
 
 
-class _LopsidedPair(fastreduce.topology.Topology):
+class _LopsidedPair(fastreduce.modes.topology.Topology):
     """Two ranks mixing 0.7 / 0.3: not uniform, so the exchange is point-to-point."""
 
     period = 1

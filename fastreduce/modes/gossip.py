@@ -2,7 +2,7 @@
 
 No global all-reduce: in round t rank r replaces its parameters by
 ``sum_j W_t[r, j] x_j`` over what the ranks sent, ``W_t`` the round's doubly stochastic
-mixing matrix from a :mod:`~fastreduce.topology` (``complete``, ``ring``,
+mixing matrix from a :mod:`~fastreduce.modes.topology` (``complete``, ``ring``,
 ``one-peer-exp``, ``alternating-exp-ring``, or your own). The exchange of a bucket
 overlaps the next step's forward and backward. Communication pattern, per step::
 
@@ -41,15 +41,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import TensorBlock, _view, params_as_views
-from .comm import Pending, complete, get_comm
-from .faults import guarded
-from .grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
-                    one_device, start_from_rank0)
-from .join import JoinableMode
-from .layout import GradLayout, bucket_runs, verify_model
-from .overlap import (Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb, on_grad_ready,
-                      remove_hooks)
+from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
+from ..buffer import TensorBlock, _view, params_as_views
+from ..comm import Pending, complete, get_comm
+from ..faults import guarded
+from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
+                     one_device, start_from_rank0)
+from ..hooks import on_grad_ready, remove_hooks
+from ..join import JoinableMode
+from ..layout import GradLayout, bucket_runs, verify_model
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
@@ -68,8 +68,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         model: the module to train; ``forward`` calls it.
         optim_fn: ``optim_fn([(name, param), ...]) -> Optimizer``, called once per bucket.
         lr_scheduler_fn: ``lr_scheduler_fn(optimizer) -> scheduler``, per bucket, or ``None``.
-        topology: a name in :data:`fastreduce.topology.TOPOLOGIES` or a
-            :class:`~fastreduce.topology.Topology`.
+        topology: a name in :data:`fastreduce.modes.topology.TOPOLOGIES` or a
+            :class:`~fastreduce.modes.topology.Topology`.
         scaler: a ``torch.amp.GradScaler`` (each rank steps it on its own buckets).
         grad_clip_norm: clip each bucket's gradients to this norm before its step (0: off).
         group: process group (default: the world).

@@ -1,36 +1,34 @@
-"""Overlapped mode: buckets in backward order, each all-reduced as soon as its grads are ready.
+"""Buckets in backward order, launched in order from gradient hooks: the mechanism under
+the overlapped mode, ZeRO's reduce-scatters and gossip's per-bucket steps (as Megatron
+splits buffer, bucket and bucket group).
 
-Communication pattern, per step::
-
-    backward:  grad of p ready -> post-accumulate-grad hook: pending[bucket] -= 1
-               bucket k complete and buckets < k launched -> pack k, start its all-reduce
-    finish():  launch what is left (unused params, changed order), then per bucket in
-               order: wait, unpack it (while later buckets are still on the wire)
-
-Buckets are launched strictly in index order on every rank, so ranks always issue the
-same collectives in the same sequence, whatever order their grads arrive in: a changed
-backward order or a parameter without a grad only delays launches to ``finish()``,
-never hangs. The first step learns the backward order (rank 0's, broadcast); the flat
-buffer is laid out in that order, so each bucket is one contiguous slice of it.
+:func:`make_buckets` cuts a layout's flat buffer into contiguous runs ordered by when
+their last gradient arrives; :class:`OverlapSchedule` registers a post-accumulate-grad
+hook per parameter, counts each bucket's gradients, and calls the mode's launch for
+bucket k once it is complete and every bucket before it has launched. Launching strictly
+in index order keeps every rank's sequence of collectives the same whatever order its
+gradients arrive in: a parameter without a gradient, or a changed backward order, only
+delays launches to ``finish()``, never hangs. :class:`OrderRecorder` and
+:func:`agreed_order` learn the backward order on the first step (rank 0's, broadcast).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached, cast_in
-from .comm import Comm, MeanPlan, Pending
+from .comm import Pending
 from .faults import guarded
+from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
-__all__ = ["Bucket", "OrderRecorder", "OverlapSchedule", "all_reduce_launcher", "default_bucket_mb",
-           "make_buckets"]
+__all__ = ["Bucket", "Launch", "OrderRecorder", "OverlapSchedule", "agreed_order", "default_bucket_mb",
+           "first_bucket_mb", "make_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +102,6 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
     return [b for _, b in sorted(buckets, key=lambda t: t[0])]
 
 
-def on_grad_ready(params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter],
-                  fn: Callable[[int], None]) -> list[Any]:
-    """Call ``fn(i)`` when ``params[i]``'s grad is accumulated; returns the hook handles."""
-    index = {p: i for i, p in enumerate(params)}
-    return [p.register_post_accumulate_grad_hook(lambda q: fn(index[q])) for p in params]
-
-
-def remove_hooks(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-
-
 class OrderRecorder:
     """First step only: notes the order in which parameters' grads become ready."""
 
@@ -145,20 +131,6 @@ def agreed_order(order: list[int], n: int, group: dist.ProcessGroup | None) -> l
 Launch = Callable[[int, bool], Pending]
 """``launch(b, packed)`` starts bucket ``b``'s collective; ``packed``: its wire slice
 already holds the gradients (they were cast straight in), so skip its pack."""
-
-
-def all_reduce_launcher(comm: Comm, plan: MeanPlan, buckets: list[Bucket]) -> Launch:
-    """The overlapped mode's launch: each bucket's pack (and divide, where the plan
-    says so), an averaging all-reduce, and its unpack once done."""
-    prescale_by = plan.world if plan.prescale else None
-    packs = [None if b.flat is b.wire and prescale_by is None else partial(b.pack, prescale_by)
-             for b in buckets]
-    unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
-
-    def launch(b: int, packed: bool) -> Pending:
-        return comm.all_reduce(buckets[b].wire, plan, None if packed else packs[b], unpacks[b])
-
-    return launch
 
 
 class OverlapSchedule:

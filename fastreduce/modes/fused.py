@@ -22,6 +22,7 @@ before the reduction, so unused parameters behave exactly as without the re-atta
 With ``overlap=True`` the same buffer is cut into buckets laid out in backward order
 and each bucket's all-reduce starts from a gradient hook during backward
 (:mod:`.overlap`); ``reduce()`` (alias ``finish()``) then only waits and unpacks.
+``all_reduce_gradients(model)`` keeps one of these on the model (:mod:`.functional`).
 """
 
 from __future__ import annotations
@@ -37,21 +38,20 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 import torch.distributed as dist
 
-from .backends import BACKENDS, Backend, select_backend
-from .buffer import FusedBuffer, attached
-from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
-from .engine import GroupSnapshot
-from .faults import guarded
-from .grads import (FiniteCheck, NonFinite, NonFiniteGradError, adopt, check_grad, check_nonfinite, first_nonfinite,
-                    missing_message, nonfinite_error, one_device)
-from .join import JoinableMode, sync_from_last_joiner
-from .layout import GradLayout, bucket_runs, verify_across_ranks
-from .overlap import (OrderRecorder, OverlapSchedule, agreed_order, all_reduce_launcher, default_bucket_mb,
-                      first_bucket_mb, make_buckets, on_grad_ready, remove_hooks)
-from .profiling import span
+from ..backends import BACKENDS, Backend, select_backend
+from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
+from ..buffer import FusedBuffer, attached
+from ..comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
+from ..engine import GroupSnapshot
+from ..faults import guarded
+from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, Reattach, adopt, check_grad, check_nonfinite,
+                     first_nonfinite, missing_message, nonfinite_error, one_device)
+from ..join import JoinableMode, sync_from_last_joiner
+from ..layout import GradLayout, verify_across_ranks
+from ..profiling import span
+from .overlap import bucket_segments, overlap_schedule
 
-__all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "all_reduce_gradients",
-           "gradient_reducer"]
+__all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "UnusedGrads"]
 
 log = logging.getLogger(__name__)
 
@@ -146,65 +146,6 @@ class ReducerStats:
     """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
 
 
-class _Reattach:
-    """Gradients that ``zero_grad(set_to_none=True)`` freed come back as zeroed views of
-    the flat buffer at the next forward (see the module doc), so that backward
-    accumulates into the buffer; one that backward then leaves unwritten is ``None``
-    again as backward ends (a callback queued from the first gradient hook of that
-    backward), and at the latest in ``reduce()``: unused parameters look exactly as
-    without the re-attach, and ``unused_grads`` sees them."""
-
-    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: ReducerStats,
-                 watch: Callable[[], None] | None = None):
-        self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
-        self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
-        self.fresh: list[int] = []  # re-attached since the last reduce
-        self.queued = False
-        # Registers the gradient hooks that call grad_ready, on the first re-attach: a loop
-        # that zeroes with reducer.zero_grad() never pays for a Python hook per gradient.
-        # (None: someone else's hooks call it already, the overlapped schedule's.)
-        self.watch = watch
-
-    @torch.no_grad()
-    def before_forward(self) -> None:
-        params, views = self.params, self.views
-        if attached(params, views):
-            return
-        fresh = [i for i, p in enumerate(params) if p.grad is None]
-        if not fresh:
-            return  # re-allocated ones (not None): reduce() copies them in
-        if len(fresh) == len(params):
-            self.buffer.zero_()
-        else:
-            torch._foreach_zero_([views[i] for i in fresh])
-        if self.watch is not None:
-            self.watch()
-            self.watch = None
-        for i in fresh:
-            params[i].grad = views[i]
-            self.written[i] = False
-        self.fresh += fresh
-        self.stats.preattached += len(fresh)
-
-    def grad_ready(self, i: int) -> None:
-        """Every gradient hook, fused or overlapped: note it, and at the first one of a
-        backward with re-attached gradients, queue :meth:`settle` for its end."""
-        self.written[i] = True
-        if self.fresh and not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.settle)
-
-    def settle(self, done: bool = False) -> None:
-        """Re-attached gradients that no backward wrote become ``None`` again; ``done``
-        (the reduction): forget which were re-attached."""
-        self.queued = False
-        if self.fresh:
-            for i in self.fresh:
-                if not self.written[i]:
-                    self.params[i].grad = None
-            self.fresh = [] if done else [i for i in self.fresh if self.written[i]]
-
-
 @dataclass(slots=True)
 class _Built:
     """Everything learned on the first call; replaced whole by :meth:`FusedReducer.rebuild`."""
@@ -219,8 +160,7 @@ class _Built:
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
     schedule: OverlapSchedule | None = None  # overlap mode only
-    reattach: _Reattach | None = None
-    hooks: list[Any] = field(default_factory=list)  # the re-attach's forward pre-hook (and grad hooks)
+    reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
 
 
 class FusedReducer(JoinableMode):
@@ -405,8 +345,7 @@ class FusedReducer(JoinableMode):
         pre-hook, gradient hooks, the order recorder); :attr:`stats` stay readable. The
         reducer must not be used afterwards."""
         if self._built is not None:
-            remove_hooks(self._built.hooks)
-            self._built.hooks = []
+            self._built.reattach.remove()
             if self._built.schedule is not None:
                 self._built.schedule.remove()
         if self._recorder is not None:
@@ -428,12 +367,8 @@ class FusedReducer(JoinableMode):
         saves it under a per-rank key): each parameter's error-feedback residual, flat, by
         name; empty without ``error_feedback`` or before the first :meth:`reduce`. The
         rest (layout, buffers) is learned again from the model."""
-        out: dict[str, torch.Tensor] = {}
-        if self._built is not None:
-            for seg, res in zip(self._built.layout.segments, self._built.buffer.residuals):
-                if res is not None:
-                    out.update((s.name, res[s.offset:s.offset + s.numel].clone()) for s in seg.slots)
-        return {"residuals": out}
+        built = self._built
+        return {"residuals": {} if built is None else built.buffer.residual_state(built.layout)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: now, or, before the first :meth:`reduce`, when that
@@ -453,16 +388,11 @@ class FusedReducer(JoinableMode):
         if self._built is not None:
             self._restore(self._built)
 
-    @torch.no_grad()
     def _restore(self, built: _Built) -> None:
         """Copy the residuals :meth:`load_state_dict` left waiting, if any, into ``built``'s buffer."""
         pending = self.__dict__.pop("_pending_state", None)
         if pending:
-            for seg, res in zip(built.layout.segments, built.buffer.residuals):
-                if res is not None:
-                    for s in seg.slots:
-                        if s.name in pending:
-                            res[s.offset:s.offset + s.numel].copy_(pending[s.name].reshape(-1))
+            built.buffer.load_residuals(built.layout, pending)
 
     # ------------------------------------------------------------------ first call
 
@@ -481,11 +411,8 @@ class FusedReducer(JoinableMode):
             named = [named[i] for i in order]
         wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
         pg = dist.get_backend(self.group)
-        mb = cfg.bucket_mb or default_bucket_mb(pg)
-        # fp32 accumulation splits each collective's buffer into world-size chunks: in
-        # overlap mode every bucket is a segment of its own, padded to that.
-        per_bucket = cfg.overlap and cfg.accumulate_dtype is not None
-        segments = bucket_runs(named, [0] * len(named), int(mb * 2**20) // wire_dtype.itemsize) if per_bucket else None
+        per_bucket = cfg.overlap and cfg.accumulate_dtype is not None  # fp32 sums: a segment per bucket
+        segments = bucket_segments(named, wire_dtype, cfg.bucket_mb or default_bucket_mb(pg), per_bucket)
         layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
                             pad_to=self.world_size if per_bucket else 1)
         # Which grads are present goes into the check too: a parameter that got a grad on
@@ -504,27 +431,13 @@ class FusedReducer(JoinableMode):
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        watch = None if cfg.overlap else (lambda: built.hooks.extend(on_grad_ready(layout.params,
-                                                                                reattach.grad_ready)))
-        built.reattach = reattach = _Reattach(layout, buffer, self.stats, watch)
+        built.reattach = reattach = Reattach(self.model, layout, buffer, self.stats, grad_hooks=not cfg.overlap)
         if cfg.overlap:
-            first = first_bucket_mb(pg) if cfg.bucket_mb is None and not per_bucket else None
-            # (per_bucket: one bucket per segment, in segment order)
-            buckets = make_buckets(layout, buffer, 2**62 if per_bucket else int(mb * 2**20),
-                                   first and int(first * 2**20))
-            launch = all_reduce_launcher(comm, plan, buckets)
-
-            def launch_joined(b: int, packed: bool) -> Pending:
-                if b == 0:  # buckets launch in order: bucket 0 opens the step's collectives
-                    self._join_notify()
-                return launch(b, packed)
-
-            built.schedule = OverlapSchedule(layout, buckets, launch_joined,
-                                             lambda idx, direct: self._adopt(built, idx, direct),
-                                             direct=not (plan.prescale or cfg.error_feedback),
-                                             on_grad=reattach.grad_ready)
-        built.hooks = [self.model.register_forward_pre_hook(
-            lambda _m, _a: built.reattach.before_forward() if torch.is_grad_enabled() else None)]
+            built.schedule = overlap_schedule(layout, buffer, comm, plan, pg_backend=pg, bucket_mb=cfg.bucket_mb,
+                                              per_segment=per_bucket, opened=self._join_notify,
+                                              adopt=lambda idx, direct: self._adopt(built, idx, direct),
+                                              direct=not (plan.prescale or cfg.error_feedback),
+                                              on_grad=reattach.grad_ready)
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
@@ -644,89 +557,3 @@ class FusedReducer(JoinableMode):
                            "fastreduce learned the layout, so their gradients would not be "
                            "reduced; call reducer.rebuild() on every rank after changing "
                            "requires_grad")
-
-
-class _ReducerCache(dict):
-    """Reducers kept on the model; copies and pickles of the model start without any.
-    ``restore``: a reducer state a checkpoint loaded before any reducer existed, handed
-    to the next one made."""
-
-    restore: dict[str, Any] | None = None
-
-    def __deepcopy__(self, memo: dict) -> _ReducerCache:
-        return _ReducerCache()
-
-    def __reduce__(self):
-        return (_ReducerCache, ())
-
-
-def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
-                         use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
-                         backend: str = "auto", unused_grads: UnusedGrads = "error",
-                         accumulate_dtype: torch.dtype | None = None,
-                         transport: Transport | None = None, error_feedback: bool = False,
-                         nonfinite: NonFinite = "ignore") -> bool:
-    """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``;
-    returns :meth:`FusedReducer.reduce`'s verdict (``False``: skip the step, only under
-    ``nonfinite="skip"``).
-
-    A drop-in for optimum-habana's function of the same name (same positional
-    arguments and defaults) that runs on HPU, CUDA and CPU. The reducer behind it is
-    kept on the model, one per group and settings; see :class:`FusedReducer` for the
-    object form and the meaning of each argument. ``use_hpu_graphs`` means "record
-    pack/unpack as device graphs where the device has them". For the overlapped mode,
-    which must be set up before the first backward, use ``FusedReducer(overlap=True)``.
-
-    Example::
-
-        >>> loss.backward()
-        >>> fastreduce.all_reduce_gradients(model)             # bf16 on the wire
-        >>> fastreduce.all_reduce_gradients(model, torch.float32)  # exact fp32
-        >>> optimizer.step()
-
-    Under uneven inputs pass :func:`gradient_reducer` (the same reducer) to ``Join``.
-    """
-    return gradient_reducer(model, fusion_buffer_dtype, use_hpu_graphs, group=group, backend=backend,
-                            unused_grads=unused_grads, accumulate_dtype=accumulate_dtype, transport=transport,
-                            error_feedback=error_feedback, nonfinite=nonfinite).reduce()
-
-
-def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
-                     use_hpu_graphs: bool = True, *, group: dist.ProcessGroup | None = None,
-                     backend: str = "auto", unused_grads: UnusedGrads = "error",
-                     accumulate_dtype: torch.dtype | None = None,
-                     transport: Transport | None = None, error_feedback: bool = False,
-                     nonfinite: NonFinite = "ignore") -> FusedReducer:
-    """The :class:`FusedReducer` that :func:`all_reduce_gradients` uses for ``model`` with
-    the same arguments (made now if it does not exist yet; made by any rank, it is
-    built collectively at the first reduction). It is what to hand to ``Join`` (and
-    what exposes ``stats``, ``no_sync()`` and ``zero_grad()``).
-
-    Example::
-
-        >>> from torch.distributed.algorithms.join import Join
-        >>> with Join([fastreduce.gradient_reducer(model)]):   # this rank may run out first
-        ...     for x, y in my_batches:
-        ...         loss_fn(model(x), y).backward()
-        ...         fastreduce.all_reduce_gradients(model)      # averaged over the active ranks
-        ...         optimizer.step()
-        ...         optimizer.zero_grad()
-    """
-    cache = model.__dict__.get("_fastreduce_reducers")
-    if cache is None:
-        cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
-    key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite)
-    reducer = cache.get(key)
-    if reducer is None:
-        for old in [k for k, r in cache.items() if r._group_built.changed()]:
-            cache.pop(old).close()  # built on a process group since destroyed and re-made
-        extra = {} if transport is None else {"transport": transport}
-        reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
-                                            use_graphs=use_hpu_graphs, backend=backend,
-                                            unused_grads=unused_grads, accumulate_dtype=accumulate_dtype,
-                                            error_feedback=error_feedback, nonfinite=nonfinite, **extra)
-        if cache.restore is not None:
-            reducer.load_state_dict(cache.restore)
-            cache.restore = None
-    return reducer

@@ -20,15 +20,9 @@ buffer per dtype, gradients views of the communication layer's wire buffer (see
 :class:`~fastreduce.buffer.FusedBuffer`): a reduce-scatter and an all-gather move the
 bytes of one all-reduce, and the optimizer touches 1/N of the elements.
 
-Why not the peers' designs: torch's ``ZeroRedundancyOptimizer`` shards whole
-parameters (imbalanced), syncs parameters with one broadcast per rank, keeps DDP's
-full all-reduce of the gradients (pytorch#69591) and consolidates state by gathering
-all of it on one rank (pytorch#68181); its overlap hook needs a functional optimizer
-and refuses Gloo. DeepSpeed ZeRO-1/2 resumes on another GPU count only after an offline
-conversion (deepspeed#5405, #7628). Here :meth:`ZeroOptimizer.state_dict` is torch.optim's
-own per-parameter format, and :meth:`ZeroOptimizer.sharded_state_dict` is written by
-``torch.distributed.checkpoint`` with every rank saving only its ranges, per parameter,
-so it loads onto any world size.
+What a rank holds is in :mod:`.zero_shard`, the checkpoints (torch.optim's format, and
+DCP ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md says why
+the peers' designs (torch's ``ZeroRedundancyOptimizer``, DeepSpeed ZeRO-1/2) fall short.
 """
 
 from __future__ import annotations
@@ -37,25 +31,24 @@ import bisect
 import itertools
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from .buffer import FusedBuffer, _view, params_as_views
-from .checkpoint import RangeShard
-from .comm import Pending, all_gather_flat, complete, get_comm
-from .engine import GroupSnapshot
-from .faults import guarded
-from .grads import (FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error,
-                    one_device)
-from .join import JoinableMode
-from .layout import GradLayout, bucket_runs, verify_across_ranks
-from .overlap import OverlapSchedule, default_bucket_mb, make_buckets
-from .profiling import span
+from ..buckets import OverlapSchedule, default_bucket_mb, make_buckets
+from ..buffer import FusedBuffer, params_as_views
+from ..comm import Pending, complete, get_comm
+from ..engine import GroupSnapshot
+from ..faults import guarded
+from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
+from ..join import JoinableMode
+from ..layout import GradLayout, bucket_runs, verify_across_ranks
+from ..profiling import span
+from .zero_shard import fused_if_possible, make_shards, shard_optimizer
+from .zero_state import ZeroCheckpointing
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "fused_if_possible", "zero_bucket_mb"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +58,10 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 """Optimizers whose update of an element reads only that element's state: a shard can
 step alone. Add a class here (or subclass one) to allow another such optimizer."""
 
-_MASTER = "fastreduce_master"  # fp32 master weights of low-precision params, in state dicts
-_SCALARS = frozenset({"step", "mu_product", "eta", "mu"})  # per-parameter scalars of torch optimizers
 
 
-@dataclass(slots=True, eq=False)
-class _Shard:
-    """Rank r's chunk of one bucket."""
 
-    group: int  # param group index
-    seg: int  # layout segment (= bucket) index
-    params: torch.Tensor  # the bucket's slice of the flat parameter buffer
-    master: torch.Tensor  # chunk r of ``params`` (a view), or its fp32 copy
-    out: torch.Tensor | None  # where the reduce-scatter puts chunk r (None: the wire itself)
-
-    @property
-    def low(self) -> bool:
-        """The master is a separate fp32 copy of bf16/fp16 parameters."""
-        return self.master.dtype != self.params.dtype
-
-
-class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
+class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
     """A torch optimizer whose state, step and master weights are sharded across ranks.
 
     It averages the gradients itself (no DDP): build it over the model's parameters,
@@ -219,8 +195,12 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
         self.buckets = make_buckets(layout, self.buffer, 2**62)  # one per segment, in segment order
         assert [b.slots[0] for b in self.buckets] == list(itertools.accumulate(
             [0] + [len(seg.slots) for seg in layout.segments[:-1]]))
-        self._flatten_params(named, segments, group_of)
-        self.inner = self._inner_optimizer()
+        # On one host the parameters are this rank's region of a shared segment: the
+        # all-gather pulls the other ranks' chunks straight into them.
+        flats = params_as_views(layout, comm.buffer)
+        self.shards = make_shards(layout, flats, self.buckets, [group_of[m[0]] for m in segments], self.rank,
+                                  self.world_size, separate_out=self.scaler is not None)
+        self.inner = shard_optimizer(self.optimizer_class, self.param_groups, self.shards, self._kwargs)
         self._schedule: OverlapSchedule | None = None
         if self.world_size > 1:
             packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
@@ -243,35 +223,6 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
                      len(self.buckets), wire, self.world_size,
                      sum(s.master.numel() for s in self.shards) * 4 / 2**20)
-
-    def _flatten_params(self, named: list[tuple[str, torch.nn.Parameter]], segments: list[list[int]],
-                        group_of: list[int]) -> None:
-        """One flat buffer per dtype; every parameter becomes a view of it."""
-        layout, W, r = self.layout, self.world_size, self.rank
-        # On one host, this rank's region of a shared segment: the all-gather pulls the
-        # other ranks' chunks straight into the parameters.
-        flats = params_as_views(layout, self.comm.buffer)
-        separate_out = self.scaler is not None
-        self.shards: list[_Shard] = []
-        with torch.no_grad():
-            for s, (seg, members, flat) in enumerate(zip(layout.segments, segments, flats)):
-                c = seg.numel // W
-                chunk = flat[r * c:(r + 1) * c]
-                master = chunk if seg.dtype.itemsize >= 4 else chunk.float()
-                out = None if (master.dtype == self.buffer.wire.dtype and not separate_out) else \
-                    torch.zeros(c, dtype=master.dtype, device=self.device)
-                self.shards.append(_Shard(group_of[members[0]], s, flat, master, out))
-        for sh, b in zip(self.shards, self.buckets):
-            wire = b.wire
-            c = wire.numel() // W
-            sh.master.grad = wire[r * c:(r + 1) * c] if sh.out is None else sh.out
-
-    def _inner_optimizer(self) -> torch.optim.Optimizer:
-        groups = []
-        for g, pg in enumerate(self.param_groups):
-            hyper = {k: v for k, v in pg.items() if k != "params"}
-            groups.append({**hyper, "params": [s.master for s in self.shards if s.group == g]})
-        return self.optimizer_class(groups, **self._kwargs)
 
     def _hook_module(self, module: torch.nn.Module) -> None:
         bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -579,260 +530,11 @@ class ZeroOptimizer(torch.optim.Optimizer, JoinableMode):
             flag.copy_(found.reshape(flag.shape).to(flag.device))
         return bool(found.item())
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _index(self) -> tuple[dict[int, int], list[int]]:
-        """torch.optim's parameter index -> layout slot; per group, its indices."""
-        slot_of = {id(p): i for i, p in enumerate(self.layout.params)}
-        index: dict[int, int] = {}
-        per_group, k = [], 0
-        for pg in self.param_groups:
-            ids = []
-            for p in pg["params"]:
-                if id(p) in slot_of:
-                    index[k] = slot_of[id(p)]
-                ids.append(k)
-                k += 1
-            per_group.append(ids)
-        return index, per_group
-
-    def _chunk_states(self) -> list[dict[str, Any]]:
-        return [self.inner.state.get(s.master, {}) for s in self.shards]
-
-    @torch.no_grad()
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's own per-parameter format, whole on every rank (collective).
-
-        Loads into a plain optimizer of the same class over the same parameters; for
-        bf16/fp16 parameters each state also holds the fp32 master (``fastreduce_master``).
-        For big models prefer :meth:`sharded_state_dict`, which gathers nothing.
-        """
-        self._wait_gathers()
-        index, per_group = self._index()
-        slots_of_seg = [b.slots for b in self.buckets]
-        layout = self.layout
-        state: dict[int, dict[str, Any]] = {}
-        by_slot = {i: k for k, i in index.items()}
-        for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
-            seg = layout.segments[s]
-            fulls: dict[str, torch.Tensor] = {}
-            items = {k: v for k, v in chunk_state.items()}
-            if shard.low:
-                items[_MASTER] = shard.master
-            for key, v in items.items():
-                if key not in _SCALARS and torch.is_tensor(v) and v.shape == shard.master.shape:
-                    fulls[key] = self._all_gather_state(v, seg.numel)
-            for i in slots_of_seg[s]:
-                slot = layout.slots[i]
-                st: dict[str, Any] = {}
-                for key, v in items.items():
-                    if key in fulls:
-                        st[key] = _view(fulls[key], slot).clone()
-                    else:
-                        st[key] = v.clone() if torch.is_tensor(v) else v
-                if chunk_state or shard.low:
-                    state[by_slot[i]] = st
-        groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": ids}
-                  for pg, ids in zip(self.param_groups, per_group)]
-        return {"state": state, "param_groups": groups}
-
-    def _all_gather_state(self, chunk: torch.Tensor, numel: int) -> torch.Tensor:
-        full = torch.empty(numel, dtype=chunk.dtype, device=chunk.device)
-        if self.world_size == 1:
-            full.copy_(chunk)
-        else:
-            all_gather_flat(full, chunk.contiguous(), self.group)
-        return full
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch.optim's per-parameter format: from :meth:`state_dict` at any world
-        size, or from a plain optimizer of the same class. Checked first: a mismatch
-        raises ``ValueError`` and changes nothing."""
-        self._wait_gathers()
-        index, per_group = self._index()
-        self._check_loadable(state_dict, index, per_group)
-        by_slot = {i: k for k, i in index.items()}
-        chunks, masters = {}, {}
-        for s, idx in enumerate(b.slots for b in self.buckets):
-            entries = [(self.layout.slots[i], state_dict["state"].get(by_slot[i], {})) for i in idx]
-            chunk_state, masters[s] = self._chunk_of(s, entries)
-            if chunk_state:
-                chunks[s] = chunk_state
-        # The shard's optimizer numbers its tensors group by group, in shard order.
-        order = [s for g in range(len(self.param_groups)) for s, sh in enumerate(self.shards) if sh.group == g]
-        position = {s: k for k, s in enumerate(order)}
-        groups, k = [], 0
-        for g, src in enumerate(state_dict["param_groups"]):
-            n = sum(sh.group == g for sh in self.shards)
-            groups.append({**{a: b for a, b in src.items() if a != "params"}, "params": list(range(k, k + n))})
-            k += n
-        self.inner.load_state_dict({"state": {position[s]: st for s, st in chunks.items()},
-                                    "param_groups": groups})
-        for pg, src in zip(self.param_groups, state_dict["param_groups"]):
-            pg.update({a: b for a, b in src.items() if a != "params"})
-        W, r = self.world_size, self.rank
-        for s, shard in enumerate(self.shards):  # masters: loaded, else from the params
-            if shard.low:
-                c = shard.params.numel() // W
-                m = masters[s]
-                shard.master.copy_(m if m is not None else shard.params[r * c:(r + 1) * c])
-
-    def _chunk_of(self, s: int, entries: list[tuple[Any, dict[str, Any]]]) -> tuple[dict[str, Any],
-                                                                                   torch.Tensor | None]:
-        """This rank's chunk of bucket ``s``'s state, from per-parameter ``(slot, state)``
-        entries; and its fp32 masters if the entries carry them."""
-        seg, W, r = self.layout.segments[s], self.world_size, self.rank
-        c = seg.numel // W
-        chunk_state: dict[str, Any] = {}
-        master = None
-        for key in sorted({k for _, st in entries for k in st}):
-            shaped = [(slot, st[key]) for slot, st in entries if key in st]
-            if key in _SCALARS or not all(torch.is_tensor(v) and v.shape == slot.param.shape for slot, v in shaped):
-                if key != _MASTER:  # a scalar (step): the same for every parameter of a bucket
-                    v = shaped[0][1]
-                    chunk_state[key] = v.clone() if torch.is_tensor(v) else v
-                continue
-            full = torch.zeros(seg.numel, dtype=shaped[0][1].dtype, device=self.device)
-            for slot, v in shaped:
-                _view(full, slot).copy_(v)
-            if key == _MASTER:
-                master = full[r * c:(r + 1) * c].float()
-            else:
-                chunk_state[key] = full[r * c:(r + 1) * c].clone()
-        return chunk_state, master
-
-    def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
-        if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
-            raise ValueError("not an optimizer state dict: expected the keys 'state' and 'param_groups'")
-        groups = sd["param_groups"]
-        if len(groups) != len(per_group) or any(len(g["params"]) != len(ids) for g, ids in zip(groups, per_group)):
-            raise ValueError(f"the state dict has param groups of sizes {[len(g['params']) for g in groups]}, "
-                             f"this optimizer {[len(ids) for ids in per_group]}: it is from another model")
-        for k, st in sd["state"].items():
-            if k not in index:
-                continue
-            p = self.layout.params[index[k]]
-            for key, v in st.items():
-                if key not in _SCALARS and torch.is_tensor(v) and v.shape != p.shape:
-                    raise ValueError(f"state {key!r} of parameter {k} has shape {tuple(v.shape)}, the "
-                                     f"parameter {self.layout.names[index[k]]!r} {tuple(p.shape)}: the "
-                                     "checkpoint is from another model")
-
-
-    # ------------------------------------------------------------------ sharded checkpoints
-
-    @torch.no_grad()
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's ranges of the optimizer state, for ``torch.distributed.checkpoint``.
-
-        Per parameter (torch.optim's index) and state key, a
-        :class:`~fastreduce.checkpoint.RangeShard` over the parameter's elements
-        (flattened in memory order) holding a view of this rank's range of the state, so ``dcp.save`` writes each range once, from its owner, and
-        ``dcp.load`` fills it in place on any world size; scalars (``step``) and the
-        hyperparameters are saved once. Collective. A fresh optimizer's state is first
-        made by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
-        so that a template exists to load into::
-
-            sd = opt.sharded_state_dict()
-            torch.distributed.checkpoint.load(sd, checkpoint_id=path)
-            opt.load_sharded_state_dict(sd)
-        """
-        self._wait_gathers()
-        self._materialize_state()
-        index, per_group = self._index()
-        by_slot = {i: k for k, i in index.items()}
-        W, r = self.world_size, self.rank
-        state: dict[str, dict[str, Any]] = {}
-        for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
-            seg = self.layout.segments[s]
-            c = seg.numel // W
-            items = dict(chunk_state)
-            if shard.low:
-                items[_MASTER] = shard.master
-            for slot_i in self.buckets[s].slots:
-                slot = self.layout.slots[slot_i]
-                lo, hi = slot.offset, slot.offset + slot.numel
-                a = min(max(lo, r * c), hi)
-                b = max(min(hi, (r + 1) * c), a)  # [a, b): my part of the parameter, maybe empty
-                entry: dict[str, Any] = {}
-                for key, v in items.items():
-                    if key in _SCALARS or not torch.is_tensor(v) or v.shape != shard.master.shape:
-                        entry[key] = v.clone() if torch.is_tensor(v) else v
-                    else:
-                        entry[key] = RangeShard(v[a - r * c:b - r * c], a - lo, slot.numel)
-                state[str(by_slot[slot_i])] = entry
-        groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Finish loading what ``dcp.load`` put into :meth:`sharded_state_dict`'s dict:
-        the state ranges were filled in place; this sets the scalars and hyperparameters."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if groups is None or "state" not in state_dict or len(groups) != len(self.param_groups):
-            raise ValueError("not a ZeroOptimizer.sharded_state_dict() of this optimizer (its "
-                             "param groups differ); build the dict with sharded_state_dict() and "
-                             "fill it with torch.distributed.checkpoint.load")
-        index, _ = self._index()
-        by_slot = {i: k for k, i in index.items()}
-        for s, chunk_state in enumerate(self._chunk_states()):
-            first = state_dict["state"][str(by_slot[self.buckets[s].slots[0]])]
-            for key, v in first.items():
-                if key in chunk_state and not isinstance(v, RangeShard):
-                    if torch.is_tensor(v) and torch.is_tensor(chunk_state[key]):
-                        chunk_state[key].copy_(v)
-                    else:
-                        chunk_state[key] = v
-        for pg, src in zip(self.param_groups, groups):
-            pg.update({k: v for k, v in src.items() if k != "params"})
-        self._sync_hyperparameters()
-
-    def _materialize_state(self) -> None:
-        """Create the shard's optimizer state where it does not exist yet: one step at
-        lr=0 on zero gradients (the gradients are restored)."""
-        if all(s.master in self.inner.state and self.inner.state[s.master] for s in self.shards):
-            return
-        grads = [s.master.grad for s in self.shards]
-        saved = [g.clone() for g in grads]
-        lrs = [g["lr"] for g in self.inner.param_groups]
-        try:
-            for g in grads:
-                g.zero_()
-            for g in self.inner.param_groups:
-                g["lr"] = 0.0
-            self.inner.step()
-        finally:
-            for g, lr in zip(self.inner.param_groups, lrs):
-                g["lr"] = lr
-            for g, v in zip(grads, saved):
-                g.copy_(v)
-
-
 def zero_bucket_mb(pg_backend: str) -> float:
     """ZeRO's default bucket: at least 25 MB. Each bucket costs a reduce-scatter and an
     all-gather with their barriers; measured on 2 CPU ranks (12M fp32 parameters,
     AdamW), 24 MB buckets stepped in 0.94x the fused reducer's time, 6 MB ones in 1.05x."""
     return max(25.0, default_bucket_mb(pg_backend))
-
-
-def fused_if_possible(optimizer_class: type, params: list[Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``defaults`` plus ``fused=True`` where the optimizer has a fused kernel for the
-    parameters' device and the user chose no implementation: a shard is one flat
-    tensor per bucket, just what a fused kernel is fastest on (measured: AdamW on a 6M
-    shard, 3.3 ms fused against 17 ms for-loop on one CPU core; on an H100 the fused
-    kernel is 2.8x the foreach one for 200M parameters)."""
-    if any(k in defaults for k in ("fused", "foreach", "differentiable")):
-        return defaults
-    first = next((t for item in params for t in (item["params"] if isinstance(item, dict) else [item])
-                  if torch.is_tensor(t)), None) if params else None
-    if first is None:
-        return defaults
-    try:
-        optimizer_class([torch.zeros(1, device=first.device, requires_grad=True)], **defaults, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return defaults
-    return {**defaults, "fused": True}
 
 
 def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
@@ -844,7 +546,7 @@ def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
                          "one element reads others (whole tensors, or all of them), so it cannot step "
                          "on a shard. ZeroOptimizer takes "
                          f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or their subclasses "
-                         "(add yours to fastreduce.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
+                         "(add yours to fastreduce.modes.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
     if wire_dtype is not None and not wire_dtype.is_floating_point:
         raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype}")
     if accumulate_dtype not in (None, torch.float32):

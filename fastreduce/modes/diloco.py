@@ -1,0 +1,236 @@
+"""DiLoCo, and Streaming DiLoCo's fragments, on the local-update mechanism (:mod:`.local`).
+
+Douillard et al. 2023; streaming fragments after Douillard et al. 2025. Communication
+pattern (step ``s`` counts the inner optimizer's steps from 1)::
+
+    after step s, fragment k launched (s = t_k - tau mod H):
+                               delta_k := anchor_k - x_k (the pseudo-gradient), cast to
+                               the wire dtype, averaging all-reduce started (async)
+    after step s = t_k mod H:  wait; x_k := anchor_k; x_k.grad := mean delta_k; the outer
+                               optimizer steps fragment k; anchor_k := x_k;
+                               x_k := alpha * (x_k before) + (1 - alpha) * x_k
+
+with ``t_k = (k + 1) H / F`` (``F`` fragments, staggered; ``F = 1``: every ``H``). With
+``fragment_delay = tau > 0`` the all-reduce runs during the ``tau`` inner steps before
+it is applied. At most one fragment is on the wire at a time (``tau < H / F``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..buffer import _view
+from ..faults import guarded
+from ..grads import NonFinite, check_nonfinite, one_device
+from .local import (BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, optimizer_params, require_distributed,
+                    trainable)
+
+__all__ = ["DiLoCo"]
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCo(LocalUpdates):
+    """DiLoCo: ``sync_every`` inner steps on each rank, then an outer step on the averaged
+    pseudo-gradient; with ``fragments``, Streaming DiLoCo (see the module doc).
+
+    Args:
+        model: the module every rank trains.
+        inner_optimizer: the rank's optimizer (e.g. AdamW); its ``step()`` drives the mode.
+        outer_optimizer: a torch optimizer over exactly the model's trainable parameters
+            (the paper: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``); it steps each
+            fragment's last synced parameters with the averaged pseudo-gradient as grad.
+        sync_every: inner steps between a fragment's syncs (``H``).
+        fragments: the trainable parameters, in model order, cut into this many runs of
+            about equal size, synced at staggered steps (``H`` must be a multiple).
+        fragment_delay: inner steps between starting a fragment's all-reduce and applying
+            it (``tau < H / fragments``): the communication overlaps those steps.
+        fragment_alpha: on apply, the fragment's parameters := ``alpha * local + (1 -
+            alpha) * global``.
+        group: process group (default: the world).
+        wire_dtype: dtype the pseudo-gradient is sent in (default bf16).
+        accumulate_dtype: ``torch.float32``: a bf16 wire is summed in fp32 on process
+            groups too (shared memory always does).
+        backup_device: where the last synced parameters live (default: the parameters'
+            device; ``"cpu"`` frees a model's worth of accelerator memory).
+        buffers: ``average`` (float buffers averaged every ``H`` steps) or ``local``.
+        transport: the communication layer's transport.
+        nonfinite: inf/NaN: ``ignore`` (no check), ``skip`` or ``raise``. An inner step
+            checks this rank's gradients, as :class:`LocalSGD` does (``skip``: this rank
+            skips it, still counted, :attr:`skipped_steps`; ``raise``: the same, then
+            :class:`~fastreduce.NonFiniteGradError` on this rank only). A fragment's
+            averaged pseudo-gradient is checked once it lands (one fused kernel; it is
+            the same on every rank, so every rank decides alike with no collective):
+            ``skip`` skips the outer step and every rank's parameters of the fragment
+            return to the last synced ones (outer optimizer untouched,
+            :attr:`skipped_syncs` counts it); ``raise`` does the same and raises on every
+            rank, naming the parameter.
+
+    Example::
+
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
+        >>> outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        >>> diloco = fastreduce.DiLoCo(model, inner, outer, sync_every=500)
+        >>> for x, y in batches:
+        ...     loss_fn(model(x), y).backward()
+        ...     inner.step()        # every 500th step: the outer step on the averaged delta
+        ...     inner.zero_grad()
+    """
+
+    _averages_params = False  # pseudo-gradients: divide_by_initial_world_size applies
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: torch.optim.Optimizer, sync_every: int, *, fragments: int = 1,
+                 fragment_delay: int = 0, fragment_alpha: float = 0.0, group: dist.ProcessGroup | None = None,
+                 wire_dtype: torch.dtype = torch.bfloat16, accumulate_dtype: torch.dtype | None = None,
+                 backup_device: str | torch.device | None = None, buffers: str = "average",
+                 transport: str | None = None, nonfinite: NonFinite = "ignore"):
+        self.sync_every = H = check_int("sync_every", sync_every, 1)
+        self.nonfinite = check_nonfinite(nonfinite)
+        self.num_fragments = F = check_int("fragments", fragments, 1)
+        self.fragment_delay = tau = check_int("fragment_delay", fragment_delay, 0)
+        if F > 1 and H % F:
+            raise ValueError(f"sync_every={H} is not a multiple of fragments={F}: the fragments' syncs are "
+                             f"staggered every sync_every / fragments steps")
+        if tau * F >= H:
+            raise ValueError(f"fragment_delay={tau} must be less than sync_every / fragments = {H / F:g}: "
+                             "one fragment's all-reduce must land before the next one starts")
+        if not 0.0 <= float(fragment_alpha) <= 1.0:
+            raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha!r}")
+        if buffers not in BUFFERS:
+            raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
+        if not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
+            raise ValueError(f"wire_dtype must be a floating dtype, got {wire_dtype!r}")
+        if accumulate_dtype not in (None, torch.float32):
+            raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype!r}")
+        require_distributed()
+        self._named = trainable(model)
+        if outer_optimizer is inner_optimizer:
+            raise ValueError("outer_optimizer is the inner optimizer; DiLoCo needs a second optimizer "
+                             "over the same parameters (e.g. SGD(lr=0.7, momentum=0.9, nesterov=True))")
+        check_inner(model, inner_optimizer, "inner optimizer")
+        outer = {id(p) for p in optimizer_params(outer_optimizer, "outer_optimizer")}
+        ours = {id(p): n for n, p in self._named}
+        missing = [n for i, n in ours.items() if i not in outer]
+        extra = len(outer - set(ours))
+        if missing or extra:
+            raise ValueError("outer_optimizer must hold exactly the model's trainable parameters: "
+                             + (f"it lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "")
+                             + ("; " if missing and extra else "")
+                             + (f"it holds {extra} other tensor(s)" if extra else "")
+                             + "; build it over [p for p in model.parameters() if p.requires_grad]")
+        device = one_device(self._named)
+        if backup_device is not None:
+            backup = torch.device(backup_device)
+            if backup.type not in ("cpu", device.type):
+                raise ValueError(f"backup_device must be 'cpu' or the parameters' device ({device}), got {backup}")
+            backup_device = backup
+        self.fragment_alpha = float(fragment_alpha)
+        self.outer_optimizer = outer_optimizer
+        self._delta = True
+        on_cpu = backup_device is not None and backup_device != device
+        # Scratch beside the live parameters: to keep them through the delay, or for alpha.
+        scratch = tau > 0 or self.fragment_alpha > 0 or on_cpu
+        self._setup(model, inner_optimizer, group=group, wire_dtype=wire_dtype,
+                    accumulate_dtype=accumulate_dtype, buffers=buffers, fragments=F,
+                    backup_device=backup_device, transport=transport, scratch=scratch)
+        # Where the averaged pseudo-gradient lands as the outer step's grad: the anchor
+        # (the parameters hold its values meanwhile), else a block on the device.
+        self._spare = self._blocks_per_dtype() if on_cpu and self.fragment_alpha > 0 else (
+            self._scratch if on_cpu else {})
+        self._grad_views = []
+        for k, segs in enumerate(self._frag_segments):
+            homes = self._scratch_of(k, self._spare) if self._spare else [self._anchor[j] for j in segs]
+            self._grad_views.append([(s.param, _view(home, s)) for j, home in zip(segs, homes)
+                                     for s in self.layout.segments[j].slots])
+        self._apply_at = [((k + 1) * H // F) % H for k in range(F)]
+        if self.rank == 0:
+            log.info("fastreduce: DiLoCo: %s; %d fragment(s) every %d inner steps (delay %d, alpha %g), "
+                     "wire %s, anchor on %s, %d ranks", self.layout.describe(), F, H, tau,
+                     self.fragment_alpha, wire_dtype, self._anchor[0].device, self.world_size)
+        self._guard_steps()
+
+    # ------------------------------------------------------------------ public
+
+    @guarded("{cls}.sync()", SYNC_LOST)
+    @torch.no_grad()
+    def sync(self) -> None:
+        """An outer step of every fragment now (collective), the one on the wire first,
+        without ``fragment_alpha``: every rank then holds the same global parameters
+        (e.g. at the end of training). The schedule goes on counting as before."""
+        landed = set(self._in_flight)
+        for k in sorted(landed):
+            self._land(k, mix=False)
+        for k in range(self.num_fragments):
+            if k not in landed:
+                self._launch(k)
+                self._land(k, mix=False)
+        self._average_buffers(self.comm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume exactly: the step count (hence the fragment phase), the
+        last synced parameters, this rank's parameters, the outer optimizer's state and
+        the fragment on the wire (as its averaged pseudo-gradient)."""
+        return {"mode": "DiLoCo", "sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer.state_dict(),
+                **self._state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (build the model, both optimizers and the mode first)."""
+        if state_dict.get("mode") != "DiLoCo":
+            raise ValueError(f"not a DiLoCo state_dict (mode {state_dict.get('mode')!r})")
+        self._load(state_dict)
+        self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
+
+    # ------------------------------------------------------------------ every inner step
+
+    def _after_step(self, s: int) -> None:
+        H, tau = self.sync_every, self.fragment_delay
+        for k, t in enumerate(self._apply_at):
+            if s % H == t and k in self._in_flight:
+                self._land(k)
+        for k, t in enumerate(self._apply_at):
+            if (s + tau) % H == t:
+                self._launch(k)
+                if tau == 0:
+                    self._land(k)
+        if s % H == 0:
+            self._average_buffers(self.comm)
+
+    def _apply(self, k: int, mix: bool) -> None:
+        """The outer step of fragment ``k`` on its averaged pseudo-gradient (in the wire);
+        ``mix``: then mix in the local parameters by ``fragment_alpha``."""
+        segs = self._frag_segments[k]
+        keep = self._scratch_of(k, self._scratch) if mix and self.fragment_alpha > 0 else None
+        homes = self._scratch_of(k, self._spare) if self._spare else [self._anchor[j] for j in segs]
+        for n, j in enumerate(segs):
+            x, a = self._flats[j], self._anchor[j]
+            if keep is not None:
+                keep[n].copy_(x)
+            x.copy_(a, non_blocking=True)    # the fragment's global parameters (an upload, if on the CPU)
+            homes[n].copy_(self._wire[j])    # their grad: the mean pseudo-gradient
+        self._outer_step(self._grad_views[k])
+        for n, j in enumerate(segs):
+            x, a = self._flats[j], self._anchor[j]
+            a.copy_(x)
+            if keep is not None:
+                x.lerp_(keep[n], self.fragment_alpha)
+
+    def _outer_step(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Step the outer optimizer with ``grads`` as the only gradients (the inner ones
+        are put back after)."""
+        params = [p for _, p in self._named]
+        saved = [p.grad for p in params]
+        try:
+            for p in params:
+                p.grad = None
+            for p, g in grads:
+                p.grad = g
+            self.outer_optimizer.step()
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g

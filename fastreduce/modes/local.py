@@ -1,0 +1,441 @@
+"""Local-update data parallelism: every rank steps on its own, and the ranks average now and then.
+
+The mechanism shared by :class:`~fastreduce.modes.localsgd.LocalSGD` and
+:class:`~fastreduce.modes.diloco.DiLoCo` (each module states its own communication
+pattern): both are driven by the inner optimizer's ``step()`` (step hooks: nothing else
+for the user to call); step ``s`` counts the inner optimizer's steps from 1.
+
+What both keep, beside the model (``P`` = the trainable parameters' bytes):
+
+* the parameters, as views of one flat block per dtype (no copy, no per-sync
+  allocation: every sync is a constant number of flat ops, however many tensors);
+* ``anchor``, the last synced parameters (DiLoCo, and LocalSGD with a low-precision
+  ``wire_dtype``): ``P``, on the parameters' device unless ``backup_device="cpu"``;
+* a wire buffer of the largest fragment in the wire dtype (bf16: ``P / 2F``);
+* a scratch block of the largest fragment, only where the pseudo-gradient must be
+  computed beside the live parameters (``fragment_delay > 0``, ``fragment_alpha > 0``,
+  an anchor on the CPU).
+
+Unlike torch's averagers (``PeriodicModelAverager``, ``HierarchicalModelAverager``,
+``PostLocalSGDOptimizer``): no flattening into a new buffer per sync and no device
+synchronization, float buffers averaged too, the step counter and warm-up saved with
+:meth:`state_dict` (pytorch#74556), one ``warmup_steps`` argument (no second one to keep
+in agreement, PR #73285's review), and warm-up is true DDP (averaged gradients). Unlike
+torchft's DiLoCo: any device, the anchor on the parameters' device by default, the
+pseudo-gradient's sign pinned by a test against the paper's equations.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..buffer import TensorBlock, _view, params_as_views
+from ..comm import Comm, Pending, complete, get_comm
+from ..faults import guarded
+from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
+from ..hooks import remove_hooks
+from ..join import JoinableMode
+from ..layout import GradLayout, verify_model
+
+__all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
+           "require_distributed", "trainable"]
+
+log = logging.getLogger(__name__)
+
+BUFFERS = ("average", "local")
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_int(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("no parameter of the model requires grad: nothing to train")
+    return named
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer, what: str) -> list[torch.Tensor]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{what} must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def check_inner(model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> None:
+    ours = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in ours for p in optimizer_params(optimizer, what))
+    if foreign:
+        raise ValueError(f"the {what} holds {foreign} parameter(s) that are not the model's: build it "
+                         "over model.parameters() (the mode averages the model it is given)")
+
+
+def _fragments(named: list[tuple[str, nn.Parameter]], count: int) -> list[list[int]]:
+    """Cut ``named`` (model order) into ``count`` contiguous runs of about equal numel."""
+    if count > len(named):
+        raise ValueError(f"fragments={count} is more than the model's {len(named)} trainable parameters; "
+                         "a fragment holds whole parameters")
+    total = sum(p.numel() for _, p in named)
+    cuts, seen = [0], 0
+    for k, (_, p) in enumerate(named):
+        seen += p.numel()
+        # cut after parameter k once this fragment has its share, leaving one per fragment left
+        if len(cuts) < count and seen >= total * len(cuts) / count and len(named) - (k + 1) >= count - len(cuts):
+            cuts.append(k + 1)
+    while len(cuts) < count:  # tiny tails: take one parameter each from the end
+        cuts.insert(len(cuts), cuts[-1] + 1)
+    cuts.append(len(named))
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+# ---------------------------------------------------------------------- the shared mechanism
+
+SYNC_LOST = ("The parameters are lost: the sync may have left them partly averaged, or holding "
+              "its pseudo-gradient (anchor - x) instead of weights.")
+
+
+class LocalUpdates(JoinableMode):
+    """Parameters as flat blocks, cut into fragments; anchors, wire, step hooks, state.
+
+    The modes subclass it with :meth:`_after_step` (when to sync) and, for DiLoCo, how
+    an averaged pseudo-gradient is applied.
+    """
+
+    _delta: bool  # average the change since the last sync (through ``anchor``)
+    _averages_params = True  # under Join a sync is a mean over the active ranks, whatever the divisor asked
+
+    def _setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None,
+               wire_dtype: torch.dtype | None, accumulate_dtype: torch.dtype | None, buffers: str,
+               fragments: int, backup_device: str | torch.device | None, transport: str | None,
+               scratch: bool) -> None:
+        """Build everything (after the mode's own checks: this changes the model)."""
+        named = self._named
+        self.model, self.optimizer, self.group = model, optimizer, group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = one_device(named)
+        verify_model(named, group, self.device, type(self).__name__)
+        self.comm: Comm = get_comm(group, self.device, transport)
+        self.buffers = buffers
+        self.wire_dtype = wire_dtype
+        self.steps = 0
+        self.syncs = 0
+        members = _fragments(named, fragments)
+        # One segment per (fragment, dtype), fragments in model order: a fragment is a run
+        # of segments, and in the wire buffer one contiguous slice.
+        segments = [[k for k in frag if named[k][1].dtype == d]
+                    for frag in members for d in sorted({named[k][1].dtype for k in frag}, key=str)]
+        pad = self.comm.shard_multiple if self._delta else 1  # fp32 accumulation splits the wire in chunks
+        self.layout = GradLayout(named, named[0][1].dtype, segments=[s for s in segments if s], pad_to=pad)
+        self.fragment_names: list[list[str]] = [[named[k][0] for k in frag] for frag in members]
+        first = 0
+        self._frag_segments: list[range] = []
+        for frag in members:
+            n = len({named[k][1].dtype for k in frag})
+            self._frag_segments.append(range(first, first + n))
+            first += n
+        # The parameters: views of one block per dtype. Averaged in place, the block is the
+        # communication layer's (shared memory on one host: the peers read it where it is).
+        alloc = self._param_alloc() if not self._delta else self._zeros
+        self._blocks: list[torch.Tensor] = []  # one per dtype: what a collective over all of them takes
+        self._flats = params_as_views(self.layout, lambda n, d: self._blocks.append(alloc(n, d)) or self._blocks[-1])
+        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        frozen = [p.data for p in model.parameters() if not p.requires_grad]
+        start_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group, type(self).__name__)
+        self._anchor: list[torch.Tensor] = []
+        self._wire: list[torch.Tensor] = []
+        self._frag_wire: list[torch.Tensor] = []
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._in_flight: dict[int, Pending] = {}
+        if self._delta:
+            where = torch.device(backup_device) if backup_device is not None else self.device
+            pin = where.type == "cpu" and self.device.type == "cuda"  # page-locked: fast, async uploads
+            self._anchor = [f.detach().to(where, copy=True) for f in self._flats]
+            if pin:
+                self._anchor = [a.pin_memory() for a in self._anchor]
+            sizes = [sum(self.layout.segments[j].numel for j in segs) for segs in self._frag_segments]
+            assert wire_dtype is not None
+            wire = self.comm.buffer(max(sizes), wire_dtype)
+            self._frag_wire = [wire[:n] for n in sizes]
+            for segs in self._frag_segments:
+                at = 0
+                for j in segs:
+                    n = self.layout.segments[j].numel
+                    self._wire.append(wire[at:at + n])
+                    at += n
+            self._plan = self.comm.plan(wire_dtype, accumulate_dtype, wire)
+            if scratch:
+                self._scratch = self._blocks_per_dtype()
+        self._buffer_block: TensorBlock | None = None
+        self._hooks = [optimizer.register_step_post_hook(self._on_step)]
+        # Under Join: every inner step is an iteration; its notify precedes any collective
+        # of the step (the warm-up's gradient average runs in a later pre-hook).
+        self._init_join(group, self.device)
+        self._join_hook = optimizer.register_step_pre_hook(lambda *_: self._join_notify())
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def _param_alloc(self) -> Callable[[int, torch.dtype], torch.Tensor]:
+        return self.comm.buffer
+
+    def _blocks_per_dtype(self) -> dict[torch.dtype, torch.Tensor]:
+        """Device scratch as long as the largest fragment's part of each dtype."""
+        most: dict[torch.dtype, int] = {}
+        for segs in self._frag_segments:
+            per: dict[torch.dtype, int] = {}
+            for j in segs:
+                seg = self.layout.segments[j]
+                per[seg.dtype] = per.get(seg.dtype, 0) + seg.numel
+            for d, n in per.items():
+                most[d] = max(most.get(d, 0), n)
+        return {d: self._zeros(n, d) for d, n in most.items()}
+
+    def _scratch_of(self, k: int, pool: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Fragment ``k``'s segments' slices of a per-dtype scratch ``pool``."""
+        out, used = [], {}
+        for j in self._frag_segments[k]:
+            seg = self.layout.segments[j]
+            at = used.get(seg.dtype, 0)
+            out.append(pool[seg.dtype][at:at + seg.numel])
+            used[seg.dtype] = at + seg.numel
+        return out
+
+    def _whole_flats(self) -> list[torch.Tensor]:
+        """The parameters' per-dtype blocks (what a collective over all of them takes)."""
+        return self._blocks
+
+    # ------------------------------------------------------------------ hooks
+
+    @guarded("the sync after {cls}'s optimizer step", SYNC_LOST)
+    def _on_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._unstash()  # a step skipped for inf/NaN gradients: they come back for the user
+        self.steps += 1
+        with torch.no_grad():
+            self._after_step(self.steps)
+
+    def _after_step(self, s: int) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Take the step hooks off: the optimizer steps without syncing from here on."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._join_hook.remove()
+        remove_hooks(self._nonfinite_hooks)
+        self._nonfinite_hooks = []
+
+    def _join_shadow(self) -> None:
+        """A joined rank's inner step under Join: no update of its own, the step's
+        collectives as on the active ranks (it sends zeros into every average)."""
+        if not self._hooks:
+            return
+        reducer = getattr(self, "_reducer", None)
+        if reducer is not None and self.steps < getattr(self, "warmup_steps", 0):
+            reducer._join_shadow()  # the warm-up's gradient average
+        self._on_step(self.optimizer, (), {})
+
+    # ------------------------------------------------------------------ averaging
+
+    def _average(self, bufs: list[torch.Tensor], comm: Comm) -> None:
+        """Each of ``bufs`` := its mean over ``comm``'s group (in place, all launched, then waited)."""
+        self._join_contribute(bufs, active_only=True)  # under Join: zeros from joined ranks
+        pendings = []
+        for b in bufs:
+            plan = comm.plan(b.dtype, None, b)
+            pack = (lambda b=b: b.div_(comm.world)) if plan.prescale else None
+            pendings.append(comm.all_reduce(b, plan, pack))
+        for p in pendings:
+            complete(p)
+
+    def _average_buffers(self, comm: Comm) -> None:
+        bufs = self._float_buffers
+        if self.buffers != "average" or not bufs:
+            return
+        if self._buffer_block is None:
+            self._buffer_block = TensorBlock(bufs, self.comm.buffer)
+        block = self._buffer_block
+        block.load()
+        self._average([block.flat], comm)
+        block.store()
+
+    def _launch(self, k: int) -> None:
+        """Start averaging fragment ``k``'s pseudo-gradient ``anchor - x`` through the wire.
+
+        Computed here, on the caller's thread (a shared-memory job runs on a worker
+        thread while training goes on), into the parameters themselves when nothing
+        needs them before the apply overwrites them, else into scratch."""
+        segs = self._frag_segments[k]
+        deltas = self._scratch_of(k, self._scratch) if self._scratch else [self._flats[j] for j in segs]
+        for j, d in zip(segs, deltas):
+            x, a = self._flats[j], self._anchor[j]
+            if a.device == x.device:
+                torch.sub(a, x, out=d)
+            else:
+                d.copy_(a, non_blocking=True)
+                d.sub_(x)
+            self._wire[j].copy_(d)
+        wire = self._frag_wire[k]
+        self._join_contribute([wire], active_only=self._averages_params)
+        if self._plan.prescale:
+            wire.div_(self.world_size)
+        self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
+
+    def _land(self, k: int, mix: bool = True) -> None:
+        """Wait for fragment ``k``'s average and apply it (:meth:`_apply`), unless
+        ``nonfinite`` finds inf/NaN in it (:meth:`_average_finite`)."""
+        complete(self._in_flight.pop(k))
+        if not self._average_finite(k):
+            return
+        self._apply(k, mix)
+        self.syncs += 1
+
+    # ------------------------------------------------------------------ non-finite values
+
+    def _guard_steps(self) -> None:
+        """``nonfinite``: hooks around the inner optimizer's step, registered after the
+        mode's own. [Note: skipping an inner step] A pre-hook checks the gradients the
+        step will use (in warm-up, the fused reducer's verdict on the average; else this
+        rank's own, one fused kernel per dtype); to skip, it sets every gradient of the
+        optimizer to ``None`` for the call (torch's optimizers then leave a parameter and
+        its state alone) and :meth:`_on_step` puts them back, so every step hook still
+        runs: the step counter advances and the syncs stay matched across ranks."""
+        self.skipped_steps = 0  # inner steps this rank skipped for inf/NaN gradients
+        self.skipped_syncs = 0  # syncs every rank skipped for an inf/NaN average
+        self._check = FiniteCheck(self.device)
+        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._step_error: NonFiniteGradError | None = None
+        self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
+        self._nonfinite_hooks: list[Any] = []
+        if self.nonfinite != "ignore":
+            self._nonfinite_hooks = [self.optimizer.register_step_pre_hook(self._check_step),
+                                     self.optimizer.register_step_post_hook(self._raise_step_error)]
+
+    def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        verdict, self._warm_verdict = self._warm_verdict, None
+        local = verdict is None
+        if local:  # no communication in this step: this rank's gradients, this rank's verdict
+            grads = [p.grad for _, p in self._named if p.grad is not None]
+            verdict = not grads or self._check(grads)
+        if verdict:
+            return
+        self.skipped_steps += 1
+        if local and self.nonfinite == "raise":
+            i = first_nonfinite([p.grad if p.grad is not None else p.detach()[:0] for _, p in self._named])
+            self._step_error = nonfinite_error(
+                f"rank {self.rank}'s gradients", None if i is None else self._named[i][0],
+                "no collective is involved in an inner step, so only this rank raises; it skipped the step "
+                "(parameters and optimizer state as before it) and counted it, so the syncs stay matched.")
+        elif self.nonfinite == "skip":
+            log.warning("fastreduce: %s: rank %d's %s gradients hold inf or NaN; the inner step is skipped "
+                        "(nonfinite='skip')", type(self).__name__, self.rank, "own" if local else "averaged")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._stash = [(p, p.grad) for p in params]
+        for p in params:  # the skip path only: torch's optimizers pass over a parameter with no grad
+            p.grad = None
+
+    def _unstash(self) -> None:
+        stash, self._stash = self._stash, []
+        for p, g in stash:
+            p.grad = g
+
+    def _raise_step_error(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        err, self._step_error = self._step_error, None
+        if err is not None:
+            raise err
+
+    def _average_finite(self, k: int) -> bool:
+        """``nonfinite``: whether fragment ``k``'s averaged pseudo-gradient (the wire) is
+        finite; one fused check, and every rank holds the same average, so every rank
+        decides alike with no collective. If not, the outer step is skipped: every
+        rank's parameters of the fragment := the last synced ones (the anchor, the
+        parameters the outer step would have updated), outer optimizer untouched."""
+        if self.nonfinite == "ignore" or self._check((self._frag_wire[k],)):
+            return True
+        self.skipped_syncs += 1
+        for j in self._frag_segments[k]:
+            self._flats[j].copy_(self._anchor[j], non_blocking=True)
+        if self.nonfinite == "skip":
+            log.warning("fastreduce: %s: the averaged pseudo-gradient holds inf or NaN; the sync is skipped "
+                        "on every rank, which return to the last synced parameters (nonfinite='skip')",
+                        type(self).__name__)
+            return False
+        slots = [(j, slot) for j in self._frag_segments[k] for slot in self.layout.segments[j].slots]
+        i = first_nonfinite([_view(self._wire[j], slot) for j, slot in slots])
+        raise nonfinite_error("the averaged pseudo-gradients (anchor - x)", None if i is None else slots[i][1].name,
+                              "the sync is lost on every rank: the fragment's parameters are reset to the last "
+                              "synced ones, the outer optimizer did not step.")
+
+    def _apply(self, k: int, mix: bool) -> None:
+        raise NotImplementedError
+
+    @property
+    def bytes_per_sync(self) -> int:
+        """Bytes one full sync averages, per rank: every fragment's wire (or parameter
+        block) once, as sent (alignment padding included: a few hundred elements per
+        dtype and fragment); a step costs ``bytes_per_sync / sync_every`` on average."""
+        if self._delta:
+            return sum(w.numel() * w.element_size() for w in self._frag_wire)
+        return sum(f.numel() * f.element_size() for f in self._whole_flats())
+
+    # ------------------------------------------------------------------ state
+
+    @guarded("the wait for {cls}'s sync in flight", "The sync in flight is lost; the parameters "
+             "are this rank's own since the last sync that completed.")
+    def _drain(self) -> None:
+        """Wait for the fragment on the wire, if any (it stays due at its step)."""
+        for k, pending in list(self._in_flight.items()):
+            complete(pending)
+            self._in_flight[k] = (None, None)
+
+    def _state(self) -> dict[str, Any]:
+        self._drain()
+        out: dict[str, Any] = {
+            "steps": self.steps, "syncs": self.syncs,
+            "params": [f.detach().clone() for f in self._whole_flats()],
+            "anchor": [a.clone() for a in self._anchor],
+            "in_flight": {k: self._frag_wire[k].clone() for k in self._in_flight},
+            "fragments": self.fragment_names,
+        }
+        return out
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if state.get("fragments") != self.fragment_names:
+            raise ValueError("this state_dict was saved for other parameters or fragments "
+                             f"({state.get('fragments')!r}) than this mode's ({self.fragment_names!r}); "
+                             "build the same model with the same fragments to resume")
+        flats = self._whole_flats()
+        if [tuple(t.shape) for t in state["params"]] != [tuple(f.shape) for f in flats] or \
+                len(state["anchor"]) != len(self._anchor):
+            raise ValueError("this state_dict's parameter blocks do not match this mode's "
+                             "(another model, dtype or wire setting)")
+        with torch.no_grad():
+            for f, t in zip(flats, state["params"]):
+                f.copy_(t)
+            for a, t in zip(self._anchor, state["anchor"]):
+                a.copy_(t)
+            self._drain()
+            self._in_flight = {}
+            for k, t in state["in_flight"].items():
+                self._frag_wire[int(k)].copy_(t)
+                self._in_flight[int(k)] = (None, None)  # averaged already: applied at its step
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+
+
+def require_distributed() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
+                           "(or torch.distributed.init_process_group) on every rank first")
+

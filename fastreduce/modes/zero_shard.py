@@ -1,0 +1,88 @@
+"""What one rank of a :class:`~fastreduce.ZeroOptimizer` holds: its chunk of every
+bucket (:class:`Shard`), the fp32 masters of bf16/fp16 chunks, and the torch optimizer
+that steps those chunks (:func:`shard_optimizer`, with a fused kernel where the device
+has one: :func:`fused_if_possible`).
+
+Every bucket of the flat parameter buffer is padded to split into N equal chunks;
+rank r's chunk r is a view of the parameters (fp32), or an fp32 copy of it (bf16/fp16:
+the master weights), and its gradient is chunk r of the wire buffer, where the
+reduce-scatter lands the mean (or a separate fp32 tensor where the wire differs from
+the master's dtype, or a GradScaler unscales it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..buckets import Bucket
+from ..layout import GradLayout
+
+__all__ = ["Shard", "fused_if_possible", "make_shards", "shard_optimizer"]
+
+
+@dataclass(slots=True, eq=False)
+class Shard:
+    """Rank r's chunk of one bucket."""
+
+    group: int  # param group index
+    seg: int  # layout segment (= bucket) index
+    params: torch.Tensor  # the bucket's slice of the flat parameter buffer
+    master: torch.Tensor  # chunk r of ``params`` (a view), or its fp32 copy
+    out: torch.Tensor | None  # where the reduce-scatter puts chunk r (None: the wire itself)
+
+    @property
+    def low(self) -> bool:
+        """The master is a separate fp32 copy of bf16/fp16 parameters."""
+        return self.master.dtype != self.params.dtype
+
+
+@torch.no_grad()
+def make_shards(layout: GradLayout, flats: list[torch.Tensor], buckets: list[Bucket], groups: list[int],
+                rank: int, world: int, separate_out: bool) -> list[Shard]:
+    """This rank's :class:`Shard` of each bucket (one bucket per layout segment):
+    ``flats`` the flat parameter buffers, ``groups`` each segment's param group;
+    ``separate_out``: the reduce-scatter lands in a tensor of its own even where the
+    wire's dtype is the master's (a GradScaler unscales it there)."""
+    shards = []
+    for s, (seg, flat, bucket) in enumerate(zip(layout.segments, flats, buckets)):
+        c = seg.numel // world
+        chunk = flat[rank * c:(rank + 1) * c]
+        master = chunk if seg.dtype.itemsize >= 4 else chunk.float()
+        out = None if (master.dtype == bucket.wire.dtype and not separate_out) else \
+            torch.zeros(c, dtype=master.dtype, device=master.device)
+        master.grad = bucket.wire[rank * c:(rank + 1) * c] if out is None else out
+        shards.append(Shard(groups[s], s, flat, master, out))
+    return shards
+
+
+def shard_optimizer(optimizer_class: type[torch.optim.Optimizer], param_groups: list[dict[str, Any]],
+                    shards: list[Shard], defaults: dict[str, Any]) -> torch.optim.Optimizer:
+    """The torch optimizer over the shards' masters, one group per param group, with its
+    hyperparameters."""
+    groups = []
+    for g, pg in enumerate(param_groups):
+        hyper = {k: v for k, v in pg.items() if k != "params"}
+        groups.append({**hyper, "params": [s.master for s in shards if s.group == g]})
+    return optimizer_class(groups, **defaults)
+
+
+def fused_if_possible(optimizer_class: type, params: list[Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` plus ``fused=True`` where the optimizer has a fused kernel for the
+    parameters' device and the user chose no implementation: a shard is one flat
+    tensor per bucket, just what a fused kernel is fastest on (measured: AdamW on a 6M
+    shard, 3.3 ms fused against 17 ms for-loop on one CPU core; on an H100 the fused
+    kernel is 2.8x the foreach one for 200M parameters)."""
+    if any(k in defaults for k in ("fused", "foreach", "differentiable")):
+        return defaults
+    first = next((t for item in params for t in (item["params"] if isinstance(item, dict) else [item])
+                  if torch.is_tensor(t)), None) if params else None
+    if first is None:
+        return defaults
+    try:
+        optimizer_class([torch.zeros(1, device=first.device, requires_grad=True)], **defaults, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return defaults
+    return {**defaults, "fused": True}
