@@ -1,17 +1,18 @@
-"""The README's quick start and each integration's snippet, run verbatim.
+"""The README's quick start and each integration's snippet (docs/trainers.md), run verbatim.
 
-The snippets are read from ``README.md`` at test time: the first ```` ```python ````
-block of "## API" (the quick start) and every ```` ```python ```` block of "## In the
-trainers you already use", each named by the bold title above it (Hugging Face
-``Trainer``, Accelerate, Lightning, optimum-habana). A README edit that breaks one
-fails here; a new block in that section without a harness below fails too.
+The snippets are read at test time from the pages that show them: the first
+```` ```python ```` block under "## Quick start" of ``README.md`` (the quick start), and
+every ```` ```python ```` block of ``docs/trainers.md`` ("In the trainers you already
+use"), each named by the bold title above it (Hugging Face ``Trainer``, Accelerate,
+Lightning, optimum-habana). An edit that breaks one fails here; a new block on the
+trainers page without a harness below fails too.
 
-Each runnable snippet's text, exactly as in the README, is executed (``exec`` of
-the block compiled under README.md's own line numbers, so a traceback points at the
-README) on 2 ranks: this file is the torchrun script (``torchrun --standalone
---nproc-per-node 2``, Gloo on CPU, one torch thread per rank), launched once per
-snippet from a temporary working directory, as tests/test_transformers.py and
-tests/test_lightning.py launch theirs. The snippet runs in a namespace that holds
+Each runnable snippet's text, exactly as on its page, is executed (``exec`` of the
+block compiled under that file's path and its own line numbers, so a traceback points
+at the page and line, e.g. docs/trainers.md line 40) on 2 ranks: this file is the
+torchrun script (``torchrun --standalone --nproc-per-node 2``, Gloo on CPU, one torch
+thread per rank), launched once per snippet from a temporary working directory, as
+tests/test_transformers.py and tests/test_lightning.py launch theirs. The snippet runs in a namespace that holds
 only the names it assumes but does not define (listed per snippet in ``ASSUMED``,
 built by the ``prelude_*`` functions below: the user's model, data and optimizer);
 ``torch``, ``fastreduce``, ``contextlib`` and everything else it uses it must
@@ -37,8 +38,8 @@ Not run here, and why:
   ``GaudiTrainingArguments``, ``GaudiTrainer.__init__`` takes the snippet's keywords,
   and ``distribution_strategy`` offers ``"fast_ddp"``. tests/test_optimum_habana.py
   runs the trainer's ``fast_ddp`` statements on real ranks.
-- The one-line illustration at the README's top (``loss.backward()`` ...) is not one
-  of these blocks and is not run.
+- The three-line illustration at the README's top (``loss.backward()`` ...), repeated
+  on docs/fused.md, is not one of these blocks and is not run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import ast
 import builtins
 import json
 import os
+import re
 import signal
 import subprocess
 import symtable
@@ -59,11 +61,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+TRAINERS_PAGE = ROOT / "docs" / "trainers.md"
 EXAMPLES = ROOT / "examples"
 WORLD = 2
-API = "## API"
-TRAINERS = "## In the trainers you already use"
-TITLES = {  # bold title above a block in TRAINERS -> the snippet's name here
+QUICKSTART = "## Quick start"  # README.md: the first ```python block under this heading
+TITLES = {  # bold title above a block of TRAINERS_PAGE -> the snippet's name here
     "**Hugging Face": "hf_trainer", "**Accelerate": "accelerate", "**Lightning": "lightning",
     "**optimum-habana": "optimum_habana",
 }
@@ -80,41 +82,59 @@ HF_REASON = "the hf extra (transformers, accelerate) is not installed: pip insta
 LIGHTNING_REASON = "the lightning extra is not installed: pip install 'fastreduce[lightning]'"
 
 
-# ============================================================== reading the README
+# ============================================================== reading the pages
 
-def snippets(readme: Path = README) -> dict[str, tuple[int, str]]:
-    """``{name: (first line's number in the README, the block's text)}``."""
-    lines = readme.read_text().splitlines()
-    blocks: list[tuple[str, str, int, str]] = []  # (section, bold title above, first line, text)
-    section, title, i = "", "", 0
+def blocks(page: Path) -> list[tuple[str, str, int, str]]:
+    """Every ```python block of ``page``: ``(heading above, bold title above, first line's
+    number, text)``. Headings and titles inside other code blocks do not count."""
+    lines = page.read_text().splitlines()
+    found: list[tuple[str, str, int, str]] = []
+    heading, title, i = "", "", 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("## "):
-            section, title = line.strip(), ""
+        if line.startswith("```"):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            if line.strip() == "```python":
+                found.append((heading, title, i + 2, "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        elif re.match(r"#{1,6} ", line):
+            heading, title = line.strip(), ""
         elif line.startswith("**"):
             title = line
-        elif line.strip() == "```python":
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            blocks.append((section, title, i + 2, "\n".join(lines[i + 1:end]) + "\n"))
-            i = end
         i += 1
-    found: dict[str, tuple[int, str]] = {}
-    api = [b for b in blocks if b[0] == API]
-    assert api, f"no ```python block under {API!r} in {readme}"
-    found["quickstart"] = api[0][2:]
-    for _, title, first, text in (b for b in blocks if b[0] == TRAINERS):
-        name = next((n for prefix, n in TITLES.items() if title.startswith(prefix)), None)
-        assert name is not None, f"README line {first}: a block under {TRAINERS!r} ({title!r}) has no harness here"
-        assert name not in found, f"README line {first}: a second block for {name}"
-        found[name] = (first, text)
-    missing = set(TITLES.values()) - set(found)
-    assert not missing, f"no ```python block found under {TRAINERS!r} for {sorted(missing)}"
     return found
+
+
+def snippets(readme: Path = README, trainers: Path = TRAINERS_PAGE) -> dict[str, tuple[Path, int, str]]:
+    """``{name: (the page it is on, its first line's number there, the block's text)}``."""
+    found: dict[str, tuple[Path, int, str]] = {}
+    quick = [b for b in blocks(readme) if b[0] == QUICKSTART]
+    assert quick, f"no ```python block under {QUICKSTART!r} in {readme}"
+    found["quickstart"] = (readme, *quick[0][2:])
+    where = relative(trainers)
+    for _, title, first, text in blocks(trainers):
+        name = next((n for prefix, n in TITLES.items() if title.startswith(prefix)), None)
+        assert name is not None, f"{where}:{first}: a ```python block ({title!r}) has no harness here"
+        assert name not in found, f"{where}:{first}: a second block for {name}"
+        found[name] = (trainers, first, text)
+    missing = set(TITLES.values()) - set(found)
+    assert not missing, f"no ```python block found in {where} for {sorted(missing)}"
+    return found
+
+
+def relative(path: Path) -> Path:
+    """``path`` from the repository's root (as given, if outside it)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def shown(path: Path, first: int) -> str:
+    """``README.md:42``, ``docs/trainers.md:17``: where a block is, as a reader finds it."""
+    return f"{relative(path)}:{first}"
 
 
 def free_names(text: str) -> set[str]:
     """Names the block reads but neither assigns, imports nor gets from builtins."""
-    top = symtable.symtable(text, "README.md", "exec")
+    top = symtable.symtable(text, "<snippet>", "exec")
     bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
     used: set[str] = set()
 
@@ -135,11 +155,11 @@ def free_names(text: str) -> set[str]:
 @pytest.mark.parametrize("name", sorted(ASSUMED))
 def test_snippet_parses_and_assumes_only_the_listed_names(name: str) -> None:
     """A name the block uses and nobody defines (a missing ``import torch``) fails here,
-    before any rank starts, with the README line."""
-    first, text = snippets()[name]
-    ast.parse(text, filename=f"README.md:{first}")
+    before any rank starts, with the page and line."""
+    path, first, text = snippets()[name]
+    ast.parse(text, filename=shown(path, first))
     extra = free_names(text) - ASSUMED[name]
-    assert not extra, (f"README.md block at line {first} ({name}) uses {sorted(extra)} without defining or "
+    assert not extra, (f"the block at {shown(path, first)} ({name}) uses {sorted(extra)} without defining or "
                        f"importing them; a user's script assumed to provide only {sorted(ASSUMED[name])}")
 
 
@@ -154,15 +174,16 @@ def test_optimum_habana_snippet_statically() -> None:
 
     import torch
 
-    first, text = snippets()["optimum_habana"]
+    path, first, text = snippets()["optimum_habana"]
+    where = shown(path, first)
     tree = ast.parse(text)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fastreduce")]
-    assert imports, f"README.md:{first}: the optimum-habana block imports nothing from fastreduce"
+    assert imports, f"{where}: the optimum-habana block imports nothing from fastreduce"
     for node in imports:
         module = importlib.import_module(node.module)
         for alias in node.names:
             assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
-                f"README.md:{first}: from {node.module} import {alias.name}: no such name"
+                f"{where}: from {node.module} import {alias.name}: no such name"
     from fastreduce.integrations import optimum_habana
 
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
@@ -214,9 +235,9 @@ def torchrun(name: str, cwd: Path, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"README snippet {name} did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
-    print(f"README snippet {name}: torchrun took {time.perf_counter() - t0:.1f}s")
-    assert proc.returncode == 0, f"README snippet {name} failed (exit {proc.returncode}):\n{out[-8000:]}"
+        pytest.fail(f"snippet {name} did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    print(f"snippet {name}: torchrun took {time.perf_counter() - t0:.1f}s")
+    assert proc.returncode == 0, f"snippet {name} failed (exit {proc.returncode}):\n{out[-8000:]}"
     return out
 
 
@@ -444,7 +465,7 @@ def postlude_lightning(ns: dict, ctx: dict) -> dict:
 
 
 def worker(name: str, out: Path) -> None:
-    """One rank: build the assumed names, run the README's block verbatim, check, report."""
+    """One rank: build the assumed names, run the page's block verbatim, check, report."""
     import torch
     import torch.distributed as dist
 
@@ -454,14 +475,14 @@ def worker(name: str, out: Path) -> None:
     postlude: Callable[[dict, dict], dict] = globals()[f"postlude_{name}"]
     ns, ctx = prelude()
     assert set(ns) == ASSUMED[name], (sorted(ns), sorted(ASSUMED[name]))
-    first, text = snippets()[name]
-    code = compile("\n" * (first - 1) + text, str(README), "exec")  # tracebacks name the README's lines
+    path, first, text = snippets()[name]
+    code = compile("\n" * (first - 1) + text, str(path), "exec")  # tracebacks name the page and its lines
     ns = {"__name__": "__main__", "__builtins__": builtins, **ns}
     exec(code, ns)
     facts = postlude(ns, ctx)
     if dist.get_rank() == 0:
         (out / "facts.json").write_text(json.dumps(facts, indent=1))
-        print(f"README snippet {name} (line {first}): {facts}", flush=True)
+        print(f"snippet {name} ({shown(path, first)}): {facts}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
