@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
-.PHONY: install demo test test-gpu bench lint clean
+.PHONY: install demo test test-quick test-gpu bench lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,13 @@ TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numeric
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(TRANSPORT_SUITES)
+
+# For development, under 5 minutes here: every mode once against its reference (tests
+# marked quick: fused, overlapped, all_reduce_gradients, ZeRO, gossip, LocalSGD, DiLoCo,
+# Join, checkpoints, both transports' collectives) and the checks that start no process.
+# The full suite (make test) is what CI runs.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m quick
 
 # Needs a CUDA GPU (skipped without one): every mode with CUDA tensors, parity with DDP.
 test-gpu: $(STAMP)

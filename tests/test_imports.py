@@ -133,3 +133,13 @@ def test_modes_are_thin() -> None:
         assert not low_level, f"{name} imports transport or device modules {sorted(low_level)}"
         text = path.read_text()
         assert "habana_frameworks" not in text and "torch.cuda." not in text, f"{name} holds device code"
+
+
+def test_quick_tier_runs_every_mode() -> None:
+    """``make test-quick`` (tests/conftest.py) holds a test of every mode module."""
+    from conftest import QUICK
+
+    modes = {p.stem for p in PACKAGE.joinpath("modes").glob("*.py")}
+    parts = {"__init__", "topology", "zero_shard", "zero_state", "local"}  # pieces of gossip, ZeRO, the local modes
+    missing = sorted(modes - parts - set(QUICK))
+    assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"

@@ -11,6 +11,7 @@ transport or holds device code. The public names are re-exported by :mod:`fastre
  overlap        buckets in backward order, each all-reduced from a gradient hook
  functional     ``all_reduce_gradients``: the fused reducer kept on the model
  zero           reduce-scatter per bucket, 1/N optimizer step, all-gather
+ zero_shard     (what one ZeRO rank holds: its chunks, fp32 masters, the shard's optimizer)
  zero_state     (ZeRO's checkpoints: torch.optim's format, DCP ranges, resharding)
  gossip         per-bucket local step, then neighbour mixing over a topology
  topology       (gossip's mixing matrices: which peers, with which weights)
