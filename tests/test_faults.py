@@ -151,19 +151,22 @@ def case_overlap_fp32_accumulate(rank: int, world: int, victim: int) -> dict:
 
 
 def case_zero(rank: int, world: int, victim: int) -> dict:
-    """ZeRO, buckets reduce-scattered in backward: the victim dies before step(); the
-    survivors' step must leave the parameters as they were."""
+    """ZeRO, buckets reduce-scattered in backward: the victim dies inside its last
+    backward, before its last bucket can launch (had every bucket completed, the
+    survivors' step would succeed and only the next forward's all-gather wait would see
+    the loss: a race the clean-clone CI hit); the survivors' step must leave the
+    parameters as they were."""
     model = _model()
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_mb=1e-6, module=model)
     for s in range(WARM_STEPS):
         _backward(model, rank, s)
         opt.step()
         opt.zero_grad(set_to_none=False)
-    _backward(model, rank, WARM_STEPS)
+    opt.wait_params()  # the last step's all-gather, which the next forward would wait for
     if rank == victim:
-        _die()
+        next(model.parameters()).register_hook(lambda _g: _die())  # its bucket is the backward's last
     params = _clone(model.parameters())
-    out = _lost(opt.step)
+    out = _lost(lambda: (_backward(model, rank, WARM_STEPS), opt.step()))
     out["params_kept"] = _same(params, list(model.parameters()))
     return _again(out, opt.step)
 
@@ -327,7 +330,7 @@ def _check_reports(reports: dict[int, dict], victim: int, where: str) -> None:
 
 
 WHERE = {"fused": "FusedReducer.reduce()", "fused_fp32": "FusedReducer.reduce()",
-         "overlap": "FusedReducer.reduce()", "zero": "ZeroOptimizer.step()",
+         "overlap": "FusedReducer.reduce()", "zero": "ZeroOptimizer.step() | a bucket's launch in backward",
          "overlap_fp32_accumulate": "FusedReducer.reduce() | a bucket's launch in backward",
          "decentralized": "DecentralizedDataParallel", "local_sgd": "LocalSGD", "diloco": "DiLoCo"}
 
