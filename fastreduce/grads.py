@@ -25,8 +25,8 @@ from .comm import broadcast_from_rank0
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
-__all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first", "check_grad",
-           "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error", "one_device",
+__all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first",
+           "check_grad", "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error", "one_device",
            "start_from_rank0"]
 
 NonFinite = Literal["ignore", "raise", "skip"]
@@ -186,8 +186,8 @@ def start_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
 
 class Reattach:
     """Gradients that ``zero_grad(set_to_none=True)`` freed come back as zeroed views of
-    the flat buffer at the next forward (a forward pre-hook calls :meth:`before_forward`), so that backward
-    accumulates into the buffer; one that backward then leaves unwritten is ``None``
+    the flat buffer at the next forward (a forward pre-hook calls :meth:`before_forward`),
+    so that backward accumulates into the buffer; one that backward then leaves unwritten is ``None``
     again as backward ends (a callback queued from the first gradient hook of that
     backward), and at the latest in ``reduce()``: unused parameters look exactly as
     without the re-attach, and ``unused_grads`` sees them.

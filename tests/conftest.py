@@ -40,10 +40,11 @@ def matches(node: str, pattern: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    unmatched = set(quick_patterns())
+    patterns = quick_patterns()
+    unmatched = set(patterns)
     for item in items:
         node = item.nodeid.split("tests/", 1)[-1]
-        hits = {p for p in quick_patterns() if matches(node, p)}
+        hits = {p for p in patterns if matches(node, p)}
         if hits:
             item.add_marker(pytest.mark.quick)
             unmatched -= hits

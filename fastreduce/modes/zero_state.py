@@ -182,9 +182,9 @@ class ZeroCheckpointing:
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's ranges of the optimizer state, for ``torch.distributed.checkpoint``.
 
-        Per parameter (torch.optim's index) and state key, a
-        :class:`RangeShard` over the parameter's elements
-        (flattened in memory order) holding a view of this rank's range of the state, so ``dcp.save`` writes each range once, from its owner, and
+        Per parameter (torch.optim's index) and state key, a :class:`RangeShard` over the
+        parameter's elements (flattened in memory order) holding a view of this rank's range
+        of the state, so ``dcp.save`` writes each range once, from its owner, and
         ``dcp.load`` fills it in place on any world size; scalars (``step``) and the
         hyperparameters are saved once. Collective. A fresh optimizer's state is first
         made by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
