@@ -8,8 +8,10 @@ alone takes a second).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from . import __version__
 
@@ -70,11 +72,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def json_stdout() -> Iterator[IO[str]]:
+    """For ``--json``: yields the real stdout, for the JSON alone, and points everything else at stderr.
+
+    While the command runs, file descriptor 1 (what C++ libraries write to, e.g. torch 2.9's
+    Gloo printing ``[Gloo] Rank 1 is connected to 1 peer ranks``, and what spawned ranks
+    inherit) and ``sys.stdout`` are stderr; the JSON goes to a duplicate of the original
+    descriptor. Both are restored on exit.
+    """
+    sys.stdout.flush()
+    real = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    saved, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield real
+    finally:
+        sys.stdout = saved
+        real.flush()
+        os.dup2(real.fileno(), 1)
+        real.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.handler(args)
-    except ValueError as e:
-        print(f"fastreduce {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    with json_stdout() if getattr(args, "json", False) else contextlib.nullcontext(sys.stdout) as out:
+        args.stdout = out  # where the report goes: the JSON's own stream under --json
+        try:
+            return args.handler(args)
+        except ValueError as e:
+            print(f"fastreduce {args.command}: error: {e}", file=sys.stderr)
+            return 2

@@ -323,7 +323,7 @@ def _probe(module: str, distribution: str) -> dict[str, Any]:
         pass
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # --json: stdout holds the report alone
+        with contextlib.redirect_stdout(sys.stderr):  # what a module prints is not the report
             mod = importlib.import_module(module)
         out["imports"] = True
         out["version"] = out["version"] or getattr(mod, "__version__", None)
@@ -486,5 +486,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``info`` subcommand."""
     info = collect(integrations=args.integrations)
-    print(json.dumps(info, indent=1) if args.json else format_text(info))
+    print(json.dumps(info, indent=1) if args.json else format_text(info), file=getattr(args, "stdout", sys.stdout))
     return 0

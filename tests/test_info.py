@@ -205,21 +205,33 @@ def test_text_mentions_the_same() -> None:
 # ---------------------------------------------------------------------- integrations
 
 
+NOISE = ("[Gloo] Rank 0 is connected to 0 peer ranks, on file descriptor 1", "a child process says hello")
+
+
 def _stand_ins(root: Path) -> Path:
     """optimum-habana failing as it does without Habana's software; an accelerate that
-    prints while importing (``--json``'s stdout must stay one object)."""
+    prints while importing, from Python, from below Python onto file descriptor 1 (as
+    torch 2.9's Gloo does) and from a child process (``--json``'s stdout must stay one
+    object)."""
     (root / "optimum" / "habana").mkdir(parents=True)
     (root / "optimum" / "__init__.py").write_text("")
     (root / "optimum" / "habana" / "__init__.py").write_text(
         "raise RuntimeError('check_synapse_version: no Habana software here\\nsecond line')\n")
     (root / "accelerate").mkdir()
-    (root / "accelerate" / "__init__.py").write_text("print('accelerate says hello')\n__version__ = '0.0.test'\n")
+    (root / "accelerate" / "__init__.py").write_text(
+        "import os, subprocess, sys\n"
+        "print('accelerate says hello')\n"
+        f"os.write(1, {NOISE[0]!r}.encode() + b'\\n')\n"
+        f"subprocess.run([sys.executable, '-c', {f'print({NOISE[1]!r})'!r}], check=True)\n"
+        "__version__ = '0.0.test'\n")
     return root
 
 
 def test_integrations_report_why_they_fail(tmp_path: Path) -> None:
     root = _stand_ins(tmp_path)
-    info = _json({"FASTREDUCE_DEVICE": "cpu"}, pythonpath=root)
+    proc = _run("--json", env={"FASTREDUCE_DEVICE": "cpu"}, pythonpath=root)
+    info = json.loads(proc.stdout)  # what was written on descriptor 1 went to stderr
+    assert all(noise in proc.stderr for noise in NOISE), proc.stderr
     oh = info["integrations"]["optimum-habana"]
     assert oh["installed"] is True and oh["imports"] is False
     assert oh["error"] == "RuntimeError: check_synapse_version: no Habana software here"

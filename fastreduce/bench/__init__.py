@@ -28,7 +28,7 @@ suite also writes ``step.csv`` and ``step.png`` (matplotlib, the ``plot`` extra;
 it the chart is skipped with a one-line note) into ``--out``, the optim suite
 ``optim.csv`` (the same columns, one row per world size and method); every run writes the
 whole result as ``bench.json`` there too. ``--json`` prints that same object, and
-nothing else, on stdout.
+nothing else, on stdout: what torch, Gloo or the ranks print goes to stderr.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     def say(text: str) -> None:  # the report itself: stdout, unless --json
         if not args.json:
-            print(text, flush=True)
+            print(text, file=getattr(args, "stdout", sys.stdout), flush=True)
 
     result: dict[str, Any] = {"suites": list(suites), "machine": machine_info()}
     for suite in suites:
@@ -209,5 +209,5 @@ def run(args: argparse.Namespace) -> int:
         note(files["chart_note"])
     say("wrote " + ", ".join(v for k, v in files.items() if k != "chart_note" and v))
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result), file=getattr(args, "stdout", sys.stdout), flush=True)
     return 0
