@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import broadcast_from_rank0
+from ..compat import prepare_model_without_ddp
 from ..modes.fused import FusedReducer, ReducerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,8 +94,9 @@ class FastReduceMixin:
 
     - ``_wrap_model`` (training): prepares the model with
       ``accelerator.prepare_model(model, evaluation_mode=True)`` (device placement,
-      mixed precision, ``torch.compile``; no DDP), which marks it prepared so the
-      Trainer's ``accelerator.prepare(model, optimizer)`` leaves it as it is; then
+      mixed precision, ``torch.compile``; no DDP) so that the Trainer's
+      ``accelerator.prepare(model, optimizer)`` leaves it as it is (on every
+      accelerate: :func:`fastreduce.compat.prepare_model_without_ddp`); then
       broadcasts rank 0's parameters and buffers and builds the reducer (once per
       model: a second ``train()`` reuses both).
     - ``training_step``: on a micro-step that does not end an accumulation window
@@ -127,7 +129,7 @@ class FastReduceMixin:
         accelerator = self.accelerator
         if accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
             return model  # prepared by an earlier train() (e.g. compiled): keep it and its reducer
-        prepared = accelerator.prepare_model(model, evaluation_mode=True)
+        prepared = prepare_model_without_ddp(accelerator, model)
         self._fastreduce_attach(accelerator.unwrap_model(prepared, keep_torch_compile=False))
         return prepared
 
@@ -136,6 +138,10 @@ class FastReduceMixin:
         reducer = self.fastreduce_reducer
         if reducer is None:
             return super().training_step(model, inputs, *args, **kwargs)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise RuntimeError(f"{type(self).__name__}: the Trainer wrapped the model in DistributedDataParallel "
+                               "after fastreduce prepared it, so gradients would be averaged twice. This "
+                               "transformers/accelerate pair is not supported: please report the versions")
         state = self.accelerator.gradient_state
         sync = state.sync_gradients or bool(getattr(state, "plugin_kwargs", {}).get("sync_each_batch", False))
         with contextlib.nullcontext() if sync else reducer.no_sync():

@@ -1,0 +1,49 @@
+"""Where torch, accelerate, transformers or Lightning differ across the supported stacks.
+
+One small helper per difference, each saying which versions do what; the rest of the
+package calls the helper and never tests a version itself. The supported range (README,
+"Supported stacks") is what ``make stack-NAME`` runs: Python 3.10 to 3.13, torch 2.6 to
+2.15, transformers 4.49 to 5.x, accelerate 1.4 to 1.15, Lightning 2.5 to 2.6.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["version_of", "prepare_model_without_ddp"]
+
+
+def version_of(distribution: str) -> tuple[int, ...]:
+    """The installed release of ``distribution`` as a tuple (``"2.9.1+cu128"`` -> ``(2, 9, 1)``);
+    ``()`` when it is not installed."""
+    try:
+        text = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def prepare_model_without_ddp(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """``accelerator.prepare_model(model, evaluation_mode=True)`` (device placement, mixed
+    precision, ``torch.compile``; no DDP), after which the accelerator's own
+    ``prepare(model, optimizer)`` (what ``Trainer`` calls next) leaves the model as it is.
+
+    accelerate 1.14 and newer return a model they have prepared unchanged
+    (``_is_accelerate_prepared``). Before 1.14 a second ``prepare_model`` prepares it
+    again, for training: it wraps the model in ``DistributedDataParallel`` and casts its
+    forward once more. There this accelerator's ``prepare_model`` is wrapped so that it
+    returns this model (or what was made of it) as it is; other models pass through.
+    """
+    prepared = accelerator.prepare_model(model, evaluation_mode=True)
+    if version_of("accelerate") < (1, 14):
+        original = accelerator.prepare_model
+
+        def prepare_model(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            return module if module is model or module is prepared else original(module, *args, **kwargs)
+
+        accelerator.prepare_model = prepare_model
+    return prepared

@@ -1,0 +1,52 @@
+"""fastreduce.compat: one helper per difference between the supported stacks, each tested on
+the stack it runs on (``make stack-NAME`` runs this file on every stack in stacks/) and,
+where one process can show it, on the other side of the difference too."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from fastreduce import compat
+from fastreduce.launch import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_version_of() -> None:
+    assert compat.version_of("torch") == tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])
+    assert compat.version_of("no-such-distribution-here") == ()
+    assert compat.version_of("torch") >= (2, 6)
+
+
+def _accelerate_worker(rank: int, world_size: int, force_old: bool) -> dict[str, bool]:
+    from accelerate import Accelerator
+
+    if force_old:  # take the branch for accelerate < 1.14 whatever is installed
+        compat.version_of = lambda distribution: (1, 13, 0)
+    model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator(cpu=True)
+    out: dict[str, bool] = {"distributed": accelerator.num_processes == world_size}
+    prepared = compat.prepare_model_without_ddp(accelerator, model)
+    again, _ = accelerator.prepare(model, optimizer)  # what Trainer does next
+    out["kept"] = again is prepared and not isinstance(again, torch.nn.parallel.DistributedDataParallel)
+    # Another model is still prepared for training: wrapped in DDP.
+    out["other_wrapped"] = isinstance(accelerator.prepare(other), torch.nn.parallel.DistributedDataParallel)
+    # The difference itself: without the helper, accelerate < 1.14 wraps a model it has
+    # prepared for evaluation when it is prepared again; 1.14 and newer keep it.
+    plain = torch.nn.Linear(4, 2)
+    twice = accelerator.prepare(accelerator.prepare_model(plain, evaluation_mode=True))
+    out["plain_wrapped_twice"] = isinstance(twice, torch.nn.parallel.DistributedDataParallel)
+    return out
+
+
+@pytest.mark.parametrize("force_old", [False, True], ids=["installed-accelerate", "accelerate-before-1.14"])
+def test_prepare_model_without_ddp(force_old: bool) -> None:
+    pytest.importorskip("accelerate")
+    for out in run_ranks(_accelerate_worker, 2, force_old):
+        assert out["distributed"] and out["kept"] and out["other_wrapped"], out
+        old = tuple(int(p) for p in importlib.metadata.version("accelerate").split(".")[:2]) < (1, 14)
+        assert out["plain_wrapped_twice"] == old, out
