@@ -3,9 +3,19 @@
 #   make test   # install and run the test suite
 # Both create .venv (seeing the system's packages, so an installed torch, e.g. a
 # Gaudi container's, is used as it is) and install torch only when none imports.
+#
+# The stacks users run, each in its own venv under .stacks/ (Python and pinned torch,
+# transformers, accelerate, Lightning in stacks/NAME.txt; see README "Supported stacks"):
+#   make stack-gaudi-1.23    # the suite on Gaudi 1.23's Python 3.10 + torch 2.9
+#   make stack-floor         # the oldest supported: torch 2.6, transformers 4.49
+#   make stack-newest        # the newest releases
+#   make stack-NAME STACK_GOAL=test-quick PYTEST_ARGS="-m 'not slow'"
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+STACK_REQS ?=
+PYTEST_ARGS ?=
+STACK_GOAL ?= test
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
@@ -13,10 +23,12 @@ STAMP := $(VENV)/.fastreduce-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+# A stack's venv sees no system packages: what it runs is what stacks/NAME.txt pins.
+$(STAMP): pyproject.toml $(STACK_REQS)
+	$(PYTHON) -m venv $(if $(STACK_REQS),,--system-site-packages) $(VENV)
+	$(if $(STACK_REQS),$(BIN)/python -m pip install -q -r $(STACK_REQS))
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,hf,lightning]"
+	$(BIN)/python -m pip install -q -e ".[test,hf,lightning]" $(if $(STACK_REQS),-c $(STACK_REQS))
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/optimum-habana "optimum-habana==1.21.2" "optimum==2.0.0"
 	touch $@
 
@@ -33,15 +45,23 @@ demo: $(STAMP)
 TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py tests/test_nonfinite.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
-	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(TRANSPORT_SUITES)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(TRANSPORT_SUITES)
 
 # For development, under 5 minutes here: every mode once against its reference (tests
 # marked quick: fused, overlapped, all_reduce_gradients, ZeRO, gossip, LocalSGD, DiLoCo,
 # Join, checkpoints, both transports' collectives) and the checks that start no process.
 # The full suite (make test) is what CI runs.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m quick
+	$(BIN)/python -m pytest -q -m quick $(PYTEST_ARGS)
+
+# stack-NAME: make $(STACK_GOAL) in .stacks/NAME, with the Python that stacks/NAME.txt
+# names (pyenv's if there is one, else pythonX.Y on PATH).
+stack-%: stacks/%.txt
+	py=$$(sed -n 's/^# python: *//p' $<); \
+	exe=$$(pyenv prefix $$py 2>/dev/null | head -n1); \
+	exe=$${exe:+$$exe/bin/python}; \
+	$(MAKE) $(STACK_GOAL) VENV=.stacks/$* STACK_REQS=$< PYTHON=$${exe:-python$$py}
 
 # Needs a CUDA GPU (skipped without one): every mode with CUDA tensors, parity with DDP.
 test-gpu: $(STAMP)
@@ -56,4 +76,4 @@ lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .stacks .pytest_cache build *.egg-info
