@@ -8,15 +8,18 @@ package calls the helper and never tests a version itself. The supported range (
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
 import re
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["version_of", "prepare_model_without_ddp"]
+__all__ = ["version_of", "preserve_version_counters", "prepare_model_without_ddp"]
 
 
+@functools.lru_cache(maxsize=None)
 def version_of(distribution: str) -> tuple[int, ...]:
     """The installed release of ``distribution`` as a tuple (``"2.9.1+cu128"`` -> ``(2, 9, 1)``);
     ``()`` when it is not installed."""
@@ -47,3 +50,22 @@ def prepare_model_without_ddp(accelerator: Any, model: torch.nn.Module) -> torch
 
         accelerator.prepare_model = prepare_model
     return prepared
+
+
+@contextlib.contextmanager
+def preserve_version_counters(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Hide the in-place writes made inside the block from autograd's version counters
+    (``torch.autograd._unsafe_preserve_version_counter``), as DDP does when it broadcasts
+    buffers that a saved graph may hold.
+
+    torch 2.7 and newer take a tuple of tensors; torch 2.6 takes one tensor, so there each
+    gets its own context.
+    """
+    tensors = tuple(tensors)
+    with contextlib.ExitStack() as stack:
+        if version_of("torch") >= (2, 7):
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensors))
+        else:
+            for tensor in tensors:
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+        yield

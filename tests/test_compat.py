@@ -21,6 +21,21 @@ def test_version_of() -> None:
     assert compat.version_of("torch") >= (2, 6)
 
 
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["installed-torch", "torch-2.6"])
+def test_preserve_version_counters(per_tensor: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if per_tensor:  # torch 2.6's form (one tensor per context), whatever torch is installed
+        monkeypatch.setattr(compat, "version_of", lambda distribution: (2, 6, 0))
+    bufs = [torch.zeros(3), torch.ones(2)]
+    before = [b._version for b in bufs]
+    with compat.preserve_version_counters(bufs):
+        for b in bufs:
+            b.add_(1.0)
+    assert [b._version for b in bufs] == before
+    assert torch.equal(bufs[0], torch.ones(3)) and torch.equal(bufs[1], torch.full((2,), 2.0))
+    bufs[0].add_(1.0)  # outside the block, writes count again
+    assert bufs[0]._version == before[0] + 1
+
+
 def _accelerate_worker(rank: int, world_size: int, force_old: bool) -> dict[str, bool]:
     from accelerate import Accelerator
 

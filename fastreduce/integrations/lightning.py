@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.utils import _sync_params_and_buffers
 
 from ..comm import broadcast_from_rank0
+from ..compat import preserve_version_counters
 from ..modes.fused import FusedReducer, ReducerConfig
 
 __all__ = ["FastReduceStrategy"]
@@ -243,7 +244,7 @@ class FastReduceStrategy(DDPStrategy):
         ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
         bufs = [b.detach() for n, b in self.model.named_buffers() if n not in ignore]
         if bufs:
-            with torch.autograd._unsafe_preserve_version_counter(tuple(bufs)):
+            with preserve_version_counters(bufs):
                 _sync_params_and_buffers(dist.group.WORLD, bufs, _BROADCAST_BUCKET_BYTES, src=0)
 
     def _release(self) -> None:
