@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["version_of", "preserve_version_counters", "prepare_model_without_ddp"]
+__all__ = ["version_of", "gloo_has_avg", "preserve_version_counters", "prepare_model_without_ddp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +50,17 @@ def prepare_model_without_ddp(accelerator: Any, model: torch.nn.Module) -> torch
 
         accelerator.prepare_model = prepare_model
     return prepared
+
+
+def gloo_has_avg() -> bool:
+    """Whether Gloo's ``all_reduce`` takes ``ReduceOp.AVG``: torch 2.8 and newer.
+
+    torch 2.6 and 2.7 raise ``Cannot use ReduceOp.AVG with Gloo``. fastreduce does not
+    read this: its mean plan (:func:`fastreduce.comm.collectives.plan_mean`) tries AVG
+    once on the group and otherwise divides before a SUM (one more pass over the wire
+    buffer), whatever the backend. It tells the tests what to expect.
+    """
+    return version_of("torch") >= (2, 8)
 
 
 @contextlib.contextmanager

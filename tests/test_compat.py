@@ -36,6 +36,26 @@ def test_preserve_version_counters(per_tensor: bool, monkeypatch: pytest.MonkeyP
     assert bufs[0]._version == before[0] + 1
 
 
+def _avg_worker(rank: int, world_size: int) -> bool | str:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    except (RuntimeError, ValueError) as err:
+        return str(err)
+    return t.item() == 0.5
+
+
+def test_gloo_has_avg() -> None:
+    """What compat says of this torch's Gloo is what a real Gloo all_reduce does."""
+    outs = run_ranks(_avg_worker, 2)
+    if compat.gloo_has_avg():
+        assert outs == [True, True], outs
+    else:
+        assert all(isinstance(o, str) and "AVG" in o for o in outs), outs
+
+
 def _accelerate_worker(rank: int, world_size: int, force_old: bool) -> dict[str, bool]:
     from accelerate import Accelerator
 

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastreduce
 from fastreduce.backends import CheckedBackend, GraphContractError
+from fastreduce.compat import gloo_has_avg
 from fastreduce.launch import RankFailure, run_ranks
 
 from models import (ShapeModel, SparseEmbeddingModel, batch_for, frozen_backbone_model,
@@ -162,6 +163,12 @@ def unwrap(result: dict) -> Any:
     return result["ok"]
 
 
+def divides_first(reducer: fastreduce.FusedReducer) -> bool:
+    """Whether an fp32/bf16 mean must divide before a SUM: on the process-group transport
+    where Gloo has no AVG (torch < 2.8); shared memory averages by itself."""
+    return reducer._built.plan.shm is None and not gloo_has_avg()
+
+
 def per_rank(results: list[dict], key: str) -> list[Any]:
     return [unwrap(r[key]) for r in results]
 
@@ -240,6 +247,7 @@ def parity_case(rank: int, world: int, case: Case) -> dict:
         out["reattached"].append(reducer.stats.reattached)
         out["preattached"].append(reducer.stats.preattached)
     out["replays"] = getattr(reducer.backend, "replays", None)
+    out["divides"] = divides_first(reducer)
     out["layout_names"] = reducer.layout.names
     out["calls"] = reducer.stats.calls
     out["stats"] = (reducer.stats.calls, reducer.stats.collectives, reducer.stats.bytes_reduced)
@@ -317,11 +325,12 @@ def test_checked_backend_replays_pack_and_unpack(parity, case: Case) -> None:
     whenever the grads are still views of the flat buffer: every call but the first,
     which finds autograd's fresh grads and casts them straight into the wire (after
     zero_grad(set_to_none=True) the next forward re-attaches the views). With an fp32
-    wire (and Gloo's AVG, or shared memory) there is nothing to pack or unpack: no replays."""
+    wire (and Gloo's AVG, or shared memory) there is nothing to pack or unpack: no replays.
+    Where Gloo has no AVG (torch < 2.8), pack divides first, on every call."""
     _, results = parity
     for out in per_rank(results, case.id):
-        packs = STEPS - 1
-        assert out["replays"] == (STEPS + packs if case.wire == "bf16" else 0)
+        packs = STEPS if out["divides"] else STEPS - 1
+        assert out["replays"] == (STEPS + packs if case.wire == "bf16" else STEPS if out["divides"] else 0)
 
 
 def test_tied_parameters_are_reduced_once(parity) -> None:
@@ -500,7 +509,7 @@ def train_case(rank: int, world: int, name: str) -> dict:
         ddp_opt.step()
     return {"fr": {n: p.detach().clone() for n, p in model.named_parameters()},
             "ddp": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
-            "replays": getattr(reducer.backend, "replays", None)}
+            "replays": getattr(reducer.backend, "replays", None), "divides": divides_first(reducer)}
 
 
 def misc_worker(rank: int, world: int) -> dict:
@@ -523,10 +532,11 @@ def test_mixed_dtype_model_matches_manual_all_reduce(misc, wire) -> None:
         assert out["dtypes"]["mid.0.weight"] == torch.bfloat16  # grads keep their own dtypes
         assert out["dtypes"]["inp.weight"] == torch.float32
         assert set(out["segments"]) == {torch.bfloat16, torch.float32}
-        # fp16 sums could overflow before the divide, so that wire divides first; the
-        # shared-memory transport sums low-precision wires in fp32, so never needs to.
+        # fp16 sums could overflow before the divide, so that wire divides first (as every
+        # wire does where Gloo has no AVG); the shared-memory transport sums low-precision
+        # wires in fp32, so never needs to.
         expect = ("shared memory)" if "shared memory" in out["plan"] else
-                  "divide then SUM)" if wire == "fp16" else "AVG)")
+                  "divide then SUM)" if wire == "fp16" or not gloo_has_avg() else "AVG)")
         assert out["plan"].endswith(expect), out["plan"]
         # One segment is never the wire dtype: unpack every step; pack too, except on the
         # first call when nothing divides first: it adopts autograd's fresh grads, cast
@@ -577,9 +587,10 @@ def test_warm_reduce_op_count_does_not_grow_with_tensors(misc, wire, zero) -> No
         allocs = [op for op in aten if op in ALLOCATING_OPS or op.startswith("new_")]
         assert allocs == [], small
         # Views kept (reducer.zero_grad): nothing but the collective, plus one cast each way
-        # when the wire is narrower than the fp32 grads.
+        # when the wire is narrower than the fp32 grads (and the divide where Gloo has no AVG).
         if zero == "reducer":
-            assert aten == (["copy_", "copy_"] if wire == "bf16" else []), small
+            div = [] if traces["shm"] or gloo_has_avg() else ["div_"]
+            assert aten == (["copy_", *div, "copy_"] if wire == "bf16" else div), small
 
 
 @pytest.mark.parametrize("name", list(TRAIN_CASES))
@@ -603,7 +614,7 @@ def test_checked_training_loop_replays(misc) -> None:
     wire), and the checked backend's replays (pack and unpack) only ever touch the
     reducer's persistent buffers."""
     for out in per_rank(misc, "train-sgd-bf16-checked-none"):
-        assert out["replays"] == 2 * TRAIN_STEPS - 1
+        assert out["replays"] == 2 * TRAIN_STEPS - (0 if out["divides"] else 1)
 
 
 # ============================================================== unused gradients
