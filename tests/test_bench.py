@@ -26,7 +26,7 @@ from fastreduce.bench.report import CSV_FIELDS
 from fastreduce.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT = 120.0
+RUN_TIMEOUT = 240.0  # a --quick suite takes 25-35 s here alone, 120 s beside two other suites
 
 pytestmark = pytest.mark.timeout(300)
 
