@@ -186,14 +186,13 @@ def start_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
 
 class Reattach:
     """Gradients that ``zero_grad(set_to_none=True)`` freed come back as zeroed views of
-    the flat buffer at the next forward (a forward pre-hook calls :meth:`before_forward`),
+    the flat buffer at the next forward (the mode's forward pre-hook calls :meth:`before_forward`),
     so that backward accumulates into the buffer; one that backward then leaves unwritten is ``None``
     again as backward ends (a callback queued from the first gradient hook of that
     backward), and at the latest in ``reduce()``: unused parameters look exactly as
     without the re-attach, and ``unused_grads`` sees them.
 
     Args:
-        model: the module whose forward re-attaches (a forward pre-hook, under grad mode).
         layout, buffer: the gradients and their flat buffer.
         stats: counts the re-attached gradients in its ``preattached``.
         grad_hooks: register this object's own gradient hooks (calling :meth:`grad_ready`),
@@ -202,21 +201,16 @@ class Reattach:
             hooks call :meth:`grad_ready` already (the overlapped schedule's).
     """
 
-    def __init__(self, model: torch.nn.Module, layout: GradLayout, buffer: FusedBuffer, stats: Any, *,
-                 grad_hooks: bool):
+    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: Any, *, grad_hooks: bool):
         self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
         self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
         self.fresh: list[int] = []  # re-attached since the last reduce
         self.queued = False
         self.watch = grad_hooks
-        self.handles = [model.register_forward_pre_hook(self._pre_forward)]
-
-    def _pre_forward(self, _module: torch.nn.Module, _args: Any) -> None:
-        if torch.is_grad_enabled():
-            self.before_forward()
+        self.handles: list[Any] = []
 
     def remove(self) -> None:
-        """Take this object's hooks off the model and its parameters."""
+        """Take this object's hooks off the parameters."""
         remove_hooks(self.handles)
         self.handles = []
 

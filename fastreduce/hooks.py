@@ -1,17 +1,41 @@
-"""The hooks the modes put on a user's model and its parameters: registered and removed
-here, so that one place says what runs when (and, under ``torch.compile``, how).
+"""The hooks the modes put on a user's model, its parameters and its optimizer: registered
+and removed here, so that one place says what runs when, and what each does under
+``torch.compile``.
 
-Modes keep the handles these functions return and hand them back to :func:`remove_hooks`
-when they close.
+Every hook body is Python with side effects (a collective started or waited on, a
+gradient re-attached, a counter moved), none of which dynamo can put in a graph. So:
+
+* gradient hooks (:func:`on_grad_ready`) run in eager autograd, outside any compiled
+  graph, between the compiled backward's pieces (:mod:`fastreduce.compiling` cuts the
+  graph at bucket boundaries so that they fire during backward, not after it). Compiled
+  autograd (``torch._dynamo.config.compiled_autograd``) would trace them: not supported.
+* forward pre-hooks (:func:`before_forward`) and optimizer step hooks (:func:`on_step`)
+  are ``torch.compiler.disable``-d: where dynamo traces the module or the step, the hook
+  is a graph break and runs eagerly, never traced into a no-op.
+* dynamo does not guard on a module's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``):
+  code compiled before a forward pre-hook was registered would never call it, and a
+  mode's wait would silently not happen. :func:`before_forward` therefore drops dynamo's
+  compiled code if any exists (one recompile, at the mode's construction).
+
+Modes keep the handles these functions return and hand them back to :func:`remove_hooks`.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["on_grad_ready", "remove_hooks"]
+__all__ = ["before_forward", "compiled", "eager", "forward_waits", "on_grad_ready", "on_step", "remove_hooks"]
+
+log = logging.getLogger("fastreduce")
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly wherever it is called from compiled code (a graph break)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def on_grad_ready(params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter],
@@ -21,6 +45,92 @@ def on_grad_ready(params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Paramet
     return [p.register_post_accumulate_grad_hook(lambda q: fn(index[q])) for p in params]
 
 
+def before_forward(module: torch.nn.Module, fn: Callable[[torch.nn.Module, Any], None], *,
+                   traced: bool = False, needed: bool = True) -> Any:
+    """Call ``fn(module, args)`` before each forward of ``module``: eagerly, or, with
+    ``traced``, as dynamo traces it (``fn`` branches on ``torch.compiler.is_compiling()``
+    and calls only :func:`eager` functions there). Returns the handle, or ``None`` where
+    the hook is not ``needed`` for correctness and code compiled before it exists (that
+    code would not call it, and dropping the code costs a recompile)."""
+    if not needed and _compiled_something():
+        log.info("fastreduce: torch.compile ran before this mode was built; its optional forward "
+                 "hook is left out rather than drop dynamo's compiled code")
+        return None
+    handle = module.register_forward_pre_hook(fn if traced else eager(fn))
+    forget_compiled_code()
+    return handle
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``-d (the returned wrapper, or ``module.compile()``)."""
+    return (type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")) \
+        or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def on_step(optimizer: torch.optim.Optimizer, *, pre: Callable[..., Any] | None = None,
+            post: Callable[..., Any] | None = None) -> list[Any]:
+    """Optimizer step hooks, run eagerly (also where the step is compiled); returns the handles."""
+    handles = []
+    if pre is not None:
+        handles.append(optimizer.register_step_pre_hook(eager(pre)))
+    if post is not None:
+        handles.append(optimizer.register_step_post_hook(eager(post)))
+    return handles
+
+
+def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Callable[[Any], None], mode: str,
+                  what: str) -> tuple[list[Any], bool]:
+    """Before each submodule's forward, ``wait(buckets)`` for the buckets (``bucket_of``:
+    ``id(param) -> bucket``) of its own parameters, so that the rest stay in flight during
+    the forward; before ``state_dict`` and ``load_state_dict``, ``wait(None)`` (all).
+    Returns the handles and whether the forward waits: not where ``module`` is compiled
+    (a wait per submodule would be a graph break per submodule; the caller waits for all
+    itself). A model compiled after this (so that dynamo traces the hooks) raises on its
+    first compiled forward, once everything has landed."""
+
+    @eager
+    def compiled_after() -> None:
+        wait(None)
+        raise RuntimeError(f"{mode}(module=model) was built before the model (or a part of it) was compiled: "
+                           f"its forward hooks cannot wait for {what} inside a compiled graph. Build the "
+                           f"{mode} after torch.compile, passing the compiled model as module= (it then waits "
+                           "outside the compiled graph), or leave module= out")
+
+    def before(buckets: tuple[int, ...]) -> None:
+        if torch.compiler.is_compiling():  # being traced: compiled after the hooks were registered
+            compiled_after()
+        else:
+            wait(buckets)
+
+    handles = [module.register_state_dict_pre_hook(lambda *_: wait(None)),
+               module.register_load_state_dict_pre_hook(lambda *_: wait(None))]
+    if compiled(module):
+        log.info("fastreduce: %s(module=...) got a compiled model: %s is waited for outside the "
+                 "compiled forward, not overlapped with it", mode, what)
+        return handles, False
+    for m in module.modules():
+        mine = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}))
+        if mine:
+            handles.append(before_forward(m, lambda _m, _a, mine=mine: before(mine), traced=True))
+    return handles, True
+
+
 def remove_hooks(handles: list[Any]) -> None:
     for h in handles:
-        h.remove()
+        if h is not None:
+            h.remove()
+
+
+def _compiled_something() -> bool:
+    """Whether dynamo holds compiled code (frames seen since the last ``torch._dynamo.reset()``)."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    return bool(getattr(convert_frame, "FRAME_COUNTER", 0))
+
+
+def forget_compiled_code() -> None:
+    """Drop what dynamo has compiled so far, so that the next call retraces and sees the
+    hooks just registered; nothing to do (and nothing done) before the first compile."""
+    if _compiled_something():
+        log.info("fastreduce: a forward hook was registered after torch.compile ran; dynamo's "
+                 "compiled code is dropped (torch._dynamo.reset()) so that it sees the hook")
+        torch._dynamo.reset()

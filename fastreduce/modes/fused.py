@@ -11,13 +11,10 @@ Per call, once warm::
 With ``zero_grad(set_to_none=False)`` (or :meth:`FusedReducer.zero_grad`) and a wire
 dtype equal to the gradients' dtype, that is the collective and nothing else.
 
-After ``optimizer.zero_grad()`` / ``model.zero_grad()`` (``set_to_none=True``, what
-trainers and most loops call) the gradients are ``None``; the model's next forward (a
-forward pre-hook, under grad mode) zeroes their views of the flat buffer (one op per
-dtype) and re-attaches them, so backward accumulates straight into the buffer as after
-:meth:`FusedReducer.zero_grad`: no fresh allocation, no copy in ``reduce()``. A
-re-attached gradient that backward never wrote (an unused parameter) is ``None`` again
-before the reduction, so unused parameters behave exactly as without the re-attach.
+After ``zero_grad(set_to_none=True)`` (what trainers and most loops call) the next
+forward (a pre-hook, under grad mode) re-attaches zeroed views of the flat buffer, so
+backward accumulates straight into it: no allocation, no copy in ``reduce()``. One that
+backward never wrote (an unused parameter) is ``None`` again before the reduction.
 
 With ``overlap=True`` the same buffer is cut into buckets laid out in backward order
 and each bucket's all-reduce starts from a gradient hook during backward
@@ -44,6 +41,7 @@ from ..buffer import FusedBuffer, attached
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
 from ..engine import GroupSnapshot
 from ..faults import guarded
+from ..hooks import before_forward, remove_hooks
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, Reattach, adopt, check_grad, check_nonfinite,
                      first_nonfinite, missing_message, nonfinite_error, one_device)
 from ..join import JoinableMode, sync_from_last_joiner
@@ -214,6 +212,7 @@ class FusedReducer(JoinableMode):
         self._check: FiniteCheck | None = None  # nonfinite="raise"/"skip": made on first use
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in model.parameters() if p.requires_grad])
+        self._forward_hook = before_forward(model, lambda _m, _a: self.reattach(), needed=False)
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
     # ------------------------------------------------------------------ public
@@ -344,6 +343,7 @@ class FusedReducer(JoinableMode):
         """Take every hook of this reducer off the model and its parameters (forward
         pre-hook, gradient hooks, the order recorder); :attr:`stats` stay readable. The
         reducer must not be used afterwards."""
+        remove_hooks([self._forward_hook])
         if self._built is not None:
             self._built.reattach.remove()
             if self._built.schedule is not None:
@@ -359,6 +359,7 @@ class FusedReducer(JoinableMode):
         self._built = None
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
+        self._forward_hook = before_forward(self.model, lambda _m, _a: self.reattach(), needed=False)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -431,7 +432,7 @@ class FusedReducer(JoinableMode):
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        built.reattach = reattach = Reattach(self.model, layout, buffer, self.stats, grad_hooks=not cfg.overlap)
+        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not cfg.overlap)
         if cfg.overlap:
             built.schedule = overlap_schedule(layout, buffer, comm, plan, pg_backend=pg, bucket_mb=cfg.bucket_mb,
                                               per_segment=per_bucket, opened=self._join_notify,

@@ -47,7 +47,7 @@ from ..comm import Pending, complete, get_comm
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
-from ..hooks import on_grad_ready, remove_hooks
+from ..hooks import eager, on_grad_ready, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_model
 from .topology import Topology, make_topology
@@ -153,15 +153,19 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
 
     # ------------------------------------------------------------------ public
 
-    @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
-             "took the last step and others did not.")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            if self._join_config.enable and self._step_open():
-                self._join_notify()  # under Join: this rank is active; closing the step opens the next
-            self._catch_up()
-            self._raise_nonfinite()
+            self._before_forward()  # eager: a graph break where the wrapper is compiled
         return self.module(*args, **kwargs)
+
+    @eager
+    @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
+             "took the last step and others did not.")
+    def _before_forward(self) -> None:
+        if self._join_config.enable and self._step_open():
+            self._join_notify()  # under Join: this rank is active; closing the step opens the next
+        self._catch_up()
+        self._raise_nonfinite()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -38,7 +38,7 @@ from ..buffer import TensorBlock, _view, params_as_views
 from ..comm import Comm, Pending, complete, get_comm
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
-from ..hooks import remove_hooks
+from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
 
@@ -178,11 +178,11 @@ class LocalUpdates(JoinableMode):
             if scratch:
                 self._scratch = self._blocks_per_dtype()
         self._buffer_block: TensorBlock | None = None
-        self._hooks = [optimizer.register_step_post_hook(self._on_step)]
+        self._hooks = on_step(optimizer, post=self._on_step)
         # Under Join: every inner step is an iteration; its notify precedes any collective
         # of the step (the warm-up's gradient average runs in a later pre-hook).
         self._init_join(group, self.device)
-        self._join_hook = optimizer.register_step_pre_hook(lambda *_: self._join_notify())
+        self._join_hook = on_step(optimizer, pre=lambda *_: self._join_notify())
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=self.device)
@@ -230,11 +230,8 @@ class LocalUpdates(JoinableMode):
 
     def remove(self) -> None:
         """Take the step hooks off: the optimizer steps without syncing from here on."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._join_hook.remove()
-        remove_hooks(self._nonfinite_hooks)
+        remove_hooks(self._hooks + self._join_hook + self._nonfinite_hooks)
+        self._hooks, self._join_hook = [], []
         self._nonfinite_hooks = []
 
     def _join_shadow(self) -> None:
@@ -320,8 +317,7 @@ class LocalUpdates(JoinableMode):
         self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
         self._nonfinite_hooks: list[Any] = []
         if self.nonfinite != "ignore":
-            self._nonfinite_hooks = [self.optimizer.register_step_pre_hook(self._check_step),
-                                     self.optimizer.register_step_post_hook(self._raise_step_error)]
+            self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
 
     def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         verdict, self._warm_verdict = self._warm_verdict, None

@@ -26,6 +26,7 @@ from torch import nn
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
+from ..hooks import on_step, remove_hooks
 from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, require_distributed, trainable
 
 __all__ = ["LocalSGD"]
@@ -154,7 +155,7 @@ class LocalSGD(LocalUpdates):
             )
             self._reducer = FusedReducer(model, group=group, wire_dtype=None, nonfinite=self.nonfinite,
                                          transport=resolve_transport(transport))
-            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            self._hooks += on_step(optimizer, pre=self._before_step)
         self._guard_steps()
         if self.rank == 0:
             log.info("fastreduce: LocalSGD: %s; average every %s, warm-up %d steps, %d ranks",
@@ -215,8 +216,7 @@ class LocalSGD(LocalUpdates):
 
     def _end_warmup(self) -> None:
         self._reducer = None  # its buffer is freed with the last grads that view it
-        for h in self._hooks[1:]:
-            h.remove()
+        remove_hooks(self._hooks[1:])
         del self._hooks[1:]
 
     def _sync(self, comm: Comm) -> None:

@@ -42,6 +42,7 @@ from ..comm import Pending, complete, get_comm
 from ..engine import GroupSnapshot
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
+from ..hooks import forward_waits
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
@@ -84,8 +85,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         module: the model; with it the parameter all-gather after ``step()`` is waited
             per bucket in forward pre-hooks (overlapping the next forward), and in full
             before ``module.state_dict()`` / ``load_state_dict()``; read parameters any
-            other way only after :meth:`wait_params`. Without it ``step()`` waits before
-            returning.
+            other way only after :meth:`wait_params`. Without it, or where it is
+            ``torch.compile``-d (pass the compiled one), ``step()`` waits before returning.
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -149,6 +150,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._found: torch.Tensor | None = None  # set when the shard was unscaled this step
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
+        self._forward_waits = False  # module= given (and not compiled): forward pre-hooks wait for the gathers
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport)
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
@@ -216,28 +218,15 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
 
             self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt)
             self._schedule.sync = self.overlap
-        if module is not None:
-            self._hook_module(module)
+        if module is not None:  # its forward waits for the gathers, unless it is compiled
+            bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+            self._module_hooks, self._forward_waits = forward_waits(module, bucket_of, self._wait_gathers,
+                                                                    "ZeroOptimizer", "the parameter all-gather")
         if self.rank == 0:
             log.info("fastreduce: ZeroOptimizer(%s): %s in %d buckets, wire %s, %d ranks, "
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
                      len(self.buckets), wire, self.world_size,
                      sum(s.master.numel() for s in self.shards) * 4 / 2**20)
-
-    def _hook_module(self, module: torch.nn.Module) -> None:
-        bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
-        for m in module.modules():
-            mine = sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of})
-            if mine:
-                self._module_hooks.append(m.register_forward_pre_hook(
-                    lambda _m, _a, mine=tuple(mine): self._wait_gathers(mine)))
-        # Saving or loading the model's weights also needs them complete.
-        self._module_hooks.append(module.register_state_dict_pre_hook(lambda *_: self._wait_gathers()))
-        load_hook = getattr(module, "register_load_state_dict_pre_hook", None)  # public from torch 2.5
-        if load_hook is not None:
-            self._module_hooks.append(load_hook(lambda *_: self._wait_gathers()))
-        else:  # pragma: no cover - older torch
-            self._module_hooks.append(module._register_load_state_dict_pre_hook(lambda *_: self._wait_gathers()))
 
     # ------------------------------------------------------------------ public
 
@@ -419,7 +408,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         if W == 1:
             return
         self._gathers = [self.comm.all_gather(s.params) for s in self.shards]
-        if not self._module_hooks:
+        if not self._forward_waits:
             self._wait_gathers()
 
     @guarded("the parameter all-gather after {cls}.step()", "The parameters are lost: the step "
