@@ -1,0 +1,292 @@
+"""Every mode under ``torch.compile``, against the same mode on the uncompiled model.
+
+The reference is the mode itself on the plain model: each mode is checked against its
+own reference (DDP, torch.optim, torch's averagers) in its own suite, so here the only
+variable is compilation. On 2 real Gloo ranks (both transports: ``make test`` runs this
+file again on the process group's), per backend (``aot_eager`` and ``inductor``), each
+rank runs every case twice from the same seed, plain and compiled, and returns the
+largest parameter difference and dynamo's graph counts after each step:
+
+* parity: ``aot_eager`` runs the same aten ops, but AOT autograd's backward graph
+  may arrange them differently (2.8e-7 apart measured here), so 1e-6; inductor fuses and reorders float ops: 1.0e-6 to 2.7e-6 apart
+  after 6 AdamW steps measured here, so 1e-5. The reducing modes use an fp32 wire: on
+  a bf16 one, a gradient that inductor moved by an ulp can round to the next bf16 value
+  (2.9e-5 apart measured), which says nothing about the mode;
+* no recompilation per step: the number of graphs dynamo compiled stops growing
+  after the second step (the first step builds the modes, the second may add their
+  steady state), checked on the last four;
+* what users write: the model compiled before or after the mode is built, the
+  gossip wrapper compiled (``torch.compile(DecentralizedDataParallel(...))``), a
+  compiled model that already ran before the mode was built (its forward hooks would
+  be invisible to the compiled code), and ``fastreduce.compile_backend`` (overlap kept:
+  the backward is cut into pieces at bucket boundaries);
+* where it cannot work, a clear error: ``ZeroOptimizer(module=model)`` built before
+  ``model`` was compiled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastreduce
+from fastreduce.launch import run_ranks
+
+STEPS = 6
+BUCKET_MB = 5000 / 2**20  # ~ one Linear(32, 32) per bucket: 7 buckets
+TOL = {"aot_eager": 1e-6, "inductor": 1e-5}
+BACKENDS = tuple(TOL)
+pytestmark = pytest.mark.timeout(600)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())], nn.Linear(32, 1))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+# ============================================================== the cases, run in ranks
+# Each case: (model, compile) -> (the module to call, step function, finish function).
+# ``compile(module)`` is the identity for the plain run.
+
+Compile = Callable[[nn.Module], nn.Module]
+
+
+def case_fused(model: nn.Module, comp: Compile, overlap: bool = False, backend: Any = None):
+    m = comp(model) if backend is None else torch.compile(model, backend=backend)
+    reducer = fastreduce.FusedReducer(m, overlap=overlap, bucket_mb=BUCKET_MB, wire_dtype=torch.float32)
+    opt = adamw(model.parameters())
+
+    def step() -> None:
+        reducer.reduce()
+        opt.step()
+        opt.zero_grad()
+    return m, step, lambda: None
+
+
+def case_functional(model: nn.Module, comp: Compile):
+    m = comp(model)
+    opt = adamw(model.parameters())
+
+    def step() -> None:
+        fastreduce.all_reduce_gradients(m, torch.float32)
+        opt.step()
+        opt.zero_grad()
+    return m, step, lambda: None
+
+
+def case_zero(model: nn.Module, comp: Compile, module: bool = True):
+    m = comp(model)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=m if module else None,
+                                   lr=1e-2, weight_decay=0.1, bucket_mb=BUCKET_MB)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+    return m, step, lambda: opt.state_dict()  # the state dict waits for the last all-gather
+
+
+def case_gossip(model: nn.Module, comp: Compile, wrapper: bool = False):
+    if wrapper:
+        m = comp(fastreduce.DecentralizedDataParallel(model, adamw, bucket_mb=BUCKET_MB))
+        ddp = getattr(m, "_orig_mod", m)
+    else:
+        m = ddp = fastreduce.DecentralizedDataParallel(comp(model), adamw, bucket_mb=BUCKET_MB)
+    return m, lambda: None, ddp.wait_exchanges
+
+
+def case_localsgd(model: nn.Module, comp: Compile):
+    m = comp(model)
+    opt = adamw(model.parameters())
+    fastreduce.LocalSGD(m, opt, sync_every=2)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+    return m, step, lambda: None
+
+
+def case_diloco(model: nn.Module, comp: Compile):
+    m = comp(model)
+    opt = adamw(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fastreduce.DiLoCo(m, opt, outer, sync_every=2, wire_dtype=torch.float32)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+    return m, step, lambda: None
+
+
+CASES: dict[str, Callable[..., Any]] = {
+    "fused": case_fused,
+    "overlapped": lambda model, comp: case_fused(model, comp, overlap=True),
+    "all_reduce_gradients": case_functional,
+    "zero": case_zero,
+    "zero-no-module": lambda model, comp: case_zero(model, comp, module=False),
+    "gossip": case_gossip,
+    "gossip-wrapper-compiled": lambda model, comp: case_gossip(model, comp, wrapper=True),
+    "localsgd": case_localsgd,
+    "diloco": case_diloco,
+}
+PREWARMED = ("fused", "zero", "gossip")  # compiled model run once before the mode is built
+
+
+def train(rank: int, name: str, comp: Compile, prewarm: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    model = make_model()
+    start = graphs()  # dynamo's counters outlive torch._dynamo.reset()
+    if prewarm:  # a user's first forward (e.g. an evaluation) before the mode exists
+        compiled = comp(model)
+        compiled(batch(rank, 99)[0]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        comp = lambda _m: compiled  # noqa: E731 - the same compiled module, already run
+    m, step, finish = CASES[name](model, comp)
+    counts = []
+    for s in range(STEPS):
+        x, y = batch(rank, s)
+        ((m(x) - y) ** 2).mean().backward()
+        step()
+        counts.append(graphs() - start)
+    finish()
+    return [p.detach().clone() for p in model.parameters()], counts
+
+
+def parity_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def comp(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend=backend)
+
+    for name in CASES:
+        for prewarm in (False, True) if name in PREWARMED else (False,):
+            key = f"{name}-prewarmed" if prewarm else name
+            torch._dynamo.reset()
+            ref, _ = train(rank, name, lambda m: m)
+            torch._dynamo.reset()
+            got, counts = train(rank, name, comp, prewarm)
+            out[key] = (max((a - b).abs().max().item() for a, b in zip(ref, got)), counts)
+    return out
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def parity(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, run_ranks(parity_worker, 2, request.param, timeout=560)
+
+
+@pytest.mark.parametrize("case", [*CASES, *(f"{n}-prewarmed" for n in PREWARMED)])
+def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: str) -> None:
+    backend, ranks = parity
+    for rank, out in enumerate(ranks):
+        diff, counts = out[case]
+        assert diff <= TOL[backend], f"{case} under torch.compile({backend}), rank {rank}: parameters {diff:.2e} " \
+                                     f"off the uncompiled run (tolerance {TOL[backend]:.0e})"
+        assert counts[0] > 0, f"{case}: nothing was compiled"
+        assert len(set(counts[2:])) == 1, f"{case}: dynamo compiled again in a later step (graphs per step {counts})"
+
+
+# ============================================================== overlap: the split backend
+
+def split_worker(rank: int, world: int, backend_name: str) -> dict[str, Any]:
+    """The overlapped reducer on a model compiled with ``compile_backend``: parity with
+    the plain model, and the backward cut into pieces (one compiled autograd node each)."""
+    torch._dynamo.reset()
+    ref, _ = train(rank, "overlapped", lambda m: m)
+    backend = fastreduce.compile_backend(backend_name, bucket_mb=BUCKET_MB)
+    model = make_model()
+    m, step, _ = case_fused(model, lambda m: m, overlap=True, backend=backend)
+    nodes = []
+    torch._dynamo.reset()
+    for s in range(STEPS):
+        x, y = batch(rank, s)
+        loss = ((m(x) - y) ** 2).mean()
+        nodes.append(compiled_nodes(loss))
+        loss.backward()
+        step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref, model.parameters()))
+    return {"diff": diff, "nodes": nodes, "pieces": backend.pieces}
+
+
+def compiled_nodes(loss: torch.Tensor) -> int:
+    """Compiled autograd nodes in ``loss``'s backward graph (one per compiled piece)."""
+    seen, stack, n = set(), [loss.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        n += "Compiled" in type(fn).__name__
+        stack.extend(f for f, _ in fn.next_functions)
+    return n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_backend_cuts_the_backward_at_buckets(backend: str) -> None:
+    ranks = run_ranks(split_worker, 2, backend, timeout=300)
+    for rank, out in enumerate(ranks):
+        assert out["diff"] <= TOL[backend], f"rank {rank}: {out['diff']:.2e} off the uncompiled run"
+        # 7 Linear layers of ~4 KB, pieces of ~5 KB or more: 3 pieces or more, each its own node.
+        assert all(n >= 3 for n in out["nodes"]), f"rank {rank}: compiled backward nodes per step {out['nodes']}"
+        assert out["pieces"] >= 3
+
+
+def test_compile_backend_names_a_missing_backend() -> None:
+    with pytest.raises(ValueError, match="no torch.compile backend named 'hpu_backend'.*habana_frameworks"):
+        fastreduce.compile_backend("hpu_backend")
+    with pytest.raises(ValueError, match="bucket_mb must be positive"):
+        fastreduce.compile_backend("inductor", bucket_mb=0)
+
+
+# ============================================================== what cannot work
+
+def zero_compiled_after_worker(rank: int, world: int, how: str) -> dict[str, Any]:
+    """ZeroOptimizer(module=model) first, then the model compiled (in place or wrapped)."""
+    torch._dynamo.reset()
+    model = make_model()
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=1e-2,
+                                   bucket_mb=BUCKET_MB)
+    x, y = batch(rank, 0)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()  # starts the parameter all-gather
+    m = model
+    if how == "in-place":
+        model.compile(backend="aot_eager")
+    else:
+        m = torch.compile(model, backend="aot_eager")
+    try:
+        m(x)
+    except RuntimeError as err:
+        after = [p.detach().clone() for p in model.parameters()]
+        opt.state_dict()  # waits for every gather (none should be left)
+        return {"error": str(err), "kept": all(torch.equal(a, p) for a, p in zip(after, model.parameters()))}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["in-place", "wrapper"])
+def test_zero_module_built_before_compile_is_an_error(how: str) -> None:
+    """Its forward hooks cannot wait inside a compiled graph: a clear error on the first
+    compiled forward, with every all-gather landed, never a forward on stale parameters."""
+    for out in run_ranks(zero_compiled_after_worker, 2, how, timeout=240):
+        assert out["error"] and "built before the model" in out["error"] and "module=" in out["error"]
+        assert out["kept"]
+
+
+if os.environ.get("FASTREDUCE_TRANSPORT") == "process_group":  # the second pass: only what reduces
+    del test_compile_backend_names_a_missing_backend
