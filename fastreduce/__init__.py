@@ -10,12 +10,14 @@ reduce-scatter, all-gather; :mod:`.comm.shm`, shared memory for CPU ranks on one
 :mod:`.layout`, :mod:`.buffer` and :mod:`.grads` (which grads, where in the flat buffer),
 :mod:`.buckets` (backward-order buckets launched from hooks), then the modes, one module
 each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloco);
-:mod:`.checkpoint` saves and resumes any of them. This module holds the public names only.
+:mod:`.checkpoint` saves and resumes any of them; :mod:`.compiling` keeps their overlap under
+``torch.compile``. This module holds the public names only.
 """
 
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
 from .backends import GraphContractError
 from .checkpoint import CheckpointMismatchError
+from .compiling import compile_backend
 from .engine import DistInfo, init_distributed
 from .faults import RankLostError
 from .grads import NonFiniteGradError
@@ -43,6 +45,7 @@ __all__ = [
     "ZeroOptimizer",
     "all_reduce_gradients",
     "checkpoint",
+    "compile_backend",
     "gradient_reducer",
     "init_distributed",
 ]
