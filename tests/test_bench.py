@@ -19,6 +19,7 @@ import pytest
 
 import fastreduce
 from fastreduce.bench import local as local_suite
+from fastreduce.bench import network as network_suite
 from fastreduce.bench import optim as optim_suite
 from fastreduce.bench import reduce as reduce_suite
 from fastreduce.bench import step as step_suite
@@ -252,3 +253,29 @@ def test_local_suite_quick_smoke(local_run: dict) -> None:
 def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--suite", "local", *argv]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_network_suite_quick_smoke(tmp_path: Path) -> None:
+    """Two namespace hosts over a 1 Gbit/s link: DDP, fused and overlapped each time a few
+    steps, and the two hosts end with one model in every method (skipped, with a note,
+    where namespaces cannot be made)."""
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    network = json.loads(proc.stdout)["network"]
+    if "skipped" in network:
+        assert network["skipped"].startswith("needs ")
+        pytest.skip(network["skipped"])
+    assert list(network["rates"]) == ["1gbit"]
+    methods = network["rates"]["1gbit"]
+    assert list(methods) == list(network_suite.METHODS)
+    for name, m in methods.items():
+        _stats_ok(m)
+        assert m["ranks_agree"], name
+    assert [t["what"] for t in network["targets"]] == ["overlapped <= ddp"]
+
+
+@pytest.mark.parametrize("argv", [["--rates", "fast"], ["--rates", "0mbit"], ["--rates", "1gbit,"]])
+def test_bad_rates_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "network", *argv]) == 2
+    assert "rate must look like" in capsys.readouterr().err

@@ -21,6 +21,9 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   H = 1, 8, 32) against DDP and a step without communication, at ``--local-ranks``
   (2 by default): step time and bytes on the wire per step, and a table of the loss
   each reaches after the same number of steps on a small model.
+* ``network`` (:mod:`.network`): whole training steps between two hosts (network
+  namespaces, needs root) over links limited to ``--rates``: DDP, fused and overlapped,
+  each eager and under ``torch.compile``.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -47,6 +50,8 @@ from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
 from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
 from .local import QUICK_LOSS_STEPS, LocalConfig, run_local_bench
 from .local import format_text as format_local
+from .network import NetworkConfig, run_network_bench
+from .network import format_text as format_network
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
@@ -60,10 +65,10 @@ from .step import format_text as format_step
 __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized", "local")
+SUITES = ("reduce", "step", "optim", "decentralized", "local", "network")
 DEFAULT_SUITES = ("reduce", "step")
-"""What runs without ``--suite``: the optim, decentralized and local suites are asked for
-by name or ``all``."""
+"""What runs without ``--suite``: the optim, decentralized, local and network suites are
+asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
@@ -95,12 +100,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-ranks", default=None, metavar="N,N",
                         help="local suite: the world sizes to run (default: "
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
+    parser.add_argument("--rates", default=None, metavar="RATE,RATE",
+                        help="network suite: link rates, tc's units (default: 1gbit,100mbit; 1gbit with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout and nothing else")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"where the CSV, chart and JSON go (default: {DEFAULT_OUT}/)")
+
+
+def network_config(args: argparse.Namespace) -> NetworkConfig:
+    """The network suite's settings: ``--quick`` is one rate, two steps, nothing compiled."""
+    from .hosts import check_rate
+    rates = args.rates.split(",") if args.rates else (["1gbit"] if args.quick else NetworkConfig().rates)
+    for rate in rates:
+        check_rate(rate)
+    if args.quick:
+        return NetworkConfig(rates=rates, iters=args.iters or 2, warmup=1, batch=args.batch or 64, compile=False)
+    return NetworkConfig(rates=rates, **({"iters": args.iters} if args.iters else {}),
+                         **({"batch": args.batch} if args.batch else {}),
+                         **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {}))
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
@@ -166,6 +186,7 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
     reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
+    network_cfg = network_config(args)
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     out = Path(args.out)
 
@@ -194,6 +215,11 @@ def run(args: argparse.Namespace) -> int:
                  f"loss table of {local_cfg.loss_steps} steps ...")
             result["local"] = run_local_bench(local_cfg)
             say(format_local(result["local"]) + "\n")
+        elif suite == "network":
+            note(f"network suite: 2 namespace hosts at {', '.join(network_cfg.rates)}, "
+                 f"{network_cfg.iters} steps/method ...")
+            result["network"] = run_network_bench(network_cfg)
+            say(format_network(result["network"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
