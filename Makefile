@@ -42,7 +42,7 @@ demo: $(STAMP)
 
 # The suites that reduce run again on the process group's transport (Gloo), which
 # CPU ranks on one host otherwise skip for shared memory.
-TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py tests/test_nonfinite.py
+TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py tests/test_nonfinite.py tests/test_compile.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
