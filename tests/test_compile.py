@@ -252,6 +252,8 @@ def test_compile_backend_names_a_missing_backend() -> None:
         fastreduce.compile_backend("hpu_backend")
     with pytest.raises(ValueError, match="bucket_mb must be positive"):
         fastreduce.compile_backend("inductor", bucket_mb=0)
+    with pytest.raises(ValueError, match=r"first_bucket_mb in \(0, bucket_mb\]"):
+        fastreduce.compile_backend("inductor", bucket_mb=1, first_bucket_mb=2)
 
 
 # ============================================================== what cannot work
