@@ -40,7 +40,8 @@ STEPS = 10
 ACCUM = 2
 MAX_NORM = 0.25  # below every step's gradient norm (about 1 here), so each step clips
 LR = 0.2
-RUNS = ("stock", "fused", "overlap")  # the trainers of the parity run, in order
+RUNS = ("stock", "fused", "overlap")  # the trainers of the parity run, in order (SGD)
+ADAMW_RUNS = ("stock_adamw", "fused_adamw")  # the same launch, AdamW, fused on the default transport
 ATOL = 1e-5  # fp32 wire: both sides sum the same two fp32 values; only the order of ops differs
 FUSED = {"wire_dtype": torch.float32}
 OVERLAP = {"wire_dtype": None, "overlap": True, "transport": "process_group"}
@@ -93,7 +94,7 @@ def launch(kind: str, out: Path, runs: tuple[str, ...] | list[str], timeout: flo
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The three trainers of the parity run, in one torchrun launch."""
-    return launch("parity", tmp_path_factory.mktemp("parity"), RUNS, timeout=150)
+    return launch("parity", tmp_path_factory.mktemp("parity"), RUNS + ADAMW_RUNS, timeout=180)
 
 
 @pytest.mark.timeout(180)
@@ -107,7 +108,19 @@ def test_trainer_matches_ddp(parity: dict, run: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("run", RUNS)
+def test_trainer_matches_ddp_with_adamw_on_the_default_transport(parity: dict) -> None:
+    """AdamW (whose update does not shrink a difference as SGD's does) on the default
+    transport (shared memory between CPU ranks on one host), fp32 wire: within 1e-6 of the
+    stock Trainer with DDP after 10 clipped steps. Both average two fp32 values as
+    ``fl(a + b) / 2``; a transport that rounded twice was 1.2e-4 apart here."""
+    ddp, ours = parity["stock_adamw"][0]["params"], parity["fused_adamw"][0]["params"]
+    assert "shared memory" in parity["fused_adamw"][0]["plan"], parity["fused_adamw"][0]["plan"]
+    assert not torch.allclose(ddp, torch.load(parity["stock_adamw"][0]["start"]), atol=1e-3), "nothing trained"
+    torch.testing.assert_close(ours, ddp, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("run", RUNS + ADAMW_RUNS)
 def test_ranks_identical(parity: dict, run: str) -> None:
     """Every rank ends with bit-identical parameters, though each started from its own."""
     ranks = parity[run]
@@ -313,7 +326,7 @@ def _parity_worker(out: Path, runs: dict[str, tuple[dict | None, str | None]], s
     data = Tokens(steps * ACCUM * WORLD * 2)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    for run, (settings, backend) in runs.items():
+    for run, (settings, backend, *optim) in runs.items():  # optim: "sgd" unless given
         # transformers < 5 passes torch_compile to Accelerate through these variables and never
         # unsets them: without this, an uncompiled run after a compiled one would be compiled too
         os.environ.pop("ACCELERATE_DYNAMO_BACKEND", None)
@@ -321,7 +334,8 @@ def _parity_worker(out: Path, runs: dict[str, tuple[dict | None, str | None]], s
         args = TrainingArguments(
             output_dir=str(out / run), use_cpu=True, report_to="none", save_strategy="no",
             per_device_train_batch_size=2, gradient_accumulation_steps=ACCUM, max_steps=steps,
-            max_grad_norm=MAX_NORM, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+            max_grad_norm=MAX_NORM, optim=(optim or ["sgd"])[0], learning_rate=LR if not optim else 1e-3,
+            lr_scheduler_type="constant",
             weight_decay=0.0, logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
             torch_compile=backend is not None, torch_compile_backend=backend)
         torch._dynamo.reset()  # each run compiles afresh, and counts its own graphs
@@ -355,6 +369,7 @@ def _parity_worker(out: Path, runs: dict[str, tuple[dict | None, str | None]], s
             "reduces": reducer.stats.calls if reducer else None,
             "launched_in_backward": reducer.stats.launched_in_backward if reducer else None,
             "reducer_model": type(reducer.model).__name__ if reducer else None,
+            "plan": repr(reducer._built.plan) if reducer else None,
             "preattached": reducer.stats.preattached if reducer else None,
             "reattached": reducer.stats.reattached if reducer else None,
             "graphs_after_step": sizes.graphs,
@@ -372,8 +387,9 @@ def _parity_worker(out: Path, runs: dict[str, tuple[dict | None, str | None]], s
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["parity"]:
-        _parity_worker(Path(sys.argv[2]), {"stock": (None, None), "fused": (FUSED, None), "overlap": (OVERLAP, None)},
-                       STEPS)
+        _parity_worker(Path(sys.argv[2]), {"stock": (None, None), "fused": (FUSED, None), "overlap": (OVERLAP, None),
+                                           "stock_adamw": (None, None, "adamw_torch"),
+                                           "fused_adamw": (FUSED, None, "adamw_torch")}, STEPS)
     if sys.argv[1:2] == ["compile"]:
         _parity_worker(Path(sys.argv[2]), COMPILE_RUNS, COMPILE_STEPS)
     raise SystemExit(f"usage: torchrun --standalone --nproc-per-node {WORLD} {sys.argv[0]} parity|compile OUT_DIR")

@@ -265,12 +265,13 @@ class Comm:
             works = dist.batch_isend_irecv(ops) if ops else []
             acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
             tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)
-            weights = [row[r]] + [row[j] for j in peers]
+            ranks = sorted([r, *peers])  # summed in rank order, as on shared memory
 
             def combine() -> None:
-                sources = recvs if host is None else [self._scratch_like(buf, f"recv_dev{j}").copy_(t)
-                                                      for j, t in zip(peers, recvs)]
-                weighted_sum(out, acc, tmp, weights, [buf, *sources])
+                got = recvs if host is None else [self._scratch_like(buf, f"recv_dev{j}").copy_(t)
+                                                  for j, t in zip(peers, recvs)]
+                by_rank = {r: buf, **dict(zip(peers, got))}
+                weighted_sum(out, acc, tmp, [row[j] for j in ranks], [by_rank[j] for j in ranks])
             return _AllWorks(works), combine
 
     # ------------------------------------------------------------------ helpers

@@ -19,9 +19,10 @@ Each rank does 1/W of the arithmetic and writes (W-1)/W of a slice into the othe
 regions; no data goes through a socket. Chunk r of rank k's slice is only ever read
 and then written by rank r, so after barrier B no rank touches another's region: the
 owner may write its slice again (pack, backward) without a third barrier. Every
-rank's result is bit-identical (each chunk is averaged once, by one rank). At W=2 the
-average is one ``lerp(a, b, 0.5)`` pass, rounded once to the wire dtype; at W>2 a
-bf16/fp16 wire is summed in fp32 and rounded once. The jobs run on one worker thread
+rank's result is bit-identical (each chunk is averaged once, by one rank), and it does
+not depend on timing: a chunk is summed in rank order, one rounding per addition (a
+bf16/fp16 wire in fp32), then divided once by W (:func:`weighted_sum`). At W=2 that is
+``fl(a + b) / 2``, what an averaging all-reduce over Gloo gives, bit for bit. The jobs run on one worker thread
 per process group, so a launch from a backward hook returns at once and every rank
 runs the jobs in launch order. The barriers are counters in the segment's first page
 (x86-64; see :class:`_FlagBarrier`), elsewhere one-element all-reduces on a Gloo
@@ -89,7 +90,7 @@ class ShmWork:
     """
 
     own: torch.Tensor  # my chunk of my slice
-    peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice
+    peers: tuple[torch.Tensor, ...]  # the same chunk of every other rank's slice (mix: every rank's slice)
     acc: torch.Tensor | None  # fp32 scratch when the wire dtype must not sum in place
     tmp: torch.Tensor | None
     barrier: Callable[[], None]  # waits until every rank has reached the same point
@@ -101,6 +102,7 @@ class ShmWork:
     error: BaseException | None = None
     before: Callable[[], None] | None = None  # this launch's pack, run by the worker
     after: Callable[[], None] | None = None  # this launch's unpack, run by the worker
+    order: tuple[torch.Tensor, ...] = ()  # all_reduce, reduce_scatter: my chunk of every rank's slice, in rank order
 
     def wait(self) -> bool:
         self.done.wait()
@@ -131,29 +133,11 @@ class ShmWork:
         weighted_sum(self.out, self.acc, self.tmp, self.weights, self.peers)
 
     def _average(self, dst: torch.Tensor) -> None:
-        """``dst`` := mean of my chunk over every rank's slice."""
-        own, peers = self.own, self.peers
-        if len(peers) == 1 and dst.dtype == own.dtype:  # (a + b) / 2 in one pass, rounded once
-            if dst is own:
-                own.lerp_(peers[0], 0.5)
-            else:
-                torch.lerp(own, peers[0], 0.5, out=dst)
-            return
-        wide = dst.dtype.itemsize >= 4
-        acc = dst if wide else self.acc
-        assert acc is not None
-        if acc is not own:
-            acc.copy_(own)
-        for peer in peers:
-            if peer.dtype == acc.dtype:
-                acc.add_(peer)
-            else:  # a mixed-dtype add would allocate a cast copy on CPU
-                assert self.tmp is not None
-                self.tmp.copy_(peer)
-                acc.add_(self.tmp)
-        acc.div_(len(peers) + 1)
-        if acc is not dst:
-            dst.copy_(acc)
+        """``dst`` := mean of my chunk over every rank's slice, summed in rank order."""
+        world = len(self.order)
+        pair = world == 2 and dst.dtype == self.own.dtype != torch.float16  # fl(a + b) / 2 in the wire dtype
+        acc = dst if pair or self.acc is None else self.acc
+        weighted_sum(dst, acc, self.tmp, (1.0 / world,) * world, self.order)
 
 
 def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
@@ -162,10 +146,14 @@ def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
     itself when it is fp32 or wider) through ``tmp`` where a source's dtype differs (a
     mixed-dtype op would allocate a cast copy on CPU). Zero weights are skipped.
 
-    A row of a mixing matrix (weights >= 0 summing to 1) is summed as a chain of
-    ``lerp``: one pass over two sources and the output per source after the first,
-    where a multiply-then-add would take two."""
+    One rounding per addition, in the order given (rank order: the result does not
+    depend on timing or on which rank computes it). A mean, every nonzero weight 1/m
+    (an average, and the row of every uniform gossip topology), is summed, then divided
+    by m once: over two ranks ``fl(a + b) / 2``, bit for bit what an averaging
+    all-reduce gives; other weights are multiply-adds. ``acc`` must not alias a
+    source after the first two (the sum of the first two is written over it)."""
     terms = [(float(w), s) for w, s in zip(weights, sources) if w != 0.0]
+    m = len(terms)
 
     def cast(src: torch.Tensor) -> torch.Tensor:
         if src.dtype == acc.dtype:
@@ -173,18 +161,17 @@ def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
         assert tmp is not None
         return tmp.copy_(src)
 
-    convex = len(terms) > 1 and all(w > 0 for w, _ in terms) and abs(sum(w for w, _ in terms) - 1.0) < 1e-9
-    if convex:
-        (w0, s0), (w1, s1) = terms[0], terms[1]
-        if s0.dtype == acc.dtype and s1.dtype == acc.dtype:
-            torch.lerp(s0, s1, w1 / (w0 + w1), out=acc)
+    if all(abs(w * m - 1.0) < 1e-6 for w, _ in terms):
+        if m >= 2 and terms[0][1].dtype == terms[1][1].dtype == acc.dtype:
+            torch.add(terms[0][1], terms[1][1], out=acc)
+            rest = terms[2:]
         else:
-            acc.copy_(s0)
-            acc.lerp_(cast(s1), w1 / (w0 + w1))
-        seen = w0 + w1
-        for w, src in terms[2:]:
-            acc.lerp_(cast(src), w / (seen + w))
-            seen += w
+            acc.copy_(terms[0][1])
+            rest = terms[1:]
+        for _, src in rest:
+            acc.add_(cast(src))
+        if m > 1:
+            acc.div_(m)
     else:
         for k, (w, src) in enumerate(terms):
             if k == 0:
@@ -405,7 +392,7 @@ class ShmAllReduce:
                                      dist.get_process_group_ranks(group or dist.group.WORLD))
                         if FLAG_BARRIERS else self.channel.barrier)
         self.region_bytes = region_bytes
-        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scratch: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 (or wider) sums
         self.works: dict[tuple[int, int, torch.dtype], ShmWork] = {}
         self.started = 0  # jobs queued so far
 
@@ -521,13 +508,21 @@ class ShmAllReduce:
             raise ValueError(f"reduce_scatter's output must hold {own.numel()} elements, got "
                              f"{tuple(out.shape)}")
         dst_dtype = buf.dtype if out is None else out.dtype
+        pair = self.world == 2 and dst_dtype == buf.dtype != torch.float16  # summed in place (_average)
+        # the rank-order sum writes its first partial sum over the output: my own chunk
+        # (averaged in place) must be one of the first two, or the sum goes to scratch
+        clobbers = out is None and r >= 2
         acc = tmp = None
-        if not (dst_dtype == buf.dtype and (buf.dtype.itemsize >= 4 or self.world == 2)):
-            if self.scratch is None:  # sized for the largest chunk of the region
+        if not pair and (dst_dtype.itemsize < 4 or dst_dtype != buf.dtype or clobbers):
+            wide = torch.promote_types(dst_dtype, torch.float32)
+            if wide not in self.scratch:  # sized for the largest chunk of the region
                 most = -(-self.region_bytes // (2 * self.world)) + _ALIGN
-                self.scratch = (torch.empty(most), torch.empty(most))
-            acc, tmp = (t[:own.numel()] for t in self.scratch)
-        return ShmWork(own, peers, acc, tmp, self.barrier, kind, out)
+                self.scratch[wide] = (torch.empty(most, dtype=wide), torch.empty(most, dtype=wide))
+            acc, tmp = (t[:own.numel()] for t in self.scratch[wide])
+            if dst_dtype.itemsize >= 4 and not clobbers:
+                acc = None  # summed in the output itself, through tmp
+        order = tuple(s[b[r]:b[r + 1]] for s in slices)
+        return ShmWork(own, peers, acc, tmp, self.barrier, kind, out, order=order)
 
     def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
