@@ -21,6 +21,8 @@ SIZES = range(2, 17)
 EXACT = ("complete", "one-peer-exp", "alternating-exp-ring")
 ROUNDS = {2: 1, 3: 3, 4: 2, 5: 5, 6: 5, 7: 6, 8: 3, 9: 7, 10: 7, 11: 7, 12: 7, 13: 9, 14: 9, 15: 10, 16: 4}
 """T(N) of one-peer-exp, as the module docstring documents it."""
+WORST = {2: 1, 3: 5, 4: 2, 5: 9, 6: 8, 7: 11, 8: 3, 9: 13, 10: 12, 11: 13, 12: 11, 13: 17, 14: 16, 15: 19, 16: 4}
+"""Rounds to exact consensus of one-peer-exp started at its worst round, as documented."""
 
 
 def cases(names: tuple[str, ...]) -> list[tuple[str, int, int | None]]:
@@ -85,13 +87,37 @@ def test_one_peer_exp_rounds_and_peers(n: int) -> None:
             assert topo.senders_to(t, r) == others
 
 
+def rounds_from(topo: Topology, start: int) -> int:
+    """Rounds of mixing, from round ``start`` on, until their product is the exact average."""
+    n, prod = topo.world_size, torch.eye(topo.world_size, dtype=torch.float64)
+    for k in range(1, 4 * topo.period + 1):
+        prod = topo.mixing(start + k - 1) @ prod
+        if torch.allclose(prod, averaging(n), atol=1e-12, rtol=0):
+            return k
+    raise AssertionError(f"no exact average within 4 periods from round {start}")
+
+
 def test_documented_table_matches() -> None:
     doc = topology.__doc__ or ""
     ns = re.search(r"^\s*N((?:\s+\d+)+)\s*$", doc, re.M)
     rounds = re.search(r"^\s*rounds((?:\s+\d+)+)\s*$", doc, re.M)
-    assert ns and rounds
-    table = dict(zip(map(int, ns.group(1).split()), map(int, rounds.group(1).split())))
-    assert table == ROUNDS == {n: consensus_rounds(n) for n in SIZES}
+    worst = re.search(r"^\s*worst((?:\s+\d+)+)\s*$", doc, re.M)
+    assert ns and rounds and worst
+    sizes = list(map(int, ns.group(1).split()))
+    assert dict(zip(sizes, map(int, rounds.group(1).split()))) == ROUNDS == {n: consensus_rounds(n) for n in SIZES}
+    assert dict(zip(sizes, map(int, worst.group(1).split()))) == WORST
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_one_peer_exp_from_any_round(n: int) -> None:
+    """From its first round one period is exact; from the worst round it takes WORST[n]
+    rounds, at most 2T - 1 (the end of the next period), and for a power of two every
+    window of one period is exact."""
+    topo = build("one-peer-exp", n, None)
+    per_start = [rounds_from(topo, s) for s in range(topo.period)]
+    assert per_start[0] == topo.period and max(per_start) == WORST[n] <= 2 * topo.period - 1, per_start
+    if n & (n - 1) == 0:
+        assert per_start == [topo.period] * topo.period
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -51,7 +51,18 @@ Built-in topologies
     ======  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==
     N        2   3   4   5   6   7   8   9  10  11  12  13  14  15  16
     rounds   1   3   2   5   5   6   3   7   7   7   7   9   9  10   4
+    worst    1   5   2   9   8  11   3  13  12  13  11  17  16  19   4
     ======  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==  ==
+
+    "rounds" (the period) counts from a period's first round, where mixing starts.
+    "worst" counts from any round: how long a disagreement that appears mid-period
+    (a rank's gradient step) takes to be averaged out exactly. For a power of two the
+    hypercube's rounds commute, so every window of one period is exact; for other N
+    the merge round needs both blocks at their own means, so a window that starts
+    mid-period is exact only at the end of the next period (up to 2T - 1 rounds).
+    No one-peer schedule whose every window of T rounds is exact is known for these
+    N (at N = 3 none exists with T = 3: each window's last round would have to be an
+    equal-weight pair, and equal-weight pairs never make thirds).
 
 ``alternating-exp-ring``
     For several nodes of L ranks each (rank = node * L + local index, M = N/L
