@@ -6,7 +6,7 @@ identical parameters; :func:`batch_for` gives every rank its own inputs per step
 
 from __future__ import annotations
 
-from typing import Collection
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,16 @@ def batch_for(model: nn.Module, rank: int, step: int, batch: int = 4) -> tuple:
     """Inputs for ``model`` that differ across ranks and steps but not across runs."""
     g = torch.Generator().manual_seed(1000 * step + rank + 17)
     return model.example_inputs(g, batch)
+
+
+def stepper(opt: Any, before: Callable[[], None] | None = None) -> Callable[[], None]:
+    """The step after backward: ``before`` (a reduction, if any), the optimizer's step, zero_grad."""
+    def step() -> None:
+        if before is not None:
+            before()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def loss_of(model: nn.Module, inputs: tuple, **kwargs) -> torch.Tensor:

@@ -8,8 +8,9 @@ rank runs every case twice from the same seed, plain and compiled, and returns t
 largest parameter difference and dynamo's graph counts after each step:
 
 * parity: ``aot_eager`` runs the same aten ops, but AOT autograd's backward graph
-  may arrange them differently (2.8e-7 apart measured here), so 1e-6; inductor fuses and reorders float ops: 1.0e-6 to 2.7e-6 apart
-  after 6 AdamW steps measured here, so 1e-5. The reducing modes use an fp32 wire: on
+  may arrange them differently (2.8e-7 apart measured here), so 1e-6; inductor fuses
+  and reorders float ops: 1.0e-6 to 2.7e-6 apart after 6 AdamW steps measured here,
+  so 1e-5. The reducing modes use an fp32 wire: on
   a bf16 one, a gradient that inductor moved by an ulp can round to the next bf16 value
   (2.9e-5 apart measured), which says nothing about the mode;
 * no recompilation per step: the number of graphs dynamo compiled stops growing
@@ -31,11 +32,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fastreduce
 from fastreduce.launch import run_ranks
+
+from models import stepper
 
 STEPS = 6
 BUCKET_MB = 5000 / 2**20  # ~ one Linear(32, 32) per bucket: 7 buckets
@@ -74,34 +76,20 @@ def case_fused(model: nn.Module, comp: Compile, overlap: bool = False, backend: 
     m = comp(model) if backend is None else torch.compile(model, backend=backend)
     reducer = fastreduce.FusedReducer(m, overlap=overlap, bucket_mb=BUCKET_MB, wire_dtype=torch.float32)
     opt = adamw(model.parameters())
-
-    def step() -> None:
-        reducer.reduce()
-        opt.step()
-        opt.zero_grad()
-    return m, step, lambda: None
+    return m, stepper(opt, reducer.reduce), lambda: None
 
 
 def case_functional(model: nn.Module, comp: Compile):
     m = comp(model)
     opt = adamw(model.parameters())
-
-    def step() -> None:
-        fastreduce.all_reduce_gradients(m, torch.float32)
-        opt.step()
-        opt.zero_grad()
-    return m, step, lambda: None
+    return m, stepper(opt, lambda: fastreduce.all_reduce_gradients(m, torch.float32)), lambda: None
 
 
 def case_zero(model: nn.Module, comp: Compile, module: bool = True):
     m = comp(model)
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=m if module else None,
                                    lr=1e-2, weight_decay=0.1, bucket_mb=BUCKET_MB)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return m, step, lambda: opt.state_dict()  # the state dict waits for the last all-gather
+    return m, stepper(opt), lambda: opt.state_dict()  # the state dict waits for the last all-gather
 
 
 def case_gossip(model: nn.Module, comp: Compile, wrapper: bool = False):
@@ -117,11 +105,7 @@ def case_localsgd(model: nn.Module, comp: Compile):
     m = comp(model)
     opt = adamw(model.parameters())
     fastreduce.LocalSGD(m, opt, sync_every=2)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return m, step, lambda: None
+    return m, stepper(opt), lambda: None
 
 
 def case_diloco(model: nn.Module, comp: Compile):
@@ -129,11 +113,7 @@ def case_diloco(model: nn.Module, comp: Compile):
     opt = adamw(model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     fastreduce.DiLoCo(m, opt, outer, sync_every=2, wire_dtype=torch.float32)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return m, step, lambda: None
+    return m, stepper(opt), lambda: None
 
 
 CASES: dict[str, Callable[..., Any]] = {

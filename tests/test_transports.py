@@ -27,7 +27,7 @@ import fastreduce
 import fastreduce.comm.comm
 from fastreduce.launch import run_ranks
 
-from models import batch_for, loss_of, many_tensor_model
+from models import batch_for, loss_of, many_tensor_model, stepper
 
 STEPS = 10
 SEED = 3
@@ -55,43 +55,26 @@ def fused(model: nn.Module, transport: str, overlap: bool = False):
     reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=overlap,
                                       bucket_mb=BUCKET_MB if overlap else None, transport=transport)
     opt = adamw(model.parameters())
-
-    def step() -> None:
-        reducer.reduce()
-        opt.step()
-        reducer.zero_grad()
-    return model, step, lambda: None
+    return model, stepper(opt, reducer.reduce), lambda: None
 
 
 def zero(model: nn.Module, transport: str):
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=1e-2,
                                    weight_decay=0.1, bucket_mb=BUCKET_MB, transport=transport)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return model, step, opt.state_dict  # the state dict waits for the last all-gather
+    return model, stepper(opt), opt.state_dict  # the state dict waits for the last all-gather
 
 
 def localsgd(model: nn.Module, transport: str):
     opt = adamw(model.parameters())
     fastreduce.LocalSGD(model, opt, sync_every=2, transport=transport)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return model, step, lambda: None
+    return model, stepper(opt), lambda: None
 
 
 def diloco(model: nn.Module, transport: str):
     opt = adamw(model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     fastreduce.DiLoCo(model, opt, outer, sync_every=2, wire_dtype=torch.float32, transport=transport)
-
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-    return model, step, lambda: None
+    return model, stepper(opt), lambda: None
 
 
 def gossip(model: nn.Module, transport: str):

@@ -170,7 +170,10 @@ def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
             rest = terms[1:]
         for _, src in rest:
             acc.add_(cast(src))
-        if m > 1:
+        if m & (m - 1) == 0:  # a power of two: its reciprocal is exact, and a multiply is cheaper
+            if m > 1:
+                acc.mul_(1.0 / m)
+        else:
             acc.div_(m)
     else:
         for k, (w, src) in enumerate(terms):
