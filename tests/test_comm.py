@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+import fastreduce.comm.shm as shm_mod
 from fastreduce.comm import get_comm
 from fastreduce.launch import run_ranks
 
@@ -39,14 +40,30 @@ def _matrices(world: int) -> dict[str, torch.Tensor]:
     pair = eye.clone()  # ranks 0 and 1 mix with weights 0.7 / 0.3; the rest keep their own
     pair[0, 0] = pair[1, 1] = 0.7
     pair[0, 1] = pair[1, 0] = 0.3
+    pairs = eye.clone()  # one-peer-exp's kind of round: ranks 0-1 (and 2-3) average, a lone rank keeps its own
+    for a in range(0, world - 1, 2):
+        pairs[a:a + 2, a:a + 2] = 0.5
     return {"uniform": torch.full((world, world), 1.0 / world, dtype=torch.float64),
-            "ring": ring, "pair": pair, "identity": eye}
+            "ring": ring, "pair": pair, "identity": eye, "pairs": pairs}
+
+
+def _rank_order_mean(sent: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """A uniform row's mix as the transports promise it: the sources summed in fp32 in
+    rank order, one rounding per addition, then scaled once (by 1/m for m a power of
+    two, divided by m otherwise)."""
+    members = [j for j in range(len(row)) if row[j] != 0]
+    acc = sent[members[0]].float().clone()
+    for j in members[1:]:
+        acc += sent[j].float()
+    m = len(members)
+    return acc * (1.0 / m) if m & (m - 1) == 0 else acc / m
 
 
 def comm_worker(rank: int, world: int, transport: str) -> dict:
     comm = get_comm(None, torch.device("cpu"), transport)
     out: dict = {"shm": None}
     n = comm.shard_multiple * 3
+    shared = comm.buffer(n, torch.float32)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         torch.manual_seed(100 * rank + 1)
         buf = comm.buffer(n, dtype)
@@ -84,6 +101,25 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
             if then is not None:
                 then()
             out[f"mix_{mname}_{name}"] = (mixed.double(), (matrix[rank].unsqueeze(1) * sent).sum(0))
+        # the same into an output of the communication layer's own (the gossip mode's
+        # mixed blocks): on shared memory a uniform clique splits the sum, each rank
+        # writing its chunk into every member's output, in pieces (made small here)
+        shm_mod.__dict__["_PIECE"], piece = 100, shm_mod._PIECE
+        try:
+            for mname in ("uniform", "pairs", "pair"):
+                matrix = _matrices(world)[mname]
+                buf.copy_(src)
+                sent = _everyone(buf.clone())
+                shared.fill_(float("nan"))
+                work, then = comm.mix(buf, shared, matrix)
+                work.wait()
+                if then is not None:
+                    then()
+                want = _rank_order_mean(sent, matrix[rank]) if mname != "pair" else \
+                    (matrix[rank].unsqueeze(1) * sent.double()).sum(0).float()
+                out[f"shared_{mname}_{name}"] = (shared.clone(), want)
+        finally:
+            shm_mod.__dict__["_PIECE"] = piece
     return out
 
 
@@ -120,4 +156,24 @@ def test_all_gather_assembles_every_ranks_chunk(results, key: str) -> None:
 def test_mix_applies_this_ranks_row(results, matrix: str, dtype: str) -> None:
     for got, want in (r[f"mix_{matrix}_{dtype}"] for r in results[1]):
         # the sent blocks are exact in the reference; the mix sums them in fp32
+        assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("matrix", ["uniform", "pairs"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_uniform_mix_is_the_rank_order_sum_bit_for_bit(results, matrix: str, dtype: str) -> None:
+    """Ranks whose rows are one mean (all of them, or pairs) get that mean bit for bit,
+    whoever computed which piece of it. (On the process group a uniform matrix is Gloo's
+    all-reduce, whose order over more than two ranks is its own: close there.)"""
+    transport, per_rank = results
+    for got, want in (r[f"shared_{matrix}_{dtype}"] for r in per_rank):
+        if transport == "process_group" and matrix == "uniform" and len(per_rank) > 2:
+            assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_weighted_mix_into_a_shared_output(results, dtype: str) -> None:
+    for got, want in (r[f"shared_pair_{dtype}"] for r in results[1]):
         assert_close(got, want, rtol=1e-5, atol=1e-5)

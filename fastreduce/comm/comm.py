@@ -128,6 +128,11 @@ class Comm:
                 return shm
         return None
 
+    def _everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's counterpart of ``t`` where it lives in a shared-memory segment."""
+        shm = self.shm_of(t)
+        return None if shm is None else shm.everyones(t)
+
     def plan(self, wire_dtype: torch.dtype, accumulate_dtype: torch.dtype | None = None,
              buf: torch.Tensor | None = None) -> MeanPlan:
         """How a ``wire_dtype`` all-reduce of ``buf`` averages (collective on first use)."""
@@ -240,11 +245,13 @@ class Comm:
         if tuple(matrix.shape) != (self.world, self.world):
             raise ValueError(f"the mixing matrix must be {self.world} x {self.world}, got {tuple(matrix.shape)}")
         r = self.rank
-        row, col, uniform = self._rows_of(matrix)
+        row, col, uniform, share = self._rows_of(matrix)
         shm = self.shm_of(buf)
         with span("fastreduce::mix"):
             if shm is not None:
-                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row)), None
+                peers_out = self._everyones(out) if share else None
+                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row), share=share,
+                                 outs=tuple(peers_out or ())), None
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
@@ -276,18 +283,28 @@ class Comm:
 
     # ------------------------------------------------------------------ helpers
 
-    def _rows_of(self, matrix: torch.Tensor) -> tuple[list[float], list[float], bool]:
-        """This rank's row and column of a mixing matrix and whether it is uniform, read
-        once per matrix (a topology hands out the same cached tensor every period)."""
+    def _rows_of(self, matrix: torch.Tensor) -> tuple[list[float], list[float], bool, tuple[int, ...]]:
+        """This rank's row and column of a mixing matrix, whether it is uniform, and the
+        ranks this rank shares its mix with (below), read once per matrix (a topology
+        hands out the same cached tensor every period).
+
+        Sharing: when this rank's row is the plain mean of a set of ranks, each of which
+        has that same row (every rank in ``complete``, the pairs of ``one-peer-exp``),
+        those ranks compute one result: on shared memory they split it (each sums a
+        chunk and writes it into every member's output). Otherwise ``()``."""
         key = id(matrix)
         got = self._rows.get(key)
         if got is None or got[0] is not matrix:
             if len(self._rows) >= 64:  # matrices made afresh per call: keep the cache small
                 self._rows.clear()
             r = self.rank
-            got = self._rows[key] = (matrix, matrix[r].tolist(), matrix[:, r].tolist(),
-                                     bool((matrix == matrix[0, 0]).all()))
-        return got[1], got[2], got[3]
+            row = matrix[r].tolist()
+            members = tuple(j for j, w in enumerate(row) if w != 0.0)
+            share = members if all(row[j] == row[r] for j in members) and \
+                all(matrix[j].tolist() == row for j in members) else ()
+            got = self._rows[key] = (matrix, row, matrix[:, r].tolist(),
+                                     bool((matrix == matrix[0, 0]).all()), share)
+        return got[1], got[2], got[3], got[4]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -67,6 +67,7 @@ _LINE = 64
 FLAG_BARRIERS = platform.machine().lower() in ("x86_64", "amd64")
 """Barriers through the segment (x86-64: total store order), else through Gloo."""
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
+_PIECE = 1 << 16  # the sums' piece (elements): its sources and result stay in a core's L2
 
 
 def _set_event() -> threading.Event:
@@ -103,6 +104,9 @@ class ShmWork:
     before: Callable[[], None] | None = None  # this launch's pack, run by the worker
     after: Callable[[], None] | None = None  # this launch's unpack, run by the worker
     order: tuple[torch.Tensor, ...] = ()  # all_reduce, reduce_scatter: my chunk of every rank's slice, in rank order
+    rank: int = 0
+    share: tuple[int, ...] = ()  # mix: the ranks computing this launch's result together (a clique), or ()
+    outs: tuple[torch.Tensor, ...] = ()  # mix: every rank's ``out`` (when it lies in the regions), or ()
 
     def wait(self) -> bool:
         self.done.wait()
@@ -122,22 +126,44 @@ class ShmWork:
         if self.kind == MIX:
             self._mix()
             return
-        own = self.own
-        self._average(own if self.out is None else self.out)
-        if self.kind == ALL_REDUCE:
-            for peer in self.peers:
-                peer.copy_(own)
-
-    def _mix(self) -> None:
-        assert self.out is not None and self.acc is not None
-        weighted_sum(self.out, self.acc, self.tmp, self.weights, self.peers)
-
-    def _average(self, dst: torch.Tensor) -> None:
-        """``dst`` := mean of my chunk over every rank's slice, summed in rank order."""
+        # my chunk's mean over every rank's slice, summed in rank order; all_reduce pushes it
+        dst = self.own if self.out is None else self.out
         world = len(self.order)
         pair = world == 2 and dst.dtype == self.own.dtype != torch.float16  # fl(a + b) / 2 in the wire dtype
         acc = dst if pair or self.acc is None else self.acc
-        weighted_sum(dst, acc, self.tmp, (1.0 / world,) * world, self.order)
+        _sum_and_push(dst, acc, self.tmp, (1.0 / world,) * world, self.order,
+                      self.peers if self.kind == ALL_REDUCE else ())
+
+    def _mix(self) -> None:
+        out, acc, tmp = self.out, self.acc, self.tmp
+        assert out is not None and acc is not None
+        if not (len(self.share) > 1 and self.outs):
+            weighted_sum(out, acc, tmp, self.weights, self.peers)
+            return
+        # A clique (every member's row is this same mean): each member computes its
+        # chunk of the result and writes it into every member's output, 1/m of the work.
+        b = _bounds(out.numel(), len(self.share))
+        k = self.share.index(self.rank)
+        part = slice(b[k], b[k + 1])
+        mine = out[part]
+        _sum_and_push(mine, mine if acc is out else acc[part], None if tmp is None else tmp[part],
+                      self.weights, [src[part] for src in self.peers],
+                      [self.outs[j][part] for j in self.share if j != self.rank])
+
+
+def _sum_and_push(dst: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None, weights: Sequence[float],
+                  sources: Sequence[torch.Tensor], pushes: Sequence[torch.Tensor]) -> None:
+    """:func:`weighted_sum` of ``sources`` into ``dst``, then copied into each of
+    ``pushes`` (all as long as ``dst``), a piece at a time: each piece is still in cache
+    when it is scaled and pushed."""
+    n = dst.numel()
+    for a in range(0, n, _PIECE):
+        z = min(a + _PIECE, n)
+        piece = dst[a:z]
+        weighted_sum(piece, piece if acc is dst else acc[a:z], None if tmp is None else tmp[a:z], weights,
+                     [src[a:z] for src in sources])
+        for p in pushes:
+            p[a:z].copy_(piece)
 
 
 def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
@@ -449,16 +475,19 @@ class ShmAllReduce:
 
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
               after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
-              out: torch.Tensor | None = None, weights: tuple[float, ...] = ()) -> ShmWork:
+              out: torch.Tensor | None = None, weights: tuple[float, ...] = (),
+              share: tuple[int, ...] = (), outs: tuple[torch.Tensor, ...] = ()) -> ShmWork:
         """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
         ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
         chunk of the mean into ``out``, default: that chunk of ``buf``) or ``all_gather``
         (every rank's chunk of ``buf`` into ``out``, default ``buf`` itself), for these
         two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, as long
-        as ``buf`` and apart from it, := the ``weights``-weighted sum of every rank's ``buf``). ``before`` and
-        ``after`` (e.g. the slice's pack and unpack) run on the worker too, right before
-        and after the collective, off the caller's thread."""
+        as ``buf`` and apart from it, := the ``weights``-weighted sum of every rank's
+        ``buf``; where ``share`` names the ranks whose rows are all this same mean and
+        ``outs`` gives every rank's ``out`` in shared memory, those ranks split the work).
+        ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
+        too, right before and after the collective, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
             raise ValueError("the buffer to average must be contiguous (a slice of "
                              "ShmAllReduce.region)")
@@ -467,7 +496,7 @@ class ShmAllReduce:
         key = (buf.data_ptr(), buf.numel(), buf.dtype, kind, None if out is None else out.data_ptr())
         work = self.works.get(key)
         if work is None:
-            work = self.works[key] = self._plan(buf, kind, out)
+            work = self.works[key] = self._plan(buf, kind, out, outs)
         elif not work.done.is_set():
             raise RuntimeError("this slice is already being averaged; wait() for it before "
                                "starting it again")
@@ -477,19 +506,31 @@ class ShmAllReduce:
             if len(weights) != self.world:
                 raise ValueError(f"mix needs one weight per rank ({self.world}), got {len(weights)}")
             work.weights = tuple(float(w) for w in weights)
+            work.share = share if share == () or (self.rank in share and all(0 <= j < self.world for j in share)) \
+                else ()
         self.started += 1
         self.channel.jobs.put(work)
         return work
 
-    def _plan(self, buf: torch.Tensor, kind: str, out: torch.Tensor | None) -> ShmWork:
-        es = buf.element_size()
-        off = buf.data_ptr() - self.regions[self.rank].data_ptr()
-        if off < 0 or off + buf.numel() * es > self.region_bytes:
+    def everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's counterpart of ``t`` (a contiguous slice of this rank's region):
+        the same bytes of each rank's region, in rank order; ``None`` if ``t`` is not
+        in the region. The ranks lay out their regions alike (the same buffers, taken
+        in the same order)."""
+        nbytes = t.numel() * t.element_size()
+        at = t.data_ptr() - self.regions[self.rank].data_ptr()
+        if at < 0 or at + nbytes > self.region_bytes or not t.is_contiguous():
+            return None
+        return [r[at:at + nbytes].view(t.dtype) for r in self.regions]
+
+    def _plan(self, buf: torch.Tensor, kind: str, out: torch.Tensor | None,
+              outs: tuple[torch.Tensor, ...] = ()) -> ShmWork:
+        slices = self.everyones(buf)
+        if slices is None:
             raise ValueError("the buffer to average is not a contiguous slice of this rank's "
                              "shared-memory region (ShmAllReduce.region)")
-        slices = [r[off:off + buf.numel() * es].view(buf.dtype) for r in self.regions]
         if kind == MIX:
-            return self._plan_mix(buf, slices, out)
+            return self._plan_mix(buf, slices, out, outs)
         if kind == ALL_REDUCE:
             b = _bounds(buf.numel(), self.world)
         elif buf.numel() % self.world:
@@ -511,7 +552,7 @@ class ShmAllReduce:
             raise ValueError(f"reduce_scatter's output must hold {own.numel()} elements, got "
                              f"{tuple(out.shape)}")
         dst_dtype = buf.dtype if out is None else out.dtype
-        pair = self.world == 2 and dst_dtype == buf.dtype != torch.float16  # summed in place (_average)
+        pair = self.world == 2 and dst_dtype == buf.dtype != torch.float16  # summed in place (reduce)
         # the rank-order sum writes its first partial sum over the output: my own chunk
         # (averaged in place) must be one of the first two, or the sum goes to scratch
         clobbers = out is None and r >= 2
@@ -527,7 +568,8 @@ class ShmAllReduce:
         order = tuple(s[b[r]:b[r + 1]] for s in slices)
         return ShmWork(own, peers, acc, tmp, self.barrier, kind, out, order=order)
 
-    def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
+    def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None,
+                  outs: tuple[torch.Tensor, ...]) -> ShmWork:
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         if out is None or out.shape != buf.shape or not out.is_contiguous() or \
                 start < out.data_ptr() + out.numel() * out.element_size() and out.data_ptr() < end:
@@ -535,4 +577,4 @@ class ShmAllReduce:
         wide = out.dtype.itemsize >= 4
         acc = out if wide else torch.empty(buf.numel(), dtype=torch.float32, device=buf.device)
         tmp = None if buf.dtype == acc.dtype else torch.empty(buf.numel(), dtype=acc.dtype, device=buf.device)
-        return ShmWork(slices[self.rank], tuple(slices), acc, tmp, self.barrier, MIX, out)
+        return ShmWork(slices[self.rank], tuple(slices), acc, tmp, self.barrier, MIX, out, rank=self.rank, outs=outs)
