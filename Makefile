@@ -68,7 +68,7 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[plot]"
+	$(BIN)/python -m pip install -q -e ".[plot,peers]"
 	$(BIN)/fastreduce bench
 
 lint: $(STAMP)

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import machine_info
+from .gossip import DEFAULT_BATCH as GOSSIP_BATCH
+from .gossip import DEFAULT_PARAMS_M as GOSSIP_PARAMS_M
 from .gossip import GossipConfig, run_gossip_bench
 from .gossip import format_text as format_gossip
 from .local import DEFAULT_BATCH as LOCAL_BATCH
@@ -82,10 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick)")
     parser.add_argument("--params-m", type=float, default=None,
                         help="model size in millions of fp32 parameters (default: 12, the local suite "
-                             f"{LOCAL_PARAMS_M:g}; 0.25 with --quick)")
+                             f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick)")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"step, optim, decentralized and local suites: input rows per rank (default: "
-                             f"{STEP_BATCH}, the local suite {LOCAL_BATCH}; 8 with --quick)")
+                             f"{STEP_BATCH}, the local suite {LOCAL_BATCH}, the decentralized suite "
+                             f"{GOSSIP_BATCH}; 8 with --quick)")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="step and optim suites: bucket size of overlapped fastreduce (and of "
                              "ZeroOptimizer) in MB (default: the process-group backend's default)")
@@ -148,12 +151,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
     # the local suite's own default model size and batch, unless asked for or --quick
     local_params_m = params_m if args.quick or args.params_m is not None else LOCAL_PARAMS_M
     local_batch = batch if args.quick or args.batch is not None else LOCAL_BATCH
+    gossip_params_m = params_m if args.quick or args.params_m is not None else GOSSIP_PARAMS_M
+    gossip_batch = batch if args.quick or args.batch is not None else GOSSIP_BATCH
     return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
             StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
             OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
                         bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
-            GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=params_m, batch=batch,
+            GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=gossip_params_m, batch=gossip_batch,
                          threads=args.threads, quick=args.quick),
             LocalConfig(world_sizes=local_worlds, iters=-(-iters // 2),
                         params_m=local_params_m, batch=local_batch, threads=args.threads, quick=args.quick,

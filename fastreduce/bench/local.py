@@ -65,9 +65,6 @@ import fastreduce
 from ..launch import run_ranks
 from ..modes.zero_shard import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
-from .gossip import LR as SGD_LR
-from .gossip import MOMENTUM as SGD_MOMENTUM
-from .gossip import _sgd
 from .optim import OptimMethod, fastest_kernel
 from .report import judge_ratios, target_lines
 from .step import _plain, batch_for, build_model, ddp_method
@@ -120,6 +117,13 @@ class LocalMethod(OptimMethod):
 
     mode: Any = None
     period: int = 1
+
+SGD_LR, SGD_MOMENTUM = 1e-3, 0.9  # the inner optimizer of every method
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM,
+                           **(fused_if_possible(torch.optim.SGD, params, {}) or {"foreach": True}))
 
 
 def _total(nbytes: int | list[int]) -> int:
