@@ -16,7 +16,7 @@ each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloc
 
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
 from .backends import GraphContractError
-from .checkpoint import CheckpointMismatchError
+from .checkpoint import CheckpointDamagedError, CheckpointMismatchError
 from .compiling import compile_backend
 from .engine import DistInfo, init_distributed
 from .faults import RankLostError
@@ -30,6 +30,7 @@ from .modes.localsgd import LocalSGD
 from .modes.zero import ZeroOptimizer
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointMismatchError",
     "DecentralizedDataParallel",
     "DiLoCo",

@@ -56,7 +56,7 @@ from .modes.gossip import DecentralizedDataParallel
 from .modes.localsgd import LocalSGD
 from .modes.zero import ZeroOptimizer
 
-__all__ = ["Checkpointer", "CheckpointMismatchError"]
+__all__ = ["Checkpointer", "CheckpointDamagedError", "CheckpointMismatchError"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,16 @@ PER_RANK_MODES = ("gossip", "local", "diloco")
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the job loading it (another model, mode, optimizer or
     world size); raised on every rank before anything is loaded."""
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A committed checkpoint cannot be read (a file missing, truncated or unreadable);
+    raised on every rank with the model, optimizer and mode as they were before the
+    call. ``path`` is the checkpoint's folder, ``files`` what was found wrong in it."""
+
+    def __init__(self, message: str, path: str = "", files: list[str] | None = None):
+        super().__init__(message)
+        self.path, self.files = path, list(files or [])
 
 
 class Checkpointer:
@@ -186,15 +196,46 @@ class Checkpointer:
         """Restore everything from the newest complete checkpoint and return its step
         (collective); return 0 and change nothing if there is none.
 
-        A checkpoint from another model, mode, optimizer or (gossip, LocalSGD, DiLoCo)
-        world size raises :class:`CheckpointMismatchError` on every rank, naming the
-        first difference, before anything is changed."""
-        found = _on_rank0(lambda: _latest(self.directory))
-        if found is None:
-            if _rank() == 0:
-                log.info("fastreduce: no complete checkpoint in %s: starting from step 0", self.directory)
-            return 0
-        path, saved = found
+        A checkpoint that cannot be read (a file missing or truncated: see :meth:`load`)
+        is passed over with a warning for the one before it (``keep=2`` keeps one), as a
+        job restarted by torchrun needs; if none of them can be read,
+        :class:`CheckpointDamagedError` names what is wrong with each, and nothing is
+        changed. A checkpoint from another model, mode, optimizer or (gossip, LocalSGD,
+        DiLoCo) world size raises :class:`CheckpointMismatchError` on every rank, naming
+        the first difference, before anything is changed."""
+        steps = _on_rank0(lambda: [s for s, _ in _complete(self.directory)])
+        damaged: list[CheckpointDamagedError] = []
+        for step in reversed(steps):
+            try:
+                return self.load(step)
+            except CheckpointDamagedError as err:
+                damaged.append(err)
+                if _rank() == 0:
+                    log.warning("fastreduce: %s; trying the checkpoint before it", err)
+        if damaged:
+            raise CheckpointDamagedError(
+                f"fastreduce: no checkpoint in {self.directory} can be read: "
+                + "; ".join(str(e) for e in damaged) + ". Nothing was loaded; restore the files, or remove "
+                "the damaged folders to start from step 0", self.directory,
+                [f for e in damaged for f in e.files])
+        if _rank() == 0:
+            log.info("fastreduce: no complete checkpoint in %s: starting from step 0", self.directory)
+        return 0
+
+    def load(self, step: int) -> int:
+        """Restore everything from checkpoint ``step`` and return it (collective).
+
+        The checkpoint's files are checked against its metadata first (each present and
+        as long as what is stored in it), then read into staging tensors on every rank,
+        and only once every rank has read all of it are the model, optimizer, mode,
+        extras and random generators set. A file missing, truncated or unreadable raises
+        :class:`CheckpointDamagedError` on every rank, naming it, with nothing changed.
+        (Bytes changed in place, at the same length, are not detected: DCP keeps no
+        checksums.)"""
+        path = os.path.join(self.directory, f"step-{step:08d}")
+        saved, problems = _on_rank0(lambda: _inspect(path))
+        if problems:
+            raise CheckpointDamagedError(f"checkpoint {path} is damaged: {'; '.join(problems)}", path, problems)
         _agree(self._mismatch(saved, path))
         self._load(path, saved)
         if _rank() == 0:
@@ -286,15 +327,39 @@ class Checkpointer:
         src = rank if rank < saved["world_size"] else 0  # a rank that did not exist: rank 0's extras
         metadata = dcp.FileSystemReader(path).read_metadata()
         per_rank = self.kind in PER_RANK_MODES
+        # Everything is read into staging tensors, and set only once every rank has read
+        # all of it: a load that fails leaves the job as it was.
         state: dict[str, Any] = {}
+        ranges: list[tuple[torch.Tensor, torch.Tensor]] = []  # ZeRO: (live range, staged copy)
         if not per_rank:
-            state["model"] = self.model.state_dict()  # filled in place
+            live = self.model.state_dict()
+            state["model"] = OrderedDict((k, v.detach().clone()) for k, v in live.items())
+            state["model"]._metadata = getattr(live, "_metadata", None)  # type: ignore[attr-defined]
         if self.kind == "zero":
-            state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
+            state["optimizer"] = _staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
         elif self.optimizer is not None and not per_rank:
             state.update(_template(metadata, "optimizer"))
         state.update(_template(metadata, f"rank{src}"))
-        dcp.load(state, checkpoint_id=path)
+        failure = None
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failure = f"{type(err).__name__}: {err}".strip()
+        failures = [failure]
+        if world > 1:
+            failures = [None] * world
+            dist.all_gather_object(failures, failure)
+        bad = [(r, f) for r, f in enumerate(failures) if f is not None]
+        if bad:
+            why = "; ".join(f"rank {r}: {f[:500]}" for r, f in bad)
+            raise CheckpointDamagedError(f"checkpoint {path} could not be read ({why}). Nothing was "
+                                         "changed", path, [path])
+        if not per_rank:
+            self.model.load_state_dict(state["model"])
+        for live, staged in ranges:
+            live.copy_(staged)
         if self.kind == "zero":
             self.optimizer.load_sharded_state_dict(state["optimizer"])  # type: ignore[union-attr]
         elif self.optimizer is not None and not per_rank:
@@ -335,13 +400,34 @@ def _complete(directory: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _latest(directory: str) -> tuple[str, dict[str, Any]] | None:
-    complete = _complete(directory)
-    if not complete:
-        return None
-    path = complete[-1][1]
-    with open(os.path.join(path, MARKER)) as f:
-        return path, json.load(f)
+def _inspect(path: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """Checkpoint ``path``'s marker, and what is wrong with its files: the marker or
+    DCP's metadata unreadable, a file the metadata points into missing or shorter than
+    what is stored in it."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        return None, [f"{os.path.join(path, MARKER)} cannot be read ({type(err).__name__}: {err})"]
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any failure to read it is damage
+        return saved, [f"its metadata (.metadata) cannot be read ({type(err).__name__}: {err})"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    problems = []
+    for rel, size in sorted(needed.items()):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            problems.append(f"{file} is missing")
+        elif os.path.getsize(file) < size:
+            problems.append(f"{file} is truncated ({os.path.getsize(file)} bytes, {size} expected)")
+    return saved, problems
 
 
 def _fresh_folder(path: str) -> None:
@@ -451,6 +537,22 @@ def _template(metadata: Any, prefix: str) -> dict[str, Any]:
             out[key] = torch.empty(md.size, dtype=md.properties.dtype) \
                 if isinstance(md, TensorStorageMetadata) else b""
     return out
+
+
+def _staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``tree`` (a ZeroOptimizer's sharded_state_dict) with each range's live tensor
+    replaced by a copy for DCP to fill; ``pairs`` gets ``(live, copy)``."""
+    from .modes.zero_state import RangeShard
+
+    if isinstance(tree, RangeShard):
+        copy = tree.local.clone()
+        pairs.append((tree.local, copy))
+        return RangeShard(copy, tree.offset, tree.shape[0])
+    if isinstance(tree, dict):
+        return {k: _staged_ranges(v, pairs) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_staged_ranges(v, pairs) for v in tree)
+    return tree
 
 
 def _unpack(state: dict[str, Any], prefix: str) -> Any:

@@ -235,8 +235,123 @@ def reducer_state_errors(rank: int, root: str) -> dict[str, str]:
     return out
 
 
+def whole_state(ckpt: Any) -> dict[str, Any]:
+    """Everything a checkpoint of ``ckpt`` would hold on this rank (model, optimizer,
+    mode, random generators), copied: ``Checkpointer._state()``, with a ZeRO range's
+    rank-local part in place of its checkpoint view."""
+    from fastreduce.modes.zero_state import RangeShard
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, RangeShard):
+            return ["range", x.offset, x.local.clone()]
+        if torch.is_tensor(x):
+            return x.detach().clone()
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [copy(v) for v in x]
+        return x
+
+    return copy(ckpt._state())
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Bit for bit: tensors equal in dtype, shape and every value; the rest equal."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+DAMAGE = ("truncate", "remove", "unchecked")  # unchecked: truncated, and the file check skipped (DCP fails)
+
+
+def damage(folder: str, how: str) -> str:
+    """Rank 0: truncate (to half) or remove the largest DCP file of ``folder``; its name."""
+    name = max((f for f in os.listdir(folder) if f.endswith(".distcp")),
+               key=lambda f: os.path.getsize(os.path.join(folder, f)))
+    file = os.path.join(folder, name)
+    if how == "remove":
+        os.remove(file)
+    else:
+        os.truncate(file, os.path.getsize(file) // 2)
+    return name
+
+
+def damaged(rank: int, root: str, kind: str, how: str) -> dict[str, Any]:
+    """Save at 2 and 4, train one more step; damage step 4. Loading it raises
+    CheckpointDamagedError and changes nothing; load_latest() falls back to step 2
+    (with a warning) and restores exactly the state saved there."""
+    import logging
+
+    import fastreduce.checkpoint as checkpoint
+
+    d = f"{root}/damaged-{kind}-{how}"
+    job = fresh(kind, rank, 0)
+    ckpt = job.checkpointer(d)
+    train(job, 2)
+    ckpt.save(2)
+    at_2 = whole_state(ckpt)
+    train(job, 2)
+    ckpt.save(4)
+    train(job, 1)
+    before = whole_state(ckpt)
+    name = damage(f"{d}/step-00000004", how) if rank == 0 else None
+    box = [name]
+    dist.broadcast_object_list(box, src=0)
+    inspect = checkpoint._inspect
+    if how == "unchecked":  # let DCP itself meet the damage: the staging must hold
+        checkpoint._inspect = lambda path: (inspect(path)[0], [])
+    try:
+        try:
+            ckpt.load(4)
+            raised: dict[str, Any] = {"type": None}
+        except Exception as err:  # noqa: BLE001 - what is raised is the result
+            raised = {"type": type(err).__name__, "message": str(err)}
+        after_failed = whole_state(ckpt)
+        warnings: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("fastreduce.checkpoint").addHandler(handler)
+        try:
+            step = ckpt.load_latest()
+        finally:
+            logging.getLogger("fastreduce.checkpoint").removeHandler(handler)
+    finally:
+        checkpoint._inspect = inspect
+    return {"file": box[0], "raised": raised, "unchanged": _identical(before, after_failed),
+            "step": step, "restored": _identical(at_2, whole_state(ckpt)), "warnings": warnings}
+
+
+def none_readable(rank: int, root: str) -> dict[str, Any]:
+    """Every checkpoint damaged: load_latest() raises, naming each, and changes nothing."""
+    d = f"{root}/none-readable"
+    job = fresh("zero", rank, 0)
+    ckpt = job.checkpointer(d)
+    for s in (1, 2):
+        train(job, 1)
+        ckpt.save(s)
+    before = whole_state(ckpt)
+    if rank == 0:
+        damage(f"{d}/step-00000001", "remove")
+        with open(f"{d}/step-00000002/{MARKER}", "w") as f:
+            f.write('{"format": 1, "mo')  # a marker cut short
+    dist.barrier()
+    try:
+        ckpt.load_latest()
+        raised: dict[str, Any] = {"type": None}
+    except Exception as err:  # noqa: BLE001
+        raised = {"type": type(err).__name__, "message": str(err), "files": getattr(err, "files", None)}
+    return {"raised": raised, "unchanged": _identical(before, whole_state(ckpt))}
+
+
 def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {f"roundtrip-{k}": guarded(roundtrip, rank, root, k) for k in KINDS}
+    out.update({f"damaged-{k}-{how}": guarded(damaged, rank, root, k, how) for k in KINDS for how in DAMAGE})
+    out["none-readable"] = guarded(none_readable, rank, root)
     for name, fn in [("uncommitted", uncommitted), ("keep", keep_two), ("nothing", nothing_yet),
                      ("mismatch", mismatches), ("saved-at-2", saved_at_2), ("reducer-errors", reducer_state_errors)]:
         out[name] = guarded(fn, rank, root)
@@ -314,6 +429,39 @@ def test_resume_equals_uninterrupted(root: str, kind: str) -> None:
         assert_close(r["resumed"], r["ref"], **EXACT, msg=lambda m, rank=rank: f"rank {rank}: {m}")
     if kind in ("gossip", "local", "diloco"):  # per-rank parameters: rank 1 did not get rank 0's
         assert not _same({"p": results[0]["ref"]}, {"p": results[1]["ref"]})
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("kind", KINDS)
+def test_damaged_checkpoint_changes_nothing_and_the_one_before_loads(root: str, kind: str, how: str) -> None:
+    """A shard file of the newest checkpoint truncated or removed: loading it raises
+    CheckpointDamagedError (an Exception, naming the file) on every rank with the whole
+    state bit for bit as before; load_latest() warns and resumes from the checkpoint
+    before it, exactly. ``unchecked``: the file check is skipped, so DCP's own read
+    fails midway, and the staging keeps the job as it was."""
+    for rank, r in enumerate(at_two(root, f"damaged-{kind}-{how}")):
+        raised = r["raised"]
+        assert raised["type"] == "CheckpointDamagedError", (rank, raised)
+        assert "step-00000004" in raised["message"] and "Nothing was changed" in raised["message"] \
+            if how == "unchecked" else r["file"] in raised["message"], (rank, raised["message"])
+        if how != "unchecked":
+            assert ("is missing" if how == "remove" else "is truncated") in raised["message"]
+        assert r["unchanged"], f"rank {rank}: a failed load changed the state"
+        assert r["step"] == 2
+        assert r["restored"], f"rank {rank}: load_latest() did not restore the checkpoint of step 2 exactly"
+        if rank == 0:
+            assert any("step-00000004" in w and "trying the checkpoint before it" in w for w in r["warnings"]), \
+                r["warnings"]
+
+
+def test_no_readable_checkpoint_raises_naming_each(root: str) -> None:
+    for r in at_two(root, "none-readable"):
+        raised = r["raised"]
+        assert raised["type"] == "CheckpointDamagedError", raised
+        assert "step-00000001" in raised["message"] and "is missing" in raised["message"]
+        assert "step-00000002" in raised["message"] and "fastreduce.json cannot be read" in raised["message"]
+        assert "Nothing was loaded" in raised["message"] and len(raised["files"]) == 2
+        assert r["unchanged"]
 
 
 def test_uncommitted_checkpoint_is_never_loaded(root: str) -> None:
