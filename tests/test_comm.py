@@ -103,10 +103,13 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
             out[f"mix_{mname}_{name}"] = (mixed.double(), (matrix[rank].unsqueeze(1) * sent).sum(0))
         # the same into an output of the communication layer's own (the gossip mode's
         # mixed blocks): on shared memory a uniform clique splits the sum, each rank
-        # writing its chunk into every member's output, in pieces (made small here)
+        # writing its chunk into every member's output, in pieces (made small here). The
+        # weighted pair comes first: its launch has no clique on ranks 0 and 1 but one of
+        # one on the others, and the cliques of the later launches on the same buffers
+        # must still be split alike by every member
         shm_mod.__dict__["_PIECE"], piece = 100, shm_mod._PIECE
         try:
-            for mname in ("uniform", "pairs", "pair"):
+            for mname in ("pair", "uniform", "pairs"):
                 matrix = _matrices(world)[mname]
                 buf.copy_(src)
                 sent = _everyone(buf.clone())

@@ -496,7 +496,7 @@ class ShmAllReduce:
         key = (buf.data_ptr(), buf.numel(), buf.dtype, kind, None if out is None else out.data_ptr())
         work = self.works.get(key)
         if work is None:
-            work = self.works[key] = self._plan(buf, kind, out, outs)
+            work = self.works[key] = self._plan(buf, kind, out)
         elif not work.done.is_set():
             raise RuntimeError("this slice is already being averaged; wait() for it before "
                                "starting it again")
@@ -506,8 +506,11 @@ class ShmAllReduce:
             if len(weights) != self.world:
                 raise ValueError(f"mix needs one weight per rank ({self.world}), got {len(weights)}")
             work.weights = tuple(float(w) for w in weights)
-            work.share = share if share == () or (self.rank in share and all(0 <= j < self.world for j in share)) \
-                else ()
+            # per launch, never per plan: every member of a clique must agree to split it
+            # (a plan made in a round without one would keep no outputs)
+            ok = share != () and self.rank in share and all(0 <= j < self.world for j in share) \
+                and len(outs) == self.world
+            work.share, work.outs = (share, outs) if ok else ((), ())
         self.started += 1
         self.channel.jobs.put(work)
         return work
@@ -523,14 +526,13 @@ class ShmAllReduce:
             return None
         return [r[at:at + nbytes].view(t.dtype) for r in self.regions]
 
-    def _plan(self, buf: torch.Tensor, kind: str, out: torch.Tensor | None,
-              outs: tuple[torch.Tensor, ...] = ()) -> ShmWork:
+    def _plan(self, buf: torch.Tensor, kind: str, out: torch.Tensor | None) -> ShmWork:
         slices = self.everyones(buf)
         if slices is None:
             raise ValueError("the buffer to average is not a contiguous slice of this rank's "
                              "shared-memory region (ShmAllReduce.region)")
         if kind == MIX:
-            return self._plan_mix(buf, slices, out, outs)
+            return self._plan_mix(buf, slices, out)
         if kind == ALL_REDUCE:
             b = _bounds(buf.numel(), self.world)
         elif buf.numel() % self.world:
@@ -568,8 +570,7 @@ class ShmAllReduce:
         order = tuple(s[b[r]:b[r + 1]] for s in slices)
         return ShmWork(own, peers, acc, tmp, self.barrier, kind, out, order=order)
 
-    def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None,
-                  outs: tuple[torch.Tensor, ...]) -> ShmWork:
+    def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         if out is None or out.shape != buf.shape or not out.is_contiguous() or \
                 start < out.data_ptr() + out.numel() * out.element_size() and out.data_ptr() < end:
@@ -577,4 +578,4 @@ class ShmAllReduce:
         wide = out.dtype.itemsize >= 4
         acc = out if wide else torch.empty(buf.numel(), dtype=torch.float32, device=buf.device)
         tmp = None if buf.dtype == acc.dtype else torch.empty(buf.numel(), dtype=acc.dtype, device=buf.device)
-        return ShmWork(slices[self.rank], tuple(slices), acc, tmp, self.barrier, MIX, out, rank=self.rank, outs=outs)
+        return ShmWork(slices[self.rank], tuple(slices), acc, tmp, self.barrier, MIX, out, rank=self.rank)
