@@ -19,6 +19,10 @@ says what the failed call left behind:
   itself stops answering and it lives in rank 0's process (``init_process_group``
   through ``MASTER_ADDR``, not torchrun's agent store), rank 0 is the lost one. A lost
   rank stays known: a later failing call raises at once.
+* **watchdog** (:func:`wait_watched`): a partition (a host's link down, its process
+  alive) fails no Gloo collective before the group's timeout; so the modes' waits on
+  Gloo collectives read the counters while they last, and name a rank silent for
+  ``$FASTREDUCE_LOST_AFTER_S`` at once.
 * **guard** (:func:`guard`, :func:`guarded`): wraps each mode's calls that wait on
   collectives; a transport failure whose diagnosis finds a lost rank is re-raised as a
   :class:`RankLostError` with the mode's statement of what its state now is; any other
@@ -44,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "TransportError", "diagnose", "group_timeout",
-           "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat"]
+           "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -168,6 +172,8 @@ class _Heartbeat:
             store = default
         self.store = store
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
+        # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
+        self.host_waits = dist.get_backend() == "gloo"
         store.set(f"{_KEY}host/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         store.add(f"{_KEY}heartbeat/{self.rank}", 1)
         self.thread = threading.Thread(target=self._run, name="fastreduce-heartbeat", daemon=True)
@@ -186,7 +192,11 @@ class _Heartbeat:
         _forget(self)
 
     def counts(self) -> list[int]:
-        return [self.store.add(f"{_KEY}heartbeat/{r}", 0) for r in range(self.world)]
+        keys = [f"{_KEY}heartbeat/{r}" for r in range(self.world)]
+        multi_get = getattr(self.store, "multi_get", None)  # one round trip (torch >= 2.5)
+        if multi_get is not None and self.store.check(keys):
+            return [int(v) for v in multi_get(keys)]
+        return [self.store.add(k, 0) for k in keys]
 
     def who(self, ranks: list[int]) -> dict[int, str]:
         out = {}
@@ -297,6 +307,95 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         for r in silent:
             beat.lost[r] = (how, {r: who[r]} if r in who else {})
     return silent, how, who
+
+
+# ---------------------------------------------------------------------- watchdog
+
+def wait_watched(work: Any) -> Any:
+    """``work.wait()`` for a process group's collective, watched for ranks that go silent.
+
+    A dead process fails the collective by itself (its sockets close); a partition (a
+    link or a host down, every process alive) does not: Gloo waits out the group's
+    timeout. So once a wait has lasted a heartbeat, it reads every rank's heartbeat
+    counter each heartbeat; a rank whose counter has not moved for
+    ``$FASTREDUCE_LOST_AFTER_S`` is lost, and the wait raises :class:`TransportError`
+    naming it, leaving the collective abandoned (the guard of the calling mode turns it
+    into a :class:`RankLostError`; the process can exit, or torchrun restart it). A
+    rank that is busy, or slow to send over a slow link, keeps beating (its heartbeat is
+    a thread of its own, on a store connection of its own). If the store itself stops
+    answering for as long, this host is the one cut off, and the wait raises saying so.
+
+    Only where the host waits inside the collective (a Gloo default group): NCCL's and
+    HCCL's ``wait()`` only orders the device's streams, and their own watchdogs (at the
+    group's timeout) see a stuck collective there. Without a heartbeat, or for work that
+    gives no future, a plain ``wait()``."""
+    beat = _beat
+    if beat is None or not beat.host_waits or beat.default != id(_default_store()):
+        return work.wait()
+    try:
+        if work.is_completed():
+            return work.wait()
+        future = work.get_future()
+    except Exception:  # noqa: BLE001 - a work kind without futures
+        return work.wait()
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
+    if done.wait(beat.interval):  # the common case: no watching at all
+        return work.wait()
+    window = lost_after()
+    seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it was last seen to move)
+    unanswered = None  # since when the store has not answered
+    while not done.wait(min(beat.interval, 1.0)):
+        now = time.monotonic()
+        try:
+            counts = beat.counts()
+        except Exception as err:  # noqa: BLE001 - the store does not answer
+            unanswered = unanswered or now
+            if time.monotonic() - unanswered >= window:
+                raise TransportError(f"fastreduce: the job's c10d store has not answered for "
+                                     f"{time.monotonic() - unanswered:.0f} s while a collective waited "
+                                     f"({type(err).__name__}): this host seems cut off from the others; the "
+                                     "collective is abandoned") from err
+            continue
+        unanswered = None
+        for r, c in enumerate(counts):
+            if r != beat.rank and (r not in seen or seen[r][0] != c):
+                seen[r] = (c, now)
+        silent = sorted(r for r, (_, since) in seen.items() if now - since >= window)
+        if silent:
+            how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
+                   "(seen by the watchdog: its host or link is down, or its process is stopped)")
+            who = beat.who(silent)
+            for r in silent:
+                beat.lost.setdefault(r, (how, {r: who[r]} if r in who else {}))
+            _abandon_groups()
+            raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
+                                 "collective is abandoned")
+    return work.wait()
+
+
+_pinned: list[Any] = []
+
+
+def _abandon_groups() -> None:
+    """After a watchdog found a rank lost: let this process exit. A collective waiting on
+    a peer that will never answer holds a Gloo thread in a socket read, and destroying
+    its process group (at the latest, the interpreter's exit) joins that thread: the
+    process would hang there. So every process group is aborted where the backend can
+    (the pending work fails, its thread returns) and, where it cannot, pinned: never
+    destroyed, its threads end with the process. The group is of no further use either
+    way: a job that lost a rank restarts (torchrun --max-restarts)."""
+    import ctypes
+
+    for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
+        if any(p is pg for p in _pinned):
+            continue
+        _pinned.append(pg)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # outlives the interpreter's teardown
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - not supported by this backend or torch
+            pass
 
 
 # ---------------------------------------------------------------------- guard

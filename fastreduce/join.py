@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
+from .faults import wait_watched
+
 __all__ = ["JoinableMode", "sync_from_last_joiner"]
 
 
@@ -125,7 +127,7 @@ class JoinableMode(Joinable):
         if self._join_count is not None:
             work, count = self._join_count
             self._join_count = None
-            work.wait()
+            wait_watched(work)
             world = dist.get_world_size(self._join_group)
             active = int(count.item())
             self._join_ratio = world / active if 0 < active < world else 1.0

@@ -11,14 +11,16 @@ Needs root and iproute2; :func:`can_make_hosts` says why not where they are miss
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import signal
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["Host", "can_make_hosts", "check_rate", "namespace_hosts"]
+__all__ = ["Host", "can_make_hosts", "check_rate", "kill_all_in", "namespace_hosts"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,14 @@ class Host:
         extra = [f"{k}={v}" for k, v in {"GLOO_SOCKET_IFNAME": self.ifname, **(env or {})}.items()]
         return ["ip", "netns", "exec", self.ns, "unshare", "--mount", "sh", "-c",
                 'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"', "host", "env", *extra, *argv]
+
+    def set_link(self, up: bool) -> None:
+        """Take this host's link down (as a failed switch port or NIC: its processes stay
+        alive, their connections stop answering) or back up."""
+        _run("ip", "link", "set", f"{self.ifname}b", "up" if up else "down")
+
+
+_calls = itertools.count()
 
 
 def can_make_hosts() -> str | None:
@@ -60,6 +70,17 @@ def _limit(ns: str | None, ifname: str, rate: str) -> None:
          "latency", "100ms")
 
 
+def kill_all_in(ns: str) -> None:
+    """SIGKILL every process left in the namespace ``ns`` (torchrun starts its workers in
+    sessions of their own: killing the launcher's process group does not reach them)."""
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    for pid in done.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def check_rate(rate: str) -> int:
     """``rate`` in bits per second; raises ValueError unless it reads like ``100mbit``."""
     units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
@@ -86,7 +107,8 @@ def namespace_hosts(n: int, rate: str | None = None, tag: str | None = None) -> 
     why = can_make_hosts()
     if why:
         raise RuntimeError(f"cannot make network namespace hosts: {why}")
-    tag = tag or str(os.getpid() % 100000)
+    # names of their own per call: a deleted namespace's devices go asynchronously
+    tag = tag or str((os.getpid() * 16 + next(_calls)) % 100000)
     subnet = f"10.{232 + int(tag) % 20}.{int(tag) % 250}"
     bridge = f"frb{tag}"
     hosts = [Host(f"fr{tag}h{k}", f"fr{tag}h{k}", f"{subnet}.{k + 1}") for k in range(n)]
@@ -113,6 +135,7 @@ def namespace_hosts(n: int, rate: str | None = None, tag: str | None = None) -> 
         yield hosts
     finally:
         for ns in made_ns:
+            kill_all_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if made_bridge:
             subprocess.run(["ip", "link", "del", bridge], capture_output=True)

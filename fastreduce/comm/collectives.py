@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from ..faults import wait_watched
 from ..profiling import span
 from .shm import ShmAllReduce
 
@@ -48,7 +49,7 @@ def complete(pending: Pending) -> None:
     """Wait for a launched collective, then run what was to follow it."""
     work, then = pending
     if work is not None:
-        work.wait()
+        wait_watched(work)
     if then is not None:
         then()
 
@@ -196,7 +197,7 @@ class Fp32Accumulate:
             self.backlog.popleft()._gather()
 
     def _gather(self) -> None:
-        self.first.wait()
+        wait_watched(self.first)
         self.first = None
         self.acc.copy_(self.rows[0])
         for r in range(1, self.world):  # world-size ops, never per-parameter ones
@@ -215,7 +216,7 @@ class Fp32Accumulate:
         self.advance()
         if self.second is not None:
             second, self.second = self.second, None
-            second.wait()
+            wait_watched(second)
         return True
 
 

@@ -46,7 +46,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
-from ..faults import start_heartbeat
+from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import Fp32Accumulate, MeanPlan, Pending, all_gather_flat, plan_mean, reduce_scatter_flat, start_all_reduce
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
@@ -350,7 +350,7 @@ class _AllWorks:
 
     def wait(self) -> bool:
         for w in self.works:
-            w.wait()
+            wait_watched(w)
         return True
 
 

@@ -40,7 +40,7 @@ from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_buck
 from ..buffer import FusedBuffer, attached
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
 from ..engine import GroupSnapshot
-from ..faults import guarded
+from ..faults import guarded, wait_watched
 from ..hooks import before_forward, remove_hooks
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, Reattach, adopt, check_grad, check_nonfinite,
                      first_nonfinite, missing_message, nonfinite_error, one_device)
@@ -489,7 +489,7 @@ class FusedReducer(JoinableMode):
             for work, then in works:
                 if work is not None:
                     t0 = time.perf_counter()
-                    work.wait()
+                    wait_watched(work)
                     waited += time.perf_counter() - t0
                 if then is not None:
                     with span("fastreduce::unpack"):
