@@ -20,6 +20,7 @@ import pytest
 import fastreduce
 from fastreduce.bench import local as local_suite
 from fastreduce.bench import network as network_suite
+from fastreduce.bench import network_modes
 from fastreduce.bench import optim as optim_suite
 from fastreduce.bench import reduce as reduce_suite
 from fastreduce.bench import step as step_suite
@@ -255,12 +256,13 @@ def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(600)
 def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     """Two namespace hosts over a 1 Gbit/s link: DDP, fused and overlapped each time a few
-    steps, and the two hosts end with one model in every method (skipped, with a note,
-    where namespaces cannot be made)."""
+    steps, and the two hosts end with one model in every method; then every mode trains
+    8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     network = json.loads(proc.stdout)["network"]
     if "skipped" in network:
@@ -273,9 +275,39 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
         _stats_ok(m)
         assert m["ranks_agree"], name
     assert [t["what"] for t in network["targets"]] == ["overlapped <= ddp"]
+    _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
+
+
+def _modes_part_ok(report: dict, out: Path) -> None:
+    """Every mode trained the task on two hosts at 1 Gbit/s: bytes on the wire as each
+    mode's algorithm says, and the synchronous fp32 modes at DDP's loss."""
+    assert list(report["runs"]) == ["2x1gbit"]
+    run = report["runs"]["2x1gbit"]
+    modes = run["modes"]
+    assert list(modes) == ["ddp"] + [m for m in network_modes.MODES if m != "ddp"]
+    for name, m in modes.items():
+        assert m["ms_per_step"] > 0 and math.isfinite(m["loss"]), (name, m)
+    fp32 = 2.1e6 * 4 / 1e6  # MB of fp32 parameters: what an all-reduce sends per host at 2 ranks
+    for name in ("ddp", "fused_fp32", "overlapped"):
+        assert modes[name]["mb_per_step"] == pytest.approx(fp32, rel=0.1), name
+    assert modes["fused_bf16"]["mb_per_step"] == pytest.approx(fp32 / 2, rel=0.1)
+    assert modes["no_comm"]["mb_per_step"] < 0.01 * fp32
+    assert modes["diloco_H8"]["mb_per_step"] < fp32 / 4  # one exchange per 8 steps
+    for name in ("fused_fp32", "overlapped", "zero"):  # the same average as DDP's, up to fp32 summation
+        assert modes[name]["loss"] == pytest.approx(modes["ddp"]["loss"], rel=1e-4), name
+    assert modes["ddp"]["s_to_ddp_loss"] is not None
+    assert "overlapped_vs_ddp_2x1gbit" in report["targets"]
 
 
 @pytest.mark.parametrize("argv", [["--rates", "fast"], ["--rates", "0mbit"], ["--rates", "1gbit,"]])
 def test_bad_rates_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--suite", "network", *argv]) == 2
     assert "rate must look like" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "words"), [(["--hosts", "1"], "at least 2"), (["--hosts", "two"], "host counts"),
+                                             (["--network-parts", "all"], "steps, modes or both")])
+def test_bad_network_options_exit_2_before_spawning(argv: list[str], words: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "network", *argv]) == 2
+    assert words in capsys.readouterr().err

@@ -21,9 +21,13 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   H = 1, 8, 32) against DDP and a step without communication, at ``--local-ranks``
   (2 by default): step time and bytes on the wire per step, and a table of the loss
   each reaches after the same number of steps on a small model.
-* ``network`` (:mod:`.network`): whole training steps between two hosts (network
-  namespaces, needs root) over links limited to ``--rates``: DDP, fused and overlapped,
-  each eager and under ``torch.compile``.
+* ``network``: hosts as network namespaces (needs root) over links limited with
+  ``tbf``. Two parts: whole training steps between two hosts (:mod:`.network`: DDP,
+  fused and overlapped, each eager and under ``torch.compile``, at 1 Gbit/s and 100
+  Mbit/s), and every mode training one task on ``--hosts`` hosts (2 and 4) at 10 Gbit/s,
+  1 Gbit/s and 100 Mbit/s (:mod:`.network_modes`: step time, bytes on the wire, the loss
+  reached, the time to reach DDP's loss; ``network_modes.png``). ``--rates`` sets both
+  parts' rates.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -54,6 +58,8 @@ from .local import QUICK_LOSS_STEPS, LocalConfig, run_local_bench
 from .local import format_text as format_local
 from .network import NetworkConfig, run_network_bench
 from .network import format_text as format_network
+from .network_modes import ModesConfig, run_modes_bench, write_modes_chart
+from .network_modes import format_text as format_modes
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
@@ -105,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
     parser.add_argument("--rates", default=None, metavar="RATE,RATE",
                         help="network suite: link rates, tc's units (default: 1gbit,100mbit; 1gbit with --quick)")
+    parser.add_argument("--hosts", default=None, metavar="N,N",
+                        help="network suite, modes part: host counts (default: 2,4; 2 with --quick)")
+    parser.add_argument("--network-parts", default="steps,modes", metavar="PART,PART",
+                        help="network suite: steps (issue 18's compile table), modes (every mode's "
+                             "step time, bytes and loss), or both (default)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -124,6 +135,25 @@ def network_config(args: argparse.Namespace) -> NetworkConfig:
     return NetworkConfig(rates=rates, **({"iters": args.iters} if args.iters else {}),
                          **({"batch": args.batch} if args.batch else {}),
                          **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {}))
+
+
+def modes_config(args: argparse.Namespace) -> ModesConfig:
+    """The modes part of the network suite: ``--quick`` is 2 hosts at 1 Gbit/s, 8 steps."""
+    from .hosts import check_rate
+    rates = args.rates.split(",") if args.rates else (["1gbit"] if args.quick else ModesConfig().rates)
+    for rate in rates:
+        check_rate(rate)
+    hosts = [2] if args.quick and not args.hosts else ModesConfig().hosts
+    if args.hosts:
+        try:
+            hosts = [int(h) for h in args.hosts.split(",")]
+        except ValueError:
+            raise ValueError(f"--hosts must be host counts like 2,4, got {args.hosts!r}") from None
+        if any(h < 2 for h in hosts):
+            raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
+    if args.quick:
+        return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64)
+    return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}))
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
@@ -170,6 +200,10 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     when the optim suite did."""
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any] = {"json": str(out / "bench.json")}
+    modes = result.get("network_modes")
+    if modes is not None and "runs" in modes:
+        files["network_png"] = str(out / "network_modes.png")
+        files["network_chart_note"] = write_modes_chart(modes, out / "network_modes.png")
     step = result.get("step")
     if step is not None:
         rows = csv_rows(step)
@@ -191,7 +225,10 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
     reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
-    network_cfg = network_config(args)
+    network_cfg, modes_cfg = network_config(args), modes_config(args)
+    parts = args.network_parts.split(",")
+    if not parts or any(p not in ("steps", "modes") for p in parts):
+        raise ValueError(f"--network-parts takes steps, modes or both, got {args.network_parts!r}")
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     out = Path(args.out)
 
@@ -221,10 +258,16 @@ def run(args: argparse.Namespace) -> int:
             result["local"] = run_local_bench(local_cfg)
             say(format_local(result["local"]) + "\n")
         elif suite == "network":
-            note(f"network suite: 2 namespace hosts at {', '.join(network_cfg.rates)}, "
-                 f"{network_cfg.iters} steps/method ...")
-            result["network"] = run_network_bench(network_cfg)
-            say(format_network(result["network"]) + "\n")
+            if "steps" in parts:
+                note(f"network suite: 2 namespace hosts at {', '.join(network_cfg.rates)}, "
+                     f"{network_cfg.iters} steps/method ...")
+                result["network"] = run_network_bench(network_cfg)
+                say(format_network(result["network"]) + "\n")
+            if "modes" in parts:
+                note(f"network suite, modes: {', '.join(map(str, modes_cfg.hosts))} hosts at "
+                     f"{', '.join(modes_cfg.rates)}, {modes_cfg.steps} steps/mode ...")
+                result["network_modes"] = run_modes_bench(modes_cfg)
+                say(format_modes(result["network_modes"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")

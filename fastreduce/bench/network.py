@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["NetworkConfig", "format_text", "run_network_bench"]
+__all__ = ["NetworkConfig", "format_text", "run_network_bench", "run_on_hosts"]
 
 METHODS = ("ddp", "fused", "overlapped")
 WIDTH, LAYERS = 512, 8
@@ -119,39 +119,46 @@ def worker(cfg: NetworkConfig, out: str) -> None:
 
 # ============================================================== the runner
 
-def _one_rate(cfg: NetworkConfig, rate: str) -> dict[str, Any]:
+def run_on_hosts(hosts_n: int, rate: str, module: str, spec: dict[str, Any], timeout: float) -> Any:
+    """``python -m module --worker SPEC OUT`` on ``hosts_n`` namespace hosts linked at
+    ``rate``, one torchrun node and rank each (rendezvous on the first); returns the JSON
+    the worker wrote to ``OUT``. Everything started is killed on the way out."""
     from .hosts import namespace_hosts
 
-    with namespace_hosts(2, rate) as hosts, tempfile.TemporaryDirectory() as tmp:
+    with namespace_hosts(hosts_n, rate) as hosts, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         endpoint = f"{hosts[0].addr}:29{os.getpid() % 1000:03d}"
-        spec = json.dumps(asdict(cfg))
+        threads = str(max(1, (os.cpu_count() or 2) // hosts_n))
         procs = []
         for k, h in enumerate(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts_n), "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"frnet{os.getpid()}",
                     "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60", "--local-addr", h.addr,
-                    "-m", "fastreduce.bench.network", "--worker", spec, out]
-            procs.append(subprocess.Popen(h.command(argv, {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}),
+                    "-m", module, "--worker", json.dumps(spec), out]
+            procs.append(subprocess.Popen(h.command(argv, {"OMP_NUM_THREADS": threads}),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))  # killed with its workers below
+                                          start_new_session=True))
         logs = []
-        deadline = time.monotonic() + cfg.timeout
+        deadline = time.monotonic() + timeout
         try:
             for p in procs:
                 log, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 logs.append(log)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"network bench at {rate}: no result within {cfg.timeout:.0f} s") from None
+            raise RuntimeError(f"{module} on {hosts_n} hosts at {rate}: no result within {timeout:.0f} s") from None
         finally:
-            for p in procs:
+            for p in procs:  # the launchers; their workers go with the namespaces
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         if any(p.returncode for p in procs) or not os.path.exists(out):
-            raise RuntimeError(f"network bench at {rate} failed:\n" + "\n".join(x[-3000:] for x in logs))
+            raise RuntimeError(f"{module} on {hosts_n} hosts at {rate} failed:\n" + "\n".join(x[-3000:] for x in logs))
         return json.loads(Path(out).read_text())
+
+
+def _one_rate(cfg: NetworkConfig, rate: str) -> dict[str, Any]:
+    return run_on_hosts(2, rate, "fastreduce.bench.network", asdict(cfg), cfg.timeout)
 
 
 def run_network_bench(cfg: NetworkConfig) -> dict[str, Any]:
