@@ -311,8 +311,9 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
 
 # ---------------------------------------------------------------------- watchdog
 
-def wait_watched(work: Any) -> Any:
-    """``work.wait()`` for a process group's collective, watched for ranks that go silent.
+def wait_watched(work: Any, wait: Callable[[], Any] | None = None) -> Any:
+    """``work.wait()`` (or ``wait()``) for a process group's collective, watched for ranks
+    that go silent.
 
     A dead process fails the collective by itself (its sockets close); a partition (a
     link or a host down, every process alive) does not: Gloo waits out the group's
@@ -325,23 +326,64 @@ def wait_watched(work: Any) -> Any:
     a thread of its own, on a store connection of its own). If the store itself stops
     answering for as long, this host is the one cut off, and the wait raises saying so.
 
-    Only where the host waits inside the collective (a Gloo default group): NCCL's and
-    HCCL's ``wait()`` only orders the device's streams, and their own watchdogs (at the
-    group's timeout) see a stuck collective there. Without a heartbeat, or for work that
-    gives no future, a plain ``wait()``."""
+    The wait is on the work's future where it has one, else (Gloo's point-to-point
+    work has none) on a waiter thread that calls ``wait()``. Only where the host waits
+    inside the collective (a Gloo default group): NCCL's and HCCL's ``wait()`` only
+    orders the device's streams, and their own watchdogs (at the group's timeout) see
+    a stuck collective there. Without a heartbeat, a plain wait."""
+    wait = wait or getattr(work, "wait_unwatched", None) or work.wait  # a bundle's own plain wait
     beat = _beat
     if beat is None or not beat.host_waits or beat.default != id(_default_store()):
-        return work.wait()
+        return wait()
     try:
         if work.is_completed():
-            return work.wait()
-        future = work.get_future()
-    except Exception:  # noqa: BLE001 - a work kind without futures
-        return work.wait()
+            return wait()
+    except Exception:  # noqa: BLE001 - a work kind that cannot tell
+        pass
     done = threading.Event()
-    future.add_done_callback(lambda _f: done.set())
-    if done.wait(beat.interval):  # the common case: no watching at all
-        return work.wait()
+    failed: list[BaseException] = []
+    try:
+        work.get_future().add_done_callback(lambda _f: done.set())
+        by_thread = False
+    except Exception:  # noqa: BLE001 - no future (point-to-point work, a bundle of works)
+        _waiter().put((wait, done, failed))
+        by_thread = True  # then waited once, there: Gloo's point-to-point work takes one wait only
+    if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
+        _watch(beat, done)
+    if failed:
+        raise failed[0]
+    return True if by_thread else wait()
+
+
+_waiter_queue: Any = None
+
+
+def _waiter() -> Any:
+    """The queue of a daemon thread that waits for works without futures, one at a
+    time, and sets each one's event (an abandoned work keeps it, and the queue, for good:
+    the job is over then)."""
+    global _waiter_queue
+    with _lock:
+        if _waiter_queue is None:
+            import queue
+
+            q: Any = queue.SimpleQueue()
+
+            def run() -> None:
+                while True:
+                    fn, done, failed = q.get()
+                    try:
+                        fn()
+                    except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                        failed.append(err)
+                    done.set()
+            threading.Thread(target=run, name="fastreduce-waiter", daemon=True).start()
+            _waiter_queue = q
+    return _waiter_queue
+
+
+def _watch(beat: _Heartbeat, done: threading.Event) -> None:
+    """Until ``done``: raise if a rank's heartbeat stops for the window, or the store does."""
     window = lost_after()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it was last seen to move)
     unanswered = None  # since when the store has not answered
@@ -371,7 +413,6 @@ def wait_watched(work: Any) -> Any:
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")
-    return work.wait()
 
 
 _pinned: list[Any] = []

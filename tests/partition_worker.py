@@ -19,7 +19,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fastreduce
