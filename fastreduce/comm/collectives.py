@@ -137,14 +137,16 @@ def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
     """Point-to-point ops sending ``sends[j]`` to group rank ``j`` and receiving
     ``recvs[j]`` from it, each cut into contiguous pieces of at most
     :data:`WIRE_PIECE_BYTES` (both sides cut alike: a send and its receive are as long)."""
-    ops = []
+    per_peer = []
     for j in sorted(set(sends) | set(recvs)):
         for kind, t in ((dist.isend, sends.get(j)), (dist.irecv, recvs.get(j))):
-            if t is None or t.numel() == 0:
-                continue
-            step = max(1, WIRE_PIECE_BYTES // t.element_size())
-            ops += [dist.P2POp(kind, t[a:a + step], global_rank(j), group) for a in range(0, t.numel(), step)]
-    return ops
+            if t is not None and t.numel():
+                step = max(1, WIRE_PIECE_BYTES // t.element_size())
+                per_peer.append([dist.P2POp(kind, t[a:a + step], global_rank(j), group)
+                                 for a in range(0, t.numel(), step)])
+    # interleaved (piece k of every send and receive, then piece k + 1): posted all sends
+    # first, the two directions of a pair took turns (each phase of ZeRO at 2x the wire time)
+    return [ops[k] for k in range(max(map(len, per_peer), default=0)) for ops in per_peer if k < len(ops)]
 
 
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None,
