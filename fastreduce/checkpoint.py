@@ -347,11 +347,7 @@ class Checkpointer:
             raise
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = f"{type(err).__name__}: {err}".strip()
-        failures = [failure]
-        if world > 1:
-            failures = [None] * world
-            dist.all_gather_object(failures, failure)
-        bad = [(r, f) for r, f in enumerate(failures) if f is not None]
+        bad = _every_ranks(failure)
         if bad:
             why = "; ".join(f"rank {r}: {f[:500]}" for r, f in bad)
             raise CheckpointDamagedError(f"checkpoint {path} could not be read ({why}). Nothing was "
@@ -483,15 +479,19 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _agree(problem: str | None) -> None:
-    """Raise on every rank if any rank has a ``problem`` (so none goes on into a collective)."""
+def _every_ranks(problem: str | None) -> list[tuple[int, str]]:
+    """``(rank, problem)`` of every rank that has one, on every rank (collective)."""
     problems = [problem]
     if _world() > 1:
         problems = [None] * _world()
         dist.all_gather_object(problems, problem)
-    for r, p in enumerate(problems):
-        if p is not None:
-            raise CheckpointMismatchError(p if r == _rank() or _world() == 1 else f"on rank {r}: {p}")
+    return [(r, p) for r, p in enumerate(problems) if p is not None]
+
+
+def _agree(problem: str | None) -> None:
+    """Raise on every rank if any rank has a ``problem`` (so none goes on into a collective)."""
+    for r, p in _every_ranks(problem)[:1]:
+        raise CheckpointMismatchError(p if r == _rank() or _world() == 1 else f"on rank {r}: {p}")
 
 
 # ---------------------------------------------------------------------- per-rank trees

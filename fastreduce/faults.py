@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "TransportError", "diagnose", "group_timeout",
-           "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat", "wait_watched"]
+__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "TransportError", "all_reduce_watched", "diagnose",
+           "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -191,6 +191,11 @@ class _Heartbeat:
                 break
         _forget(self)
 
+    def mark_lost(self, ranks: Any, how: str, who: dict[int, str]) -> None:
+        """Remember ``ranks`` as lost (the first word on a rank stays)."""
+        for r in ranks:
+            self.lost.setdefault(r, (how, {r: who[r]} if who.get(r) else {}))
+
     def counts(self) -> list[int]:
         keys = [f"{_KEY}heartbeat/{r}" for r in range(self.world)]
         multi_get = getattr(self.store, "multi_get", None)  # one round trip (torch >= 2.5)
@@ -260,8 +265,7 @@ def note_lost(lost: dict[int, str], how: str) -> None:
     """Remember ranks found lost another way (the shared-memory transport's pid check)."""
     beat = _beat
     if beat is not None:
-        for r, who in lost.items():
-            beat.lost.setdefault(r, (how, {r: who} if who else {}))
+        beat.mark_lost(lost, how, lost)
 
 
 def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]:
@@ -303,17 +307,15 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
             silent = [host]
             how = "the job's c10d store, which its process hosts, stopped answering"
         who = {}
-    if silent:
-        for r in silent:
-            beat.lost[r] = (how, {r: who[r]} if r in who else {})
+    beat.mark_lost(silent, how, who)
     return silent, how, who
 
 
 # ---------------------------------------------------------------------- watchdog
 
-def wait_watched(work: Any, wait: Callable[[], Any] | None = None) -> Any:
-    """``work.wait()`` (or ``wait()``) for a process group's collective, watched for ranks
-    that go silent.
+def wait_watched(work: Any) -> Any:
+    """``work.wait()`` for a process group's collective, watched for ranks that go silent
+    (a bundle of works, e.g. point-to-point pieces, waits through its ``wait_unwatched``).
 
     A dead process fails the collective by itself (its sockets close); a partition (a
     link or a host down, every process alive) does not: Gloo waits out the group's
@@ -331,7 +333,7 @@ def wait_watched(work: Any, wait: Callable[[], Any] | None = None) -> Any:
     inside the collective (a Gloo default group): NCCL's and HCCL's ``wait()`` only
     orders the device's streams, and their own watchdogs (at the group's timeout) see
     a stuck collective there. Without a heartbeat, a plain wait."""
-    wait = wait or getattr(work, "wait_unwatched", None) or work.wait  # a bundle's own plain wait
+    wait = getattr(work, "wait_unwatched", None) or work.wait
     beat = _beat
     if beat is None or not beat.host_waits or beat.default != id(_default_store()):
         return wait()
@@ -353,6 +355,11 @@ def wait_watched(work: Any, wait: Callable[[], Any] | None = None) -> Any:
     if failed:
         raise failed[0]
     return True if by_thread else wait()
+
+
+def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+    """A blocking ``dist.all_reduce`` of ``t``, waited through :func:`wait_watched`."""
+    wait_watched(dist.all_reduce(t, op=op, group=group, async_op=True))
 
 
 _waiter_queue: Any = None
@@ -407,9 +414,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")
-            who = beat.who(silent)
-            for r in silent:
-                beat.lost.setdefault(r, (how, {r: who[r]} if r in who else {}))
+            beat.mark_lost(silent, how, beat.who(silent))
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")

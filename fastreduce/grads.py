@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached, foreach_copy
 from .comm import broadcast_from_rank0
+from .faults import all_reduce_watched
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
@@ -85,7 +86,7 @@ def agree_first(index: int | None, n: int, group: dist.ProcessGroup | None, devi
     every rank: one MIN all-reduce, to name the same parameter everywhere (error path)."""
     t = torch.tensor([float(n if index is None else index)], device=device)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        all_reduce_watched(t, dist.ReduceOp.MIN, group)
     first = int(t.item())
     return first if first < n else None
 

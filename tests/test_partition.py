@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,14 +36,11 @@ def _hosts_possible() -> None:
 
 def _launch(hosts: list[Host], argv: list[str], out: Path, env: dict[str, str]) -> list[subprocess.Popen]:
     """One torchrun node per host (rendezvous served by host A), each a rank running ``argv``."""
-    endpoint = f"{hosts[0].addr}:29{os.getpid() % 1000:03d}"
     procs = []
     for k, h in enumerate(hosts):
-        run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"part{os.getpid()}",
-               "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60", "--local-addr", h.addr, *argv]
         log = open(out / f"log-{'AB'[k]}", "w")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen(h.command(run, {"PARTITION_HOST": "AB"[k], "OMP_NUM_THREADS": "1", **env}),
+        procs.append(subprocess.Popen(h.torchrun(hosts, argv, f"part{os.getpid()}",
+                                                 {"PARTITION_HOST": "AB"[k], "OMP_NUM_THREADS": "1", **env}),
                                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     return procs
 

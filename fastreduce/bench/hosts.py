@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -34,6 +35,18 @@ class Host:
         extra = [f"{k}={v}" for k, v in {"GLOO_SOCKET_IFNAME": self.ifname, **(env or {})}.items()]
         return ["ip", "netns", "exec", self.ns, "unshare", "--mount", "sh", "-c",
                 'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"', "host", "env", *extra, *argv]
+
+    def torchrun(self, hosts: list[Host], argv: list[str], rdzv_id: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> list[str]:
+        """:meth:`command` of ``torchrun`` for this host's node of a job on ``hosts``,
+        one rank per host, the rendezvous served by the first host (the namespaces
+        share the machine's hostname: which node hosts the store, and the address a
+        node's workers are reached at, are said explicitly)."""
+        endpoint = f"{hosts[0].addr}:{port or 29000 + os.getpid() % 1000}"
+        run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+               "--rdzv-conf", f"is_host={int(self == hosts[0])},join_timeout=60", "--local-addr", self.addr, *argv]
+        return self.command(run, env)
 
     def set_link(self, up: bool) -> None:
         """Take this host's link down (as a failed switch port or NIC: its processes stay

@@ -127,17 +127,11 @@ def run_on_hosts(hosts_n: int, rate: str, module: str, spec: dict[str, Any], tim
 
     with namespace_hosts(hosts_n, rate) as hosts, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        endpoint = f"{hosts[0].addr}:29{os.getpid() % 1000:03d}"
         threads = str(max(1, (os.cpu_count() or 2) // hosts_n))
-        procs = []
-        for k, h in enumerate(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts_n), "--nproc-per-node", "1",
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"frnet{os.getpid()}",
-                    "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60", "--local-addr", h.addr,
-                    "-m", module, "--worker", json.dumps(spec), out]
-            procs.append(subprocess.Popen(h.command(argv, {"OMP_NUM_THREADS": threads}),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+        argv = ["-m", module, "--worker", json.dumps(spec), out]
+        procs = [subprocess.Popen(h.torchrun(hosts, argv, f"frnet{os.getpid()}", {"OMP_NUM_THREADS": threads}),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for h in hosts]
         logs = []
         deadline = time.monotonic() + timeout
         try:

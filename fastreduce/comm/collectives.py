@@ -133,15 +133,16 @@ of 256 KiB or less 350-375 ms every time (the wire's floor: 336 ms)."""
 
 
 def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
-                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int]) -> list[Any]:
+                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int],
+                 piece_bytes: int | None = WIRE_PIECE_BYTES) -> list[Any]:
     """Point-to-point ops sending ``sends[j]`` to group rank ``j`` and receiving
-    ``recvs[j]`` from it, each cut into contiguous pieces of at most
-    :data:`WIRE_PIECE_BYTES` (both sides cut alike: a send and its receive are as long)."""
+    ``recvs[j]`` from it, each cut into contiguous pieces of at most ``piece_bytes``
+    (``None``: whole; both sides cut alike: a send and its receive are as long)."""
     per_peer = []
     for j in sorted(set(sends) | set(recvs)):
         for kind, t in ((dist.isend, sends.get(j)), (dist.irecv, recvs.get(j))):
             if t is not None and t.numel():
-                step = max(1, WIRE_PIECE_BYTES // t.element_size())
+                step = t.numel() if piece_bytes is None else max(1, piece_bytes // t.element_size())
                 per_peer.append([dist.P2POp(kind, t[a:a + step], global_rank(j), group)
                                  for a in range(0, t.numel(), step)])
     # interleaved (piece k of every send and receive, then piece k + 1): posted all sends

@@ -29,7 +29,8 @@ How the bytes travel, per buffer:
                     ``all_gather_into_tensor`` 49 ms; the pieces cost 25-35% more than
                     one all-to-all on one host (14.5 against 11.8 ms) and halve the
                     time over a rate-limited link (see ``WIRE_PIECE_BYTES``); the
-                    gossip mix's sends are cut alike. All-reduce stays ``all_reduce``
+                    gossip mix's point-to-point sends are cut alike on Gloo (whole on
+                    other backends). All-reduce stays ``all_reduce``
                     (39 ms, faster than the two exchanges it would take).
  NCCL, HCCL, ...    the group's own ``all_reduce`` / reduce-scatter / all-gather, with
                     ``ReduceOp.AVG`` where the backend has it, else divided first.
@@ -52,8 +53,8 @@ import torch.distributed as dist
 
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
-from .collectives import (Fp32Accumulate, MeanPlan, Pending, all_gather_flat, exchange_ops, plan_mean,
-                          reduce_scatter_flat, start_all_reduce)
+from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, all_gather_flat, exchange_ops,
+                          plan_mean, reduce_scatter_flat, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
@@ -89,6 +90,8 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.pg_backend = dist.get_backend(group)
         self.by_all_to_all = self.pg_backend == "gloo"
+        # Gloo moves large messages slowly over a slow link: point-to-point goes in pieces
+        self.piece_bytes = WIRE_PIECE_BYTES if self.pg_backend == "gloo" else None
         self.shms: list[ShmAllReduce] = []
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._plans: dict[torch.dtype, MeanPlan] = {}
@@ -132,11 +135,6 @@ class Comm:
             if base <= ptr < base + shm.region_bytes:
                 return shm
         return None
-
-    def _everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's counterpart of ``t`` where it lives in a shared-memory segment."""
-        shm = self.shm_of(t)
-        return None if shm is None else shm.everyones(t)
 
     def plan(self, wire_dtype: torch.dtype, accumulate_dtype: torch.dtype | None = None,
              buf: torch.Tensor | None = None) -> MeanPlan:
@@ -207,7 +205,8 @@ class Comm:
                 rows, got = buf.view(self.world, n), recv.view(self.world, n)
                 got[self.rank].copy_(mine)
                 peers = [j for j in range(self.world) if j != self.rank]
-                ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global)
+                ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global,
+                                   self.piece_bytes)
                 return _AllWorks(dist.batch_isend_irecv(ops)), lambda: self._sum_rows(recv, out)
             if fp32_sum and buf.dtype.itemsize < 4:
                 recv = self._scratch_like(buf, "recv")
@@ -233,7 +232,8 @@ class Comm:
             if self.by_all_to_all:  # Gloo: my chunk to every rank, theirs into place, in pieces
                 rows = buf.view(self.world, n)
                 peers = [j for j in range(self.world) if j != self.rank]
-                ops = exchange_ops({j: mine for j in peers}, {j: rows[j] for j in peers}, self.group, self._global)
+                ops = exchange_ops({j: mine for j in peers}, {j: rows[j] for j in peers}, self.group, self._global,
+                                   self.piece_bytes)
                 return _AllWorks(dist.batch_isend_irecv(ops)), None
             return all_gather_flat(buf, mine, self.group, async_op=True), None
 
@@ -262,9 +262,7 @@ class Comm:
         shm = self.shm_of(buf)
         with span("fastreduce::mix"):
             if shm is not None:
-                peers_out = self._everyones(out) if share else None
-                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row), share=share,
-                                 outs=tuple(peers_out or ())), None
+                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row), share=share), None
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
@@ -280,7 +278,7 @@ class Comm:
             send = buf if host is None else self._scratch_like(buf, "send_host", device=host).copy_(buf)
             recvs = [self._scratch_like(buf, f"recv{j}", device=host) for j in peers]
             ops = exchange_ops({i: send for i in range(self.world) if i != r and col[i] != 0.0},
-                               dict(zip(peers, recvs)), self.group, self._global)
+                               dict(zip(peers, recvs)), self.group, self._global, self.piece_bytes)
             works = dist.batch_isend_irecv(ops) if ops else []
             acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
             tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)

@@ -476,7 +476,7 @@ class ShmAllReduce:
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
               after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
               out: torch.Tensor | None = None, weights: tuple[float, ...] = (),
-              share: tuple[int, ...] = (), outs: tuple[torch.Tensor, ...] = ()) -> ShmWork:
+              share: tuple[int, ...] = ()) -> ShmWork:
         """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
         ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
@@ -485,7 +485,8 @@ class ShmAllReduce:
         two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, as long
         as ``buf`` and apart from it, := the ``weights``-weighted sum of every rank's
         ``buf``; where ``share`` names the ranks whose rows are all this same mean and
-        ``outs`` gives every rank's ``out`` in shared memory, those ranks split the work).
+        ``out`` lies in the region too, those ranks split the work, each writing its
+        chunk into every member's ``out``).
         ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
         too, right before and after the collective, off the caller's thread."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
@@ -508,9 +509,9 @@ class ShmAllReduce:
             work.weights = tuple(float(w) for w in weights)
             # per launch, never per plan: every member of a clique must agree to split it
             # (a plan made in a round without one would keep no outputs)
-            ok = share != () and self.rank in share and all(0 <= j < self.world for j in share) \
-                and len(outs) == self.world
-            work.share, work.outs = (share, outs) if ok else ((), ())
+            outs = self.everyones(out) if share and self.rank in share and \
+                all(0 <= j < self.world for j in share) and out is not None else None
+            work.share, work.outs = (share, tuple(outs)) if outs else ((), ())
         self.started += 1
         self.channel.jobs.put(work)
         return work

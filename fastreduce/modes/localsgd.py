@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm, get_comm, resolve_transport
-from ..faults import guarded, wait_watched
+from ..faults import all_reduce_watched, guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
 from ..hooks import on_step, remove_hooks
 from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, require_distributed, trainable
@@ -237,7 +237,7 @@ class LocalSGD(LocalUpdates):
         if self.nonfinite == "ignore":
             return True
         flag = self._check.flag(self._whole_flats())
-        wait_watched(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.group, async_op=True))
+        all_reduce_watched(flag, dist.ReduceOp.MAX, comm.group)
         if not flag.item():
             return True
         self.skipped_syncs += 1

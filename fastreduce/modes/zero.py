@@ -40,7 +40,7 @@ from ..buckets import OverlapSchedule, default_bucket_mb, make_buckets
 from ..buffer import FusedBuffer, params_as_views
 from ..comm import Pending, complete, get_comm
 from ..engine import GroupSnapshot
-from ..faults import guarded, wait_watched
+from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
 from ..hooks import forward_waits
 from ..join import JoinableMode
@@ -290,7 +290,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         else:
             local, op = norms.pow(norm_type).sum(), dist.ReduceOp.SUM
         if self.world_size > 1:
-            wait_watched(dist.all_reduce(local, op=op, group=self.group, async_op=True))
+            all_reduce_watched(local, op, self.group)
         total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
@@ -465,7 +465,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         check's persistent tensor: valid until the next check."""
         flag = self._check.flag([s.master.grad for s in self.shards], inv_scale)
         if self.world_size > 1:
-            wait_watched(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+            all_reduce_watched(flag, dist.ReduceOp.MAX, self.group)
         return flag
 
     def _first_nonfinite(self) -> str | None:
