@@ -139,15 +139,20 @@ class DiLoCo(LocalUpdates):
         self._setup(model, inner_optimizer, group=group, wire_dtype=wire_dtype,
                     accumulate_dtype=accumulate_dtype, buffers=buffers, fragments=F,
                     backup_device=backup_device, transport=transport, scratch=scratch)
-        # Where the averaged pseudo-gradient lands as the outer step's grad: the anchor
-        # (the parameters hold its values meanwhile), else a block on the device.
+        # [Note: the outer step on the anchor] With the anchor beside the parameters, the
+        # outer optimizer steps the anchor's storage in place (its parameters' .data point
+        # there for the call) with the mean pseudo-gradient in the parameters' own storage
+        # (their values are replaced after anyway): one copy out (x := anchor) per sync
+        # instead of three. An anchor on the CPU cannot be stepped on the device: there the
+        # parameters take the anchor's values, the gradient lands in device scratch, and
+        # the anchor takes the result back.
         self._spare = self._blocks_per_dtype() if on_cpu and self.fragment_alpha > 0 else (
             self._scratch if on_cpu else {})
-        self._grad_views = []
+        self._outer_views: list[list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]] = []
         for k, segs in enumerate(self._frag_segments):
-            homes = self._scratch_of(k, self._spare) if self._spare else [self._anchor[j] for j in segs]
-            self._grad_views.append([(s.param, _view(home, s)) for j, home in zip(segs, homes)
-                                     for s in self.layout.segments[j].slots])
+            homes = self._scratch_of(k, self._spare) if self._spare else [self._flats[j] for j in segs]
+            self._outer_views.append([(s.param, None if on_cpu else _view(self._anchor[j], s), _view(home, s))
+                                      for j, home in zip(segs, homes) for s in self.layout.segments[j].slots])
         self._apply_at = [((k + 1) * H // F) % H for k in range(F)]
         if self.rank == 0:
             log.info("fastreduce: DiLoCo: %s; %d fragment(s) every %d inner steps (delay %d, alpha %g), "
@@ -206,31 +211,43 @@ class DiLoCo(LocalUpdates):
         ``mix``: then mix in the local parameters by ``fragment_alpha``."""
         segs = self._frag_segments[k]
         keep = self._scratch_of(k, self._scratch) if mix and self.fragment_alpha > 0 else None
-        homes = self._scratch_of(k, self._spare) if self._spare else [self._anchor[j] for j in segs]
+        spare = self._scratch_of(k, self._spare) if self._spare else None
         for n, j in enumerate(segs):
-            x, a = self._flats[j], self._anchor[j]
+            x = self._flats[j]
             if keep is not None:
                 keep[n].copy_(x)
-            x.copy_(a, non_blocking=True)    # the fragment's global parameters (an upload, if on the CPU)
-            homes[n].copy_(self._wire[j])    # their grad: the mean pseudo-gradient
-        self._outer_step(self._grad_views[k])
+            if spare is None:
+                x.copy_(self._wire[j])  # the grad, in the parameters' storage (see the note in __init__)
+            else:
+                x.copy_(self._anchor[j], non_blocking=True)  # an upload
+                spare[n].copy_(self._wire[j])
+        self._outer_step(self._outer_views[k])
         for n, j in enumerate(segs):
             x, a = self._flats[j], self._anchor[j]
-            a.copy_(x)
+            if spare is None:
+                x.copy_(a)
+            else:
+                a.copy_(x)
             if keep is not None:
                 x.lerp_(keep[n], self.fragment_alpha)
 
-    def _outer_step(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Step the outer optimizer with ``grads`` as the only gradients (the inner ones
-        are put back after)."""
+    def _outer_step(self, views: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]) -> None:
+        """Step the outer optimizer with each ``(param, at, grad)`` of ``views`` as the only
+        gradients, on ``at``'s storage where given (the inner gradients and the parameters'
+        own storage are put back after)."""
         params = [p for _, p in self._named]
         saved = [p.grad for p in params]
+        homes = [p.data for p, at, _ in views if at is not None]
         try:
             for p in params:
                 p.grad = None
-            for p, g in grads:
+            for p, at, g in views:
+                if at is not None:
+                    p.data = at
                 p.grad = g
             self.outer_optimizer.step()
         finally:
+            for (p, _, _), home in zip((v for v in views if v[1] is not None), homes):
+                p.data = home
             for p, g in zip(params, saved):
                 p.grad = g
