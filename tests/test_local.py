@@ -197,17 +197,21 @@ def ref_diloco(rank: int, model: nn.Module, inner: torch.optim.Optimizer, steps:
 def train_mode(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range,
                grads_at: tuple[int, ...] = ()) -> dict:
     """Drive a mode through ``opt.step()``; at the steps in ``grads_at``, also check that
-    the grads after the step are the ones before it (DiLoCo restores the inner grads)."""
+    the grads after the step are the ones before it (DiLoCo restores the inner grads) and
+    every parameter is still where it was (DiLoCo's outer step points parameters at the
+    anchor's storage for the call, and back)."""
     traj, grads_kept = [], []
     for s in steps:
         opt.zero_grad()
         loss_of(model, batch_for(model, rank, s)).backward()
         before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        where = {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()}
         opt.step()
         if s in grads_at:
             after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             grads_kept.append(after.keys() == before.keys()
-                              and all(torch.equal(after[n], g) for n, g in before.items()))
+                              and all(torch.equal(after[n], g) for n, g in before.items())
+                              and all((p.data_ptr(), p.stride()) == where[n] for n, p in model.named_parameters()))
         traj.append(state_of(model))
     return {"traj": traj, "grads_kept": grads_kept}
 
@@ -910,7 +914,7 @@ def test_fragment_names_partition_the_trainable_params_in_order(worlds, name) ->
 def test_diloco_restores_the_inner_grads_after_an_outer_step(worlds) -> None:
     for name in ("nesterov-F1", "F2-tau1-a0.5"):
         for rank, o in enumerate(per_rank(worlds(2), "diloco/" + name)):
-            assert o["grads_kept"] and all(o["grads_kept"]), f"{name}, rank {rank}: grads after step() changed"
+            assert o["grads_kept"] and all(o["grads_kept"]), f"{name}, rank {rank}: grads or parameter storage changed by step()"
 
 
 def test_backup_device_cpu_gives_the_same_run(worlds) -> None:

@@ -233,11 +233,10 @@ class DiLoCo(LocalUpdates):
 
     def _outer_step(self, views: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]) -> None:
         """Step the outer optimizer with each ``(param, at, grad)`` of ``views`` as the only
-        gradients, on ``at``'s storage where given (the inner gradients and the parameters'
-        own storage are put back after)."""
+        gradients, on ``at``'s storage where given; there ``grad`` is a view of the
+        parameter's own storage, which it gets back after (as do the inner gradients)."""
         params = [p for _, p in self._named]
         saved = [p.grad for p in params]
-        homes = [p.data for p, at, _ in views if at is not None]
         try:
             for p in params:
                 p.grad = None
@@ -247,7 +246,8 @@ class DiLoCo(LocalUpdates):
                 p.grad = g
             self.outer_optimizer.step()
         finally:
-            for (p, _, _), home in zip((v for v in views if v[1] is not None), homes):
-                p.data = home
+            for p, at, g in views:
+                if at is not None:
+                    p.data = g
             for p, g in zip(params, saved):
                 p.grad = g
