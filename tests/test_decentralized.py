@@ -195,7 +195,9 @@ def case_traj(rank: int, world: int, topology: str, lws: int | None, bucket_mb: 
     rec.handle.remove()
     return {"init": init, "snaps": rec.snaps, "grads": rec.grads, "final_local": final_local, "cd": cd,
             "avg": avg, "final2": final2, "avg2": avg2, "names": names,
-            "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}
+            "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+            "module_api": ([id(t) for t in ddp.parameters()] == [id(t) for t in model.parameters()]
+                           and [id(t) for t in ddp.buffers()] == [id(t) for t in model.buffers()])}
 
 
 def case_consensus(rank: int, world: int, topology: str, lws: int | None,
@@ -420,6 +422,7 @@ def test_optim_fn_gets_every_trainable_parameter_once(worlds, wc) -> None:
         got = [n for bucket in o["names"] for n in bucket]
         assert sorted(got) == sorted(o["trainable"]), f"rank {rank}: optimizers got {o['names']}"
         assert all(o["names"]), f"rank {rank}: an empty bucket: {o['names']}"
+        assert o["module_api"], f"rank {rank}: the wrapper's parameters()/buffers() are not the model's"
         if case[2] == SMALL_BUCKET_MB and case[3] == "odd":
             assert len(o["names"]) > 1, f"rank {rank}: bucket_mb={case[2]} gave one bucket"
 

@@ -139,7 +139,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._join_owes_close = False  # a joined rank's shadow step is closed at the next one
         self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
         self._named = named
-        self.buffers = buffers
+        self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
@@ -329,7 +329,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         """``buffers="mix"``: this round's mix of the float buffers, synchronously (they
         are small, and the forward about to run reads them)."""
         bufs = self._float_buffers
-        if self.buffers != "mix" or not bufs:
+        if self.buffer_mode != "mix" or not bufs:
             return
         if self._buffer_blocks is None:  # made on the first step
             private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
