@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
 
 import fastreduce
+from fastreduce.comm import Fp32Accumulate
 from fastreduce.launch import run_ranks
 
 from models import batch_for, batchnorm_model, frozen_backbone_model, loss_of, odd_model
@@ -156,10 +157,12 @@ def ref_local(rank: int, model: nn.Module, opt: torch.optim.Optimizer, steps: in
 
 
 def ref_diloco(rank: int, model: nn.Module, inner: torch.optim.Optimizer, steps: int, H: int, group: Any,
-               frags: list[list[str]], outer: tuple[float, float, bool], tau: int = 0, alpha: float = 0.0) -> dict:
+               frags: list[list[str]], outer: tuple[float, float, bool], tau: int = 0, alpha: float = 0.0,
+               wire: torch.dtype = torch.float32) -> dict:
     """DiLoCo / Streaming DiLoCo from the update equations (nothing from torch.optim for the
     outer step). Fragment k is applied after steps s with s % H == ((k + 1) H // F) % H and
-    launched (its pseudo-gradient averaged) after step s - tau."""
+    launched (its pseudo-gradient averaged) after step s - tau. A low-precision ``wire``:
+    each rank's Delta rounded to it, summed exactly (two ranks), the mean rounded to it."""
     lr, mu, nesterov = outer
     F = len(frags)
     named = dict(model.named_parameters())
@@ -173,8 +176,9 @@ def ref_diloco(rank: int, model: nn.Module, inner: torch.optim.Optimizer, steps:
         with torch.no_grad():
             for k in range(F):
                 if (s + tau) % H == phase[k]:   # launch: Delta = anchor - x, averaged
-                    delta = [anchor[n] - named[n] for n in frags[k]]
+                    delta = [(anchor[n] - named[n]).to(wire).float() for n in frags[k]]
                     all_mean_(delta, group)
+                    delta = [d.to(wire).float() for d in delta]
                     pending[k] = delta
                     launches.append((s, k))
             for k in range(F):
@@ -364,6 +368,10 @@ DILOCO: dict[str, tuple] = {
     "frozen-F2-tau1": (2, "frozen", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {}),
     "bn-F2-tau1": (2, "bn", "sgd", 12, 4, 2, 1, 0.0, NESTEROV, torch.float32, {}),
     "w4-F2-tau1-a0.5": (4, "odd", "adamw", 12, 4, 2, 1, 0.5, NESTEROV, torch.float32, {}),
+    # a bf16 wire summed in fp32: on a process group two collectives, the second issued
+    # ceil(tau / 2) steps after the launch (the reference rounds as the wire does)
+    "F2-H8-tau3-bf16acc": (2, "odd", "adamw", 16, 8, 2, 3, 0.5, NESTEROV, torch.bfloat16,
+                           {"accumulate_dtype": torch.float32}),
 }
 
 
@@ -379,15 +387,26 @@ def case_diloco(rank: int, world: int, name: str, ref_group: Any) -> dict:
     model = MODELS[model_name](SEED)
     inner = inner_opt(model, opt_name)
     mode = fastreduce.DiLoCo(model, inner, outer_sgd(model, outer), H, **diloco_kwargs(F, tau, alpha, wire, extra))
+    phases: list[tuple[int, int, str]] = []   # (step, fragment, what is on the wire after it)
+
+    def record(*_: Any) -> None:
+        for k, (work, _then) in mode._in_flight.items():
+            if isinstance(work, Fp32Accumulate):
+                phases.append((mode.steps, k, "all-to-all" if work.first is not None else
+                               "gather" if work.second is not None else "done"))
+
+    hook = inner.register_step_post_hook(record)   # after the mode's own step hook
     fr = train_mode(model, inner, rank, range(1, steps + 1), grads_at=tuple(range(1, steps + 1)))
+    hook.remove()
     c = counters(mode)
-    out = {"fr": fr["traj"], "grads_kept": fr["grads_kept"], **c,
+    out = {"fr": fr["traj"], "grads_kept": fr["grads_kept"], **c, "phases": phases,
+           "two_phase": mode._plan.fp32_accumulate,
            "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
            "numel": {n: p.numel() for n, p in model.named_parameters()}}
     mode.remove()
     model = MODELS[model_name](SEED)
     ref = ref_diloco(rank, model, inner_opt(model, opt_name), steps, H, ref_group, c["fragment_names"], outer,
-                     tau, alpha)
+                     tau, alpha, wire)
     return out | {"ref": ref["traj"], "applies": ref["applies"], "launches": ref["launches"]}
 
 
@@ -899,6 +918,20 @@ def test_diloco_matches_reference_from_the_equations(worlds, name) -> None:
     assert {k for _, k in applies} == set(range(F))
     assert [(s - tau, k) for s, k in applies] == [x for x in launches if x[0] + tau <= steps]
     assert max_diff(outs[0]["fr"][-1], params_of(MODELS[model_name](SEED))) > 1e-2, "the run did not train"
+
+
+def test_diloco_issues_the_second_collective_halfway_through_the_delay(worlds) -> None:
+    """bf16 wire summed in fp32 (all-to-all, fp32 sum, gather), tau = 3: the gather goes
+    out 2 steps after the launch, not at the apply (where it would be waited for)."""
+    name = "F2-H8-tau3-bf16acc"
+    for rank, o in enumerate(per_rank(worlds(2), "diloco/" + name)):
+        if not o["two_phase"]:   # shared memory: one job, summed in fp32 anyway
+            assert o["phases"] == [], o["phases"]
+            continue
+        launches = o["launches"]   # (step, fragment), per the reference's schedule
+        want = [(s + d, k, "all-to-all" if d < 2 else "gather") for s, k in launches for d in range(3)
+                if s + d <= DILOCO[name][3]]
+        assert o["phases"] == want, f"rank {rank}: {o['phases']} != {want}"
 
 
 @pytest.mark.parametrize("name", list(DILOCO))

@@ -29,7 +29,7 @@ from ..faults import wait_watched
 from ..profiling import span
 from .shm import ShmAllReduce
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "all_gather_flat", "broadcast_from_rank0",
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "Waitable", "advance", "all_gather_flat", "broadcast_from_rank0",
            "complete", "plan_mean", "reduce_scatter_flat", "start_all_reduce"]
 
 _BROADCAST_CHUNK = 1 << 24  # elements received at a time when checking what rank 0 sends
@@ -43,6 +43,16 @@ class Waitable(Protocol):
 
 Pending = tuple[Waitable | None, Callable[[], None] | None]
 """A launched collective (``None`` if it already ran) and what to run once it is done."""
+
+
+def advance(pending: Pending) -> None:
+    """Issue the second collective of a two-phase launch now (:meth:`Fp32Accumulate.advance`:
+    wait for its all-to-all, sum, start the gather), so that its wait later finds both
+    done; a no-op for any other. Every rank must call it at the same point of the
+    program, as any collective."""
+    work = pending[0]
+    if isinstance(work, Fp32Accumulate):
+        work.advance()
 
 
 def complete(pending: Pending) -> None:

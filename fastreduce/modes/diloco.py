@@ -12,7 +12,11 @@ pattern (step ``s`` counts the inner optimizer's steps from 1)::
 
 with ``t_k = (k + 1) H / F`` (``F`` fragments, staggered; ``F = 1``: every ``H``). With
 ``fragment_delay = tau > 0`` the all-reduce runs during the ``tau`` inner steps before
-it is applied. At most one fragment is on the wire at a time (``tau < H / F``).
+it is applied. At most one fragment is on the wire at a time (``tau < H / F``). An
+all-reduce in two collectives (``accumulate_dtype=torch.float32`` on a process group:
+an all-to-all, a sum in fp32, a gather) issues its second one ``ceil(tau / 2)`` steps
+after the launch, so that both run behind inner steps; issued at the apply, the gather
+would be waited for there (``tau >= 2``).
 """
 
 from __future__ import annotations
@@ -195,9 +199,12 @@ class DiLoCo(LocalUpdates):
 
     def _after_step(self, s: int) -> None:
         H, tau = self.sync_every, self.fragment_delay
+        half = (tau + 1) // 2
         for k, t in enumerate(self._apply_at):
             if s % H == t and k in self._in_flight:
                 self._land(k)
+            elif half < tau and (s + tau - half) % H == t:
+                self._advance(k)
         for k, t in enumerate(self._apply_at):
             if (s + tau) % H == t:
                 self._launch(k)

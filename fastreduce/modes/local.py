@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import TensorBlock, _view, params_as_views
-from ..comm import Comm, Pending, complete, get_comm
+from ..comm import Comm, Pending, advance, complete, get_comm
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
 from ..hooks import on_step, remove_hooks
@@ -289,6 +289,12 @@ class LocalUpdates(JoinableMode):
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
+
+    def _advance(self, k: int) -> None:
+        """Fragment ``k``'s all-reduce, if in flight in two phases (a bf16 wire summed in
+        fp32 over a process group): issue its second collective now."""
+        if k in self._in_flight:
+            advance(self._in_flight[k])
 
     def _land(self, k: int, mix: bool = True) -> None:
         """Wait for fragment ``k``'s average and apply it (:meth:`_apply`), unless
