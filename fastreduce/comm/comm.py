@@ -54,7 +54,7 @@ import torch.distributed as dist
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, all_gather_flat, exchange_ops,
-                          plan_mean, reduce_scatter_flat, start_all_reduce)
+                          gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
@@ -90,6 +90,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.pg_backend = dist.get_backend(group)
         self.by_all_to_all = self.pg_backend == "gloo"
+        self.gather_by_exchange = gather_by_exchange(self.pg_backend, self.world)
         # Gloo moves large messages slowly over a slow link: point-to-point goes in pieces
         self.piece_bytes = WIRE_PIECE_BYTES if self.pg_backend == "gloo" else None
         self.shms: list[ShmAllReduce] = []
@@ -229,7 +230,7 @@ class Comm:
         with span("fastreduce::all_gather"):
             if shm is not None:
                 return shm.start(buf, kind=ALL_GATHER), None
-            if self.by_all_to_all:  # Gloo: my chunk to every rank, theirs into place, in pieces
+            if self.gather_by_exchange:  # Gloo, 2 ranks: my chunk to the other, theirs into place, in pieces
                 rows = buf.view(self.world, n)
                 peers = [j for j in range(self.world) if j != self.rank]
                 ops = exchange_ops({j: mine for j in peers}, {j: rows[j] for j in peers}, self.group, self._global,
