@@ -126,6 +126,16 @@ def case_diloco(model: nn.Module, comp: Compile):
     return m, stepper(opt), lambda: None
 
 
+def case_streaming_diloco(model: nn.Module, comp: Compile):
+    """Two fragments, delay 2, a bf16 wire summed in fp32: on a process group each average
+    is two collectives, the second issued a step after the launch (from the step hook)."""
+    m = comp(model)
+    opt = adamw(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fastreduce.DiLoCo(m, opt, outer, sync_every=6, fragments=2, fragment_delay=2, accumulate_dtype=torch.float32)
+    return m, stepper(opt), lambda: None
+
+
 CASES: dict[str, Callable[..., Any]] = {
     "fused": case_fused,
     "overlapped": lambda model, comp: case_fused(model, comp, overlap=True),
@@ -136,6 +146,7 @@ CASES: dict[str, Callable[..., Any]] = {
     "gossip-wrapper-compiled": lambda model, comp: case_gossip(model, comp, wrapper=True),
     "localsgd": case_localsgd,
     "diloco": case_diloco,
+    "streaming-diloco-bf16acc": case_streaming_diloco,
 }
 PREWARMED = ("fused", "zero", "gossip")  # compiled model run once before the mode is built
 
