@@ -32,6 +32,12 @@ largest parameter difference and dynamo's graph counts after each step:
   the backward is cut into pieces at bucket boundaries);
 * where it cannot work, a clear error: ``ZeroOptimizer(module=model)`` built before
   ``model`` was compiled.
+
+With CUDA tensors (``$FASTREDUCE_TEST_DEVICE=cuda``, default ``cpu``): the same cases,
+the model built on CPU from the seed and the batches drawn on CPU, both then moved to
+cuda:0, which the two Gloo ranks share (as in ``tests/gpu/test_cuda.py``); the ``auto``
+transport takes the process group for CUDA buffers. Skipped where there is no GPU. On a
+GPU machine: ``FASTREDUCE_TEST_DEVICE=cuda python3 -m pytest -q tests/test_compile.py``.
 """
 
 from __future__ import annotations
@@ -54,16 +60,28 @@ TOL = {"aot_eager": 1e-6, "inductor": 1e-5}
 ADAM_EPS = 1e-3  # not 1e-8: see the module docstring (parity)
 BACKENDS = tuple(TOL)
 pytestmark = pytest.mark.timeout(600)
+DEVICE = os.environ.get("FASTREDUCE_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"FASTREDUCE_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("FASTREDUCE_TEST_DEVICE=cuda, but torch sees no CUDA GPU", allow_module_level=True)
+
+
+def on_device() -> None:
+    """At the start of each worker: both ranks share cuda:0 (Gloo, not NCCL)."""
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
 
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())], nn.Linear(32, 1))
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())], nn.Linear(32, 1))
+    return model.to(DEVICE)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
+    return torch.randn(16, 32, generator=g).to(DEVICE), torch.randn(16, 1, generator=g).to(DEVICE)
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -171,6 +189,7 @@ def train(rank: int, name: str, comp: Compile, prewarm: bool = False) -> tuple[l
 
 
 def parity_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
+    on_device()
     out: dict[str, Any] = {}
 
     def comp(model: nn.Module) -> nn.Module:
@@ -208,6 +227,7 @@ def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: 
 def split_worker(rank: int, world: int, backend_name: str) -> dict[str, Any]:
     """The overlapped reducer on a model compiled with ``compile_backend``: parity with
     the plain model, and the backward cut into pieces (one compiled autograd node each)."""
+    on_device()
     torch._dynamo.reset()
     ref, _ = train(rank, "overlapped", lambda m: m)
     backend = fastreduce.compile_backend(backend_name, bucket_mb=BUCKET_MB)
@@ -261,6 +281,7 @@ def test_compile_backend_names_a_missing_backend() -> None:
 
 def zero_compiled_after_worker(rank: int, world: int, how: str) -> dict[str, Any]:
     """ZeroOptimizer(module=model) first, then the model compiled (in place or wrapped)."""
+    on_device()
     torch._dynamo.reset()
     model = make_model()
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=1e-2,
@@ -291,5 +312,5 @@ def test_zero_module_built_before_compile_is_an_error(how: str) -> None:
         assert out["kept"]
 
 
-if os.environ.get("FASTREDUCE_TRANSPORT") == "process_group":  # the second pass: only what reduces
+if os.environ.get("FASTREDUCE_TRANSPORT") == "process_group" or DEVICE == "cuda":  # only what reduces
     del test_compile_backend_names_a_missing_backend
