@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import fastreduce.comm.shm as shm_mod
-from fastreduce.comm import get_comm
+from fastreduce.comm import Comm, get_comm
 from fastreduce.launch import run_ranks
 
 WORLDS = (2, 3, 4)
@@ -123,6 +123,11 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
                 out[f"shared_{mname}_{name}"] = (shared.clone(), want)
         finally:
             shm_mod.__dict__["_PIECE"] = piece
+    # Gloo's point to point moves host memory only: CUDA tensors (tests/gpu) must take its
+    # all-to-all and all-gather. Comm allocates nothing when built, so no GPU is needed here.
+    on_gpu = Comm(None, torch.device("cuda"), "process_group")
+    out["point_to_point"] = {"cpu": (comm.by_exchange, comm.gather_by_exchange),
+                             "cuda": (on_gpu.by_exchange, on_gpu.gather_by_exchange)}
     return out
 
 
@@ -140,6 +145,14 @@ def _tol(key: str) -> dict:
 def test_transport_is_the_one_asked_for(results) -> None:
     transport, per_rank = results
     assert all(r["shm"] == (transport == "shm") for r in per_rank)
+
+
+def test_gloo_goes_point_to_point_with_cpu_tensors_only(results) -> None:
+    transport, per_rank = results
+    for r in per_rank:
+        assert r["point_to_point"]["cuda"] == (False, False)
+        if transport == "process_group":
+            assert r["point_to_point"]["cpu"] == (True, len(per_rank) == 2)
 
 
 @pytest.mark.parametrize("key", ["rs_fp32", "rs_bf16", "rs_wide_fp32", "rs_wide_bf16"])

@@ -31,7 +31,9 @@ How the bytes travel, per buffer:
                     time over a rate-limited link (see ``WIRE_PIECE_BYTES``); the
                     gossip mix's point-to-point sends are cut alike on Gloo (whole on
                     other backends). All-reduce stays ``all_reduce``
-                    (39 ms, faster than the two exchanges it would take).
+                    (39 ms, faster than the two exchanges it would take). Device
+                    tensors over Gloo take ``all_to_all_single`` and the all-gather:
+                    Gloo's point to point moves host memory only.
  NCCL, HCCL, ...    the group's own ``all_reduce`` / reduce-scatter / all-gather, with
                     ``ReduceOp.AVG`` where the backend has it, else divided first.
 =================  =======================================================================
@@ -90,7 +92,11 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.pg_backend = dist.get_backend(group)
         self.by_all_to_all = self.pg_backend == "gloo"
-        self.gather_by_exchange = gather_by_exchange(self.pg_backend, self.world)
+        # Gloo's point to point moves host memory only (a device pointer fails in its
+        # writev, "Bad address"): device tensors take its all-to-all and all-gather,
+        # which stage through host memory themselves.
+        self.by_exchange = self.by_all_to_all and device.type == "cpu"
+        self.gather_by_exchange = self.by_exchange and gather_by_exchange(self.pg_backend, self.world)
         # Gloo moves large messages slowly over a slow link: point-to-point goes in pieces
         self.piece_bytes = WIRE_PIECE_BYTES if self.pg_backend == "gloo" else None
         self.shms: list[ShmAllReduce] = []
@@ -201,7 +207,7 @@ class Comm:
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
-            if self.by_all_to_all:  # Gloo: every rank's chunk r, in pieces (WIRE_PIECE_BYTES)
+            if self.by_exchange:  # Gloo, CPU: every rank's chunk r, in pieces (WIRE_PIECE_BYTES)
                 recv = self._scratch_like(buf, "recv")
                 rows, got = buf.view(self.world, n), recv.view(self.world, n)
                 got[self.rank].copy_(mine)
@@ -209,7 +215,7 @@ class Comm:
                 ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global,
                                    self.piece_bytes)
                 return _AllWorks(dist.batch_isend_irecv(ops)), lambda: self._sum_rows(recv, out)
-            if fp32_sum and buf.dtype.itemsize < 4:
+            if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo (device), or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
                 work = dist.all_to_all_single(recv, buf, group=self.group, async_op=True)
                 return work, lambda: self._sum_rows(recv, out)
