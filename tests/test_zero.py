@@ -246,7 +246,20 @@ def parity_zero(rank: int, world: int, case: Case) -> dict:
     opt = zero_opt(groups_of(model, case), case.opt, overlap=case.overlap, bucket_mb=case.bucket_mb,
                    module=model if case.module else None)
     sched = make_sched(case, opt)
-    params, norms = [], []
+    params, norms, gathered = [], [], []
+    bucket_at = {s.params.data_ptr(): b for b, s in enumerate(opt.shards)}
+    gather = opt.comm.all_gather  # watched (the real collective runs): which bucket goes out when
+    opt.comm.all_gather = lambda buf: (gathered.append(bucket_at[buf.data_ptr()]), gather(buf))[1]
+    try:
+        run_zero_steps(rank, case, model, opt, sched, params, norms)
+    finally:
+        del opt.comm.all_gather
+    return {"params": params, "norms": norms, "lrs": [g["lr"] for g in opt.param_groups],
+            "num_buckets": getattr(opt, "num_buckets", None), "gathered": gathered[:opt.num_buckets]}
+
+
+def run_zero_steps(rank: int, case: Case, model: nn.Module, opt: fastreduce.ZeroOptimizer, sched: Any,
+                   params: list, norms: list) -> None:
     for step in range(STEPS):
         tweak(case, opt, step)
         loss = loss_fn(model, batch_for(model, rank, step))
@@ -268,8 +281,6 @@ def parity_zero(rank: int, world: int, case: Case) -> dict:
         with torch.no_grad():
             model(*batch_for(model, rank, STEPS))
         params.append(params_of(model))
-    return {"params": params, "norms": norms, "lrs": [g["lr"] for g in opt.param_groups],
-            "num_buckets": getattr(opt, "num_buckets", None)}
 
 
 def memory_case(rank: int, world: int) -> dict:
@@ -412,6 +423,16 @@ def test_every_rank_holds_the_same_params(parity, case: Case) -> None:
     world, results = parity
     zeros = per_rank(results, f"{case.name}/zero")
     assert_identical_on_ranks([z["params"] for z in zeros], f"world {world} {case.name}")
+
+
+@pytest.mark.parametrize("case", [c for c in PARITY_CASES if c.bucket_mb], ids=lambda c: c.name)
+def test_parameters_are_gathered_first_layers_first(parity, case: Case) -> None:
+    """The buckets are in backward order; the all-gathers go out last bucket first, the
+    order the next forward reads them (a transport that moves them in launch order, as
+    Gloo's point-to-point does, then lands what the forward waits for first)."""
+    world, results = parity
+    for rank, zero in enumerate(per_rank(results, f"{case.name}/zero")):
+        assert zero["gathered"] == list(range(zero["num_buckets"]))[::-1], f"world {world} rank {rank}"
 
 
 @pytest.mark.parametrize("case", [c for c in PARITY_CASES if c.bucket_mb], ids=lambda c: c.name)

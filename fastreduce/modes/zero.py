@@ -7,7 +7,8 @@ Communication pattern, per step (N ranks, rank r)::
     step():    launch the buckets left, wait for all; (GradScaler: unscale the shard,
                one MAX all-reduce of the inf flag); the wrapped torch optimizer steps
                on the shard (fp32 master weights for bf16/fp16 params); copy the shard
-               back into the parameters; all-gather every bucket of parameters, async
+               back into the parameters; all-gather every bucket of parameters, async,
+               the last bucket (the first layers, read first by the next forward) first
     forward:   (``module=`` given) a pre-hook waits for the buckets of the module's
                own parameters; else step() waited before returning
 
@@ -407,7 +408,13 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                 s.params[r * c:(r + 1) * c].copy_(s.master)
         if W == 1:
             return
-        self._gathers = [self.comm.all_gather(s.params) for s in self.shards]
+        # Last bucket first: the buckets are in backward order, so the next forward reads
+        # the last one first, and a transport that moves the gathers in launch order (Gloo
+        # point to point) lands what the forward waits for first.
+        gathers: list[Pending | None] = [None] * len(self.shards)
+        for b in reversed(range(len(self.shards))):
+            gathers[b] = self.comm.all_gather(self.shards[b].params)
+        self._gathers = gathers
         if not self._forward_waits:
             self._wait_gathers()
 
