@@ -27,6 +27,7 @@ a note saying why.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["NetworkConfig", "format_text", "run_network_bench", "run_on_hosts"]
+__all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts"]
 
 METHODS = ("ddp", "fused", "overlapped")
 WIDTH, LAYERS = 512, 8
@@ -125,11 +126,25 @@ def run_on_hosts(hosts_n: int, rate: str, module: str, spec: dict[str, Any], tim
     the worker wrote to ``OUT``. Everything started is killed on the way out."""
     from .hosts import namespace_hosts
 
-    with namespace_hosts(hosts_n, rate) as hosts, tempfile.TemporaryDirectory() as tmp:
+    with namespace_hosts(hosts_n, rate) as hosts:
+        return launch_on(hosts, module, spec, timeout, f"{hosts_n} hosts at {rate}")
+
+
+_launches = itertools.count()
+
+
+def launch_on(hosts: list[Any], module: str, spec: dict[str, Any], timeout: float, where: str) -> Any:
+    """One torchrun job of ``python -m module --worker SPEC OUT`` on ``hosts`` (made by
+    :func:`~.hosts.namespace_hosts`), one node and rank each; the JSON it wrote to ``OUT``.
+    Each job of a process rendezvouses on a port of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        threads = str(max(1, (os.cpu_count() or 2) // hosts_n))
+        threads = str(max(1, (os.cpu_count() or 2) // len(hosts)))
         argv = ["-m", module, "--worker", json.dumps(spec), out]
-        procs = [subprocess.Popen(h.torchrun(hosts, argv, f"frnet{os.getpid()}", {"OMP_NUM_THREADS": threads}),
+        k = next(_launches)
+        port = 29000 + (os.getpid() + 7 * k) % 1000
+        procs = [subprocess.Popen(h.torchrun(hosts, argv, f"frnet{os.getpid()}x{k}", {"OMP_NUM_THREADS": threads},
+                                             port=port),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for h in hosts]
         logs = []
@@ -139,7 +154,7 @@ def run_on_hosts(hosts_n: int, rate: str, module: str, spec: dict[str, Any], tim
                 log, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 logs.append(log)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{module} on {hosts_n} hosts at {rate}: no result within {timeout:.0f} s") from None
+            raise RuntimeError(f"{module} on {where}: no result within {timeout:.0f} s") from None
         finally:
             for p in procs:  # the launchers; their workers go with the namespaces
                 try:
@@ -147,7 +162,7 @@ def run_on_hosts(hosts_n: int, rate: str, module: str, spec: dict[str, Any], tim
                 except ProcessLookupError:
                     pass
         if any(p.returncode for p in procs) or not os.path.exists(out):
-            raise RuntimeError(f"{module} on {hosts_n} hosts at {rate} failed:\n" + "\n".join(x[-3000:] for x in logs))
+            raise RuntimeError(f"{module} on {where} failed:\n" + "\n".join(x[-3000:] for x in logs))
         return json.loads(Path(out).read_text())
 
 

@@ -19,7 +19,9 @@ AdamW (lr 1e-3). Per mode:
 
 Modes: ``no_comm`` (AdamW alone), ``ddp`` (DistributedDataParallel), ``fused_fp32`` /
 ``fused_bf16`` (:class:`~fastreduce.FusedReducer`, one all-reduce after backward),
-``overlapped`` (fp32, 1 MB buckets during backward), ``zero`` (fp32 wire),
+``overlapped`` (fp32, 1 MB buckets during backward), ``zero`` (fp32 wire, 1 MB buckets:
+reduce-scattered during backward, all-gathered first layers first and waited per bucket
+in the next forward),
 ``gossip_fp32`` / ``gossip_bf16`` (``one-peer-exp``), ``localsgd_H8``, ``diloco_H8``,
 ``streaming_diloco_H8`` (4 fragments, delay 1) and ``streaming_diloco_H32`` (4 fragments,
 delay 7: a fragment every 8 steps, its exchange spread over 7 of them): DiLoCo's default
@@ -66,6 +68,7 @@ class ModesConfig:
     batch: int = 256
     modes: list[str] = field(default_factory=lambda: list(MODES))
     timeout: float = 1800.0   # per (hosts, rate)
+    target: float | None = None  # DDP's final training loss: set by the runner for the modes after DDP
 
 
 # ============================================================== in each rank
@@ -94,7 +97,7 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         return net, nothing, net.wait_exchanges
     if name == "zero":
         zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model,
-                                        wire_dtype=torch.float32)
+                                        wire_dtype=torch.float32, bucket_mb=1.0)
         return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params
     opt = adamw(model.parameters())
     step = lambda: (opt.step(), opt.zero_grad())  # noqa: E731
@@ -130,7 +133,9 @@ def _mlp(seed: int) -> Any:
 
 
 def worker(cfg: ModesConfig, out: str) -> None:
-    """One rank (under torchrun): every mode in turn, DDP first; rank 0 writes ``out``."""
+    """One rank (under torchrun): the modes of ``cfg`` in turn (the runner gives one per
+    job: DDP's, then each other mode's with DDP's final loss as ``cfg.target``); rank 0
+    writes ``out``."""
     import torch
     import torch.distributed as dist
 
@@ -163,10 +168,9 @@ def worker(cfg: ModesConfig, out: str) -> None:
         torch.nn.utils.vector_to_parameters(flat / world, avg.parameters())
         return float(torch.nn.functional.mse_loss(avg(held_x), held_y).item())
 
-    target = None
+    target = cfg.target
     results: dict[str, Any] = {}
-    order = ["ddp"] + [m for m in cfg.modes if m != "ddp"]
-    for name in order:
+    for name in cfg.modes:
         model = _mlp(0)
         forward, after, finish = _build(name, model)
         gen = torch.Generator().manual_seed(1000 * rank + 7)  # the same stream for every mode
@@ -232,18 +236,36 @@ def _summary(r: dict[str, Any], cfg: ModesConfig, target: float | None) -> dict[
 def run_modes_bench(cfg: ModesConfig) -> dict[str, Any]:
     """Every (hosts, rate) in turn; ``{"skipped": why}`` where hosts cannot be made here."""
     from .hosts import can_make_hosts
-    from .network import run_on_hosts
 
     why = can_make_hosts()
     if why:
         return {"skipped": why}
     started = time.monotonic()
-    runs = {f"{n}x{rate}": run_on_hosts(n, rate, "fastreduce.bench.network_modes", asdict(cfg), cfg.timeout)
-            for n in cfg.hosts for rate in cfg.rates}
+    runs = {f"{n}x{rate}": _one_link(cfg, n, rate) for n in cfg.hosts for rate in cfg.rates}
     report: dict[str, Any] = {"config": asdict(cfg), "runs": runs, "targets": {},
                               "seconds": round(time.monotonic() - started, 1)}
     report["targets"] = _targets(runs)
     return report
+
+
+def _one_link(cfg: ModesConfig, hosts_n: int, rate: str) -> dict[str, Any]:
+    """Every mode on ``hosts_n`` hosts at ``rate``, each in a torchrun job of its own
+    (DDP's first, for its final loss): no mode runs in a process that an earlier mode's
+    threads, process groups and allocations went through."""
+    from .hosts import namespace_hosts
+    from .network import launch_on
+
+    deadline = time.monotonic() + cfg.timeout
+    where = f"{hosts_n} hosts at {rate}"
+    modes: dict[str, Any] = {}
+    target = None
+    with namespace_hosts(hosts_n, rate) as hosts:
+        for name in ["ddp"] + [m for m in cfg.modes if m != "ddp"]:
+            spec = {**asdict(cfg), "modes": [name], "target": target}
+            r = launch_on(hosts, "fastreduce.bench.network_modes", spec, deadline - time.monotonic(), where)
+            target = r["target"]
+            modes.update(r["modes"])
+    return {"target": target, "modes": modes}
 
 
 def _targets(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
