@@ -337,6 +337,8 @@ class Checkpointer:
             state["model"]._metadata = getattr(live, "_metadata", None)  # type: ignore[attr-defined]
         if self.kind == "zero":
             state["optimizer"] = _staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
+            if "optimizer.fresh" not in metadata.state_dict_metadata:  # saved before fastreduce kept it
+                del state["optimizer"]["fresh"]
         elif self.optimizer is not None and not per_rank:
             state.update(_template(metadata, "optimizer"))
         state.update(_template(metadata, f"rank{src}"))

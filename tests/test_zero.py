@@ -66,8 +66,8 @@ RTOL, ATOL = 1e-5, 1e-6
 SMALL_BUCKET_MB = 0.0002   # ~210 bytes: OddModel's 1292 bytes of fp32 grads span 3+ buckets
 MANY_BLOCKS = 6  # ManyTensorModel(6): 34 tensors, 3076 parameters (tied, channels_last, transposed)
 MANY_BUCKET_MB = 2048 / 2**20  # its ~12 KB of fp32 grads: ~6 buckets
-OPT_CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-HPARAMS = {"adamw": {"lr": 1e-2, "weight_decay": 0.1}, "sgd": {"lr": 0.05, "momentum": 0.9}}
+OPT_CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "rprop": torch.optim.Rprop}
+HPARAMS = {"adamw": {"lr": 1e-2, "weight_decay": 0.1}, "sgd": {"lr": 0.05, "momentum": 0.9}, "rprop": {"lr": 1e-2}}
 SPAWN_TIMEOUT = 150.0  # per spawned group; each finishes in seconds on an idle machine
 
 pytestmark = pytest.mark.timeout(300)
@@ -1114,8 +1114,33 @@ def load_plain_case(rank: int, world: int, model_params: dict, sd: dict, start: 
     return {"params": zero_steps(model, opt, rank, world, range(start, start + steps)), "sd_after_load": after_load}
 
 
+def fresh_checkpoint_case(rank: int, world: int, d: str, opt_name: str) -> dict:
+    """A checkpoint of a new optimizer (saved before its first step, as a job may do at
+    step 0): the save changes nothing, and a resume from it trains as a new optimizer.
+    The save makes the shard's state by a step at lr=0; AdamW would count it (its first
+    update 0.74x as large) and Rprop start its step sizes at 0, unless it is dropped."""
+    import torch.distributed.checkpoint as dcp
+
+    path = f"{d}/fresh-{opt_name}"
+    ref_model = odd_model(SEED)
+    want = zero_steps(ref_model, zero_opt(ref_model.parameters(), opt_name, bucket_mb=SMALL_BUCKET_MB), rank,
+                      world, range(3))
+    model = odd_model(SEED)
+    opt = zero_opt(model.parameters(), opt_name, bucket_mb=SMALL_BUCKET_MB)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    exported = copy.deepcopy(opt.state_dict())  # the torch.optim format: no state yet
+    saved_then = zero_steps(model, opt, rank, world, range(3))
+    model.load_state_dict(odd_model(SEED).state_dict())  # back to the start, from the checkpoint
+    sd = opt.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    opt.load_sharded_state_dict(sd)
+    resumed = zero_steps(model, opt, rank, world, range(3))
+    return {"want": want, "saved_then": saved_then, "resumed": resumed, "exported_state": exported["state"]}
+
+
 def ckpt_save_worker(rank: int, world: int, d: str, ref: dict) -> dict:
-    return {"dcp_save": guarded(dcp_save_case, rank, world, d, "fp32"),
+    return {**{f"fresh-{o}": guarded(fresh_checkpoint_case, rank, world, d, o) for o in ("adamw", "rprop")},
+            "dcp_save": guarded(dcp_save_case, rank, world, d, "fp32"),
             "dcp_save-bf16": guarded(dcp_save_case, rank, world, d, "bf16"),
             "from_plain": guarded(load_plain_case, rank, world, ref["params"][SAVE_AT - 1], ref["sd"],
                                   SAVE_AT, EXPORT_STEPS)}
@@ -1170,6 +1195,16 @@ def ckpt(tmp_path_factory) -> dict:
     saved3 = saved[0]["dcp_save"].get("ok")
     loaded = spawn(ckpt_load_worker, 2, d, saved3)
     return {"ref": ref, "saved": saved, "loaded": loaded}
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "rprop"])
+def test_checkpoint_before_the_first_step_changes_nothing(ckpt, opt_name: str) -> None:
+    for rank, out in enumerate(per_rank(ckpt["saved"], f"fresh-{opt_name}")):
+        assert out["exported_state"] == {}, f"rank {rank}: a new optimizer exported state"
+        for what in ("saved_then", "resumed"):
+            for step, (got, want) in enumerate(zip(out[what], out["want"])):
+                for name in want:
+                    assert torch.equal(got[name], want[name]), f"rank {rank} {what} step {step}: {name} differs"
 
 
 def assert_state_dicts_equal(got: dict, want: dict, where: str) -> None:

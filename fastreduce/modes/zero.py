@@ -315,6 +315,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self.last_step_skipped = skip
         if not skip:
             self._sync_hyperparameters()
+            self._drop_template()
             with span("fastreduce::shard_step"):
                 self.inner.step()
             self._gather()

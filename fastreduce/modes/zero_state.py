@@ -36,7 +36,15 @@ class ZeroCheckpointing:
     :class:`~fastreduce.modes.zero_shard.Shard` per bucket), ``inner`` (the shard's torch
     optimizer), ``param_groups``, ``world_size``, ``rank``, ``group``, ``device``; and calls
     its ``_wait_gathers()`` and ``_sync_hyperparameters()``.
+
+    ``_template``: the shard's optimizer state was made by :meth:`_materialize_state` for
+    a checkpoint, before any step: it says "no step yet" (saved as ``fresh``), and the
+    next :meth:`step` drops it, so a save or load before the first step changes nothing
+    (an AdamW stepped once at lr=0 counts a step: its first real update would be 0.74x
+    as large; Rprop's step sizes would start at 0).
     """
+
+    _template = False
 
 
     def _index(self) -> tuple[dict[int, int], list[int]]:
@@ -71,7 +79,8 @@ class ZeroCheckpointing:
         layout = self.layout
         state: dict[int, dict[str, Any]] = {}
         by_slot = {i: k for k, i in index.items()}
-        for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
+        chunk_states = [{} for _ in self.shards] if self._template else self._chunk_states()
+        for s, (shard, chunk_state) in enumerate(zip(self.shards, chunk_states)):
             seg = layout.segments[s]
             fulls: dict[str, torch.Tensor] = {}
             items = {k: v for k, v in chunk_state.items()}
@@ -127,6 +136,7 @@ class ZeroCheckpointing:
             k += n
         self.inner.load_state_dict({"state": {position[s]: st for s, st in chunks.items()},
                                     "param_groups": groups})
+        self._template = False
         for pg, src in zip(self.param_groups, state_dict["param_groups"]):
             pg.update({a: b for a, b in src.items() if a != "params"})
         W, r = self.world_size, self.rank
@@ -188,7 +198,8 @@ class ZeroCheckpointing:
         ``dcp.load`` fills it in place on any world size; scalars (``step``) and the
         hyperparameters are saved once. Collective. A fresh optimizer's state is first
         made by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
-        so that a template exists to load into::
+        so that a template exists to load into; ``fresh`` then says that no step was
+        taken, and the next :meth:`step` starts from no state, as a new optimizer would::
 
             sd = opt.sharded_state_dict()
             torch.distributed.checkpoint.load(sd, checkpoint_id=path)
@@ -219,7 +230,7 @@ class ZeroCheckpointing:
                         entry[key] = RangeShard(v[a - r * c:b - r * c], a - lo, slot.numel)
                 state[str(by_slot[slot_i])] = entry
         groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, "fresh": self._template}
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -243,10 +254,11 @@ class ZeroCheckpointing:
         for pg, src in zip(self.param_groups, groups):
             pg.update({k: v for k, v in src.items() if k != "params"})
         self._sync_hyperparameters()
+        self._template = bool(state_dict.get("fresh", False))  # saved before any step: stays so
 
     def _materialize_state(self) -> None:
         """Create the shard's optimizer state where it does not exist yet: one step at
-        lr=0 on zero gradients (the gradients are restored)."""
+        lr=0 on zero gradients (the gradients are restored); a template (``_template``)."""
         if all(s.master in self.inner.state and self.inner.state[s.master] for s in self.shards):
             return
         grads = [s.master.grad for s in self.shards]
@@ -263,6 +275,13 @@ class ZeroCheckpointing:
                 g["lr"] = lr
             for g, v in zip(grads, saved):
                 g.copy_(v)
+        self._template = True
+
+    def _drop_template(self) -> None:
+        """Before a step: a template state goes, so the step starts from none."""
+        if self._template:
+            self.inner.state.clear()
+            self._template = False
 
 
 class RangeShard(torch.Tensor):
