@@ -63,9 +63,11 @@ stack-%: stacks/%.txt
 	exe=$${exe:+$$exe/bin/python}; \
 	$(MAKE) $(STACK_GOAL) VENV=.stacks/$* STACK_REQS=$< PYTHON=$${exe:-python$$py}
 
-# Needs a CUDA GPU (skipped without one): every mode with CUDA tensors, parity with DDP.
+# Needs a CUDA GPU (skipped without one): every mode with CUDA tensors, parity with DDP,
+# the reliability features, and every mode under torch.compile with CUDA tensors.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
+	FASTREDUCE_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/test_compile.py
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[plot,peers]"

@@ -1,8 +1,9 @@
 """The network suite's modes table: which mode fits which link.
 
 Two and four hosts (:mod:`.hosts`: network namespaces on a bridge, ``tbf`` on every
-link), one torchrun node and rank each, at each rate. Every mode trains the same task
-from the same start on the same data stream: a 2.1M-parameter MLP (8 x Linear 512,
+link), one torchrun node and rank each, at each rate; each mode in a torchrun job of its
+own (DDP's first), so no mode runs in a process an earlier one went through. Every mode
+trains the same task from the same start on the same data stream: a 2.1M-parameter MLP (8 x Linear 512,
 ReLU) regressing a fixed random teacher (two tanh layers, outputs of unit variance) plus
 noise (std 0.3), batch ``batch`` per rank,
 AdamW (lr 1e-3). Per mode:
