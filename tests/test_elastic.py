@@ -117,6 +117,33 @@ def roundtrip(rank: int, root: str, kind: str) -> dict[str, Any]:
     return {"step": step, "ref": params(job.model), "resumed": params(again.model), "before": before}
 
 
+def zero_saved_before_fresh(rank: int, root: str) -> dict[str, Any]:
+    """A ZeRO checkpoint from before fastreduce saved ``optimizer.fresh`` (the key taken
+    out of its DCP metadata, as such a checkpoint has none) loads and resumes exactly."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    job = fresh("zero", rank, 0)
+    ckpt = job.checkpointer(f"{root}/zero-before-fresh")
+    train(job, SAVE_AT)
+    path = ckpt.save(SAVE_AT)
+    train(job, MORE)
+    job.settle()
+    dist.barrier()
+    if rank == 0:
+        metadata = FileSystemReader(path).read_metadata()
+        del metadata.state_dict_metadata["optimizer.fresh"]
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+    dist.barrier()
+    again = fresh("zero", rank, 100)
+    step = again.checkpointer(f"{root}/zero-before-fresh").load_latest()
+    train(again, MORE)
+    again.settle()
+    return {"step": step, "ref": params(job.model), "resumed": params(again.model)}
+
+
 def uncommitted(rank: int, root: str) -> dict[str, Any]:
     """A save whose marker never came (killed before the commit) and a stray partial
     folder are never loaded, and the next save clears them."""
@@ -353,6 +380,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"damaged-{k}-{how}": guarded(damaged, rank, root, k, how) for k in KINDS for how in DAMAGE})
     out["none-readable"] = guarded(none_readable, rank, root)
     for name, fn in [("uncommitted", uncommitted), ("keep", keep_two), ("nothing", nothing_yet),
+                     ("zero-before-fresh", zero_saved_before_fresh),
                      ("mismatch", mismatches), ("saved-at-2", saved_at_2), ("reducer-errors", reducer_state_errors)]:
         out[name] = guarded(fn, rank, root)
     return out
@@ -429,6 +457,13 @@ def test_resume_equals_uninterrupted(root: str, kind: str) -> None:
         assert_close(r["resumed"], r["ref"], **EXACT, msg=lambda m, rank=rank: f"rank {rank}: {m}")
     if kind in ("gossip", "local", "diloco"):  # per-rank parameters: rank 1 did not get rank 0's
         assert not _same({"p": results[0]["ref"]}, {"p": results[1]["ref"]})
+
+
+def test_zero_checkpoint_saved_before_the_fresh_mark_loads(root: str) -> None:
+    """Checkpoints written before ZeroOptimizer saved ``fresh`` load as they did."""
+    for rank, r in enumerate(at_two(root, "zero-before-fresh")):
+        assert r["step"] == SAVE_AT
+        assert_close(r["resumed"], r["ref"], **EXACT, msg=lambda m, rank=rank: f"rank {rank}: {m}")
 
 
 @pytest.mark.parametrize("how", DAMAGE)
