@@ -3,10 +3,9 @@
 Two and four hosts (:mod:`.hosts`: network namespaces on a bridge, ``tbf`` on every
 link), one torchrun node and rank each, at each rate; each mode in a torchrun job of its
 own (DDP's first), so no mode runs in a process an earlier one went through. Every mode
-trains the same task from the same start on the same data stream: a 2.1M-parameter MLP (8 x Linear 512,
-ReLU) regressing a fixed random teacher (two tanh layers, outputs of unit variance) plus
-noise (std 0.3), batch ``batch`` per rank,
-AdamW (lr 1e-3). Per mode:
+trains the same task from the same start on the same data stream: a 2.1M-parameter MLP
+(8 x Linear 512, ReLU) regressing a fixed random teacher (two tanh layers, outputs of
+unit variance) plus noise (std 0.3), batch ``batch`` per rank, AdamW (lr 1e-3). Per mode:
 
 * ``ms_per_step``: wall time of the first ``steps`` steps / ``steps`` (the slowest
   rank; a whole number of the local modes' periods, so their syncs are in it);

@@ -46,7 +46,6 @@ class ZeroCheckpointing:
 
     _template = False
 
-
     def _index(self) -> tuple[dict[int, int], list[int]]:
         """torch.optim's parameter index -> layout slot; per group, its indices."""
         slot_of = {id(p): i for i, p in enumerate(self.layout.params)}
