@@ -138,7 +138,7 @@ def network_config(args: argparse.Namespace) -> NetworkConfig:
 
 
 def modes_config(args: argparse.Namespace) -> ModesConfig:
-    """The modes part of the network suite: ``--quick`` is 2 hosts at 1 Gbit/s, 8 steps."""
+    """The modes part of the network suite: ``--quick`` is 2 hosts at 1 Gbit/s, 8 steps, one job."""
     from .hosts import check_rate
     rates = args.rates.split(",") if args.rates else (["1gbit"] if args.quick else ModesConfig().rates)
     for rate in rates:
@@ -152,7 +152,8 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
         if any(h < 2 for h in hosts):
             raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
     if args.quick:
-        return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64)
+        return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64,
+                           job_per_mode=False)
     return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}))
 
 

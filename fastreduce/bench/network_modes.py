@@ -69,6 +69,7 @@ class ModesConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES))
     timeout: float = 1800.0   # per (hosts, rate)
     target: float | None = None  # DDP's final training loss: set by the runner for the modes after DDP
+    job_per_mode: bool = True  # False (--quick): every mode in one torchrun job, a start instead of 12
 
 
 # ============================================================== in each rank
@@ -259,9 +260,10 @@ def _one_link(cfg: ModesConfig, hosts_n: int, rate: str) -> dict[str, Any]:
     where = f"{hosts_n} hosts at {rate}"
     modes: dict[str, Any] = {}
     target = None
+    order = ["ddp"] + [m for m in cfg.modes if m != "ddp"]
     with namespace_hosts(hosts_n, rate) as hosts:
-        for name in ["ddp"] + [m for m in cfg.modes if m != "ddp"]:
-            spec = {**asdict(cfg), "modes": [name], "target": target}
+        for names in ([m] for m in order) if cfg.job_per_mode else [order]:
+            spec = {**asdict(cfg), "modes": names, "target": target}
             r = launch_on(hosts, "fastreduce.bench.network_modes", spec, deadline - time.monotonic(), where)
             target = r["target"]
             modes.update(r["modes"])
