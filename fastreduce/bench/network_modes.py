@@ -8,7 +8,8 @@ trains the same task from the same start on the same data stream: a 2.1M-paramet
 unit variance) plus noise (std 0.3), batch ``batch`` per rank, AdamW (lr 1e-3). Per mode:
 
 * ``ms_per_step``: wall time of the first ``steps`` steps / ``steps`` (the slowest
-  rank; a whole number of the local modes' periods, so their syncs are in it);
+  rank; a whole number of the local modes' periods, so their syncs are in it); for the
+  ``TIMED`` modes the median over ``repeats`` jobs (``ms_per_step_runs``);
 * ``mb_per_step``: bytes this host's interface sent per step (the kernel's counter:
   everything on the wire, TCP headers included), mean over hosts;
 * ``loss``: held-out loss after ``steps`` steps of the ranks' averaged parameters
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +54,11 @@ MODES = ("no_comm", "ddp", "fused_fp32", "fused_bf16", "overlapped", "zero", "go
          "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
 LOCAL = ("no_comm", "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
 """The modes that train on to reach DDP's loss."""
+TIMED = ("no_comm", "streaming_diloco_H32")
+"""The modes a target compares by step time alone, within 10%: each runs ``repeats``
+jobs, the extra ones interleaved after the others (``steps`` steps each), and its
+``ms_per_step`` is their median. On this 2-core VM one job's ``no_comm`` step moves by
+54-74 ms from a job to the next, as much as the target's margin."""
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
 """DiLoCo's outer Nesterov SGD. The paper's momentum 0.9 is tuned for hundreds of inner
 steps; at H = 8 on this task it never reached DDP's loss in 192 steps, momentum 0.5 did
@@ -70,6 +77,7 @@ class ModesConfig:
     timeout: float = 1800.0   # per (hosts, rate)
     target: float | None = None  # DDP's final training loss: set by the runner for the modes after DDP
     job_per_mode: bool = True  # False (--quick): every mode in one torchrun job, a start instead of 12
+    repeats: int = 3          # jobs of each ``TIMED`` mode (with a job per mode): ms/step is their median
 
 
 # ============================================================== in each rank
@@ -261,12 +269,20 @@ def _one_link(cfg: ModesConfig, hosts_n: int, rate: str) -> dict[str, Any]:
     modes: dict[str, Any] = {}
     target = None
     order = ["ddp"] + [m for m in cfg.modes if m != "ddp"]
+    again = [m for m in order if m in TIMED] * (cfg.repeats - 1) if cfg.job_per_mode else []
     with namespace_hosts(hosts_n, rate) as hosts:
         for names in ([m] for m in order) if cfg.job_per_mode else [order]:
             spec = {**asdict(cfg), "modes": names, "target": target}
             r = launch_on(hosts, "fastreduce.bench.network_modes", spec, deadline - time.monotonic(), where)
             target = r["target"]
             modes.update(r["modes"])
+        for m in again:  # step time only: no training on to DDP's loss
+            spec = {**asdict(cfg), "modes": [m], "target": None}
+            r = launch_on(hosts, "fastreduce.bench.network_modes", spec, deadline - time.monotonic(), where)
+            modes[m].setdefault("ms_per_step_runs", [modes[m]["ms_per_step"]]).append(r["modes"][m]["ms_per_step"])
+    for m in modes.values():
+        if "ms_per_step_runs" in m:
+            m["ms_per_step"] = statistics.median(m["ms_per_step_runs"])
     return {"target": target, "modes": modes}
 
 
@@ -308,6 +324,9 @@ def format_text(report: dict[str, Any]) -> str:
             reach = f"{m['s_to_ddp_loss']:.1f}" if m["s_to_ddp_loss"] is not None else "-"
             lines.append(f"  {name:<22}{m['ms_per_step']:>10.1f}{m['mb_per_step']:>10.2f}{m['loss']:>10.4f}"
                          f"{reach:>10}{m['ms_per_step'] / ddp:>8.2f}")
+        lines += [f"  {name}: ms/step the median of {len(m['ms_per_step_runs'])} jobs: "
+                  + ", ".join(f"{t:.1f}" for t in m["ms_per_step_runs"])
+                  for name, m in r["modes"].items() if "ms_per_step_runs" in m]
     if report["targets"]:
         lines += ["", "targets:"] + target_lines(report["targets"])
     return "\n".join(lines)
