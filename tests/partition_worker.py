@@ -4,7 +4,7 @@ mode until a collective fails, and says how.
     python -m torch.distributed.run ... tests/partition_worker.py MODE DIR
 
 Every rank writes ``DIR/rank-<host>`` (its global rank) once the process group is up,
-and ``DIR/steady`` after a few steps; the test then takes host B's link down. Host A's
+and ``DIR/steady`` after a few steps; the test then takes the last host's link down. Host A's
 rank writes ``DIR/result-A.json``: what it raised (type, message, the lost ranks) and
 when (``time.time()``), or that nothing was raised within ``$PARTITION_WATCH_S``.
 """
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import fastreduce
+from fastreduce.comm.collectives import _ring_queues as ring_threads
 
 
 def build(mode: str, model: nn.Module):
@@ -82,6 +83,7 @@ def main() -> None:
         result = {"raised": type(err).__name__, "message": str(err), "at": time.time(),
                   "ranks": getattr(err, "ranks", None), "trace": traceback.format_exc()[-3000:]}
     result["steps"] = n
+    result["ring"] = bool(ring_threads)  # a ring reduce-scatter ran (ZeRO, fp32, Gloo, > 2 ranks)
     if host == "A":
         (out / "result-A.json").write_text(json.dumps(result))
     # exits as a user's script does on an uncaught error: through the interpreter's

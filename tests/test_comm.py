@@ -59,6 +59,17 @@ def _rank_order_mean(sent: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     return acc * (1.0 / m) if m & (m - 1) == 0 else acc / m
 
 
+def _in_sum_order(rows: torch.Tensor, rank: int) -> torch.Tensor:
+    """Chunk ``rank``'s mean as every transport promises it: the ranks' rows summed in fp32
+    in ``sum_order`` (rank + 1, ..., rank: a ring's), one rounding per addition, then
+    divided once."""
+    order = shm_mod.sum_order(rank, len(rows))
+    acc = rows[order[0]].float().clone()
+    for k in order[1:]:
+        acc += rows[k].float()
+    return acc / len(rows)
+
+
 def comm_worker(rank: int, world: int, transport: str) -> dict:
     comm = get_comm(None, torch.device("cpu"), transport)
     out: dict = {"shm": None}
@@ -73,18 +84,23 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
         buf.copy_(src)
         expect = _everyone(buf.clone()).double().mean(0)
         chunk = slice(rank * n // world, (rank + 1) * n // world)
+        exact = _in_sum_order(_everyone(buf.clone())[:, chunk], rank)
         work, then = comm.reduce_scatter(buf)
+        out[f"rs_{name}_kind"] = type(work).__name__
         work.wait()
         if then is not None:
             then()
         out[f"rs_{name}"] = (buf[chunk].double(), expect[chunk])
+        out[f"rs_{name}_exact"] = (buf[chunk].clone(), exact.to(dtype))
         buf.copy_(src)
         wide = torch.zeros(n // world)
         work, then = comm.reduce_scatter(buf, wide, fp32_sum=True)
+        out[f"rs_wide_{name}_kind"] = type(work).__name__
         work.wait()
         if then is not None:
             then()
         out[f"rs_wide_{name}"] = (wide.double(), expect[chunk])
+        out[f"rs_wide_{name}_exact"] = (wide.clone(), exact)
         # all-gather in place: chunk k of every rank's buffer from rank k
         buf.copy_(src)
         mine = buf[chunk].clone()
@@ -159,6 +175,25 @@ def test_gloo_goes_point_to_point_with_cpu_tensors_only(results) -> None:
 def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(results, key: str) -> None:
     for got, want in (r[key] for r in results[1]):
         assert_close(got, want, **_tol(key))
+
+
+@pytest.mark.parametrize("key", ["rs_fp32", "rs_wide_fp32", "rs_wide_bf16"])
+def test_reduce_scatter_sums_in_one_order_on_every_transport(results, key: str) -> None:
+    """Bit for bit the fp32 sum in ``sum_order`` (a ring's): the shared-memory transport,
+    the direct exchange and the ring give the same result."""
+    for got, want in (r[f"{key}_exact"] for r in results[1]):
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_reduce_scatter_goes_around_a_ring_over_gloo_beyond_two_ranks(results) -> None:
+    """An fp32 reduce-scatter over Gloo (CPU) at more than two ranks is a ring: one flow
+    per link direction; into a wider output, and at two ranks, the direct exchange."""
+    transport, per_rank = results
+    ring = transport == "process_group" and len(per_rank) > 2
+    for r in per_rank:
+        assert (r["rs_fp32_kind"] == "RingReduceScatter") == ring
+        assert r["rs_wide_fp32_kind"] == r["rs_fp32_kind"]
+        assert r["rs_bf16_kind"] != "RingReduceScatter" and r["rs_wide_bf16_kind"] != "RingReduceScatter"
 
 
 @pytest.mark.parametrize("key", ["ag_fp32", "ag_bf16"])

@@ -1,6 +1,7 @@
-"""A partition is not a dead process: two namespace hosts, one torchrun rank each; host B's
-link goes down after a steady state (both processes stay alive), and host A must raise
-``RankLostError`` naming B's rank well before the process group's timeout, then exit.
+"""A partition is not a dead process: two namespace hosts (three for ZeRO's ring), one
+torchrun rank each; the last host's link goes down after a steady state (every process
+stays alive), and host A must raise ``RankLostError`` naming that host's rank well
+before the process group's timeout, then exit.
 And the converse: over a slow link (4 Mbit/s) a collective that takes a minute is no
 partition, and succeeds.
 
@@ -22,6 +23,7 @@ from fastreduce.bench.hosts import Host, can_make_hosts, namespace_hosts
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "partition_worker.py"
 MODES = ("fused", "overlap", "zero", "gossip", "local", "diloco")
+CASES = [(mode, 2) for mode in MODES] + [("zero", 3)]  # 3 hosts: ZeRO's reduce-scatter goes around a ring
 DETECT_S = 30  # the issue's bound; the default watchdog window is 3 s (3 heartbeats)
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,9 +40,9 @@ def _launch(hosts: list[Host], argv: list[str], out: Path, env: dict[str, str]) 
     """One torchrun node per host (rendezvous served by host A), each a rank running ``argv``."""
     procs = []
     for k, h in enumerate(hosts):
-        log = open(out / f"log-{'AB'[k]}", "w")  # noqa: SIM115 - closed with the process
+        log = open(out / f"log-{'ABC'[k]}", "w")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(h.torchrun(hosts, argv, f"part{os.getpid()}",
-                                                 {"PARTITION_HOST": "AB"[k], "OMP_NUM_THREADS": "1", **env}),
+                                                 {"PARTITION_HOST": "ABC"[k], "OMP_NUM_THREADS": "1", **env}),
                                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -57,20 +59,22 @@ def _wait_for(path: Path, seconds: float, procs: list[subprocess.Popen], out: Pa
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_partitioned_host_is_named_by_the_other_within_seconds(tmp_path: Path, mode: str) -> None:
-    with namespace_hosts(2, "1gbit") as hosts:
+@pytest.mark.parametrize(("mode", "hosts_n"), CASES, ids=[f"{m}-{n}hosts" for m, n in CASES])
+def test_partitioned_host_is_named_by_the_others_within_seconds(tmp_path: Path, mode: str, hosts_n: int) -> None:
+    with namespace_hosts(hosts_n, "1gbit") as hosts:
         procs = _launch(hosts, [str(WORKER), mode, str(tmp_path)], tmp_path, {"PARTITION_WATCH_S": "120"})
         _wait_for(tmp_path / "steady", 120, procs, tmp_path)
-        hosts[1].set_link(False)  # B's port goes dark; both processes stay alive
+        hosts[-1].set_link(False)  # the last host's port goes dark; every process stays alive
         down = time.time()
         _wait_for(tmp_path / "result-A.json", DETECT_S + 10, procs[:1], tmp_path)
         result = json.loads((tmp_path / "result-A.json").read_text())
-        b_rank = int((tmp_path / "rank-B").read_text())
-        assert procs[1].poll() is None, f"host B's node exited: the test cut no live process\n{_logs(tmp_path)}"
+        lost = "ABC"[hosts_n - 1]
+        b_rank = int((tmp_path / f"rank-{lost}").read_text())
+        assert procs[-1].poll() is None, f"host {lost}'s node exited: the test cut no live process\n{_logs(tmp_path)}"
         assert result["raised"] == "RankLostError", f"{result}\n{_logs(tmp_path)}"
         assert result["ranks"] == [b_rank], result["message"]
         assert f"rank {b_rank} " in result["message"] and "watchdog" in result["message"], result["message"]
+        assert result["ring"] == (mode == "zero" and hosts_n > 2), result  # the ring thread ran where it should
         took = result["at"] - down
         assert took < DETECT_S, f"RankLostError {took:.1f} s after the link went down"
         # and host A's process can exit (its collective abandoned, not joined at exit)

@@ -20,8 +20,9 @@ regions; no data goes through a socket. Chunk r of rank k's slice is only ever r
 and then written by rank r, so after barrier B no rank touches another's region: the
 owner may write its slice again (pack, backward) without a third barrier. Every
 rank's result is bit-identical (each chunk is averaged once, by one rank), and it does
-not depend on timing: a chunk is summed in rank order, one rounding per addition (a
-bf16/fp16 wire in fp32), then divided once by W (:func:`weighted_sum`). At W=2 that is
+not depend on timing: chunk r is summed in the order of :func:`sum_order` (ranks r + 1,
+r + 2, ..., r: a ring's), one rounding per addition (a bf16/fp16 wire in fp32), then
+divided once by W (:func:`weighted_sum`). At W=2 that is
 ``fl(a + b) / 2``, what an averaging all-reduce over Gloo gives, bit for bit. The jobs run on one worker thread
 per process group, so a launch from a backward hook returns at once and every rank
 runs the jobs in launch order. The barriers are counters in the segment's first page
@@ -57,7 +58,7 @@ import torch.distributed as dist
 from ..faults import RankLostError, TransportError, group_timeout, note_lost
 from ..profiling import span
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "weighted_sum"]
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "sum_order", "weighted_sum"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class ShmWork:
     error: BaseException | None = None
     before: Callable[[], None] | None = None  # this launch's pack, run by the worker
     after: Callable[[], None] | None = None  # this launch's unpack, run by the worker
-    order: tuple[torch.Tensor, ...] = ()  # all_reduce, reduce_scatter: my chunk of every rank's slice, in rank order
+    order: tuple[torch.Tensor, ...] = ()  # all_reduce, reduce_scatter: my chunk of every rank's slice, in sum_order
     rank: int = 0
     share: tuple[int, ...] = ()  # mix: the ranks computing this launch's result together (a clique), or ()
     outs: tuple[torch.Tensor, ...] = ()  # mix: every rank's ``out`` (when it lies in the regions), or ()
@@ -126,7 +127,7 @@ class ShmWork:
         if self.kind == MIX:
             self._mix()
             return
-        # my chunk's mean over every rank's slice, summed in rank order; all_reduce pushes it
+        # my chunk's mean over every rank's slice, summed in sum_order; all_reduce pushes it
         dst = self.own if self.out is None else self.out
         world = len(self.order)
         pair = world == 2 and dst.dtype == self.own.dtype != torch.float16  # fl(a + b) / 2 in the wire dtype
@@ -151,6 +152,15 @@ class ShmWork:
                       [self.outs[j][part] for j in self.share if j != self.rank])
 
 
+def sum_order(rank: int, world: int) -> list[int]:
+    """The order in which every transport sums the ranks' copies of chunk ``rank`` of a
+    buffer: ranks ``rank + 1``, ``rank + 2``, ..., ``rank`` (mod ``world``), the order a
+    ring reduce-scatter adds them in on its way to the chunk's owner. One order for all,
+    so a result does not depend on the transport (bit for bit); over two ranks it is
+    ``fl(a + b)`` either way."""
+    return [(rank + 1 + k) % world for k in range(world)]
+
+
 def _sum_and_push(dst: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None, weights: Sequence[float],
                   sources: Sequence[torch.Tensor], pushes: Sequence[torch.Tensor]) -> None:
     """:func:`weighted_sum` of ``sources`` into ``dst``, then copied into each of
@@ -172,8 +182,9 @@ def weighted_sum(out: torch.Tensor, acc: torch.Tensor, tmp: torch.Tensor | None,
     itself when it is fp32 or wider) through ``tmp`` where a source's dtype differs (a
     mixed-dtype op would allocate a cast copy on CPU). Zero weights are skipped.
 
-    One rounding per addition, in the order given (rank order: the result does not
-    depend on timing or on which rank computes it). A mean, every nonzero weight 1/m
+    One rounding per addition, in the order given (:func:`sum_order` for a mean of
+    chunks, rank order for a mix: the result does not depend on timing or on which
+    rank computes it). A mean, every nonzero weight 1/m
     (an average, and the row of every uniform gossip topology), is summed, then divided
     by m once: over two ranks ``fl(a + b) / 2``, bit for bit what an averaging
     all-reduce gives; other weights are multiply-adds. ``acc`` must not alias a
@@ -556,9 +567,9 @@ class ShmAllReduce:
                              f"{tuple(out.shape)}")
         dst_dtype = buf.dtype if out is None else out.dtype
         pair = self.world == 2 and dst_dtype == buf.dtype != torch.float16  # summed in place (reduce)
-        # the rank-order sum writes its first partial sum over the output: my own chunk
-        # (averaged in place) must be one of the first two, or the sum goes to scratch
-        clobbers = out is None and r >= 2
+        # the sum writes its first partial sum over the output: my own chunk (averaged in
+        # place) must be one of the first two terms, or the sum goes to scratch
+        clobbers = out is None and self.world > 2
         acc = tmp = None
         if not pair and (dst_dtype.itemsize < 4 or dst_dtype != buf.dtype or clobbers):
             wide = torch.promote_types(dst_dtype, torch.float32)
@@ -568,7 +579,7 @@ class ShmAllReduce:
             acc, tmp = (t[:own.numel()] for t in self.scratch[wide])
             if dst_dtype.itemsize >= 4 and not clobbers:
                 acc = None  # summed in the output itself, through tmp
-        order = tuple(s[b[r]:b[r + 1]] for s in slices)
+        order = tuple(slices[k][b[r]:b[r + 1]] for k in sum_order(r, self.world))
         return ShmWork(own, peers, acc, tmp, self.barrier, kind, out, order=order)
 
     def _plan_mix(self, buf: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None) -> ShmWork:
