@@ -211,11 +211,9 @@ class RingReduceScatter:
         self.future: torch.futures.Future = torch.futures.Future()
         self.recvs = [[dist.irecv(self.recv[s, a:a + self.step], self.prev, group, self.tag0 + s)
                        for a in range(0, n, self.step)] for s in range(w - 1)]
-        self.sends = self._send(0, rows[(r - 1) % w])
+        first = rows[(r - 1) % w]  # step 0 sends my own row
+        self.sends = [dist.isend(first[a:a + self.step], self.next, group, self.tag0) for a in range(0, n, self.step)]
         jobs.put(self)
-
-    def _send(self, s: int, t: torch.Tensor) -> list[Any]:
-        return [dist.isend(t[a:a + self.step], self.next, self.group, self.tag0 + s) for a in range(0, t.numel(), self.step)]
 
     def run(self) -> None:
         """The steps after the first (on the ring thread)."""
