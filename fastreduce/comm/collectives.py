@@ -181,8 +181,8 @@ class RingReduceScatter:
     every transport sums in, and divides once. Each link direction carries one flow of
     (W - 1)/W of the buffer. Sending every row straight to its owner moves as many bytes
     but puts W - 1 flows on each host's link at once, which a rate-limited link moves
-    more slowly: 4 hosts at 100 Mbit/s, 8.4 MB fp32, 610-650 ms straight against
-    530-550 ms around the ring and 540 ms for Gloo's own ring all-gather (the wire's
+    more slowly: 4 hosts at 100 Mbit/s, 8.4 MB fp32, 590-700 ms straight against
+    555-560 ms around the ring and 540 ms for Gloo's own ring all-gather (the wire's
     floor: 504 ms).
 
     The launch posts every receive (a buffer of its own per step: ``recv``, W - 1

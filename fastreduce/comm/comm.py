@@ -25,7 +25,7 @@ How the bytes travel, per buffer:
  Gloo               point-to-point rows for both halves (what an all-to-all moves), in
                     pieces of 256 KiB, with the sum done locally in fp32; an fp32
                     reduce-scatter over more than two ranks goes around a ring instead
-                    (:class:`~.collectives.RingReduceScatter`: one flow per link, 0.85x
+                    (:class:`~.collectives.RingReduceScatter`: one flow per link, about 0.85x
                     the time of the direct exchange over 100 Mbit/s links): measured on
                     torch 2.13 (2 ranks, 48 MB fp32, one host), ``all_to_all_single``
                     21 ms against ``reduce_scatter_tensor`` 62 ms and
