@@ -155,8 +155,9 @@ def test_overlap_fp32_accumulation_equals_the_fused_mode(errors):
         assert "fp32 accumulate" in overlap["plan"]
         assert overlap["collectives"] == 2 * 2 * overlap["buckets"], overlap  # two steps
     assert overlap["allocs"] == [], overlap["allocs"]  # the two-phase launch reuses its scratch
-    # Each element is summed in fp32 in the same rank order and rounded once, however
-    # the buffer is cut into buckets: the very same bits.
+    # Each element is summed in fp32 and rounded once, however the buffer is cut into
+    # buckets: the very same bits (a chunk's order of ranks follows its owner, but a
+    # few bf16 values sum exactly in fp32).
     torch.testing.assert_close(overlap["result"], fused["result"], rtol=0, atol=0)
 
 

@@ -108,20 +108,29 @@ def data_for(world: int, name: str, rnd: int, rank: int, numel: int) -> torch.Te
     return (mag * sign * 4.0 ** (rank - 1)).to(DTYPES[name])
 
 
-def reference_mean(local: list[torch.Tensor]) -> torch.Tensor:
+def reference_mean(local: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch.Tensor:
     """The documented arithmetic, from every rank's values: at 2 ranks a real Gloo
     all-reduce (sum, then halved: exact), in the wire dtype (fp16 in fp32, which cannot
-    overflow); at more, the sum in rank order in fp32 (or the wire's wider dtype), one
-    rounding per addition, divided once by the world size, then rounded to the wire."""
+    overflow); at more, chunk r of each slice (``spans``, cut as the transport cuts it)
+    summed in fp32 (or the wire's wider dtype) in ``sum_order`` (ranks r + 1, ..., r: a
+    ring's), one rounding per addition, divided once by the world size, then rounded to
+    the wire."""
     world, dtype = len(local), local[0].dtype
     if world == 2 and dtype != torch.float16:
         total = local[dist.get_rank()].clone()
         dist.all_reduce(total)
         return total / 2
-    acc = local[0].to(torch.promote_types(dtype, torch.float32))
-    for x in local[1:]:
-        acc = acc + x.to(acc.dtype)
-    return (acc / world).to(dtype)
+    out = local[0].clone()
+    for o, n in spans:
+        edges = fastreduce.comm.shm._bounds(n, world)
+        for r in range(world):
+            part = slice(o + edges[r], o + edges[r + 1])
+            order = fastreduce.comm.shm.sum_order(r, world)
+            acc = local[order[0]][part].to(torch.promote_types(dtype, torch.float32))
+            for k in order[1:]:
+                acc = acc + local[k][part].to(acc.dtype)
+            out[part] = (acc / world).to(dtype)
+    return out
 
 
 def start_error(shm: ShmAllReduce, buf: torch.Tensor) -> dict:
@@ -166,7 +175,7 @@ def direct_case(rank: int, world: int, name: str, private: str) -> dict:
             w.wait()
         after = region.clone()  # at once: every rank's pushes must have landed by now
         mean, scale = (d["r"] for d in mean_and_scale({"r": local[rank]}))
-        exact = reference_mean(local)
+        exact = reference_mean(local, spans)
         inside = torch.zeros(numel, dtype=torch.bool)
         ratio, excess = [], []
         for o, n in spans:
@@ -462,10 +471,10 @@ def test_average_within_rounding_of_the_fp64_mean(group, name) -> None:
 
 @worlds(2, 3, 4)
 @every_dtype
-def test_mean_is_the_rank_order_sum_divided_once(group, name) -> None:
+def test_mean_is_the_ring_order_sum_divided_once(group, name) -> None:
     """Bit for bit the documented arithmetic (:func:`reference_mean`): at 2 ranks what a
-    Gloo all-reduce mean gives; at 3 and 4 the rank-order sum, divided once, whatever the
-    timing (a late writer) and whichever rank averages a chunk."""
+    Gloo all-reduce mean gives; at 3 and 4 each chunk's sum in ``sum_order`` (a ring's),
+    divided once, whatever the timing (a late writer)."""
     for rank, out in enumerate(per_rank(group, name)):
         for rnd, res in zip(ROUNDS, out["rounds"]):
             assert res["exact"] == [0] * res["count"], f"rank {rank} {rnd}: elements off per slice {res['exact']}"
