@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import socket
 import threading
@@ -191,10 +192,32 @@ class _Heartbeat:
                 break
         _forget(self)
 
-    def mark_lost(self, ranks: Any, how: str, who: dict[int, str]) -> None:
-        """Remember ``ranks`` as lost (the first word on a rank stays)."""
+    def mark_lost(self, ranks: Any, how: str, who: dict[int, str], publish: bool = True) -> None:
+        """Remember ``ranks`` as lost (the first word on a rank stays) and, found here
+        (``publish``), tell the other ranks through the store (:meth:`verdict`). A rank
+        can only see a peer go quiet: once a survivor has raised and exited, a rank that
+        was waiting on it (a ring's next rank) would see it quiet too, and name it."""
+        new = sorted(r for r in ranks if r not in self.lost)
         for r in ranks:
             self.lost.setdefault(r, (how, {r: who[r]} if who.get(r) else {}))
+        if new and publish:
+            try:
+                self.store.set(f"{_KEY}lost", json.dumps({"by": self.rank, "ranks": new, "how": how,
+                                                          "who": {str(r): who[r] for r in new if who.get(r)}}))
+            except Exception:  # noqa: BLE001 - best effort: the others then look for themselves
+                pass
+
+    def verdict(self) -> tuple[list[int], str, dict[int, str]] | None:
+        """The ranks another rank found lost and published (:meth:`mark_lost`), if any:
+        ``(ranks, how, who)``."""
+        key = f"{_KEY}lost"
+        if not self.store.check([key]):
+            return None
+        found = json.loads(self.store.get(key))
+        if found["by"] == self.rank:
+            return None
+        return (found["ranks"], f"{found['how']}; found by rank {found['by']}",
+                {int(r): w for r, w in found["who"].items()})
 
     def counts(self) -> list[int]:
         keys = [f"{_KEY}heartbeat/{r}" for r in range(self.world)]
@@ -280,6 +303,13 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         ranks = sorted(beat.lost)
         who = {r: w for r in ranks for w in beat.lost[r][1].values()}
         return ranks, beat.lost[ranks[0]][0], who
+    try:
+        found = beat.verdict()
+    except Exception:  # noqa: BLE001 - the store does not answer: see below
+        found = None
+    if found is not None:
+        beat.mark_lost(*found, publish=False)
+        return found
     wait = lost_after() if wait is None else wait
     me = beat.rank
     silent = [r for r in range(beat.world) if r != me]
@@ -398,6 +428,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         now = time.monotonic()
         try:
             counts = beat.counts()
+            found = beat.verdict()
         except Exception as err:  # noqa: BLE001 - the store does not answer
             unanswered = unanswered or now
             if time.monotonic() - unanswered >= window:
@@ -407,6 +438,11 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
                                      "collective is abandoned") from err
             continue
         unanswered = None
+        if found is not None:  # another rank named them first: the same names here
+            beat.mark_lost(*found, publish=False)
+            _abandon_groups()
+            raise TransportError(f"fastreduce: rank(s) {found[0]} were found lost by another rank during a "
+                                 "collective; the collective is abandoned")
         for r, c in enumerate(counts):
             if r != beat.rank and (r not in seen or seen[r][0] != c):
                 seen[r] = (c, now)
