@@ -34,8 +34,9 @@ from ..faults import wait_watched
 from ..profiling import span
 from .shm import ShmAllReduce, sum_order
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "RingReduceScatter", "Waitable", "advance", "all_gather_flat", "broadcast_from_rank0",
-           "complete", "gather_by_exchange", "plan_mean", "reduce_scatter_flat", "start_all_reduce"]
+__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "RingReduceScatter", "Waitable", "advance", "all_gather_flat",
+           "broadcast_from_rank0", "complete", "gather_by_exchange", "plan_mean", "reduce_scatter_flat",
+           "start_all_reduce"]
 
 _BROADCAST_CHUNK = 1 << 24  # elements received at a time when checking what rank 0 sends
 
@@ -149,7 +150,7 @@ of 256 KiB or less 350-375 ms every time (the wire's floor: 336 ms)."""
 
 def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
                  group: dist.ProcessGroup | None, global_rank: Callable[[int], int],
-                 piece_bytes: int | None = WIRE_PIECE_BYTES, tag: int = 0) -> list[Any]:
+                 piece_bytes: int | None = WIRE_PIECE_BYTES) -> list[Any]:
     """Point-to-point ops sending ``sends[j]`` to group rank ``j`` and receiving
     ``recvs[j]`` from it, each cut into contiguous pieces of at most ``piece_bytes``
     (``None``: whole; both sides cut alike: a send and its receive are as long)."""
@@ -158,7 +159,7 @@ def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
         for kind, t in ((dist.isend, sends.get(j)), (dist.irecv, recvs.get(j))):
             if t is not None and t.numel():
                 step = t.numel() if piece_bytes is None else max(1, piece_bytes // t.element_size())
-                per_peer.append([dist.P2POp(kind, t[a:a + step], global_rank(j), group, tag)
+                per_peer.append([dist.P2POp(kind, t[a:a + step], global_rank(j), group)
                                  for a in range(0, t.numel(), step)])
     # interleaved (piece k of every send and receive, then piece k + 1): posted all sends
     # first, the two directions of a pair took turns (each phase of ZeRO at 2x the wire time)
