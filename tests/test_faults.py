@@ -26,10 +26,9 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fastreduce
-from fastreduce.launch import free_port
+from fastreduce.launch import free_port, rank_context
 
 from models import batch_for, linear_stack, loss_of
 
@@ -268,10 +267,7 @@ def run_kill(case: str, transport: str, world: int = 2, victim: int = 1, pg_time
     reported)."""
     fd, death_file = tempfile.mkstemp(prefix="fastreduce-death-")
     os.close(fd)
-    # Children fork from a server that imported torch once (a fresh process that ran no
-    # op: safe to fork), instead of importing it again each: seconds per case.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "fastreduce", __name__])
+    ctx = rank_context(__name__)  # forked from a server that imported torch once (launch.py)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(case, r, world, victim, port, transport, pg_timeout, death_file, results),
