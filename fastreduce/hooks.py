@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["before_forward", "compiled", "eager", "forward_waits", "on_grad_ready", "on_step", "remove_hooks"]
+__all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_waits", "on_grad_ready", "on_step",
+           "remove_hooks"]
 
 log = logging.getLogger("fastreduce")
 
@@ -36,6 +37,20 @@ log = logging.getLogger("fastreduce")
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run eagerly wherever it is called from compiled code (a graph break)."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def eager_methods(cls: type, *names: str) -> None:
+    """:func:`eager` on methods of ``cls``, for its constructor to call: the class is
+    patched once, before any instance can be compiled, rather than decorated at import,
+    since ``torch.compiler.disable`` imports torch._dynamo (about a second of
+    ``import fastreduce``, and of every process that only imports it: ``fastreduce info``,
+    a torchrun worker that never compiles)."""
+    for name in names:
+        fn = cls.__dict__[name]
+        if not getattr(fn, "_fastreduce_eager", False):
+            fn = eager(fn)
+            fn._fastreduce_eager = True
+            setattr(cls, name, fn)
 
 
 def on_grad_ready(params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter],

@@ -96,6 +96,26 @@ def test_import_does_not_touch_device_stacks() -> None:
         assert not torch.cuda.is_initialized(), "CUDA initialized"
         for mod in ("fastreduce.backends.cuda", "fastreduce.backends.hpu"):
             assert mod not in sys.modules, mod + " imported eagerly"
+        # dynamo costs a second of every process that imports fastreduce and never compiles
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo imported by import fastreduce"
+    """)
+
+
+def test_gossip_forward_hook_is_eager_once_a_wrapper_exists() -> None:
+    """DecentralizedDataParallel's forward closes the last step in a graph break where the
+    wrapper is compiled: its method is ``torch.compiler.disable``-d by the first constructor
+    (hooks.eager_methods), not at import."""
+    run_python("""
+        import torch, torch.distributed as dist, fastreduce
+        from fastreduce.modes.gossip import DecentralizedDataParallel as D
+        assert not hasattr(D.__dict__["_before_forward"], "_torchdynamo_disable")
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        D(torch.nn.Linear(2, 2), lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
+        fn = D.__dict__["_before_forward"]
+        assert getattr(fn, "_torchdynamo_disable", False) and fn._fastreduce_eager, fn
+        D(torch.nn.Linear(2, 2), lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
+        assert D.__dict__["_before_forward"] is fn, "wrapped twice"
+        dist.destroy_process_group()
     """)
 
 

@@ -47,7 +47,7 @@ from ..comm import Pending, complete, get_comm
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
-from ..hooks import eager, on_grad_ready, remove_hooks
+from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_model
 from .topology import Topology, make_topology
@@ -111,6 +111,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
                  wire_dtype: torch.dtype | None = None, local_world_size: int | None = None,
                  buffers: str = "mix", nonfinite: NonFinite = "ignore"):
         super().__init__()
+        eager_methods(DecentralizedDataParallel, "_before_forward")
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # bucket steps skipped on this rank for inf/NaN gradients
         self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
@@ -155,10 +156,9 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            self._before_forward()  # eager: a graph break where the wrapper is compiled
+            self._before_forward()  # eager (eager_methods): a graph break where the wrapper is compiled
         return self.module(*args, **kwargs)
 
-    @eager
     @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
              "took the last step and others did not.")
     def _before_forward(self) -> None:
