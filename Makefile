@@ -19,7 +19,7 @@ STACK_GOAL ?= test
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
-.PHONY: install demo test test-quick test-gpu bench lint clean
+.PHONY: install demo test test-quick test-durations test-mutations test-gpu bench lint clean
 
 install: $(STAMP)
 
@@ -44,16 +44,45 @@ demo: $(STAMP)
 # CPU ranks on one host otherwise skip for shared memory.
 TRANSPORT_SUITES := tests/test_fused.py tests/test_overlap.py tests/test_numerics.py tests/test_zero.py tests/test_decentralized.py tests/test_local.py tests/test_error_feedback.py tests/test_nonfinite.py tests/test_compile.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	FASTREDUCE_TRANSPORT=process_group $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(TRANSPORT_SUITES)
+# Three pytest workers (xdist), each test file on one of them (its module fixtures start
+# each rank group once): one worker's ranks compute while another's wait on a link, a
+# killed peer or a torchrun start (on 2 cores the default pass took 1000 s in one process,
+# 571 s with two workers, 503 s with three). See docs/testing.md. The order is random (pytest-randomly; the seed is printed
+# at the end, PYTEST_ARGS=--randomly-seed=N repeats it), so no test leans on another's
+# leftovers. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+# DURATIONS=DIR: every test's setup, call and teardown seconds go to DIR/PASS.jsonl
+# (tests/conftest.py); make test-durations reports them (tests/durations.py).
+DURATIONS ?=
+record = $(if $(DURATIONS),FASTREDUCE_DURATIONS=$(abspath $(DURATIONS))/$(1).jsonl)
 
-# For development, under 5 minutes here: every mode once against its reference (tests
+# One inductor cache for both passes: the transport pass loads what the first compiled.
+test: $(STAMP)
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d -t fastreduce-inductor-XXXXXX); \
+	$(call record,default) $(PYTEST) $(PYTEST_ARGS) && \
+	FASTREDUCE_TRANSPORT=process_group $(call record,process_group) $(PYTEST) $(PYTEST_ARGS) $(TRANSPORT_SUITES); \
+	rc=$$?; rm -rf "$$TORCHINDUCTOR_CACHE_DIR"; exit $$rc
+
+# make test, timed: both passes' durations in .durations/VENV/ and a report of where the
+# time goes (make stack-NAME STACK_GOAL=test-durations for a stack).
+DURATIONS_DIR ?= .durations/$(notdir $(VENV))
+test-durations: $(STAMP)
+	rm -rf $(DURATIONS_DIR) && mkdir -p $(DURATIONS_DIR)
+	$(MAKE) test DURATIONS=$(DURATIONS_DIR)
+	$(BIN)/python tests/durations.py $(DURATIONS_DIR)/*.jsonl | tee $(DURATIONS_DIR)/report.txt
+
+# Proof that the suite catches real bugs: the code broken in 8 ways (tests/mutations.py),
+# each mutant must fail a test.
+test-mutations: $(STAMP)
+	$(BIN)/python tests/mutations.py
+
+# For development, under a minute here: every mode once against its reference (tests
 # marked quick: fused, overlapped, all_reduce_gradients, ZeRO, gossip, LocalSGD, DiLoCo,
 # Join, checkpoints, both transports' collectives) and the checks that start no process.
 # The full suite (make test) is what CI runs.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m quick $(PYTEST_ARGS)
+	$(PYTEST) -m quick $(PYTEST_ARGS)
 
 # stack-NAME: make $(STACK_GOAL) in .stacks/NAME, with the Python that stacks/NAME.txt
 # names (pyenv's if there is one, else pythonX.Y on PATH).
@@ -78,4 +107,4 @@ lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 
 clean:
-	rm -rf $(VENV) .stacks .pytest_cache build *.egg-info
+	rm -rf $(VENV) .stacks .pytest_cache .durations build *.egg-info

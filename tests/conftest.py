@@ -9,6 +9,7 @@ names a test of every mode, and ``-m quick`` refuses to run while a pattern matc
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,41 @@ QUICK: dict[str, tuple[str, ...]] = {
 """Per mode or concern, the node ids (patterns) of its quick tests."""
 
 
+# ============================================================== several workers (make test: xdist)
+# Each test file runs on one worker, so that its module fixtures start each rank group once
+# as in a plain run; the files whose tests share nothing (each starts its own processes)
+# are spread test by test. The longest groups start first (in this order: seconds on the
+# default stack, make test-durations), so that none of them is the tail of the run; the
+# rest follow in pytest-randomly's order.
+
+INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_info.py", "test_readme.py",
+               "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
+               "test_optimum_habana.py")
+"""Files whose tests share no module fixture or cache: a group per test."""
+
+FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
+         "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
+         "test_transformers.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
+         "test_shm.py", "test_overlap.py", "test_lightning.py", "test_partition.py::*")
+"""Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
+
+
+def xdist_group(node: str) -> str:
+    file = node.split("::", 1)[0]
+    return node if file in INDEPENDENT else file
+
+
+def _start_rank(node: str) -> int:
+    group = xdist_group(node)
+    return next((k for k, p in enumerate(FIRST) if matches(group, p)), len(FIRST))
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_start_longest_first(items: list[pytest.Item]) -> None:
+    """After pytest-randomly's shuffle and pytest's grouping by fixture (a stable sort)."""
+    items.sort(key=lambda item: _start_rank(item.nodeid.split("tests/", 1)[-1].split("@", 1)[0]))
+
+
 def quick_patterns() -> list[str]:
     return [p for patterns in QUICK.values() for p in patterns]
 
@@ -39,14 +75,62 @@ def matches(node: str, pattern: str) -> bool:
     return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), node) is not None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One inductor cache for every process of this run (the ranks, torchrun's workers, an
+    # xdist worker's): a graph compiled by one is loaded by the next, and nothing left in
+    # the machine's default cache by an earlier run makes this one look faster.
+    import os
+    import tempfile
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastreduce-inductor-")
+        config._fastreduce_inductor_cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+    made = getattr(config, "_fastreduce_inductor_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     patterns = quick_patterns()
     unmatched = set(patterns)
     for item in items:
         node = item.nodeid.split("tests/", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group(xdist_group(node)))
         hits = {p for p in patterns if matches(node, p)}
         if hits:
             item.add_marker(pytest.mark.quick)
             unmatched -= hits
     if config.getoption("markexpr") == "quick" and unmatched:  # a renamed test must not drop out silently
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {sorted(unmatched)}")
+
+
+# ============================================================== durations (make test-durations)
+# With FASTREDUCE_DURATIONS=PATH every test's setup, call and teardown seconds are appended
+# to PATH as JSON lines; ``python -m tests.durations`` (tests/durations.py) reports them.
+
+_durations_file = None
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    global _durations_file
+    import json
+    import os
+    path = os.environ.get("FASTREDUCE_DURATIONS")
+    if not path or getattr(report, "node", None) is not None:  # under xdist, the worker writes it
+        return
+    if _durations_file is None:
+        _durations_file = open(path, "a", buffering=1)
+    _durations_file.write(json.dumps({
+        "node": report.nodeid, "when": report.when, "seconds": round(report.duration, 4),
+        "outcome": report.outcome, "pass": os.environ.get("FASTREDUCE_TRANSPORT", "default"),
+    }) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    seed = getattr(config.option, "randomly_seed", None)  # pytest-randomly's, where it is active
+    if isinstance(seed, int) and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"tests ran in a random order: --randomly-seed={seed} repeats it")
