@@ -739,3 +739,36 @@ def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
     with pytest.raises(RuntimeError, match="earlier shared-memory all-reduce failed"):
         peer()  # the failed rank never signals a count again
     assert int(header.view(torch.int64)[8]) == -1
+
+
+# ============================================================== who is named lost
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid no longer exists
+    return proc.pid
+
+
+@pytest.mark.parametrize("survivor_told", [True, False], ids=["survivor-told", "nobody-told"])
+def test_a_survivor_that_raised_and_exited_is_not_named_lost(survivor_told: bool) -> None:
+    """Three ranks, rank 1 killed. Rank 2 found it first, raised and exited (a survivor
+    that reports and leaves, as a test's rank or a torchrun worker does); rank 0, slower,
+    finds both processes gone. With rank 2's word in the segment it names rank 1 alone
+    (the race seen under load: "ranks 1, 2 of 3 were lost"); without a word, every
+    exited rank is named, as before."""
+    from fastreduce.comm.shm import _LINE, _FlagBarrier, _pid_namespace
+    from fastreduce.faults import RankLostError
+
+    world = 3
+    header = torch.zeros(world * _LINE // 8, dtype=torch.int64)
+    lines = header.view(world, _LINE // 8)
+    for k, pid in enumerate((os.getpid(), _dead_pid(), _dead_pid())):
+        lines[k, 1], lines[k, 2] = pid, _pid_namespace()
+    lines[2, 0] = -1  # rank 2 failed ...
+    if survivor_told:
+        lines[2, 3] = 1 << 1  # ... because rank 1 exited
+    barrier = _FlagBarrier(header.view(torch.uint8), 0, world, timeout=10.0, ranks=[0, 1, 2])
+    with pytest.raises(RankLostError) as e:
+        barrier()
+    assert e.value.ranks == ([1] if survivor_told else [1, 2]), str(e.value)
+    assert int(lines[0, 3]) == (0b10 if survivor_told else 0b110), "rank 0's own word for the others"

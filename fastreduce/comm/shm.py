@@ -232,6 +232,11 @@ class _FlagBarrier:
     its global rank (``ranks``), rather than at the timeout (the process group's).
     Once failed it stays failed: every later barrier raises at once.
 
+    A rank that finds others exited writes whom (a bit per rank, the line's fourth word)
+    before it fails, and the others take its word: it may itself exit once it has raised,
+    before a slower survivor looks, and is no lost rank for that (3 ranks, rank 1 killed:
+    rank 0 named ranks 1 and 2 when rank 2 had raised and exited first).
+
     Ordering: the data a rank wrote before storing its count is visible to a rank that
     has read that count, on x86-64's total store order (every store of ATen's kernels
     and of ``fill_`` is a plain store, each kernel an opaque call). Elsewhere the Gloo
@@ -240,8 +245,9 @@ class _FlagBarrier:
 
     def __init__(self, header: torch.Tensor, rank: int, world: int, timeout: float,
                  ranks: Sequence[int] | None = None):
-        lines = header.view(torch.int64).view(-1, _LINE // 8)[:world]  # [count, pid, pid ns]
-        self.flags, self.pids, self.pidns = lines[:, 0], lines[:, 1], lines[:, 2]
+        lines = header.view(torch.int64).view(-1, _LINE // 8)[:world]  # [count, pid, pid ns, lost]
+        self.flags, self.pids, self.pidns, self.verdicts = lines[:, 0], lines[:, 1], lines[:, 2], lines[:, 3]
+        self.rank = rank
         self.mine = lines[rank, 0:1]
         self.count = 0
         self.timeout = timeout
@@ -293,9 +299,14 @@ class _FlagBarrier:
         if len(set(self.pidns.tolist())) != 1:  # pids do not mean the same thing to every rank
             return
         host = socket.gethostname()
-        gone = {self.ranks[k]: f"pid {pid} on host {host}" for k, pid in enumerate(self.pids.tolist())
-                if not _alive(pid)}
+        exited = {k for k, pid in enumerate(self.pids.tolist()) if not _alive(pid)}
+        told = {k: v for k, v in enumerate(self.verdicts.tolist()) if v}  # local rank -> lost ranks' bits
+        lost = (exited - set(told)) | {k for v in told.values() for k in range(len(self.ranks)) if v >> k & 1}
+        pids = self.pids.tolist()
+        gone = {self.ranks[k]: f"pid {pids[k]} on host {host}" for k in sorted(lost)}
         if gone:
+            if len(self.ranks) < 64:  # this rank's word for the others (see the class docstring)
+                self.verdicts[self.rank] = sum(1 << k for k in lost)
             how = "its process exited (seen by the shared-memory transport)"
             note_lost(gone, how)
             world = dist.get_world_size() if dist.is_initialized() else None
