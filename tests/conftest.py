@@ -1,7 +1,7 @@
 """The quick tier (``make test-quick``, ``pytest -m quick``): every mode once against its
 reference on 2 ranks, both transports' collectives, checkpoints, Join, and the checks
-that start no process; under 5 minutes on a 2-core machine, where the full suite (what
-CI runs) takes about 25. The tier is this list of node-id patterns (relative to tests/,
+that start no process; under a minute on a 2-core machine, where the full suite (what
+CI runs) takes about 11 (docs/testing.md). The tier is this list of node-id patterns (relative to tests/,
 ``*`` a wildcard), so it is read in one place. ``tests/test_imports.py`` checks that it
 names a test of every mode, and ``-m quick`` refuses to run while a pattern matches no test.
 """
