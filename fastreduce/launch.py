@@ -8,13 +8,12 @@ call with every failing rank's traceback; a rank that has not answered within
 :class:`RankTimeout`, so a hang fails a test instead of a CI job.
 
 The processes fork from a server process (multiprocessing's ``forkserver``) that imported
-torch and fastreduce once: a rank starts in about 0.05 s instead of the 1-3 s a spawned
-interpreter spends importing them (torch._dynamo alone is a second), which is most of a
-test's cost where a group runs a few steps. The server has run no torch op and started
-no thread pool, so forking it is safe; each rank is still a new process with a new
-group. What spawn would have given a child and fork from the server does not, the
-parent's current environment, is handed over explicitly (cwd and ``sys.path`` travel
-with multiprocessing's own preparation data).
+torch and fastreduce once: a 2-rank group starts in about 0.1 s instead of the 3-4 s two
+spawned interpreters spend importing them, which is most of a test's cost where a group
+runs a few steps. The server has run no torch op and started no thread pool, so forking
+it is safe; each rank is still a new process with a new group. A forked child has the
+server's environment, from when it started, so the parent's current one is handed over
+(cwd and ``sys.path`` travel with multiprocessing's own preparation data).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def report(rows: list[dict], top: int) -> None:
 
 def compare(before: list[dict], after: list[dict]) -> None:
     b, a = per_file(before), per_file(after)
-    print(f"| pass | file | cases before | cases after | s before | s after |")
+    print("| pass | file | cases before | cases after | s before | s after |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for key in sorted(set(b) | set(a), key=lambda k: -(sum(b.get(k, [0, 0, 0])[1:]))):
         nb, *sb = b.get(key, [0, 0.0, 0.0])
