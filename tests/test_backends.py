@@ -109,7 +109,8 @@ def test_gossip_forward_hook_is_eager_once_a_wrapper_exists() -> None:
         import torch, torch.distributed as dist, fastreduce
         from fastreduce.modes.gossip import DecentralizedDataParallel as D
         assert not hasattr(D.__dict__["_before_forward"], "_torchdynamo_disable")
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        from fastreduce.launch import free_port
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         D(torch.nn.Linear(2, 2), lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
         fn = D.__dict__["_before_forward"]
         assert getattr(fn, "_torchdynamo_disable", False) and fn._fastreduce_eager, fn
