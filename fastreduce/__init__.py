@@ -17,6 +17,7 @@ each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloc
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
 from .backends import GraphContractError
 from .checkpoint import CheckpointDamagedError, CheckpointMismatchError
+from .codecs import PowerSGD
 from .compiling import compile_backend
 from .engine import DistInfo, init_distributed
 from .faults import RankLostError
@@ -40,6 +41,7 @@ __all__ = [
     "LayoutMismatchError",
     "LocalSGD",
     "NonFiniteGradError",
+    "PowerSGD",
     "RankLostError",
     "ReducerConfig",
     "ReducerStats",

@@ -36,6 +36,17 @@ def _fingerprint(func: Any, args: tuple, kwargs: dict) -> tuple:
     return (str(func), tensors)
 
 
+def _written(schema: Any, args: tuple, kwargs: dict) -> Any:
+    """What an in-place or out= op returns, without running it: its written outputs."""
+    if not schema.returns:  # e.g. _foreach_copy_
+        return None
+    outs = [kwargs[a.name] for a in schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write and a.name in kwargs]
+    if len(schema.returns) > 1:
+        return tuple(outs)
+    return outs[0] if outs else (args[0] if args else None)
+
+
 def _mutates_only(func: Any) -> bool:
     """True for in-place/out= ops and views: the ops a graph over fixed buffers may hold."""
     schema = func._schema
@@ -60,7 +71,7 @@ class _Recorder(TorchDispatchMode):
                 raise GraphContractError(f"captured function allocates ({func}); graphs "
                                          "must only read and write persistent buffers")
             if func._schema.is_mutable:
-                return kwargs.get("out", args[0] if args else None)
+                return _written(func._schema, args, kwargs)
             return func(*args, **kwargs)
         if i >= len(self.expected) or self.expected[i] != fp:
             want = self.expected[i] if i < len(self.expected) else "<nothing>"

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..comm import Transport
 from ..grads import NonFinite
+from ..codecs.powersgd import PowerSGD
 from .fused import FusedReducer, UnusedGrads
 
 __all__ = ["all_reduce_gradients", "functional_state", "gradient_reducer", "load_functional_state"]
@@ -42,7 +43,7 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
                          backend: str = "auto", unused_grads: UnusedGrads = "error",
                          accumulate_dtype: torch.dtype | None = None,
                          transport: Transport | None = None, error_feedback: bool = False,
-                         nonfinite: NonFinite = "ignore") -> bool:
+                         nonfinite: NonFinite = "ignore", compression: PowerSGD | None = None) -> bool:
     """Average ``model``'s gradients across ranks: call after ``backward()``, before ``step()``;
     returns :meth:`FusedReducer.reduce`'s verdict (``False``: skip the step, only under
     ``nonfinite="skip"``).
@@ -59,13 +60,14 @@ def all_reduce_gradients(model: torch.nn.Module, fusion_buffer_dtype: torch.dtyp
         >>> loss.backward()
         >>> fastreduce.all_reduce_gradients(model)             # bf16 on the wire
         >>> fastreduce.all_reduce_gradients(model, torch.float32)  # exact fp32
+        >>> fastreduce.all_reduce_gradients(model, compression=fastreduce.PowerSGD(rank=4))  # low-rank
         >>> optimizer.step()
 
     Under uneven inputs pass :func:`gradient_reducer` (the same reducer) to ``Join``.
     """
     return gradient_reducer(model, fusion_buffer_dtype, use_hpu_graphs, group=group, backend=backend,
                             unused_grads=unused_grads, accumulate_dtype=accumulate_dtype, transport=transport,
-                            error_feedback=error_feedback, nonfinite=nonfinite).reduce()
+                            error_feedback=error_feedback, nonfinite=nonfinite, compression=compression).reduce()
 
 
 def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | None = torch.bfloat16,
@@ -73,7 +75,7 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
                      backend: str = "auto", unused_grads: UnusedGrads = "error",
                      accumulate_dtype: torch.dtype | None = None,
                      transport: Transport | None = None, error_feedback: bool = False,
-                     nonfinite: NonFinite = "ignore") -> FusedReducer:
+                     nonfinite: NonFinite = "ignore", compression: PowerSGD | None = None) -> FusedReducer:
     """The :class:`FusedReducer` that :func:`all_reduce_gradients` uses for ``model`` with
     the same arguments (made now if it does not exist yet; made by any rank, it is
     built collectively at the first reduction). It is what to hand to ``Join`` (and
@@ -93,7 +95,7 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
     key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
-           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite)
+           use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite, compression)
     reducer = cache.get(key)
     if reducer is None:
         for old in [k for k, r in cache.items() if r._group_built.changed()]:
@@ -102,30 +104,45 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,
                                             use_graphs=use_hpu_graphs, backend=backend,
                                             unused_grads=unused_grads, accumulate_dtype=accumulate_dtype,
-                                            error_feedback=error_feedback, nonfinite=nonfinite, **extra)
+                                            error_feedback=error_feedback, nonfinite=nonfinite,
+                                            compression=compression, **extra)
         if cache.restore is not None:
-            reducer.load_state_dict(cache.restore)
+            reducer.load_state_dict(_its_part(reducer, cache.restore))
             cache.restore = None
     return reducer
 
 
 def functional_state(model: nn.Module) -> dict[str, Any]:
-    """The error-feedback residuals of the reducers ``all_reduce_gradients`` keeps on ``model``."""
+    """The error-feedback residuals of the reducers ``all_reduce_gradients`` keeps on
+    ``model``, and PowerSGD's state (residuals, Q, step) of the one that compresses."""
     residuals: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {"residuals": residuals}
     for reducer in model.__dict__.get("_fastreduce_reducers", {}).values():
-        for name, t in reducer.state_dict()["residuals"].items():
+        mine = reducer.state_dict()
+        for name, t in mine["residuals"].items():
             residuals.setdefault(name, t)
-    return {"residuals": residuals}
+        if "compression" in mine:
+            state.setdefault("compression", mine["compression"])
+    return state
 
 
 def load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
-    """Residuals into the reducers on ``model`` that use error feedback, or, if there is
-    none yet, handed to the next one ``all_reduce_gradients`` makes."""
-    if not state["residuals"]:
+    """Residuals (and PowerSGD's state) into the reducers on ``model`` that use them, or,
+    if there is none yet, handed to the next one ``all_reduce_gradients`` makes."""
+    if not state["residuals"] and "compression" not in state:
         return
     cache = model.__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
-    users = [r for r in cache.values() if r.config.error_feedback]
+    users = [r for r in cache.values() if r.config.error_feedback or r.config.compression is not None]
     for reducer in users:
-        reducer.load_state_dict(state)
+        reducer.load_state_dict(_its_part(reducer, state))
     if not users:
         cache.restore = state
+
+
+def _its_part(reducer: FusedReducer, state: dict[str, Any]) -> dict[str, Any]:
+    """What of a saved functional state ``reducer`` uses: residuals if it has error
+    feedback, PowerSGD's state if it compresses."""
+    part: dict[str, Any] = {"residuals": state["residuals"] if reducer.config.error_feedback else {}}
+    if reducer.config.compression is not None and "compression" in state:
+        part["compression"] = state["compression"]
+    return part

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..backends import BACKENDS, Backend, select_backend
 from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import FusedBuffer, attached
+from ..codecs.powersgd import PowerSGD
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Comm, MeanPlan, Pending, Transport, complete, get_comm
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
@@ -47,6 +48,8 @@ from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, Reattach, adopt
 from ..join import JoinableMode, sync_from_last_joiner
 from ..layout import GradLayout, verify_across_ranks
 from ..profiling import span
+from .compressed import Compressed, check_compression
+from .fused_state import ReducerState
 from .overlap import bucket_segments, overlap_schedule
 
 __all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "UnusedGrads"]
@@ -108,7 +111,12 @@ class ReducerConfig:
     (:mod:`fastreduce.comm.shm`; several times faster than Gloo's loopback TCP), and it is
     an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
 
+    compression: PowerSGD | None = None
+    """``fastreduce.PowerSGD(...)``: send low-rank factors of the gradients' matrices, in
+    ``wire_dtype``, two collectives per step or bucket (:mod:`.compressed`)."""
+
     def __post_init__(self) -> None:
+        check_compression(self.compression, self.accumulate_dtype, self.error_feedback)
         if self.accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
@@ -142,6 +150,8 @@ class ReducerStats:
     """Reductions whose average held inf or NaN (``nonfinite`` ``raise`` or ``skip``)."""
     preattached: int = 0
     """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
+    compressed: int = 0
+    """Reductions that sent compressed gradients (``compression=``, after its warm-up)."""
 
 
 @dataclass(slots=True)
@@ -158,10 +168,11 @@ class _Built:
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
     schedule: OverlapSchedule | None = None  # overlap mode only
+    compressed: Compressed | None = None  # compression= only
     reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
 
 
-class FusedReducer(JoinableMode):
+class FusedReducer(ReducerState, JoinableMode):
     """Averages a model's gradients across a process group with fused collectives.
 
     Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
@@ -281,7 +292,7 @@ class FusedReducer(JoinableMode):
         if self._check is None:
             self._check = FiniteCheck(built.buffer.wire.device)
         with span("fastreduce::nonfinite_check"):
-            if self._check((built.buffer.wire,)):
+            if self._check(tuple(built.buffer.flats) if built.compressed else (built.buffer.wire,)):
                 return True
         self.stats.nonfinite += 1
         if self.config.nonfinite == "skip":
@@ -355,45 +366,12 @@ class FusedReducer(JoinableMode):
     def rebuild(self) -> None:
         """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
         log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
+        self._keep_codec_state()
         self.close()
         self._built = None
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
         self._forward_hook = before_forward(self.model, lambda _m, _a: self.reattach(), needed=False)
-
-    # ------------------------------------------------------------------ checkpoint
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's own state, for a checkpoint (``fastreduce.checkpoint.Checkpointer``
-        saves it under a per-rank key): each parameter's error-feedback residual, flat, by
-        name; empty without ``error_feedback`` or before the first :meth:`reduce`. The
-        rest (layout, buffers) is learned again from the model."""
-        built = self._built
-        return {"residuals": {} if built is None else built.buffer.residual_state(built.layout)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`: now, or, before the first :meth:`reduce`, when that
-        learns the layout. Checked first (``ValueError``, nothing changed)."""
-        residuals = state_dict.get("residuals") if isinstance(state_dict, dict) else None
-        if not isinstance(residuals, dict):
-            raise ValueError("not a FusedReducer.state_dict() (no 'residuals' entry)")
-        if residuals and not self.config.error_feedback:
-            raise ValueError("this state holds error-feedback residuals but the reducer was built "
-                             "without error_feedback=True; build it with the settings it was saved with")
-        sizes = {n: p.numel() for n, p in self.model.named_parameters() if p.requires_grad}
-        for name, t in residuals.items():
-            if not torch.is_tensor(t) or sizes.get(name) != t.numel():
-                raise ValueError(f"the residual saved for {name!r} does not fit this model (its trainable "
-                                 f"parameter {name!r} has {sizes.get(name)} elements); another model?")
-        self._pending_state = residuals
-        if self._built is not None:
-            self._restore(self._built)
-
-    def _restore(self, built: _Built) -> None:
-        """Copy the residuals :meth:`load_state_dict` left waiting, if any, into ``built``'s buffer."""
-        pending = self.__dict__.pop("_pending_state", None)
-        if pending:
-            built.buffer.load_residuals(built.layout, pending)
 
     # ------------------------------------------------------------------ first call
 
@@ -412,10 +390,14 @@ class FusedReducer(JoinableMode):
             named = [named[i] for i in order]
         wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
         pg = dist.get_backend(self.group)
-        per_bucket = cfg.overlap and cfg.accumulate_dtype is not None  # fp32 sums: a segment per bucket
-        segments = bucket_segments(named, wire_dtype, cfg.bucket_mb or default_bucket_mb(pg), per_bucket)
+        comp = cfg.compression
+        if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
+            named = sorted(named, key=lambda np: comp.order_key(np[1]))
+        per_bucket = cfg.overlap and (cfg.accumulate_dtype is not None or comp is not None)
+        segments = bucket_segments(named, wire_dtype, cfg.bucket_mb or default_bucket_mb(pg), per_bucket,
+                                   None if comp is None else comp.order_key)
         layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
-                            pad_to=self.world_size if per_bucket else 1)
+                            pad_to=self.world_size if per_bucket and comp is None else 1)
         # Which grads are present goes into the check too: a parameter that got a grad on
         # one rank but not on another is caught here, on every rank, not as a hang.
         present = tuple(p.grad is not None for p in layout.params)
@@ -437,13 +419,16 @@ class FusedReducer(JoinableMode):
             built.schedule = overlap_schedule(layout, buffer, comm, plan, pg_backend=pg, bucket_mb=cfg.bucket_mb,
                                               per_segment=per_bucket, opened=self._join_notify,
                                               adopt=lambda idx, direct: self._adopt(built, idx, direct),
-                                              direct=not (plan.prescale or cfg.error_feedback),
+                                              direct=not (plan.prescale or cfg.error_feedback or comp),
                                               on_grad=reattach.grad_ready)
+        if comp is not None:  # one group per bucket, or of every gradient
+            built.compressed = Compressed(comp, layout, buffer, comm, backend, wire_dtype, built.schedule)
         if dist.get_rank(self.group) == 0:
-            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s",
+            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s%s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
-                     "order" if built.schedule else "one fused collective")
+                     "order" if built.schedule else "one fused collective",
+                     built.compressed and "; " + built.compressed.describe() or "")
         self._restore(built)  # residuals a checkpoint loaded before the layout existed
         return built
 
@@ -470,7 +455,10 @@ class FusedReducer(JoinableMode):
             # Straight into the wire only where the pack would do nothing else (no
             # divide); it then replaces the pack, graph or not.
             missing, direct = self._adopt(built, range(len(built.layout)),
-                                          direct=not (built.plan.prescale or self.config.error_feedback))
+                                          direct=not (built.plan.prescale or self.config.error_feedback
+                                                      or built.compressed))
+        if built.compressed and built.compressed.compressing:
+            return missing, [built.compressed.launch(0)]
         with span("fastreduce::pack"):
             if built.pack is not None and not direct:
                 built.pack()
@@ -485,15 +473,18 @@ class FusedReducer(JoinableMode):
                 built.flags[missing] = 0.0
             works.append((dist.all_reduce(built.flags, group=self.group, async_op=True), None))
         waited = 0.0
+        path = built.compressed
+        compressed = path is not None and path.compressing
         with span("fastreduce::wait"):
-            for work, then in works:
-                if work is not None:
-                    t0 = time.perf_counter()
-                    wait_watched(work)
-                    waited += time.perf_counter() - t0
-                if then is not None:
-                    with span("fastreduce::unpack"):
-                        then()
+            for pendings in (works, path.codec.later if compressed else ()):  # the codec's second ones, launched
+                for work, then in pendings:                               # by the first ones' ``then``
+                    if work is not None:
+                        t0 = time.perf_counter()
+                        wait_watched(work)
+                        waited += time.perf_counter() - t0
+                    if then is not None:
+                        with span("fastreduce::unpack"):
+                            then()
         if missing:
             self._attach_used(built, missing)
             if not self._warned_missing:
@@ -506,7 +497,10 @@ class FusedReducer(JoinableMode):
         st.calls += 1
         st.wait_seconds += waited
         st.collectives += sum(getattr(w, "collectives", 1) for w, _ in works if w is not None)
-        st.bytes_reduced += built.buffer.nbytes
+        if path is not None:
+            st.collectives += path.end_step()
+            st.compressed += compressed
+        st.bytes_reduced += path.nbytes if compressed else built.buffer.nbytes
 
     @staticmethod
     def _attach_used(built: _Built, missing: list[int]) -> None:
@@ -535,7 +529,10 @@ class FusedReducer(JoinableMode):
                                "reduce at least once (the first step learns the layout on every rank)")
         built.buffer.wire.zero_()
         built.buffer.zero_()
-        if built.schedule is not None:
+        path = built.compressed
+        if path is not None and path.compressing:  # the active ranks' collectives, on zeros
+            works = path.shadow()
+        elif built.schedule is not None:
             works = [built.schedule.launch(b, True) for b in range(len(built.schedule.buckets))]
         else:
             works = [built.comm.all_reduce(built.buffer.wire, built.plan)]
@@ -544,6 +541,8 @@ class FusedReducer(JoinableMode):
             works.append((dist.all_reduce(built.flags, group=self.group, async_op=True), None))
         for pending in works:
             complete(pending)
+        if path is not None:
+            path.end_shadow()
 
     def _join_finish(self, is_last_joiner: bool) -> None:
         """Joined ranks did not step: every rank takes a last joiner's parameters and

@@ -38,13 +38,16 @@ __all__ = ["all_reduce_launcher", "bucket_segments", "overlap_schedule"]
 
 
 def bucket_segments(named: list[tuple[str, torch.nn.Parameter]], wire_dtype: torch.dtype, bucket_mb: float,
-                    fp32_sum: bool) -> list[list[int]] | None:
-    """The layout's segments: ``None`` (one per dtype, cut into buckets later) unless the
-    wire is summed in fp32, whose collectives split a buffer into world-size chunks: then
-    every bucket is a segment of its own (padded by the layout)."""
-    if not fp32_sum:
+                    per_bucket: bool, order: Callable[[torch.nn.Parameter], tuple] | None = None
+                    ) -> list[list[int]] | None:
+    """The layout's segments: ``None`` (one per dtype, cut into buckets later) unless
+    ``per_bucket``: the wire is summed in fp32, whose collectives split a buffer into
+    world-size chunks, or compressed; then every bucket is a segment of its own (padded
+    by the layout), its members sorted by ``order`` if given (a codec's grouping)."""
+    if not per_bucket:
         return None
-    return bucket_runs(named, [0] * len(named), int(bucket_mb * 2**20) // wire_dtype.itemsize)
+    runs = bucket_runs(named, [0] * len(named), int(bucket_mb * 2**20) // wire_dtype.itemsize)
+    return runs if order is None else [sorted(run, key=lambda k: order(named[k][1])) for run in runs]
 
 
 def all_reduce_launcher(comm: Comm, plan: MeanPlan, buckets: list[Bucket]) -> Launch:

@@ -1,0 +1,127 @@
+"""The reducer's compressed path, ``FusedReducer(compression=PowerSGD(...))``, fused or overlapped.
+
+Communication pattern, per step once the codec's warm-up is over (before it, the plain
+all-reduce of the gradients)::
+
+    per group (the whole model, or one bucket launched from the backward hooks):
+        encode: wire_p := [uncompressed grads | P = M Q]   -> all-reduce (mean)
+    reduce(), per group in order, once its P is averaged:
+        between: orthonormalize P, wire_q := Q = M^T P      -> all-reduce (mean)
+    then per group in order, once its Q is averaged:
+        decode: grads := P Q^T (and the residual)
+
+Every rank issues every P's collective, then every Q's, in group order, so ranks agree
+on the sequence whatever the bucket count (torch's PowerSGD hook launches a bucket's Q
+from a future callback, racing the next bucket's P). The codec
+(:mod:`fastreduce.codecs.powersgd`) owns the buffers and the math; this module plans and
+launches their collectives and, in the fused mode, has the backend record the codec's
+three steps (graphs on CUDA and lazy-mode HPU).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..backends import Backend
+from ..buckets import OverlapSchedule
+from ..buffer import FusedBuffer
+from ..codecs.powersgd import LowRank, PowerSGD
+from ..comm import Comm, Pending, complete
+from ..layout import GradLayout
+
+__all__ = ["Compressed", "check_compression"]
+
+
+def check_compression(compression: object, accumulate_dtype: torch.dtype | None, error_feedback: bool) -> None:
+    """``ValueError`` unless ``compression`` is ``None`` or a codec the reducer can use with
+    these settings."""
+    if compression is None:
+        return
+    if not isinstance(compression, PowerSGD):
+        raise ValueError(f"compression must be None or a fastreduce.PowerSGD(...), got {type(compression).__name__}")
+    if accumulate_dtype is not None:
+        raise ValueError("compression= cannot be combined with accumulate_dtype: PowerSGD's factors are "
+                         "averaged by the collective itself; for an exact sum of them pass wire_dtype=torch.float32")
+    if error_feedback:
+        raise ValueError("error_feedback=True is the wire cast's; with compression= pass "
+                         "PowerSGD(error_feedback=True) instead (its residual holds the wire's rounding too)")
+
+
+class Compressed:
+    """PowerSGD over a reducer's groups: in overlap mode the buckets of ``schedule``, whose
+    launches it takes over once the warm-up is over, each group a bucket; else one group
+    of every gradient, whose steps the backend records (not where a fresh random Q is
+    drawn each step: a replay would repeat it)."""
+
+    def __init__(self, comp: PowerSGD, layout: GradLayout, buffer: FusedBuffer, comm: Comm, backend: Backend,
+                 wire_dtype: torch.dtype, schedule: OverlapSchedule | None):
+        groups = [b.slots for b in schedule.buckets] if schedule else [range(len(layout))]
+        eager = schedule is not None or not comp.warm_start
+        storage = [flat[s.offset:s.offset + s.numel] for seg, flat in zip(layout.segments, buffer.flats)
+                   for s in seg.slots]
+        self.comm = comm
+        self.codec = codec = LowRank(comp, [[(layout.names[i], layout.params[i], storage[i]) for i in g]
+                                            for g in groups], wire_dtype, comm.buffer)
+        self.plans: list[tuple] = []  # per group: (plan_p, plan_q, encode, between, decode)
+        for g in codec.groups:
+            plan_p, plan_q = comm.plan(wire_dtype, None, g.wire_p), comm.plan(wire_dtype, None, g.wire_q)
+            g.prescale_by = plan_p.world if plan_p.prescale else None
+            steps = (g.encode, g.between, g.decode)
+            self.plans.append((plan_p, plan_q, *(steps if eager else map(backend.capture, steps))))
+        self.nbytes = sum(g.nbytes for g in codec.groups)
+        if schedule is not None:
+            plain = schedule.launch
+
+            def launch(b: int, packed: bool) -> Pending:
+                return self.launch(b) if codec.compressing else plain(b, packed)
+            schedule.launch = launch
+
+    @property
+    def compressing(self) -> bool:
+        return self.codec.compressing
+
+    def launch(self, b: int) -> Pending:
+        """Group ``b``: encode and launch its P; the returned ``then`` (run once P is
+        averaged) launches its Q, queued on ``codec.later`` for :meth:`FusedReducer` to
+        wait on after every group's P."""
+        codec = self.codec
+        if b == 0:
+            codec.before_step()
+        group = codec.groups[b]
+        plan_p, plan_q, encode, between, decode = self.plans[b]
+        work, _ = self.comm.all_reduce(group.wire_p, plan_p, encode)
+
+        def then() -> None:
+            between()
+            codec.later.append(self.comm.all_reduce(group.wire_q, plan_q, None, decode))
+        return work, then
+
+    def shadow(self) -> list[Pending]:
+        """A joined rank's part (Join): the same collectives on zeros, Q's launched as P's finish."""
+        codec, works = self.codec, []
+        for g, (plan_p, plan_q, *_) in zip(codec.groups, self.plans):
+            def then(g=g, plan_q=plan_q) -> None:
+                codec.later.append(self.comm.all_reduce(g.wire_q.zero_(), plan_q))
+            works.append((self.comm.all_reduce(g.wire_p.zero_(), plan_p)[0], then))
+        return works
+
+    def end_shadow(self) -> None:
+        """A joined rank's step, after its P's: wait for its Q's (launched meanwhile)."""
+        for pending in self.codec.later:
+            complete(pending)
+        self.end_step()
+
+    def end_step(self) -> int:
+        """After every collective of a step was waited on: count it; return the Q
+        collectives it ran."""
+        later = len(self.codec.later)
+        self.codec.later.clear()
+        self.codec.step += 1
+        return later
+
+    def describe(self) -> str:
+        comp = self.codec.config
+        return (f"PowerSGD rank {comp.rank}: {self.codec.matrices} matrices compressed, {self.nbytes / 2**20:.2f} MB "
+                f"sent per step after {comp.warmup_steps} exact steps")
+

@@ -1,0 +1,75 @@
+"""What a :class:`~fastreduce.FusedReducer` saves and restores: per rank, its error-feedback
+residuals and, with ``compression=``, the codec's state (residuals, Q, step count).
+
+The layout and buffers are learned again from the model, so a state loaded before the
+first ``reduce()`` waits until that call has built them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ReducerState"]
+
+
+class ReducerState:
+    """The checkpoint half of :class:`~fastreduce.FusedReducer` (a mixin: it reads the
+    reducer's ``config``, ``model`` and ``_built``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's own state, for a checkpoint (``fastreduce.checkpoint.Checkpointer``
+        saves it under a per-rank key): each parameter's error-feedback residual, flat, by
+        name (empty without ``error_feedback`` or before the first ``reduce()``), and with
+        ``compression=`` the codec's state under ``"compression"``."""
+        built = self._built
+        state: dict[str, Any] = {"residuals": {} if built is None else built.buffer.residual_state(built.layout)}
+        if built is not None and built.compressed is not None:
+            state["compression"] = built.compressed.codec.state_dict()
+        elif "_pending_codec" in self.__dict__:
+            state["compression"] = self._pending_codec
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: now, or, before the first ``reduce()``, when that
+        learns the layout. Checked first (``ValueError``, nothing changed)."""
+        residuals = state_dict.get("residuals") if isinstance(state_dict, dict) else None
+        if not isinstance(residuals, dict):
+            raise ValueError("not a FusedReducer.state_dict() (no 'residuals' entry)")
+        if residuals and not self.config.error_feedback:
+            raise ValueError("this state holds error-feedback residuals but the reducer was built "
+                             "without error_feedback=True; build it with the settings it was saved with")
+        sizes = {n: p.numel() for n, p in self.model.named_parameters() if p.requires_grad}
+        for name, t in residuals.items():
+            if not torch.is_tensor(t) or sizes.get(name) != t.numel():
+                raise ValueError(f"the residual saved for {name!r} does not fit this model (its trainable "
+                                 f"parameter {name!r} has {sizes.get(name)} elements); another model?")
+        codec = state_dict.get("compression")
+        if codec is not None and self.config.compression is None:
+            raise ValueError("this state holds a codec's state (PowerSGD's residuals and Q) but the reducer was "
+                             "built without compression=; build it with the settings it was saved with")
+        built = self._built
+        if codec is not None and built is not None and built.compressed is not None:
+            built.compressed.codec.load_state_dict(codec)  # checked before anything is changed
+        elif codec is not None:
+            self._pending_codec = codec
+        self._pending_state = residuals
+        if built is not None:
+            self._restore(built)
+
+    def _restore(self, built: Any) -> None:
+        """Copy what :meth:`load_state_dict` (or a rebuild: leniently) left waiting into ``built``."""
+        pending = self.__dict__.pop("_pending_state", None)
+        if pending:
+            built.buffer.load_residuals(built.layout, pending)
+        codec = self.__dict__.pop("_pending_codec", None)
+        lenient = self.__dict__.pop("_codec_lenient", False)
+        if codec is not None and built.compressed is not None:
+            built.compressed.codec.load_state_dict(codec, strict=not lenient)
+
+    def _keep_codec_state(self) -> None:
+        """Before a rebuild: the codec's state carries over to the new layout (what still fits)."""
+        built = self._built
+        if built is not None and built.compressed is not None:
+            self._pending_codec, self._codec_lenient = built.compressed.codec.state_dict(), True
