@@ -205,15 +205,13 @@ class LowRankGroup:
 
     def decode(self) -> None:
         """After ``wire_q``'s mean: each gradient := P Q^T; with error feedback the
-        residual := M - P Q^T (exactly what was left out of this rank's M)."""
+        residual := M - P Q^T (what was left out of this rank's M, to rounding)."""
         if self._q_wire is not self._q_flat:
             self._q_flat.copy_(self._q_wire)
         for b in self.batches:
-            if b.e is not None:
-                b.e.copy_(b.m)
+            if b.e is not None:  # e := M - P Q^T in one pass over M (the step is memory-bound)
+                torch.baddbmm(b.m, b.p, b.q.transpose(1, 2), alpha=-1.0, out=b.e)
             torch.bmm(b.p, b.q.transpose(1, 2), out=b.m)
-            if b.e is not None:
-                b.e.sub_(b.m)
 
     def draw_q(self, generator: torch.Generator) -> None:
         """A fresh random Q for every matrix (``warm_start=False``)."""
