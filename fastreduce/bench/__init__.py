@@ -28,6 +28,10 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   1 Gbit/s and 100 Mbit/s (:mod:`.network_modes`: step time, bytes on the wire, the loss
   reached, the time to reach DDP's loss; ``network_modes.png``). ``--rates`` sets both
   parts' rates.
+* ``compression`` (:mod:`.compression`): ``fastreduce.PowerSGD`` against DDP and DDP + torch's
+  ``powerSGD_hook`` (rank 4, error feedback, warm start, one bucket), side by side: on one
+  host (``--ranks``, a GPT-2 of ``--layers`` blocks) and on two namespace hosts at each
+  ``--rates`` entry (default 100 Mbit/s; ``--quick``: one host only).
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -47,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import machine_info
+from .compression import CompressionConfig, run_compression_bench
+from .compression import format_text as format_compression
 from .gossip import DEFAULT_BATCH as GOSSIP_BATCH
 from .gossip import DEFAULT_PARAMS_M as GOSSIP_PARAMS_M
 from .gossip import GossipConfig, run_gossip_bench
@@ -73,10 +79,10 @@ from .step import format_text as format_step
 __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized", "local", "network")
+SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression")
 DEFAULT_SUITES = ("reduce", "step")
-"""What runs without ``--suite``: the optim, decentralized, local and network suites are
-asked for by name or ``all``."""
+"""What runs without ``--suite``: the optim, decentralized, local, network and compression
+suites are asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
@@ -116,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network-parts", default="steps,modes", metavar="PART,PART",
                         help="network suite: steps (issue 18's compile table), modes (every mode's "
                              "step time, bytes and loss), or both (default)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="compression suite: GPT-2 blocks of the one-host model (default: 4; 2 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -155,6 +163,24 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
         return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64,
                            job_per_mode=False)
     return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}))
+
+
+def compression_config(args: argparse.Namespace) -> CompressionConfig:
+    """The compression suite's settings: ``--quick`` is a small GPT-2 on one host, 2 steps."""
+    from .hosts import check_rate
+    rates = args.rates.split(",") if args.rates else ([] if args.quick else CompressionConfig().rates)
+    for rate in rates:
+        check_rate(rate)
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {args.layers}")
+    if args.quick:
+        return CompressionConfig(ranks=args.ranks, rates=rates, layers=args.layers or 2, width=64, seq=16,
+                                 batch=args.batch or 2, iters=args.iters or 2, warmup=3, threads=args.threads)
+    return CompressionConfig(ranks=args.ranks, rates=rates, threads=args.threads,
+                             **({"layers": args.layers} if args.layers else {}),
+                             **({"iters": args.iters} if args.iters else {}),
+                             **({"batch": args.batch} if args.batch else {}),
+                             **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {}))
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
@@ -269,6 +295,12 @@ def run(args: argparse.Namespace) -> int:
                      f"{', '.join(modes_cfg.rates)}, {modes_cfg.steps} steps/mode ...")
                 result["network_modes"] = run_modes_bench(modes_cfg)
                 say(format_modes(result["network_modes"]) + "\n")
+        elif suite == "compression":
+            cfg = compression_config(args)
+            note(f"compression suite: one host ({cfg.ranks} ranks, GPT-2 {cfg.layers} layers)"
+                 f"{', 2 namespace hosts at ' + ', '.join(cfg.rates) if cfg.rates else ''}, {cfg.iters} steps/method ...")
+            result["compression"] = run_compression_bench(cfg)
+            say(format_compression(result["compression"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")

@@ -146,7 +146,7 @@ class _Batch:
     names: tuple[str, ...]
     m: torch.Tensor  # B x n x m, the gradients themselves
     p: torch.Tensor  # B x n x r (fp32)
-    q: torch.Tensor  # B x m x r (fp32): the warm start between steps
+    qt: torch.Tensor  # B x r x m (fp32): Q transposed, so that M is read in its own order; the warm start
     e: torch.Tensor | None  # B x n x m residuals (error feedback)
     scratch: tuple[torch.Tensor, ...]  # orthonormalize_'s
 
@@ -182,7 +182,7 @@ class LowRankGroup:
         for b in self.batches:
             if b.e is not None:
                 b.m.add_(b.e)
-            torch.bmm(b.m, b.q, out=b.p)
+            torch.bmm(b.m, b.qt.transpose(1, 2), out=b.p)
         if self._p_wire is not self._p_flat:
             self._p_wire.copy_(self._p_flat)
         if self.prescale_by is not None:
@@ -197,7 +197,7 @@ class LowRankGroup:
             self._p_flat.copy_(self._p_wire)
         for b in self.batches:
             orthonormalize_(b.p, b.scratch)
-            torch.bmm(b.m.transpose(1, 2), b.p, out=b.q)
+            torch.bmm(b.p.transpose(1, 2), b.m, out=b.qt)  # Q^T = P^T M: M read in its own order
         if self._q_wire is not self._q_flat:
             self._q_wire.copy_(self._q_flat)
         if self.prescale_by is not None:
@@ -209,9 +209,11 @@ class LowRankGroup:
         if self._q_wire is not self._q_flat:
             self._q_flat.copy_(self._q_wire)
         for b in self.batches:
-            if b.e is not None:  # e := M - P Q^T in one pass over M (the step is memory-bound)
-                torch.baddbmm(b.m, b.p, b.q.transpose(1, 2), alpha=-1.0, out=b.e)
-            torch.bmm(b.p, b.q.transpose(1, 2), out=b.m)
+            if b.e is not None:
+                b.e.copy_(b.m)
+            torch.bmm(b.p, b.qt, out=b.m)
+            if b.e is not None:  # copy, product, subtract: faster than one baddbmm (1.1 against 1.9 ms
+                b.e.sub_(b.m)    # for 8 x 512 x 512 on one CPU thread; a rank-4 product is a poor GEMM)
 
     def draw_q(self, generator: torch.Generator) -> None:
         """A fresh random Q for every matrix (``warm_start=False``)."""
@@ -304,14 +306,14 @@ class LowRank:
                                          f"spaced in the gradient buffer ({name!r}); the layout is not sorted")
             mats = first.as_strided((b, n, m), (step, m, 1), first.storage_offset())
             batch = _Batch(tuple(nm for nm, _ in ms), mats,
-                           p_flat[ap:ap + b * n * r].view(b, n, r), q_flat[aq:aq + b * m * r].view(b, m, r),
+                           p_flat[ap:ap + b * n * r].view(b, n, r), q_flat[aq:aq + b * m * r].view(b, r, m),
                            e_flat[ae:ae + b * n * m].view(b, n, m) if cfg.error_feedback else None, ())
             batch.scratch = orthonormalize_scratch(batch.p)
             ap, aq = ap + b * n * r, aq + b * m * r
             ae += b * n * m if cfg.error_feedback else 0
             with torch.no_grad():
                 for k, name in enumerate(batch.names):
-                    batch.q[k].copy_(initial_q(name, m, r, cfg.seed))
+                    batch.qt[k].copy_(initial_q(name, m, r, cfg.seed).T)
                     self._names[name] = (batch, k)
             batches.append(batch)
         if not fp32:
@@ -334,7 +336,7 @@ class LowRank:
         (its own), the Q memory (the same on every rank), copies."""
         q, e = {}, {}
         for name, (batch, k) in self._names.items():
-            q[name] = batch.q[k].detach().clone()
+            q[name] = batch.qt[k].T.clone()
             if batch.e is not None:
                 e[name] = batch.e[k].detach().clone()
         return {"step": self.step, "q": q, "error": e}
@@ -349,7 +351,8 @@ class LowRank:
         if not strict:
             state = {"step": state["step"], **{key: {n: t for n, t in state[key].items() if self._fits(key, n, t)}
                                                for key in ("q", "error")}}
-            state["q"].update({n: batch.q[k].clone() for n, (batch, k) in self._names.items() if n not in state["q"]})
+            state["q"].update({n: batch.qt[k].T.clone() for n, (batch, k) in self._names.items()
+                               if n not in state["q"]})
         for key in ("q", "error"):
             for name, t in state[key].items():
                 if not self._fits(key, name, t):
@@ -361,7 +364,7 @@ class LowRank:
             raise ValueError(f"the PowerSGD state has no Q for {sorted(missing)[:3]}: saved with another rank "
                              "or min_compression_rate?")
         for name, (batch, k) in self._names.items():
-            batch.q[k].copy_(state["q"][name].reshape(batch.q[k].shape))
+            batch.qt[k].copy_(state["q"][name].reshape(batch.qt[k].T.shape).T)
             if batch.e is not None:
                 if name in state["error"]:
                     batch.e[k].copy_(state["error"][name].reshape(batch.e[k].shape))
@@ -374,7 +377,7 @@ class LowRank:
 
     def _fits(self, key: str, name: str, t: Any) -> bool:
         got = self._names.get(name)
-        want = None if got is None else (got[0].q if key == "q" else got[0].e)
+        want = None if got is None else (got[0].qt if key == "q" else got[0].e)
         return want is not None and torch.is_tensor(t) and t.numel() == want[got[1]].numel()
 
 
