@@ -17,7 +17,7 @@ each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloc
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
 from .backends import GraphContractError
 from .checkpoint import CheckpointDamagedError, CheckpointMismatchError
-from .codecs import PowerSGD
+from .codecs import PowerSGD, SparseLoCo
 from .compiling import compile_backend
 from .engine import DistInfo, init_distributed
 from .faults import RankLostError
@@ -45,6 +45,7 @@ __all__ = [
     "RankLostError",
     "ReducerConfig",
     "ReducerStats",
+    "SparseLoCo",
     "ZeroOptimizer",
     "all_reduce_gradients",
     "checkpoint",

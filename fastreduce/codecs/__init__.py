@@ -5,9 +5,12 @@ what it must carry between steps (residuals, warm starts). It knows neither mode
 transports: the mode launches the collectives around the codec's encode and decode.
 
 * :mod:`.powersgd`: low-rank (PowerSGD), ``compression=`` of the fused and overlapped
-  reducers.
+  reducers;
+* :mod:`.sparse`: chunk-wise top-k with few-bit values (SparseLoCo), ``compression=`` of
+  DiLoCo.
 """
 
 from .powersgd import LowRank, PowerSGD, initial_q
+from .sparse import SparseLoCo, SparseState
 
-__all__ = ["LowRank", "PowerSGD", "initial_q"]
+__all__ = ["LowRank", "PowerSGD", "SparseLoCo", "SparseState", "initial_q"]

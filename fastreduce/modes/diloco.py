@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import _view
+from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
 from .local import (BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, optimizer_params, require_distributed,
@@ -64,6 +65,11 @@ class DiLoCo(LocalUpdates):
             device; ``"cpu"`` frees a model's worth of accelerator memory).
         buffers: ``average`` (float buffers averaged every ``H`` steps) or ``local``.
         transport: the communication layer's transport.
+        compression: ``fastreduce.SparseLoCo(...)``: each fragment's pseudo-gradient goes
+            through an error-feedback accumulator, and only each chunk's top-k entries, in
+            a few bits, travel (an all-gather; :mod:`fastreduce.codecs.sparse`). The
+            dense pseudo-gradient is then staged in fp32 (``wire_dtype`` is unused). Pair
+            it with an outer SGD without momentum (the accumulator takes its place).
         nonfinite: inf/NaN: ``ignore`` (no check), ``skip`` or ``raise``. An inner step
             checks this rank's gradients, as :class:`LocalSGD` does (``skip``: this rank
             skips it, still counted, :attr:`skipped_steps`; ``raise``: the same, then
@@ -93,8 +99,17 @@ class DiLoCo(LocalUpdates):
                  fragment_delay: int = 0, fragment_alpha: float = 0.0, group: dist.ProcessGroup | None = None,
                  wire_dtype: torch.dtype = torch.bfloat16, accumulate_dtype: torch.dtype | None = None,
                  backup_device: str | torch.device | None = None, buffers: str = "average",
-                 transport: str | None = None, nonfinite: NonFinite = "ignore"):
+                 transport: str | None = None, nonfinite: NonFinite = "ignore",
+                 compression: SparseLoCo | None = None):
         self.sync_every = H = check_int("sync_every", sync_every, 1)
+        if compression is not None:
+            if not isinstance(compression, SparseLoCo):
+                raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "
+                                 f"{type(compression).__name__}")
+            if accumulate_dtype is not None:
+                raise ValueError("compression= cannot be combined with accumulate_dtype: SparseLoCo's values "
+                                 "are summed in fp32 after the all-gather anyway")
+            wire_dtype = torch.float32  # the dense staging of the pseudo-gradient; the codec's bytes travel
         self.nonfinite = check_nonfinite(nonfinite)
         self.num_fragments = F = check_int("fragments", fragments, 1)
         self.fragment_delay = tau = check_int("fragment_delay", fragment_delay, 0)
@@ -142,7 +157,7 @@ class DiLoCo(LocalUpdates):
         scratch = tau > 0 or self.fragment_alpha > 0 or on_cpu
         self._setup(model, inner_optimizer, group=group, wire_dtype=wire_dtype,
                     accumulate_dtype=accumulate_dtype, buffers=buffers, fragments=F,
-                    backup_device=backup_device, transport=transport, scratch=scratch)
+                    backup_device=backup_device, transport=transport, scratch=scratch, compression=compression)
         # [Note: the outer step on the anchor] With the anchor beside the parameters, the
         # outer optimizer steps the anchor's storage in place (its parameters' .data point
         # there for the call) with the mean pseudo-gradient in the parameters' own storage
@@ -160,8 +175,8 @@ class DiLoCo(LocalUpdates):
         self._apply_at = [((k + 1) * H // F) % H for k in range(F)]
         if self.rank == 0:
             log.info("fastreduce: DiLoCo: %s; %d fragment(s) every %d inner steps (delay %d, alpha %g), "
-                     "wire %s, anchor on %s, %d ranks", self.layout.describe(), F, H, tau,
-                     self.fragment_alpha, wire_dtype, self._anchor[0].device, self.world_size)
+                     "wire %s, anchor on %s, %d ranks", self.layout.describe(), F, H, tau, self.fragment_alpha,
+                     compression or wire_dtype, self._anchor[0].device, self.world_size)
         self._guard_steps()
 
     # ------------------------------------------------------------------ public

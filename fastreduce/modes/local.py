@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import TensorBlock, _view, params_as_views
+from ..codecs.sparse import SparseLoCo, SparseState
 from ..comm import Comm, Pending, advance, complete, get_comm
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
@@ -119,7 +120,7 @@ class LocalUpdates(JoinableMode):
     def _setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None,
                wire_dtype: torch.dtype | None, accumulate_dtype: torch.dtype | None, buffers: str,
                fragments: int, backup_device: str | torch.device | None, transport: str | None,
-               scratch: bool) -> None:
+               scratch: bool, compression: SparseLoCo | None = None) -> None:
         """Build everything (after the mode's own checks: this changes the model)."""
         named = self._named
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -158,6 +159,7 @@ class LocalUpdates(JoinableMode):
         self._frag_wire: list[torch.Tensor] = []
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._in_flight: dict[int, Pending] = {}
+        self._sparse: list[SparseState] = []
         if self._delta:
             where = torch.device(backup_device) if backup_device is not None else self.device
             pin = where.type == "cpu" and self.device.type == "cuda"  # page-locked: fast, async uploads
@@ -175,6 +177,10 @@ class LocalUpdates(JoinableMode):
                     self._wire.append(wire[at:at + n])
                     at += n
             self._plan = self.comm.plan(wire_dtype, accumulate_dtype, wire)
+            # A codec: each fragment's dense pseudo-gradient is staged in the wire, and what
+            # travels is the codec's (an all-gather of every rank's sparse payload).
+            self._sparse = [SparseState(compression, n, self.device, self.comm.buffer, self.world_size, self.rank)
+                            for n in sizes] if compression is not None else []
             if scratch:
                 self._scratch = self._blocks_per_dtype()
         self._buffer_block: TensorBlock | None = None
@@ -286,6 +292,12 @@ class LocalUpdates(JoinableMode):
             self._wire[j].copy_(d)
         wire = self._frag_wire[k]
         self._join_contribute([wire], active_only=self._averages_params)
+        if self._sparse:  # a joined rank's payload is all zeros: scale 0, so it adds nothing
+            sparse = self._sparse[k]
+            sparse.mine.zero_() if self._join_joined else sparse.encode(wire)
+            work, _ = self.comm.all_gather(sparse.gathered)
+            self._in_flight[k] = (work, lambda: sparse.decode(wire))
+            return
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
@@ -388,6 +400,8 @@ class LocalUpdates(JoinableMode):
         """Bytes one full sync averages, per rank: every fragment's wire (or parameter
         block) once, as sent (alignment padding included: a few hundred elements per
         dtype and fragment); a step costs ``bytes_per_sync / sync_every`` on average."""
+        if self._sparse:  # an all-gather: every rank's payload
+            return sum(s.gathered.numel() for s in self._sparse)
         if self._delta:
             return sum(w.numel() * w.element_size() for w in self._frag_wire)
         return sum(f.numel() * f.element_size() for f in self._whole_flats())
@@ -411,6 +425,8 @@ class LocalUpdates(JoinableMode):
             "in_flight": {k: self._frag_wire[k].clone() for k in self._in_flight},
             "fragments": self.fragment_names,
         }
+        if self._sparse:
+            out["sparse"] = [s.state_dict() for s in self._sparse]
         return out
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -423,6 +439,14 @@ class LocalUpdates(JoinableMode):
                 len(state["anchor"]) != len(self._anchor):
             raise ValueError("this state_dict's parameter blocks do not match this mode's "
                              "(another model, dtype or wire setting)")
+        if bool(self._sparse) != ("sparse" in state):
+            raise ValueError("this state_dict was saved with" + ("out" if self._sparse else "") + " compression= "
+                             "(SparseLoCo's accumulators); build the mode with the settings it was saved with")
+        saved = list(state.get("sparse", ()))
+        if len(saved) != len(self._sparse) or not all(map(SparseState.fits, self._sparse, saved)):
+            raise ValueError("this state_dict's SparseLoCo accumulators do not fit this mode's fragments")
+        for sparse, t in zip(self._sparse, saved):
+            sparse.load_state_dict(t)
         with torch.no_grad():
             for f, t in zip(flats, state["params"]):
                 f.copy_(t)
