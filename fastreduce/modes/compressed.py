@@ -15,7 +15,7 @@ on the sequence whatever the bucket count (torch's PowerSGD hook launches a buck
 from a future callback, racing the next bucket's P). The codec
 (:mod:`fastreduce.codecs.powersgd`) owns the buffers and the math; this module plans and
 launches their collectives and, in the fused mode, has the backend record the codec's
-three steps (graphs on CUDA and lazy-mode HPU).
+encode and decode (graphs on CUDA and lazy-mode HPU; the QR between them runs eagerly).
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ class Compressed:
         for g in codec.groups:
             plan_p, plan_q = comm.plan(wire_dtype, None, g.wire_p), comm.plan(wire_dtype, None, g.wire_q)
             g.prescale_by = plan_p.world if plan_p.prescale else None
-            steps = (g.encode, g.between, g.decode)
-            self.plans.append((plan_p, plan_q, *(steps if eager else map(backend.capture, steps))))
+            # The QR in between stays eager: whether cuSOLVER's and HPU's QR can be recorded in a
+            # graph is not established (not run on either); encode and decode are matmuls and casts.
+            capture = (lambda f: f) if eager else backend.capture
+            self.plans.append((plan_p, plan_q, capture(g.encode), g.between, capture(g.decode)))
         self.nbytes = sum(g.nbytes for g in codec.groups)
         if schedule is not None:
             plain = schedule.launch
