@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts"]
+__all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts", "worker_main"]
 
 METHODS = ("ddp", "fused", "overlapped")
 WIDTH, LAYERS = 512, 8
@@ -210,14 +210,20 @@ def format_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def worker_main(config: Callable[..., Any], worker: Callable[[Any, str], None]) -> None:
+    """A suite module's ``__main__`` under :func:`launch_on`: ``--worker SPEC OUT`` runs
+    ``worker(config(**SPEC), OUT)``, then exits without finalizing: a Gloo worker thread
+    may still be releasing the last collective's tensors, and doing so while the
+    interpreter finalizes aborts the process (std::terminate in AsyncAllgatherWork's
+    destructor, seen with torch 2.13 under load)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), required=True)
     a = parser.parse_args()
-    worker(NetworkConfig(**json.loads(a.worker[0])), a.worker[1])
-    # Exit without finalizing: a Gloo worker thread may still be releasing the last
-    # collective's tensors, and doing so while the interpreter finalizes aborts the process
-    # (std::terminate in AsyncAllgatherWork's destructor, seen with torch 2.13 under load).
+    worker(config(**json.loads(a.worker[0])), a.worker[1])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    worker_main(NetworkConfig, worker)

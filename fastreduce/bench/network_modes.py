@@ -38,11 +38,9 @@ at most DDP's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -338,13 +336,12 @@ def format_text(report: dict[str, Any]) -> str:
 def write_modes_chart(report: dict[str, Any], path: Path) -> str | None:
     """Step time against link rate, one line per mode, a panel per host count (PNG);
     returns a note instead where matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no chart: pip install 'fastreduce[plot]'"
     from .hosts import check_rate
+    from .report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return "no chart: pip install 'fastreduce[plot]'"
 
     hosts = sorted({int(k.split("x")[0]) for k in report["runs"]})
     fig, axes = plt.subplots(1, len(hosts), figsize=(6 * len(hosts), 4.5), squeeze=False)
@@ -367,10 +364,6 @@ def write_modes_chart(report: dict[str, Any], path: Path) -> str | None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), required=True)
-    a = parser.parse_args()
-    worker(ModesConfig(**json.loads(a.worker[0])), a.worker[1])
-    sys.stdout.flush()  # exit without finalizing (see .network)
-    sys.stderr.flush()
-    os._exit(0)
+    from .network import worker_main
+
+    worker_main(ModesConfig, worker)

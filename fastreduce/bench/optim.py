@@ -135,14 +135,14 @@ class OptimConfig:
     warmup_rounds: int = 2
 
 
-def parse_world_sizes(text: str) -> tuple[int, ...]:
-    """``"2,4"`` -> ``(2, 4)``; every size at least 2, no repeats."""
+def parse_world_sizes(text: str, option: str = "--optim-ranks") -> tuple[int, ...]:
+    """``"2,4"`` -> ``(2, 4)``; every size at least 2, no repeats (errors name ``option``)."""
     try:
         sizes = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise ValueError(f"--optim-ranks must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{option} must be comma-separated integers, got {text!r}") from None
     if not sizes or any(n < 2 for n in sizes) or len(set(sizes)) != len(sizes):
-        raise ValueError(f"--optim-ranks needs distinct world sizes of at least 2, got {text!r}")
+        raise ValueError(f"{option} needs distinct world sizes of at least 2, got {text!r}")
     return sizes
 
 

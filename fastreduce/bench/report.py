@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["CSV_FIELDS", "judge_ratios", "target_lines", "write_chart", "write_csv"]
+__all__ = ["CSV_FIELDS", "judge_ratios", "pyplot", "target_lines", "write_chart", "write_csv"]
 
 CSV_FIELDS = ("model", "method", "median_ms", "p10_ms", "p90_ms", "mb_wire", "speedup_vs_ddp")
 
@@ -40,6 +40,17 @@ def target_lines(targets: dict[str, dict[str, Any]], width: int = 22) -> list[st
     return lines
 
 
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), or ``None`` without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     """One row per (model, method) with the :data:`CSV_FIELDS` columns."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,11 +69,8 @@ def write_chart(path: Path, rows: Sequence[dict[str, Any]], title: str,
 
     Returns ``None`` when written, else a one-line note saying why not.
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "chart skipped: matplotlib is not installed (pip install 'fastreduce[plot]')"
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
