@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import fastreduce
+from fastreduce.bench import convergence as convergence_suite
 from fastreduce.bench import local as local_suite
 from fastreduce.bench import network as network_suite
 from fastreduce.bench import network_modes
@@ -310,4 +311,112 @@ def test_bad_rates_exit_2_before_spawning(argv: list[str], capsys: pytest.Captur
 def test_bad_network_options_exit_2_before_spawning(argv: list[str], words: str,
                                                     capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--suite", "network", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def convergence_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-convergence")
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "convergence", "--quick", "--json",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().count("\n") == 0
+    return {"result": json.loads(proc.stdout), "out": out}
+
+
+def test_convergence_suite_quick_smoke(convergence_run: dict, tmp_path: Path) -> None:
+    """Every method trains the byte-level GPT-2 on the same data: finite held-out losses that
+    fall, fused bf16 at DDP fp32's loss, PowerSGD's bytes a fraction of DDP's, the ranks of
+    every synchronous method holding one model; and the same seeds give DDP fp32 the same
+    curve, to the bit, in a second run."""
+    result, out = convergence_run["result"], convergence_run["out"]
+    assert result["suites"] == ["convergence"] and "step" not in result
+    report = result["convergence"]
+    assert list(report["runs"]) == [str(n) for n in convergence_suite.QUICK_WORLD_SIZES]
+    params = report["model"]["params"]
+    assert params == convergence_suite.gpt2_params(4, 32, 64)
+    for world, run in report["runs"].items():
+        ms = run["methods"]
+        assert list(ms) == list(convergence_suite.METHODS)
+        for name, m in ms.items():
+            if name == "powersgd" and not hasattr(fastreduce, "PowerSGD"):
+                assert m["skipped"], m
+                continue
+            assert m["skipped"] is None, (world, name, m)
+            steps = [e[0] for e in m["evals"]]
+            assert steps == [0, 10, 20, 30, 40], (name, steps)
+            losses = [e[2] for e in m["evals"]]
+            assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3, (name, losses)
+            assert m["final_loss"] == losses[-1] and m["median_ms"] > 0 and m["train_seconds"] > 0
+            assert [e[1] for e in m["evals"]] == sorted(e[1] for e in m["evals"])  # wall time only grows
+            if m["synced"]:
+                assert m["ranks_agree"], (world, name)
+        ddp = ms["ddp_fp32"]
+        assert ddp["bytes_per_step"] == 4 * params  # fp32 gradients, a ring all-reduce's payload
+        assert ddp["s_to_ddp_loss"] is not None and ddp["steps_to_ddp_loss"] <= 40
+        assert ms["fused_bf16"]["final_loss"] == pytest.approx(ddp["final_loss"], rel=0.02)
+        assert ms["fused_bf16"]["bytes_per_step"] == pytest.approx(2 * params, rel=0.01)  # bf16 wire
+        assert ms["ddp_powersgd"]["bytes_per_step"] < 0.3 * ddp["bytes_per_step"]
+        assert ms["ddp_powersgd"]["bytes_per_step_mean"] > ms["ddp_powersgd"]["bytes_per_step"]  # exact warm-up
+        if not ms["powersgd"]["skipped"]:
+            assert ms["powersgd"]["bytes_per_step"] < 0.3 * ddp["bytes_per_step"]
+        assert ms["diloco_h32"]["bytes_per_step"] == pytest.approx(2 * params / 32, rel=0.02)  # bf16, every 32
+    assert json.loads((out / "bench.json").read_text()) == result
+    chart = result["outputs"]
+    assert (chart["convergence_png"] and (out / "convergence.png").stat().st_size > 0) or \
+        "pip install" in chart["convergence_chart_note"]
+    again = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "convergence", "--quick", "--json",
+                            "--convergence-methods", "ddp_fp32", "--out", str(tmp_path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert again.returncode == 0, again.stderr[-4000:]
+    rerun = json.loads(again.stdout)["convergence"]["runs"]["2"]["methods"]
+    assert list(rerun) == ["ddp_fp32"]
+    first = report["runs"]["2"]["methods"]["ddp_fp32"]
+    assert [e[2] for e in rerun["ddp_fp32"]["evals"]] == [e[2] for e in first["evals"]]
+    assert rerun["ddp_fp32"]["train_loss"] == first["train_loss"]
+
+
+def test_convergence_data_is_the_stdlib_deterministic_and_held_out_disjoint() -> None:
+    """The text is the stdlib's .py files in path order (no site-packages); batches depend on
+    (seed, step, rank) alone, ranks' sequences are disjoint, held-out bytes follow the
+    training bytes."""
+    import sysconfig
+
+    import torch
+
+    files = convergence_suite.stdlib_files()
+    rel = [p.relative_to(sysconfig.get_paths()["stdlib"]).as_posix() for p in files]
+    assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
+    assert not any(part in ("site-packages", "dist-packages") for r in rel for part in r.split("/"))
+    data = convergence_suite.load_text(0.5, 0.25)
+    assert data.train.numel() == 2**19 and data.heldout.numel() == 2**18
+    text = b"".join(p.read_bytes() for p in files[:data.info["files"]])
+    assert bytes(data.train.tolist()) == text[:2**19]
+    assert bytes(data.heldout.tolist()) == text[2**19:2**19 + 2**18]
+    again = convergence_suite.load_text(0.5, 0.25)
+    assert torch.equal(again.train, data.train) and again.info["sha256"] == data.info["sha256"]
+    batch = convergence_suite.train_batch
+    a = [batch(data, 64, 4, seed=0, step=3, rank=r, world=4) for r in range(4)]
+    assert all(x.shape == (4, 64) and x.dtype == torch.long for x in a)
+    assert torch.equal(a[1], batch(again, 64, 4, seed=0, step=3, rank=1, world=4))  # deterministic
+    rows = {tuple(row.tolist()) for x in a for row in x}
+    assert len(rows) == 16  # ranks' sequences disjoint (distinct chunks of the text)
+    train_rows = set(map(tuple, data.train.view(-1, 64).tolist()))
+    assert rows <= train_rows  # whole aligned chunks of the training text
+    assert not torch.equal(a[0], batch(data, 64, 4, seed=0, step=4, rank=0, world=4))  # a new step, new data
+    assert not torch.equal(a[0], batch(data, 64, 4, seed=1, step=3, rank=0, world=4))  # a new seed, too
+    held = convergence_suite.heldout_batch(data, 64, 32)
+    assert held.shape == (32, 64) and torch.equal(held, convergence_suite.heldout_batch(again, 64, 32))
+    assert not {tuple(r) for r in held.tolist()} & train_rows  # nothing held out is trained on
+    with pytest.raises(ValueError, match="fewer than"):
+        convergence_suite.load_text(10_000)
+
+
+@pytest.mark.parametrize(("argv", "words"), [(["--convergence-ranks", "1"], "--convergence-ranks needs"),
+                                             (["--convergence-methods", "ddp,sgd"], "takes names among"),
+                                             (["--powersgd-warmup", "1"], "at least 2"),
+                                             (["--steps", "0"], "at least 1")])
+def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "convergence", *argv]) == 2
     assert words in capsys.readouterr().err

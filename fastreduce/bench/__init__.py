@@ -32,6 +32,17 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   ``powerSGD_hook`` (rank 4, error feedback, warm start, one bucket), side by side: on one
   host (``--ranks``, a GPT-2 of ``--layers`` blocks) and on two namespace hosts at each
   ``--rates`` entry (default 100 Mbit/s; ``--quick``: one host only).
+* ``convergence`` (:mod:`.convergence`): what each method's bytes cost in loss. A byte-level
+  GPT-2 (0.84M parameters) trained on the running Python's standard-library source with
+  each data-parallel method (DDP fp32, DDP + torch's ``powerSGD_hook``, fused bf16,
+  fastreduce's PowerSGD, DiLoCo H = 32) from the same weights on the same batches, one
+  whole run after another (not interleaved), ``--steps`` (300) steps at each world size of
+  ``--convergence-ranks`` (2 and 4): held-out loss against steps and wall time
+  (``convergence.png``), the final loss, bytes per step, step time and the wall time to
+  DDP fp32's final loss. One host, or namespace hosts (one rank each) at each ``--rates``
+  entry. Also ``--eval-every``, ``--train-mb``, ``--powersgd-warmup``,
+  ``--convergence-methods``, ``--params-m``, ``--batch`` (sequences per rank);
+  ``--quick``: a 4 x 32 model, 40 steps, 2 ranks.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -53,6 +64,11 @@ from typing import Any
 from .common import machine_info
 from .compression import CompressionConfig, run_compression_bench
 from .compression import format_text as format_compression
+from .convergence import DEFAULT_WORLD_SIZES as CONVERGENCE_WORLD_SIZES
+from .convergence import METHODS as CONVERGENCE_METHODS
+from .convergence import QUICK_WORLD_SIZES as CONVERGENCE_QUICK_WORLD_SIZES
+from .convergence import ConvergenceConfig, quick_config, run_convergence_bench, width_for, write_convergence_chart
+from .convergence import format_text as format_convergence
 from .gossip import DEFAULT_BATCH as GOSSIP_BATCH
 from .gossip import DEFAULT_PARAMS_M as GOSSIP_PARAMS_M
 from .gossip import GossipConfig, run_gossip_bench
@@ -79,10 +95,10 @@ from .step import format_text as format_step
 __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression")
+SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence")
 DEFAULT_SUITES = ("reduce", "step")
-"""What runs without ``--suite``: the optim, decentralized, local, network and compression
-suites are asked for by name or ``all``."""
+"""What runs without ``--suite``: the optim, decentralized, local, network, compression and
+convergence suites are asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
 STEP_BATCH = 64
 """Rows per rank and step: both compute and communication matter at 12M parameters."""
@@ -124,6 +140,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step time, bytes and loss), or both (default)")
     parser.add_argument("--layers", type=int, default=None,
                         help="compression suite: GPT-2 blocks of the one-host model (default: 4; 2 with --quick)")
+    parser.add_argument("--convergence-ranks", default=None, metavar="N,N",
+                        help="convergence suite: the world sizes (with --rates: host counts) to run (default: "
+                             + ",".join(map(str, CONVERGENCE_WORLD_SIZES)) + "; "
+                             + ",".join(map(str, CONVERGENCE_QUICK_WORLD_SIZES)) + " with --quick)")
+    parser.add_argument("--convergence-methods", default=None, metavar="NAME,NAME",
+                        help="convergence suite: the methods to train (default: all: "
+                             + ",".join(CONVERGENCE_METHODS) + ")")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="convergence suite: training steps per method (default: 300; 40 with --quick)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="convergence suite: steps between held-out evaluations (default: 25; 10 with --quick)")
+    parser.add_argument("--train-mb", type=float, default=None,
+                        help="convergence suite: MiB of stdlib source to train on (default: 4; the next MiB "
+                             "is held out)")
+    parser.add_argument("--powersgd-warmup", type=int, default=None,
+                        help="convergence suite: exact steps before both PowerSGD rows compress (default: 10%% "
+                             "of the steps, at least 2)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -183,6 +216,45 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
                              **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {}))
 
 
+def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
+    """The convergence suite's settings: ``--quick`` is :func:`~.convergence.quick_config`;
+    with ``--rates``, namespace hosts."""
+    from .hosts import check_rate
+
+    given: dict[str, object] = {}
+    if args.convergence_ranks is not None:
+        given["world_sizes"] = list(parse_world_sizes(args.convergence_ranks, "--convergence-ranks"))
+    if args.convergence_methods is not None:
+        methods = [m for m in args.convergence_methods.split(",") if m]
+        unknown = [m for m in methods if m not in CONVERGENCE_METHODS]
+        if unknown or not methods:
+            raise ValueError(f"--convergence-methods takes names among {', '.join(CONVERGENCE_METHODS)}, "
+                             f"got {args.convergence_methods!r}")
+        given["methods"] = methods
+    if args.rates:
+        rates = args.rates.split(",")
+        for rate in rates:
+            check_rate(rate)
+        given["rates"] = rates
+    for key, value in (("steps", args.steps), ("eval_every", args.eval_every), ("train_mb", args.train_mb),
+                       ("powersgd_warmup", args.powersgd_warmup), ("batch", args.batch), ("threads", args.threads)):
+        if value is not None:
+            given[key] = value
+    cfg = quick_config(**given) if args.quick else ConvergenceConfig(**given)  # type: ignore[arg-type]
+    if args.params_m is not None:
+        if not args.params_m > 0:
+            raise ValueError(f"--params-m must be positive, got {args.params_m}")
+        cfg.width = width_for(args.params_m, cfg.layers, cfg.positions)
+    if cfg.steps < 1 or cfg.eval_every < 1 or cfg.batch < 1:
+        raise ValueError("--steps, --eval-every and --batch must be at least 1")
+    if not 0 < cfg.train_mb:
+        raise ValueError(f"--train-mb must be positive, got {cfg.train_mb}")
+    if not 2 <= cfg.psgd_warmup < cfg.steps:
+        raise ValueError(f"--powersgd-warmup must be at least 2 (torch's powerSGD_hook with error feedback or "
+                         f"warm start) and less than --steps ({cfg.steps}), got {cfg.psgd_warmup}")
+    return cfg
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
                                                          LocalConfig]:
     iters = args.iters if args.iters is not None else (4 if args.quick else 20)
@@ -232,6 +304,11 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         files["network_png"] = str(out / "network_modes.png")
         files["network_chart_note"] = write_modes_chart(modes, out / "network_modes.png")
     step = result.get("step")
+    convergence = result.get("convergence")
+    if convergence is not None and convergence.get("runs"):
+        note = write_convergence_chart(convergence, out / "convergence.png")
+        files["convergence_png"] = None if note else str(out / "convergence.png")
+        files["convergence_chart_note"] = note
     if step is not None:
         rows = csv_rows(step)
         write_csv(out / "step.csv", rows)
@@ -253,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
     reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
     network_cfg, modes_cfg = network_config(args), modes_config(args)
+    convergence_cfg = convergence_config(args)
     parts = args.network_parts.split(",")
     if not parts or any(p not in ("steps", "modes") for p in parts):
         raise ValueError(f"--network-parts takes steps, modes or both, got {args.network_parts!r}")
@@ -301,6 +379,14 @@ def run(args: argparse.Namespace) -> int:
                  f"{', 2 namespace hosts at ' + ', '.join(cfg.rates) if cfg.rates else ''}, {cfg.iters} steps/method ...")
             result["compression"] = run_compression_bench(cfg)
             say(format_compression(result["compression"]) + "\n")
+        elif suite == "convergence":
+            c = convergence_cfg
+            where = f"namespace hosts at {', '.join(c.rates)}" if c.rates else "one host"
+            note(f"convergence suite: {', '.join(map(str, c.world_sizes))} ranks ({where}), GPT-2 "
+                 f"{c.layers} x {c.width}, batch {c.batch} x {c.positions}, {c.steps} steps/method, "
+                 f"{', '.join(c.methods)} ...")
+            result["convergence"] = run_convergence_bench(c)
+            say(format_convergence(result["convergence"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
@@ -312,9 +398,10 @@ def run(args: argparse.Namespace) -> int:
             result["step"] = run_step_bench(step_cfg)
             say(format_step(result["step"]) + "\n")
     files = write_outputs(out, result)
-    if files.get("chart_note"):
-        note(files["chart_note"])
-    say("wrote " + ", ".join(v for k, v in files.items() if k != "chart_note" and v))
+    for key in ("chart_note", "network_chart_note", "convergence_chart_note"):
+        if files.get(key):
+            note(files[key])
+    say("wrote " + ", ".join(v for k, v in files.items() if not k.endswith("chart_note") and v))
     if args.json:
         print(json.dumps(result), file=getattr(args, "stdout", sys.stdout), flush=True)
     return 0
