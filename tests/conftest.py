@@ -22,6 +22,8 @@ QUICK: dict[str, tuple[str, ...]] = {
     "localsgd": ("test_local.py::test_sync_every_1_matches_torch_ddp",
                  "test_local.py::test_periodic_averaging_matches_reference_loop[odd-*"),
     "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations*",),
+    "compressed": ("test_powersgd.py::test_full_rank_is_the_exact_mean_like_ddp[world2-fused-shm-*",
+                   "test_powersgd.py::test_grads_match_algorithm_1[fused-shm-rank=4-bf16]"),
     "join": ("test_join.py::test_reducer_matches_ddp_join[*-2]",),
     "checkpoint": ("test_elastic.py::test_resume_equals_uninterrupted*",),
     "comm": ("test_comm.py::*w2*",),

@@ -175,9 +175,10 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="checkpoint_missing_residual",
-        file="fastreduce/modes/fused.py",
-        old='        return {"residuals": {} if built is None else built.buffer.residual_state(built.layout)}\n',
-        new=('        return {"residuals": {} if built is None else '
+        file="fastreduce/modes/fused_state.py",
+        old=('        state: dict[str, Any] = {"residuals": {} if built is None else '
+             'built.buffer.residual_state(built.layout)}\n'),
+        new=('        state: dict[str, Any] = {"residuals": {} if built is None else '
              "dict(list(built.buffer.residual_state(built.layout).items())[1:])}"
              "  # MUTANT: one parameter's residual is not saved\n"),
         # one spawned group serves all three (the same cost); each catches it on its own, by a
@@ -186,6 +187,14 @@ MUTANTS: list[Mutant] = [
                "tests/test_elastic.py::test_resume_equals_uninterrupted[fused]",
                "tests/test_elastic.py::test_resume_equals_uninterrupted[overlap]"),
         why="a checkpoint lacks one entry resume needs (a residual): the resumed run silently differs",
+    ),
+    Mutant(
+        name="powersgd_residual_not_added",
+        file="fastreduce/codecs/powersgd.py",
+        old="                b.m.add_(b.e)\n",
+        new="                pass  # MUTANT: the residual is kept but never added to the next gradient\n",
+        tests=("tests/test_powersgd.py::test_grads_match_algorithm_1[fused-shm-rank=4-bf16]",),
+        why="PowerSGD's error feedback silently does nothing: what the approximation leaves out is lost",
     ),
     Mutant(
         name="shm_sum_order_rank_order",

@@ -140,6 +140,7 @@ def test_quick_tier_runs_every_mode() -> None:
     from conftest import QUICK
 
     modes = {p.stem for p in PACKAGE.joinpath("modes").glob("*.py")}
-    parts = {"__init__", "topology", "zero_shard", "zero_state", "local", "fused_state"}  # pieces of gossip, ZeRO, the local modes, the reducer
+    # pieces of gossip, ZeRO, the local modes, the reducer
+    parts = {"__init__", "topology", "zero_shard", "zero_state", "local", "fused_state"}
     missing = sorted(modes - parts - set(QUICK))
     assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"
