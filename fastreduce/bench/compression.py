@@ -20,8 +20,11 @@ start where it compresses:
   hooks (``overlap=True``, ``--bucket-mb``).
 
 Where: one host, ``--ranks`` ranks (2; shared memory for fastreduce, Gloo over loopback
-for DDP), on a GPT-2 from transformers (``--layers`` 4 or more, byte vocabulary: many
-matrices, where the hook's Python loop over tensors costs most), and two namespace hosts
+for DDP), on a GPT-2 from transformers (``--layers``, 12 by default, width 128, byte
+vocabulary: 50 matrices, where the hook's Python loop over tensors costs most; one
+sequence of 32 tokens per rank, so that the reduction is a visible part of the step: with
+4 layers of width 256 and 4 x 64 tokens the forward and backward take most of the step
+and every method is within 10% of another), and two namespace hosts
 at each ``--rates`` entry (tbf links, :mod:`.hosts`) on the network suite's 2.1M-parameter
 MLP (8 x Linear 512), batch 256. Both compressed methods start compressing after the same
 two exact steps (torch's hook needs ``start_powerSGD_iter`` >= 2); the warm-up rounds are
@@ -35,10 +38,7 @@ most 0.8x the hook's and at most 0.1x DDP fp32's.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -53,10 +53,10 @@ METHODS = ("no communication", "ddp", "ddp + powerSGD_hook", "powersgd", "powers
 class CompressionConfig:
     ranks: int = 2
     rates: list[str] = field(default_factory=lambda: ["100mbit"])
-    layers: int = 4           # GPT-2 blocks on one host
-    width: int = 256          # GPT-2 width on one host
-    seq: int = 64
-    batch: int = 4            # sequences per rank (one host); the hosts' MLP takes 256 rows
+    layers: int = 12          # GPT-2 blocks on one host: many matrices (50)
+    width: int = 128          # GPT-2 width on one host
+    seq: int = 32
+    batch: int = 1            # sequences per rank (one host): the step's reduction shows; the hosts' MLP takes 256
     iters: int = 10
     warmup: int = 3           # untimed rounds of every method (> WARMUP_STEPS)
     bucket_mb: float = 2.0    # the overlapped method's buckets
@@ -247,10 +247,5 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), required=True)
-    a = parser.parse_args()
-    worker(CompressionConfig(**json.loads(a.worker[0])), a.worker[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as the network suite's worker: no finalization racing Gloo's threads
+    from .network import worker_main
+    worker_main(CompressionConfig, worker)
