@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import all_reduce_watched, guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
@@ -94,6 +95,11 @@ class LocalSGD(LocalUpdates):
             sent in it and added to a full-precision copy of the last averaged
             parameters (one more model's worth of memory), so the parameters are never
             rounded to it. Not with ``hierarchy``.
+        compression: ``fastreduce.SparseLoCo(...)``: the change since the last average
+            goes through a per-rank error-feedback accumulator and only each chunk's top-k
+            entries, in a few bits, travel (an all-gather; :mod:`fastreduce.codecs.sparse`);
+            ``x := last average - mean``. Kept in fp32 beside the parameters, as with a
+            narrow ``wire_dtype`` (which it replaces). Not with ``hierarchy``.
         buffers: ``average`` (float buffers averaged with the parameters) or ``local``.
         transport: the communication layer's transport (default ``$FASTREDUCE_TRANSPORT``
             or ``auto``).
@@ -124,7 +130,8 @@ class LocalSGD(LocalUpdates):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int, *,
                  warmup_steps: int = 0, group: dist.ProcessGroup | None = None,
                  hierarchy: dict[int, int] | None = None, wire_dtype: torch.dtype | None = None,
-                 buffers: str = "average", transport: str | None = None, nonfinite: NonFinite = "ignore"):
+                 buffers: str = "average", transport: str | None = None, nonfinite: NonFinite = "ignore",
+                 compression: SparseLoCo | None = None):
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.nonfinite = check_nonfinite(nonfinite)
@@ -136,18 +143,23 @@ class LocalSGD(LocalUpdates):
         own = {p.dtype for _, p in self._named}
         if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
             raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
-        self._delta = wire_dtype is not None and own != {wire_dtype}
+        if compression is not None and not isinstance(compression, SparseLoCo):
+            raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "
+                             f"{type(compression).__name__}")
+        if compression is not None:
+            wire_dtype = torch.float32  # the change since the last average, staged in fp32 for the codec
+        self._delta = compression is not None or (wire_dtype is not None and own != {wire_dtype})
         world = dist.get_world_size(group)
         self._level_sizes = _levels(hierarchy, self.sync_every, world)
         if self._delta and len(self._level_sizes) > 1:
-            raise ValueError("a wire_dtype other than the parameters' works without hierarchy only: "
-                             "each level would need its own copy of the last averaged parameters")
+            raise ValueError("a wire_dtype other than the parameters' (or compression=) works without hierarchy "
+                             "only: each level would need its own copy of the last averaged parameters")
         # Checked: from here on the model changes.
         self._levels = [(period, get_comm(_subgroup(group, size), one_device(self._named), transport))
                         for period, size in self._level_sizes]
         self._setup(model, optimizer, group=group, wire_dtype=wire_dtype if self._delta else None,
                     accumulate_dtype=None, buffers=buffers, fragments=1, backup_device=None,
-                    transport=transport, scratch=False)
+                    transport=transport, scratch=False, compression=compression)
         self._reducer = None
         if self.warmup_steps:
             from .fused import (
