@@ -112,16 +112,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick)")
     parser.add_argument("--params-m", type=float, default=None,
                         help="model size in millions of fp32 parameters (default: 12, the local suite "
-                             f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick)")
+                             f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick; "
+                             "the convergence suite: its GPT-2's width is picked to come nearest, default 0.84)")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"step, optim, decentralized and local suites: input rows per rank (default: "
                              f"{STEP_BATCH}, the local suite {LOCAL_BATCH}, the decentralized suite "
-                             f"{GOSSIP_BATCH}; 8 with --quick)")
+                             f"{GOSSIP_BATCH}; 8 with --quick; the convergence suite: sequences per rank, 8, "
+                             "4 with --quick)")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="step and optim suites: bucket size of overlapped fastreduce (and of "
                              "ZeroOptimizer) in MB (default: the process-group backend's default)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="step and optim suites: intra-op threads per rank (default: cores / ranks)")
+                        help="step, optim and convergence suites: intra-op threads per rank (default: "
+                             "cores / ranks)")
     parser.add_argument("--optim-ranks", default=None, metavar="N,N",
                         help="optim suite: the world sizes to run, comma-separated (default: "
                              + ",".join(map(str, DEFAULT_WORLD_SIZES)) + "; "
@@ -132,14 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local suite: the world sizes to run (default: "
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
     parser.add_argument("--rates", default=None, metavar="RATE,RATE",
-                        help="network suite: link rates, tc's units (default: 1gbit,100mbit; 1gbit with --quick)")
+                        help="network suite: link rates, tc's units (default: 1gbit,100mbit; 1gbit with --quick); "
+                             "the convergence suite: namespace hosts at each rate instead of one host")
     parser.add_argument("--hosts", default=None, metavar="N,N",
                         help="network suite, modes part: host counts (default: 2,4; 2 with --quick)")
     parser.add_argument("--network-parts", default="steps,modes", metavar="PART,PART",
                         help="network suite: steps (issue 18's compile table), modes (every mode's "
                              "step time, bytes and loss), or both (default)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="compression suite: GPT-2 blocks of the one-host model (default: 4; 2 with --quick)")
+                        help="compression suite: GPT-2 blocks of the one-host model (default: 12; 2 with --quick)")
     parser.add_argument("--convergence-ranks", default=None, metavar="N,N",
                         help="convergence suite: the world sizes (with --rates: host counts) to run (default: "
                              + ",".join(map(str, CONVERGENCE_WORLD_SIZES)) + "; "
