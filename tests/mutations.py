@@ -197,6 +197,14 @@ MUTANTS: list[Mutant] = [
         why="PowerSGD's error feedback silently does nothing: what the approximation leaves out is lost",
     ),
     Mutant(
+        name="sparseloco_sent_not_subtracted",
+        file="fastreduce/codecs/sparse.py",
+        old="        rows.scatter_add_(1, idx, -self._levels(codes, scale))  # error feedback\n",
+        new="        pass  # MUTANT: what was sent stays in the accumulator and is sent again\n",
+        tests=("tests/test_sparseloco.py::test_error_feedback_loses_nothing[2-1.0]",),
+        why="SparseLoCo's accumulator keeps what it already sent: the same values go out sync after sync",
+    ),
+    Mutant(
         name="shm_sum_order_rank_order",
         file="fastreduce/comm/shm.py",
         old="        order = tuple(slices[k][b[r]:b[r + 1]] for k in sum_order(r, self.world))\n",

@@ -118,6 +118,7 @@ class SparseState:
         scale = kept.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         codes = self._quantize(kept, scale)
         rows.scatter_add_(1, idx, -self._levels(codes, scale))  # error feedback
+        acc[self.numel:].zero_()  # the last chunk's padding, if kept and sent, owes nothing
         self._pack(codes, idx, scale)
 
     def _quantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -140,8 +141,9 @@ class SparseState:
             a, b = idx[:, 0::2].to(torch.int32), idx[:, 1::2].to(torch.int32)
             tri = torch.stack((a & 255, (a >> 8) | ((b & 15) << 4), b >> 4), dim=-1)
             out[at:at + self._index_n].copy_(tri.view(-1))
-        else:
-            out[at:at + self._index_n].copy_(idx.to(torch.int16).contiguous().view(-1).view(torch.uint8))
+        else:  # two bytes, unsigned (chunks up to 65536)
+            i = idx.to(torch.int32)
+            out[at:at + self._index_n].copy_(torch.stack((i & 255, i >> 8), dim=-1).view(-1))
         at += self._index_n
         out[at:at + 4 * self.chunks].copy_(scale.view(-1).contiguous().view(torch.uint8))
 
@@ -162,7 +164,8 @@ class SparseState:
             b = (tri[..., 1] >> 4) | (tri[..., 2] << 4)
             idx = torch.stack((a, b), dim=-1).view(w, self.chunks, k)
         else:
-            idx = raw.contiguous().view(torch.int16).to(torch.int32).view(w, self.chunks, k)
+            two = raw.to(torch.int32).view(w, self.chunks, k, 2)
+            idx = two[..., 0] | (two[..., 1] << 8)
         at = self._codes_n + self._index_n
         scale = payloads[:, at:at + 4 * self.chunks].contiguous().view(torch.float32).view(w, self.chunks, 1)
         values = self._levels(codes, scale)  # w x chunks x k
