@@ -531,12 +531,13 @@ def format_text(report: dict[str, Any]) -> str:
              f"next {data['heldout_bytes'] / MiB:g} MiB; PowerSGD rank {RANK} after {c['powersgd_warmup']} exact "
              f"steps; DiLoCo H {H}, outer Nesterov SGD lr {OUTER_LR:g}, momentum {OUTER_MOMENTUM:g}, bf16 wire",
              "bytes: sent per rank per step (steady state, ring all-reduce payload); ms: median step, slowest "
-             "rank; s: training wall time (evaluation excluded); to ddp: wall time to ddp_fp32's final loss"]
+             "rank; s: training wall time (evaluation excluded); to ddp: wall time to the first evaluation at or "
+             "below ddp_fp32's final loss"]
     for key, r in report["runs"].items():
         ms = r["methods"]
         ref = ms.get(REFERENCE) or {}
         ref_loss = ref.get("final_loss")
-        lines += ["", _run_title(key, r) + (f" (ddp_fp32's final held-out loss {ref_loss:.4f})" if ref_loss else ""),
+        lines += ["", _run_title(key, r) + (f" (ddp_fp32's final held-out loss {ref_loss:.5f})" if ref_loss else ""),
                   f"  {'method':<14}{'held-out':>10}{'x ddp':>8}{'bytes/step':>13}{'x ddp':>8}{'ms/step':>9}"
                   f"{'p10':>8}{'p90':>8}{'train s':>9}{'to ddp s':>13}{'at step':>9}"]
         for name, m in ms.items():
@@ -547,7 +548,7 @@ def format_text(report: dict[str, Any]) -> str:
             vs_bytes = f"{m['bytes_per_step'] / ref['bytes_per_step']:.3f}" if ref_loss else "-"
             reach = f"{m['s_to_ddp_loss']:.1f}" if m["s_to_ddp_loss"] is not None else "not reached"
             at = str(m["steps_to_ddp_loss"]) if m["steps_to_ddp_loss"] is not None else "-"
-            lines.append(f"  {name:<14}{m['final_loss']:>10.4f}{vs_loss:>8}{m['bytes_per_step']:>13,.0f}"
+            lines.append(f"  {name:<14}{m['final_loss']:>10.5f}{vs_loss:>8}{m['bytes_per_step']:>13,.0f}"
                          f"{vs_bytes:>8}{m['median_ms']:>9.1f}{m['p10_ms']:>8.1f}{m['p90_ms']:>8.1f}"
                          f"{m['train_seconds']:>9.1f}{reach:>13}{at:>9}")
         split = [n for n, m in ms.items() if not m["skipped"] and m["synced"] and not m["ranks_agree"]]
