@@ -47,6 +47,10 @@ the steps by default; torch's hook needs at least 2):
 * ``diloco_h32``: ``fastreduce.DiLoCo(model, adamw, outer, sync_every=32)``, default bf16
   wire, the outer optimizer the network suite's (:mod:`.network_modes`): Nesterov SGD,
   lr 0.7, momentum 0.5 (DESIGN.md: the paper's momentum 0.9 diverged on short runs).
+* ``diloco_h32_sparseloco``: the same with ``compression=fastreduce.SparseLoCo()`` (density
+  1/64, 2 bits, chunks of 4096, decay 0.95) and, as the paper pairs it, an outer SGD
+  without momentum, lr 1.0 (the accumulator takes the momentum's place). Its bytes are
+  the all-gather's buffer, every rank's payload (``bytes_per_sync / 32``).
 
 Per method and run: the held-out curve against steps and wall time (the slowest rank's
 cumulative step time), the final held-out loss, bytes sent per rank per step (the
@@ -89,6 +93,7 @@ VOCAB = 256
 HEAD_SIZE = 32
 RANK = 4          # PowerSGD's rank, both rows
 H = 32            # DiLoCo's sync period
+SPARSE_OUTER_LR = 1.0  # SparseLoCo's outer SGD (no momentum)
 LR_WARMUP = 0.1   # fraction of the steps
 LR_FLOOR = 0.1    # the cosine ends at this fraction of the lr
 SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
@@ -317,12 +322,27 @@ def _diloco_h32(model: Any, opt: Any, s: Setup) -> Trainer:
                    synced=False, keep=mode)
 
 
+def _diloco_h32_sparseloco(model: Any, opt: Any, s: Setup) -> Trainer:
+    import torch
+
+    import fastreduce
+
+    if not hasattr(fastreduce, "SparseLoCo"):
+        raise Unavailable("skipped: this fastreduce has no SparseLoCo")
+    outer = torch.optim.SGD(model.parameters(), lr=SPARSE_OUTER_LR)  # no momentum: the accumulator is the memory
+    mode = fastreduce.DiLoCo(model, opt, outer, sync_every=H, compression=fastreduce.SparseLoCo())
+    per_step = mode.bytes_per_sync / H
+    return Trainer(model, _nothing, lambda: (per_step, mode.bytes_per_sync * (s.steps // H) / s.steps),
+                   synced=False, keep=mode)
+
+
 METHODS: dict[str, Callable[[Any, Any, Setup], Trainer]] = {
     "ddp_fp32": _ddp_fp32,
     "ddp_powersgd": _ddp_powersgd,
     "fused_bf16": _fused_bf16,
     "powersgd": _powersgd,
     "diloco_h32": _diloco_h32,
+    "diloco_h32_sparseloco": _diloco_h32_sparseloco,
 }
 """Name -> builder ``(model, adamw, setup) -> Trainer`` (raises :class:`Unavailable` to skip)."""
 REFERENCE = "ddp_fp32"
