@@ -41,6 +41,8 @@ from torch.testing import assert_close
 import fastreduce
 from fastreduce.launch import run_ranks
 
+from test_fused import guarded
+
 pytestmark = pytest.mark.timeout(180)
 
 SEED = 3
@@ -191,13 +193,6 @@ class Reference:
 
 # ============================================================== helpers run in ranks
 
-def guarded(fn: Callable[..., Any], *args: Any) -> dict:
-    try:
-        return {"ok": fn(*args)}
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:  # noqa: BLE001 - reported to the parent test
-        return {"error": traceback.format_exc()}
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
