@@ -20,6 +20,7 @@ import pytest
 import fastreduce
 from fastreduce.bench import convergence as convergence_suite
 from fastreduce.bench import local as local_suite
+from fastreduce.bench import compression as compression_suite
 from fastreduce.bench import network as network_suite
 from fastreduce.bench import network_modes
 from fastreduce.bench import optim as optim_suite
@@ -420,3 +421,26 @@ def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: 
                                                         capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--suite", "convergence", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_compression_suite_quick_smoke(tmp_path: Path) -> None:
+    """PowerSGD against DDP and torch's hook on one host (a small GPT-2) and on two namespace
+    hosts at 1 Gbit/s (skipped there where namespaces cannot be made): every method timed,
+    every rank ends with one model, the bytes as each method's algorithm says."""
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "compression", "--quick", "--json",
+                           "--rates", "1gbit", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=2 * RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["compression"]
+    runs = [report["one_host"]] + ([] if "skipped" in report["hosts"] else list(report["hosts"].values()))
+    for r in runs:
+        assert [m for m in r if m != "params"] == list(compression_suite.METHODS)
+        for name in compression_suite.METHODS:
+            _stats_ok(r[name])
+            assert r[name]["ranks_agree"] == (name != "no communication"), name  # each rank its own data
+        ddp, hook = r["ddp"]["bytes_per_step"], r["ddp + powerSGD_hook"]["bytes_per_step"]
+        assert ddp == 4 * r["params"] and r["no communication"]["bytes_per_step"] == 0
+        assert r["powersgd, fp32 wire"]["bytes_per_step"] == hook < ddp / 4  # the same factors as the hook's
+        assert r["powersgd"]["bytes_per_step"] == hook // 2 == r["powersgd, overlapped"]["bytes_per_step"]
+    assert [t["where"] for t in report["targets"]][:1] == ["one host"]

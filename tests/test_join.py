@@ -83,9 +83,13 @@ class CountAllReduce:
 
 # -------------------------------------------------------------- fused / overlap
 
-def train_reducer(rank: int, n: int, overlap: bool, divide: bool, accumulate: int = 1) -> list[torch.Tensor]:
+def train_reducer(rank: int, n: int, overlap: bool, divide: bool, accumulate: int = 1,
+                  powersgd: bool = False) -> list[torch.Tensor]:
     model = make_model()
-    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=overlap)
+    # full-rank PowerSGD without error feedback is the exact mean: under Join a joined rank's shadow must issue
+    # its P and Q collectives (with error feedback the joined rank's last residual is dropped: not DDP's result)
+    comp = {"compression": fastreduce.PowerSGD(10**6, min_compression_rate=0, error_feedback=False)} if powersgd else {}
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=overlap, **comp)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     with Join([reducer], divide_by_initial_world_size=divide):
         for s in range(n):
@@ -114,8 +118,9 @@ def train_ddp(rank: int, n: int, divide: bool, accumulate: int = 1) -> list[torc
     return params(model)
 
 
-def case_reducer(rank: int, counts: list[int], overlap: bool, divide: bool, accumulate: int) -> dict:
-    return {"ours": train_reducer(rank, counts[rank], overlap, divide, accumulate),
+def case_reducer(rank: int, counts: list[int], overlap: bool, divide: bool, accumulate: int,
+                 powersgd: bool = False) -> dict:
+    return {"ours": train_reducer(rank, counts[rank], overlap, divide, accumulate, powersgd),
             "ref": train_ddp(rank, counts[rank], divide, accumulate)}
 
 
@@ -355,6 +360,7 @@ def worker(rank: int, world: int, transport: str) -> dict:
         for divide in (False, True):
             out[("reducer", overlap, divide)] = guarded(case_reducer, rank, counts, overlap, divide, 1)
         out[("accumulate", overlap)] = guarded(case_reducer, rank, counts, overlap, False, 2)
+        out[("powersgd", overlap)] = guarded(case_reducer, rank, counts, overlap, False, 1, True)
         out[("throw", overlap)] = guarded(case_throw, rank, counts, overlap)
         out[("no_extra", overlap)] = guarded(case_no_extra, rank, counts, overlap)
     out[("functional",)] = guarded(case_functional, rank, counts)
@@ -403,6 +409,18 @@ def test_reducer_matches_ddp_join(world: int, transport: str, overlap: bool, div
     for r, res in enumerate(got):
         assert_close(res["ours"], res["ref"], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r}: {m}")
         assert_close(res["ours"], got[0]["ours"], rtol=0, atol=0)  # all ranks end alike
+
+
+@WORLDS
+@TRANSPORT
+@pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
+def test_full_rank_powersgd_matches_ddp_join(world: int, transport: str, overlap: bool) -> None:
+    """A joined rank runs PowerSGD's two collectives per group on zeros: the active ranks'
+    (full-rank, so exact) mean matches DDP's Join."""
+    got = per_rank(world, transport, ("powersgd", overlap))
+    for r, res in enumerate(got):
+        assert_close(res["ours"], res["ref"], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r}: {m}")
+        assert_close(res["ours"], got[0]["ours"], rtol=0, atol=0)
 
 
 @WORLDS

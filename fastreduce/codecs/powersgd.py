@@ -168,7 +168,7 @@ class LowRankGroup:
         self.wire_p, self.wire_q = wire_p, wire_q
         self._p_flat, self._q_flat = p_flat, q_flat  # fp32 factors
         self._p_wire, self._q_wire = p_wire, q_wire  # their places on the wire (the same tensors for an fp32 wire)
-        self.prescale_by: int | None = None
+        self.scale = torch.ones((), device=wire_p.device)  # what each rank's part is multiplied by before the sum
 
     @property
     def nbytes(self) -> int:
@@ -185,8 +185,7 @@ class LowRankGroup:
             torch.bmm(b.m, b.qt.transpose(1, 2), out=b.p)
         if self._p_wire is not self._p_flat:
             self._p_wire.copy_(self._p_flat)
-        if self.prescale_by is not None:
-            self.wire_p.div_(self.prescale_by)
+        self.wire_p.mul_(self.scale)
 
     def between(self) -> None:
         """After ``wire_p``'s mean: the uncompressed gradients back; P orthonormalized;
@@ -200,8 +199,7 @@ class LowRankGroup:
             torch.bmm(b.p.transpose(1, 2), b.m, out=b.qt)  # Q^T = P^T M: M read in its own order
         if self._q_wire is not self._q_flat:
             self._q_wire.copy_(self._q_flat)
-        if self.prescale_by is not None:
-            self.wire_q.div_(self.prescale_by)
+        self.wire_q.mul_(self.scale)
 
     def decode(self) -> None:
         """After ``wire_q``'s mean: each gradient := P Q^T; with error feedback the
@@ -235,9 +233,9 @@ class LowRank:
         alloc: ``alloc(numel, dtype)`` -> zeroed storage for a buffer the collectives
             move (collective: every rank calls it in the same order).
 
-    A group's ``prescale_by`` (divide each wire buffer by it before the sum, for a
-    backend without an averaging collective) is the mode's to set once it has planned
-    the collectives.
+    A group's ``scale`` (a 0-dim tensor each rank's factors and uncompressed gradients
+    are multiplied by before the sum: 1 / world for a backend without an averaging
+    collective; world / active ranks under ``Join``) is the mode's to fill each step.
     """
 
     def __init__(self, config: PowerSGD, groups: list[list[tuple[str, torch.Tensor, torch.Tensor]]],

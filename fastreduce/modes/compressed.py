@@ -20,6 +20,7 @@ encode and decode (graphs on CUDA and lazy-mode HPU; the QR between them runs ea
 
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 
@@ -50,12 +51,15 @@ def check_compression(compression: object, accumulate_dtype: torch.dtype | None,
 
 class Compressed:
     """PowerSGD over a reducer's groups: in overlap mode the buckets of ``schedule``, whose
-    launches it takes over once the warm-up is over, each group a bucket; else one group
-    of every gradient, whose steps the backend records (not where a fresh random Q is
-    drawn each step: a replay would repeat it)."""
+    launches it takes over once the warm-up is over (``opened`` runs before bucket 0's, as
+    before the plain launch's: Join's notice), each group a bucket; else one group of
+    every gradient, whose steps the backend records (not where a fresh random Q is drawn
+    each step: a replay would repeat it). ``factor()``: Join's world / active for the
+    step (:attr:`scaled` says whether it was not 1)."""
 
     def __init__(self, comp: PowerSGD, layout: GradLayout, buffer: FusedBuffer, comm: Comm, backend: Backend,
-                 wire_dtype: torch.dtype, schedule: OverlapSchedule | None):
+                 wire_dtype: torch.dtype, schedule: OverlapSchedule | None, opened: Callable[[], None],
+                 factor: Callable[[], float]):
         groups = [b.slots for b in schedule.buckets] if schedule else [range(len(layout))]
         eager = schedule is not None or not comp.warm_start
         storage = [flat[s.offset:s.offset + s.numel] for seg, flat in zip(layout.segments, buffer.flats)
@@ -66,17 +70,23 @@ class Compressed:
         self.plans: list[tuple] = []  # per group: (plan_p, plan_q, encode, between, decode)
         for g in codec.groups:
             plan_p, plan_q = comm.plan(wire_dtype, None, g.wire_p), comm.plan(wire_dtype, None, g.wire_q)
-            g.prescale_by = plan_p.world if plan_p.prescale else None
+            self.divide = plan_p.world if plan_p.prescale else 1  # the same plan for every group
             # The QR in between stays eager: whether cuSOLVER's and HPU's QR can be recorded in a
             # graph is not established (not run on either); encode and decode are matmuls and casts.
             capture = (lambda f: f) if eager else backend.capture
             self.plans.append((plan_p, plan_q, capture(g.encode), g.between, capture(g.decode)))
         self.nbytes = sum(g.nbytes for g in codec.groups)
+        self.factor = factor
+        self.scaled = False  # this step's sums were scaled for Join's active ranks
         if schedule is not None:
             plain = schedule.launch
 
             def launch(b: int, packed: bool) -> Pending:
-                return self.launch(b) if codec.compressing else plain(b, packed)
+                if not codec.compressing:
+                    return plain(b, packed)
+                if b == 0:  # the step's first collective: Join's notice, as the plain launch gives it
+                    opened()
+                return self.launch(b)
             schedule.launch = launch
 
     @property
@@ -88,8 +98,12 @@ class Compressed:
         averaged) launches its Q, queued on ``codec.later`` for :meth:`FusedReducer` to
         wait on after every group's P."""
         codec = self.codec
-        if b == 0:
-            codec.before_step()
+        if b == 0:  # under Join every part is scaled by world / active before the sums, so that each
+            codec.before_step()  # residual is against the mean over the active ranks
+            factor = self.factor()
+            self.scaled = factor != 1.0
+            for g in codec.groups:
+                g.scale.fill_(factor / self.divide)
         group = codec.groups[b]
         plan_p, plan_q, encode, between, decode = self.plans[b]
         work, _ = self.comm.all_reduce(group.wire_p, plan_p, encode)

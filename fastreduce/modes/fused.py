@@ -281,8 +281,8 @@ class FusedReducer(ReducerState, JoinableMode):
         else:
             self._join_notify()  # under Join: this rank is active (overlap: at bucket 0's launch)
             missing, works = self._start_fused(built)
-        self._complete(built, works, missing)
-        self._scale_grads(built, self._join_factor())
+        self._complete(built, works, missing)  # (a compressed step's sums were scaled already)
+        self._scale_grads(built, 1.0 if built.compressed and built.compressed.scaled else self._join_factor())
         return self._finite(built) if self.config.nonfinite != "ignore" else True
 
     finish = reduce
@@ -422,7 +422,8 @@ class FusedReducer(ReducerState, JoinableMode):
                                               direct=not (plan.prescale or cfg.error_feedback or comp),
                                               on_grad=reattach.grad_ready)
         if comp is not None:  # one group per bucket, or of every gradient
-            built.compressed = Compressed(comp, layout, buffer, comm, backend, wire_dtype, built.schedule)
+            built.compressed = Compressed(comp, layout, buffer, comm, backend, wire_dtype, built.schedule,
+                                          self._join_notify, self._join_factor)
         if dist.get_rank(self.group) == 0:
             log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s%s",
                      layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
