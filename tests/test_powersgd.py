@@ -41,7 +41,7 @@ from torch.testing import assert_close
 import fastreduce
 from fastreduce.launch import run_ranks
 
-from test_fused import guarded
+from test_fused import guarded, spawn_once
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -287,15 +287,7 @@ _ddp_runs: dict = {}
 
 def ddp_run(world: int) -> list[dict]:
     """One group per world size (started by the first test that asks), its cases' results."""
-    if world not in _ddp_runs:
-        try:
-            _ddp_runs[world] = run_ranks(ddp_worker, world, ddp_cases(world), timeout=TIMEOUT)
-        except Exception as e:  # noqa: BLE001
-            _ddp_runs[world] = e
-    res = _ddp_runs[world]
-    if isinstance(res, BaseException):
-        pytest.fail(f"the group of {world} ranks failed: {res}")
-    return res
+    return spawn_once(_ddp_runs, world, lambda: run_ranks(ddp_worker, world, ddp_cases(world), timeout=TIMEOUT))
 
 
 def unwrap(result: dict) -> Any:
