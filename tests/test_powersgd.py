@@ -756,3 +756,32 @@ def test_bad_reducer_settings_raise_value_error() -> None:
         assert "accumulate_dtype" in out[key][1], out[key]
     assert "error_feedback" in out["error_feedback"][1], out["error_feedback"]
     assert "compression" in out["not_a_codec"][1], out["not_a_codec"]
+
+
+# ============================================================== torch.compile
+
+def compiled_case(rank: int, world: int, overlap: bool) -> dict:
+    """The same five steps on the plain model and on torch.compile(model) (aot_eager)."""
+    out = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+        run = torch.compile(m, backend="aot_eager") if compiled else m
+        red = fastreduce.FusedReducer(m, wire_dtype=torch.float32, overlap=overlap, bucket_mb=0.003,
+                                      compression=fastreduce.PowerSGD(2, min_compression_rate=0))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for s in range(5):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * s + rank))
+            run(x).square().mean().backward()
+            red.reduce()
+            opt.step()
+            opt.zero_grad()
+        out[compiled] = torch.cat([p.detach().flatten() for p in m.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
+def test_compiled_model_gives_the_same_parameters(overlap: bool) -> None:
+    """DESIGN invariant 7: compiled or not, the same result (here bit for bit)."""
+    for r in run_ranks(compiled_case, 2, overlap, timeout=300):
+        assert torch.equal(r[False], r[True])
