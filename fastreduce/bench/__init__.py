@@ -379,8 +379,9 @@ def run(args: argparse.Namespace) -> int:
                 say(format_modes(result["network_modes"]) + "\n")
         elif suite == "compression":
             cfg = compression_config(args)
-            note(f"compression suite: one host ({cfg.ranks} ranks, GPT-2 {cfg.layers} layers)"
-                 f"{', 2 namespace hosts at ' + ', '.join(cfg.rates) if cfg.rates else ''}, {cfg.iters} steps/method ...")
+            hosts = f", 2 namespace hosts at {', '.join(cfg.rates)}" if cfg.rates else ""
+            note(f"compression suite: one host ({cfg.ranks} ranks, GPT-2 {cfg.layers} layers){hosts}, "
+                 f"{cfg.iters} steps/method ...")
             result["compression"] = run_compression_bench(cfg)
             say(format_compression(result["compression"]) + "\n")
         elif suite == "convergence":

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Method", "machine_info", "ohabana_loop", "percentile", "slowest_rank", "summary_ms",
+__all__ = ["HEAD_SIZE", "VOCAB", "Method", "byte_gpt2",
+           "machine_info", "ohabana_loop", "percentile", "slowest_rank", "summary_ms",
            "time_call", "time_round_robin"]
 
 
@@ -108,3 +109,21 @@ def ohabana_loop(params: list[torch.nn.Parameter]) -> Callable[[], None]:
         for p, v in zip(params, views):
             p.grad.copy_(v.to(p.grad.dtype))
     return reduce
+
+
+VOCAB = 256
+HEAD_SIZE = 32
+
+
+def byte_gpt2(layers: int, width: int, positions: int, head_size: int = HEAD_SIZE, seed: int = 0) -> Any:
+    """A GPT-2 from ``transformers`` built from a config (never downloaded): byte vocabulary,
+    dropout 0, weights from ``seed`` (the convergence and compression suites' model)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=width, n_layer=layers,
+                        n_head=max(1, width // head_size), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # what transformers falls back to for GPT-2, said here: no warning
+    return model

@@ -77,11 +77,9 @@ def _model(kind: str, cfg: CompressionConfig) -> tuple[Any, Callable[[Any], Any]
     if kind == "mlp":
         model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())])
         return model, lambda run: run(x).square().mean(), (x := torch.randn(256, 512, generator=gen))
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from .common import byte_gpt2
 
-    config = GPT2Config(vocab_size=256, n_positions=cfg.seq, n_embd=cfg.width, n_layer=cfg.layers,
-                        n_head=max(1, cfg.width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config)
+    model = byte_gpt2(cfg.layers, cfg.width, cfg.seq, head_size=64)
     ids = torch.randint(0, 256, (cfg.batch, cfg.seq), generator=gen)
     return model, lambda run: run(input_ids=ids, labels=ids).loss, ids
 

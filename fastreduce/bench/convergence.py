@@ -85,12 +85,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .common import HEAD_SIZE, VOCAB, byte_gpt2
+
 __all__ = ["ConvergenceConfig", "METHODS", "TextData", "format_text", "heldout_batch", "load_text",
            "run_convergence_bench", "train_batch", "width_for", "write_convergence_chart"]
 
 MiB = 2**20
-VOCAB = 256
-HEAD_SIZE = 32
 RANK = 4          # PowerSGD's rank, both rows
 H = 32            # DiLoCo's sync period
 SPARSE_OUTER_LR = 1.0  # SparseLoCo's outer SGD (no momentum)
@@ -352,16 +352,7 @@ REFERENCE = "ddp_fp32"
 
 def gpt2(cfg: ConvergenceConfig) -> Any:
     """The model, the same initial weights on every rank and for every method."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=VOCAB, n_positions=cfg.positions, n_embd=cfg.width, n_layer=cfg.layers,
-                        n_head=max(1, cfg.width // HEAD_SIZE), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(cfg.seed)
-    model = GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"  # what transformers falls back to for GPT-2, said here: no warning
-    return model
+    return byte_gpt2(cfg.layers, cfg.width, cfg.positions, seed=cfg.seed)
 
 
 def lr_factor(step: int, steps: int) -> float:
