@@ -70,14 +70,17 @@ class Compressed:
         self.plans: list[tuple] = []  # per group: (plan_p, plan_q, encode, between, decode)
         for g in codec.groups:
             plan_p, plan_q = comm.plan(wire_dtype, None, g.wire_p), comm.plan(wire_dtype, None, g.wire_q)
-            self.divide = plan_p.world if plan_p.prescale else 1  # the same plan for every group
             # The QR in between stays eager: whether cuSOLVER's and HPU's QR can be recorded in a
             # graph is not established (not run on either); encode and decode are matmuls and casts.
             capture = (lambda f: f) if eager else backend.capture
             self.plans.append((plan_p, plan_q, capture(g.encode), g.between, capture(g.decode)))
         self.nbytes = sum(g.nbytes for g in codec.groups)
+        self.divide = plan_p.world if plan_p.prescale else 1  # one plan kind for every group's buffers
         self.factor = factor
         self.scaled = False  # this step's sums were scaled for Join's active ranks
+        self._scale = 1.0 / self.divide  # what every group's ``scale`` holds now
+        for g in codec.groups:
+            g.scale.fill_(self._scale)
         if schedule is not None:
             plain = schedule.launch
 
@@ -102,8 +105,10 @@ class Compressed:
             codec.before_step()  # residual is against the mean over the active ranks
             factor = self.factor()
             self.scaled = factor != 1.0
-            for g in codec.groups:
-                g.scale.fill_(factor / self.divide)
+            if factor / self.divide != self._scale:  # only when Join's count changes: no op a step
+                self._scale = factor / self.divide
+                for g in codec.groups:
+                    g.scale.fill_(self._scale)
         group = codec.groups[b]
         plan_p, plan_q, encode, between, decode = self.plans[b]
         work, _ = self.comm.all_reduce(group.wire_p, plan_p, encode)

@@ -294,7 +294,10 @@ class LocalUpdates(JoinableMode):
         self._join_contribute([wire], active_only=self._averages_params)
         if self._sparse:  # a joined rank's payload is all zeros: scale 0, so it adds nothing
             sparse = self._sparse[k]
-            sparse.mine.zero_() if self._join_joined else sparse.encode(wire)
+            if self._join_joined:
+                sparse.mine.zero_()
+            else:
+                sparse.encode(wire)
             work, _ = self.comm.all_gather(sparse.gathered)
             self._in_flight[k] = (work, lambda: sparse.decode(wire))
             return
