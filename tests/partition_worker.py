@@ -57,11 +57,18 @@ def build(mode: str, model: nn.Module):
     return step
 
 
+def publish(path: Path, text: str) -> None:
+    """Write whole or not at all: the test polls for the file and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     host = os.environ["PARTITION_HOST"]
     info = fastreduce.init_distributed()
-    (out / f"rank-{host}").write_text(str(info.rank))
+    publish(out / f"rank-{host}", str(info.rank))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
     step = build(mode, model)
@@ -77,7 +84,7 @@ def main() -> None:
             step(x, y)
             n += 1
             if n == 10:
-                (out / "steady").write_text(str(time.time()))
+                publish(out / "steady", str(time.time()))
             time.sleep(0.01)
     except BaseException as err:  # noqa: BLE001 - what the test looks at
         result = {"raised": type(err).__name__, "message": str(err), "at": time.time(),
@@ -85,7 +92,7 @@ def main() -> None:
     result["steps"] = n
     result["ring"] = bool(ring_threads)  # a ring reduce-scatter ran (ZeRO, fp32, Gloo, > 2 ranks)
     if host == "A":
-        (out / "result-A.json").write_text(json.dumps(result))
+        publish(out / "result-A.json", json.dumps(result))
     # exits as a user's script does on an uncaught error: through the interpreter's
     # finalization, with the abandoned collective still pending in Gloo
     sys.exit(3 if result["raised"] is not None else 0)
