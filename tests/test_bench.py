@@ -419,6 +419,7 @@ def test_convergence_data_is_the_stdlib_deterministic_and_held_out_disjoint() ->
 @pytest.mark.parametrize(("argv", "words"), [(["--convergence-ranks", "1"], "--convergence-ranks needs"),
                                              (["--convergence-methods", "ddp,sgd"], "takes names among"),
                                              (["--powersgd-warmup", "1"], "at least 2"),
+                                             (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
                                              (["--steps", "0"], "at least 1")])
 def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -430,12 +431,14 @@ def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: 
 def test_compression_suite_quick_smoke(tmp_path: Path) -> None:
     """PowerSGD against DDP and torch's hook on one host (a small GPT-2) and on two namespace
     hosts at 1 Gbit/s (skipped there where namespaces cannot be made): every method timed,
-    every rank ends with one model, the bytes as each method's algorithm says."""
+    every rank ends with one model, the bytes as each method's algorithm says (at the rank
+    ``--powersgd-rank`` gives, the hook's and fastreduce's alike)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "compression", "--quick", "--json",
-                           "--rates", "1gbit", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           "--rates", "1gbit", "--powersgd-rank", "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["compression"]
+    assert report["config"]["rank"] == 2
     runs = [report["one_host"]] + ([] if "skipped" in report["hosts"] else list(report["hosts"].values()))
     for r in runs:
         assert [m for m in r if m != "params"] == list(compression_suite.METHODS)

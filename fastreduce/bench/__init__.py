@@ -40,8 +40,8 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   ``--convergence-ranks`` (2 and 4): held-out loss against steps and wall time
   (``convergence.png``), the final loss, bytes per step, step time and the wall time to
   DDP fp32's final loss. One host, or namespace hosts (one rank each) at each ``--rates``
-  entry. Also ``--eval-every``, ``--train-mb``, ``--powersgd-warmup``,
-  ``--convergence-methods``, ``--params-m``, ``--batch`` (sequences per rank);
+  entry. Also ``--eval-every``, ``--train-mb``, ``--powersgd-warmup``, ``--powersgd-rank``
+  (this suite and the compression suite), ``--convergence-methods``, ``--params-m``, ``--batch`` (sequences per rank);
   ``--quick``: a 4 x 32 model, 40 steps, 2 ranks.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
@@ -161,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-warmup", type=int, default=None,
                         help="convergence suite: exact steps before both PowerSGD rows compress (default: 10%% "
                              "of the steps, at least 2)")
+    parser.add_argument("--powersgd-rank", type=int, default=None,
+                        help="compression and convergence suites: PowerSGD's rank, torch's hook and fastreduce "
+                             "alike (default: 4)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, few iterations: proves the benchmark runs (CI)")
     parser.add_argument("--json", action="store_true",
@@ -202,9 +205,16 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
     return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}))
 
 
+def _psgd_rank(args: argparse.Namespace) -> int | None:
+    if args.powersgd_rank is not None and args.powersgd_rank < 1:
+        raise ValueError(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+    return args.powersgd_rank
+
+
 def compression_config(args: argparse.Namespace) -> CompressionConfig:
     """The compression suite's settings: ``--quick`` is a small GPT-2 on one host, 2 steps."""
     from .hosts import check_rate
+    rank = {"rank": args.powersgd_rank} if _psgd_rank(args) else {}
     rates = args.rates.split(",") if args.rates else ([] if args.quick else CompressionConfig().rates)
     for rate in rates:
         check_rate(rate)
@@ -212,8 +222,9 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         raise ValueError(f"--layers must be at least 1, got {args.layers}")
     if args.quick:
         return CompressionConfig(ranks=args.ranks, rates=rates, layers=args.layers or 2, width=64, seq=16,
-                                 batch=args.batch or 2, iters=args.iters or 2, warmup=3, threads=args.threads)
-    return CompressionConfig(ranks=args.ranks, rates=rates, threads=args.threads,
+                                 batch=args.batch or 2, iters=args.iters or 2, warmup=3, threads=args.threads,
+                                 **rank)
+    return CompressionConfig(ranks=args.ranks, rates=rates, threads=args.threads, **rank,
                              **({"layers": args.layers} if args.layers else {}),
                              **({"iters": args.iters} if args.iters else {}),
                              **({"batch": args.batch} if args.batch else {}),
@@ -241,7 +252,8 @@ def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
             check_rate(rate)
         given["rates"] = rates
     for key, value in (("steps", args.steps), ("eval_every", args.eval_every), ("train_mb", args.train_mb),
-                       ("powersgd_warmup", args.powersgd_warmup), ("batch", args.batch), ("threads", args.threads)):
+                       ("powersgd_warmup", args.powersgd_warmup), ("powersgd_rank", _psgd_rank(args)),
+                       ("batch", args.batch), ("threads", args.threads)):
         if value is not None:
             given[key] = value
     cfg = quick_config(**given) if args.quick else ConvergenceConfig(**given)  # type: ignore[arg-type]

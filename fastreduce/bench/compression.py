@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 __all__ = ["CompressionConfig", "format_text", "run_compression_bench"]
 
-RANK = 4
+RANK = 4          # PowerSGD's rank (both rows) unless --powersgd-rank says otherwise
 WARMUP_STEPS = 2  # exact steps before compressing (both methods): torch's hook needs >= 2
 METHODS = ("no communication", "ddp", "ddp + powerSGD_hook", "powersgd", "powersgd, fp32 wire", "powersgd, overlapped")
 
@@ -60,6 +60,7 @@ class CompressionConfig:
     iters: int = 10
     warmup: int = 3           # untimed rounds of every method (> WARMUP_STEPS)
     bucket_mb: float = 2.0    # the overlapped method's buckets
+    rank: int = RANK          # PowerSGD's rank, torch's hook and fastreduce alike
     threads: int | None = None
     timeout: float = 900.0
 
@@ -106,7 +107,7 @@ def _build(name: str, kind: str, cfg: CompressionConfig) -> tuple[Any, Callable[
         mb = 4 * numel / 2**20 + 1 if hook else None  # one bucket for the hook (see the module doc)
         run = torch.nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": mb} if hook else {}))
         if hook:
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
                                        start_powerSGD_iter=WARMUP_STEPS, use_error_feedback=True, warm_start=True)
             run.register_comm_hook(state, psgd.powerSGD_hook)
 
@@ -114,11 +115,11 @@ def _build(name: str, kind: str, cfg: CompressionConfig) -> tuple[Any, Callable[
             loss_of(run).backward()
             opt.step()
             opt.zero_grad()
-        return run, step, lambda: 4 * numel if not hook else _hook_bytes(model)
+        return run, step, lambda: 4 * numel if not hook else _hook_bytes(model, cfg.rank)
     overlap = name.endswith("overlapped")
     wire = {"wire_dtype": torch.float32} if name.endswith("fp32 wire") else {}
     reducer = fastreduce.FusedReducer(model, overlap=overlap, **wire,
-                                      compression=fastreduce.PowerSGD(RANK, warmup_steps=WARMUP_STEPS),
+                                      compression=fastreduce.PowerSGD(cfg.rank, warmup_steps=WARMUP_STEPS),
                                       **({"bucket_mb": cfg.bucket_mb} if overlap else {}))
 
     def step() -> None:
@@ -134,13 +135,13 @@ def _build(name: str, kind: str, cfg: CompressionConfig) -> tuple[Any, Callable[
     return model, step, nbytes
 
 
-def _hook_bytes(model: Any) -> int:
+def _hook_bytes(model: Any, rank: int) -> int:
     """What torch's hook sends per step once compressing: fp32 P and Q of each matrix it
     compresses (its rule: ``(n + m) r * 2 < n m``), the other gradients whole."""
     total = 0
     for p in model.parameters():
         n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (1, p.numel())
-        r = min(RANK, n, m)
+        r = min(rank, n, m)
         total += 4 * ((n + m) * r if p.dim() > 1 and (n + m) * r * 2 < n * m else n * m)
     return total
 
@@ -221,7 +222,7 @@ def _target(where: str, what: str, r: dict[str, Any], a: str, b: str, limit: flo
 
 def format_text(report: dict[str, Any]) -> str:
     cfg = report["config"]
-    lines = [f"compression suite: rank {RANK}, error feedback, warm start; AdamW; ms per step (median of "
+    lines = [f"compression suite: rank {cfg['rank']}, error feedback, warm start; AdamW; ms per step (median of "
              f"{cfg['iters']}, slowest rank), bytes sent per rank per step"]
 
     def table(title: str, r: dict[str, Any]) -> None:

@@ -91,7 +91,7 @@ __all__ = ["ConvergenceConfig", "METHODS", "TextData", "format_text", "heldout_b
            "run_convergence_bench", "train_batch", "width_for", "write_convergence_chart"]
 
 MiB = 2**20
-RANK = 4          # PowerSGD's rank, both rows
+RANK = 4          # PowerSGD's rank, both rows, unless --powersgd-rank
 H = 32            # DiLoCo's sync period
 SPARSE_OUTER_LR = 1.0  # SparseLoCo's outer SGD (no momentum)
 LR_WARMUP = 0.1   # fraction of the steps
@@ -117,6 +117,7 @@ class ConvergenceConfig:
     batch: int = 8            # sequences per rank and step
     lr: float = 1e-3
     powersgd_warmup: int | None = None  # None: 10% of the steps (at least 2)
+    powersgd_rank: int = RANK  # both PowerSGD rows
     seed: int = 0
     threads: int | None = None
     quick: bool = False
@@ -240,6 +241,7 @@ class Setup:
     steps: int
     psgd_warmup: int
     numel: int
+    psgd_rank: int = RANK
 
 
 def _nothing() -> None:
@@ -255,15 +257,13 @@ def _ddp_powersgd(model: Any, opt: Any, s: Setup) -> Trainer:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
-    from .compression import RANK as HOOK_RANK
     from .compression import _hook_bytes
 
-    assert HOOK_RANK == RANK, "the hook's byte count is for the same rank"
     ddp = DistributedDataParallel(model, bucket_cap_mb=4 * s.numel / MiB + 1)  # one bucket: see the module doc
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=s.psgd_rank,
                                start_powerSGD_iter=s.psgd_warmup, use_error_feedback=True, warm_start=True)
     ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    hook = float(_hook_bytes(model))
+    hook = float(_hook_bytes(model, s.psgd_rank))
     exact = min(s.psgd_warmup, s.steps)
     return Trainer(ddp, _nothing, lambda: (hook, (exact * 4.0 * s.numel + (s.steps - exact) * hook) / s.steps),
                    keep=state)
@@ -304,7 +304,7 @@ def _powersgd(model: Any, opt: Any, s: Setup) -> Trainer:
     if not hasattr(fastreduce, "PowerSGD"):
         raise Unavailable("skipped: this fastreduce has no PowerSGD")
     reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, compression=fastreduce.PowerSGD(
-        rank=RANK, warmup_steps=s.psgd_warmup, error_feedback=True, warm_start=True))
+        rank=s.psgd_rank, warmup_steps=s.psgd_warmup, error_feedback=True, warm_start=True))
     return _on_reducer(model, reducer, reducer.reduce)
 
 
@@ -384,7 +384,7 @@ def train_one(name: str, cfg: ConvergenceConfig, data: TextData, held: Any) -> d
     numel = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     try:
-        trainer = METHODS[name](model, opt, Setup(cfg.steps, cfg.psgd_warmup, numel))
+        trainer = METHODS[name](model, opt, Setup(cfg.steps, cfg.psgd_warmup, numel, cfg.powersgd_rank))
     except Unavailable as why:
         return {"skipped": str(why)} if rank == 0 else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
@@ -539,7 +539,7 @@ def format_text(report: dict[str, Any]) -> str:
              f"cosine to {LR_FLOOR:g}x), {c['steps']} steps, seed {c['seed']}",
              f"data: Python {data['python']}'s stdlib source ({data['files']} files, sorted by path): "
              f"{data['train_bytes'] / MiB:g} MiB trained on, held-out loss on {c['eval_seqs']} sequences of the "
-             f"next {data['heldout_bytes'] / MiB:g} MiB; PowerSGD rank {RANK} after {c['powersgd_warmup']} exact "
+             f"next {data['heldout_bytes'] / MiB:g} MiB; PowerSGD rank {c['powersgd_rank']} after {c['powersgd_warmup']} exact "
              f"steps; DiLoCo H {H}, outer Nesterov SGD lr {OUTER_LR:g}, momentum {OUTER_MOMENTUM:g}, bf16 wire",
              "bytes: sent per rank per step (steady state, ring all-reduce payload); ms: median step, slowest "
              "rank; s: training wall time (evaluation excluded); to ddp: wall time to the first evaluation at or "
