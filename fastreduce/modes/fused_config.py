@@ -1,0 +1,94 @@
+"""The settings of a :class:`~fastreduce.FusedReducer` (:class:`ReducerConfig`), checked
+when they are made: a bad value fails here, naming the field, before any collective."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..backends import BACKENDS
+from ..codecs.powersgd import PowerSGD
+from ..comm import TRANSPORT_ENV, TRANSPORTS, Transport
+from ..grads import NonFinite, check_nonfinite
+from .compressed import check_compression
+
+__all__ = ["ReducerConfig", "UnusedGrads"]
+
+UnusedGrads = Literal["error", "zero"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ReducerConfig:
+    """Settings of a :class:`FusedReducer`."""
+
+    wire_dtype: torch.dtype | None = torch.bfloat16
+    """dtype sent over the network; ``None`` sends each gradient in its own dtype
+    (mixed-dtype models then use the widest one)."""
+    use_graphs: bool = True
+    """Record pack and unpack as device graphs where the device has them (CUDA; HPU
+    in lazy mode); elsewhere ignored."""
+    backend: str = "auto"
+    """``auto`` (from the gradients' device), ``eager``, ``cuda``, ``hpu`` or
+    ``checked`` (the graph-contract checker used in tests)."""
+    unused_grads: UnusedGrads = "error"
+    """A parameter that requires grad but has none after backward: ``error`` raises
+    (freeze it, or choose ``zero``); ``zero`` counts it as a zero gradient, and a
+    parameter no rank produced a gradient for keeps ``grad=None``, as DDP does with
+    ``find_unused_parameters=True``."""
+    accumulate_dtype: torch.dtype | None = None
+    """``torch.float32`` sums a bf16/fp16 wire in fp32 (same bytes, two roundings at
+    any world size, see :class:`~fastreduce.collectives.Fp32Accumulate`); ``None``
+    lets the collective sum in the wire dtype. In overlap mode each bucket is laid out
+    to split into world-size equal chunks and its sum and gather are issued after the
+    next bucket's all-to-all (at the latest in ``reduce()``). The shared-memory
+    transport sums in fp32 either way."""
+    nonfinite: NonFinite = "ignore"
+    """What a reduction whose averaged gradients hold inf or NaN does (one check of the
+    wire buffer after the collective: a non-finite value on any rank reaches every
+    rank's average, so every rank decides alike with no collective of its own):
+    ``ignore`` (no check); ``raise`` (:class:`NonFiniteGradError` on every rank, naming
+    the first such parameter); ``skip`` (:meth:`FusedReducer.reduce` returns ``False``
+    on every rank, as ``GradScaler`` skips a step: do not step the optimizer)."""
+    error_feedback: bool = False
+    """With a wire narrower than the gradients (bf16/fp16 for fp32 grads): each rank
+    adds what its last cast rounded away to the next step's gradients before casting
+    (a persistent residual per gradient, fp32, one more model's worth of memory), so
+    rounding errors cancel over steps instead of accumulating. The residual is per rank;
+    :meth:`FusedReducer.state_dict` holds it, for ``fastreduce.checkpoint``."""
+    overlap: bool = False
+    """Reduce during backward: buckets in backward order, each launched from a
+    gradient hook as soon as its last gradient is ready."""
+    bucket_mb: float | None = None
+    """Bucket size on the wire in overlap mode (MB); ``None`` picks per backend (few
+    large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
+    transport: Transport = field(default_factory=lambda: os.environ.get(TRANSPORT_ENV, "auto"))
+    """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else
+    ``auto``). ``process_group``: the group's all-reduce (HCCL, NCCL, Gloo). ``shm``:
+    CPU ranks on one host average through a shared-memory segment
+    (:mod:`fastreduce.comm.shm`; several times faster than Gloo's loopback TCP), and it is
+    an error if they cannot. ``auto``: ``shm`` where it works, else the group."""
+
+    compression: PowerSGD | None = None
+    """``fastreduce.PowerSGD(...)``: send low-rank factors of the gradients' matrices, in
+    ``wire_dtype``, two collectives per step or bucket (:mod:`.compressed`)."""
+
+    def __post_init__(self) -> None:
+        check_compression(self.compression, self.accumulate_dtype, self.error_feedback)
+        if self.accumulate_dtype not in (None, torch.float32):
+            raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
+            raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
+                             f"float32) or None, got {self.wire_dtype}")
+        check_nonfinite(self.nonfinite)
+        if self.unused_grads not in ("error", "zero"):
+            raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r} (argument or ${TRANSPORT_ENV}); "
+                             f"choose one of {', '.join(TRANSPORTS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
