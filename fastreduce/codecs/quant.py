@@ -1,0 +1,154 @@
+"""Block quantization: fp8 (e4m3, e5m2), int8 and int4 values with one fp32 scale per block.
+
+A row of ``m`` values (``m`` a multiple of the block) encodes to ``m x bits / 8`` bytes
+of codes followed by ``m / block`` fp32 scales, one ``uint8`` row: every chunk a rank
+sends is self-contained, so an exchange (all-to-all) or an all-gather carries rows as
+they are, on transports that have no fp8 (Gloo, shared memory) as well as on those that do.
+
+Per block, with ``a`` the block's largest ``|x|``:
+
+* ``fp8_e4m3`` / ``fp8_e5m2``: the scale is the power of two ``2^e`` of
+  ``frexp(a / max)`` (``max`` = 448 / 57344), so ``x / scale`` is exact and at most
+  ``max`` in magnitude; the code is that value rounded to the format (to nearest, ties
+  to even; clamped to ``±max`` first, since casts of larger values saturate on some
+  devices and give NaN or inf on others). Decoding multiplies back: exact.
+* ``int8`` / ``int4``: symmetric, the scale is ``a / q`` (``q`` = 127 / 7, computed in
+  fp32), the code ``round(x / scale)`` (ties to even) clamped to ``[-q, q]``; int4
+  packs two codes a byte, the even element in the low nibble. An all-zero block has
+  scale 1 and zero codes.
+
+Non-finite values stay non-finite: a block holding NaN or inf decodes to NaN, so the
+non-finite checks after a reduction still see it. Everything is one vectorized op per
+step over all blocks of all rows; nothing loops over blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FORMATS", "BlockQuant", "wire_format"]
+
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_INT_MAX = {"int8": 127, "int4": 7}
+_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
+_ALIASES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
+
+
+def wire_format(wire: object) -> str | None:
+    """The quantized format a ``wire_dtype`` names (``torch.float8_e4m3fn``,
+    ``torch.float8_e5m2``, ``"int8"``, ``"int4"``, or a format name), else ``None``."""
+    if isinstance(wire, torch.dtype):
+        name = str(wire).removeprefix("torch.")
+    elif isinstance(wire, str):
+        name = wire
+    else:
+        return None
+    name = _ALIASES.get(name, name)
+    return name if name in FORMATS else None
+
+
+@dataclass(frozen=True)
+class BlockQuant:
+    """One quantized wire format with one fp32 scale per ``block`` values.
+
+    Args:
+        fmt: one of :data:`FORMATS`.
+        block: values per scale (a multiple of 8, at least 8).
+    """
+
+    fmt: str
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown quantized format {self.fmt!r}; the formats are {', '.join(FORMATS)}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 8 or self.block % 8:
+            raise ValueError(f"the quantization block must be a multiple of 8, at least 8; got {self.block!r}")
+        if self.fmt in _FP8 and not hasattr(torch, _FP8[self.fmt]):
+            raise ValueError(f"{self.fmt} needs torch.{_FP8[self.fmt]}, which this torch ({torch.__version__}) "
+                             "lacks; use 'int8'")
+
+    @property
+    def bits(self) -> int:
+        """Bits per value (the scales aside)."""
+        return _BITS[self.fmt]
+
+    def row_bytes(self, m: int) -> int:
+        """Bytes one encoded row of ``m`` values takes: codes, then scales."""
+        self._check_len(m)
+        return m * self.bits // 8 + 4 * (m // self.block)
+
+    def bytes_per_value(self) -> float:
+        """Wire bytes per value, the scales included."""
+        return self.bits / 8 + 4 / self.block
+
+    def _check_len(self, m: int) -> None:
+        if m % self.block:
+            raise ValueError(f"a quantized row must hold a multiple of the block ({self.block}) values; got {m}")
+
+    def _split(self, out: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out`` (rows, row_bytes) uint8 as (codes, fp32 scales) views."""
+        code_bytes = m * self.bits // 8
+        return out[:, :code_bytes], out[:, code_bytes:].view(torch.float32)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode ``x`` (rows x m fp32, or 1-D: one row) into ``out`` (rows x
+        :meth:`row_bytes` uint8, allocated when ``None``); return ``out``."""
+        x2 = x.reshape(1, -1) if x.dim() == 1 else x
+        rows, m = x2.shape
+        row_bytes = self.row_bytes(m)
+        if out is None:
+            out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+        out2 = out.view(rows, row_bytes)
+        codes, scales = self._split(out2, m)
+        blocks = x2.reshape(rows, m // self.block, self.block).float()
+        amax = blocks.abs().amax(-1)
+        if self.fmt in _FP8:
+            dtype = getattr(torch, _FP8[self.fmt])
+            top = torch.finfo(dtype).max
+            scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax / top).exponent)
+            scale = torch.where(torch.isfinite(amax), scale, amax)  # inf/NaN blocks: a non-finite scale
+            q = (blocks / scale.unsqueeze(-1)).clamp_(-top, top).to(dtype).view(torch.uint8)
+            codes.copy_(q.view(rows, m))
+        else:
+            top = _INT_MAX[self.fmt]
+            scale = amax / top
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+            q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-top, top).to(torch.int8).view(rows, m)
+            if self.fmt == "int8":
+                codes.copy_(q.view(torch.uint8))
+            else:
+                nib = q.view(torch.uint8) & 0x0F
+                codes.copy_(nib[:, 0::2] | (nib[:, 1::2] << 4))
+        scales.copy_(scale)
+        return out
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``payload`` (rows x row_bytes uint8, or 1-D: one row) into ``out``
+        (rows x m fp32, allocated when ``None``); return ``out``."""
+        p2 = payload.reshape(1, -1) if payload.dim() == 1 else payload
+        rows, row_bytes = p2.shape
+        m = row_bytes * 8 * self.block // (self.bits * self.block + 32)
+        if self.row_bytes(m) != row_bytes:
+            raise ValueError(f"{row_bytes} bytes is no encoded row of {self.fmt} in blocks of {self.block}")
+        codes, scales = self._split(p2, m)
+        if out is None:
+            out = torch.empty(rows, m, dtype=torch.float32, device=payload.device)
+        blocks = out.view(rows, m // self.block, self.block)
+        if self.fmt in _FP8:
+            blocks.copy_(codes.contiguous().view(getattr(torch, _FP8[self.fmt])).view(rows, -1, self.block))
+        elif self.fmt == "int8":
+            blocks.copy_(codes.contiguous().view(torch.int8).view(rows, -1, self.block))
+        else:
+            signed = codes.to(torch.int16)
+            lo, hi = ((signed & 0x0F) ^ 8) - 8, ((signed >> 4) ^ 8) - 8
+            blocks.copy_(torch.stack((lo, hi), -1).view(rows, -1, self.block))
+        blocks.mul_(scales.unsqueeze(-1))
+        return out.view(-1) if payload.dim() == 1 else out
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))``, shaped as ``x``: what a receiver sees."""
+        return self.decode(self.encode(x)).view_as(x)
