@@ -51,7 +51,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import deque
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, RingReduceScatter, all_gather_flat,
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
+from .quantized import QuantMean
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
@@ -171,6 +172,8 @@ class Comm:
         the previous such launch on this group (its fp32 sum and gather) is issued
         right after, so in the overlapped mode each bucket's sum runs while the next
         bucket's all-to-all is on the wire and the last one's in ``wait()``."""
+        if isinstance(plan, QuantMean):
+            return plan.start(pack, unpack)
         if not plan.fp32_accumulate:
             return start_all_reduce(buf, plan, pack, unpack)
         key = ("fp32_accumulate", buf.data_ptr(), buf.numel(), buf.dtype)
@@ -213,24 +216,29 @@ class Comm:
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
                 return RingReduceScatter(buf.view(self.world, n), out, self._scratch_like(buf, "recv"), self.group,
                                          self._global, self.piece_bytes), None
-            if self.by_exchange:  # Gloo, CPU: every rank's chunk r, in pieces (WIRE_PIECE_BYTES)
+            if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
-                rows, got = buf.view(self.world, n), recv.view(self.world, n)
-                got[self.rank].copy_(mine)
-                peers = [j for j in range(self.world) if j != self.rank]
-                ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global,
-                                   self.piece_bytes)
-                return _AllWorks(dist.batch_isend_irecv(ops)), lambda: self._sum_rows(recv, out)
-            if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo (device), or a sum in fp32
-                recv = self._scratch_like(buf, "recv")
-                work = dist.all_to_all_single(recv, buf, group=self.group, async_op=True)
-                return work, lambda: self._sum_rows(recv, out)
+                work = self.exchange(buf.view(self.world, n), recv.view(self.world, n))
+                return work, lambda: self.sum_rows(recv, out)
             plan = self.plan(buf.dtype)
             if plan.prescale:
                 buf.div_(self.world)
             dst = out if out.dtype == buf.dtype else self._scratch_like(mine, "rs_out")
             work = reduce_scatter_flat(dst, buf, plan.op, self.group, async_op=True)
             return work, (None if dst is out else lambda: out.copy_(dst))
+
+    def exchange(self, rows: torch.Tensor, got: torch.Tensor) -> Any:
+        """Launch an all-to-all of ``rows`` (W rows): row j to rank j, and rank j's row
+        r into ``got[j]`` (this rank's own row copied). On Gloo with CPU tensors it is
+        point-to-point, in pieces (``WIRE_PIECE_BYTES``); elsewhere ``all_to_all_single``.
+        Returns the work to wait on."""
+        if self.by_exchange:
+            got[self.rank].copy_(rows[self.rank])
+            peers = [j for j in range(self.world) if j != self.rank]
+            ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global,
+                               self.piece_bytes)
+            return _AllWorks(dist.batch_isend_irecv(ops))
+        return dist.all_to_all_single(got, rows, group=self.group, async_op=True)
 
     def all_gather(self, buf: torch.Tensor) -> Pending:
         """Launch the all-gather of ``buf`` in place: chunk k of every rank's ``buf`` :=
@@ -346,7 +354,7 @@ class Comm:
             t = self._scratch[key] = torch.empty(buf.numel(), dtype=dtype or buf.dtype, device=device or buf.device)
         return t
 
-    def _sum_rows(self, recv: torch.Tensor, out: torch.Tensor) -> None:
+    def sum_rows(self, recv: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` := mean of the W rows of ``recv`` (chunk r from every rank), summed in
         fp32 (or wider) whatever the wire dtype, in :func:`~.shm.sum_order`: two
         roundings at any world size. ``out`` may be row r itself (it is added last)."""

@@ -38,6 +38,7 @@ from ..backends import Backend, select_backend
 from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import FusedBuffer, attached
 from ..comm import Comm, MeanPlan, Pending, complete, get_comm
+from ..comm.quantized import QuantMean
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import before_forward, remove_hooks
@@ -85,7 +86,7 @@ class _Built:
     layout: GradLayout
     buffer: FusedBuffer
     comm: Comm
-    plan: MeanPlan
+    plan: MeanPlan | QuantMean
     backend: Backend
     pack: Callable[[], None] | None
     unpack: Callable[[], None] | None
@@ -312,7 +313,9 @@ class FusedReducer(ReducerState, JoinableMode):
             order = agreed_order(self._recorder.remove(), len(named), self.group)
             self._recorder = None
             named = [named[i] for i in order]
-        wire_dtype = cfg.wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
+        quant = cfg.quant  # a quantized wire: fp32 buffer, the codec runs in QuantMean
+        wire_dtype = torch.float32 if quant else cfg.wire_dtype or max((p.dtype for _, p in named),
+                                                                      key=lambda d: torch.finfo(d).bits)
         pg = dist.get_backend(self.group)
         comp = cfg.compression
         if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
@@ -329,10 +332,11 @@ class FusedReducer(ReducerState, JoinableMode):
         if cfg.unused_grads == "error" and not all(present):
             raise RuntimeError(missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
         comm = get_comm(self.group, device, cfg.transport)
-        pad = self.world_size if cfg.accumulate_dtype is not None else 1
+        pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
-        plan = comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
-        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback)
+        plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant else \
+            comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
+        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
@@ -387,6 +391,8 @@ class FusedReducer(ReducerState, JoinableMode):
         with span("fastreduce::pack"):
             if built.pack is not None and not direct:
                 built.pack()
+        if isinstance(built.plan, QuantMean):  # its ``then`` finishes the mean, then unpacks
+            return missing, [built.plan.start(unpack=built.unpack)]
         work, _ = built.comm.all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
         return missing, [(work, built.unpack)]
 
@@ -425,7 +431,7 @@ class FusedReducer(ReducerState, JoinableMode):
         if path is not None:
             st.collectives += path.end_step()
             st.compressed += compressed
-        st.bytes_reduced += path.nbytes if compressed else built.buffer.nbytes
+        st.bytes_reduced += path.nbytes if compressed else getattr(built.plan, "wire_bytes", built.buffer.nbytes)
 
     @staticmethod
     def _attach_used(built: _Built, missing: list[int]) -> None:

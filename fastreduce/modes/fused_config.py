@@ -11,22 +11,45 @@ import torch
 
 from ..backends import BACKENDS
 from ..codecs.powersgd import PowerSGD
+from ..codecs.quant import BlockQuant, wire_format
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Transport
 from ..grads import NonFinite, check_nonfinite
 from .compressed import check_compression
 
-__all__ = ["ReducerConfig", "UnusedGrads"]
+__all__ = ["ReducerConfig", "UnusedGrads", "check_wire"]
 
 UnusedGrads = Literal["error", "zero"]
+
+
+def check_wire(wire: object, compression: object = None, overlap: bool = False) -> None:
+    """``ValueError`` unless ``wire`` is a wire the fused reducer can send with these settings."""
+    fmt = wire_format(wire)
+    if fmt is None:
+        if wire is not None and not (isinstance(wire, torch.dtype) and wire.is_floating_point):
+            raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, float32), a quantized "
+                             f"wire (torch.float8_e4m3fn, torch.float8_e5m2, 'int8') or None, got {wire!r}")
+        return
+    if fmt == "int4":
+        raise ValueError("wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 dtype")
+    BlockQuant(fmt)  # this torch has the dtype
+    if compression is not None:
+        raise ValueError(f"wire_dtype={wire!r} (a quantized wire) cannot be combined with compression=; "
+                         "PowerSGD sends its factors in bfloat16 or float32")
+    if overlap:
+        raise ValueError(f"wire_dtype={wire!r}: the quantized wire runs in the fused mode (overlap=False) "
+                         "for now; the overlapped mode sends bfloat16 or float32")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ReducerConfig:
     """Settings of a :class:`FusedReducer`."""
 
-    wire_dtype: torch.dtype | None = torch.bfloat16
+    wire_dtype: torch.dtype | str | None = torch.bfloat16
     """dtype sent over the network; ``None`` sends each gradient in its own dtype
-    (mixed-dtype models then use the widest one)."""
+    (mixed-dtype models then use the widest one). A quantized wire,
+    ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``"int8"``, sends codes with one
+    fp32 scale per block of 256 values; the sum is exact fp32 of the decoded values,
+    the mean encoded once more (:mod:`fastreduce.comm.quantized`; fused mode)."""
     use_graphs: bool = True
     """Record pack and unpack as device graphs where the device has them (CUDA; HPU
     in lazy mode); elsewhere ignored."""
@@ -75,15 +98,19 @@ class ReducerConfig:
     """``fastreduce.PowerSGD(...)``: send low-rank factors of the gradients' matrices, in
     ``wire_dtype``, two collectives per step or bucket (:mod:`.compressed`)."""
 
+    @property
+    def quant(self) -> BlockQuant | None:
+        """The codec of a quantized ``wire_dtype``, else ``None``."""
+        fmt = wire_format(self.wire_dtype)
+        return None if fmt is None else BlockQuant(fmt)
+
     def __post_init__(self) -> None:
         check_compression(self.compression, self.accumulate_dtype, self.error_feedback)
         if self.accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        if self.wire_dtype is not None and not self.wire_dtype.is_floating_point:
-            raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, "
-                             f"float32) or None, got {self.wire_dtype}")
+        check_wire(self.wire_dtype, self.compression, self.overlap)
         check_nonfinite(self.nonfinite)
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")

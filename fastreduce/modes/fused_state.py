@@ -1,5 +1,6 @@
 """What a :class:`~fastreduce.FusedReducer` saves and restores: per rank, its error-feedback
-residuals and, with ``compression=``, the codec's state (residuals, Q, step count).
+residuals (of the wire cast, or under ``"wire"`` a quantized wire's two) and, with
+``compression=``, the codec's state (residuals, Q, step count).
 
 The layout and buffers are learned again from the model, so a state loaded before the
 first ``reduce()`` waits until that call has built them.
@@ -29,6 +30,10 @@ class ReducerState:
             state["compression"] = built.compressed.codec.state_dict()
         elif "_pending_codec" in self.__dict__:
             state["compression"] = self._pending_codec
+        wire = getattr(built, "plan", None)
+        if self.config.quant is not None and self.config.error_feedback:  # the quantized wire's residuals
+            state["wire"] = wire.state_dict() if hasattr(wire, "load_state_dict") else \
+                self.__dict__.get("_pending_wire", {})
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -49,7 +54,16 @@ class ReducerState:
         if codec is not None and self.config.compression is None:
             raise ValueError("this state holds a codec's state (PowerSGD's residuals and Q) but the reducer was "
                              "built without compression=; build it with the settings it was saved with")
+        wire = state_dict.get("wire")
+        if wire and not (self.config.quant is not None and self.config.error_feedback):
+            raise ValueError("this state holds a quantized wire's error-feedback residuals but the reducer was "
+                             "built without a quantized wire_dtype and error_feedback=True; build it with the "
+                             "settings it was saved with")
         built = self._built
+        if wire and built is not None:
+            built.plan.load_state_dict(wire)  # checked before anything is changed
+        elif wire:
+            self._pending_wire = wire
         if codec is not None and built is not None and built.compressed is not None:
             built.compressed.codec.load_state_dict(codec)  # checked before anything is changed
         elif codec is not None:
@@ -63,6 +77,9 @@ class ReducerState:
         pending = self.__dict__.pop("_pending_state", None)
         if pending:
             built.buffer.load_residuals(built.layout, pending)
+        wire = self.__dict__.pop("_pending_wire", None)
+        if wire and hasattr(built.plan, "load_state_dict"):
+            built.plan.load_state_dict(wire)
         codec = self.__dict__.pop("_pending_codec", None)
         lenient = self.__dict__.pop("_codec_lenient", False)
         if codec is not None and built.compressed is not None:
