@@ -293,6 +293,9 @@ def _modes_part_ok(report: dict, out: Path) -> None:
     for name in ("ddp", "fused_fp32", "overlapped"):
         assert modes[name]["mb_per_step"] == pytest.approx(fp32, rel=0.1), name
     assert modes["fused_bf16"]["mb_per_step"] == pytest.approx(fp32 / 2, rel=0.1)
+    for name in ("fused_fp8", "fused_int8"):  # a byte a value and a scale per 256, error feedback
+        assert modes[name]["mb_per_step"] == pytest.approx(fp32 / 4 * (1 + 4 / 256), rel=0.1), name
+        assert modes[name]["loss"] == pytest.approx(modes["ddp"]["loss"], rel=0.05), name
     assert modes["no_comm"]["mb_per_step"] < 0.01 * fp32
     assert modes["diloco_H8"]["mb_per_step"] < fp32 / 4  # one exchange per 8 steps
     for name in ("fused_fp32", "overlapped", "zero"):  # the same average as DDP's, up to fp32 summation
@@ -360,6 +363,9 @@ def test_convergence_suite_quick_smoke(convergence_run: dict, tmp_path: Path) ->
         assert ddp["s_to_ddp_loss"] is not None and ddp["steps_to_ddp_loss"] <= 40
         assert ms["fused_bf16"]["final_loss"] == pytest.approx(ddp["final_loss"], rel=0.02)
         assert ms["fused_bf16"]["bytes_per_step"] == pytest.approx(2 * params, rel=0.01)  # bf16 wire
+        for wire in ("fused_fp8", "fused_int8"):  # a byte a value and a scale per 256 (plus alignment)
+            assert ms[wire]["final_loss"] == pytest.approx(ddp["final_loss"], rel=0.05), wire
+            assert ms[wire]["bytes_per_step"] == pytest.approx(params * (1 + 4 / 256), rel=0.05), wire
         assert ms["ddp_powersgd"]["bytes_per_step"] < 0.3 * ddp["bytes_per_step"]
         assert ms["ddp_powersgd"]["bytes_per_step_mean"] > ms["ddp_powersgd"]["bytes_per_step"]  # exact warm-up
         if not ms["powersgd"]["skipped"]:

@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network-parts", default="steps,modes", metavar="PART,PART",
                         help="network suite: steps (issue 18's compile table), modes (every mode's "
                              "step time, bytes and loss), or both (default)")
+    parser.add_argument("--network-modes", default=None, metavar="NAME,NAME",
+                        help="network suite, modes part: the modes to run (default: all; ddp always runs, "
+                             "the reference)")
     parser.add_argument("--layers", type=int, default=None,
                         help="compression suite: GPT-2 blocks of the one-host model (default: 12; 2 with --quick)")
     parser.add_argument("--convergence-ranks", default=None, metavar="N,N",
@@ -199,10 +202,18 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
             raise ValueError(f"--hosts must be host counts like 2,4, got {args.hosts!r}") from None
         if any(h < 2 for h in hosts):
             raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
+    chosen: dict[str, object] = {}
+    if args.network_modes is not None:
+        from .network_modes import MODES
+        names = [m for m in args.network_modes.split(",") if m]
+        unknown = [m for m in names if m not in MODES]
+        if unknown or not names:
+            raise ValueError(f"--network-modes takes names among {', '.join(MODES)}, got {args.network_modes!r}")
+        chosen["modes"] = ["ddp"] + [m for m in names if m != "ddp"]
     if args.quick:
         return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64,
-                           job_per_mode=False)
-    return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}))
+                           job_per_mode=False, **chosen)
+    return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}), **chosen)
 
 
 def _psgd_rank(args: argparse.Namespace) -> int | None:

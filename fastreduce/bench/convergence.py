@@ -40,6 +40,9 @@ the steps by default; torch's hook needs at least 2):
   model's size): with two or more buckets on Gloo the hook aborts the process ("Received
   data size doesn't match expected size"; see :mod:`.compression`).
 * ``fused_bf16``: ``fastreduce.all_reduce_gradients(model)`` after backward (bf16 wire).
+* ``fused_fp8`` / ``fused_int8``: ``fastreduce.FusedReducer(model,
+  wire_dtype=torch.float8_e4m3fn`` (or ``"int8"``) ``, error_feedback=True)``: quantized
+  wires, one fp32 scale per 256 values, fp32 sums (:mod:`fastreduce.comm.quantized`).
 * ``powersgd``: ``fastreduce.FusedReducer(model, wire_dtype=torch.float32,
   compression=fastreduce.PowerSGD(rank=4, warmup_steps=<warm-up>, error_feedback=True,
   warm_start=True))``, ``reducer.reduce()`` after backward; skipped with a note where
@@ -296,6 +299,18 @@ def _fused_bf16(model: Any, opt: Any, s: Setup) -> Trainer:
     return _on_reducer(model, reducer, lambda: fastreduce.all_reduce_gradients(model))
 
 
+def _quantized(wire: Any) -> Callable[[Any, Any, Setup], Trainer]:
+    def build(model: Any, opt: Any, s: Setup) -> Trainer:
+        import torch
+
+        import fastreduce
+
+        dtype = getattr(torch, wire, wire)
+        reducer = fastreduce.FusedReducer(model, wire_dtype=dtype, error_feedback=True)
+        return _on_reducer(model, reducer, reducer.reduce)
+    return build
+
+
 def _powersgd(model: Any, opt: Any, s: Setup) -> Trainer:
     import torch
 
@@ -340,6 +355,8 @@ METHODS: dict[str, Callable[[Any, Any, Setup], Trainer]] = {
     "ddp_fp32": _ddp_fp32,
     "ddp_powersgd": _ddp_powersgd,
     "fused_bf16": _fused_bf16,
+    "fused_fp8": _quantized("float8_e4m3fn"),
+    "fused_int8": _quantized("int8"),
     "powersgd": _powersgd,
     "diloco_h32": _diloco_h32,
     "diloco_h32_sparseloco": _diloco_h32_sparseloco,

@@ -20,6 +20,8 @@ unit variance) plus noise (std 0.3), batch ``batch`` per rank, AdamW (lr 1e-3). 
 
 Modes: ``no_comm`` (AdamW alone), ``ddp`` (DistributedDataParallel), ``fused_fp32`` /
 ``fused_bf16`` (:class:`~fastreduce.FusedReducer`, one all-reduce after backward),
+``fused_fp8`` / ``fused_int8`` (the same with a quantized wire, ``torch.float8_e4m3fn`` or
+``"int8"``, and ``error_feedback=True``: encoded chunks exchanged and all-gathered),
 ``overlapped`` (fp32, 1 MB buckets during backward), ``zero`` (fp32 wire, 1 MB buckets:
 reduce-scattered during backward, all-gathered first layers first and waited per bucket
 in the next forward),
@@ -48,8 +50,10 @@ from typing import Any, Callable
 
 __all__ = ["MODES", "ModesConfig", "format_text", "run_modes_bench", "write_modes_chart"]
 
-MODES = ("no_comm", "ddp", "fused_fp32", "fused_bf16", "overlapped", "zero", "gossip_fp32", "gossip_bf16",
-         "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
+MODES = ("no_comm", "ddp", "fused_fp32", "fused_bf16", "fused_fp8", "fused_int8", "overlapped", "zero", "gossip_fp32",
+         "gossip_bf16", "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
+WIRES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
+"""The fused modes' wires by suffix (fp8 and int8 with error feedback)."""
 LOCAL = ("no_comm", "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
 """The modes that train on to reach DDP's loss."""
 TIMED = ("ddp", "no_comm", "overlapped", "streaming_diloco_H32")
@@ -115,8 +119,9 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         return nn.parallel.DistributedDataParallel(model), step, nothing
     if name.startswith(("fused", "overlapped")):
         overlap = name == "overlapped"
-        reducer = fastreduce.FusedReducer(model, overlap=overlap,
-                                          wire_dtype=torch.bfloat16 if name.endswith("bf16") else torch.float32,
+        wire = WIRES["fp32" if overlap else name.rsplit("_", 1)[1]]
+        reducer = fastreduce.FusedReducer(model, overlap=overlap, wire_dtype=getattr(torch, wire, wire),
+                                          error_feedback=wire in ("float8_e4m3fn", "int8"),
                                           **({"bucket_mb": 1.0} if overlap else {}))
         return model, lambda: (reducer.reduce(), step()), nothing
     if name == "localsgd_H8":
