@@ -538,3 +538,43 @@ def test_encode_is_deterministic_and_row_by_row_the_same(fmt: str) -> None:
     for r in range(5):
         assert torch.equal(q.encode(x[r]).reshape(-1), p[r]), f"row {r}"
         assert torch.equal(q.encode(x[r:r + 1]), p[r:r + 1]), f"row {r}"
+
+
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    """Each mode without a quantized wire, given one: the ValueError's message (or what happened)."""
+    from torch import nn
+
+    import fastreduce
+
+    out = {}
+    model = nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    builds = {
+        "ZeroOptimizer": lambda w: fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, wire_dtype=w),
+        "DecentralizedDataParallel": lambda w: fastreduce.DecentralizedDataParallel(
+            model, lambda named: torch.optim.AdamW([p for _, p in named]), wire_dtype=w),
+        "LocalSGD": lambda w: fastreduce.LocalSGD(model, opt, sync_every=4, wire_dtype=w),
+        "DiLoCo": lambda w: fastreduce.DiLoCo(model, opt, torch.optim.SGD(model.parameters(), lr=1.0), sync_every=4,
+                                              wire_dtype=w),
+    }
+    for mode, build in builds.items():
+        for wire in (torch.float8_e4m3fn, "int8", "int4"):
+            try:
+                build(wire)
+                out[f"{mode} {wire}"] = "built"
+            except ValueError as err:
+                out[f"{mode} {wire}"] = str(err)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_modes_without_a_quantized_wire_refuse_one_naming_themselves() -> None:
+    """ZeRO, gossip, LocalSGD and DiLoCo do not send quantized wires yet: given one, each
+    raises ValueError naming itself and the reducer that does, never casts to fp8 and
+    sums there."""
+    from fastreduce.launch import run_ranks
+
+    for rank_out in run_ranks(_refusals, 2, timeout=90):
+        for case, message in rank_out.items():
+            mode = case.split()[0]
+            assert f"{mode} does not send a quantized wire" in message and "FusedReducer" in message, (case, message)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "BlockQuant", "wire_format"]
+__all__ = ["FORMATS", "BlockQuant", "refuse_quantized", "wire_format"]
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -48,6 +48,14 @@ def wire_format(wire: object) -> str | None:
         return None
     name = _ALIASES.get(name, name)
     return name if name in FORMATS else None
+
+
+def refuse_quantized(wire: object, mode: str) -> None:
+    """``ValueError`` if ``wire`` names a quantized wire, which ``mode`` does not send."""
+    if wire_format(wire) is not None:
+        raise ValueError(f"{mode} does not send a quantized wire (wire_dtype={wire!r}); use torch.bfloat16 "
+                         "or torch.float32 there (quantized wires: FusedReducer(model, wire_dtype=...), "
+                         "overlap=False)")
 
 
 @dataclass(frozen=True)

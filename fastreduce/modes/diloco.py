@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import _view
+from ..codecs.quant import refuse_quantized
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
@@ -123,6 +124,7 @@ class DiLoCo(LocalUpdates):
             raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha!r}")
         if buffers not in BUFFERS:
             raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
+        refuse_quantized(wire_dtype, "DiLoCo")
         if not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
             raise ValueError(f"wire_dtype must be a floating dtype, got {wire_dtype!r}")
         if accumulate_dtype not in (None, torch.float32):

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import TensorBlock, _view, params_as_views
+from ..codecs.quant import refuse_quantized
 from ..comm import Pending, complete, get_comm
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
@@ -117,6 +118,9 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
+        refuse_quantized(wire_dtype, "DecentralizedDataParallel")
+        if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
+            raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..codecs.quant import refuse_quantized
 from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import all_reduce_watched, guarded
@@ -141,6 +142,7 @@ class LocalSGD(LocalUpdates):
         self._named = trainable(model)
         check_inner(model, optimizer, "optimizer")
         own = {p.dtype for _, p in self._named}
+        refuse_quantized(wire_dtype, "LocalSGD")
         if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
             raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
         if compression is not None and not isinstance(compression, SparseLoCo):

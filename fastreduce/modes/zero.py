@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..buckets import OverlapSchedule, default_bucket_mb, make_buckets
 from ..buffer import FusedBuffer, params_as_views
+from ..codecs.quant import refuse_quantized
 from ..comm import Pending, complete, get_comm
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
@@ -544,8 +545,9 @@ def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
                          "on a shard. ZeroOptimizer takes "
                          f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or their subclasses "
                          "(add yours to fastreduce.modes.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
-    if wire_dtype is not None and not wire_dtype.is_floating_point:
-        raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype}")
+    refuse_quantized(wire_dtype, "ZeroOptimizer")
+    if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
+        raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
     if accumulate_dtype not in (None, torch.float32):
         raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype}")
     if bucket_mb is not None and not bucket_mb > 0:
