@@ -24,6 +24,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations*",),
     "compressed": ("test_powersgd.py::test_full_rank_is_the_exact_mean_like_ddp[world2-fused-shm-*",
                    "test_powersgd.py::test_grads_match_algorithm_1[fused-shm-rank=4-bf16]"),
+    "quantized": ("test_quantized_wire.py::test_grads_equal_the_reference_bit_for_bit[world2-int8-*",),
     "join": ("test_join.py::test_reducer_matches_ddp_join[*-2]",),
     "checkpoint": ("test_elastic.py::test_resume_equals_uninterrupted*",),
     "comm": ("test_comm.py::*w2*",),
