@@ -268,17 +268,28 @@ def direct_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     buf = comm.buffer(n, torch.float32)
     x = random_buffer(rank, world, n)
     buf.copy_(x)
-    qm = QuantMean(comm, buf, BlockQuant(fmt))
+    qm = QuantMean(comm, buf, BlockQuant(fmt), piece_bytes=512)  # 3 pieces of 2 blocks on a process group
     complete(qm.start())
-    return {"x": x, "out": buf.clone(), "shm": qm.shm is not None, "wire_bytes": qm.wire_bytes}
+    return {"x": x, "out": buf.clone(), "shm": qm.shm is not None, "wire_bytes": qm.wire_bytes,
+            "pieces": len(qm.pieces)}
 
 
 def ef_case(rank: int, world: int, fmt: str, transport: str) -> dict:
-    """20 steps with error feedback, a different batch each step."""
+    """20 steps with error feedback, a different batch each step (on a process group in
+    pieces of 1 KiB a row: the residuals are kept per piece)."""
+    import fastreduce.comm.quantized as quantized
+
     model = make_model()
-    reducer = fastreduce.FusedReducer(model, wire_dtype=WIRES[fmt], transport=transport, error_feedback=True)
-    out: dict[str, Any] = {"x": [], "grads": []}
-    for step in range(EF_STEPS):
+    default, quantized.PIECE_BYTES = quantized.PIECE_BYTES, 1024
+    try:
+        reducer = fastreduce.FusedReducer(model, wire_dtype=WIRES[fmt], transport=transport, error_feedback=True)
+        out: dict[str, Any] = {"x": [backward(model, batch(rank, 0))]}
+        reducer.reduce()  # built here, in pieces
+    finally:
+        quantized.PIECE_BYTES = default
+    out["grads"] = [grads_of(model)]
+    out["pieces"] = len(reducer._built.plan.pieces)
+    for step in range(1, EF_STEPS):
         out["x"].append(backward(model, batch(rank, step)))
         reducer.reduce()
         out["grads"].append(grads_of(model))
@@ -498,6 +509,7 @@ def test_quant_mean_on_a_random_buffer_equals_the_reference(world: int, fmt: str
     want = ref_mean(fmt, [o["x"] for o in outs])
     for rank, out in enumerate(outs):
         assert out["shm"] == (transport == "shm")
+        assert out["pieces"] == (0 if transport == "shm" else 3)  # pipelined in pieces on a process group
         assert torch.equal(out["out"], want), f"rank {rank}: {first_diff(out['out'], want)}"
 
 
@@ -538,8 +550,10 @@ def test_random_mean_error_within_two_roundings(world: int, fmt: str, transport:
 @pytest.mark.parametrize("world,fmt,transport", EF_GRID, ids=ids)
 def test_error_feedback_matches_the_reference_bit_for_bit(world: int, fmt: str, transport: str) -> None:
     """With error feedback, 20 steps: every applied mean and the final residuals
-    (``state_dict()["wire"]``, the owner's chunk as mean_residual) equal the reference's."""
+    (``state_dict()["wire"]``, the owner's chunk as mean_residual) equal the reference's;
+    on a process group the buffer went in pieces (1 KiB a row), each keeping its residuals."""
     outs = per_rank(run(world), ("ef", fmt, transport))
+    assert all((o["pieces"] > 1) == (transport == "process_group") for o in outs), [o["pieces"] for o in outs]
     slots, n = outs[0]["slots"], outs[0]["n"]
     m = n // world
     e = [torch.zeros(n) for _ in range(world)]

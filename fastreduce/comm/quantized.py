@@ -42,12 +42,74 @@ if TYPE_CHECKING:
 __all__ = ["QuantMean"]
 
 
+PIECES = 8
+"""At most this many pieces per launch on a process group (each row's columns cut alike)."""
+PIECE_BYTES = 1 << 18
+"""Encoded bytes per row and piece, at least (256 KiB): smaller buffers go whole."""
+
+
+class _Piece:
+    """Columns ``[a, b)`` of every chunk: encoded, exchanged, summed and gathered on its own."""
+
+    def __init__(self, owner: QuantMean, a: int, b: int):
+        self.q, self.a, self.b = owner, a, b
+        world, codec, dev = owner.world, owner.codec, owner.buf.device
+        self.row_bytes = codec.row_bytes(b - a)
+        self.send = torch.empty(world, self.row_bytes, dtype=torch.uint8, device=dev)
+        self.recv = torch.empty_like(self.send)
+        self.gathered = torch.empty(world * self.row_bytes, dtype=torch.uint8, device=dev)
+        self.decoded = torch.empty(world, b - a, dtype=torch.float32, device=dev)
+        self.first: Any = None
+        self.second: Any = None
+
+    def exchange(self) -> None:
+        q, a, b = self.q, self.a, self.b
+        with span("fastreduce::quantize"):
+            q.codec.encode(q.rows[:, a:b], out=self.send)
+            if q.residual is not None:
+                q.codec.decode(self.send, out=self.decoded)
+                q.residual.view(q.world, q.m)[:, a:b].sub_(self.decoded)
+        with span("fastreduce::all_reduce"):
+            self.first = q.comm.exchange(self.send, self.recv)
+
+    def gather(self) -> None:
+        q, a, b = self.q, self.a, self.b
+        if self.first is not None:
+            wait_watched(self.first)
+            self.first = None
+        mean = q.mean[a:b]
+        with span("fastreduce::quantize"):
+            q.codec.decode(self.recv, out=self.decoded)
+            q.comm.sum_rows(self.decoded.view(-1), mean)
+            res = None if q.mean_residual is None else q.mean_residual[a:b]
+            if res is not None:
+                mean.add_(res)
+                res.copy_(mean)
+            row = self.gathered.view(q.world, self.row_bytes)[q.rank]
+            q.codec.encode(mean, out=row)
+            if res is not None:
+                res.sub_(q.codec.decode(row))
+        with span("fastreduce::all_gather"):
+            self.second, _ = q.comm.all_gather(self.gathered)
+
+    def decode(self) -> None:
+        q = self.q
+        wait_watched(self.second)
+        self.second = None
+        q.codec.decode(self.gathered.view(q.world, self.row_bytes), out=self.decoded)
+        q.rows[:, self.a:self.b].copy_(self.decoded)
+
+
 class QuantMean:
     """``buf`` := its mean over ``comm``'s ranks through ``codec``'s wire.
 
     ``buf`` is flat fp32 and splits into ``comm.world`` chunks of a whole number of
     ``codec.block`` values (pad it so). With ``error_feedback`` the two roundings'
-    residuals carry into the next call (:meth:`state_dict`). Launch with :meth:`start`
+    residuals carry into the next call (:meth:`state_dict`). On a process group the
+    columns of the chunks are cut into pieces of at least ``piece_bytes`` encoded bytes
+    a row (default :data:`PIECE_BYTES`, at most :data:`PIECES` pieces), each exchanged,
+    summed and gathered on its own, so that one piece's sum and gather overlap the next
+    one's exchange; the blocks and the result are the same whatever the pieces. Launch with :meth:`start`
     (a :data:`~.collectives.Pending`), every rank in the same order, one call in flight.
     """
 
@@ -56,7 +118,8 @@ class QuantMean:
     prescale = False
     """Nothing is divided before the exchange (the owner divides the fp32 sum)."""
 
-    def __init__(self, comm: Comm, buf: torch.Tensor, codec: BlockQuant, error_feedback: bool = False):
+    def __init__(self, comm: Comm, buf: torch.Tensor, codec: BlockQuant, error_feedback: bool = False,
+                 piece_bytes: int | None = None):
         world = comm.world
         if buf.dtype != torch.float32 or buf.dim() != 1 or buf.numel() % (world * codec.block):
             raise ValueError(f"a quantized mean needs a flat fp32 buffer of a multiple of {world} x "
@@ -70,12 +133,12 @@ class QuantMean:
         self.mean_residual = torch.zeros(self.m, dtype=torch.float32, device=buf.device) if error_feedback else None
         self.mean = torch.empty(self.m, dtype=torch.float32, device=buf.device)
         self.shm = comm.shm_of(buf)
-        if self.shm is None:
-            u8 = {"dtype": torch.uint8, "device": buf.device}
-            self.send = torch.empty(world, self.row_bytes, **u8)
-            self.recv = torch.empty(world, self.row_bytes, **u8)
-            self.gathered = torch.empty(world * self.row_bytes, **u8)
-            self.decoded = torch.empty(world, self.m, dtype=torch.float32, device=buf.device)
+        self.pieces: list[_Piece] = []
+        if self.shm is None:  # pipelined: piece k's sum and gather overlap piece k+1's exchange
+            blocks = self.m // codec.block
+            count = max(1, min(PIECES, self.row_bytes // (piece_bytes or PIECE_BYTES), blocks))
+            edges = [codec.block * (blocks * k // count) for k in range(count + 1)]
+            self.pieces = [_Piece(self, a, b) for a, b in zip(edges, edges[1:])]
 
     def __repr__(self) -> str:
         return (f"QuantMean(world={self.world}, {self.codec.fmt} in blocks of {self.codec.block}, "
@@ -96,49 +159,44 @@ class QuantMean:
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
-        with span("fastreduce::quantize"):
-            if self.residual is not None:
-                self.buf.add_(self.residual)
-                self.residual.copy_(self.buf)
-            if self.shm is not None:
+        if self.residual is not None:
+            self.buf.add_(self.residual)
+            self.residual.copy_(self.buf)
+        if self.shm is not None:
+            with span("fastreduce::quantize"):
                 self.codec.decode(self.codec.encode(self.rows), out=self.rows)  # the round trip, in place
                 if self.residual is not None:
                     self.residual.sub_(self.buf)
-            else:
-                self.codec.encode(self.rows, out=self.send)
-                if self.residual is not None:
-                    self.codec.decode(self.send, out=self.decoded)
-                    self.residual.sub_(self.decoded.view(-1))
-        with span("fastreduce::all_reduce"):
-            if self.shm is not None:
+            with span("fastreduce::all_reduce"):
                 work, then = self.comm.reduce_scatter(self.buf, out=self.mean)
-            else:
-                work, then = self.comm.exchange(self.send, self.recv), None
-        return work, lambda: self._finish(then, unpack)
+            return work, lambda: self._finish_shm(then, unpack)
+        for piece in self.pieces:
+            piece.exchange()
+        first, self.pieces[0].first = self.pieces[0].first, None  # the caller waits for it (once: Gloo's
+        return first, lambda: self._finish(unpack)                  # point-to-point work takes one wait)
 
-    def _finish(self, then: Callable[[], None] | None, unpack: Callable[[], None] | None) -> None:
-        """Once the exchange is done: the owner's sum and second encoding, the all-gather."""
+    def _finish(self, unpack: Callable[[], None] | None) -> None:
+        """Once piece k's exchange is done: its owner's sum and second encoding, its
+        all-gather (launched while the later pieces are still on the wire); then decode."""
+        for piece in self.pieces:
+            piece.gather()
+        for piece in self.pieces:
+            piece.decode()
+        if unpack is not None:
+            unpack()
+
+    def _finish_shm(self, then: Callable[[], None] | None, unpack: Callable[[], None] | None) -> None:
         if then is not None:
             then()
         mine = self.rows[self.rank]
-        if self.shm is None:
-            self.codec.decode(self.recv, out=self.decoded)
-            self.comm.sum_rows(self.decoded.view(-1), self.mean)
         if self.mean_residual is not None:
             self.mean.add_(self.mean_residual)
             self.mean_residual.copy_(self.mean)
-        if self.shm is None:
-            row = self.gathered.view(self.world, self.row_bytes)[self.rank]
-            self.codec.encode(self.mean, out=row)
-            self.codec.decode(row, out=mine)
-        else:
-            self.codec.decode(self.codec.encode(self.mean), out=mine)
+        self.codec.decode(self.codec.encode(self.mean), out=mine)
         if self.mean_residual is not None:
             self.mean_residual.sub_(mine)
-        work, _ = self.comm.all_gather(self.buf if self.shm is not None else self.gathered)
+        work, _ = self.comm.all_gather(self.buf)
         wait_watched(work)
-        if self.shm is None:
-            self.codec.decode(self.gathered.view(self.world, self.row_bytes), out=self.rows)
         if unpack is not None:
             unpack()
 
