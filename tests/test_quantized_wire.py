@@ -88,6 +88,7 @@ from fastreduce.comm.shm import sum_order
 from fastreduce.launch import run_ranks
 
 from test_fused import expect_raises, guarded, per_rank, spawn_once
+from test_sparseloco import first_diff
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -208,14 +209,6 @@ def mean_bound(fmt: str, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     exact = X.mean(0)
     A = exact.abs().amax(-1) + first + summing
     return exact.view(-1), first + summing + rounding_bound(fmt, A)
-
-
-def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    bad = (a != b).nonzero().flatten()
-    if not bad.numel():
-        return "equal"
-    i = int(bad[0])
-    return f"{bad.numel()} of {a.numel()} differ, first at {i}: {a[i].item()!r} != {b[i].item()!r}"
 
 
 # ============================================================== cases run in the ranks

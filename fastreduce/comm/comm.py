@@ -60,7 +60,6 @@ from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, RingReduceScatter, all_gather_flat,
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
-from .quantized import QuantMean
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
@@ -172,8 +171,6 @@ class Comm:
         the previous such launch on this group (its fp32 sum and gather) is issued
         right after, so in the overlapped mode each bucket's sum runs while the next
         bucket's all-to-all is on the wire and the last one's in ``wait()``."""
-        if isinstance(plan, QuantMean):
-            return plan.start(pack, unpack)
         if not plan.fp32_accumulate:
             return start_all_reduce(buf, plan, pack, unpack)
         key = ("fp32_accumulate", buf.data_ptr(), buf.numel(), buf.dtype)

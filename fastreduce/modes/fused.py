@@ -465,6 +465,8 @@ class FusedReducer(ReducerState, JoinableMode):
             works = path.shadow()
         elif built.schedule is not None:
             works = [built.schedule.launch(b, True) for b in range(len(built.schedule.buckets))]
+        elif isinstance(built.plan, QuantMean):
+            works = [built.plan.start()]
         else:
             works = [built.comm.all_reduce(built.buffer.wire, built.plan)]
         if built.flags is not None:
