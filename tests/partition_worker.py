@@ -58,8 +58,9 @@ def build(mode: str, model: nn.Module):
 
 
 def publish(path: Path, text: str) -> None:
-    """Write whole or not at all: the test polls for the file and reads it at once."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write whole or not at all: the test polls for the file and reads it at once (every
+    host's rank may publish the same name: each writes its own temporary file)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -519,6 +519,7 @@ def test_sizes_agree_with_the_layout(fmt: str, block: int) -> None:
     (torch.float8_e4m3fn, "fp8_e4m3"), (torch.float8_e5m2, "fp8_e5m2"), ("int8", "int8"), ("int4", "int4"),
     ("e4m3", "fp8_e4m3"), ("e5m2", "fp8_e5m2"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"),
     (torch.bfloat16, None), (torch.float32, None), (torch.float16, None), ("fp32", None), (None, None), (3, None),
+    (torch.int8, None), (torch.uint8, None),  # integer dtypes are no wire: only the string "int8" is
 ], ids=str)
 def test_wire_format_names_the_quantized_formats(wire: object, name: str | None) -> None:
     """wire_format maps fp8 dtypes, format names and aliases to the format, anything else to None."""

@@ -40,9 +40,10 @@ _ALIASES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "e4m3": "fp8
 def wire_format(wire: object) -> str | None:
     """The quantized format a ``wire_dtype`` names (``torch.float8_e4m3fn``,
     ``torch.float8_e5m2``, ``"int8"``, ``"int4"``, or a format name), else ``None``."""
-    if isinstance(wire, torch.dtype):
+    if isinstance(wire, torch.dtype):  # the fp8 dtypes only: torch.int8 is no wire (the string "int8" is)
         name = str(wire).removeprefix("torch.")
-    elif isinstance(wire, str):
+        return _ALIASES.get(name) if name in _FP8.values() else None
+    if isinstance(wire, str):
         name = wire
     else:
         return None
