@@ -305,7 +305,7 @@ def _quantized(wire: Any) -> Callable[[Any, Any, Setup], Trainer]:
 
         import fastreduce
 
-        dtype = getattr(torch, wire, wire)
+        dtype = getattr(torch, wire) if "float" in wire else wire  # "int8" is a string, not torch.int8
         reducer = fastreduce.FusedReducer(model, wire_dtype=dtype, error_feedback=True)
         return _on_reducer(model, reducer, reducer.reduce)
     return build

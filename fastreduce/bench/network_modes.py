@@ -120,7 +120,8 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
     if name.startswith(("fused", "overlapped")):
         overlap = name == "overlapped"
         wire = WIRES["fp32" if overlap else name.rsplit("_", 1)[1]]
-        reducer = fastreduce.FusedReducer(model, overlap=overlap, wire_dtype=getattr(torch, wire, wire),
+        dtype = getattr(torch, wire) if "float" in wire else wire  # "int8" is a string, not torch.int8
+        reducer = fastreduce.FusedReducer(model, overlap=overlap, wire_dtype=dtype,
                                           error_feedback=wire in ("float8_e4m3fn", "int8"),
                                           **({"bucket_mb": 1.0} if overlap else {}))
         return model, lambda: (reducer.reduce(), step()), nothing
