@@ -59,6 +59,7 @@ class _Piece:
         self.recv = torch.empty_like(self.send)
         self.gathered = torch.empty(world * self.row_bytes, dtype=torch.uint8, device=dev)
         self.decoded = torch.empty(world, b - a, dtype=torch.float32, device=dev)
+        self.own = torch.empty(b - a, dtype=torch.float32, device=dev)  # this rank's encoded mean, decoded
         self.first: Any = None
         self.second: Any = None
 
@@ -88,7 +89,7 @@ class _Piece:
             row = self.gathered.view(q.world, self.row_bytes)[q.rank]
             q.codec.encode(mean, out=row)
             if res is not None:
-                res.sub_(q.codec.decode(row))
+                res.sub_(q.codec.decode(row, out=self.own))
         with span("fastreduce::all_gather"):
             self.second, _ = q.comm.all_gather(self.gathered)
 
@@ -113,8 +114,6 @@ class QuantMean:
     (a :data:`~.collectives.Pending`), every rank in the same order, one call in flight.
     """
 
-    collectives = 2
-    """Collectives per launch (for counters)."""
     prescale = False
     """Nothing is divided before the exchange (the owner divides the fp32 sum)."""
 
@@ -125,7 +124,6 @@ class QuantMean:
             raise ValueError(f"a quantized mean needs a flat fp32 buffer of a multiple of {world} x "
                              f"{codec.block} elements; got {tuple(buf.shape)} x {buf.dtype}")
         self.comm, self.buf, self.codec, self.world, self.rank = comm, buf, codec, world, comm.rank
-        self.group = comm.group
         self.m = buf.numel() // world
         self.rows = buf.view(world, self.m)
         self.row_bytes = codec.row_bytes(self.m)
