@@ -1,5 +1,6 @@
 """Quantized wires of the fused reducer (``wire_dtype=torch.float8_e4m3fn``,
-``torch.float8_e5m2`` or ``"int8"``, ``overlap=False``) on real Gloo groups, CPU,
+``torch.float8_e5m2`` or ``"int8"``, ``overlap=False``; the overlapped mode's are in
+test_quantized_overlap.py) on real Gloo groups, CPU,
 against a reference written here from the algorithm of fastreduce/comm/quantized.py:
 
 with the wire buffer of ``n`` fp32 values (every gradient at its layout offset, zeros
@@ -61,7 +62,7 @@ codec itself is checked against a from-the-bits reference in tests/test_quant.py
   the original for 3 more steps (a fresh reducer without it does not); a state with a
   "wire" entry does not load into a reducer without error feedback (``ValueError``).
 * ``stats.bytes_reduced`` grows by W (m + 4 m / 256) per call; bad settings
-  (int4, overlap, PowerSGD, unknown names, an int dtype) raise ``ValueError``;
+  (int4, PowerSGD, unknown names, an int dtype) raise ``ValueError``;
   ``all_reduce_gradients(model, torch.float8_e4m3fn)`` (and the other two) gives the
   reducer's gradients bit for bit.
 
@@ -366,9 +367,7 @@ def function_case(rank: int, world: int, fmt: str, transport: str) -> dict:
 
 BAD = {  # name: (settings, what the message must name)
     "int4": ({"wire_dtype": "int4"}, "int4"),
-    "int8_overlap": ({"wire_dtype": "int8", "overlap": True}, "overlap"),
     "int8_powersgd": ({"wire_dtype": "int8", "compression": "powersgd"}, "compression"),
-    "fp8_overlap": ({"wire_dtype": torch.float8_e4m3fn, "overlap": True}, "overlap"),
     "bogus": ({"wire_dtype": "bogus"}, "wire_dtype"),
     "int32": ({"wire_dtype": torch.int32}, "wire_dtype"),
 }
@@ -642,7 +641,7 @@ def test_wire_state_needs_error_feedback(fmt: str, transport: str) -> None:
 
 @pytest.mark.parametrize("name", list(BAD) + ["function_int4"])
 def test_bad_settings_raise_value_error(name: str) -> None:
-    """int4, overlap=True, compression=, unknown names and non-float dtypes raise a
+    """int4, compression=, unknown names and non-float dtypes raise a
     ValueError naming the culprit, on every rank."""
     word = BAD[name][1] if name in BAD else "int4"
     for out in per_rank(run(2), ("bad",)):

@@ -39,7 +39,7 @@ from ..profiling import span
 if TYPE_CHECKING:
     from .comm import Comm
 
-__all__ = ["QuantMean"]
+__all__ = ["QuantMean", "QuantMeans"]
 
 
 PIECES = 8
@@ -149,11 +149,15 @@ class QuantMean:
         of it would move (the measure ``ReducerStats.bytes_reduced`` counts every wire in)."""
         return self.world * self.row_bytes
 
-    def start(self, pack: Callable[[], None] | None = None,
-              unpack: Callable[[], None] | None = None) -> tuple[Any, Callable[[], None]]:
+    def start(self, pack: Callable[[], None] | None = None, unpack: Callable[[], None] | None = None,
+              hold: bool = False) -> tuple[Any, Callable[[], None]]:
         """Fill ``buf`` (``pack``), encode it and launch the exchange: a
         :data:`~.collectives.Pending` whose ``then`` sums, encodes the mean, all-gathers
-        it (waiting there) and runs ``unpack``: ``buf`` then holds the mean."""
+        it (waiting there) and runs ``unpack``: ``buf`` then holds the mean.
+
+        The work returned is the first piece's exchange, for the caller to wait on (once:
+        Gloo's point-to-point work takes one wait); with ``hold`` it is ``None`` and
+        ``then`` waits for everything itself, so that :meth:`advance` may run before it."""
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
@@ -167,23 +171,38 @@ class QuantMean:
                     self.residual.sub_(self.buf)
             with span("fastreduce::all_reduce"):
                 work, then = self.comm.reduce_scatter(self.buf, out=self.mean)
+            if hold:
+                return None, lambda: self._finish_shm(then, unpack, work)
             return work, lambda: self._finish_shm(then, unpack)
         for piece in self.pieces:
             piece.exchange()
-        first, self.pieces[0].first = self.pieces[0].first, None  # the caller waits for it (once: Gloo's
-        return first, lambda: self._finish(unpack)                  # point-to-point work takes one wait)
+        if hold:
+            return None, lambda: self._finish(unpack)
+        first, self.pieces[0].first = self.pieces[0].first, None
+        return first, lambda: self._finish(unpack)
+
+    def advance(self) -> None:
+        """Once the exchange is done, sum and launch the all-gather of every piece not yet
+        gathered (a launch made with ``hold``; a no-op on shared memory, whose reduction
+        is done in ``then``). The overlapped mode advances a bucket after launching the
+        next, so one bucket's sum runs while the next one's exchange is on the wire."""
+        for piece in self.pieces:
+            if piece.second is None:
+                piece.gather()
 
     def _finish(self, unpack: Callable[[], None] | None) -> None:
         """Once piece k's exchange is done: its owner's sum and second encoding, its
         all-gather (launched while the later pieces are still on the wire); then decode."""
-        for piece in self.pieces:
-            piece.gather()
+        self.advance()
         for piece in self.pieces:
             piece.decode()
         if unpack is not None:
             unpack()
 
-    def _finish_shm(self, then: Callable[[], None] | None, unpack: Callable[[], None] | None) -> None:
+    def _finish_shm(self, then: Callable[[], None] | None, unpack: Callable[[], None] | None,
+                    work: Any = None) -> None:
+        if work is not None:
+            wait_watched(work)
         if then is not None:
             then()
         mine = self.rows[self.rank]
@@ -222,3 +241,51 @@ class QuantMean:
                                  f"reducer {tuple(mine.shape)}: resume on the same world size and model")
         self.residual.copy_(state["residual"])
         self.mean_residual.copy_(state["mean_residual"])
+
+
+class QuantMeans:
+    """The overlapped mode's quantized wire: a :class:`QuantMean` per bucket, one state.
+
+    Its :meth:`state_dict` holds every bucket's residuals end to end, in bucket order
+    (the same keys as one :class:`QuantMean`'s), so a checkpoint resumes on the same
+    world size, model and buckets."""
+
+    prescale = False
+
+    def __init__(self, means: list[QuantMean]):
+        self.means = means
+
+    def __getitem__(self, b: int) -> QuantMean:
+        return self.means[b]
+
+    def __repr__(self) -> str:
+        return f"{len(self.means)} x {self.means[0]!r}"
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(m.wire_bytes for m in self.means)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        states = [m.state_dict() for m in self.means]
+        if not states[0]:
+            return {}
+        return {key: torch.cat([s[key] for s in states]) for key in ("residual", "mean_residual")}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if not state or self.means[0].residual is None:
+            for m in self.means:
+                m.load_state_dict({})
+            return
+        for key in ("residual", "mean_residual"):
+            saved = state.get(key)
+            if not torch.is_tensor(saved):
+                raise ValueError(f"not a quantized wire's state: no tensor {key!r}")
+            mine = sum(getattr(m, key).numel() for m in self.means)
+            if saved.shape != (mine,):
+                raise ValueError(f"quantized wire state {key!r} holds {tuple(saved.shape)} values, this "
+                                 f"reducer ({len(self.means)} buckets) {mine}: resume on the same world size, "
+                                 "model and bucket_mb")
+        for key in ("residual", "mean_residual"):
+            sizes = [getattr(m, key).numel() for m in self.means]
+            for m, part in zip(self.means, state[key].split(sizes)):
+                getattr(m, key).copy_(part)

@@ -38,7 +38,7 @@ from ..backends import Backend, select_backend
 from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import FusedBuffer, attached
 from ..comm import Comm, MeanPlan, Pending, complete, get_comm
-from ..comm.quantized import QuantMean
+from ..comm.quantized import QuantMean, QuantMeans
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import before_forward, remove_hooks
@@ -86,7 +86,7 @@ class _Built:
     layout: GradLayout
     buffer: FusedBuffer
     comm: Comm
-    plan: MeanPlan | QuantMean
+    plan: MeanPlan | QuantMean | QuantMeans
     backend: Backend
     pack: Callable[[], None] | None
     unpack: Callable[[], None] | None
@@ -320,11 +320,12 @@ class FusedReducer(ReducerState, JoinableMode):
         comp = cfg.compression
         if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
             named = sorted(named, key=lambda np: comp.order_key(np[1]))
-        per_bucket = cfg.overlap and (cfg.accumulate_dtype is not None or comp is not None)
+        per_bucket = cfg.overlap and (cfg.accumulate_dtype is not None or comp is not None or quant is not None)
         segments = bucket_segments(named, wire_dtype, cfg.bucket_mb or default_bucket_mb(pg), per_bucket,
                                    None if comp is None else comp.order_key)
+        chunks = self.world_size * (quant.block if quant else 1)  # a bucket's equal chunks (of whole blocks)
         layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
-                            pad_to=self.world_size if per_bucket and comp is None else 1)
+                            pad_to=chunks if per_bucket and comp is None else 1)
         # Which grads are present goes into the check too: a parameter that got a grad on
         # one rank but not on another is caught here, on every rank, not as a hang.
         present = tuple(p.grad is not None for p in layout.params)
@@ -334,7 +335,7 @@ class FusedReducer(ReducerState, JoinableMode):
         comm = get_comm(self.group, device, cfg.transport)
         pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
-        plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant else \
+        plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant and not cfg.overlap else \
             comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
@@ -344,11 +345,12 @@ class FusedReducer(ReducerState, JoinableMode):
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
         built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not cfg.overlap)
         if cfg.overlap:
-            built.schedule = overlap_schedule(layout, buffer, comm, plan, pg_backend=pg, bucket_mb=cfg.bucket_mb,
-                                              per_segment=per_bucket, opened=self._join_notify,
-                                              adopt=lambda idx, direct: self._adopt(built, idx, direct),
-                                              direct=not (plan.prescale or cfg.error_feedback or comp),
-                                              on_grad=reattach.grad_ready)
+            built.schedule, means = overlap_schedule(
+                layout, buffer, comm, quant or plan, pg_backend=pg, bucket_mb=cfg.bucket_mb, per_segment=per_bucket,
+                opened=self._join_notify, adopt=lambda idx, direct: self._adopt(built, idx, direct),
+                direct=not (plan.prescale or cfg.error_feedback or comp), on_grad=reattach.grad_ready,
+                error_feedback=cfg.error_feedback)
+            built.plan = means or plan
         if comp is not None:  # one group per bucket, or of every gradient
             built.compressed = Compressed(comp, layout, buffer, comm, backend, wire_dtype, built.schedule,
                                           self._join_notify, self._join_factor)

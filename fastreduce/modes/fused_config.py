@@ -21,7 +21,7 @@ __all__ = ["ReducerConfig", "UnusedGrads", "check_wire"]
 UnusedGrads = Literal["error", "zero"]
 
 
-def check_wire(wire: object, compression: object = None, overlap: bool = False) -> None:
+def check_wire(wire: object, compression: object = None) -> None:
     """``ValueError`` unless ``wire`` is a wire the fused reducer can send with these settings."""
     fmt = wire_format(wire)
     if fmt is None:
@@ -35,9 +35,6 @@ def check_wire(wire: object, compression: object = None, overlap: bool = False) 
     if compression is not None:
         raise ValueError(f"wire_dtype={wire!r} (a quantized wire) cannot be combined with compression=; "
                          "PowerSGD sends its factors in bfloat16 or float32")
-    if overlap:
-        raise ValueError(f"wire_dtype={wire!r}: the quantized wire runs in the fused mode (overlap=False) "
-                         "for now; the overlapped mode sends bfloat16 or float32")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -49,7 +46,8 @@ class ReducerConfig:
     (mixed-dtype models then use the widest one). A quantized wire,
     ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``"int8"``, sends codes with one
     fp32 scale per block of 256 values; the sum is exact fp32 of the decoded values,
-    the mean encoded once more (:mod:`fastreduce.comm.quantized`; fused mode)."""
+    the mean encoded once more (:mod:`fastreduce.comm.quantized`; overlapped: per
+    bucket, each bucket padded to whole blocks per rank)."""
     use_graphs: bool = True
     """Record pack and unpack as device graphs where the device has them (CUDA; HPU
     in lazy mode); elsewhere ignored."""
@@ -110,7 +108,7 @@ class ReducerConfig:
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        check_wire(self.wire_dtype, self.compression, self.overlap)
+        check_wire(self.wire_dtype, self.compression)
         check_nonfinite(self.nonfinite)
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")

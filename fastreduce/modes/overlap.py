@@ -31,10 +31,12 @@ import torch
 
 from ..buckets import Bucket, Launch, OverlapSchedule, default_bucket_mb, first_bucket_mb, make_buckets
 from ..buffer import FusedBuffer
+from ..codecs.quant import BlockQuant
 from ..comm import Comm, MeanPlan, Pending
+from ..comm.quantized import QuantMean, QuantMeans
 from ..layout import GradLayout, bucket_runs
 
-__all__ = ["all_reduce_launcher", "bucket_segments", "overlap_schedule"]
+__all__ = ["all_reduce_launcher", "bucket_segments", "overlap_schedule", "quant_launcher"]
 
 
 def bucket_segments(named: list[tuple[str, torch.nn.Parameter]], wire_dtype: torch.dtype, bucket_mb: float,
@@ -64,23 +66,50 @@ def all_reduce_launcher(comm: Comm, plan: MeanPlan, buckets: list[Bucket]) -> La
     return launch
 
 
-def overlap_schedule(layout: GradLayout, buffer: FusedBuffer, comm: Comm, plan: MeanPlan, *, pg_backend: str,
-                     bucket_mb: float | None, per_segment: bool, opened: Callable[[], None],
+def quant_launcher(comm: Comm, codec: BlockQuant, error_feedback: bool, buckets: list[Bucket]
+                   ) -> tuple[Launch, QuantMeans]:
+    """Each bucket's launch through a quantized wire (a :class:`QuantMean` per bucket,
+    every bucket an fp32 segment of whole blocks per rank): its pack, encoding and
+    exchange; then the previous bucket's sum and all-gather (its ``advance``), so that
+    one bucket's sum runs while the next one's exchange is on the wire, in launch order
+    on every rank. ``reduce()`` decodes each bucket and launches the last one's gather."""
+    means = QuantMeans([QuantMean(comm, b.wire, codec, error_feedback) for b in buckets])
+    packs = [None if b.flat is b.wire else b.pack for b in buckets]
+    unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
+
+    def launch(b: int, packed: bool) -> Pending:
+        pending = means[b].start(None if packed else packs[b], unpacks[b], hold=True)
+        if b:
+            means[b - 1].advance()
+        return pending
+
+    return launch, means
+
+
+def overlap_schedule(layout: GradLayout, buffer: FusedBuffer, comm: Comm, plan: MeanPlan | BlockQuant, *,
+                     pg_backend: str, bucket_mb: float | None, per_segment: bool, opened: Callable[[], None],
                      adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool,
-                     on_grad: Callable[[int], None]) -> OverlapSchedule:
-    """The reducer's buckets and the hooks that launch them. ``bucket_mb`` is the user's
-    size (``None``: the backend's, with a small first bucket where launches are cheap);
-    ``per_segment``: one bucket per layout segment (fp32 accumulation); ``opened`` runs
+                     on_grad: Callable[[int], None], error_feedback: bool = False
+                     ) -> tuple[OverlapSchedule, QuantMeans | None]:
+    """The reducer's buckets and the hooks that launch them; with a quantized wire
+    (``plan`` a codec, ``error_feedback`` its setting) also its per-bucket means.
+    ``bucket_mb`` is the user's size (``None``: the backend's, with a small first bucket
+    where launches are cheap); ``per_segment``: one bucket per layout segment (fp32
+    accumulation, a quantized wire); ``opened`` runs
     as bucket 0 launches (the step's first collective: Join's notice); ``adopt``,
     ``direct`` and ``on_grad`` as :class:`~fastreduce.buckets.OverlapSchedule` takes them."""
     first = first_bucket_mb(pg_backend) if bucket_mb is None and not per_segment else None
     size = 2**62 if per_segment else int((bucket_mb or default_bucket_mb(pg_backend)) * 2**20)
     buckets = make_buckets(layout, buffer, size, first and int(first * 2**20))
-    launch = all_reduce_launcher(comm, plan, buckets)
+    if isinstance(plan, BlockQuant):
+        launch, means = quant_launcher(comm, plan, error_feedback, buckets)
+    else:
+        launch, means = all_reduce_launcher(comm, plan, buckets), None
 
     def launch_opened(b: int, packed: bool) -> Pending:
         if b == 0:  # buckets launch in order: bucket 0 opens the step's collectives
             opened()
         return launch(b, packed)
 
-    return OverlapSchedule(layout, buckets, launch_opened, adopt, direct=direct, on_grad=on_grad)
+    schedule = OverlapSchedule(layout, buckets, launch_opened, adopt, direct=direct, on_grad=on_grad)
+    return schedule, means
