@@ -264,6 +264,7 @@ class Checkpointer:
             state["model"] = self.model.state_dict()
         if self.kind == "zero":
             state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
+            mine["wire"] = self.optimizer.wire_state_dict()  # type: ignore[union-attr]
         elif self.optimizer is not None:
             if per_rank:
                 mine["optimizer"] = self.optimizer.state_dict()
@@ -372,11 +373,13 @@ class Checkpointer:
         if src == rank:
             _set_rng_state(mine["rng"])
         if same_world or per_rank:
+            if self.kind == "zero":
+                self.optimizer.load_wire_state_dict(mine.get("wire", {}))  # type: ignore[union-attr]
             if self.mode is not None:
                 self.mode.load_state_dict(mine["mode"])
             elif self.kind == "fused":
                 load_functional_state(self.model, mine["mode"])
-        elif rank == 0 and (mine.get("mode", {}).get("residuals") or world > saved["world_size"]):
+        elif rank == 0 and (mine.get("mode", {}).get("residuals") or mine.get("wire") or world > saved["world_size"]):
             log.warning("fastreduce: checkpoint %s was saved at %d ranks, this job has %d: error-feedback "
                         "residuals start at zero%s", path, saved["world_size"], world,
                         f"; ranks {saved['world_size']}.. keep their random generators and take rank 0's "

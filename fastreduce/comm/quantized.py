@@ -62,9 +62,11 @@ class _Piece:
         self.own = torch.empty(b - a, dtype=torch.float32, device=dev)  # this rank's encoded mean, decoded
         self.first: Any = None
         self.second: Any = None
+        self.summed = False  # this launch's sum is done (and, unless scattering, its gather launched)
 
     def exchange(self) -> None:
         q, a, b = self.q, self.a, self.b
+        self.summed = False
         with span("fastreduce::quantize"):
             q.codec.encode(q.rows[:, a:b], out=self.send)
             if q.residual is not None:
@@ -75,6 +77,7 @@ class _Piece:
 
     def gather(self) -> None:
         q, a, b = self.q, self.a, self.b
+        self.summed = True
         if self.first is not None:
             wait_watched(self.first)
             self.first = None
@@ -82,6 +85,9 @@ class _Piece:
         with span("fastreduce::quantize"):
             q.codec.decode(self.recv, out=self.decoded)
             q.comm.sum_rows(self.decoded.view(-1), mean)
+        if q.scatter:
+            return
+        with span("fastreduce::quantize"):
             res = None if q.mean_residual is None else q.mean_residual[a:b]
             if res is not None:
                 mean.add_(res)
@@ -118,7 +124,7 @@ class QuantMean:
     """Nothing is divided before the exchange (the owner divides the fp32 sum)."""
 
     def __init__(self, comm: Comm, buf: torch.Tensor, codec: BlockQuant, error_feedback: bool = False,
-                 piece_bytes: int | None = None):
+                 piece_bytes: int | None = None, out: torch.Tensor | None = None):
         world = comm.world
         if buf.dtype != torch.float32 or buf.dim() != 1 or buf.numel() % (world * codec.block):
             raise ValueError(f"a quantized mean needs a flat fp32 buffer of a multiple of {world} x "
@@ -127,9 +133,14 @@ class QuantMean:
         self.m = buf.numel() // world
         self.rows = buf.view(world, self.m)
         self.row_bytes = codec.row_bytes(self.m)
+        self.scatter = out is not None
+        if out is not None and (out.shape != (self.m,) or out.dtype != torch.float32):
+            raise ValueError(f"a quantized reduce-scatter's output must be {self.m} fp32 values, got "
+                             f"{tuple(out.shape)} x {out.dtype}")
         self.residual = torch.zeros_like(buf) if error_feedback else None
-        self.mean_residual = torch.zeros(self.m, dtype=torch.float32, device=buf.device) if error_feedback else None
-        self.mean = torch.empty(self.m, dtype=torch.float32, device=buf.device)
+        self.mean_residual = torch.zeros(self.m, dtype=torch.float32, device=buf.device) \
+            if error_feedback and not self.scatter else None
+        self.mean = torch.empty(self.m, dtype=torch.float32, device=buf.device) if out is None else out
         self.shm = comm.shm_of(buf)
         self.pieces: list[_Piece] = []
         if self.shm is None:  # pipelined: piece k's sum and gather overlap piece k+1's exchange
@@ -187,15 +198,16 @@ class QuantMean:
         is done in ``then``). The overlapped mode advances a bucket after launching the
         next, so one bucket's sum runs while the next one's exchange is on the wire."""
         for piece in self.pieces:
-            if piece.second is None:
+            if not piece.summed:
                 piece.gather()
 
     def _finish(self, unpack: Callable[[], None] | None) -> None:
         """Once piece k's exchange is done: its owner's sum and second encoding, its
         all-gather (launched while the later pieces are still on the wire); then decode."""
         self.advance()
-        for piece in self.pieces:
-            piece.decode()
+        if not self.scatter:
+            for piece in self.pieces:
+                piece.decode()
         if unpack is not None:
             unpack()
 
@@ -205,6 +217,10 @@ class QuantMean:
             wait_watched(work)
         if then is not None:
             then()
+        if self.scatter:
+            if unpack is not None:
+                unpack()
+            return
         mine = self.rows[self.rank]
         if self.mean_residual is not None:
             self.mean.add_(self.mean_residual)
@@ -217,30 +233,33 @@ class QuantMean:
         if unpack is not None:
             unpack()
 
+    def _residuals(self) -> dict[str, torch.Tensor]:
+        out = {} if self.residual is None else {"residual": self.residual}
+        if self.mean_residual is not None:
+            out["mean_residual"] = self.mean_residual
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The residuals (copies): this rank's and its chunk's of the mean; empty
-        without error feedback."""
-        if self.residual is None or self.mean_residual is None:
-            return {}
-        return {"residual": self.residual.clone(), "mean_residual": self.mean_residual.clone()}
+        """The residuals (copies): this rank's and (unless it scatters) its chunk's of the
+        mean; empty without error feedback."""
+        return {key: t.clone() for key, t in self._residuals().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict` (same world size and buffer); an empty dict resets."""
-        if self.residual is None or self.mean_residual is None:
-            return
+        mine = self._residuals()
         if not state:
-            self.residual.zero_()
-            self.mean_residual.zero_()
+            for t in mine.values():
+                t.zero_()
             return
-        for key, mine in (("residual", self.residual), ("mean_residual", self.mean_residual)):
+        for key, t in mine.items():
             saved = state.get(key)
             if not torch.is_tensor(saved):
                 raise ValueError(f"not a quantized wire's state: no tensor {key!r}")
-            if saved.shape != mine.shape:
+            if saved.shape != t.shape:
                 raise ValueError(f"quantized wire state {key!r} holds {tuple(saved.shape)} values, this "
-                                 f"reducer {tuple(mine.shape)}: resume on the same world size and model")
-        self.residual.copy_(state["residual"])
-        self.mean_residual.copy_(state["mean_residual"])
+                                 f"reducer {tuple(t.shape)}: resume on the same world size and model")
+        for key, t in mine.items():
+            t.copy_(state[key])
 
 
 class QuantMeans:
@@ -267,25 +286,24 @@ class QuantMeans:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = [m.state_dict() for m in self.means]
-        if not states[0]:
-            return {}
-        return {key: torch.cat([s[key] for s in states]) for key in ("residual", "mean_residual")}
+        return {key: torch.cat([s[key] for s in states]) for key in states[0]}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if not state or self.means[0].residual is None:
+        keys = list(self.means[0]._residuals())
+        if not state or not keys:
             for m in self.means:
                 m.load_state_dict({})
             return
-        for key in ("residual", "mean_residual"):
+        for key in keys:
             saved = state.get(key)
             if not torch.is_tensor(saved):
                 raise ValueError(f"not a quantized wire's state: no tensor {key!r}")
-            mine = sum(getattr(m, key).numel() for m in self.means)
+            mine = sum(m._residuals()[key].numel() for m in self.means)
             if saved.shape != (mine,):
                 raise ValueError(f"quantized wire state {key!r} holds {tuple(saved.shape)} values, this "
                                  f"reducer ({len(self.means)} buckets) {mine}: resume on the same world size, "
                                  "model and bucket_mb")
-        for key in ("residual", "mean_residual"):
-            sizes = [getattr(m, key).numel() for m in self.means]
-            for m, part in zip(self.means, state[key].split(sizes)):
-                getattr(m, key).copy_(part)
+        for key in keys:
+            parts = state[key].split([m._residuals()[key].numel() for m in self.means])
+            for m, part in zip(self.means, parts):
+                m._residuals()[key].copy_(part)

@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from ..buckets import OverlapSchedule, default_bucket_mb, make_buckets
 from ..buffer import FusedBuffer, params_as_views
-from ..codecs.quant import refuse_quantized
+from ..codecs.quant import BlockQuant, wire_format
 from ..comm import Pending, complete, get_comm
+from ..comm.quantized import QuantMean, QuantMeans
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
@@ -76,7 +77,14 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             or a subclass): SGD, Adam, AdamW, Adagrad, RMSprop, ...
         group: process group (default: the world).
         wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own dtype,
-            the widest if they differ); bf16/fp16 halve the bytes.
+            the widest if they differ); bf16/fp16 halve the bytes; a quantized wire,
+            ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``"int8"``, quarters them:
+            each rank's chunks travel encoded with one fp32 scale per block of 256, and
+            each shard's owner decodes and sums them in fp32 (one rounding; the
+            parameters' all-gather stays in their own dtype).
+        error_feedback: with a quantized wire, each rank adds what its last encoding
+            rounded away to the next step's gradients (a per-rank fp32 residual;
+            :class:`~fastreduce.Checkpointer` keeps it, on the same world size).
         accumulate_dtype: ``torch.float32`` sums a low-precision wire in fp32 on NCCL
             and HCCL too (all-to-all and a local sum: the same bytes, two roundings at
             any world size); the shared-memory and Gloo paths always do.
@@ -120,12 +128,12 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None,
+                 group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | str | None = None,
                  accumulate_dtype: torch.dtype | None = None, overlap: bool = True,
                  bucket_mb: float | None = None, transport: str | None = None,
                  module: torch.nn.Module | None = None, scaler: Any = None, nonfinite: NonFinite = "ignore",
-                 **defaults: Any):
-        _check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb)
+                 error_feedback: bool = False, **defaults: Any):
+        quant = _check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback)
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # steps skipped on every rank for inf/NaN (nonfinite="skip")
         self.last_step_skipped = False  # the last step() was skipped (nonfinite="skip", or the scaler's inf)
@@ -153,7 +161,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
         self._forward_waits = False  # module= given (and not compiled): forward pre-hooks wait for the gathers
-        self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport)
+        self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
         self._clip_args: tuple[float, float] | None = None  # this step's clip_grad_norm_, for Join
@@ -168,7 +176,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         super().add_param_group(param_group)
 
     def _build(self, module: torch.nn.Module | None, wire_dtype: torch.dtype | None,
-               accumulate_dtype: torch.dtype | None, bucket_mb: float | None, transport: str | None) -> None:
+               accumulate_dtype: torch.dtype | None, bucket_mb: float | None, transport: str | None,
+               quant: BlockQuant | None, error_feedback: bool) -> None:
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         named: list[tuple[str, torch.nn.Parameter]] = []
         group_of: list[int] = []
@@ -186,14 +195,16 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                 check_grad(n, p, device)
         self.device = device
         comm = self.comm = get_comm(self.group, device, transport)
-        wire = wire_dtype or max((p.dtype for _, p in named), key=lambda d: torch.finfo(d).bits)
+        wire = torch.float32 if quant else wire_dtype or max((p.dtype for _, p in named),
+                                                             key=lambda d: torch.finfo(d).bits)
         # Reverse registration order: roughly the order backward produces the grads.
         order = list(range(len(named)))[::-1]
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
         mb = bucket_mb or zero_bucket_mb(comm.pg_backend)
         segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize)
-        self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=comm.shard_multiple)
+        pad = comm.shard_multiple * (quant.block if quant else 1)  # quantized: whole blocks per rank
+        self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=pad)
         verify_across_ranks(layout, self.group, device)
         self.buffer = FusedBuffer(layout, wire, device, 1, comm.buffer(layout.numel, wire))
         self.buckets = make_buckets(layout, self.buffer, 2**62)  # one per segment, in segment order
@@ -206,17 +217,28 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                                   self.world_size, separate_out=self.scaler is not None)
         self.inner = shard_optimizer(self.optimizer_class, self.param_groups, self.shards, self._kwargs)
         self._schedule: OverlapSchedule | None = None
+        self.quantized: QuantMeans | None = None
         if self.world_size > 1:
             packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
             outs = [s.out for s in self.shards]
-
             fp32_sum = accumulate_dtype == torch.float32
+            if quant is not None:  # the shard's gradient: its chunk of the wire, or its own out
+                c = [seg.numel // self.world_size for seg in layout.segments]
+                self.quantized = means = QuantMeans([
+                    QuantMean(comm, b.wire, quant, error_feedback,
+                              out=b.wire[self.rank * n:(self.rank + 1) * n] if o is None else o)
+                    for b, o, n in zip(self.buckets, outs, c)])
 
             def launch(b: int, packed: bool) -> Pending:
                 if b == 0:  # under Join: this rank is active; bucket 0 opens the step's collectives
                     self._join_notify()
                 pack = self._join_prescale(self.buckets[b].wire, None if packed else packs[b])
-                return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum)
+                if self.quantized is None:
+                    return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum)
+                pending = means[b].start(pack, hold=True)  # and the last bucket's sum, while this is out
+                if b:
+                    means[b - 1].advance()
+                return pending
 
             self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt)
             self._schedule.sync = self.overlap
@@ -324,6 +346,21 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._found = None
         self._last_clip, self._clip_args = self._clip_args, None
         return loss
+
+    def wire_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of a quantized wire (a copy; empty without
+        one). Per rank, so not in :meth:`state_dict`: ``fastreduce.Checkpointer`` saves it
+        with the rank's own state and restores it on the same world size."""
+        return {} if self.quantized is None else self.quantized.state_dict()
+
+    def load_wire_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`wire_state_dict` (same world size and parameters); ``{}`` resets it."""
+        if self.quantized is not None:
+            self.quantized.load_state_dict(state)
+        elif state:
+            raise ValueError("this state holds a quantized wire's error-feedback residual, but this "
+                             "ZeroOptimizer sends no quantized wire: build it with the same wire_dtype "
+                             "and error_feedback=True")
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
@@ -535,8 +572,9 @@ def zero_bucket_mb(pg_backend: str) -> float:
     return max(25.0, default_bucket_mb(pg_backend))
 
 
-def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
-                    accumulate_dtype: torch.dtype | None, bucket_mb: float | None) -> None:
+def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, accumulate_dtype: torch.dtype | None,
+                    bucket_mb: float | None, error_feedback: bool) -> BlockQuant | None:
+    """``ValueError``/``TypeError`` for a bad setting; the quantized wire's codec, if any."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
     if not issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS):
@@ -545,10 +583,18 @@ def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | None,
                          "on a shard. ZeroOptimizer takes "
                          f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or their subclasses "
                          "(add yours to fastreduce.modes.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
-    refuse_quantized(wire_dtype, "ZeroOptimizer")
-    if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
-        raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
+    fmt = wire_format(wire_dtype)
+    if fmt == "int4":
+        raise ValueError("wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 dtype")
+    if fmt is None and wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype)
+                                                        and wire_dtype.is_floating_point):
+        raise ValueError(f"wire_dtype must be a floating dtype, a quantized wire (torch.float8_e4m3fn, "
+                         f"torch.float8_e5m2, 'int8') or None, got {wire_dtype!r}")
+    if error_feedback and fmt is None:
+        raise ValueError("error_feedback=True needs a quantized wire_dtype (torch.float8_e4m3fn, torch.float8_e5m2 "
+                         f"or 'int8'); wire_dtype={wire_dtype!r} sends what the gradients hold")
     if accumulate_dtype not in (None, torch.float32):
         raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype}")
     if bucket_mb is not None and not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    return None if fmt is None else BlockQuant(fmt)
