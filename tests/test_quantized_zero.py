@@ -3,7 +3,7 @@ torch.float8_e5m2 or "int8", error_feedback=...)``) on real Gloo groups, CPU, ag
 reference written here from the algorithm of fastreduce/comm/quantized.py (scatter mode):
 
 per bucket (a layout segment: ``opt.layout.segments``, each padded to a multiple of
-W x 64 x 256 values, every gradient at its slot offset, zeros in the gaps) viewed as W
+W x 256 values, every gradient at its slot offset, zeros in the gaps) viewed as W
 rows of ``m`` values: every rank's buffer plus its residual goes through
 ``BlockQuant(fmt).roundtrip`` (one rounding; with error feedback the residual becomes
 ``fl(x + e) - rt(fl(x + e))``), and the owner of chunk c sums the ranks' round trips of

@@ -146,8 +146,7 @@ class FusedReducer(ReducerState, JoinableMode):
         self._warned_missing = False
         self._recorder: OrderRecorder | None = None
         self._check: FiniteCheck | None = None  # nonfinite="raise"/"skip": made on first use
-        if self.config.overlap and self.world_size > 1:
-            self._recorder = OrderRecorder([p for p in model.parameters() if p.requires_grad])
+        self._record_order()
         self._forward_hook = before_forward(model, lambda _m, _a: self.reattach(), needed=False)
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
@@ -294,11 +293,18 @@ class FusedReducer(ReducerState, JoinableMode):
         self._keep_codec_state()
         self.close()
         self._built = None
-        if self.config.overlap and self.world_size > 1:
-            self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
+        self._record_order()
         self._forward_hook = before_forward(self.model, lambda _m, _a: self.reattach(), needed=False)
 
     # ------------------------------------------------------------------ first call
+
+    def _record_order(self) -> None:
+        """Overlap mode: learn the backward order on the first step, to lay buckets out in
+        it. Not with a quantized wire: its blocks (what each rounding spans) follow the
+        layout, so it takes the reverse model order, the same plain and compiled (whose
+        backward hands over the gradients in another order)."""
+        if self.config.overlap and self.world_size > 1 and self.config.quant is None:
+            self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
     def _build(self) -> _Built:
         cfg = self.config
@@ -313,6 +319,8 @@ class FusedReducer(ReducerState, JoinableMode):
             order = agreed_order(self._recorder.remove(), len(named), self.group)
             self._recorder = None
             named = [named[i] for i in order]
+        elif cfg.overlap and cfg.quant is not None:
+            named = named[::-1]  # roughly the backward order (see _record_order)
         quant = cfg.quant  # a quantized wire: fp32 buffer, the codec runs in QuantMean
         wire_dtype = torch.float32 if quant else cfg.wire_dtype or max((p.dtype for _, p in named),
                                                                       key=lambda d: torch.finfo(d).bits)
@@ -360,7 +368,15 @@ class FusedReducer(ReducerState, JoinableMode):
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
                      "order" if built.schedule else "one fused collective",
                      built.compressed and "; " + built.compressed.describe() or "")
-        self._restore(built)  # residuals a checkpoint loaded before the layout existed
+        try:
+            self._restore(built)  # residuals a checkpoint loaded before the layout existed
+        except ValueError as err:  # it did not fit: unbuilt again, the state dropped
+            built.reattach.remove()
+            if built.schedule is not None:
+                built.schedule.remove()
+            self._record_order()
+            raise ValueError(f"{err}. (The state was loaded before the first reduce(); it is dropped, "
+                             "and this reduce() averaged nothing: the gradients are as they were.)") from err
         return built
 
     @staticmethod

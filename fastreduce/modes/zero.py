@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -203,7 +204,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         group_of = [group_of[i] for i in order]
         mb = bucket_mb or zero_bucket_mb(comm.pg_backend)
         segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize)
-        pad = comm.shard_multiple * (quant.block if quant else 1)  # quantized: whole blocks per rank
+        pad = math.lcm(comm.shard_multiple, self.world_size * quant.block) if quant else comm.shard_multiple
         self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=pad)
         verify_across_ranks(layout, self.group, device)
         self.buffer = FusedBuffer(layout, wire, device, 1, comm.buffer(layout.numel, wire))
