@@ -232,10 +232,15 @@ class Comm:
         if self.by_exchange:
             got[self.rank].copy_(rows[self.rank])
             peers = [j for j in range(self.world) if j != self.rank]
-            ops = exchange_ops({j: rows[j] for j in peers}, {j: got[j] for j in peers}, self.group, self._global,
-                               self.piece_bytes)
-            return _AllWorks(dist.batch_isend_irecv(ops))
+            return self.send_recv({j: rows[j] for j in peers}, {j: got[j] for j in peers})
         return dist.all_to_all_single(got, rows, group=self.group, async_op=True)
+
+    def send_recv(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Any:
+        """Launch point-to-point messages: ``sends[j]`` to rank ``j``, ``recvs[j]`` from
+        it (each as long as what ``j`` sends; in pieces of ``WIRE_PIECE_BYTES`` on Gloo,
+        which moves host memory only). Returns the work to wait on (once)."""
+        ops = exchange_ops(sends, recvs, self.group, self._global, self.piece_bytes)
+        return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
 
     def all_gather(self, buf: torch.Tensor) -> Pending:
         """Launch the all-gather of ``buf`` in place: chunk k of every rank's ``buf`` :=

@@ -39,7 +39,7 @@ from ..profiling import span
 if TYPE_CHECKING:
     from .comm import Comm
 
-__all__ = ["QuantMean", "QuantMeans"]
+__all__ = ["QuantMean", "QuantMeans", "QuantMix"]
 
 
 PIECES = 8
@@ -307,3 +307,124 @@ class QuantMeans:
             parts = state[key].split([m._residuals()[key].numel() for m in self.means])
             for m, part in zip(self.means, parts):
                 m._residuals()[key].copy_(part)
+
+
+class QuantMix:
+    """Gossip mixing through a quantized wire, with CHOCO-SGD's error compensation
+    (Koloskova et al., 2019), per edge of a time-varying topology.
+
+    For every directed edge ``a -> b`` that some round's matrix uses, ``a`` and ``b`` both
+    keep the same fp32 *public copy* ``c[a->b]`` of ``a``'s parameters (zeros at first).
+    In a round with mixing matrix ``W``, each rank ``r`` with parameters ``x``::
+
+        for each peer p it sends to (W[p, r] != 0):   d = Q(x - c[r->p]);  c[r->p] += d;  send d
+        for each peer q it hears from (W[r, q] != 0):  c[q->r] += the d received
+        out = x + gamma (sum_q W[r, q] c[q->r] - sum_p W[p, r] c[r->p])
+
+    Summed over ranks the two sums cancel edge by edge (each copy is added at its
+    receiver and subtracted at its sender with the same weight), so the mean of the
+    parameters is kept exactly, up to fp32 rounding, whatever ``Q`` rounds away; and as
+    the copies approach the parameters ``out`` approaches the exact mix
+    ``(1 - gamma) x + gamma sum_j W[r, j] x_j`` (with ``gamma = 1``, the mix itself). ``Q``
+    quantizes a difference that shrinks as the ranks agree, so its error shrinks with it
+    and consensus is reached; sending ``Q(x)`` itself (``compensate=False``, for
+    comparison only) leaves an error of the parameters' own size, and consensus stalls
+    there. Memory: one copy of the bucket per peer a rank sends to or hears from over
+    the topology's period (2 log2(W) for ``one-peer-exp``).
+
+    The encoded differences travel point to point over the process group (on one host
+    too: the shared-memory transport has no place for per-edge messages), as ``uint8``.
+    """
+
+    def __init__(self, comm: Comm, numel: int, codec: BlockQuant, device: torch.device,
+                 compensate: bool = True, gamma: float = 1.0):
+        self.comm, self.codec, self.numel, self.device = comm, codec, numel, device
+        self.compensate, self.gamma = compensate, gamma
+        self.padded = -(-numel // codec.block) * codec.block
+        self.nbytes = codec.row_bytes(self.padded)
+        # Gloo moves host memory only: device tensors' codes are staged there.
+        self.host = torch.device("cpu") if comm.pg_backend == "gloo" and device.type != "cpu" else None
+        self.copies: dict[tuple[int, int], torch.Tensor] = {}  # (sender, receiver) -> public copy, padded
+        self.diff = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self.step = torch.empty(self.padded, dtype=torch.float32, device=device)
+        self.sent: dict[int, torch.Tensor] = {}
+        self.got: dict[int, torch.Tensor] = {}
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of one encoded message (codes and scales)."""
+        return self.nbytes
+
+    def _copy(self, a: int, b: int) -> torch.Tensor:
+        c = self.copies.get((a, b))
+        if c is None:
+            c = self.copies[(a, b)] = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        return c
+
+    def _bytes(self, table: dict[int, torch.Tensor], j: int) -> torch.Tensor:
+        t = table.get(j)
+        if t is None:
+            t = table[j] = torch.empty(self.nbytes, dtype=torch.uint8, device=self.host or self.device)
+        return t
+
+    def start(self, x: torch.Tensor, out: torch.Tensor, row: list[float], col: list[float]) -> tuple[Any, Any]:
+        """Encode and send this round's differences, launch the receives: a
+        :data:`~.collectives.Pending` whose ``then`` writes the mix into ``out`` (``x``
+        must not change until then). ``row``/``col``: this rank's row and column of the
+        round's matrix."""
+        r, codec, n = self.comm.rank, self.codec, self.numel
+        outs = [p for p, w in enumerate(col) if p != r and w != 0.0]
+        ins = [q for q, w in enumerate(row) if q != r and w != 0.0]
+        sends = {}
+        with span("fastreduce::quantize"):
+            for p in outs:
+                c = self._copy(r, p) if self.compensate else None
+                if c is None:
+                    self.diff[:n].copy_(x)
+                else:
+                    torch.sub(x, c[:n], out=self.diff[:n])
+                code = self._bytes(self.sent, p)
+                if self.host is None:
+                    codec.encode(self.diff.view(1, -1), out=code.view(1, -1))
+                else:
+                    code.copy_(codec.encode(self.diff.view(1, -1)).view(-1))
+                if c is not None:
+                    c.add_(codec.decode(code.view(1, -1).to(self.device), out=self.step.view(1, -1)).view(-1))
+                sends[p] = code
+        with span("fastreduce::mix"):
+            work = self.comm.send_recv(sends, {q: self._bytes(self.got, q) for q in ins})
+
+        def then() -> None:
+            with span("fastreduce::quantize"):
+                acc = self.diff[:n]
+                acc.copy_(x)
+                if not self.compensate:
+                    acc.mul_(row[r])
+                for q in ins:
+                    got = codec.decode(self.got[q].view(1, -1).to(self.device), out=self.step.view(1, -1)).view(-1)
+                    if self.compensate:
+                        c = self._copy(q, r)
+                        c.add_(got)
+                        acc.add_(c[:n], alpha=self.gamma * row[q])
+                    else:
+                        acc.add_(got[:n], alpha=row[q])
+                if self.compensate:
+                    for p in outs:
+                        acc.sub_(self._copy(r, p)[:n], alpha=self.gamma * col[p])
+                out.copy_(acc)
+        return work, then
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The public copies, keyed ``"a->b"`` (copies)."""
+        return {f"{a}->{b}": c.clone() for (a, b), c in sorted(self.copies.items())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (same world size and bucket); checked first."""
+        parsed = {}
+        for key, t in state.items():
+            a, _, b = key.partition("->")
+            if not (a.isdigit() and b.isdigit()) or not torch.is_tensor(t) or t.shape != (self.padded,):
+                raise ValueError(f"not this bucket's quantized gossip state: {key!r} (expected 'a->b': "
+                                 f"{self.padded} values); resume on the same world size and model")
+            parsed[(int(a), int(b))] = t
+        self.copies = {k: t.to(self.device, torch.float32).clone() for k, t in parsed.items()}

@@ -43,8 +43,9 @@ from torch import nn
 
 from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import TensorBlock, _view, params_as_views
-from ..codecs.quant import refuse_quantized
+from ..codecs.quant import BlockQuant, wire_format
 from ..comm import Pending, complete, get_comm
+from ..comm.quantized import QuantMix
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
@@ -76,7 +77,14 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         group: process group (default: the world).
         bucket_mb: bucket size (default: the overlapped mode's, per backend).
         wire_dtype: dtype the parameters are sent in (default: their own); mixing sums
-            in fp32 either way.
+            in fp32 either way. A quantized wire (``torch.float8_e4m3fn``,
+            ``torch.float8_e5m2``, ``"int8"``: one fp32 scale per block of 256) sends each
+            peer the quantized *difference* between the parameters and the public copy
+            both sides keep of them (CHOCO-SGD, :class:`~fastreduce.comm.quantized.QuantMix`):
+            the ranks still reach consensus, and the mean over ranks is kept exactly.
+        error_feedback: with a quantized wire, the public copies above (default); ``False``
+            sends the quantized parameters themselves, which leaves the ranks apart by
+            about the format's relative error (for comparison only).
         local_world_size: ranks per node, for ``alternating-exp-ring`` (default:
             ``$LOCAL_WORLD_SIZE``, as torchrun sets it).
         buffers: ``mix``: float buffers (BatchNorm statistics) are mixed with the same
@@ -110,7 +118,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
                  group: dist.ProcessGroup | None = None, bucket_mb: float | None = None,
                  wire_dtype: torch.dtype | None = None, local_world_size: int | None = None,
-                 buffers: str = "mix", nonfinite: NonFinite = "ignore"):
+                 buffers: str = "mix", nonfinite: NonFinite = "ignore", error_feedback: bool = True):
         super().__init__()
         eager_methods(DecentralizedDataParallel, "_before_forward")
         self.nonfinite = check_nonfinite(nonfinite)
@@ -118,9 +126,16 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
-        refuse_quantized(wire_dtype, "DecentralizedDataParallel")
-        if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
-            raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
+        fmt = wire_format(wire_dtype)
+        if fmt == "int4":
+            raise ValueError("wire_dtype='int4' is too coarse for gossip's every-step exchange; use 'int8' or an "
+                             "fp8 dtype (int4 is the local-update modes' exchange)")
+        if fmt is None and wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype)
+                                                            and wire_dtype.is_floating_point):
+            raise ValueError(f"wire_dtype must be a floating dtype, a quantized wire (torch.float8_e4m3fn, "
+                             f"torch.float8_e5m2, 'int8') or None, got {wire_dtype!r}")
+        self._quant = None if fmt is None else BlockQuant(fmt)
+        self._compensate = bool(error_feedback)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
@@ -250,12 +265,18 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
             out["mixed"] = [m.clone() for m in self._mixed]
             out["pending"] = [self._exchanges[b] is not None for b in range(len(self._buckets))]
+            if self._qmix is not None:
+                out["public_copies"] = [q.state_dict() for q in self._qmix]
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Resume from :meth:`state_dict` (same world size and model)."""
+        """Resume from :meth:`state_dict` (same world size, model and wire)."""
+        if state_dict.get("built") and ("public_copies" in state_dict) != (self._quant is not None):
+            raise ValueError("this state was saved with a quantized wire's public copies and this mode has no "
+                             "quantized wire, or the other way round: resume with the same wire_dtype; nothing "
+                             "was loaded")
         self.module.load_state_dict(state_dict["model"], strict=strict)
         self._round = int(state_dict["round"])
         if state_dict.get("built"):
@@ -271,6 +292,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
                 for b, (m, pending) in enumerate(zip(state_dict["mixed"], state_dict["pending"])):
                     self._mixed[b].copy_(m)
                     self._exchanges[b] = _DONE if pending else None
+            for q, c in zip(self._qmix or (), state_dict.get("public_copies") or ()):
+                q.load_state_dict(c)
         if self.scaler is not None and "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
 
@@ -351,7 +374,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._marks = []
         named = [self._named[i] for i in order]
         if sizes is None:
-            wire = self.wire_dtype or named[0][1].dtype
+            wire = torch.uint8 if self._quant else self.wire_dtype or named[0][1].dtype
             mb = self.bucket_mb or default_bucket_mb(self.comm.pg_backend)
             segments = bucket_runs(named, [0] * len(named), int(mb * 2**20) // wire.itemsize)
         else:
@@ -362,7 +385,9 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         # Sent in the parameters' own dtype, a rank sends its parameter block itself: both
         # blocks then come from the communication layer (shared memory on one host), so
         # the peers read it where it is. A cast wire needs a send block of its own.
-        in_place = self.wire_dtype is None or all(seg.dtype == self.wire_dtype for seg in layout.segments)
+        quant = self._quant  # quantized: private blocks, the codes go point to point
+        in_place = quant is None and (self.wire_dtype is None or all(seg.dtype == self.wire_dtype
+                                                                     for seg in layout.segments))
         private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
         alloc = self.comm.buffer if in_place else private
         self._flats = params_as_views(layout, alloc)
@@ -371,9 +396,11 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         # the parameters do not use, and applying it swaps the two (no copy).
         self._views = [[(s.param, _view(f, s), _view(m, s)) for s in seg.slots]
                        for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
-        sends = self._flats if in_place else self._blocks_like([self.wire_dtype] * len(self._flats),
-                                                              self.comm.buffer)
-        self._sends = None if in_place else sends
+        sends = self._flats if in_place or quant else self._blocks_like([self.wire_dtype] * len(self._flats),
+                                                                       self.comm.buffer)
+        self._sends = None if in_place or quant else sends
+        self._qmix = None if quant is None else [QuantMix(self.comm, f.numel(), quant, self.device, self._compensate)
+                                                 for f in self._flats]
         self._buckets = []
         first = 0
         for seg, flat, send in zip(layout.segments, self._flats, sends):
@@ -421,9 +448,14 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             flat, mixed = self._swap(b)
         if not self._join_joined:  # a joined rank (Join) mixes but does not step
             self._step_optimizer(b)
+        matrix = self.topology.mixing(self._round)
+        if self._qmix is not None:
+            self._exchanges[b] = self._qmix[b].start(flat, mixed, matrix[self.rank].tolist(),
+                                                     matrix[:, self.rank].tolist())
+            return _DONE
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)
-        self._exchanges[b] = self.comm.mix(send, mixed, self.topology.mixing(self._round), pack)
+        self._exchanges[b] = self.comm.mix(send, mixed, matrix, pack)
         return _DONE
 
     def _swap(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
