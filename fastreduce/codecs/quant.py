@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "BlockQuant", "refuse_quantized", "wire_format"]
+__all__ = ["FORMATS", "BlockQuant", "local_wire", "wire_format"]
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -51,12 +51,23 @@ def wire_format(wire: object) -> str | None:
     return name if name in FORMATS else None
 
 
-def refuse_quantized(wire: object, mode: str) -> None:
-    """``ValueError`` if ``wire`` names a quantized wire, which ``mode`` does not send."""
-    if wire_format(wire) is not None:
-        raise ValueError(f"{mode} does not send a quantized wire (wire_dtype={wire!r}); use torch.bfloat16 "
-                         "or torch.float32 there (quantized wires: FusedReducer(model, wire_dtype=...), "
-                         "overlap=False)")
+def local_wire(wire: object, compression: object, error_feedback: bool, mode: str) -> BlockQuant | None:
+    """A local-update mode's ``wire_dtype`` checked: its codec if quantized (every format,
+    int4 too: a sync's pseudo-gradient), ``None`` for a float dtype or ``None``;
+    ``ValueError`` for anything else or a bad combination."""
+    fmt = wire_format(wire)
+    if fmt is None:
+        if wire is not None and not (isinstance(wire, torch.dtype) and wire.is_floating_point):
+            raise ValueError(f"{mode}: wire_dtype must be a floating dtype, a quantized wire "
+                             f"(torch.float8_e4m3fn, torch.float8_e5m2, 'int8', 'int4') or None, got {wire!r}")
+        if error_feedback:
+            raise ValueError(f"{mode}: error_feedback=True needs a quantized wire_dtype (torch.float8_e4m3fn, "
+                             f"torch.float8_e5m2, 'int8' or 'int4'); wire_dtype={wire!r} sends the values as they are")
+        return None
+    if compression is not None:
+        raise ValueError(f"{mode}: wire_dtype={wire!r} (a quantized wire) cannot be combined with compression= "
+                         "(SparseLoCo quantizes its own values: its bits=)")
+    return BlockQuant(fmt)
 
 
 @dataclass(frozen=True)

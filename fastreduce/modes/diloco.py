@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import _view
-from ..codecs.quant import refuse_quantized
+from ..codecs.quant import local_wire
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
@@ -59,7 +59,14 @@ class DiLoCo(LocalUpdates):
         fragment_alpha: on apply, the fragment's parameters := ``alpha * local + (1 -
             alpha) * global``.
         group: process group (default: the world).
-        wire_dtype: dtype the pseudo-gradient is sent in (default bf16).
+        wire_dtype: dtype the pseudo-gradient is sent in (default bf16); or a quantized
+            wire, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``"int8"`` or ``"int4"``
+            (two values a byte): one fp32 scale per block of 256, the owner of each chunk
+            sums the decoded values in fp32 and the mean is encoded once more
+            (:class:`~fastreduce.comm.quantized.QuantMean`).
+        error_feedback: with a quantized wire, what each rank's encoding (and each
+            chunk owner's encoding of the mean) rounded away is added to the next sync's
+            pseudo-gradient; kept in :meth:`state_dict`.
         accumulate_dtype: ``torch.float32``: a bf16 wire is summed in fp32 on process
             groups too (shared memory always does).
         backup_device: where the last synced parameters live (default: the parameters'
@@ -101,7 +108,7 @@ class DiLoCo(LocalUpdates):
                  wire_dtype: torch.dtype = torch.bfloat16, accumulate_dtype: torch.dtype | None = None,
                  backup_device: str | torch.device | None = None, buffers: str = "average",
                  transport: str | None = None, nonfinite: NonFinite = "ignore",
-                 compression: SparseLoCo | None = None):
+                 compression: SparseLoCo | None = None, error_feedback: bool = False):
         self.sync_every = H = check_int("sync_every", sync_every, 1)
         if compression is not None:
             if not isinstance(compression, SparseLoCo):
@@ -124,9 +131,7 @@ class DiLoCo(LocalUpdates):
             raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha!r}")
         if buffers not in BUFFERS:
             raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
-        refuse_quantized(wire_dtype, "DiLoCo")
-        if not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
-            raise ValueError(f"wire_dtype must be a floating dtype, got {wire_dtype!r}")
+        quant = local_wire(wire_dtype, compression, error_feedback, "DiLoCo")
         if accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype!r}")
         require_distributed()
@@ -159,7 +164,8 @@ class DiLoCo(LocalUpdates):
         scratch = tau > 0 or self.fragment_alpha > 0 or on_cpu
         self._setup(model, inner_optimizer, group=group, wire_dtype=wire_dtype,
                     accumulate_dtype=accumulate_dtype, buffers=buffers, fragments=F,
-                    backup_device=backup_device, transport=transport, scratch=scratch, compression=compression)
+                    backup_device=backup_device, transport=transport, scratch=scratch, compression=compression,
+                    quant=quant, error_feedback=error_feedback)
         # [Note: the outer step on the anchor] With the anchor beside the parameters, the
         # outer optimizer steps the anchor's storage in place (its parameters' .data point
         # there for the call) with the mean pseudo-gradient in the parameters' own storage

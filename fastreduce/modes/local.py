@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import TensorBlock, _view, params_as_views
+from ..codecs.quant import BlockQuant
 from ..codecs.sparse import SparseLoCo, SparseState
 from ..comm import Comm, Pending, advance, complete, get_comm
+from ..comm.quantized import QuantMean
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
 from ..hooks import on_step, remove_hooks
@@ -120,7 +122,8 @@ class LocalUpdates(JoinableMode):
     def _setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None,
                wire_dtype: torch.dtype | None, accumulate_dtype: torch.dtype | None, buffers: str,
                fragments: int, backup_device: str | torch.device | None, transport: str | None,
-               scratch: bool, compression: SparseLoCo | None = None) -> None:
+               scratch: bool, compression: SparseLoCo | None = None, quant: BlockQuant | None = None,
+               error_feedback: bool = False) -> None:
         """Build everything (after the mode's own checks: this changes the model)."""
         named = self._named
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -137,7 +140,8 @@ class LocalUpdates(JoinableMode):
         # of segments, and in the wire buffer one contiguous slice.
         segments = [[k for k in frag if named[k][1].dtype == d]
                     for frag in members for d in sorted({named[k][1].dtype for k in frag}, key=str)]
-        pad = self.comm.shard_multiple if self._delta else 1  # fp32 accumulation splits the wire in chunks
+        # fp32 accumulation splits the wire in chunks; a quantized one, in whole blocks per rank
+        pad = (self.world_size * quant.block if quant else self.comm.shard_multiple) if self._delta else 1
         self.layout = GradLayout(named, named[0][1].dtype, segments=[s for s in segments if s], pad_to=pad)
         self.fragment_names: list[list[str]] = [[named[k][0] for k in frag] for frag in members]
         first = 0
@@ -160,6 +164,7 @@ class LocalUpdates(JoinableMode):
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._in_flight: dict[int, Pending] = {}
         self._sparse: list[SparseState] = []
+        self._quant_means: list[QuantMean] = []
         if self._delta:
             where = torch.device(backup_device) if backup_device is not None else self.device
             pin = where.type == "cpu" and self.device.type == "cuda"  # page-locked: fast, async uploads
@@ -168,7 +173,7 @@ class LocalUpdates(JoinableMode):
                 self._anchor = [a.pin_memory() for a in self._anchor]
             sizes = [sum(self.layout.segments[j].numel for j in segs) for segs in self._frag_segments]
             assert wire_dtype is not None
-            wire = self.comm.buffer(max(sizes), wire_dtype)
+            wire = self.comm.buffer(max(sizes), torch.float32 if quant else wire_dtype)
             self._frag_wire = [wire[:n] for n in sizes]
             for segs in self._frag_segments:
                 at = 0
@@ -176,7 +181,10 @@ class LocalUpdates(JoinableMode):
                     n = self.layout.segments[j].numel
                     self._wire.append(wire[at:at + n])
                     at += n
-            self._plan = self.comm.plan(wire_dtype, accumulate_dtype, wire)
+            self._plan = self.comm.plan(wire.dtype, accumulate_dtype, wire)
+            # A quantized wire: each fragment's pseudo-gradient, staged in fp32, is averaged
+            # through its codec (:class:`QuantMean`: an exchange, an fp32 sum, an all-gather).
+            self._quant_means = [QuantMean(self.comm, w, quant, error_feedback) for w in self._frag_wire] if quant else []
             # A codec: each fragment's dense pseudo-gradient is staged in the wire, and what
             # travels is the codec's (an all-gather of every rank's sparse payload).
             self._sparse = [SparseState(compression, n, self.device, self.comm.buffer, self.world_size, self.rank)
@@ -301,6 +309,9 @@ class LocalUpdates(JoinableMode):
             work, _ = self.comm.all_gather(sparse.gathered)
             self._in_flight[k] = (work, lambda: sparse.decode(wire))
             return
+        if self._quant_means:
+            self._in_flight[k] = self._quant_means[k].start()
+            return
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
@@ -405,6 +416,8 @@ class LocalUpdates(JoinableMode):
         dtype and fragment); a step costs ``bytes_per_sync / sync_every`` on average."""
         if self._sparse:  # an all-gather: every rank's payload
             return sum(s.gathered.numel() for s in self._sparse)
+        if self._quant_means:  # the encoded wire (codes and scales), as an all-reduce of it would move
+            return sum(q.wire_bytes for q in self._quant_means)
         if self._delta:
             return sum(w.numel() * w.element_size() for w in self._frag_wire)
         return sum(f.numel() * f.element_size() for f in self._whole_flats())
@@ -430,6 +443,8 @@ class LocalUpdates(JoinableMode):
         }
         if self._sparse:
             out["sparse"] = [s.state_dict() for s in self._sparse]
+        if self._quant_means and self._quant_means[0].residual is not None:
+            out["wire_residuals"] = [q.state_dict() for q in self._quant_means]
         return out
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -448,6 +463,13 @@ class LocalUpdates(JoinableMode):
         saved = list(state.get("sparse", ()))
         if len(saved) != len(self._sparse) or not all(map(SparseState.fits, self._sparse, saved)):
             raise ValueError("this state_dict's SparseLoCo accumulators do not fit this mode's fragments")
+        quantized = self._quant_means and self._quant_means[0].residual is not None
+        if bool(quantized) != ("wire_residuals" in state):
+            raise ValueError("this state_dict was saved with" + ("out" if quantized else "") + " a quantized wire's "
+                             "error-feedback residuals; build the mode with the wire_dtype and error_feedback it was "
+                             "saved with")
+        for q, t in zip(self._quant_means, state.get("wire_residuals", ())):
+            q.load_state_dict(t)  # checked (sizes) before the rest is changed; a mismatch raises
         for sparse, t in zip(self._sparse, saved):
             sparse.load_state_dict(t)
         with torch.no_grad():

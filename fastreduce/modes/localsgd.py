@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..codecs.quant import refuse_quantized
+from ..codecs.quant import local_wire
 from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import all_reduce_watched, guarded
@@ -95,7 +95,11 @@ class LocalSGD(LocalUpdates):
             A narrower float (``torch.bfloat16``): the change since the last average is
             sent in it and added to a full-precision copy of the last averaged
             parameters (one more model's worth of memory), so the parameters are never
-            rounded to it. Not with ``hierarchy``.
+            rounded to it. Not with ``hierarchy``. A quantized wire
+            (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``"int8"``, ``"int4"``) sends
+            that change encoded, as :class:`~fastreduce.DiLoCo` does.
+        error_feedback: with a quantized wire, what the encodings rounded away is added
+            to the next sync's change (:class:`~fastreduce.DiLoCo`'s ``error_feedback``).
         compression: ``fastreduce.SparseLoCo(...)``: the change since the last average
             goes through a per-rank error-feedback accumulator and only each chunk's top-k
             entries, in a few bits, travel (an all-gather; :mod:`fastreduce.codecs.sparse`);
@@ -132,7 +136,7 @@ class LocalSGD(LocalUpdates):
                  warmup_steps: int = 0, group: dist.ProcessGroup | None = None,
                  hierarchy: dict[int, int] | None = None, wire_dtype: torch.dtype | None = None,
                  buffers: str = "average", transport: str | None = None, nonfinite: NonFinite = "ignore",
-                 compression: SparseLoCo | None = None):
+                 compression: SparseLoCo | None = None, error_feedback: bool = False):
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.nonfinite = check_nonfinite(nonfinite)
@@ -142,9 +146,7 @@ class LocalSGD(LocalUpdates):
         self._named = trainable(model)
         check_inner(model, optimizer, "optimizer")
         own = {p.dtype for _, p in self._named}
-        refuse_quantized(wire_dtype, "LocalSGD")
-        if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
-            raise ValueError(f"wire_dtype must be a floating dtype or None, got {wire_dtype!r}")
+        quant = local_wire(wire_dtype, compression, error_feedback, "LocalSGD")
         if compression is not None and not isinstance(compression, SparseLoCo):
             raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "
                              f"{type(compression).__name__}")
@@ -161,7 +163,8 @@ class LocalSGD(LocalUpdates):
                         for period, size in self._level_sizes]
         self._setup(model, optimizer, group=group, wire_dtype=wire_dtype if self._delta else None,
                     accumulate_dtype=None, buffers=buffers, fragments=1, backup_device=None,
-                    transport=transport, scratch=False, compression=compression)
+                    transport=transport, scratch=False, compression=compression, quant=quant,
+                    error_feedback=error_feedback)
         self._reducer = None
         if self.warmup_steps:
             from .fused import (
