@@ -371,6 +371,11 @@ def test_convergence_suite_quick_smoke(convergence_run: dict, tmp_path: Path) ->
         if not ms["powersgd"]["skipped"]:
             assert ms["powersgd"]["bytes_per_step"] < 0.3 * ddp["bytes_per_step"]
         assert ms["diloco_h32"]["bytes_per_step"] == pytest.approx(2 * params / 32, rel=0.02)  # bf16, every 32
+        assert ms["diloco_h32_fp32"]["bytes_per_step"] == pytest.approx(4 * params / 32, rel=0.02)
+        # int4: half a byte a value and a scale per 256, every 32 steps (plus padding to W x 256 a segment)
+        assert ms["diloco_h32_int4"]["bytes_per_step"] == pytest.approx(params * (0.5 + 4 / 256) / 32, rel=0.05)
+        assert ms["gossip_fp32"]["bytes_per_step"] == 4 * params  # one peer a round, the whole block
+        assert ms["gossip_fp8"]["bytes_per_step"] == pytest.approx(params * (1 + 4 / 256), rel=0.05)
     assert json.loads((out / "bench.json").read_text()) == result
     chart = result["outputs"]
     assert (chart["convergence_png"] and (out / "convergence.png").stat().st_size > 0) or \

@@ -50,6 +50,12 @@ the steps by default; torch's hook needs at least 2):
 * ``diloco_h32``: ``fastreduce.DiLoCo(model, adamw, outer, sync_every=32)``, default bf16
   wire, the outer optimizer the network suite's (:mod:`.network_modes`): Nesterov SGD,
   lr 0.7, momentum 0.5 (DESIGN.md: the paper's momentum 0.9 diverged on short runs).
+* ``diloco_h32_fp32`` / ``diloco_h32_int4``: the same with an fp32 wire, or an int4 one
+  (two values a byte, one fp32 scale per 256) with error feedback.
+* ``gossip_fp32`` / ``gossip_fp8``: ``fastreduce.DecentralizedDataParallel`` on
+  ``one-peer-exp``, an AdamW per bucket with the suite's lr and schedule; fp32, or an fp8
+  (e4m3) wire with CHOCO's public copies (:class:`~fastreduce.comm.quantized.QuantMix`).
+  Bytes: one message a round (the bucket blocks, or their encodings).
 * ``diloco_h32_sparseloco``: the same with ``compression=fastreduce.SparseLoCo()`` (density
   1/64, 2 bits, chunks of 4096, decay 0.95) and, as the paper pairs it, an outer SGD
   without momentum, lr 1.0 (the accumulator takes the momentum's place). Its bytes are
@@ -323,18 +329,50 @@ def _powersgd(model: Any, opt: Any, s: Setup) -> Trainer:
     return _on_reducer(model, reducer, reducer.reduce)
 
 
-def _diloco_h32(model: Any, opt: Any, s: Setup) -> Trainer:
-    import torch
+def _diloco(wire: str | None) -> Callable[[Any, Any, Setup], Trainer]:
+    """DiLoCo at H = 32: its default bf16 wire (``None``), or ``wire`` (a quantized one
+    with error feedback)."""
+    def build(model: Any, opt: Any, s: Setup) -> Trainer:
+        import torch
 
-    import fastreduce
+        import fastreduce
+        from fastreduce.codecs.quant import wire_format
 
-    from .network_modes import OUTER_LR, OUTER_MOMENTUM
+        from .network_modes import OUTER_LR, OUTER_MOMENTUM
 
-    outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    mode = fastreduce.DiLoCo(model, opt, outer, sync_every=H)
-    per_step = mode.bytes_per_sync / H
-    return Trainer(model, _nothing, lambda: (per_step, mode.bytes_per_sync * (s.steps // H) / s.steps),
-                   synced=False, keep=mode)
+        outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        kw: dict[str, Any] = {}
+        if wire is not None:
+            kw = {"wire_dtype": getattr(torch, wire) if "float" in wire else wire,
+                  "error_feedback": wire_format(wire) is not None}
+        mode = fastreduce.DiLoCo(model, opt, outer, sync_every=H, **kw)
+        per_step = mode.bytes_per_sync / H
+        return Trainer(model, _nothing, lambda: (per_step, mode.bytes_per_sync * (s.steps // H) / s.steps),
+                       synced=False, keep=mode)
+    return build
+
+
+def _gossip(wire: str) -> Callable[[Any, Any, Setup], Trainer]:
+    """Gossip on ``one-peer-exp``: an AdamW of the suite's settings and schedule per bucket
+    (the loop's own optimizer then finds no gradients: the buckets stepped in backward);
+    ``wire`` fp32, or quantized with CHOCO's public copies."""
+    def build(model: Any, opt: Any, s: Setup) -> Trainer:
+        import torch
+
+        import fastreduce
+
+        lr = opt.param_groups[0]["lr"]
+        net = fastreduce.DecentralizedDataParallel(
+            model, lambda named: torch.optim.AdamW([p for _, p in named], lr=lr),
+            lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: lr_factor(k, s.steps)),
+            topology="one-peer-exp", wire_dtype=getattr(torch, wire) if "float" in wire else wire)
+
+        def wire_bytes() -> tuple[float, float]:
+            mixes = getattr(net, "_qmix", None)
+            sent = sum(q.wire_bytes for q in mixes) if mixes else 4.0 * s.numel  # one peer a round
+            return sent, sent
+        return Trainer(net, _nothing, wire_bytes, synced=False, keep=net)
+    return build
 
 
 def _diloco_h32_sparseloco(model: Any, opt: Any, s: Setup) -> Trainer:
@@ -358,8 +396,12 @@ METHODS: dict[str, Callable[[Any, Any, Setup], Trainer]] = {
     "fused_fp8": _quantized("float8_e4m3fn"),
     "fused_int8": _quantized("int8"),
     "powersgd": _powersgd,
-    "diloco_h32": _diloco_h32,
+    "diloco_h32": _diloco(None),
+    "diloco_h32_fp32": _diloco("float32"),
+    "diloco_h32_int4": _diloco("int4"),
     "diloco_h32_sparseloco": _diloco_h32_sparseloco,
+    "gossip_fp32": _gossip("float32"),
+    "gossip_fp8": _gossip("float8_e4m3fn"),
 }
 """Name -> builder ``(model, adamw, setup) -> Trainer`` (raises :class:`Unavailable` to skip)."""
 REFERENCE = "ddp_fp32"
