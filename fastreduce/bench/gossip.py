@@ -13,6 +13,9 @@ blocks (48 of width 512 by default: 12.66M parameters), batch 32, at each world 
  ``gossip_<topology>``      ``DecentralizedDataParallel(model, AdamW per bucket, topology)``
                             for ``complete``, ``ring`` and ``one-peer-exp``: each bucket
                             mixes, steps and sends from its backward hook
+ ``gossip_one-peer-exp_fp8`` the same on ``one-peer-exp`` with an fp8 (e4m3) wire: each
+                            peer gets the quantized difference from the public copy both
+                            keep (CHOCO-SGD), point to point
  ``decentdp_<topology>``    decent-dp's ``DecentralizedDataParallel`` (the same AdamW per
                             bucket), for ``complete`` and ``one-peer-exp``, where
                             ``decent_dp`` imports (``pip install decent-dp==0.2.3``)
@@ -151,6 +154,14 @@ def build_methods(base: nn.Module, x: torch.Tensor) -> tuple[list[Method], dict[
             loss(ddp(x)).backward()
         methods.append(Method(f"gossip_{topo}", _block(gstep, ddp.wait_exchanges)))
         info[f"gossip_{topo}"] = {"ddp": ddp}
+
+    ddp = DecentralizedDataParallel(copy.deepcopy(base), lambda named: _adamw([p for _, p in named]),
+                                    topology="one-peer-exp", wire_dtype=torch.float8_e4m3fn)  # CHOCO's copies
+
+    def qstep(ddp=ddp) -> None:
+        loss(ddp(x)).backward()
+    methods.append(Method("gossip_one-peer-exp_fp8", _block(qstep, ddp.wait_exchanges)))
+    info["gossip_one-peer-exp_fp8"] = {"ddp": ddp}
 
     PeerDDP = _decent_dp()
     for topo in PEER_TOPOLOGIES if PeerDDP is not None else ():

@@ -21,6 +21,8 @@ per parameter, a step per parameter and row: at a small batch the same H costs m
                             steps, outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``
                             (its fastest kernel too: ``fused`` on a CPU, 3 ms a sync
                             here against 9.5 ms for torch's default per-tensor loop)
+ ``diloco_H32_int4``        the same at H = 32 with an int4 wire (two values a byte, a
+                            scale per 256) and error feedback
 =========================  ==============================================================
 
 for H = 1, 8 and 32. A local-update method pays for its averaging every H-th step
@@ -80,7 +82,8 @@ BLOCK = 32
 """Steps per timed call: a multiple of every period, so each block holds whole periods."""
 PERIODS = (1, 8, 32)
 REFERENCE = "no_comm"
-METHODS = (REFERENCE, "ddp", *(f"localsgd_H{h}" for h in PERIODS), *(f"diloco_H{h}" for h in PERIODS))
+METHODS = (REFERENCE, "ddp", *(f"localsgd_H{h}" for h in PERIODS), *(f"diloco_H{h}" for h in PERIODS),
+           "diloco_H32_int4")
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 TARGET_WORLD = 2
 TARGETS = tuple((f"{m}_H{h}_hidden", f"{m}_H{h}", REFERENCE, "<=", 1.05)
@@ -137,13 +140,14 @@ def build_method(name: str, model: nn.Module,
     opt = inner(list(base.module.parameters()))
     mode, period = None, 1
     if name.startswith(("localsgd_H", "diloco_H")):
-        period = int(name.rsplit("_H", 1)[1])
+        period = int(name.rsplit("_H", 1)[1].split("_")[0])
+        quant = {"wire_dtype": "int4", "error_feedback": True} if name.endswith("_int4") else {}
         if name.startswith("localsgd"):
             mode = fastreduce.LocalSGD(model, opt, period)
         else:
             outer = torch.optim.SGD(base.params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True,
                                     **(fused_if_possible(torch.optim.SGD, base.params, {}) or {"foreach": True}))
-            mode = fastreduce.DiLoCo(model, opt, outer, period)
+            mode = fastreduce.DiLoCo(model, opt, outer, period, **quant)
         base.nbytes = _total(mode.bytes_per_sync)  # per sync; ddp_method's: the fp32 gradients
     return LocalMethod(base, opt, lambda: 0, mode=mode, period=period)
 

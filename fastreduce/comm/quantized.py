@@ -284,6 +284,11 @@ class QuantMeans:
     def wire_bytes(self) -> int:
         return sum(m.wire_bytes for m in self.means)
 
+    @property
+    def shm(self) -> Any:
+        """The shared-memory segment the buckets live in (``None``: a process group)."""
+        return self.means[0].shm
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = [m.state_dict() for m in self.means]
         return {key: torch.cat([s[key] for s in states]) for key in states[0]}
