@@ -37,6 +37,8 @@ the fused reducer; here what is checked is the modes around it.
   (one fragment); the transports agree bit for bit; the final residuals
   (``state_dict()["wire_residuals"]``) equal the reference's. The layout follows its
   rule. int8 and int4 pin the block boundaries and, at 3 ranks, the summation order.
+  With error feedback on a process group the wire goes in pieces of 128 bytes a row
+  (pipelined, residuals kept per piece); without, whole.
 * LocalSGD bit for bit (int8 with error feedback at 2 and 3 ranks, int4 without at 2),
   both transports, the same way.
 * Checkpoint: DiLoCo int4 with error feedback, ``state_dict()`` after 2 syncs through
@@ -68,14 +70,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_fused import expect_raises, guarded, per_rank, spawn_once
 from torch import nn
 
 import fastreduce
 from fastreduce.codecs.quant import BlockQuant
 from fastreduce.comm.shm import sum_order
 from fastreduce.launch import run_ranks
-
-from test_fused import expect_raises, guarded, per_rank, spawn_once
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -228,24 +229,33 @@ def mode_info(mode: Any) -> dict:
                          for seg in mode.layout.segments],
             "frag_segments": [list(r) for r in mode._frag_segments],
             "fragments": mode.fragment_names, "bytes": mode.bytes_per_sync,
-            "quant": [(q.codec.fmt, q.codec.block, q.shm is not None) for q in mode._quant_means]}
+            "quant": [(q.codec.fmt, q.codec.block, q.shm is not None) for q in mode._quant_means],
+            "pieces": [len(q.pieces) for q in mode._quant_means]}
 
 
 def trajectory_case(rank: int, world: int, kind: str, fmt: str, transport: str, ef: bool,
                     fragments: int = 1) -> dict:
     """H x SYNCS inner steps; per step the parameters just before the mode's step hook
     ("pre": a post-hook registered before the mode's runs first), after the step
-    ("post"), and the fragment wire (what the last sync averaged)."""
+    ("post"), and the fragment wire (what the last sync averaged). With error feedback,
+    on a process group, each QuantMean goes in pieces of 128 bytes a row (pipelined:
+    the residuals are kept per piece)."""
+    from fastreduce.comm import quantized
+
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     pre: list[dict] = []
     inner.register_step_post_hook(lambda *_: pre.append(snapshot(model)))
     kw = {"wire_dtype": WIRES[fmt], "error_feedback": ef, "transport": transport}
-    if kind == "diloco":
-        outer = torch.optim.SGD(model.parameters(), lr=1.0)
-        mode = fastreduce.DiLoCo(model, inner, outer, H, fragments=fragments, **kw)
-    else:
-        mode = fastreduce.LocalSGD(model, inner, H, **kw)
+    default, quantized.PIECE_BYTES = quantized.PIECE_BYTES, 128 if ef else quantized.PIECE_BYTES
+    try:
+        if kind == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=1.0)
+            mode = fastreduce.DiLoCo(model, inner, outer, H, fragments=fragments, **kw)
+        else:
+            mode = fastreduce.LocalSGD(model, inner, H, **kw)
+    finally:
+        quantized.PIECE_BYTES = default
     out: dict[str, Any] = {"init": snapshot(model), "pre": pre, "post": [], "wire": []}
     for step in range(H * SYNCS):
         inner_step(model, inner, rank, step)
@@ -350,10 +360,10 @@ def bad_case(rank: int, world: int) -> dict:
             inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
             if kind == "diloco":
                 outer = torch.optim.SGD(model.parameters(), lr=1.0)
-                build = lambda model=model, inner=inner, outer=outer, kw=kw: fastreduce.DiLoCo(  # noqa: E731
+                build = lambda model=model, inner=inner, outer=outer, kw=kw: fastreduce.DiLoCo(
                     model, inner, outer, H, **kw).remove()
             else:
-                build = lambda model=model, inner=inner, kw=kw: fastreduce.LocalSGD(  # noqa: E731
+                build = lambda model=model, inner=inner, kw=kw: fastreduce.LocalSGD(
                     model, inner, H, **kw).remove()
             out[(kind, name)] = expect_raises(ValueError, build)
     return out
@@ -450,13 +460,11 @@ def ids(v: Any) -> str:
     return f"world{v}" if isinstance(v, int) else str(v)
 
 
-DILOCO_GRID = ([(w, f, t, ef, 1) for w in WORLDS for f in WIRES for t in TRANSPORTS for ef in (False, True)]
-               + [(w, f, t, ef, 2) for w in WORLDS for f, ef in FRAGMENT_CASES for t in TRANSPORTS])
+DILOCO_GRID = [pytest.param(w, f, t, ef, F, id=f"world{w}-{f}-{t}-{'ef' if ef else 'plain'}-F{F}")
+               for w in WORLDS for f, t, ef, F in
+               [(f, t, ef, 1) for f in WIRES for t in TRANSPORTS for ef in (False, True)]
+               + [(f, t, ef, 2) for f, ef in FRAGMENT_CASES for t in TRANSPORTS]]
 LOCAL_GRID = [(w, f, t, ef) for w in WORLDS for f, ef in LOCAL_CASES[w] for t in TRANSPORTS]
-
-
-def diloco_ids(v: Any) -> str:
-    return ids(v) if not isinstance(v, int) or isinstance(v, bool) or v > 1 else str(v)
 
 
 # ============================================================== checks in the parent
@@ -472,6 +480,15 @@ def check_layout(outs: list[dict], world: int, num_fragments: int) -> None:
         assert out["segments"] == [(n, slots) for slots, n in want], f"rank {rank}: {out['segments']}"
         assert all(n % (world * BLOCK) == 0 for n, _ in out["segments"])
         assert [w.numel() for w in out["wire"][0]] == [n for _, n in want]
+
+
+def expected_pieces(fmt: str, out: dict, world: int, transport: str, ef: bool) -> list[int]:
+    """Per fragment: none on shared memory; one on a process group, or with error
+    feedback (pieces of 128 bytes a row) min(8, row bytes // 128, blocks a chunk)."""
+    if transport == "shm":
+        return [0] * len(out["segments"])
+    ms = [n // world for n, _ in out["segments"]]
+    return [max(1, min(8, row_bytes(fmt, m) // 128, m // BLOCK)) if ef else 1 for m in ms]
 
 
 def check_trajectory(kind: str, fmt: str, ef: bool, outs: list[dict], num_fragments: int) -> dict:
@@ -511,17 +528,21 @@ def check_trajectory(kind: str, fmt: str, ef: bool, outs: list[dict], num_fragme
 
 # ============================================================== 1. DiLoCo bit for bit
 
-@pytest.mark.parametrize("world,fmt,transport,ef,fragments", DILOCO_GRID, ids=diloco_ids)
+@pytest.mark.parametrize("world,fmt,transport,ef,fragments", DILOCO_GRID)
 def test_diloco_layout_follows_the_rule(world: int, fmt: str, transport: str, ef: bool, fragments: int) -> None:
     """One fp32 segment per fragment, offsets aligned to 32, padded to a multiple of
-    W x 256; one QuantMean per fragment, of the format, on shared memory only for shm."""
+    W x 256; one QuantMean per fragment, of the format, on shared memory only for shm
+    (on a process group with error feedback, the first fragment's in several pieces)."""
     outs = per_rank(run(world), ("traj", "diloco", fmt, transport, ef, fragments))
     check_layout(outs, world, fragments)
     for out in outs:
         assert out["quant"] == [(fmt, BLOCK, transport == "shm")] * fragments
+        assert out["pieces"] == expected_pieces(fmt, out, world, transport, ef), out["pieces"]
+    if transport == "process_group" and ef and world == 2:
+        assert outs[0]["pieces"][0] > 1  # the pipelined path is the one checked bit for bit
 
 
-@pytest.mark.parametrize("world,fmt,transport,ef,fragments", DILOCO_GRID, ids=diloco_ids)
+@pytest.mark.parametrize("world,fmt,transport,ef,fragments", DILOCO_GRID)
 def test_diloco_equals_the_reference_bit_for_bit(world: int, fmt: str, transport: str, ef: bool,
                                                  fragments: int) -> None:
     """At every sync every rank's parameters are ``anchor.add(quantized mean(anchor -
@@ -584,6 +605,7 @@ def test_localsgd_equals_the_reference_bit_for_bit(world: int, fmt: str, transpo
     outs = per_rank(run(world), ("traj", "localsgd", fmt, transport, ef))
     check_layout(outs, world, 1)
     assert all(o["quant"] == [(fmt, BLOCK, transport == "shm")] for o in outs)
+    assert all(o["pieces"] == expected_pieces(fmt, o, world, transport, ef) for o in outs)
     check_trajectory("localsgd", fmt, ef, outs, 1)
     for s in range(H, H * SYNCS + 1, H):
         for out in outs[1:]:

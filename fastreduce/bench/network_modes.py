@@ -28,6 +28,7 @@ buckets: reduce-scattered during backward, all-gathered first layers first and w
 bucket in the next forward; ``zero_fp8`` / ``zero_int8``: a quantized reduce-scatter with
 error feedback, the parameters all-gathered in fp32),
 ``gossip_fp32`` / ``gossip_bf16`` (``one-peer-exp``), ``localsgd_H8``, ``diloco_H8``,
+``diloco_H32_int4`` (H = 32, an int4 wire with error feedback),
 ``streaming_diloco_H8`` (4 fragments, delay 1) and ``streaming_diloco_H32`` (4 fragments,
 delay 7: a fragment every 8 steps, its exchange spread over 7 of them): DiLoCo's default
 bf16 wire, outer Nesterov SGD, lr 0.7, momentum 0.5 (:data:`OUTER_MOMENTUM`).
@@ -38,7 +39,8 @@ costs this machine's two shared cores about a fifth of a step, see docs/bench.md
 1.1x ``no_comm``'s; DiLoCo at DDP's final loss in at most a fifth of DDP's time; the
 bf16 gossip step at most 0.6x DDP's on four hosts; at equal bytes the overlapped step
 at most DDP's. Issue 32: the fused and overlapped fp8 and int8 steps at most 0.33x DDP's,
-ZeRO's with an fp8 reduce-scatter at most 0.4x (DDP + AdamW, as every row here).
+ZeRO's with an fp8 reduce-scatter at most 0.4x (DDP + AdamW, as every row here); DiLoCo
+H = 32 with an int4 wire at least 256x fewer bytes a step than DDP.
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ __all__ = ["MODES", "ModesConfig", "format_text", "run_modes_bench", "write_mode
 
 MODES = ("no_comm", "ddp", "fused_fp32", "fused_bf16", "fused_fp8", "fused_int8", "overlapped", "overlapped_fp8",
          "overlapped_int8", "zero", "zero_fp8", "zero_int8", "gossip_fp32", "gossip_bf16", "localsgd_H8", "diloco_H8",
-         "streaming_diloco_H8", "streaming_diloco_H32")
+         "diloco_H32_int4", "streaming_diloco_H8", "streaming_diloco_H32")
 WIRES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
 """The fused modes' wires by suffix (fp8 and int8 with error feedback)."""
-LOCAL = ("no_comm", "localsgd_H8", "diloco_H8", "streaming_diloco_H8", "streaming_diloco_H32")
+LOCAL = ("no_comm", "localsgd_H8", "diloco_H8", "diloco_H32_int4", "streaming_diloco_H8", "streaming_diloco_H32")
 """The modes that train on to reach DDP's loss."""
 TIMED = ("ddp", "no_comm", "overlapped", "streaming_diloco_H32")
 """The modes whose step times a target compares closely (streaming DiLoCo within 1.1x
@@ -136,10 +138,11 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         return model, step, lambda: keep is not None
     if "diloco" in name:
         outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        h = int(name.rsplit("_H", 1)[1])
+        h = int(name.rsplit("_H", 1)[1].split("_")[0])
         streaming = name.startswith("streaming")
+        quant = {"wire_dtype": "int4", "error_feedback": True} if name.endswith("_int4") else {}
         keep = fastreduce.DiLoCo(model, opt, outer, sync_every=h, fragments=4 if streaming else 1,
-                                 fragment_delay=h // 4 - 1 if streaming else 0)
+                                 fragment_delay=h // 4 - 1 if streaming else 0, **quant)
         return model, step, lambda: keep is not None
     if name == "no_comm":
         return model, step, nothing
@@ -320,6 +323,7 @@ def _targets(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for mode in ("fused_fp8", "fused_int8", "overlapped_fp8", "overlapped_int8"):  # issue 32
         ratio(f"{mode}_vs_ddp", "2x100mbit", mode, "ddp", "ms_per_step", 0.33)
     ratio("zero_fp8_vs_ddp", "2x100mbit", "zero_fp8", "ddp", "ms_per_step", 0.4)
+    ratio("diloco_int4_bytes_vs_ddp", "2x100mbit", "diloco_H32_int4", "ddp", "mb_per_step", 1 / 256)
     return out
 
 

@@ -110,6 +110,7 @@ class DiLoCo(LocalUpdates):
                  transport: str | None = None, nonfinite: NonFinite = "ignore",
                  compression: SparseLoCo | None = None, error_feedback: bool = False):
         self.sync_every = H = check_int("sync_every", sync_every, 1)
+        quant = local_wire(wire_dtype, compression, error_feedback, "DiLoCo")
         if compression is not None:
             if not isinstance(compression, SparseLoCo):
                 raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "
@@ -131,7 +132,6 @@ class DiLoCo(LocalUpdates):
             raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha!r}")
         if buffers not in BUFFERS:
             raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
-        quant = local_wire(wire_dtype, compression, error_feedback, "DiLoCo")
         if accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype!r}")
         require_distributed()
