@@ -10,6 +10,8 @@ so one broken sub-case fails its own tests, not the whole group.
 from __future__ import annotations
 
 import copy
+import importlib
+import io
 import time
 import traceback
 from dataclasses import dataclass
@@ -69,6 +71,31 @@ def spawn_once(cache: dict, key: Any, start: Callable[[], Any]) -> Any:
     if isinstance(res, BaseException):
         pytest.fail(f"the spawn {key!r} failed: {res}")
     return res
+
+
+def _run_cases(rank: int, world: int, module: str, todo: list[tuple]) -> dict:
+    fns = importlib.import_module(module).CASE_FNS
+    return {case: guarded(fns[case[0]], rank, world, *case[1:]) for case in todo}
+
+
+def case_runner(module: str, cases: Callable[[int], list[tuple]], timeout: float) -> Callable[[int], list[dict]]:
+    """``run(world)``: one group of that many ranks (started by the first test that asks,
+    :func:`spawn_once`) runs every case of ``cases(world)``, each ``(kind, *args)`` as
+    ``module.CASE_FNS[kind](rank, world, *args)`` under :func:`guarded`; per rank, a dict
+    from case to result."""
+    runs: dict = {}
+
+    def run(world: int) -> list[dict]:
+        return spawn_once(runs, world, lambda: run_ranks(_run_cases, world, module, cases(world), timeout=timeout))
+    return run
+
+
+def saved_and_loaded(state: Any) -> Any:
+    """``state`` through ``torch.save`` and ``torch.load`` (in memory): what a checkpoint gives back."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 # ============================================================== helpers run in ranks

@@ -59,7 +59,6 @@ run here, in the parent.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
@@ -68,10 +67,9 @@ from torch import nn
 
 import fastreduce
 from fastreduce.codecs.quant import BlockQuant
-from fastreduce.launch import run_ranks
 from fastreduce.modes.topology import make_topology
 
-from test_fused import expect_raises, guarded, per_rank, spawn_once
+from test_fused import saved_and_loaded, case_runner, expect_raises, per_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -173,10 +171,7 @@ def ckpt_case(rank: int, world: int) -> dict:
     perturb(a, rank)
     for _ in range(CKPT_AT):
         step(a_net)
-    buf = io.BytesIO()
-    torch.save(a_net.state_dict(), buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = saved_and_loaded(a_net.state_dict())
     b_net, b = make_net(fp8)
     b_net.load_state_dict(saved)
     control = dict(saved, public_copies=[{} for _ in saved["public_copies"]])  # copies back to zero
@@ -232,16 +227,8 @@ def cases(world: int) -> list[tuple]:
 CASE_FNS = {"consensus": consensus_case, "bit": bit_case, "ckpt": ckpt_case, "bad": bad_case}
 
 
-def worker(rank: int, world: int, todo: list[tuple]) -> dict:
-    return {case: guarded(CASE_FNS[case[0]], rank, world, *case[1:]) for case in todo}
-
-
-_runs: dict = {}
-
-
-def run(world: int) -> list[dict]:
-    """One group per world size (started by the first test that asks), every case of it."""
-    return spawn_once(_runs, world, lambda: run_ranks(worker, world, cases(world), timeout=SPAWN_TIMEOUT))
+run = case_runner(__name__, cases, SPAWN_TIMEOUT)
+"""One group per world size (started by the first test that asks), every case of it."""
 
 
 def ids(v: Any) -> str:

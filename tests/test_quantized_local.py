@@ -65,18 +65,16 @@ reference and every assertion run here, in the parent.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
 import torch
-from test_fused import expect_raises, guarded, per_rank, spawn_once
+from test_quantized_wire import ref_mean
+from test_sparseloco import first_diff
+from test_fused import saved_and_loaded, case_runner, expect_raises, per_rank
 from torch import nn
 
 import fastreduce
-from fastreduce.codecs.quant import BlockQuant
-from fastreduce.comm.shm import sum_order
-from fastreduce.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -150,49 +148,7 @@ def place(values: dict[str, torch.Tensor], slots: list, n: int) -> torch.Tensor:
     return flat
 
 
-def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    a, b = a.flatten(), b.flatten()
-    bad = (a != b).nonzero().flatten()
-    if not bad.numel():
-        return "equal"
-    i = int(bad[0])
-    return f"{bad.numel()} of {a.numel()} differ, first at {i}: {a[i].item()!r} != {b[i].item()!r}"
-
-
 # ============================================================== the reference
-
-def roundtrip(fmt: str, x: torch.Tensor) -> torch.Tensor:
-    return BlockQuant(fmt).roundtrip(x.clone())
-
-
-def ref_mean(fmt: str, xs: list[torch.Tensor], e: list[torch.Tensor] | None = None,
-             f: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The quantized mean of ``xs`` (one flat fp32 buffer per rank). With ``e`` (per
-    rank, n) and ``f`` (per chunk, m), error feedback: both are updated in place."""
-    W, n = len(xs), xs[0].numel()
-    m = n // W
-    q = []
-    for r, x in enumerate(xs):
-        v = x if e is None else x + e[r]
-        qr = roundtrip(fmt, v.view(W, m)).view(-1)
-        if e is not None:
-            e[r] = v - qr
-        q.append(qr)
-    out = torch.empty(n, dtype=torch.float32)
-    for c in range(W):
-        order = sum_order(c, W)
-        acc = q[order[0]][c * m:(c + 1) * m].clone()
-        for k in order[1:]:
-            acc += q[k][c * m:(c + 1) * m]
-        acc /= W
-        if f is not None:
-            acc = acc + f[c]
-        mean = roundtrip(fmt, acc)
-        if f is not None:
-            f[c] = acc - mean
-        out[c * m:(c + 1) * m] = mean
-    return out
-
 
 def reference(kind: str, fmt: str, ef: bool, outs: list[dict], num_fragments: int) -> dict:
     """Replay the ranks' syncs from their parameters just before each sync: per sync
@@ -275,24 +231,17 @@ def build_ckpt(seed: int, transport: str, ef: bool) -> tuple[nn.Module, torch.op
     return model, inner, mode
 
 
-def roundtrip_state(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 def ckpt_case(rank: int, world: int, transport: str) -> dict:
     """int4 with error feedback: save after CKPT_SYNCS syncs, resume in a fresh mode
     (another init: every value must come from the state), run both CKPT_SYNCS more."""
     a, ia, ma = build_ckpt(SEED, transport, True)
     for step in range(H * CKPT_SYNCS):
         inner_step(a, ia, rank, step)
-    saved = roundtrip_state({"mode": ma.state_dict(), "inner": ia.state_dict()})
+    saved = saved_and_loaded({"mode": ma.state_dict(), "inner": ia.state_dict()})
     runs: dict[str, Any] = {"a": (a, ia, ma)}
     for name, zero in (("b", False), ("c", True)):  # c: the residuals zeroed, the control
         m, i, d = build_ckpt(SEED + 1, transport, True)
-        state = roundtrip_state(saved)
+        state = saved_and_loaded(saved)
         if zero:
             state["mode"]["wire_residuals"] = [{k: torch.zeros_like(t) for k, t in r.items()}
                                                for r in state["mode"]["wire_residuals"]]
@@ -313,7 +262,7 @@ def ckpt_case(rank: int, world: int, transport: str) -> dict:
         d.remove()
     # With and without error feedback: neither state loads into the other mode.
     _, _, plain = build_ckpt(SEED, transport, False)
-    plain_state = roundtrip_state(plain.state_dict())
+    plain_state = saved_and_loaded(plain.state_dict())
     _, _, fed = build_ckpt(SEED, transport, True)
     out["plain_into_ef"] = expect_raises(ValueError, lambda: fed.load_state_dict(plain_state))
     out["ef_into_plain"] = expect_raises(ValueError, lambda: plain.load_state_dict(saved["mode"]))
@@ -442,16 +391,8 @@ def cases(world: int) -> list[tuple]:
 CASE_FNS = {"traj": trajectory_case, "ckpt": ckpt_case, "bytes": bytes_case, "fixed": fixed_case, "bad": bad_case}
 
 
-def worker(rank: int, world: int, todo: list[tuple]) -> dict:
-    return {case: guarded(CASE_FNS[case[0]], rank, world, *case[1:]) for case in todo}
-
-
-_runs: dict = {}
-
-
-def run(world: int) -> list[dict]:
-    """One group per world size (started by the first test that asks), every case of it."""
-    return spawn_once(_runs, world, lambda: run_ranks(worker, world, cases(world), timeout=SPAWN_TIMEOUT))
+run = case_runner(__name__, cases, SPAWN_TIMEOUT)
+"""One group per world size (started by the first test that asks), every case of it."""
 
 
 def ids(v: Any) -> str:

@@ -67,7 +67,6 @@ assertions run here, in the parent, from what the ranks return.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
@@ -77,10 +76,10 @@ from torch import nn
 import fastreduce
 from fastreduce.codecs.quant import BlockQuant
 from fastreduce.comm.quantized import QuantMeans
-from fastreduce.comm.shm import sum_order
-from fastreduce.launch import run_ranks
 
-from test_fused import expect_raises, guarded, per_rank, spawn_once
+from test_quantized_wire import ref_mean
+from test_sparseloco import first_diff
+from test_fused import saved_and_loaded, case_runner, expect_raises, per_rank
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -223,10 +222,7 @@ def ckpt_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     ra = fastreduce.FusedReducer(a, **kw)
     for step in range(CKPT_AT):
         step_once(a, ra, batch(rank, step))
-    buf = io.BytesIO()
-    torch.save(ra.state_dict(), buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = saved_and_loaded(ra.state_dict())
     b = make_model()
     b.load_state_dict(a.state_dict())
     rb = fastreduce.FusedReducer(b, **kw)
@@ -327,32 +323,11 @@ def cases(world: int) -> list[tuple]:
 CASE_FNS = {"exact": exact_case, "ef": ef_case, "ckpt": ckpt_case, "cross": cross_case, "compiled": compiled_case}
 
 
-def worker(rank: int, world: int, todo: list[tuple]) -> dict:
-    return {case: guarded(CASE_FNS[case[0]], rank, world, *case[1:]) for case in todo}
-
-
-_runs: dict = {}
-
-
-def run(world: int) -> list[dict]:
-    """One group per world size (started by the first test that asks), every case of it."""
-    return spawn_once(_runs, world, lambda: run_ranks(worker, world, cases(world), timeout=SPAWN_TIMEOUT))
+run = case_runner(__name__, cases, SPAWN_TIMEOUT)
+"""One group per world size (started by the first test that asks), every case of it."""
 
 
 # ============================================================== the reference
-
-def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    a, b = a.flatten(), b.flatten()
-    bad = (a != b).nonzero().flatten()
-    if not bad.numel():
-        return "equal"
-    i = int(bad[0])
-    return f"{bad.numel()} of {a.numel()} differ, first at {i}: {a[i].item()!r} != {b[i].item()!r}"
-
-
-def roundtrip(fmt: str, x: torch.Tensor) -> torch.Tensor:
-    return BlockQuant(fmt).roundtrip(x.clone())
-
 
 def place(grads: dict[str, torch.Tensor], slots: list[tuple[str, int, int]], n: int) -> torch.Tensor:
     """One bucket's gradients (upcast to fp32) at their slot offsets in ``n`` zeros."""
@@ -360,35 +335,6 @@ def place(grads: dict[str, torch.Tensor], slots: list[tuple[str, int, int]], n: 
     for name, off, numel in slots:
         flat[off:off + numel] = grads[name].reshape(-1).float()
     return flat
-
-
-def bucket_mean(fmt: str, xs: list[torch.Tensor], e: list[torch.Tensor] | None = None,
-                f: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """One bucket's quantized mean of ``xs`` (its fp32 slice, per rank). With ``e`` (per
-    rank, n) and ``f`` (per chunk, m), error feedback: both are updated in place."""
-    W, n = len(xs), xs[0].numel()
-    m = n // W
-    q = []
-    for r, x in enumerate(xs):
-        v = x if e is None else x + e[r]
-        qr = roundtrip(fmt, v.view(W, m)).view(-1)
-        if e is not None:
-            e[r] = v - qr
-        q.append(qr)
-    out = torch.empty(n, dtype=torch.float32)
-    for c in range(W):
-        order = sum_order(c, W)
-        acc = q[order[0]][c * m:(c + 1) * m].clone()
-        for k in order[1:]:
-            acc += q[k][c * m:(c + 1) * m]
-        acc /= W
-        if f is not None:
-            acc = acc + f[c]
-        mean = roundtrip(fmt, acc.view(1, m)).view(-1)
-        if f is not None:
-            f[c] = acc - mean
-        out[c * m:(c + 1) * m] = mean
-    return out
 
 
 class Reference:
@@ -404,7 +350,7 @@ class Reference:
         """The whole wire buffer (segments end to end) and every gradient, in its dtype."""
         wires, grads = [], {}
         for b, (dtype, slots, n) in enumerate(self.segments):
-            mean = bucket_mean(self.fmt, [place(x, slots, n) for x in xs],
+            mean = ref_mean(self.fmt, [place(x, slots, n) for x in xs],
                                None if self.e is None else self.e[b], None if self.f is None else self.f[b])
             wires.append(mean)
             for name, off, numel in slots:

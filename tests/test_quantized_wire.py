@@ -74,7 +74,6 @@ before the reduction: the all-gather of the reference).
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
@@ -88,7 +87,7 @@ from fastreduce.comm.quantized import QuantMean
 from fastreduce.comm.shm import sum_order
 from fastreduce.launch import run_ranks
 
-from test_fused import expect_raises, guarded, per_rank, spawn_once
+from test_fused import saved_and_loaded, case_runner, expect_raises, per_rank
 from test_sparseloco import first_diff
 
 pytestmark = pytest.mark.timeout(240)
@@ -164,9 +163,10 @@ def roundtrip(fmt: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def ref_mean(fmt: str, xs: list[torch.Tensor], e: list[torch.Tensor] | None = None,
-             f: list[torch.Tensor] | None = None) -> torch.Tensor:
+             f: list[torch.Tensor] | None = None, second: bool = True) -> torch.Tensor:
     """The quantized mean of ``xs`` (one flat fp32 buffer per rank). With ``e`` (per
-    rank, n) and ``f`` (per chunk, m), error feedback: both are updated in place."""
+    rank, n) and ``f`` (per chunk, m), error feedback: both are updated in place.
+    ``second=False``: a reduce-scatter's mean (ZeRO), the fp32 sum not rounded again."""
     W, n = len(xs), xs[0].numel()
     m = n // W
     q = []
@@ -183,6 +183,9 @@ def ref_mean(fmt: str, xs: list[torch.Tensor], e: list[torch.Tensor] | None = No
         for k in order[1:]:
             acc += q[k][c * m:(c + 1) * m]
         acc /= W
+        if not second:
+            out[c * m:(c + 1) * m] = acc
+            continue
         if f is not None:
             acc = acc + f[c]
         mean = roundtrip(fmt, acc)
@@ -322,10 +325,7 @@ def ckpt_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     for step in range(CKPT_AT):
         backward(a, batch(rank, step))
         ra.reduce()
-    buf = io.BytesIO()
-    torch.save(ra.state_dict(), buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = saved_and_loaded(ra.state_dict())
     b = make_model()
     b.load_state_dict(a.state_dict())
     rb = fastreduce.FusedReducer(b, error_feedback=True, **kw)
@@ -407,16 +407,8 @@ CASE_FNS = {"exact": exact_case, "direct": direct_case, "ef": ef_case, "fixed": 
             "ckpt": ckpt_case, "function": function_case, "bad": bad_case}
 
 
-def worker(rank: int, world: int, todo: list[tuple]) -> dict:
-    return {case: guarded(CASE_FNS[case[0]], rank, world, *case[1:]) for case in todo}
-
-
-_runs: dict = {}
-
-
-def run(world: int) -> list[dict]:
-    """One group per world size (started by the first test that asks), every case of it."""
-    return spawn_once(_runs, world, lambda: run_ranks(worker, world, cases(world), timeout=SPAWN_TIMEOUT))
+run = case_runner(__name__, cases, SPAWN_TIMEOUT)
+"""One group per world size (started by the first test that asks), every case of it."""
 
 
 def ids(v: Any) -> str:

@@ -38,11 +38,10 @@ from torch import nn
 
 import fastreduce
 from fastreduce.checkpoint import Checkpointer
-from fastreduce.codecs.quant import BlockQuant
-from fastreduce.comm.shm import sum_order
 from fastreduce.launch import run_ranks
 
 from test_fused import expect_raises, guarded, per_rank
+from test_quantized_wire import ref_mean
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,31 +150,22 @@ def run(world: int) -> list[Any]:
 def reference(results: list[dict[str, Any]], fmt: str) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
     """Per step, every parameter's expected shard gradient (the whole mean); final residuals."""
     world = len(results)
-    codec = BlockQuant(fmt)
     segments = results[0]["segments"]
     residual = [[torch.zeros(n) for _, n in segments] for _ in range(world)]
     means = []
     for step in range(STEPS):
         mean_of: dict[str, torch.Tensor] = {}
         for s, (slots, n) in enumerate(segments):
-            m = n // world
-            trips = []
+            bufs = []
             for r in range(world):
                 buf = torch.zeros(n)
                 for name, off, k in slots:
                     buf[off:off + k] = results[r]["steps"][step][0][name].flatten()
-                buf = buf + residual[r][s]
-                trip = codec.roundtrip(buf.view(world, m)).view(-1)
-                residual[r][s] = buf - trip
-                trips.append(trip)
-            mean = torch.empty(n)
-            for c in range(world):
-                order = sum_order(c, world)
-                acc = trips[order[0]][c * m:(c + 1) * m].clone()
-                for j in order[1:]:
-                    acc += trips[j][c * m:(c + 1) * m]
-                acc /= world
-                mean[c * m:(c + 1) * m] = acc
+                bufs.append(buf)
+            e = [residual[r][s] for r in range(world)]
+            mean = ref_mean(fmt, bufs, e, second=False)  # one rounding: the owner's fp32 sum is the shard's
+            for r in range(world):
+                residual[r][s] = e[r]
             for name, off, k in slots:
                 mean_of[name] = mean[off:off + k]
         means.append(mean_of)
