@@ -94,24 +94,31 @@ def on_step(optimizer: torch.optim.Optimizer, *, pre: Callable[..., Any] | None 
 
 
 def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Callable[[Any], None], mode: str,
-                  what: str) -> tuple[list[Any], bool]:
+                  what: str, on_compiled: Callable[[], None] | None = None) -> tuple[list[Any], bool]:
     """Before each submodule's forward, ``wait(buckets)`` for the buckets (``bucket_of``:
     ``id(param) -> bucket``) of its own parameters, so that the rest stay in flight during
     the forward; before ``state_dict`` and ``load_state_dict``, ``wait(None)`` (all).
     Returns the handles and whether the forward waits: not where ``module`` is compiled
     (a wait per submodule would be a graph break per submodule; the caller waits for all
-    itself). A model compiled after this (so that dynamo traces the hooks) raises on its
-    first compiled forward, once everything has landed."""
+    itself). Where the hooks end up traced by dynamo all the same (the module compiled
+    after this, or a compiled wrapper of it run instead of it), the first traced hook
+    waits for everything, eagerly, and the hooks stand down for good: ``on_compiled()``
+    tells the caller to wait for all itself from then on."""
+    state = {"off": False}
 
     @eager
     def compiled_after() -> None:
         wait(None)
-        raise RuntimeError(f"{mode}(module=model) was built before the model (or a part of it) was compiled: "
-                           f"its forward hooks cannot wait for {what} inside a compiled graph. Build the "
-                           f"{mode} after torch.compile, passing the compiled model as module= (it then waits "
-                           "outside the compiled graph), or leave module= out")
+        if not state["off"]:
+            state["off"] = True
+            log.info("fastreduce: %s(module=...): the model's forward is compiled; %s is waited for "
+                     "outside it from now on, not overlapped with it", mode, what)
+            if on_compiled is not None:
+                on_compiled()
 
     def before(buckets: tuple[int, ...]) -> None:
+        if state["off"]:
+            return
         if torch.compiler.is_compiling():  # being traced: compiled after the hooks were registered
             compiled_after()
         else:

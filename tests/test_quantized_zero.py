@@ -15,6 +15,8 @@ bit for bit, ``before - mean``.
 * Bit for bit, 3 steps, 3 buckets, every format, both transports, overlapped (buckets
   launched from backward hooks, each bucket's sum advanced after the next one's launch)
   and not, at 2 and 3 ranks; the residual (``wire_state_dict()``) equals the reference's.
+* ``gather_dtype=torch.bfloat16``: the parameters are the fp32 masters (stepped with the
+  same means) rounded to bf16, alike on every rank.
 * ``Checkpointer`` on disk keeps the residual: saved after 2 steps, loaded into a fresh
   job (same world size), 2 more steps equal the uninterrupted run bit for bit.
 * Bad settings raise ``ValueError`` naming the problem: int4, error feedback without a
@@ -87,10 +89,10 @@ def segments_of(model: nn.Module, opt: Any) -> list[tuple[list[tuple[str, int, i
     return [([(names[id(s.param)], s.offset, s.numel) for s in seg.slots], seg.numel) for seg in opt.layout.segments]
 
 
-def build(model: nn.Module, fmt: str, transport: str, overlap: bool, ef: bool = True) -> Any:
+def build(model: nn.Module, fmt: str, transport: str, overlap: bool, ef: bool = True, **kw: Any) -> Any:
     return fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, wire_dtype=WIRES[fmt],
                                     bucket_mb=0.02, transport=transport, error_feedback=ef, overlap=overlap,
-                                    module=model)
+                                    module=model, **kw)
 
 
 def _rank(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
@@ -105,6 +107,14 @@ def _rank(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
                     return {"steps": steps, "segments": segments_of(model, opt), "buckets": opt.num_buckets,
                             "residual": opt.wire_state_dict()["residual"]}
                 out[f"{fmt}/{transport}/{overlap}"] = guarded(case)
+    for transport in TRANSPORTS:
+        def gathered(transport=transport) -> dict[str, Any]:  # the parameters all-gathered in bf16
+            model = make_model()
+            opt = build(model, "int8", transport, True, gather_dtype=torch.bfloat16)
+            steps = run_steps(model, opt, range(STEPS))
+            return {"steps": steps, "segments": segments_of(model, opt), "buckets": opt.num_buckets,
+                    "residual": opt.wire_state_dict()["residual"]}
+        out[f"gather/{transport}"] = guarded(gathered)
     if world == 2:
         def checkpoint() -> dict[str, Any]:
             whole = make_model()
@@ -190,6 +200,27 @@ def test_matches_the_reference_bit_for_bit(world: int, fmt: str, transport: str,
                 diff = (got.flatten() - want).abs().max().item()
                 assert torch.equal(got.flatten(), want), f"rank {r} step {step} {name}: off by {diff}"
         assert torch.equal(res["residual"], residuals[r]), f"rank {r}: residual differs"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_parameters_gathered_in_bf16(world: int, transport: str) -> None:
+    """``gather_dtype=torch.bfloat16``: the fp32 masters step with the quantized mean as
+    above (SGD(lr=1): master - mean), and every rank's parameters are the masters rounded
+    to bf16, on every rank alike (the owner's own chunk too)."""
+    results = per_rank(run(world), f"gather/{transport}")
+    means, residuals = reference(results, "int8")
+    master = {name: p.flatten().clone() for name, p in results[0]["steps"][0][1].items()}  # the fp32 start
+    for step in range(STEPS):
+        for name in master:
+            master[name] = master[name].add(means[step][name], alpha=-1.0)
+        for r, res in enumerate(results):
+            for name, got in res["steps"][step][2].items():
+                want = master[name].to(torch.bfloat16).float()
+                assert torch.equal(got.flatten(), want), f"rank {r} step {step} {name}"
+    assert any(not torch.equal(master[n], master[n].to(torch.bfloat16).float()) for n in master)  # rounded
+    for r, res in enumerate(results):
+        assert torch.equal(res["residual"], residuals[r])
 
 
 def test_the_quantized_wire_is_lossy() -> None:

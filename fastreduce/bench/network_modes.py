@@ -26,7 +26,7 @@ Modes: ``no_comm`` (AdamW alone), ``ddp`` (DistributedDataParallel), ``fused_fp3
 ``overlapped_int8``: quantized per bucket, with error feedback), ``zero`` (fp32 wire, 1 MB
 buckets: reduce-scattered during backward, all-gathered first layers first and waited per
 bucket in the next forward; ``zero_fp8`` / ``zero_int8``: a quantized reduce-scatter with
-error feedback, the parameters all-gathered in fp32),
+error feedback, the parameters all-gathered in bf16, ``gather_dtype=torch.bfloat16``),
 ``gossip_fp32`` / ``gossip_bf16`` (``one-peer-exp``), ``localsgd_H8``, ``diloco_H8``,
 ``diloco_H32_int4`` (H = 32, an int4 wire with error feedback),
 ``streaming_diloco_H8`` (4 fragments, delay 1) and ``streaming_diloco_H32`` (4 fragments,
@@ -117,9 +117,11 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         return net, nothing, net.wait_exchanges
     if name.startswith("zero"):
         wire = WIRES[name.split("_")[1] if "_" in name else "fp32"]
+        quant = wire in ("float8_e4m3fn", "int8")  # with error feedback, the parameters gathered in bf16
         zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model,
                                         wire_dtype=getattr(torch, wire) if "float" in wire else wire,
-                                        error_feedback=wire in ("float8_e4m3fn", "int8"), bucket_mb=1.0)
+                                        error_feedback=quant, gather_dtype=torch.bfloat16 if quant else None,
+                                        bucket_mb=1.0)
         return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params
     opt = adamw(model.parameters())
     step = lambda: (opt.step(), opt.zero_grad())  # noqa: E731

@@ -33,14 +33,15 @@ import itertools
 import logging
 import math
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..buckets import OverlapSchedule, default_bucket_mb, make_buckets
+from ..buckets import OverlapSchedule, make_buckets
 from ..buffer import FusedBuffer, params_as_views
-from ..codecs.quant import BlockQuant, wire_format
+from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..engine import GroupSnapshot
@@ -51,19 +52,12 @@ from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
 from .zero_shard import fused_if_possible, make_shards, shard_optimizer
+from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb
 from .zero_state import ZeroCheckpointing
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
 
 log = logging.getLogger(__name__)
-
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
-                                      "RAdam", "Adadelta", "Rprop", "ASGD") if hasattr(torch.optim, n))
-"""Optimizers whose update of an element reads only that element's state: a shard can
-step alone. Add a class here (or subclass one) to allow another such optimizer."""
-
-
 
 
 class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
@@ -77,15 +71,16 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         optimizer_class: an element-wise torch optimizer (:data:`ELEMENTWISE_OPTIMIZERS`
             or a subclass): SGD, Adam, AdamW, Adagrad, RMSprop, ...
         group: process group (default: the world).
-        wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own dtype,
-            the widest if they differ); bf16/fp16 halve the bytes; a quantized wire,
-            ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``"int8"``, quarters them:
-            each rank's chunks travel encoded with one fp32 scale per block of 256, and
-            each shard's owner decodes and sums them in fp32 (one rounding; the
-            parameters' all-gather stays in their own dtype).
+        wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own, the widest
+            if they differ); bf16/fp16 halve the bytes; ``torch.float8_e4m3fn``,
+            ``torch.float8_e5m2`` or ``"int8"`` quarter them (encoded chunks, a scale per
+            256, summed in fp32 by each shard's owner: one rounding).
+        gather_dtype: dtype of the parameters' all-gather (default: their own); bf16
+            for fp32 parameters halves it: the parameters then hold the fp32 masters
+            (kept apart, in :meth:`state_dict`) rounded to bf16, as FSDP2's
+            ``param_dtype=torch.bfloat16`` computes. Never fp8; ignored on one rank.
         error_feedback: with a quantized wire, each rank adds what its last encoding
-            rounded away to the next step's gradients (a per-rank fp32 residual;
-            :class:`~fastreduce.Checkpointer` keeps it, on the same world size).
+            rounded away to the next step's gradients (per rank; ``Checkpointer`` keeps it).
         accumulate_dtype: ``torch.float32`` sums a low-precision wire in fp32 on NCCL
             and HCCL too (all-to-all and a local sum: the same bytes, two roundings at
             any world size); the shared-memory and Gloo paths always do.
@@ -96,8 +91,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         module: the model; with it the parameter all-gather after ``step()`` is waited
             per bucket in forward pre-hooks (overlapping the next forward), and in full
             before ``module.state_dict()`` / ``load_state_dict()``; read parameters any
-            other way only after :meth:`wait_params`. Without it, or where it is
-            ``torch.compile``-d (pass the compiled one), ``step()`` waits before returning.
+            other way only after :meth:`wait_params`. Without it, or where its forward is
+            compiled (the wrapper or the inner module passed, compiled before or after
+            this), ``step()`` waits before returning (a compiled forward cannot wait per module).
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -133,8 +129,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                  accumulate_dtype: torch.dtype | None = None, overlap: bool = True,
                  bucket_mb: float | None = None, transport: str | None = None,
                  module: torch.nn.Module | None = None, scaler: Any = None, nonfinite: NonFinite = "ignore",
-                 error_feedback: bool = False, **defaults: Any):
-        quant = _check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback)
+                 error_feedback: bool = False, gather_dtype: torch.dtype | None = None, **defaults: Any):
+        quant = check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback, gather_dtype)
+        self.gather_dtype = gather_dtype
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # steps skipped on every rank for inf/NaN (nonfinite="skip")
         self.last_step_skipped = False  # the last step() was skipped (nonfinite="skip", or the scaler's inf)
@@ -215,7 +212,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         # all-gather pulls the other ranks' chunks straight into them.
         flats = params_as_views(layout, comm.buffer)
         self.shards = make_shards(layout, flats, self.buckets, [group_of[m[0]] for m in segments], self.rank,
-                                  self.world_size, separate_out=self.scaler is not None)
+                                  self.world_size, separate_out=self.scaler is not None,
+                                  gather=self.gather_dtype if self.world_size > 1 else None, alloc=comm.buffer)
         self.inner = shard_optimizer(self.optimizer_class, self.param_groups, self.shards, self._kwargs)
         self._schedule: OverlapSchedule | None = None
         self.quantized: QuantMeans | None = None
@@ -246,7 +244,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         if module is not None:  # its forward waits for the gathers, unless it is compiled
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
             self._module_hooks, self._forward_waits = forward_waits(module, bucket_of, self._wait_gathers,
-                                                                    "ZeroOptimizer", "the parameter all-gather")
+                                                                    "ZeroOptimizer", "the parameter all-gather",
+                                                                    self._stop_forward_waits)
         if self.rank == 0:
             log.info("fastreduce: ZeroOptimizer(%s): %s in %d buckets, wire %s, %d ranks, "
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
@@ -348,20 +347,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._last_clip, self._clip_args = self._clip_args, None
         return loss
 
-    def wire_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residual of a quantized wire (a copy; empty without
-        one). Per rank, so not in :meth:`state_dict`: ``fastreduce.Checkpointer`` saves it
-        with the rank's own state and restores it on the same world size."""
-        return {} if self.quantized is None else self.quantized.state_dict()
-
-    def load_wire_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`wire_state_dict` (same world size and parameters); ``{}`` resets it."""
-        if self.quantized is not None:
-            self.quantized.load_state_dict(state)
-        elif state:
-            raise ValueError("this state holds a quantized wire's error-feedback residual, but this "
-                             "ZeroOptimizer sends no quantized wire: build it with the same wire_dtype "
-                             "and error_feedback=True")
+    def _stop_forward_waits(self) -> None:
+        """The model's forward turned out compiled: ``step()`` waits for the gathers."""
+        self._forward_waits = False
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
@@ -445,7 +433,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         for s in self.shards:
             if s.low:
                 c = s.params.numel() // W
-                s.params[r * c:(r + 1) * c].copy_(s.master)
+                (s.params if s.send is None else s.send)[r * c:(r + 1) * c].copy_(s.master)
         if W == 1:
             return
         # Last bucket first: the buckets are in backward order, so the next forward reads
@@ -453,7 +441,11 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         # point to point) lands what the forward waits for first.
         gathers: list[Pending | None] = [None] * len(self.shards)
         for b in reversed(range(len(self.shards))):
-            gathers[b] = self.comm.all_gather(self.shards[b].params)
+            s = self.shards[b]
+            if s.send is None:
+                gathers[b] = self.comm.all_gather(s.params)
+            else:  # in gather_dtype, then into the parameters (every chunk: this rank's rounded too)
+                gathers[b] = (self.comm.all_gather(s.send)[0], partial(s.params.copy_, s.send))
         self._gathers = gathers
         if not self._forward_waits:
             self._wait_gathers()
@@ -565,37 +557,3 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         for flag in state["found_inf_per_device"].values():
             flag.copy_(found.reshape(flag.shape).to(flag.device))
         return bool(found.item())
-
-def zero_bucket_mb(pg_backend: str) -> float:
-    """ZeRO's default bucket: at least 25 MB. Each bucket costs a reduce-scatter and an
-    all-gather with their barriers; measured on 2 CPU ranks (12M fp32 parameters,
-    AdamW), 24 MB buckets stepped in 0.94x the fused reducer's time, 6 MB ones in 1.05x."""
-    return max(25.0, default_bucket_mb(pg_backend))
-
-
-def _check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, accumulate_dtype: torch.dtype | None,
-                    bucket_mb: float | None, error_feedback: bool) -> BlockQuant | None:
-    """``ValueError``/``TypeError`` for a bad setting; the quantized wire's codec, if any."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    if not issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS):
-        raise ValueError(f"{optimizer_class.__name__} is not an element-wise optimizer: its update of "
-                         "one element reads others (whole tensors, or all of them), so it cannot step "
-                         "on a shard. ZeroOptimizer takes "
-                         f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or their subclasses "
-                         "(add yours to fastreduce.modes.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
-    fmt = wire_format(wire_dtype)
-    if fmt == "int4":
-        raise ValueError("wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 dtype")
-    if fmt is None and wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype)
-                                                        and wire_dtype.is_floating_point):
-        raise ValueError(f"wire_dtype must be a floating dtype, a quantized wire (torch.float8_e4m3fn, "
-                         f"torch.float8_e5m2, 'int8') or None, got {wire_dtype!r}")
-    if error_feedback and fmt is None:
-        raise ValueError("error_feedback=True needs a quantized wire_dtype (torch.float8_e4m3fn, torch.float8_e5m2 "
-                         f"or 'int8'); wire_dtype={wire_dtype!r} sends what the gradients hold")
-    if accumulate_dtype not in (None, torch.float32):
-        raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype}")
-    if bucket_mb is not None and not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-    return None if fmt is None else BlockQuant(fmt)

@@ -64,6 +64,21 @@ class ZeroCheckpointing:
     def _chunk_states(self) -> list[dict[str, Any]]:
         return [self.inner.state.get(s.master, {}) for s in self.shards]
 
+    def wire_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of a quantized wire (a copy; empty without
+        one). Per rank, so not in :meth:`state_dict`: ``fastreduce.Checkpointer`` saves it
+        with the rank's own state and restores it on the same world size."""
+        return {} if self.quantized is None else self.quantized.state_dict()
+
+    def load_wire_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`wire_state_dict` (same world size and parameters); ``{}`` resets it."""
+        if self.quantized is not None:
+            self.quantized.load_state_dict(state)
+        elif state:
+            raise ValueError("this state holds a quantized wire's error-feedback residual, but this "
+                             "ZeroOptimizer sends no quantized wire: build it with the same wire_dtype "
+                             "and error_feedback=True")
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's own per-parameter format, whole on every rank (collective).
