@@ -142,6 +142,8 @@ def _rank(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
                     error_feedback=True)),
                 "load_into_plain": expect_raises(ValueError, lambda: plain.load_wire_state_dict(
                     {"residual": torch.zeros(4)})),
+                "gather_fp8": expect_raises(ValueError, lambda: fastreduce.ZeroOptimizer(
+                    make_model().parameters(), torch.optim.SGD, lr=1.0, gather_dtype=torch.float8_e4m3fn)),
             }
         out["bad"] = guarded(bad)
     return out
@@ -246,7 +248,7 @@ def test_checkpointer_keeps_the_residual() -> None:
 
 
 @pytest.mark.parametrize(("name", "word"), [("int4", "int4"), ("ef_without_quant", "quantized"),
-                                            ("load_into_plain", "quantized")])
+                                            ("load_into_plain", "quantized"), ("gather_fp8", "gather_dtype")])
 def test_bad_settings_raise(name: str, word: str) -> None:
     for out in per_rank(run(2), "bad"):
         got = out[name]
