@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_waits", "on_grad_ready", "on_step",
-           "remove_hooks"]
+           "remove_hooks", "stand_down"]
 
 log = logging.getLogger("fastreduce")
 
@@ -135,6 +135,18 @@ def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Call
         if mine:
             handles.append(before_forward(m, lambda _m, _a, mine=mine: before(mine), traced=True))
     return handles, True
+
+
+def stand_down(handles: list[Any]) -> bool:
+    """Take :func:`forward_waits`'s forward hooks off (its first two, the state-dict
+    waits, stay) once they stood down, outside any compiled frame, and drop dynamo's code:
+    torch 2.9 runs a frame whose pre-hook broke its graph eagerly for good (nothing
+    compiled), 2.13 kept the break; both compile the forward whole on the next call.
+    Returns ``False`` (the forward no longer waits)."""
+    remove_hooks(handles[2:])
+    del handles[2:]
+    forget_compiled_code()
+    return False
 
 
 def remove_hooks(handles: list[Any]) -> None:

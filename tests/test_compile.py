@@ -186,6 +186,7 @@ CASES: dict[str, Callable[..., Any]] = {
     "streaming-diloco-bf16acc": case_streaming_diloco,
 }
 PREWARMED = ("fused", "zero", "gossip")  # compiled model run once before the mode is built
+HOOKS_STAND_DOWN = ("zero-inner-module", "zero-compiled-after")  # ZeRO's forward hooks traced, then off
 
 
 def train(rank: int, name: str, comp: Compile, prewarm: bool = False) -> tuple[list[torch.Tensor], list[int]]:
@@ -237,7 +238,10 @@ def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: 
         diff, counts = out[case]
         assert diff <= TOL[backend], f"{case} under torch.compile({backend}), rank {rank}: parameters {diff:.2e} " \
                                      f"off the uncompiled run (tolerance {TOL[backend]:.0e})"
-        assert counts[0] > 0, f"{case}: nothing was compiled"
+        # where ZeRO's forward hooks stand down at the first compiled forward, torch 2.9 runs
+        # that one frame eagerly (a graph break in a module's pre-hook) and compiles from the next
+        first = 1 if case in HOOKS_STAND_DOWN else 0
+        assert counts[first] > 0, f"{case}: nothing was compiled (graphs per step {counts})"
         assert len(set(counts[2:])) == 1, f"{case}: dynamo compiled again in a later step (graphs per step {counts})"
 
 

@@ -47,7 +47,7 @@ from ..comm.quantized import QuantMean, QuantMeans
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
-from ..hooks import forward_waits
+from ..hooks import forward_waits, stand_down
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
@@ -158,7 +158,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._found: torch.Tensor | None = None  # set when the shard was unscaled this step
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
-        self._forward_waits = False  # module= given (and not compiled): forward pre-hooks wait for the gathers
+        self._forward_waits: bool | None = False  # module= given (and not compiled): forward pre-hooks wait
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
@@ -243,9 +243,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             self._schedule.sync = self.overlap
         if module is not None:  # its forward waits for the gathers, unless it is compiled
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
-            self._module_hooks, self._forward_waits = forward_waits(module, bucket_of, self._wait_gathers,
-                                                                    "ZeroOptimizer", "the parameter all-gather",
-                                                                    self._stop_forward_waits)
+            self._module_hooks, self._forward_waits = forward_waits(  # compiled after all: step() waits (None)
+                module, bucket_of, self._wait_gathers, "ZeroOptimizer", "the parameter all-gather",
+                lambda: setattr(self, "_forward_waits", None))
         if self.rank == 0:
             log.info("fastreduce: ZeroOptimizer(%s): %s in %d buckets, wire %s, %d ranks, "
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
@@ -333,6 +333,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             with torch.enable_grad():
                 loss = closure()
         self._wait_gathers()
+        if self._forward_waits is None:  # outside any compiled frame: the hooks come off
+            self._forward_waits = stand_down(self._module_hooks)
         self._reduce()
         skip = self._scaled() or self._nonfinite()
         self.last_step_skipped = skip
@@ -346,10 +348,6 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._found = None
         self._last_clip, self._clip_args = self._clip_args, None
         return loss
-
-    def _stop_forward_waits(self) -> None:
-        """The model's forward turned out compiled: ``step()`` waits for the gathers."""
-        self._forward_waits = False
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
