@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "BlockQuant", "local_wire", "wire_format"]
+__all__ = ["FORMATS", "BlockQuant", "check_wire", "wire_format"]
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -51,23 +51,31 @@ def wire_format(wire: object) -> str | None:
     return name if name in FORMATS else None
 
 
-def local_wire(wire: object, compression: object, error_feedback: bool, mode: str) -> BlockQuant | None:
-    """A local-update mode's ``wire_dtype`` checked: its codec if quantized (every format,
-    int4 too: a sync's pseudo-gradient), ``None`` for a float dtype or ``None``;
-    ``ValueError`` for anything else or a bad combination."""
+def check_wire(wire: object, mode: str, *, int4: bool = False, compression: object = None,
+               error_feedback: bool | None = None) -> BlockQuant | None:
+    """A mode's ``wire_dtype`` checked, the one check every mode calls: the codec of a
+    quantized wire, ``None`` for a float dtype or ``None``; ``ValueError`` naming the
+    problem for anything else. ``int4``: the mode takes int4 (the local-update modes'
+    exchange); ``compression``: the mode's codec, which a quantized wire cannot join;
+    ``error_feedback``: where the setting needs a quantized wire (``None``: not checked)."""
     fmt = wire_format(wire)
+    formats = "torch.float8_e4m3fn, torch.float8_e5m2, 'int8'" + (", 'int4'" if int4 else "")
     if fmt is None:
         if wire is not None and not (isinstance(wire, torch.dtype) and wire.is_floating_point):
-            raise ValueError(f"{mode}: wire_dtype must be a floating dtype, a quantized wire "
-                             f"(torch.float8_e4m3fn, torch.float8_e5m2, 'int8', 'int4') or None, got {wire!r}")
+            raise ValueError(f"{mode}: wire_dtype must be a floating dtype, a quantized wire ({formats}) or None, "
+                             f"got {wire!r}")
         if error_feedback:
-            raise ValueError(f"{mode}: error_feedback=True needs a quantized wire_dtype (torch.float8_e4m3fn, "
-                             f"torch.float8_e5m2, 'int8' or 'int4'); wire_dtype={wire!r} sends the values as they are")
+            raise ValueError(f"{mode}: error_feedback=True needs a quantized wire_dtype ({formats}); "
+                             f"wire_dtype={wire!r} sends the values as they are")
         return None
+    if fmt == "int4" and not int4:
+        raise ValueError(f"{mode}: wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 "
+                         "dtype (int4 is the local-update modes' exchange)")
+    codec = BlockQuant(fmt)  # this torch has the dtype
     if compression is not None:
-        raise ValueError(f"{mode}: wire_dtype={wire!r} (a quantized wire) cannot be combined with compression= "
-                         "(SparseLoCo quantizes its own values: its bits=)")
-    return BlockQuant(fmt)
+        raise ValueError(f"{mode}: wire_dtype={wire!r} (a quantized wire) cannot be combined with compression=: "
+                         "the codec sends its own format (PowerSGD's factors in bf16 or fp32, SparseLoCo's bits)")
+    return codec
 
 
 @dataclass(frozen=True)

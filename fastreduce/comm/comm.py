@@ -281,7 +281,7 @@ class Comm:
         if tuple(matrix.shape) != (self.world, self.world):
             raise ValueError(f"the mixing matrix must be {self.world} x {self.world}, got {tuple(matrix.shape)}")
         r = self.rank
-        row, col, uniform, share = self._rows_of(matrix)
+        row, col, uniform, share = self.rows_of(matrix)
         shm = self.shm_of(buf)
         with span("fastreduce::mix"):
             if shm is not None:
@@ -316,7 +316,7 @@ class Comm:
 
     # ------------------------------------------------------------------ helpers
 
-    def _rows_of(self, matrix: torch.Tensor) -> tuple[list[float], list[float], bool, tuple[int, ...]]:
+    def rows_of(self, matrix: torch.Tensor) -> tuple[list[float], list[float], bool, tuple[int, ...]]:
         """This rank's row and column of a mixing matrix, whether it is uniform, and the
         ranks this rank shares its mix with (below), read once per matrix (a topology
         hands out the same cached tensor every period).

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import _view
-from ..codecs.quant import local_wire
+from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
@@ -110,7 +110,7 @@ class DiLoCo(LocalUpdates):
                  transport: str | None = None, nonfinite: NonFinite = "ignore",
                  compression: SparseLoCo | None = None, error_feedback: bool = False):
         self.sync_every = H = check_int("sync_every", sync_every, 1)
-        quant = local_wire(wire_dtype, compression, error_feedback, "DiLoCo")
+        quant = check_wire(wire_dtype, "DiLoCo", int4=True, compression=compression, error_feedback=error_feedback)
         if compression is not None:
             if not isinstance(compression, SparseLoCo):
                 raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "

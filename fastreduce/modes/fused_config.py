@@ -11,30 +11,14 @@ import torch
 
 from ..backends import BACKENDS
 from ..codecs.powersgd import PowerSGD
-from ..codecs.quant import BlockQuant, wire_format
+from ..codecs.quant import BlockQuant, check_wire, wire_format
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Transport
 from ..grads import NonFinite, check_nonfinite
 from .compressed import check_compression
 
-__all__ = ["ReducerConfig", "UnusedGrads", "check_wire"]
+__all__ = ["ReducerConfig", "UnusedGrads"]
 
 UnusedGrads = Literal["error", "zero"]
-
-
-def check_wire(wire: object, compression: object = None) -> None:
-    """``ValueError`` unless ``wire`` is a wire the fused reducer can send with these settings."""
-    fmt = wire_format(wire)
-    if fmt is None:
-        if wire is not None and not (isinstance(wire, torch.dtype) and wire.is_floating_point):
-            raise ValueError(f"wire_dtype must be a floating dtype (bfloat16, float16, float32), a quantized "
-                             f"wire (torch.float8_e4m3fn, torch.float8_e5m2, 'int8') or None, got {wire!r}")
-        return
-    if fmt == "int4":
-        raise ValueError("wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 dtype")
-    BlockQuant(fmt)  # this torch has the dtype
-    if compression is not None:
-        raise ValueError(f"wire_dtype={wire!r} (a quantized wire) cannot be combined with compression=; "
-                         "PowerSGD sends its factors in bfloat16 or float32")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -108,7 +92,7 @@ class ReducerConfig:
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        check_wire(self.wire_dtype, self.compression)
+        check_wire(self.wire_dtype, "FusedReducer", compression=self.compression)
         check_nonfinite(self.nonfinite)
         if self.unused_grads not in ("error", "zero"):
             raise ValueError(f"unused_grads must be 'error' or 'zero', got {self.unused_grads!r}")

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import TensorBlock, _view, params_as_views
-from ..codecs.quant import BlockQuant, wire_format
+from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMix
 from ..faults import guarded
@@ -126,15 +126,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
-        fmt = wire_format(wire_dtype)
-        if fmt == "int4":
-            raise ValueError("wire_dtype='int4' is too coarse for gossip's every-step exchange; use 'int8' or an "
-                             "fp8 dtype (int4 is the local-update modes' exchange)")
-        if fmt is None and wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype)
-                                                            and wire_dtype.is_floating_point):
-            raise ValueError(f"wire_dtype must be a floating dtype, a quantized wire (torch.float8_e4m3fn, "
-                             f"torch.float8_e5m2, 'int8') or None, got {wire_dtype!r}")
-        self._quant = None if fmt is None else BlockQuant(fmt)
+        self._quant = check_wire(wire_dtype, "DecentralizedDataParallel")
         self._compensate = bool(error_feedback)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
@@ -450,8 +442,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             self._step_optimizer(b)
         matrix = self.topology.mixing(self._round)
         if self._qmix is not None:
-            self._exchanges[b] = self._qmix[b].start(flat, mixed, matrix[self.rank].tolist(),
-                                                     matrix[:, self.rank].tolist())
+            row, col, _, _ = self.comm.rows_of(matrix)  # read once per matrix, not per bucket and step
+            self._exchanges[b] = self._qmix[b].start(flat, mixed, row, col)
             return _DONE
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)

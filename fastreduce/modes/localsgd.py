@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..codecs.quant import local_wire
+from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import all_reduce_watched, guarded
@@ -146,7 +146,8 @@ class LocalSGD(LocalUpdates):
         self._named = trainable(model)
         check_inner(model, optimizer, "optimizer")
         own = {p.dtype for _, p in self._named}
-        quant = local_wire(wire_dtype, compression, error_feedback, "LocalSGD")
+        quant = check_wire(wire_dtype, "LocalSGD", int4=True, compression=compression,
+                           error_feedback=error_feedback)
         if compression is not None and not isinstance(compression, SparseLoCo):
             raise ValueError(f"compression must be None or a fastreduce.SparseLoCo(...), got "
                              f"{type(compression).__name__}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..buckets import default_bucket_mb
-from ..codecs.quant import BlockQuant, wire_format
+from ..codecs.quant import BlockQuant, check_wire
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "zero_bucket_mb"]
 
@@ -35,16 +35,7 @@ def check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, 
                          "on a shard. ZeroOptimizer takes "
                          f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or their subclasses "
                          "(add yours to fastreduce.modes.zero.ELEMENTWISE_OPTIMIZERS if it is element-wise)")
-    fmt = wire_format(wire_dtype)
-    if fmt == "int4":
-        raise ValueError("wire_dtype='int4' is too coarse for every step's gradients; use 'int8' or an fp8 dtype")
-    if fmt is None and wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype)
-                                                        and wire_dtype.is_floating_point):
-        raise ValueError(f"wire_dtype must be a floating dtype, a quantized wire (torch.float8_e4m3fn, "
-                         f"torch.float8_e5m2, 'int8') or None, got {wire_dtype!r}")
-    if error_feedback and fmt is None:
-        raise ValueError("error_feedback=True needs a quantized wire_dtype (torch.float8_e4m3fn, torch.float8_e5m2 "
-                         f"or 'int8'); wire_dtype={wire_dtype!r} sends what the gradients hold")
+    codec = check_wire(wire_dtype, "ZeroOptimizer", error_feedback=error_feedback)
     if accumulate_dtype not in (None, torch.float32):
         raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype}")
     if bucket_mb is not None and not bucket_mb > 0:
@@ -53,4 +44,4 @@ def check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, 
                                          and gather_dtype.itemsize >= 2):
         raise ValueError(f"gather_dtype must be None, torch.bfloat16, torch.float16 or torch.float32 (the "
                          f"parameters' all-gather), got {gather_dtype!r}")
-    return None if fmt is None else BlockQuant(fmt)
+    return codec
