@@ -1,8 +1,8 @@
 """Run a function on N local Gloo ranks: the harness behind the tests and ``fastreduce bench``.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, joins them in
-one Gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` in
-each and returns the per-rank results in rank order. A rank that raises fails the whole
+one Gloo process group (its store on a loopback port that rank 0 binds), calls
+``fn(rank, world_size, *args)`` in each and returns the per-rank results in rank order. A rank that raises fails the whole
 call with every failing rank's traceback; a rank that has not answered within
 ``timeout`` seconds (a hang in a collective, say) gets every rank killed and raises
 :class:`RankTimeout`, so a hang fails a test instead of a CI job.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
+import random
 import socket
 import time
 import traceback
@@ -45,10 +46,24 @@ class RankTimeout(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral
+    range where it can: there no outgoing connection (Gloo's many) takes it before the
+    caller binds it; only another explicit bind can."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()  # not the global one: tests seed it
+    candidates = [rng.randrange(low // 2, low) for _ in range(20)] if low >= 4096 else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def rank_context(*preload: str) -> Any:
@@ -59,19 +74,36 @@ def rank_context(*preload: str) -> Any:
     return ctx
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+def _store(rank: int, world_size: int, ports: Any, timeout: float) -> Any:
+    """The group's TCPStore. Rank 0 binds port 0 (the kernel picks a free one, with no
+    window for another process to take it, as a port found free and bound later has) and
+    hands the port to the other ranks through ``ports``."""
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=timeout)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=wait, wait_for_workers=False)
+        for _ in range(world_size - 1):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=timeout), world_size, False, timeout=wait)
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, ports: Any, args: tuple,
             threads: int, timeout: float, env: dict[str, str], results: Any) -> None:
     import torch.distributed as dist
 
     os.environ.clear()
     os.environ.update(env)  # the parent's, as it is now (the fork server's is from its start)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=_store(rank, world_size, ports, timeout), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
         out = io.BytesIO()
         # One byte string per result: a Queue would pass each tensor through its own
         # shared-memory file descriptor, and results with many tensors run out of them.
@@ -110,11 +142,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = rank_context()
-    results = ctx.Queue()
-    port = free_port()
+    results, ports = ctx.Queue(), ctx.Queue()
     env = dict(os.environ)
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, args, threads, timeout, env, results))
+                         args=(fn, r, world_size, ports, args, threads, timeout, env, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

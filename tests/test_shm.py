@@ -268,6 +268,7 @@ def open_case(rank: int, world: int, path: str | None, nbytes: int, required: bo
             out = {"opened": ShmAllReduce.open(None, nbytes) is not None}
     dist.barrier()  # rank 0 unlinks once every rank has mapped: look when all are out
     out["left"] = leftovers(path)
+    dist.barrier()  # and before rank 0 makes the next case's segment in the same directory
     return out
 
 
