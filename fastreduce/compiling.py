@@ -21,10 +21,17 @@ inductor: the first gradient is ready at 100% of the backward's time compiled wh
 
 Any backend works: a name (``"inductor"``, ``"aot_eager"``, ``"hpu_backend"`` on Gaudi
 once ``habana_frameworks.torch`` is imported) or a callable.
+
+A plain ``torch.compile(model)`` gets the same cut with nothing to name (:func:`cut_graphs`):
+while a mode that starts collectives during backward lives, dynamo's own hook for DDP
+(``DistributedDataParallel._get_active_ddp_module()``, read as each frame is compiled)
+answers with the mode's bucket size, so dynamo cuts the graph with ``DDPOptimizer`` around
+the user's backend, as it does for a frame compiled inside a DDP forward.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -32,7 +39,7 @@ import torch.distributed as dist
 
 from .buckets import default_bucket_mb
 
-__all__ = ["compile_backend"]
+__all__ = ["compile_backend", "cut_graphs", "keep_cut", "uncut_graphs"]
 
 
 def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb: float | None = None,
@@ -94,3 +101,65 @@ class _Split:
 
     def __repr__(self) -> str:
         return f"fastreduce.compile_backend({self.backend!r}, bucket_mb={self.bucket_mb})"
+
+
+class _Cut:
+    """What dynamo reads as "the active DDP module" while a mode that overlaps lives: its
+    bucket size, and (``bool``) whether the frame being compiled now should be cut."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, int] = {}  # id(mode) -> bucket bytes
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        # at least DDP's first piece (1 MB), which DDPOptimizer requires of the others
+        return max(min(self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+    def __bool__(self) -> bool:
+        # Forwards that train run with grad on; an evaluation forward or an optimizer's
+        # compiled step (no_grad) compiles whole.
+        return bool(self.owners) and torch.is_grad_enabled()
+
+
+_CUT = _Cut()
+
+
+def cut_graphs(owner: object, bucket_mb: float) -> None:
+    """From now until ``owner`` is garbage collected, dynamo compiles every frame run with
+    grad enabled in pieces of ``bucket_mb`` megabytes of parameters (the smallest of the
+    living owners', at least 1 MB), the last piece 1 MB as DDP's, each with the user's own backend (its
+    DDP pass, ``torch._dynamo.config.optimize_ddp``; off there, nothing is cut). Code
+    compiled before is kept as it was. Called again, it moves the owner's size (and
+    puts the hook back if a DDP forward took it off)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    key = id(owner)
+    if key not in _CUT.owners:
+        weakref.finalize(owner, _release, key)
+    _CUT.owners[key] = max(1, int(bucket_mb * 2**20))
+    if DDP._active_ddp_module is None:
+        DDP._active_ddp_module = _CUT
+
+
+def keep_cut() -> None:
+    """Put dynamo's hook back if a DDP forward took it off (torch 2.9 and older set it to
+    ``None`` after each): the modes call this once a step."""
+    if _CUT.owners:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if DDP._active_ddp_module is None:
+            DDP._active_ddp_module = _CUT
+
+
+def uncut_graphs(owner: object) -> None:
+    """``owner`` no longer asks for the cut (a mode closed)."""
+    _release(id(owner))
+
+
+def _release(key: int) -> None:
+    _CUT.owners.pop(key, None)
+    if not _CUT.owners:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if DDP._active_ddp_module is _CUT:
+            DDP._active_ddp_module = None

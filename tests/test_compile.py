@@ -74,15 +74,15 @@ def on_device() -> None:
         torch.cuda.set_device(0)
 
 
-def make_model() -> nn.Module:
+def make_model(width: int = 32) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())], nn.Linear(32, 1))
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(width, width), nn.Tanh())], nn.Linear(width, 1))
     return model.to(DEVICE)
 
 
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int, width: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(16, 32, generator=g).to(DEVICE), torch.randn(16, 1, generator=g).to(DEVICE)
+    return torch.randn(16, width, generator=g).to(DEVICE), torch.randn(16, 1, generator=g).to(DEVICE)
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -189,8 +189,9 @@ PREWARMED = ("fused", "zero", "gossip")  # compiled model run once before the mo
 HOOKS_STAND_DOWN = ("zero-inner-module", "zero-compiled-after")  # ZeRO's forward hooks traced, then off
 
 
-def train(rank: int, name: str, comp: Compile, prewarm: bool = False) -> tuple[list[torch.Tensor], list[int]]:
-    model = make_model()
+def train(rank: int, name: str, comp: Compile, prewarm: bool = False,
+          width: int = 32) -> tuple[list[torch.Tensor], list[int]]:
+    model = make_model(width)
     start = graphs()  # dynamo's counters outlive torch._dynamo.reset()
     if prewarm:  # a user's first forward (e.g. an evaluation) before the mode exists
         compiled = comp(model)
@@ -200,7 +201,7 @@ def train(rank: int, name: str, comp: Compile, prewarm: bool = False) -> tuple[l
     m, step, finish = CASES[name](model, comp)
     counts = []
     for s in range(STEPS):
-        x, y = batch(rank, s)
+        x, y = batch(rank, s, width)
         ((m(x) - y) ** 2).mean().backward()
         step()
         counts.append(graphs() - start)
@@ -247,25 +248,46 @@ def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: 
 
 # ============================================================== overlap: the split backend
 
-def split_worker(rank: int, world: int, backend_name: str) -> dict[str, Any]:
-    """The overlapped reducer on a model compiled with ``compile_backend``: parity with
-    the plain model, and the backward cut into pieces (one compiled autograd node each)."""
+SPLITS = {  # how the model is compiled -> the mode's reference case
+    "compile_backend": "overlapped",   # fastreduce.compile_backend(...), before the mode
+    "plain-before": "overlapped",      # torch.compile(model), then the mode
+    "plain-after": "overlapped",       # the mode, then torch.compile(model)
+    "zero-plain": "zero",
+    "gossip-plain": "gossip",
+}
+
+
+WIDE = 512  # 1 MB layers: a plain compile is cut in pieces of 1 MB at least (DDP's first)
+
+
+def split_worker(rank: int, world: int, backend_name: str, how: str) -> dict[str, Any]:
+    """A mode that starts collectives during backward on a compiled model: parity with
+    the plain model, and the backward cut into pieces (one compiled autograd node each),
+    by ``compile_backend`` or, with a plain ``torch.compile``, by the mode itself."""
     on_device()
     torch._dynamo.reset()
-    ref, _ = train(rank, "overlapped", lambda m: m)
-    backend = fastreduce.compile_backend(backend_name, bucket_mb=BUCKET_MB)
-    model = make_model()
-    m, step, _ = case_fused(model, lambda m: m, overlap=True, backend=backend)
-    nodes = []
+    name = SPLITS[how]
+    ref, _ = train(rank, name, lambda m: m, width=WIDE)
     torch._dynamo.reset()
+    backend = fastreduce.compile_backend(backend_name, bucket_mb=BUCKET_MB) if how == "compile_backend" \
+        else backend_name
+    model = make_model(WIDE)
+    if how == "plain-after":
+        reducer = fastreduce.FusedReducer(model, overlap=True, bucket_mb=BUCKET_MB, wire_dtype=torch.float32)
+        m, step, finish = torch.compile(model, backend=backend), stepper(adamw(model.parameters()), reducer.reduce), None
+    else:
+        m, step, finish = CASES[name](model, lambda mod: torch.compile(mod, backend=backend))
+    nodes = []
     for s in range(STEPS):
-        x, y = batch(rank, s)
+        x, y = batch(rank, s, WIDE)
         loss = ((m(x) - y) ** 2).mean()
         nodes.append(compiled_nodes(loss))
         loss.backward()
         step()
+    if finish is not None:
+        finish()
     diff = max((a - b).abs().max().item() for a, b in zip(ref, model.parameters()))
-    return {"diff": diff, "nodes": nodes, "pieces": backend.pieces}
+    return {"diff": diff, "nodes": nodes, "pieces": getattr(backend, "pieces", None)}
 
 
 def compiled_nodes(loss: torch.Tensor) -> int:
@@ -281,14 +303,54 @@ def compiled_nodes(loss: torch.Tensor) -> int:
     return n
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_backend_cuts_the_backward_at_buckets(backend: str) -> None:
-    ranks = run_ranks(split_worker, 2, backend, timeout=300)
+@pytest.mark.parametrize("backend,how", [(b, h) for b in BACKENDS for h in SPLITS
+                                         if b == "aot_eager" or h in ("compile_backend", "plain-before")])
+def test_backward_is_cut_at_buckets(backend: str, how: str) -> None:
+    ranks = run_ranks(split_worker, 2, backend, how, timeout=300)
     for rank, out in enumerate(ranks):
         assert out["diff"] <= TOL[backend], f"rank {rank}: {out['diff']:.2e} off the uncompiled run"
-        # 7 Linear layers of ~4 KB, pieces of ~5 KB or more: 3 pieces or more, each its own node.
+        # 7 Linear layers of ~1 MB, buckets of one each, pieces of 1 MB or more: 3 or more, each its own node.
         assert all(n >= 3 for n in out["nodes"]), f"rank {rank}: compiled backward nodes per step {out['nodes']}"
-        assert out["pieces"] >= 3
+        assert how != "compile_backend" or out["pieces"] >= 3
+
+
+def test_cut_lasts_while_its_mode_lives() -> None:
+    """In one process, no group: a plain torch.compile is cut while an owner lives and
+    asks for it, at its size; whole again once it is gone, and under no_grad."""
+    from fastreduce.compiling import cut_graphs, uncut_graphs
+
+    def pieces_of_a_fresh_compile(grad: bool = True) -> int:
+        """Graphs the backend was handed for one forward of a freshly compiled model."""
+        torch._dynamo.reset()
+        pieces = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            pieces.append(gm)
+            return gm.forward
+
+        model = torch.compile(make_model(WIDE), backend=backend)
+        with torch.set_grad_enabled(grad):
+            model(batch(0, 0, WIDE)[0])
+        return len(pieces)
+
+    class Mode:
+        pass
+
+    mode, other = Mode(), Mode()
+    assert pieces_of_a_fresh_compile() == 1
+    cut_graphs(mode, BUCKET_MB)
+    assert pieces_of_a_fresh_compile() >= 3
+    assert pieces_of_a_fresh_compile(grad=False) == 1  # an evaluation forward: no graph to cut
+    cut_graphs(other, 16.0)  # a larger size does not coarsen the living mode's cut
+    assert pieces_of_a_fresh_compile() >= 3
+    uncut_graphs(mode)  # closed: only ``other`` is left: DDP's 1 MB first piece, then the other 6 MB
+    assert pieces_of_a_fresh_compile() == 2
+    del other
+    import gc
+    gc.collect()
+    from torch.nn.parallel import DistributedDataParallel
+    assert DistributedDataParallel._active_ddp_module is None
+    assert pieces_of_a_fresh_compile() == 1
 
 
 def test_compile_backend_names_a_missing_backend() -> None:

@@ -46,6 +46,7 @@ from ..buffer import TensorBlock, _view, params_as_views
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMix
+from ..compiling import cut_graphs, keep_cut
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
@@ -162,6 +163,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
         self._synced_backward = False  # the first step closes after a backward outside no_sync
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
+        cut_graphs(self, bucket_mb or default_bucket_mb(self.comm.pg_backend))  # steps during a compiled backward
 
     # ------------------------------------------------------------------ public
 
@@ -177,6 +179,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             self._join_notify()  # under Join: this rank is active; closing the step opens the next
         self._catch_up()
         self._raise_nonfinite()
+        keep_cut()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

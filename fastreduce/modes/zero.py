@@ -44,6 +44,7 @@ from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
+from ..compiling import cut_graphs, keep_cut
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
@@ -200,6 +201,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
         mb = bucket_mb or zero_bucket_mb(comm.pg_backend)
+        cut_graphs(self, mb)  # reduce-scatters start during a compiled backward too
         segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize)
         pad = math.lcm(comm.shard_multiple, self.world_size * quant.block) if quant else comm.shard_multiple
         self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=pad)
@@ -333,6 +335,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             with torch.enable_grad():
                 loss = closure()
         self._wait_gathers()
+        keep_cut()
         if self._forward_waits is None:  # outside any compiled frame: the hooks come off
             self._forward_waits = stand_down(self._module_hooks)
         self._reduce()
