@@ -15,6 +15,7 @@ delays launches to ``finish()``, never hangs. :class:`OrderRecorder` and
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,11 +104,21 @@ def make_buckets(layout: GradLayout, buffer: FusedBuffer, bucket_bytes: int,
 
 
 class OrderRecorder:
-    """First step only: notes the order in which parameters' grads become ready."""
+    """First step only: notes the order in which parameters' grads become ready, and
+    the seconds from the first to the last (``backward_s``: the backward's length)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.order: list[int] = []
-        self.handles = on_grad_ready(params, self.order.append)
+        self.times: list[float] = []
+        self.handles = on_grad_ready(params, self._ready)
+
+    def _ready(self, i: int) -> None:
+        self.order.append(i)
+        self.times.append(time.perf_counter())
+
+    @property
+    def backward_s(self) -> float:
+        return self.times[-1] - self.times[0] if self.times else 0.0
 
     def remove(self) -> list[int]:
         remove_hooks(self.handles)
@@ -164,6 +175,7 @@ class OverlapSchedule:
         self.sizes = [len(b.slots) for b in buckets]
         self.sync = True
         self.late = False  # some bucket had to wait for finish(): logged once
+        self.backward_s: list[float] = []  # per synced step: first to last gradient (fastreduce.sizing)
         self._reset()
         self.handles = on_grad_ready(layout.params, self._ready)
 
@@ -173,6 +185,7 @@ class OverlapSchedule:
         self.next = 0
         self.works: list[Pending] = []
         self.missing: list[int] = []
+        self._first_grad = self._last_grad = 0.0
 
     def remove(self) -> None:
         remove_hooks(self.handles)
@@ -183,6 +196,9 @@ class OverlapSchedule:
             self.on_grad(i)
         if not self.sync:
             return
+        self._last_grad = time.perf_counter()
+        if not self._first_grad:
+            self._first_grad = self._last_grad
         if self.fired[i]:
             raise RuntimeError(f"parameter {self.layout.names[i]!r} got a second gradient in one "
                                "step while its bucket was already being reduced; run every "
@@ -221,5 +237,7 @@ class OverlapSchedule:
             while self.next < len(self.buckets):
                 self._launch(self.next)
         missing, works = self.missing, self.works
+        if self._first_grad and len(self.backward_s) < 64:
+            self.backward_s.append(self._last_grad - self._first_grad)
         self._reset()
         return missing, works

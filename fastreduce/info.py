@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import __version__
 from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
+from .sizing import AUTO, AUTO_RULE
 from .comm.comm import TRANSPORT_ENV, resolve_transport
 from .comm.shm import _PAGE, SHM_DIR, _create
 from .modes.diloco import DiLoCo
@@ -271,12 +272,14 @@ def _signature(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
     return required, defaults
 
 
-def _overlap_buckets(pg: str) -> dict[str, float]:
-    """The overlapped mode's bucket sizes on ``pg``: its first bucket is like the rest
-    unless :func:`~fastreduce.buckets.first_bucket_mb` says otherwise."""
+def _overlap_buckets(pg: str) -> dict[str, Any]:
+    """The overlapped mode's bucket sizes on ``pg``: ``"auto"``'s rule, and the backend's
+    sizes where "auto" does not apply (its first bucket like the rest unless
+    :func:`~fastreduce.buckets.first_bucket_mb` says otherwise)."""
     bucket = default_bucket_mb(pg)
     first = first_bucket_mb(pg)
-    return {"bucket_mb": bucket, "first_bucket_mb": bucket if first is None else first}
+    return {"bucket_mb": AUTO, "auto": AUTO_RULE, "fixed_bucket_mb": bucket,
+            "fixed_first_bucket_mb": bucket if first is None else first}
 
 
 def _modes(pg: str | None, transport: dict[str, Any]) -> dict[str, Any]:

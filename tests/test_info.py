@@ -168,7 +168,9 @@ def test_mode_defaults_are_the_codes() -> None:
     assert modes["diloco"]["defaults"]["fragments"] == diloco["fragments"].default
     assert modes["zero"]["defaults"]["optimizer_class"] == "torch.optim.AdamW"
     # the sizes left to run time, for Gloo
-    assert modes["overlapped"]["resolved"]["bucket_mb"] == default_bucket_mb("gloo")
+    assert modes["overlapped"]["defaults"]["bucket_mb"] == "auto" == modes["overlapped"]["resolved"]["bucket_mb"]
+    assert "shared memory" in modes["overlapped"]["resolved"]["auto"]
+    assert modes["overlapped"]["resolved"]["fixed_bucket_mb"] == default_bucket_mb("gloo")
     assert modes["zero"]["resolved"]["bucket_mb"] == zero_bucket_mb("gloo")
     assert modes["decentralized"]["resolved"]["bucket_mb"] == default_bucket_mb("gloo")
 
@@ -196,7 +198,8 @@ def test_text_mentions_the_same() -> None:
     for name, mode in info["modes"].items():
         assert lines[name].split(None, 1)[1].strip() == mode["call"]
     assert f"warmup_steps={info['modes']['local_sgd']['defaults']['warmup_steps']}" in text
-    assert f"bucket_mb=None ({info['modes']['overlapped']['resolved']['bucket_mb']} here)" in text
+    assert "bucket_mb=auto," in text and f"auto: {info['modes']['overlapped']['resolved']['auto']}" in text
+    assert f"bucket_mb=None ({info['modes']['zero']['resolved']['bucket_mb']} here)" in text
     assert "wire_dtype=bfloat16" in text
     for name in info["integrations"]:
         assert name in lines, name

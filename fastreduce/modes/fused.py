@@ -39,6 +39,7 @@ from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_buck
 from ..buffer import FusedBuffer, attached
 from ..comm import Comm, MeanPlan, Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
+from ..compiling import cut_graphs, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import before_forward, remove_hooks
@@ -47,6 +48,7 @@ from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, check_gra
 from ..join import JoinableMode, sync_from_last_joiner
 from ..layout import GradLayout, verify_across_ranks
 from ..profiling import span
+from ..sizing import AUTO, AutoSizer, Sizing
 from .compressed import Compressed
 from .fused_config import ReducerConfig, UnusedGrads
 from .fused_state import ReducerState
@@ -77,6 +79,8 @@ class ReducerStats:
     """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
     compressed: int = 0
     """Reductions that sent compressed gradients (``compression=``, after its warm-up)."""
+    sizing: Sizing | None = None
+    """Overlap mode with ``bucket_mb="auto"``: the bucket sizes chosen, and why."""
 
 
 @dataclass(slots=True)
@@ -148,6 +152,9 @@ class FusedReducer(ReducerState, JoinableMode):
         self._check: FiniteCheck | None = None  # nonfinite="raise"/"skip": made on first use
         self._record_order()
         self._forward_hook = before_forward(model, lambda _m, _a: self.reattach(), needed=False)
+        self._fixed_mb = None if self.config.bucket_mb in (None, AUTO) else float(self.config.bucket_mb)
+        self._sizer = AutoSizer() if self.config.overlap and self._fixed_mb is None else None
+        self._cut_graphs()
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
     # ------------------------------------------------------------------ public
@@ -192,6 +199,7 @@ class FusedReducer(ReducerState, JoinableMode):
         if self.world_size == 1:
             return True
         self._group_built.check("FusedReducer")
+        keep_cut()
         built = self._built
         first = built is None
         if built is None:
@@ -207,7 +215,25 @@ class FusedReducer(ReducerState, JoinableMode):
             missing, works = self._start_fused(built)
         self._complete(built, works, missing)  # (a compressed step's sums were scaled already)
         self._scale_grads(built, 1.0 if built.compressed and built.compressed.scaled else self._join_factor())
-        return self._finite(built) if self.config.nonfinite != "ignore" else True
+        ok = self._finite(built) if self.config.nonfinite != "ignore" else True
+        self._refresh_sizes(built)
+        return ok
+
+    def _cut_graphs(self) -> None:
+        if self.config.overlap and self.world_size > 1:  # buckets start during a compiled backward too
+            cut_graphs(self, self._fixed_mb or default_bucket_mb(dist.get_backend(self.group)))
+
+    def _refresh_sizes(self, built: _Built) -> None:
+        """``bucket_mb="auto"``: the sizes chosen again from the steps' backward times,
+        once (not under Join, whose joined ranks run no backward); laid out again if they
+        changed."""
+        if self._sizer is None or built.schedule is None or self._join_config.enable:
+            return
+        if self._sizer.refresh(built.schedule.backward_s, built.buffer.nbytes, self.group, built.buffer.wire.device):
+            if dist.get_rank(self.group) == 0:
+                log.info("fastreduce: %s; the buckets are laid out again", self._sizer.sizing.describe())
+            self.rebuild()
+        self.stats.sizing = self._sizer.sizing
 
     finish = reduce
 
@@ -279,6 +305,7 @@ class FusedReducer(ReducerState, JoinableMode):
         pre-hook, gradient hooks, the order recorder); :attr:`stats` stay readable. The
         reducer must not be used afterwards."""
         remove_hooks([self._forward_hook])
+        uncut_graphs(self)
         if self._built is not None:
             self._built.reattach.remove()
             if self._built.schedule is not None:
@@ -295,15 +322,16 @@ class FusedReducer(ReducerState, JoinableMode):
         self._built = None
         self._record_order()
         self._forward_hook = before_forward(self.model, lambda _m, _a: self.reattach(), needed=False)
+        self._cut_graphs()
 
     # ------------------------------------------------------------------ first call
 
     def _record_order(self) -> None:
-        """Overlap mode: learn the backward order on the first step, to lay buckets out in
-        it. Not with a quantized wire: its blocks (what each rounding spans) follow the
+        """Overlap mode: learn the backward order (and time) on the first step, to lay
+        buckets out in it (and size them). Not the order with a quantized wire: its blocks (what each rounding spans) follow the
         layout, so it takes the reverse model order, the same plain and compiled (whose
         backward hands over the gradients in another order)."""
-        if self.config.overlap and self.world_size > 1 and self.config.quant is None:
+        if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
     def _build(self) -> _Built:
@@ -315,10 +343,11 @@ class FusedReducer(ReducerState, JoinableMode):
         device = one_device(named)
         for n, p in named:
             check_grad(n, p, device)
-        if self._recorder is not None:  # lay the buffer out in backward order
-            order = agreed_order(self._recorder.remove(), len(named), self.group)
-            self._recorder = None
-            named = [named[i] for i in order]
+        recorder, self._recorder = self._recorder, None
+        backward_s = recorder.backward_s if recorder is not None else 0.0
+        seen = recorder.remove() if recorder is not None else None
+        if seen is not None and cfg.quant is None:  # lay the buffer out in backward order
+            named = [named[i] for i in agreed_order(seen, len(named), self.group)]
         elif cfg.overlap and cfg.quant is not None:
             named = named[::-1]  # roughly the backward order (see _record_order)
         quant = cfg.quant  # a quantized wire: fp32 buffer, the codec runs in QuantMean
@@ -329,7 +358,7 @@ class FusedReducer(ReducerState, JoinableMode):
         if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
             named = sorted(named, key=lambda np: comp.order_key(np[1]))
         per_bucket = cfg.overlap and (cfg.accumulate_dtype is not None or comp is not None or quant is not None)
-        segments = bucket_segments(named, wire_dtype, cfg.bucket_mb or default_bucket_mb(pg), per_bucket,
+        segments = bucket_segments(named, wire_dtype, self._fixed_mb or default_bucket_mb(pg), per_bucket,
                                    None if comp is None else comp.order_key)
         chunks = self.world_size * (quant.block if quant else 1)  # a bucket's equal chunks (of whole blocks)
         layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
@@ -353,8 +382,12 @@ class FusedReducer(ReducerState, JoinableMode):
         built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
         built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not cfg.overlap)
         if cfg.overlap:
+            sizing = self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device) \
+                if self._sizer is not None and not per_bucket else None
+            self.stats.sizing = sizing
             built.schedule, means = overlap_schedule(
-                layout, buffer, comm, quant or plan, pg_backend=pg, bucket_mb=cfg.bucket_mb, per_segment=per_bucket,
+                layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=per_bucket,
+                bucket_mb=sizing.bucket_mb if sizing else self._fixed_mb, first_mb=sizing and sizing.first_bucket_mb,
                 opened=self._join_notify, adopt=lambda idx, direct: self._adopt(built, idx, direct),
                 direct=not (plan.prescale or cfg.error_feedback or comp), on_grad=reattach.grad_ready,
                 error_feedback=cfg.error_feedback)
@@ -368,6 +401,8 @@ class FusedReducer(ReducerState, JoinableMode):
                      plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
                      "order" if built.schedule else "one fused collective",
                      built.compressed and "; " + built.compressed.describe() or "")
+            if self.stats.sizing is not None:
+                log.info("fastreduce: %s", self.stats.sizing.describe())
         try:
             self._restore(built)  # residuals a checkpoint loaded before the layout existed
         except ValueError as err:  # it did not fit: unbuilt again, the state dropped

@@ -14,6 +14,7 @@ from ..codecs.powersgd import PowerSGD
 from ..codecs.quant import BlockQuant, check_wire, wire_format
 from ..comm import TRANSPORT_ENV, TRANSPORTS, Transport
 from ..grads import NonFinite, check_nonfinite
+from ..sizing import check_bucket_mb
 from .compressed import check_compression
 
 __all__ = ["ReducerConfig", "UnusedGrads"]
@@ -66,9 +67,13 @@ class ReducerConfig:
     overlap: bool = False
     """Reduce during backward: buckets in backward order, each launched from a
     gradient hook as soon as its last gradient is ready."""
-    bucket_mb: float | None = None
-    """Bucket size on the wire in overlap mode (MB); ``None`` picks per backend (few
-    large buckets on Gloo and HCCL, DDP's 25 MB on NCCL)."""
+    bucket_mb: float | str | None = "auto"
+    """Bucket size on the wire in overlap mode (MB). ``"auto"`` (or ``None``): chosen on
+    the first step from the link (a short probe of the group's all-reduce) and the
+    backward's time, and once more from the backward times of the next steps
+    (:mod:`fastreduce.sizing`); one bucket on shared memory. With a quantized or
+    compressed wire or ``accumulate_dtype``, "auto" is the backend's size (6 MB on Gloo,
+    25 on NCCL, 64 on HCCL)."""
     transport: Transport = field(default_factory=lambda: os.environ.get(TRANSPORT_ENV, "auto"))
     """How the wire buffer's bytes travel (default: ``$FASTREDUCE_TRANSPORT``, else
     ``auto``). ``process_group``: the group's all-reduce (HCCL, NCCL, Gloo). ``shm``:
@@ -90,8 +95,7 @@ class ReducerConfig:
         check_compression(self.compression, self.accumulate_dtype, self.error_feedback)
         if self.accumulate_dtype not in (None, torch.float32):
             raise ValueError(f"accumulate_dtype must be None or torch.float32, got {self.accumulate_dtype}")
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        check_bucket_mb(self.bucket_mb)
         check_wire(self.wire_dtype, "FusedReducer", compression=self.compression)
         check_nonfinite(self.nonfinite)
         if self.unused_grads not in ("error", "zero"):

@@ -89,16 +89,17 @@ def quant_launcher(comm: Comm, codec: BlockQuant, error_feedback: bool, buckets:
 def overlap_schedule(layout: GradLayout, buffer: FusedBuffer, comm: Comm, plan: MeanPlan | BlockQuant, *,
                      pg_backend: str, bucket_mb: float | None, per_segment: bool, opened: Callable[[], None],
                      adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool,
-                     on_grad: Callable[[int], None], error_feedback: bool = False
+                     on_grad: Callable[[int], None], error_feedback: bool = False, first_mb: float | None = None
                      ) -> tuple[OverlapSchedule, QuantMeans | None]:
     """The reducer's buckets and the hooks that launch them; with a quantized wire
     (``plan`` a codec, ``error_feedback`` its setting) also its per-bucket means.
     ``bucket_mb`` is the user's size (``None``: the backend's, with a small first bucket
-    where launches are cheap); ``per_segment``: one bucket per layout segment (fp32
+    where launches are cheap), ``first_mb`` the first bucket's if it differs; ``per_segment``: one bucket per layout segment (fp32
     accumulation, a quantized wire); ``opened`` runs
     as bucket 0 launches (the step's first collective: Join's notice); ``adopt``,
     ``direct`` and ``on_grad`` as :class:`~fastreduce.buckets.OverlapSchedule` takes them."""
-    first = first_bucket_mb(pg_backend) if bucket_mb is None and not per_segment else None
+    first = first_mb if first_mb is not None else \
+        first_bucket_mb(pg_backend) if bucket_mb is None and not per_segment else None
     size = 2**62 if per_segment else int((bucket_mb or default_bucket_mb(pg_backend)) * 2**20)
     buckets = make_buckets(layout, buffer, size, first and int(first * 2**20))
     if isinstance(plan, BlockQuant):

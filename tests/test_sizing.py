@@ -1,0 +1,145 @@
+"""``bucket_mb="auto"`` (fastreduce/sizing.py): the model's choice against hand-worked
+cases, and the overlapped mode on real 2-rank Gloo groups: the sizes agreed by every
+rank, one bucket on shared memory, the re-lay after the refresh, the average still
+``dist.all_reduce``'s mean throughout."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastreduce
+from fastreduce import sizing
+from fastreduce.launch import run_ranks
+from fastreduce.sizing import MB, Link, Sizing, choose
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 12  # the refresh comes after AutoSizer.REFRESH_AFTER (8) steps
+
+
+# ============================================================== the model, by hand
+
+def test_two_buckets_beat_one_where_the_hand_count_says() -> None:
+    """2 MB of gradients over a 100 ms backward, 10 ms + 10 MB/s a collective.
+    One bucket: ready at 100 ms, on the wire 10 + 200 ms: 210 ms left after backward.
+    Two of 1 MB: the first ready at 50 ms, done at 160; the second ready at 100, starts
+    at 160, done at 270: 170 ms left. The grid's other pairs are one of these two."""
+    out = choose(2 * MB, 0.1, Link(0.01, 10 * MB))
+    assert (out.bucket_mb, out.first_bucket_mb, out.buckets) == (1.0, 1.0, 2)
+    assert out.exposed_s == pytest.approx(0.17)
+    one = choose(2 * MB, 0.0, Link(0.01, 10 * MB))  # no backward to hide under: one launch
+    assert (one.buckets, one.exposed_s) == (1, pytest.approx(0.21))
+
+
+def test_slow_link_starts_early_and_launches_few() -> None:
+    """100 Mbit/s (12.5 MB/s), 8.4 MB, a 60 ms backward: the wire is the step, so a small
+    first bucket (an early start) and large ones after it (few launches)."""
+    out = choose(int(8.4 * MB), 0.06, Link(3e-4, 12.5e6))
+    assert out.first_bucket_mb <= 2 and out.bucket_mb >= 4, out
+    single = 3e-4 + 8.4 * MB / 12.5e6
+    assert out.exposed_s < single - 0.04  # most of the backward hidden
+    assert "100 ms" not in out.why and "60 ms" in out.why
+
+
+def test_fast_link_with_a_long_backward_leaves_only_a_small_last_bucket() -> None:
+    out = choose(64 * MB, 1.0, Link(1e-4, 10e9))
+    assert out.buckets > 1 and out.exposed_s < 1e-3, out
+
+
+def test_shared_memory_is_one_bucket() -> None:
+    out = sizing.shared_memory(8 * MB)
+    assert out.buckets == 1 and "shared memory" in out.describe()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "big", True, float("nan")])
+def test_bad_bucket_mb_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="bucket_mb must be a positive number of megabytes or 'auto'"):
+        fastreduce.ReducerConfig(overlap=True, bucket_mb=bad)
+
+
+# ============================================================== real groups
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+
+
+def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
+          force_relay: bool = False, bucket_mb: float | str = "auto") -> dict[str, Any]:
+    """STEPS overlapped steps (fp32 wire); each step's averaged grads against the mean
+    of a twin model's grads through dist.all_reduce. ``slow_rank`` sleeps 30 ms in its
+    backward (its backward time is the one agreed)."""
+    model, twin = make_model(), make_model()
+    if slow_rank == rank:
+        model[3].weight.register_hook(lambda g: time.sleep(0.03) or g)
+    choices: list[Sizing] = []
+    real_choose = sizing.choose
+
+    def choose(wire_bytes: int, backward_s: float, link: Link) -> Sizing:
+        out = real_choose(wire_bytes, backward_s, link)
+        if force_relay and choices:  # the refresh: a bucket per 256 KB layer
+            out = Sizing(0.2, 0.2, 8, "forced by the test", link, backward_s, 0.0)
+        choices.append(out)
+        return out
+
+    with mock.patch.object(sizing, "choose", choose):
+        reducer = fastreduce.FusedReducer(model, overlap=True, wire_dtype=torch.float32, transport=transport,
+                                          bucket_mb=bucket_mb)
+        errors, buckets = [], []
+        for step in range(STEPS + 2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(32, 256, generator=g)
+            model(x).square().mean().backward()
+            reducer.reduce()
+            twin(x).square().mean().backward()
+            for p in twin.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            errors.append(max((p.grad - q.grad).abs().max().item()
+                              for p, q in zip(model.parameters(), twin.parameters())))
+            buckets.append(reducer.num_buckets)
+            model.zero_grad(set_to_none=False)
+            twin.zero_grad(set_to_none=True)
+    s = reducer.stats.sizing
+    return {"errors": errors, "buckets": buckets, "sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb,
+            s.buckets, s.backward_s, s.link), "why": s and s.why, "choices": len(choices)}
+
+
+def test_process_group_sizes_are_agreed_and_the_mean_is_exact() -> None:
+    ranks = run_ranks(train, 2, "process_group", 1)
+    assert ranks[0]["sizing"] == ranks[1]["sizing"], "the ranks chose different buckets"
+    assert ranks[0]["buckets"] == ranks[1]["buckets"]
+    backward_s = ranks[0]["sizing"][3]
+    assert backward_s >= 0.03, f"the agreed backward ({backward_s}) is not the slow rank's"
+    assert "MB/s per all-reduce" in ranks[0]["why"]
+    assert ranks[0]["choices"] == 2  # at the build and at the refresh, never again
+    for out in ranks:
+        assert max(out["errors"]) <= 1e-6, out["errors"]
+
+
+def test_shared_memory_takes_one_bucket() -> None:
+    for out in run_ranks(train, 2, "shm"):
+        assert out["buckets"][1:] == [1] * (STEPS + 1)
+        assert "shared memory" in out["why"] and out["choices"] == 0
+        assert max(out["errors"]) <= 1e-6
+
+
+def test_the_refresh_lays_the_buckets_out_again() -> None:
+    """A refresh that chooses other sizes: the next step learns the layout again (no
+    overlap in it), the steps after use the new buckets; every step's mean is exact."""
+    for out in run_ranks(train, 2, "process_group", None, True):
+        assert out["buckets"][-1] == 8 and out["buckets"][1] != 8, out["buckets"]
+        assert out["sizing"][:2] == (0.2, 0.2)
+        assert max(out["errors"]) <= 1e-6, out["errors"]
+
+
+def test_a_given_bucket_mb_is_kept() -> None:
+    for out in run_ranks(train, 2, "process_group", None, False, 0.2):
+        assert out["sizing"] is None and out["choices"] == 0
+        assert out["buckets"][1:] == [8] * (STEPS + 1)
