@@ -9,8 +9,8 @@ wins depends on the link, so the mode measures it:
 
 * **probe** (:func:`probe_link`, once, when the mode builds its buckets, on every rank):
   all-reduces of 4 KB (three) and 256 KB (two; 4 MB as well where 256 KB took under
-  5 ms) through the process group give the latency ``a`` (the small one) and the
-  bandwidth ``B`` (bytes all-reduced per second beyond it). About 5 ms on one host,
+  5 ms) through the process group, the fastest of each, give the latency ``a`` (the
+  small one) and the bandwidth ``B`` (bytes all-reduced per second beyond it). About 5 ms on one host,
   60 ms at 100 Mbit/s;
 * **backward** time ``T``: from the first to the last gradient hook of a step;
 * **model** (:func:`choose`): gradients arrive evenly over ``T`` in layout order; a
@@ -103,7 +103,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> float:
-    """Median seconds of ``repeats`` all-reduces of ``buf``, each started after a barrier."""
+    """Fewest seconds of ``repeats`` all-reduces of ``buf``, each started after a barrier
+    (the least disturbed: a busy host only adds time)."""
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
@@ -112,7 +113,7 @@ def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> 
         dist.all_reduce(buf, group=group)
         _sync(buf.device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
 def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
@@ -129,7 +130,9 @@ def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
         big = torch.zeros(MB, device=device)  # 4 MB: a fast link needs more bytes to show its bandwidth
         t_big = _timed(group, big, 2)
     nbytes = big.numel() * big.element_size()
-    return Link(latency, nbytes / max(t_big - latency, 1e-9))
+    # where noise hides the bytes' own time (the big one no slower than twice the small), all of
+    # the big one's time is counted as bandwidth: slower than the truth, never absurdly fast
+    return Link(latency, nbytes / (t_big - latency if t_big > 2 * latency else t_big))
 
 
 def agree(link: Link, backward_s: float, group: dist.ProcessGroup | None,

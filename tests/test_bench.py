@@ -96,7 +96,10 @@ def test_step_suite_reports_buckets_and_wire_bytes(result: dict) -> None:
         for name in ("fastreduce_overlap_bf16", "fastreduce_overlap_fp32", "ddp_fp32", "ddp_fp16_hook"):
             assert methods[name]["buckets"] >= 1, (kind, name)
         assert methods["fastreduce_fused_bf16"]["buckets"] == 1
-        assert methods["fastreduce_overlap_bf16"]["bucket_mb"] == result["step"]["config"]["default_bucket_mb"]
+        auto = methods["fastreduce_overlap_bf16"]  # bucket_mb="auto", shared memory: one bucket, and why
+        assert auto["buckets"] == 1 and "shared memory" in auto["sizing"], auto
+        pg = methods["fastreduce_overlap_bf16_pg"]  # over the process group: probed
+        assert "MB/s per all-reduce" in pg["sizing"] and pg["bucket_mb"] > 0, pg
         fp32_mb = methods["per_param_allreduce_fp32"]["mb_wire"]
         assert methods["ddp_fp32"]["mb_wire"] == pytest.approx(fp32_mb)
         assert methods["ddp_fp16_hook"]["mb_wire"] == pytest.approx(fp32_mb / 2)
@@ -260,8 +263,9 @@ def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.
 
 @pytest.mark.timeout(600)
 def test_network_suite_quick_smoke(tmp_path: Path) -> None:
-    """Two namespace hosts over a 1 Gbit/s link: DDP, fused and overlapped each time a few
-    steps, and the two hosts end with one model in every method; then every mode trains
+    """Two namespace hosts over a 1 Gbit/s link: DDP, fused, overlapped and ZeRO at their
+    defaults each time a few steps, and the two hosts end with one model in every method,
+    the overlapped mode having sized its buckets from a probe; then every mode trains
     8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
@@ -276,8 +280,28 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     for name, m in methods.items():
         _stats_ok(m)
         assert m["ranks_agree"], name
-    assert [t["what"] for t in network["targets"]] == ["overlapped <= ddp"]
+    assert "MB/s per all-reduce" in methods["overlapped"]["chose"]
+    assert [t["what"] for t in network["targets"]] == ["overlapped <= ddp", "zero <= ddp"]
     _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_network_steps_on_one_host_smoke() -> None:
+    """``--rates host``: two ranks on this host (no namespaces needed): every method at its
+    defaults, one model on both ranks, the overlapped mode in one bucket on shared
+    memory, and the one-host target (overlapped <= fused) reported."""
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
+                           "--rates", "host", "--network-parts", "steps"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    network = json.loads(proc.stdout)["network"]
+    methods = network["rates"]["host"]
+    assert list(methods) == list(network_suite.METHODS)
+    for name, m in methods.items():
+        _stats_ok(m)
+        assert m["ranks_agree"], name
+    assert "shared memory" in methods["overlapped"]["chose"]
+    assert [t["what"] for t in network["targets"]] == ["overlapped <= ddp", "zero <= ddp", "overlapped <= fused"]
 
 
 def _modes_part_ok(report: dict, out: Path) -> None:

@@ -156,9 +156,10 @@ def case_throw(rank: int, counts: list[int], overlap: bool) -> dict:
 
 def case_no_extra(rank: int, counts: list[int], overlap: bool) -> dict:
     """Not under Join (before and after one): the reducer's all-reduces are its gradient
-    collectives only; under Join each step adds exactly the notify."""
+    collectives only; under Join each step adds exactly the notify. (A fixed bucket size:
+    bucket_mb="auto" adds its refresh's one all-reduce after 8 steps, test_sizing.py.)"""
     model = make_model()
-    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=overlap)
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=overlap, bucket_mb=6)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def steps(k: int, offset: int) -> tuple[int, int]:

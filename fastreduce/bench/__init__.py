@@ -22,9 +22,9 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   (2 by default): step time and bytes on the wire per step, and a table of the loss
   each reaches after the same number of steps on a small model.
 * ``network``: hosts as network namespaces (needs root) over links limited with
-  ``tbf``. Two parts: whole training steps between two hosts (:mod:`.network`: DDP,
-  fused and overlapped, each eager and under ``torch.compile``, at 1 Gbit/s and 100
-  Mbit/s), and every mode training one task on ``--hosts`` hosts (2 and 4) at 10 Gbit/s,
+  ``tbf``. Two parts: whole training steps between two hosts and on one (:mod:`.network`:
+  DDP, fused, overlapped and ZeRO at their defaults, each eager and under a plain
+  ``torch.compile``, at 1 Gbit/s, 100 Mbit/s and on this host, three jobs each), and every mode training one task on ``--hosts`` hosts (2 and 4) at 10 Gbit/s,
   1 Gbit/s and 100 Mbit/s (:mod:`.network_modes`: step time, bytes on the wire, the loss
   reached, the time to reach DDP's loss; ``network_modes.png``). ``--rates`` sets both
   parts' rates.
@@ -78,7 +78,7 @@ from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
 from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
 from .local import QUICK_LOSS_STEPS, LocalConfig, run_local_bench
 from .local import format_text as format_local
-from .network import NetworkConfig, run_network_bench
+from .network import HOST, NetworkConfig, run_network_bench
 from .network import format_text as format_network
 from .network_modes import ModesConfig, run_modes_bench, write_modes_chart
 from .network_modes import format_text as format_modes
@@ -135,12 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local suite: the world sizes to run (default: "
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
     parser.add_argument("--rates", default=None, metavar="RATE,RATE",
-                        help="network suite: link rates, tc's units (default: 1gbit,100mbit; 1gbit with --quick); "
-                             "the convergence suite: namespace hosts at each rate instead of one host")
+                        help="network suite: link rates, tc's units, and 'host' (its steps part: two ranks on "
+                             "this host) (default: 1gbit,100mbit,host for the steps part, 1gbit,100mbit for the "
+                             "modes part; 1gbit with --quick); the convergence suite: namespace hosts at each rate "
+                             "instead of one host")
     parser.add_argument("--hosts", default=None, metavar="N,N",
                         help="network suite, modes part: host counts (default: 2,4; 2 with --quick)")
     parser.add_argument("--network-parts", default="steps,modes", metavar="PART,PART",
-                        help="network suite: steps (issue 18's compile table), modes (every mode's "
+                        help="network suite: steps (every mode at its defaults against DDP's, eager and "
+                             "compiled), modes (every mode's "
                              "step time, bytes and loss), or both (default)")
     parser.add_argument("--network-modes", default=None, metavar="NAME,NAME",
                         help="network suite, modes part: the modes to run (default: all; ddp always runs, "
@@ -180,18 +183,20 @@ def network_config(args: argparse.Namespace) -> NetworkConfig:
     from .hosts import check_rate
     rates = args.rates.split(",") if args.rates else (["1gbit"] if args.quick else NetworkConfig().rates)
     for rate in rates:
-        check_rate(rate)
+        if rate != HOST:
+            check_rate(rate)
     if args.quick:
-        return NetworkConfig(rates=rates, iters=args.iters or 2, warmup=1, batch=args.batch or 64, compile=False)
+        return NetworkConfig(rates=rates, iters=args.iters or 2, warmup=1, batch=args.batch or 64, compile=False,
+                             repeats=1)
     return NetworkConfig(rates=rates, **({"iters": args.iters} if args.iters else {}),
-                         **({"batch": args.batch} if args.batch else {}),
-                         **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {}))
+                         **({"batch": args.batch} if args.batch else {}))
 
 
 def modes_config(args: argparse.Namespace) -> ModesConfig:
     """The modes part of the network suite: ``--quick`` is 2 hosts at 1 Gbit/s, 8 steps, one job."""
     from .hosts import check_rate
-    rates = args.rates.split(",") if args.rates else (["1gbit"] if args.quick else ModesConfig().rates)
+    rates = [r for r in args.rates.split(",") if r != HOST] if args.rates else \
+        (["1gbit"] if args.quick else ModesConfig().rates)
     for rate in rates:
         check_rate(rate)
     hosts = [2] if args.quick and not args.hosts else ModesConfig().hosts
@@ -226,7 +231,8 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
     """The compression suite's settings: ``--quick`` is a small GPT-2 on one host, 2 steps."""
     from .hosts import check_rate
     rank = {"rank": args.powersgd_rank} if _psgd_rank(args) else {}
-    rates = args.rates.split(",") if args.rates else ([] if args.quick else CompressionConfig().rates)
+    rates = [r for r in args.rates.split(",") if r != HOST] if args.rates else \
+        ([] if args.quick else CompressionConfig().rates)
     for rate in rates:
         check_rate(rate)
     if args.layers is not None and args.layers < 1:
@@ -257,8 +263,8 @@ def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
             raise ValueError(f"--convergence-methods takes names among {', '.join(CONVERGENCE_METHODS)}, "
                              f"got {args.convergence_methods!r}")
         given["methods"] = methods
-    if args.rates:
-        rates = args.rates.split(",")
+    if args.rates and [r for r in args.rates.split(",") if r != HOST]:  # 'host': the one-host default
+        rates = [r for r in args.rates.split(",") if r != HOST]
         for rate in rates:
             check_rate(rate)
         given["rates"] = rates
@@ -391,8 +397,8 @@ def run(args: argparse.Namespace) -> int:
             say(format_local(result["local"]) + "\n")
         elif suite == "network":
             if "steps" in parts:
-                note(f"network suite: 2 namespace hosts at {', '.join(network_cfg.rates)}, "
-                     f"{network_cfg.iters} steps/method ...")
+                note(f"network suite: 2 ranks at {', '.join(network_cfg.rates)} (namespace hosts, or this "
+                     f"host), {network_cfg.repeats} x {network_cfg.iters} steps/method ...")
                 result["network"] = run_network_bench(network_cfg)
                 say(format_network(result["network"]) + "\n")
             if "modes" in parts:

@@ -232,10 +232,11 @@ class StepMethod:
         """Bucket count (and overlap achieved) where the method has buckets."""
         if self.reducer is not None:
             r = self.reducer
-            mb = r.config.bucket_mb or default_bucket_mb(dist.get_backend(r.group))
+            sizing = r.stats.sizing  # bucket_mb="auto": what it chose
+            mb = sizing.bucket_mb if sizing else r._fixed_mb or default_bucket_mb(dist.get_backend(r.group))
             shm = r._built is not None and r._built.plan.shm is not None
             return {"buckets": r.num_buckets, "bucket_mb": mb if r.config.overlap else None,
-                    "transport": "shm" if shm else dist.get_backend(r.group)}
+                    "sizing": sizing and sizing.describe(), "transport": "shm" if shm else dist.get_backend(r.group)}
         if self.ddp is not None:
             data = self.ddp._get_ddp_logging_data()
             sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
@@ -406,7 +407,8 @@ def chart_title(report: dict[str, Any]) -> str:
 
 def format_text(report: dict[str, Any]) -> str:
     c = report["config"]
-    bucket = f"{c['bucket_mb']:g} MB" if c["bucket_mb"] else f"backend default, {c['default_bucket_mb']:g} MB"
+    bucket = f"{c['bucket_mb']:g} MB" if c["bucket_mb"] else \
+        f"'auto' (a quantized wire: the backend's {c['default_bucket_mb']:g} MB)"
     lines = [f"step suite (forward + backward + reduce + zero_grad, no optimizer step): {c['ranks']} Gloo "
              f"ranks x {c['threads']} thread(s), batch {c['batch']}/rank, {c['iters']} timed steps/method "
              f"(round-robin), step = slowest rank; overlap buckets: {bucket}"]
