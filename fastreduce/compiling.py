@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .buckets import default_bucket_mb
 
-__all__ = ["compile_backend", "cut_graphs", "keep_cut", "uncut_graphs"]
+__all__ = ["compile_backend", "cut_graphs", "keep_cut", "recut", "uncut_graphs"]
 
 
 def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb: float | None = None,
@@ -139,6 +139,17 @@ def cut_graphs(owner: object, bucket_mb: float) -> None:
     _CUT.owners[key] = max(1, int(bucket_mb * 2**20))
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _CUT
+
+
+def recut(owner: object, bucket_mb: float | None) -> bool:
+    """``owner`` asks for another size (``None``: no cut); whether that changed anything
+    (code compiled at the old size keeps it: the caller may drop it)."""
+    old = _CUT.owners.get(id(owner))
+    if bucket_mb is None:
+        uncut_graphs(owner)
+        return old is not None
+    cut_graphs(owner, bucket_mb)
+    return _CUT.owners[id(owner)] != old
 
 
 def keep_cut() -> None:

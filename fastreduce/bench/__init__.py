@@ -131,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ",".join(map(str, QUICK_WORLD_SIZES)) + " with --quick)")
     parser.add_argument("--gossip-ranks", default=None, metavar="N,N",
                         help="decentralized suite: the world sizes to run (default: 2,4; 2 with --quick)")
+    parser.add_argument("--gossip-optimizer", default="plain", choices=("plain", "fused"),
+                        help="decentralized suite: every method's AdamW as users write it (plain, the default) "
+                             "or with fused=True where torch has it")
     parser.add_argument("--local-ranks", default=None, metavar="N,N",
                         help="local suite: the world sizes to run (default: "
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
@@ -321,7 +324,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
             OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
                         bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
             GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=gossip_params_m, batch=gossip_batch,
-                         threads=args.threads, quick=args.quick),
+                         threads=args.threads, quick=args.quick, optimizer=args.gossip_optimizer),
             LocalConfig(world_sizes=local_worlds, iters=-(-iters // 2),
                         params_m=local_params_m, batch=local_batch, threads=args.threads, quick=args.quick,
                         **({"loss_steps": QUICK_LOSS_STEPS} if args.quick else {})))

@@ -1,7 +1,8 @@
 """``fastreduce bench --suite decentralized``: gossip training steps against the reducers and decent-dp.
 
 Real Gloo ranks time whole training steps (forward + backward + the mode's update:
-AdamW in every method, its fastest kernel) on a stack of ``Linear(w, w) + LayerNorm(w)``
+AdamW in every method, as users write it, ``torch.optim.AdamW(params, lr)``; with
+``optimizer="fused"``, ``--gossip-optimizer fused``, its fastest kernel) on a stack of ``Linear(w, w) + LayerNorm(w)``
 blocks (48 of width 512 by default: 12.66M parameters), batch 32, at each world size of
 ``--gossip-ranks`` (default 2 and 4):
 
@@ -38,6 +39,7 @@ import gc
 import math
 import os
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -76,6 +78,7 @@ class GossipConfig:
     threads: int | None = None
     quick: bool = False
     warmup_rounds: int = 1
+    optimizer: str = "plain"  # torch.optim.AdamW(params, lr); "fused": fused=True where torch has it
 
 
 class BlockNet(nn.Sequential):
@@ -94,8 +97,10 @@ def build_gossip_model(params_m: float) -> BlockNet:
     return BlockNet(width)
 
 
-def _adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, **fused_if_possible(torch.optim.AdamW, params, {}))
+def _adamw_of(params: list[nn.Parameter], kind: str = "plain") -> torch.optim.AdamW:
+    """AdamW as users write it, or (``kind="fused"``) with fused=True where torch has it."""
+    fused = fused_if_possible(torch.optim.AdamW, params, {}) if kind == "fused" else {}
+    return torch.optim.AdamW(params, lr=LR, **fused)
 
 
 def _decent_dp() -> Any:
@@ -120,8 +125,10 @@ def _block(step: Callable[[], None], end: Callable[[], None] = lambda: None) -> 
     return run
 
 
-def build_methods(base: nn.Module, x: torch.Tensor) -> tuple[list[Method], dict[str, dict[str, Any]]]:
+def build_methods(base: nn.Module, x: torch.Tensor, optimizer: str = "plain"
+                  ) -> tuple[list[Method], dict[str, dict[str, Any]]]:
     methods, info = [], {}
+    _adamw = partial(_adamw_of, kind=optimizer)
     loss = lambda out: out.square().mean()  # noqa: E731 - the step suite's loss
 
     plain = copy.deepcopy(base)
@@ -198,7 +205,7 @@ def gossip_rank(rank: int, world: int, cfg: GossipConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     base = build_gossip_model(cfg.params_m)
     x = torch.randn(cfg.batch, base.in_features, generator=torch.Generator().manual_seed(1000 + rank))
-    methods, info = build_methods(base, x)
+    methods, info = build_methods(base, x, cfg.optimizer)
     times = time_round_robin(methods, cfg.iters, 1, cfg.warmup_rounds)
     times = {k: [t / BLOCK for t in v] for k, v in times.items()}
     out = {"times": times, "info": _describe(info), "threads": torch.get_num_threads(),
@@ -233,7 +240,8 @@ def run_gossip_bench(cfg: GossipConfig) -> dict[str, Any]:
 
 
 def format_text(report: dict[str, Any]) -> str:
-    lines = [f"decentralized suite (forward + backward + the mode's AdamW step, blocks of {report['block']} "
+    lines = [f"decentralized suite (forward + backward + the mode's AdamW step ({report['config']['optimizer']}), "
+             f"blocks of {report['block']} "
              f"steps, gossip exchanges waited at each block's end): {BLOCKS} x (Linear + LayerNorm), "
              f"batch {report['config']['batch']}"]
     for world, w in report["worlds"].items():

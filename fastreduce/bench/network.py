@@ -19,8 +19,9 @@ dynamo cut at its buckets):
 
 The fastreduce wires are fp32 (their default is bf16): equal bytes with DDP, so the
 comparison is of scheduling, not of bytes. Timed as every suite is (:mod:`.common`):
-round-robin within a job, the slowest rank's time per step, median of ``iters``;
-``--warmup`` rounds first (compiling and the overlapped mode's sizing and refresh happen
+round-robin within a job, each timed call a block of :data:`BLOCK` steps ending with
+the method's work in flight waited for, the slowest rank's time per step, median of
+``iters`` blocks; ``warmup`` rounds first (compiling and the overlapped mode's sizing and refresh happen
 there); ``repeats`` jobs per link, each ratio the median of the jobs' ratios. Targets
 (issue 33): the overlapped and ZeRO steps at most DDP's, eager and compiled (against DDP
 compiled), at every link; on one host the overlapped step at most the fused one's.
@@ -48,6 +49,10 @@ from typing import Any, Callable
 __all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts", "worker_main"]
 
 METHODS = ("ddp", "fused", "overlapped", "zero")
+BLOCK = 4
+"""Steps per timed call, ending with the method's work in flight waited for (ZeRO's
+all-gather): a collective left in flight would otherwise run on during the next
+methods' calls of the round-robin, and the method's time would leave it out."""
 HOST = "host"
 """The ``rates`` entry for two ranks on this host (no namespaces, no link limit)."""
 WIDTH, LAYERS = 512, 8
@@ -56,8 +61,9 @@ WIDTH, LAYERS = 512, 8
 @dataclass
 class NetworkConfig:
     rates: list[str] = field(default_factory=lambda: ["1gbit", "100mbit", HOST])
-    iters: int = 10           # timed steps per method
-    warmup: int = 12          # untimed rounds of every method first (the overlapped mode refreshes its sizes at 9)
+    iters: int = 5            # timed blocks (of BLOCK steps) per method
+    warmup: int = 3           # untimed rounds (of BLOCK steps) of every method first (the overlapped mode
+    #                           sizes its buckets at step 1 and refreshes them at step 10)
     batch: int = 512
     repeats: int = 3          # jobs per link; ratios are the median of theirs
     compile: bool = True      # also the compiled methods
@@ -66,8 +72,10 @@ class NetworkConfig:
 
 # ============================================================== in each rank
 
-def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable[[], str | None]]:
-    """``(module to call, what follows backward, what the mode chose)`` for ``name``."""
+def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable[[], None],
+                                               Callable[[], str | None]]:
+    """``(module to call, what follows backward, what ends a block of steps, what the mode
+    chose)`` for ``name``."""
     import torch
     from torch import nn
 
@@ -79,16 +87,17 @@ def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ddp = nn.parallel.DistributedDataParallel(model)
         run = torch.compile(ddp) if compiled else ddp
-        return run, lambda: (opt.step(), opt.zero_grad()), lambda: f"{ddp.bucket_bytes_cap / 2**20:g} MB buckets"
+        return run, lambda: (opt.step(), opt.zero_grad()), lambda: None, \
+            lambda: f"{ddp.bucket_bytes_cap / 2**20:g} MB buckets"
     run = torch.compile(model) if compiled else model
     if name == "zero":
         zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, module=run)
-        return run, lambda: (zopt.step(), zopt.zero_grad()), lambda: (zopt.wait_params(),
-                                                                      f"{zopt.num_buckets} bucket(s)")[1]
+        return run, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params, \
+            lambda: f"{zopt.num_buckets} bucket(s)"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     reducer = fastreduce.FusedReducer(run, overlap=name == "overlapped", wire_dtype=torch.float32)
     sizing = lambda: reducer.stats.sizing.describe() if reducer.stats.sizing else None  # noqa: E731
-    return run, lambda: (reducer.reduce(), opt.step(), opt.zero_grad()), sizing
+    return run, lambda: (reducer.reduce(), opt.step(), opt.zero_grad()), lambda: None, sizing
 
 
 def worker(cfg: NetworkConfig, out: str) -> None:
@@ -106,16 +115,19 @@ def worker(cfg: NetworkConfig, out: str) -> None:
     methods, models, chose = [], [], []
     for compiled in (False, True) if cfg.compile else (False,):
         for name in METHODS:
-            run, finish, what = _build(name, compiled)
+            run, finish, end, what = _build(name, compiled)
 
-            def step(run=run, finish=finish) -> None:
-                run(x).square().mean().backward()
-                finish()
-            methods.append(Method(f"{name}{', compiled' if compiled else ''}", step))
+            def block(run=run, finish=finish, end=end) -> None:
+                for _ in range(BLOCK):
+                    run(x).square().mean().backward()
+                    finish()
+                end()
+            methods.append(Method(f"{name}{', compiled' if compiled else ''}", block))
             models.append(run)
             chose.append(what)
     times = time_round_robin(methods, cfg.iters, warmup_rounds=cfg.warmup)
-    chosen = {m.name: what() for m, what in zip(methods, chose)}  # (ZeRO's: after its last gather)
+    times = {k: [t / BLOCK for t in v] for k, v in times.items()}
+    chosen = {m.name: what() for m, what in zip(methods, chose)}
     # Every method trained the same model from the same start: the ranks must hold one model.
     sums = {m.name: float(sum(p.double().sum() for p in model.parameters())) for m, model in zip(methods, models)}
     per_rank: list[Any] = [None] * dist.get_world_size()
@@ -214,7 +226,7 @@ def run_network_bench(cfg: NetworkConfig) -> dict[str, Any]:
         for rate in rates:
             jobs[rate].append(_one_job(cfg, rate))
     report: dict[str, Any] = {"config": asdict(cfg), "rates": {}, "targets": [],
-                              "skipped": {r: why for r in cfg.rates if r not in rates}}
+                              "skipped_rates": {r: why for r in cfg.rates if r not in rates}}
     for rate, runs in jobs.items():
         report["rates"][rate] = {
             name: {**{k: statistics.median(j[name][k] for j in runs) for k in ("median_ms", "p10_ms", "p90_ms")},
@@ -246,7 +258,7 @@ def format_text(report: dict[str, Any]) -> str:
         verdict = "PASS" if t["ratio"] <= t["limit"] else "FAIL"
         lines.append(f"{verdict} {t['rate']}: {t['what']}: {t['ratio']:.3f} "
                      f"(jobs {', '.join(f'{x:.3f}' for x in t['ratios'])})")
-    for rate, why in report.get("skipped", {}).items():
+    for rate, why in report.get("skipped_rates", {}).items():
         lines.append(f"skipped {rate}: {why}")
     return "\n".join(lines)
 

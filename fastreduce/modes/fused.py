@@ -39,10 +39,10 @@ from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_buck
 from ..buffer import FusedBuffer, attached
 from ..comm import Comm, MeanPlan, Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
-from ..compiling import cut_graphs, keep_cut, uncut_graphs
+from ..compiling import cut_graphs, keep_cut, recut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
-from ..hooks import before_forward, remove_hooks
+from ..hooks import before_forward, forget_compiled_code, remove_hooks
 from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, check_grad, first_nonfinite, missing_message,
                      nonfinite_error, one_device)
 from ..join import JoinableMode, sync_from_last_joiner
@@ -219,9 +219,16 @@ class FusedReducer(ReducerState, JoinableMode):
         self._refresh_sizes(built)
         return ok
 
-    def _cut_graphs(self) -> None:
-        if self.config.overlap and self.world_size > 1:  # buckets start during a compiled backward too
+    def _cut_graphs(self, sizing: Sizing | None = None) -> None:
+        """Have dynamo cut compiled graphs at the buckets (:mod:`fastreduce.compiling`): at the
+        backend's size until ``bucket_mb="auto"`` has chosen, then at its ``sizing`` (not at
+        all for one bucket), recompiling what was compiled at the old size, once."""
+        if not (self.config.overlap and self.world_size > 1):
+            return
+        if sizing is None:
             cut_graphs(self, self._fixed_mb or default_bucket_mb(dist.get_backend(self.group)))
+        elif recut(self, sizing.bucket_mb if sizing.buckets > 1 else None):
+            forget_compiled_code()
 
     def _refresh_sizes(self, built: _Built) -> None:
         """``bucket_mb="auto"``: the sizes chosen again from the steps' backward times,
@@ -385,6 +392,8 @@ class FusedReducer(ReducerState, JoinableMode):
             sizing = self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device) \
                 if self._sizer is not None and not per_bucket else None
             self.stats.sizing = sizing
+            if sizing is not None:
+                self._cut_graphs(sizing)
             built.schedule, means = overlap_schedule(
                 layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=per_bucket,
                 bucket_mb=sizing.bucket_mb if sizing else self._fixed_mb, first_mb=sizing and sizing.first_bucket_mb,
