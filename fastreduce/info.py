@@ -47,14 +47,14 @@ import torch.distributed as dist
 from . import __version__
 from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
-from .sizing import AUTO, AUTO_RULE
+from .sizing import AUTO, AUTO_RULE, ZERO_AUTO_RULE
 from .comm.comm import TRANSPORT_ENV, resolve_transport
 from .comm.shm import _PAGE, SHM_DIR, _create
 from .modes.diloco import DiLoCo
 from .modes.fused import ReducerConfig
 from .modes.gossip import DecentralizedDataParallel
 from .modes.localsgd import LocalSGD
-from .modes.zero import ZeroOptimizer, zero_bucket_mb
+from .modes.zero import ZeroOptimizer
 
 __all__ = ["INTEGRATIONS", "add_arguments", "collect", "format_text", "run"]
 
@@ -294,7 +294,7 @@ def _modes(pg: str | None, transport: dict[str, Any]) -> dict[str, Any]:
     modes["overlapped"] = {"call": "FusedReducer(model, overlap=True)", "required": ["model"], "defaults": over,
                            "resolved": {**(_overlap_buckets(pg) if per_pg else {}), **tr}}
     for name, cls, resolve in (
-            ("zero", ZeroOptimizer, lambda: {"bucket_mb": zero_bucket_mb(pg)}),
+            ("zero", ZeroOptimizer, lambda: {"bucket_mb": AUTO, "auto": ZERO_AUTO_RULE}),
             ("local_sgd", LocalSGD, dict),
             ("diloco", DiLoCo, dict),
             ("decentralized", DecentralizedDataParallel,

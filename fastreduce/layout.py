@@ -165,10 +165,12 @@ def _explain(signatures: list[tuple[str, ...]], rank: int, head: str, tail: str)
     return "\n".join(lines)
 
 
-def bucket_runs(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int], limit: int) -> list[list[int]]:
+def bucket_runs(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int], limit: int,
+                first_limit: int | None = None) -> list[list[int]]:
     """Cut ``named`` into buckets: runs of one group (``group_of[k]``, e.g. a param group)
-    and dtype, in ``named`` order, of about ``limit`` elements; ordered by their last
-    member (when its gradient is expected, if ``named`` is in backward order)."""
+    and dtype, in ``named`` order, of about ``limit`` elements (the first one closed, of
+    ``first_limit`` if given); ordered by their last member (when its gradient is
+    expected, if ``named`` is in backward order)."""
     open_runs: dict[tuple[int, torch.dtype], list[int]] = {}
     sizes: dict[tuple[int, torch.dtype], int] = {}
     done: list[list[int]] = []
@@ -177,7 +179,7 @@ def bucket_runs(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int]
         run = open_runs.setdefault(key, [])
         run.append(k)
         sizes[key] = sizes.get(key, 0) + p.numel()
-        if sizes[key] >= limit:
+        if sizes[key] >= (limit if done or first_limit is None else first_limit):
             done.append(open_runs.pop(key))
             sizes[key] = 0
     done += [run for run in open_runs.values() if run]

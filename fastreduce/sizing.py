@@ -40,12 +40,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["AUTO", "AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb", "choose", "probe_link", "shared_memory"]
+__all__ = ["AUTO", "AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb", "choose", "probe_link", "shared_memory"]
 
 AUTO = "auto"
 AUTO_RULE = ("one bucket on shared memory; over a process group, the least communication left after "
              "backward for the probed link and the timed backward (agreed, refreshed after 8 steps); "
              "fixed_bucket_mb with a quantized or compressed wire or accumulate_dtype")
+ZERO_AUTO_RULE = ("as the overlapped mode's, chosen when the optimizer is built, the backward taken to be as "
+                  "long as the gradients' communication; not refreshed")
 MB = 2**20
 _FIRSTS = (1.0, 2.0, 4.0)  # not below DDP's 1 MB first bucket: a launch costs host time too
 _SIZES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import fastreduce
 from fastreduce.cli import main
 from fastreduce.buckets import default_bucket_mb
-from fastreduce.modes.zero import zero_bucket_mb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,7 +170,7 @@ def test_mode_defaults_are_the_codes() -> None:
     assert modes["overlapped"]["defaults"]["bucket_mb"] == "auto" == modes["overlapped"]["resolved"]["bucket_mb"]
     assert "shared memory" in modes["overlapped"]["resolved"]["auto"]
     assert modes["overlapped"]["resolved"]["fixed_bucket_mb"] == default_bucket_mb("gloo")
-    assert modes["zero"]["resolved"]["bucket_mb"] == zero_bucket_mb("gloo")
+    assert modes["zero"]["resolved"]["bucket_mb"] == "auto" and "built" in modes["zero"]["resolved"]["auto"]
     assert modes["decentralized"]["resolved"]["bucket_mb"] == default_bucket_mb("gloo")
 
 
@@ -199,7 +198,7 @@ def test_text_mentions_the_same() -> None:
         assert lines[name].split(None, 1)[1].strip() == mode["call"]
     assert f"warmup_steps={info['modes']['local_sgd']['defaults']['warmup_steps']}" in text
     assert "bucket_mb=auto," in text and f"auto: {info['modes']['overlapped']['resolved']['auto']}" in text
-    assert f"bucket_mb=None ({info['modes']['zero']['resolved']['bucket_mb']} here)" in text
+    assert "bucket_mb=None (auto here)" in text
     assert "wire_dtype=bfloat16" in text
     for name in info["integrations"]:
         assert name in lines, name

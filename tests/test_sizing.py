@@ -143,3 +143,33 @@ def test_a_given_bucket_mb_is_kept() -> None:
     for out in run_ranks(train, 2, "process_group", None, False, 0.2):
         assert out["sizing"] is None and out["choices"] == 0
         assert out["buckets"][1:] == [8] * (STEPS + 1)
+
+
+# ============================================================== ZeRO: chosen when built
+
+def zero_sizing(rank: int, world: int, transport: str, bucket_mb: float | str) -> dict[str, Any]:
+    model = make_model()
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, transport=transport,
+                                   bucket_mb=bucket_mb)
+    s = opt.sizing
+    return {"sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb, s.buckets, s.link),
+            "why": s and s.describe(), "buckets": opt.num_buckets}
+
+
+@pytest.mark.parametrize("transport", ["shm", "process_group"])
+def test_zero_sizes_its_buckets_when_built(transport: str) -> None:
+    ranks = run_ranks(zero_sizing, 2, transport, "auto")
+    assert ranks[0] == ranks[1], "the ranks chose different buckets"
+    if transport == "shm":
+        assert ranks[0]["buckets"] == 1 and "shared memory" in ranks[0]["why"]
+    else:
+        assert "MB/s per all-reduce" in ranks[0]["why"] and ranks[0]["sizing"][2] >= 1
+    for out in run_ranks(zero_sizing, 2, transport, 0.2):  # a number is kept: a bucket per 256 KB layer
+        assert out["sizing"] is None and out["buckets"] == 8
+
+
+def test_first_bucket_has_its_own_limit() -> None:
+    from fastreduce.layout import bucket_runs
+    named = [(str(k), nn.Parameter(torch.zeros(100))) for k in range(6)]
+    assert bucket_runs(named, [0] * 6, 300) == [[0, 1, 2], [3, 4, 5]]
+    assert bucket_runs(named, [0] * 6, 300, first_limit=100) == [[0], [1, 2, 3], [4, 5]]

@@ -44,7 +44,7 @@ from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
-from ..compiling import cut_graphs, keep_cut
+from ..compiling import keep_cut, recut
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
@@ -53,7 +53,7 @@ from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
 from .zero_shard import fused_if_possible, make_shards, shard_optimizer
-from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb
+from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
 from .zero_state import ZeroCheckpointing
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
@@ -87,7 +87,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             any world size); the shared-memory and Gloo paths always do.
         overlap: reduce-scatter each bucket from backward hooks as soon as its grads
             are ready (else all at ``step()``).
-        bucket_mb: bucket size on the wire (default: :func:`zero_bucket_mb`, 25 MB; 64 on HCCL).
+        bucket_mb: bucket size on the wire, MB; ``"auto"`` or ``None`` (default): chosen when built (``.sizing``).
         transport: ``auto`` / ``shm`` / ``process_group`` (see :class:`~fastreduce.comm.Comm`).
         module: the model; with it the parameter all-gather after ``step()`` is waited
             per bucket in forward pre-hooks (overlapping the next forward), and in full
@@ -200,9 +200,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         order = list(range(len(named)))[::-1]
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
-        mb = bucket_mb or zero_bucket_mb(comm.pg_backend)
-        cut_graphs(self, mb)  # reduce-scatters start during a compiled backward too
-        segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize)
+        mb, first, cut, self.sizing = zero_buckets(bucket_mb, comm, named, wire, fixed=quant is not None)
+        recut(self, cut)  # reduce-scatters start during a compiled backward too (no cut: one bucket)
+        segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize, int(first * 2**20) // wire.itemsize)
         pad = math.lcm(comm.shard_multiple, self.world_size * quant.block) if quant else comm.shard_multiple
         self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=pad)
         verify_across_ranks(layout, self.group, device)

@@ -7,8 +7,10 @@ import torch
 
 from ..buckets import default_bucket_mb
 from ..codecs.quant import BlockQuant, check_wire
+from ..comm import Comm
+from ..sizing import AUTO, Sizing, agree, check_bucket_mb, choose, probe_link, shared_memory
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "zero_bucket_mb"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "zero_bucket_mb", "zero_buckets"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
@@ -22,6 +24,33 @@ def zero_bucket_mb(pg_backend: str) -> float:
     all-gather with their barriers; measured on 2 CPU ranks (12M fp32 parameters,
     AdamW), 24 MB buckets stepped in 0.94x the fused reducer's time, 6 MB ones in 1.05x."""
     return max(25.0, default_bucket_mb(pg_backend))
+
+
+def zero_buckets(bucket_mb: float | str | None, comm: Comm, named: list[tuple[str, torch.nn.Parameter]],
+                 wire: torch.dtype, fixed: bool = False) -> tuple[float, float, float | None, Sizing | None]:
+    """``(bucket MB, first bucket MB, MB to cut a compiled graph at or None, the choice)``.
+    A number is kept. ``"auto"`` (``None``) is chosen here, when the optimizer is built
+    (collective), as :mod:`fastreduce.sizing` does for the overlapped mode, with two
+    differences: no backward has run yet, so it is taken to be as long as the gradients'
+    communication (on a slow link that only matters little; on a fast one it keeps
+    buckets small), and it is not refreshed, since the layout holds the optimizer's
+    shards. One bucket on shared memory (a one-page probe segment tells); ``fixed`` (a
+    quantized wire, whose per-rank residuals a checkpoint holds in this layout) and a
+    world of one take :func:`zero_bucket_mb`."""
+    if bucket_mb not in (None, AUTO):
+        return float(bucket_mb), float(bucket_mb), float(bucket_mb), None
+    wire_bytes = sum(p.numel() for _, p in named) * wire.itemsize
+    if comm.world == 1 or fixed:
+        mb = zero_bucket_mb(comm.pg_backend)
+        return mb, mb, mb, None
+    if comm.wants_shm:
+        comm.buffer(1, torch.float32)  # collective: whether the ranks share /dev/shm
+    if comm.shms:
+        sizing = shared_memory(wire_bytes)
+    else:
+        link, _ = agree(probe_link(comm.group, comm.device), 0.0, comm.group, comm.device)
+        sizing = choose(wire_bytes, link.seconds(wire_bytes), link)
+    return sizing.bucket_mb, sizing.first_bucket_mb, sizing.bucket_mb if sizing.buckets > 1 else None, sizing
 
 
 def check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, accumulate_dtype: torch.dtype | None,
@@ -38,8 +67,7 @@ def check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, 
     codec = check_wire(wire_dtype, "ZeroOptimizer", error_feedback=error_feedback)
     if accumulate_dtype not in (None, torch.float32):
         raise ValueError(f"accumulate_dtype must be None or torch.float32, got {accumulate_dtype}")
-    if bucket_mb is not None and not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    check_bucket_mb(bucket_mb)
     if gather_dtype is not None and not (isinstance(gather_dtype, torch.dtype) and gather_dtype.is_floating_point
                                          and gather_dtype.itemsize >= 2):
         raise ValueError(f"gather_dtype must be None, torch.bfloat16, torch.float16 or torch.float32 (the "
