@@ -93,7 +93,7 @@ def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable
     if name == "zero":
         zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, module=run)
         return run, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params, \
-            lambda: f"{zopt.num_buckets} bucket(s)"
+            lambda: f"{zopt.num_buckets} bucket(s); {zopt.sizing.describe() if zopt.sizing else ''}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     reducer = fastreduce.FusedReducer(run, overlap=name == "overlapped", wire_dtype=torch.float32)
     sizing = lambda: reducer.stats.sizing.describe() if reducer.stats.sizing else None  # noqa: E731
