@@ -128,7 +128,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | str | None = None,
                  accumulate_dtype: torch.dtype | None = None, overlap: bool = True,
-                 bucket_mb: float | None = None, transport: str | None = None,
+                 bucket_mb: float | str | None = None, transport: str | None = None,
                  module: torch.nn.Module | None = None, scaler: Any = None, nonfinite: NonFinite = "ignore",
                  error_feedback: bool = False, gather_dtype: torch.dtype | None = None, **defaults: Any):
         quant = check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback, gather_dtype)
