@@ -160,7 +160,8 @@ def test_compiled_module_matches_eager(compiled: dict, run: str) -> None:
 def test_compiled_module_really_compiled(compiled: dict, run: str) -> None:
     """Lightning unwrapped the ``torch.compile``-d module and trained it compiled (its graphs
     went through AOT autograd, backward included; all captured by the first optimizer step,
-    none after: no recompilation per step), and the strategy did what it does without compile:
+    none after: no recompilation per step; with the overlapped reducer, once more in the
+    second, where dynamo's cut follows what bucket_mb="auto" chose), and the strategy did what it does without compile:
     no DDP wrapper, the reducer on the LightningModule, rank 0's weights broadcast, one reduce
     per optimizer step after the final micro-batch only, averaged gradients before clipping,
     identical parameters on both ranks."""
@@ -168,7 +169,8 @@ def test_compiled_module_really_compiled(compiled: dict, run: str) -> None:
     assert not ref["compiled"] and ref["graphs_before_step"] == [0] * STEPS
     assert fr["compiled"] and fr["aot_compiled"] > 0
     graphs = fr["graphs_before_step"]
-    assert graphs[0] > 0 and graphs == [graphs[0]] * STEPS, graphs
+    settled = 1 if "overlap" in run else 0  # the step whose graphs are the last
+    assert graphs[0] > 0 and graphs[settled:] == [graphs[settled]] * (STEPS - settled), graphs
     assert fr["not_wrapped"] and fr["reducer_on_module"]
     assert fr["optimizer_steps"] == STEPS and fr["batches"] == STEPS * ACCUMULATE
     assert fr["initial_params_identical"] and fr["params_identical_across_ranks"]

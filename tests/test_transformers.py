@@ -211,9 +211,11 @@ def test_compiled_ranks_identical(compiled: dict, run: str) -> None:
 def test_compiled_really_compiled(compiled: dict, run: str) -> None:
     """The Trainer trained a ``torch.compile``-d model (an OptimizedModule, whose graphs went
     through AOT autograd, backward included), captured every graph in the first optimizer
-    step and none after (no recompilation per step), while the reducer sits on the model
-    inside it and did what it does without compile: one reduce per optimizer step, the
-    same gradients re-attached at forward after ``zero_grad(set_to_none=True)``."""
+    step and none after (no recompilation per step; the overlapped reducer's once more in
+    the second, where dynamo's cut follows what bucket_mb="auto" chose at the first
+    reduce), while the reducer sits on the model inside it and did what it does without
+    compile: one reduce per optimizer step, the same gradients re-attached at forward
+    after ``zero_grad(set_to_none=True)``."""
     eager = compiled[COMPILED[run]]
     assert eager[0]["wrapped"] == "GPT2LMHeadModel" and eager[0]["graphs_after_step"] == [0] * COMPILE_STEPS
     for rank, ref in zip(compiled[run], eager):
@@ -221,7 +223,8 @@ def test_compiled_really_compiled(compiled: dict, run: str) -> None:
         assert rank["reducer_model"] == "GPT2LMHeadModel"
         assert rank["aot_compiled"] > 0
         graphs = rank["graphs_after_step"]
-        assert graphs[0] > 0 and graphs == [graphs[0]] * COMPILE_STEPS, graphs
+        settled = 1 if run.startswith("overlap") else 0  # the step whose graphs are the last
+        assert graphs[0] > 0 and graphs[settled:] == [graphs[settled]] * (COMPILE_STEPS - settled), graphs
         assert rank["reduces"] == COMPILE_STEPS
         assert (rank["preattached"], rank["reattached"]) == (ref["preattached"], ref["reattached"])
         # overlapped: as many buckets went out during the compiled backward as during the eager one
