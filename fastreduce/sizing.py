@@ -10,8 +10,8 @@ wins depends on the link, so the mode measures it:
 * **probe** (:func:`probe_link`, once, when the mode builds its buckets, on every rank):
   all-reduces of 4 KB (three) and 256 KB (two; 4 MB as well where 256 KB took under
   5 ms) through the process group, the fastest of each, give the latency ``a`` (the
-  small one) and the bandwidth ``B`` (bytes all-reduced per second beyond it). About 5 ms on one host,
-  60 ms at 100 Mbit/s;
+  small one) and the bandwidth ``B`` (bytes all-reduced per second beyond it). About
+  5 ms on one host, 60 ms at 100 Mbit/s;
 * **backward** time ``T``: from the first to the last gradient hook of a step;
 * **model** (:func:`choose`): gradients arrive evenly over ``T`` in layout order; a
   bucket starts when its bytes are in and the one before it is done, and takes
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["AUTO", "AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb", "choose", "probe_link", "shared_memory"]
+__all__ = ["AUTO", "AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb",
+           "choose", "probe_link", "shared_memory"]
 
 AUTO = "auto"
 AUTO_RULE = ("one bucket on shared memory; over a process group, the least communication left after "
@@ -192,15 +193,18 @@ class AutoSizer:
         self.refreshed = False
         self._link: Link | None = None
 
-    def build(self, shm: bool, wire_bytes: int, backward_s: float, group: dist.ProcessGroup | None,
+    def build(self, shm: bool, wire_bytes: int, backward_s: float | None, group: dist.ProcessGroup | None,
               device: torch.device) -> Sizing:
-        """Collective (unless ``shm`` or refreshed): the sizes for the buckets built now."""
+        """Collective (unless ``shm`` or refreshed): the sizes for the buckets built now.
+        ``backward_s=None`` (none has run yet, ZeRO's case): taken to be as long as the
+        gradients' communication."""
         if self.sizing is None or not self.refreshed:  # a re-lay after the refresh keeps its choice
             if shm:
                 self.sizing = shared_memory(wire_bytes)
             else:
-                self._link, backward_s = agree(probe_link(group, device), backward_s, group, device)
-                self.sizing = choose(wire_bytes, backward_s, self._link)
+                self._link, agreed = agree(probe_link(group, device), backward_s or 0.0, group, device)
+                guess = self._link.seconds(wire_bytes) if backward_s is None else agreed
+                self.sizing = choose(wire_bytes, guess, self._link)
         return self.sizing
 
     def refresh(self, backward_s: list[float], wire_bytes: int, group: dist.ProcessGroup | None,

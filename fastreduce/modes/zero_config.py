@@ -8,7 +8,7 @@ import torch
 from ..buckets import default_bucket_mb
 from ..codecs.quant import BlockQuant, check_wire
 from ..comm import Comm
-from ..sizing import AUTO, Sizing, agree, check_bucket_mb, choose, probe_link, shared_memory
+from ..sizing import AUTO, AutoSizer, Sizing, check_bucket_mb
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "zero_bucket_mb", "zero_buckets"]
 
@@ -45,11 +45,7 @@ def zero_buckets(bucket_mb: float | str | None, comm: Comm, named: list[tuple[st
         return mb, mb, mb, None
     if comm.wants_shm:
         comm.buffer(1, torch.float32)  # collective: whether the ranks share /dev/shm
-    if comm.shms:
-        sizing = shared_memory(wire_bytes)
-    else:
-        link, _ = agree(probe_link(comm.group, comm.device), 0.0, comm.group, comm.device)
-        sizing = choose(wire_bytes, link.seconds(wire_bytes), link)
+    sizing = AutoSizer().build(bool(comm.shms), wire_bytes, None, comm.group, comm.device)
     return sizing.bucket_mb, sizing.first_bucket_mb, sizing.bucket_mb if sizing.buckets > 1 else None, sizing
 
 
