@@ -35,7 +35,7 @@ import torch
 from ..backends import select_backend
 from ..buffer import FusedBuffer
 from ..layout import GradLayout
-from ..modes.zero_shard import fused_if_possible
+from ..optim_kernels import fused_if_possible
 from .common import machine_info
 from .step import build_model
 

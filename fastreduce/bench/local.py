@@ -65,7 +65,7 @@ from torch import nn
 import fastreduce
 
 from ..launch import run_ranks
-from ..modes.zero_shard import fused_if_possible
+from ..optim_kernels import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
 from .optim import OptimMethod, fastest_kernel
 from .report import judge_ratios, target_lines

@@ -88,7 +88,7 @@ import fastreduce
 
 from ..launch import run_ranks
 from ..layout import ALIGN
-from ..modes.zero_shard import fused_if_possible
+from ..optim_kernels import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios
 from .step import StepMethod, batch_for, build_model, ddp_method, fastreduce_method

@@ -21,9 +21,8 @@ buffer per dtype, gradients views of the communication layer's wire buffer (see
 :class:`~fastreduce.buffer.FusedBuffer`): a reduce-scatter and an all-gather move the
 bytes of one all-reduce, and the optimizer touches 1/N of the elements.
 
-What a rank holds is in :mod:`.zero_shard`, the checkpoints (torch.optim's format, and
-DCP ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md says why
-the peers' designs (torch's ``ZeroRedundancyOptimizer``, DeepSpeed ZeRO-1/2) fall short.
+What a rank holds is in :mod:`.zero_shard`, the checkpoints (torch.optim's format, DCP
+ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md: the peers' designs.
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ from ..hooks import forward_waits, stand_down
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
-from .zero_shard import fused_if_possible, make_shards, shard_optimizer
+from ..optim_kernels import fused_if_possible
+from .zero_shard import make_shards, shard_optimizer
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
 from .zero_state import ZeroCheckpointing
 
@@ -140,7 +140,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
         params = list(params)
-        if dist.get_world_size(group) > 1:  # one rank: exactly the plain optimizer, its own kernel
+        if dist.get_world_size(group) > 1:  # one rank: the plain optimizer, its own kernel
             defaults = fused_if_possible(optimizer_class, params, defaults)
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks defaults
         self._ready = False

@@ -1,7 +1,7 @@
 """What one rank of a :class:`~fastreduce.ZeroOptimizer` holds: its chunk of every
 bucket (:class:`Shard`), the fp32 masters of bf16/fp16 chunks, and the torch optimizer
 that steps those chunks (:func:`shard_optimizer`, with a fused kernel where the device
-has one: :func:`fused_if_possible`).
+has one: :func:`~fastreduce.optim_kernels.fused_if_possible`).
 
 Every bucket of the flat parameter buffer is padded to split into N equal chunks;
 rank r's chunk r is a view of the parameters (fp32), or an fp32 copy of it (bf16/fp16:
@@ -20,7 +20,7 @@ import torch
 from ..buckets import Bucket
 from ..layout import GradLayout
 
-__all__ = ["Shard", "fused_if_possible", "make_shards", "shard_optimizer"]
+__all__ = ["Shard", "make_shards", "shard_optimizer"]
 
 
 @dataclass(slots=True, eq=False)
@@ -73,22 +73,3 @@ def shard_optimizer(optimizer_class: type[torch.optim.Optimizer], param_groups: 
         hyper = {k: v for k, v in pg.items() if k != "params"}
         groups.append({**hyper, "params": [s.master for s in shards if s.group == g]})
     return optimizer_class(groups, **defaults)
-
-
-def fused_if_possible(optimizer_class: type, params: list[Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``defaults`` plus ``fused=True`` where the optimizer has a fused kernel for the
-    parameters' device and the user chose no implementation: a shard is one flat
-    tensor per bucket, just what a fused kernel is fastest on (measured: AdamW on a 6M
-    shard, 3.3 ms fused against 17 ms for-loop on one CPU core; on an H100 the fused
-    kernel is 2.8x the foreach one for 200M parameters)."""
-    if any(k in defaults for k in ("fused", "foreach", "differentiable")):
-        return defaults
-    first = next((t for item in params for t in (item["params"] if isinstance(item, dict) else [item])
-                  if torch.is_tensor(t)), None) if params else None
-    if first is None:
-        return defaults
-    try:
-        optimizer_class([torch.zeros(1, device=first.device, requires_grad=True)], **defaults, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return defaults
-    return {**defaults, "fused": True}
