@@ -47,7 +47,7 @@ import torch.distributed as dist
 from . import __version__
 from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
-from .sizing import AUTO, AUTO_RULE, ZERO_AUTO_RULE
+from .sizing import AUTO, AUTO_RULE, GOSSIP_AUTO_RULE, ZERO_AUTO_RULE
 from .comm.comm import TRANSPORT_ENV, resolve_transport
 from .comm.shm import _PAGE, SHM_DIR, _create
 from .modes.diloco import DiLoCo
@@ -298,7 +298,7 @@ def _modes(pg: str | None, transport: dict[str, Any]) -> dict[str, Any]:
             ("local_sgd", LocalSGD, dict),
             ("diloco", DiLoCo, dict),
             ("decentralized", DecentralizedDataParallel,
-             lambda: {"bucket_mb": default_bucket_mb(pg), "local_world_size": _env("LOCAL_WORLD_SIZE")})):
+             lambda: {"bucket_mb": AUTO, "auto": GOSSIP_AUTO_RULE, "local_world_size": _env("LOCAL_WORLD_SIZE")})):
         required, defaults = _signature(cls.__init__)
         resolved = resolve() if per_pg else {}
         resolved = {k: v for k, v in resolved.items() if defaults.get(k, None) is None}

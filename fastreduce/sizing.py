@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["AUTO", "AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb",
+__all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb",
            "choose", "probe_link", "shared_memory"]
 
 AUTO = "auto"
@@ -49,6 +49,9 @@ AUTO_RULE = ("one bucket on shared memory; over a process group, the least commu
              "fixed_bucket_mb with a quantized or compressed wire or accumulate_dtype")
 ZERO_AUTO_RULE = ("as the overlapped mode's, chosen when the optimizer is built, the backward taken to be as "
                   "long as the gradients' communication; not refreshed")
+GOSSIP_AUTO_RULE = ("one bucket: a bucket's exchange has a whole step to finish (it is waited for at that "
+                    "bucket's step in the next backward) whatever the bucket count, so one bucket hides as much "
+                    "and pays one launch, optimizer step and mix")
 MB = 2**20
 _FIRSTS = (1.0, 2.0, 4.0)  # not below DDP's 1 MB first bucket: a launch costs host time too
 _SIZES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)

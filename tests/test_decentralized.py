@@ -744,3 +744,44 @@ def test_float_buffers_are_mixed_with_the_parameters(mode: str) -> None:
         assert o["batches"] == 3  # integer buffers are never mixed
         want = torch.full((4,), 1.0) if mode == "mix" else torch.full((4,), float(rank))
         torch.testing.assert_close(o["mean"], want, rtol=0, atol=1e-6)
+
+
+# ============================================================== defaults: one bucket, torch's fused kernel
+
+def defaults_worker(rank: int, world: int) -> dict:
+    """The same 4 steps under each optimizer choice (AdamW as users write it; the loop
+    asked for; fused asked for) and bucket size, from the same start and batches."""
+    out: dict[str, Any] = {}
+    for name, kw, bucket_mb in (("plain", {}, "auto"), ("loop", {"foreach": False}, "auto"),
+                                ("fused", {"fused": True}, "auto"), ("plain-small", {}, SMALL_BUCKET_MB)):
+        model = odd_model(SEED)
+        ddp = fastreduce.DecentralizedDataParallel(
+            model, lambda named, kw=kw: torch.optim.AdamW([p for _, p in named], lr=1e-2, **kw),
+            topology="ring", bucket_mb=bucket_mb)
+        for k in range(4):
+            out_loss(ddp(*batch_for(model, rank, k))).backward()
+        ddp.wait_exchanges()
+        out[name] = {"params": params_of(model), "buckets": ddp.num_buckets,
+                     "fused": [g["fused"] for o in ddp._optims for g in o.param_groups],
+                     "sizing": None if ddp.sizing is None else ddp.sizing.describe(),
+                     "grads_kept": all(p.grad is not None for p in model.parameters())}
+    return out
+
+
+def test_defaults_one_bucket_and_torchs_fused_kernel() -> None:
+    """``bucket_mb="auto"`` is one bucket (and says so); an AdamW built with no
+    implementation chosen steps on torch's fused kernel, as if ``fused=True`` had been
+    passed (bit for bit), within rounding of torch's loop; ``foreach=False`` keeps the
+    loop; the gradients stay allocated (zeroed in place) between steps."""
+    for rank, o in enumerate(run_ranks(defaults_worker, 2, timeout=SPAWN_TIMEOUT)):
+        assert o["plain"]["buckets"] == o["loop"]["buckets"] == 1 and o["plain-small"]["buckets"] > 1
+        assert o["plain"]["sizing"].startswith("bucket_mb='auto': one bucket (one bucket: a bucket's exchange")
+        assert o["plain-small"]["sizing"] is None
+        assert set(o["plain"]["fused"]) == set(o["plain-small"]["fused"]) == {True}
+        assert o["loop"]["fused"] == [None]
+        assert o["plain"]["grads_kept"]
+        for n, t in o["plain"]["params"].items():
+            assert torch.equal(t, o["fused"]["params"][n]), f"rank {rank}: {n}: the upgrade is not fused=True"
+            close(t, o["loop"]["params"][n], f"rank {rank}: {n}: fused against torch's loop")
+            close(t, o["plain-small"]["params"][n], f"rank {rank}: {n}: one bucket against several")
+            assert not torch.equal(t, odd_model(SEED).state_dict()[n]), f"{n} did not train"

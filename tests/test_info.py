@@ -171,7 +171,8 @@ def test_mode_defaults_are_the_codes() -> None:
     assert "shared memory" in modes["overlapped"]["resolved"]["auto"]
     assert modes["overlapped"]["resolved"]["fixed_bucket_mb"] == default_bucket_mb("gloo")
     assert modes["zero"]["resolved"]["bucket_mb"] == "auto" and "built" in modes["zero"]["resolved"]["auto"]
-    assert modes["decentralized"]["resolved"]["bucket_mb"] == default_bucket_mb("gloo")
+    assert modes["decentralized"]["defaults"]["bucket_mb"] == "auto"
+    assert modes["decentralized"]["resolved"]["auto"].startswith("one bucket")
 
 
 def test_local_world_size_reaches_the_decentralized_mode() -> None:

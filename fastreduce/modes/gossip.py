@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
+from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order
 from ..buffer import TensorBlock, _view, params_as_views
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
@@ -53,6 +53,8 @@ from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_model
+from ..optim_kernels import prefer_fused
+from ..sizing import AUTO, GOSSIP_AUTO_RULE, Sizing, check_bucket_mb
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
@@ -76,7 +78,13 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         scaler: a ``torch.amp.GradScaler`` (each rank steps it on its own buckets).
         grad_clip_norm: clip each bucket's gradients to this norm before its step (0: off).
         group: process group (default: the world).
-        bucket_mb: bucket size (default: the overlapped mode's, per backend).
+        bucket_mb: bucket size in MB; ``"auto"`` (the default; ``None`` is the same):
+            one bucket. A bucket's exchange is waited for at that bucket's step in the
+            next backward, one whole step after its launch whatever the bucket count, so
+            more buckets hide no more of it; one bucket pays one launch, one optimizer
+            step and one mix per step (:attr:`sizing` says so). A number cuts buckets
+            of that size, as the overlapped mode does (a compiled model's graph is then
+            cut at them too).
         wire_dtype: dtype the parameters are sent in (default: their own); mixing sums
             in fp32 either way. A quantized wire (``torch.float8_e4m3fn``,
             ``torch.float8_e5m2``, ``"int8"``: one fp32 scale per block of 256) sends each
@@ -105,6 +113,12 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             (every exchange of the step launched), or from the forward that closes the
             step. With a ``scaler``, the scaler's own check decides.
 
+    The optimizers ``optim_fn`` builds step with torch's fused kernel where torch has one
+    for that optimizer and device and ``optim_fn`` chose no implementation (neither
+    ``foreach`` nor ``fused`` given): the same update in one kernel per bucket rather
+    than torch's per-tensor loop, the CPU default (:mod:`fastreduce.optim_kernels`).
+    ``foreach=False`` or ``fused=False`` keeps torch's loop.
+
     Example::
 
         >>> ddp = fastreduce.DecentralizedDataParallel(
@@ -117,7 +131,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
 
     def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: SchedulerFn | None = None,
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
-                 group: dist.ProcessGroup | None = None, bucket_mb: float | None = None,
+                 group: dist.ProcessGroup | None = None, bucket_mb: float | str | None = AUTO,
                  wire_dtype: torch.dtype | None = None, local_world_size: int | None = None,
                  buffers: str = "mix", nonfinite: NonFinite = "ignore", error_feedback: bool = True):
         super().__init__()
@@ -150,7 +164,10 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self.comm = get_comm(group, self.device, None)
         self._init_join(group, self.device)
         self._join_owes_close = False  # a joined rank's shadow step is closed at the next one
-        self.wire_dtype, self.bucket_mb = wire_dtype, bucket_mb
+        check_bucket_mb(bucket_mb)
+        self.wire_dtype = wire_dtype
+        self.bucket_mb = None if bucket_mb in (None, AUTO) else float(bucket_mb)  # None: "auto"
+        self.sizing: Sizing | None = None  # "auto"'s choice, once built
         self._named = named
         self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
@@ -163,7 +180,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
         self._synced_backward = False  # the first step closes after a backward outside no_sync
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
-        cut_graphs(self, bucket_mb or default_bucket_mb(self.comm.pg_backend))  # steps during a compiled backward
+        if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
+            cut_graphs(self, self.bucket_mb)  # steps during a compiled backward
 
     # ------------------------------------------------------------------ public
 
@@ -369,9 +387,14 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._marks = []
         named = [self._named[i] for i in order]
         if sizes is None:
-            wire = torch.uint8 if self._quant else self.wire_dtype or named[0][1].dtype
-            mb = self.bucket_mb or default_bucket_mb(self.comm.pg_backend)
-            segments = bucket_runs(named, [0] * len(named), int(mb * 2**20) // wire.itemsize)
+            if self.bucket_mb is None:  # "auto": one bucket (one per dtype)
+                numel = sum(p.numel() for _, p in named)
+                segments = bucket_runs(named, [0] * len(named), numel)
+                mb = numel * named[0][1].element_size() / 2**20
+                self.sizing = Sizing(mb, mb, 1, GOSSIP_AUTO_RULE)
+            else:
+                wire = torch.uint8 if self._quant else self.wire_dtype or named[0][1].dtype
+                segments = bucket_runs(named, [0] * len(named), int(self.bucket_mb * 2**20) // wire.itemsize)
         else:
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
             segments = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
@@ -403,15 +426,18 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             self._buckets.append(Bucket(slots, (), (), flat, send))  # the schedule reads slots only
             first += len(seg.slots)
         self._optims = [self.optim_fn([(s.name, s.param) for s in seg.slots]) for seg in layout.segments]
+        fused = [prefer_fused(o) for o in self._optims] if self.world_size > 1 else []
         self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
         self._exchanges: list[Pending | None] = [None] * len(self._buckets)
         self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False))
         self._schedule.sync = not self._accumulating
         self._built = True
         if self.rank == 0:
-            log.info("fastreduce: DecentralizedDataParallel: %s in %d buckets, topology %s (period %d), "
-                     "%d ranks", layout.describe(), len(self._buckets), self.topology.name,
-                     self.topology.period, self.world_size)
+            log.info("fastreduce: DecentralizedDataParallel: %s in %d buckets%s, topology %s (period %d), "
+                     "%d ranks%s", layout.describe(), len(self._buckets),
+                     "" if self.sizing is None else f" ({self.sizing.describe()})", self.topology.name,
+                     self.topology.period, self.world_size,
+                     ", optimizers on torch's fused kernel (optim_fn chose none)" if any(fused) else "")
 
     def _blocks_like(self, dtypes: list[torch.dtype], alloc: Callable[[int, torch.dtype], torch.Tensor]
                      ) -> list[torch.Tensor]:
@@ -478,7 +504,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
             if self.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
             opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # kept: freeing them costs a fresh allocation (page faults) in every backward
         if self._scheds[b] is not None:
             self._scheds[b].step()
 
