@@ -485,3 +485,22 @@ def test_compression_suite_quick_smoke(tmp_path: Path) -> None:
         assert r["powersgd, fp32 wire"]["bytes_per_step"] == hook < ddp / 4  # the same factors as the hook's
         assert r["powersgd"]["bytes_per_step"] == hook // 2 == r["powersgd, overlapped"]["bytes_per_step"]
     assert [t["where"] for t in report["targets"]][:1] == ["one host"]
+
+
+def test_decentralized_suite_runs_and_reports_the_like_for_like_row() -> None:
+    """A quick decentralized suite at 2 ranks: every method timed, the fused no-comm row
+    beside the plain one, the gossip rows on one bucket and torch's fused AdamW."""
+    from fastreduce.bench import gossip as gossip_suite
+
+    report = gossip_suite.run_gossip_bench(gossip_suite.GossipConfig(world_sizes=(2,), iters=1, params_m=0.05,
+                                                                     batch=4, quick=True, warmup_rounds=0))
+    ms = report["worlds"]["2"]["methods"]
+    assert {"no_comm", "no_comm_fused", "fused_fp32", "overlap_fp32", "gossip_complete", "gossip_ring",
+            "gossip_one-peer-exp", "gossip_one-peer-exp_fp8"} <= set(ms)
+    for name, m in ms.items():
+        assert math.isfinite(m["median_ms"]) and m["median_ms"] > 0, name
+    for topo in gossip_suite.TOPOLOGIES:
+        assert ms[f"gossip_{topo}"]["buckets"] == 1 and ms[f"gossip_{topo}"]["kernel"] == "fused", topo
+    text = gossip_suite.format_text(report)
+    assert "like against like (fused AdamW on both sides): gossip_complete / no_comm_fused = " in text
+    assert "gossip_hidden" in report["targets"]

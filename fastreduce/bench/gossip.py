@@ -9,6 +9,9 @@ blocks (48 of width 512 by default: 12.66M parameters), batch 32, at each world 
 =========================  ==============================================================
  ``no_comm``                forward, backward, AdamW step, zero_grad: no communication (the
                             floor)
+ ``no_comm_fused``          the same with ``AdamW(fused=True)`` (plain runs only): the
+                            kernel the gossip mode's optimizers step with when ``optim_fn``
+                            chose none (:mod:`fastreduce.optim_kernels`), like against like
  ``fused_fp32``             ``FusedReducer(wire_dtype=None)`` + AdamW
  ``overlap_fp32``           ``FusedReducer(wire_dtype=None, overlap=True)`` + AdamW
  ``gossip_<topology>``      ``DecentralizedDataParallel(model, AdamW per bucket, topology)``
@@ -48,7 +51,7 @@ from torch import nn
 from ..launch import run_ranks
 from ..modes.fused import FusedReducer
 from ..modes.gossip import DecentralizedDataParallel
-from ..modes.zero_shard import fused_if_possible
+from ..optim_kernels import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
 from .report import judge_ratios, target_lines
 
@@ -62,6 +65,7 @@ DEFAULT_BATCH = 32
 TOPOLOGIES = ("complete", "ring", "one-peer-exp")
 PEER_TOPOLOGIES = ("complete", "one-peer-exp")  # decent-dp's, timed where it imports
 REFERENCE = "no_comm"
+FUSED_REFERENCE = "no_comm_fused"  # the same step with AdamW(fused=True), where torch has it
 TARGET_WORLD = 2
 HIDDEN = ("gossip_hidden", "gossip_complete", REFERENCE, "<=", 1.15)  # at TARGET_WORLD ranks
 VS_PEER = 1 / 1.3  # gossip / decent-dp, every topology and world size
@@ -139,6 +143,15 @@ def build_methods(base: nn.Module, x: torch.Tensor, optimizer: str = "plain"
         opt.step()
         opt.zero_grad(set_to_none=False)
     methods.append(Method(REFERENCE, _block(no_comm)))
+    if optimizer == "plain":  # what gossip steps with when optim_fn chose no kernel: like against like
+        fused = copy.deepcopy(base)
+        fopt = _adamw_of(list(fused.parameters()), "fused")
+
+        def no_comm_fused() -> None:
+            loss(fused(x)).backward()
+            fopt.step()
+            fopt.zero_grad(set_to_none=False)
+        methods.append(Method(FUSED_REFERENCE, _block(no_comm_fused)))
 
     for name, overlap in (("fused_fp32", False), ("overlap_fp32", True)):
         model = copy.deepcopy(base)
@@ -195,7 +208,8 @@ def _describe(info: dict[str, Any]) -> dict[str, Any]:
         else:
             d = obj["ddp"]
             out[name] = {"buckets": d.num_buckets, "period": d.topology.period,
-                         "consensus": d.consensus_distance()}
+                         "consensus": d.consensus_distance(),
+                         "kernel": "fused" if d._optims[0].param_groups[0].get("fused") else "torch's default"}
     return out
 
 
@@ -252,10 +266,14 @@ def format_text(report: dict[str, Any]) -> str:
             if "transport" in m:
                 notes.append(f"via {m['transport']}, {m['buckets']} bucket(s)")
             if "period" in m:
-                notes.append(f"{m['buckets']} buckets, period {m['period']}, consensus distance "
-                             f"{m['consensus']:.1e}")
+                notes.append(f"{m['buckets']} bucket(s), period {m['period']}, consensus distance "
+                             f"{m['consensus']:.1e}, {m['kernel']} AdamW")
             lines.append(f"{name:<24}{m['median_ms']:>10.2f}{m['p10_ms']:>9.2f}{m['p90_ms']:>9.2f}"
                          f"{m['vs_no_comm']:>10.2f}x  {', '.join(notes)}")
+        ms = w["methods"]
+        if FUSED_REFERENCE in ms and "gossip_complete" in ms:
+            lines.append(f"like against like (fused AdamW on both sides): gossip_complete / {FUSED_REFERENCE} = "
+                         f"{ms['gossip_complete']['median_ms'] / ms[FUSED_REFERENCE]['median_ms']:.3f}")
     if report.get("note"):
         lines += ["", report["note"]]
     if report["targets"]:
