@@ -23,15 +23,18 @@ Modes keep the handles these functions return and hand them back to :func:`remov
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_waits", "on_grad_ready", "on_step",
-           "remove_hooks", "stand_down"]
+           "optional_before_forward", "remove_hooks", "stand_down"]
 
 log = logging.getLogger("fastreduce")
+_BREAK_KEEPS_FRAME = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 10)
+"""Whether dynamo compiles the rest of a frame whose forward pre-hook broke its graph."""
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,6 +77,23 @@ def before_forward(module: torch.nn.Module, fn: Callable[[torch.nn.Module, Any],
     handle = module.register_forward_pre_hook(fn if traced else eager(fn))
     forget_compiled_code()
     return handle
+
+
+def optional_before_forward(module: torch.nn.Module, fn: Callable[[], None]) -> Any:
+    """:func:`before_forward` for a hook the mode can do without (``needed=False``):
+    ``fn()`` before each eager forward; where dynamo traces the forward, a graph break
+    into ``fn`` on torch 2.10 and later, and nothing on torch 2.9 and older, which run a
+    frame whose pre-hook broke its graph eagerly for good (the whole forward left
+    uncompiled to save what the hook saves)."""
+    run = eager(fn)
+
+    def hook(_module: torch.nn.Module, _args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            fn()
+        elif _BREAK_KEEPS_FRAME:
+            run()
+
+    return before_forward(module, hook, traced=True, needed=False)
 
 
 def compiled(module: torch.nn.Module) -> bool:

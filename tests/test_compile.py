@@ -303,15 +303,7 @@ def compiled_nodes(loss: torch.Tensor) -> int:
     return n
 
 
-TORCH_2_9 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10)
-COMPILED_AFTER_BUG = pytest.mark.xfail(
-    TORCH_2_9, strict=True, reason="torch 2.9 and older: a FusedReducer built before torch.compile(model) leaves "
-    "the forward uncompiled (its re-attach forward pre-hook breaks the graph at the top of the forward, and "
-    "that frame then runs eagerly for good, as ZeRO's hooks did); open")
-
-
-@pytest.mark.parametrize("backend,how", [pytest.param(b, h, marks=[COMPILED_AFTER_BUG] if h == "plain-after" else [])
-                                         for b in BACKENDS for h in SPLITS
+@pytest.mark.parametrize("backend,how", [(b, h) for b in BACKENDS for h in SPLITS
                                          if b == "aot_eager" or h in ("compile_backend", "plain-before")])
 def test_backward_is_cut_at_buckets(backend: str, how: str) -> None:
     ranks = run_ranks(split_worker, 2, backend, how, timeout=300)

@@ -42,7 +42,7 @@ from ..comm.quantized import QuantMean, QuantMeans
 from ..compiling import cut_graphs, keep_cut, recut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
-from ..hooks import before_forward, forget_compiled_code, remove_hooks
+from ..hooks import forget_compiled_code, optional_before_forward, remove_hooks
 from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, check_grad, first_nonfinite, missing_message,
                      nonfinite_error, one_device)
 from ..join import JoinableMode, sync_from_last_joiner
@@ -151,7 +151,7 @@ class FusedReducer(ReducerState, JoinableMode):
         self._recorder: OrderRecorder | None = None
         self._check: FiniteCheck | None = None  # nonfinite="raise"/"skip": made on first use
         self._record_order()
-        self._forward_hook = before_forward(model, lambda _m, _a: self.reattach(), needed=False)
+        self._forward_hook = optional_before_forward(model, self.reattach)
         self._fixed_mb = None if self.config.bucket_mb in (None, AUTO) else float(self.config.bucket_mb)
         self._sizer = AutoSizer() if self.config.overlap and self._fixed_mb is None else None
         self._cut_graphs()
@@ -328,7 +328,7 @@ class FusedReducer(ReducerState, JoinableMode):
         self.close()
         self._built = None
         self._record_order()
-        self._forward_hook = before_forward(self.model, lambda _m, _a: self.reattach(), needed=False)
+        self._forward_hook = optional_before_forward(self.model, self.reattach)
         self._cut_graphs()
 
     # ------------------------------------------------------------------ first call
