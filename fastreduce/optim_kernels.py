@@ -22,11 +22,15 @@ __all__ = ["fused_if_possible", "prefer_fused"]
 
 def _fused_works(optimizer_class: type, device: torch.device, dtype: torch.dtype,
                  defaults: dict[str, Any]) -> bool:
-    """Whether ``optimizer_class(..., **defaults, fused=True)`` builds for a tensor of
-    ``device`` and ``dtype`` (torch checks both, and the other options, at construction)."""
+    """Whether ``optimizer_class(..., **defaults, fused=True)`` builds and steps a tensor
+    of ``device`` and ``dtype``: torch checks the device type and the other options at
+    construction, but a device build may list a fused kernel it has no kernel for (the
+    step is what finds out)."""
     try:
-        optimizer_class([torch.zeros(1, device=device, dtype=dtype, requires_grad=True)], **defaults, fused=True)
-    except (RuntimeError, TypeError, ValueError):
+        probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        optimizer_class([probe], **defaults, fused=True).step()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
     return True
 

@@ -785,3 +785,33 @@ def test_defaults_one_bucket_and_torchs_fused_kernel() -> None:
             close(t, o["loop"]["params"][n], f"rank {rank}: {n}: fused against torch's loop")
             close(t, o["plain-small"]["params"][n], f"rank {rank}: {n}: one bucket against several")
             assert not torch.equal(t, odd_model(SEED).state_dict()[n]), f"{n} did not train"
+
+
+def scaler_worker(rank: int, world: int) -> dict:
+    """A GradScaler with AdamW as users write it (the fused kernel, which unscales and skips
+    on inf itself) against torch's loop (``foreach=False``): step 2 of rank 0 overflows."""
+    out: dict[str, Any] = {}
+    for name, kw in (("plain", {}), ("loop", {"foreach": False})):
+        model = odd_model(SEED)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+        ddp = fastreduce.DecentralizedDataParallel(
+            model, lambda named, kw=kw: torch.optim.AdamW([p for _, p in named], lr=1e-2, **kw),
+            topology="ring", scaler=scaler)
+        for k in range(4):
+            loss = out_loss(ddp(*batch_for(model, rank, k)))
+            if k == 2 and rank == 0:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+        ddp.wait_exchanges()
+        out[name] = {"params": params_of(model), "scale": float(scaler.get_scale()),
+                     "fused": ddp._optims[0].param_groups[0]["fused"]}
+    return out
+
+
+def test_scaler_with_the_fused_kernel_matches_torchs_loop() -> None:
+    for rank, o in enumerate(run_ranks(scaler_worker, 2, timeout=SPAWN_TIMEOUT)):
+        assert o["plain"]["fused"] is True and o["loop"]["fused"] is None
+        assert o["plain"]["scale"] == o["loop"]["scale"] == (2.0**3 if rank == 0 else 2.0**4)
+        for n, t in o["plain"]["params"].items():
+            assert torch.isfinite(t).all(), f"rank {rank}: {n} took the overflowing step"
+            close(t, o["loop"]["params"][n], f"rank {rank}: {n}: fused against torch's loop, with a scaler")
