@@ -311,6 +311,24 @@ def test_encode_and_decode_match_the_reference_bit_for_bit(fmt: str, block: int,
     assert torch.equal(bits_of(q.roundtrip(x)), bits_of(want_decoded))
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encoding_in_pieces_matches_the_reference(fmt: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU each row is encoded a piece of ``quant._PIECE`` values at a time (every
+    row of the piece together); cut here into pieces of 3 blocks of 8, across several
+    rows: the bytes and the decoded values are still the reference's, bit for bit."""
+    import fastreduce.codecs.quant as quant
+
+    monkeypatch.setattr(quant, "_PIECE", 8)
+    x = make_input(case, fmt, 8)
+    want_payload, want_decoded, _ = ref_encode(x, fmt, 8)
+    q = BlockQuant(fmt, 8)
+    assert len(q._pieces(x, x.shape[1])) == x.shape[1] // 8 > 1
+    payload = q.encode(x)
+    assert torch.equal(payload, want_payload), f"encoded bytes: {first_diff(payload, want_payload)}"
+    assert torch.equal(bits_of(q.decode(payload)), bits_of(want_decoded))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_1d_input_is_one_row(fmt: str) -> None:
     """A 1-D x encodes to the reference's one row; a 1-D payload decodes to a 1-D row."""
