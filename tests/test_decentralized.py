@@ -223,6 +223,13 @@ def case_unknown_topology(rank: int, world: int) -> dict:
     return expect_raises(ValueError, lambda: make_ddp(odd_model(SEED), "no-such-topology"))
 
 
+def case_bad_bucket_mb(rank: int, world: int) -> dict:
+    model = odd_model(SEED)
+    out = expect_raises(ValueError, lambda: make_ddp(model, bucket_mb=-1.0))
+    out["hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return out
+
+
 def case_bn(rank: int, world: int, topology: str) -> dict:
     model = batchnorm_model(SEED)
     with torch.no_grad():
@@ -324,6 +331,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
         res["unknown_topology"] = guarded(case_unknown_topology, rank, world)
+        res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
     for case in TRAJ_CASES.get(world, []):
         res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
     for topology, lws in CONSENSUS_CASES.get(world, []):
@@ -647,6 +655,12 @@ def test_accumulation_matches_one_backward_of_the_summed_loss(worlds, wc, mode) 
 def test_unknown_topology_raises_value_error(worlds) -> None:
     for rank, r in enumerate(ok(worlds(2), "unknown_topology")):
         assert r["raised"] == "ValueError", f"rank {rank}: {r}"
+
+
+def test_bad_bucket_mb_is_refused_before_anything_is_built(worlds) -> None:
+    for rank, r in enumerate(ok(worlds(2), "bad_bucket_mb")):
+        assert r["raised"] == "ValueError" and "bucket_mb must be a positive number" in r["message"], r
+        assert r["hooks_left"] == 0, f"rank {rank}: the refused mode left gradient hooks on the model"
 
 
 def test_no_process_group_raises() -> None:

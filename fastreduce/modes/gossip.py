@@ -142,6 +142,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
         self._quant = check_wire(wire_dtype, "DecentralizedDataParallel")
+        check_bucket_mb(bucket_mb)  # before any buffer or hook exists
         self._compensate = bool(error_feedback)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
@@ -164,7 +165,6 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self.comm = get_comm(group, self.device, None)
         self._init_join(group, self.device)
         self._join_owes_close = False  # a joined rank's shadow step is closed at the next one
-        check_bucket_mb(bucket_mb)
         self.wire_dtype = wire_dtype
         self.bucket_mb = None if bucket_mb in (None, AUTO) else float(bucket_mb)  # None: "auto"
         self.sizing: Sizing | None = None  # "auto"'s choice, once built
