@@ -3,7 +3,9 @@
 Two hosts (:mod:`.hosts`: network namespaces on a bridge, ``tbf`` on every link), one
 torchrun node and one rank each, at each ``--rates`` entry, and ``host``: two ranks on
 this host (``torchrun --standalone``, no namespaces). Default: 1 Gbit/s, 100 Mbit/s and
-one host. The model is a 2.1M-parameter MLP (8 x Linear 512), batch 512 per rank,
+one host. The model is a 2.1M-parameter MLP (8 x Linear 512; a class of its own, as a
+user's model is: dynamo leaves a bare ``nn.Sequential`` inside DDP uncompiled on torch
+2.13, and the report names any compiled method that compiled nothing), batch 512 per rank,
 ``torch.optim.AdamW(params, lr)`` as users write it; a step is forward + backward +
 reduce + AdamW + zero_grad. Methods, each eager and under a plain ``torch.compile``
 (inductor; DDP compiled as ``torch.compile(ddp)``, where dynamo cuts the graph at DDP's
@@ -81,8 +83,20 @@ def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable
 
     import fastreduce
 
+    class MLP(nn.Module):
+        """A model class of the user's own, as models are: dynamo compiles its forward. (An
+        ``nn.Sequential`` inside DDP would run uncompiled on torch 2.13: DDP's forward breaks
+        its graph, and dynamo does not start a frame in torch's own ``nn`` code.)"""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x)
+
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+    model = MLP()
     if name == "ddp":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -100,6 +114,12 @@ def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable
     return run, lambda: (reducer.reduce(), opt.step(), opt.zero_grad()), lambda: None, sizing
 
 
+def _ops_captured() -> int:
+    """Ops dynamo has put into graphs in this process so far."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["calls_captured"]) if utils is not None else 0
+
+
 def worker(cfg: NetworkConfig, out: str) -> None:
     """One rank (under torchrun): time every method, rank 0 writes the result to ``out``."""
     import torch
@@ -113,16 +133,22 @@ def worker(cfg: NetworkConfig, out: str) -> None:
     rank = dist.get_rank()
     x = torch.randn(cfg.batch, WIDTH, generator=torch.Generator().manual_seed(rank))
     methods, models, chose = [], [], []
+    captured: dict[str, int] = {}
     for compiled in (False, True) if cfg.compile else (False,):
         for name in METHODS:
             run, finish, end, what = _build(name, compiled)
+            label = f"{name}{', compiled' if compiled else ''}"
 
-            def block(run=run, finish=finish, end=end) -> None:
+            def block(run=run, finish=finish, end=end, label=label) -> None:
+                first = label not in captured
+                before = _ops_captured() if first else 0
                 for _ in range(BLOCK):
                     run(x).square().mean().backward()
                     finish()
                 end()
-            methods.append(Method(f"{name}{', compiled' if compiled else ''}", block))
+                if first:  # what dynamo put into graphs: a "compiled" method left eager shows 0
+                    captured[label] = _ops_captured() - before
+            methods.append(Method(label, block))
             models.append(run)
             chose.append(what)
     times = time_round_robin(methods, cfg.iters, warmup_rounds=cfg.warmup)
@@ -134,6 +160,7 @@ def worker(cfg: NetworkConfig, out: str) -> None:
     dist.all_gather_object(per_rank, (times, sums))
     if rank == 0:
         result = {m.name: {**summary_ms(slowest_rank([t for t, _ in per_rank], m.name)), "chose": chosen[m.name],
+                           "ops_compiled": captured.get(m.name, 0),
                            "ranks_agree": len({s[m.name] for _, s in per_rank}) == 1} for m in methods}
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -231,6 +258,7 @@ def run_network_bench(cfg: NetworkConfig) -> dict[str, Any]:
         report["rates"][rate] = {
             name: {**{k: statistics.median(j[name][k] for j in runs) for k in ("median_ms", "p10_ms", "p90_ms")},
                    "jobs_ms": [j[name]["median_ms"] for j in runs], "chose": runs[-1][name]["chose"],
+                   "ops_compiled": runs[-1][name].get("ops_compiled", 0),
                    "ranks_agree": all(j[name]["ranks_agree"] for j in runs)} for name in runs[0]}
         for what, ref in TARGETS + (HOST_TARGETS if rate == HOST else []):
             if what in runs[0] and ref in runs[0]:
@@ -254,6 +282,14 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"{rate:<10}" + "".join(f"{r[n]['median_ms']:>22.1f}" for n in names))
     for rate, r in report["rates"].items():
         lines.append(f"{rate}: overlapped {r['overlapped']['chose']}")
+        compiled = [n for n in names if n.endswith("compiled")]
+        if compiled:
+            lines.append(f"{rate}: ops dynamo compiled per method: "
+                         + ", ".join(f"{n} {r[n].get('ops_compiled', 0)}" for n in compiled))
+    for rate, r in report["rates"].items():
+        for n in names:
+            if n.endswith("compiled") and not r[n].get("ops_compiled", 1):
+                lines.append(f"WARNING {rate}: {n!r} put no op into a graph: it ran uncompiled")
     for t in report["targets"]:
         verdict = "PASS" if t["ratio"] <= t["limit"] else "FAIL"
         lines.append(f"{verdict} {t['rate']}: {t['what']}: {t['ratio']:.3f} "
