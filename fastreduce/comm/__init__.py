@@ -9,9 +9,9 @@ CPU ranks on one host.
 
 from .collectives import (Fp32Accumulate, MeanPlan, Pending, Waitable, advance, all_gather_flat, broadcast_from_rank0,
                           complete, reduce_scatter_flat)
-from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Transport, get_comm, resolve_transport
+from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Transport, get_comm, resolve_transport, wants_shm
 from .shm import ShmAllReduce
 
 __all__ = ["Comm", "Fp32Accumulate", "MeanPlan", "Pending", "ShmAllReduce", "TRANSPORTS", "TRANSPORT_ENV",
            "Transport", "Waitable", "advance", "all_gather_flat", "broadcast_from_rank0", "complete", "get_comm",
-           "reduce_scatter_flat", "resolve_transport"]
+           "reduce_scatter_flat", "resolve_transport", "wants_shm"]

@@ -62,7 +62,7 @@ from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, R
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
-__all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport"]
+__all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport", "wants_shm"]
 
 Transport = Literal["auto", "shm", "process_group"]
 TRANSPORTS = ("auto", "shm", "process_group")
@@ -77,6 +77,13 @@ def resolve_transport(transport: str | None) -> str:
         raise ValueError(f"unknown transport {value!r} (argument or ${TRANSPORT_ENV}); "
                          f"choose one of {', '.join(TRANSPORTS)}")
     return value
+
+
+def wants_shm(transport: str | None, device: torch.device) -> bool:
+    """Whether buffers on ``device`` go through shared memory where the ranks share a host
+    (``transport`` as given to a mode; the segment's opening decides, collectively)."""
+    transport = resolve_transport(transport)
+    return transport == "shm" or (transport == "auto" and device.type == "cpu")
 
 
 class Comm:
@@ -117,7 +124,7 @@ class Comm:
 
     @property
     def wants_shm(self) -> bool:
-        return self.transport == "shm" or (self.transport == "auto" and self.device.type == "cpu")
+        return wants_shm(self.transport, self.device)
 
     # ------------------------------------------------------------------ buffers
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..backends import Backend, select_backend
 from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import FusedBuffer, attached
-from ..comm import Comm, MeanPlan, Pending, complete, get_comm
+from ..comm import Comm, MeanPlan, Pending, complete, get_comm, wants_shm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..compiling import cut_graphs, keep_cut, recut, uncut_graphs
 from ..engine import GroupSnapshot
@@ -153,7 +153,7 @@ class FusedReducer(ReducerState, JoinableMode):
         self._record_order()
         self._forward_hook = optional_before_forward(model, self.reattach)
         self._fixed_mb = None if self.config.bucket_mb in (None, AUTO) else float(self.config.bucket_mb)
-        self._sizer = AutoSizer() if self.config.overlap and self._fixed_mb is None else None
+        self._sizer = AutoSizer() if self.config.overlap and not (self._fixed_mb or self.config.per_bucket) else None
         self._cut_graphs()
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
@@ -222,10 +222,16 @@ class FusedReducer(ReducerState, JoinableMode):
     def _cut_graphs(self, sizing: Sizing | None = None) -> None:
         """Have dynamo cut compiled graphs at the buckets (:mod:`fastreduce.compiling`): at the
         backend's size until ``bucket_mb="auto"`` has chosen, then at its ``sizing`` (not at
-        all for one bucket), recompiling what was compiled at the old size, once."""
+        all for one bucket), recompiling what was compiled at the old size, once. Where
+        "auto" will find shared memory (CPU ranks on one host: one bucket) there is no cut
+        from the start, so nothing recompiles; should the segment not open after all (ranks
+        on several hosts), the choice at the first reduce cuts then, as over a process group."""
         if not (self.config.overlap and self.world_size > 1):
             return
         if sizing is None:
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+            if self._sizer is not None and wants_shm(self.config.transport, device):
+                return  # "auto" on shared memory is one bucket: no cut, and nothing to recompile at the choice
             cut_graphs(self, self._fixed_mb or default_bucket_mb(dist.get_backend(self.group)))
         elif recut(self, sizing.bucket_mb if sizing.buckets > 1 else None):
             forget_compiled_code()
@@ -364,12 +370,11 @@ class FusedReducer(ReducerState, JoinableMode):
         comp = cfg.compression
         if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
             named = sorted(named, key=lambda np: comp.order_key(np[1]))
-        per_bucket = cfg.overlap and (cfg.accumulate_dtype is not None or comp is not None or quant is not None)
-        segments = bucket_segments(named, wire_dtype, self._fixed_mb or default_bucket_mb(pg), per_bucket,
+        segments = bucket_segments(named, wire_dtype, self._fixed_mb or default_bucket_mb(pg), cfg.per_bucket,
                                    None if comp is None else comp.order_key)
         chunks = self.world_size * (quant.block if quant else 1)  # a bucket's equal chunks (of whole blocks)
         layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
-                            pad_to=chunks if per_bucket and comp is None else 1)
+                            pad_to=chunks if cfg.per_bucket and comp is None else 1)
         # Which grads are present goes into the check too: a parameter that got a grad on
         # one rank but not on another is caught here, on every rank, not as a hang.
         present = tuple(p.grad is not None for p in layout.params)
@@ -390,12 +395,12 @@ class FusedReducer(ReducerState, JoinableMode):
         built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not cfg.overlap)
         if cfg.overlap:
             sizing = self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device) \
-                if self._sizer is not None and not per_bucket else None
+                if self._sizer is not None else None
             self.stats.sizing = sizing
             if sizing is not None:
                 self._cut_graphs(sizing)
             built.schedule, means = overlap_schedule(
-                layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=per_bucket,
+                layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=cfg.per_bucket,
                 bucket_mb=sizing.bucket_mb if sizing else self._fixed_mb, first_mb=sizing and sizing.first_bucket_mb,
                 opened=self._join_notify, adopt=lambda idx, direct: self._adopt(built, idx, direct),
                 direct=not (plan.prescale or cfg.error_feedback or comp), on_grad=reattach.grad_ready,

@@ -91,6 +91,14 @@ class ReducerConfig:
         fmt = wire_format(self.wire_dtype)
         return None if fmt is None else BlockQuant(fmt)
 
+    @property
+    def per_bucket(self) -> bool:
+        """Overlapped with a collective per bucket that is more than an all-reduce (fp32
+        sums of a low-precision wire, a quantized or compressed wire): buckets of the
+        backend's size for ``bucket_mb="auto"``."""
+        return self.overlap and (self.accumulate_dtype is not None or self.compression is not None
+                                 or self.quant is not None)
+
     def __post_init__(self) -> None:
         check_compression(self.compression, self.accumulate_dtype, self.error_feedback)
         if self.accumulate_dtype not in (None, torch.float32):
