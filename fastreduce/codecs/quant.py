@@ -35,7 +35,7 @@ FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _INT_MAX = {"int8": 127, "int4": 7}
 _BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
-_PIECE = 1 << 16
+_PIECE = 1 << 18
 """Values per piece of a row on CPU (a multiple of the block): see :meth:`BlockQuant._pieces`."""
 _ALIASES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
 
@@ -197,12 +197,21 @@ class BlockQuant:
         if self.fmt == "fp8_e4m3" and out.device.type == "cpu":
             # torch casts e4m3fn to fp32 one value at a time on CPU (about 9 ns each; e5m2
             # and fp16 convert vectorized): its 7 low bits shifted into a float16's
-            # exponent and mantissa are the value / 2^8 exactly, subnormals included.
-            c = codes.contiguous().view(torch.int8).to(torch.int16)  # sign-extended
-            low = c & 0x7F
-            half = (low << 7) | (c & -32768)
-            blocks.copy_(half.view(torch.float16).view(rows, -1, self.block)).mul_(256.0)
-            blocks.masked_fill_((low == 0x7F).view(rows, -1, self.block), float("nan"))  # S.1111.111
+            # exponent and mantissa are the value / 2^8 exactly, subnormals included. The
+            # code sign-extended to 16 bits and shifted by 7 has the sign in bits 15 and 14:
+            # clearing bit 14 leaves that float16.
+            codes = codes.contiguous()
+            half = (codes.view(torch.int8).to(torch.int16) << 7) & -16385
+            blocks.copy_(half.view(torch.float16).view(rows, -1, self.block))
+            # x 2^8 folded into the scales where that is exact (a power of two below 2^120)
+            big = not bool((scales < 2.0**120).all())
+            blocks.mul_(scales.unsqueeze(-1) if big else (scales * 256.0).unsqueeze(-1))
+            if big:
+                blocks.mul_(256.0)
+            low = codes & 0x7F  # S.1111.111 is NaN: the largest low 7 bits (a max is vectorized, == is not)
+            if codes.numel() and int(low.max()) == 0x7F:
+                blocks.masked_fill_((low == 0x7F).view(rows, -1, self.block), float("nan"))
+            return
         elif self.fmt in _FP8:
             blocks.copy_(codes.contiguous().view(getattr(torch, _FP8[self.fmt])).view(rows, -1, self.block))
         elif self.fmt == "int8":

@@ -401,22 +401,33 @@ class QuantMix:
 
         def then() -> None:
             with span("fastreduce::quantize"):
-                acc = self.diff[:n]
-                acc.copy_(x)
+                # out := x, then each term added as it is decoded; the first term is added
+                # straight from x (one pass, where a copy of x and a copy back made three)
+                fresh = self.compensate  # out does not hold x yet
                 if not self.compensate:
-                    acc.mul_(row[r])
+                    torch.mul(x, row[r], out=out)
+
+                def add(t: torch.Tensor, alpha: float) -> None:
+                    nonlocal fresh
+                    if fresh:
+                        torch.add(x, t, alpha=alpha, out=out)
+                        fresh = False
+                    else:
+                        out.add_(t, alpha=alpha)
+
                 for q in ins:
                     got = codec.decode(self.got[q].view(1, -1).to(self.device), out=self.step.view(1, -1)).view(-1)
                     if self.compensate:
                         c = self._copy(q, r)
                         c.add_(got)
-                        acc.add_(c[:n], alpha=self.gamma * row[q])
+                        add(c[:n], self.gamma * row[q])
                     else:
-                        acc.add_(got[:n], alpha=row[q])
+                        add(got[:n], row[q])
                 if self.compensate:
                     for p in outs:
-                        acc.sub_(self._copy(r, p)[:n], alpha=self.gamma * col[p])
-                out.copy_(acc)
+                        add(self._copy(r, p)[:n], -self.gamma * col[p])
+                if fresh:
+                    out.copy_(x)
         return work, then
 
     def state_dict(self) -> dict[str, torch.Tensor]:
