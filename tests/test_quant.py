@@ -315,7 +315,7 @@ def test_encode_and_decode_match_the_reference_bit_for_bit(fmt: str, block: int,
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_encoding_in_pieces_matches_the_reference(fmt: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU each row is encoded a piece of ``quant._PIECE`` values at a time (every
-    row of the piece together); cut here into pieces of 3 blocks of 8, across several
+    row of the piece together); cut here into pieces of one block of 8, across several
     rows: the bytes and the decoded values are still the reference's, bit for bit."""
     import fastreduce.codecs.quant as quant
 

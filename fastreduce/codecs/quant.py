@@ -19,8 +19,8 @@ Per block, with ``a`` the block's largest ``|x|``:
 
 Non-finite values stay non-finite: a block holding NaN or inf decodes to NaN, so the
 non-finite checks after a reduction still see it. Everything is one vectorized op per
-step over all blocks of all rows (on CPU: of a piece of 65536 values of every row at a
-time, so that the temporaries stay in cache); nothing loops over blocks.
+step over all blocks of all rows (on CPU: of a piece of :data:`_PIECE` values of every
+row at a time, so that the temporaries stay in cache); nothing loops over blocks.
 """
 
 from __future__ import annotations
@@ -195,24 +195,9 @@ class BlockQuant:
         rows = out.shape[0]
         blocks = out.view(rows, -1, self.block)
         if self.fmt == "fp8_e4m3" and out.device.type == "cpu":
-            # torch casts e4m3fn to fp32 one value at a time on CPU (about 9 ns each; e5m2
-            # and fp16 convert vectorized): its 7 low bits shifted into a float16's
-            # exponent and mantissa are the value / 2^8 exactly, subnormals included. The
-            # code sign-extended to 16 bits and shifted by 7 has the sign in bits 15 and 14:
-            # clearing bit 14 leaves that float16.
-            codes = codes.contiguous()
-            half = (codes.view(torch.int8).to(torch.int16) << 7) & -16385
-            blocks.copy_(half.view(torch.float16).view(rows, -1, self.block))
-            # x 2^8 folded into the scales where that is exact (a power of two below 2^120)
-            big = not bool((scales < 2.0**120).all())
-            blocks.mul_(scales.unsqueeze(-1) if big else (scales * 256.0).unsqueeze(-1))
-            if big:
-                blocks.mul_(256.0)
-            low = codes & 0x7F  # S.1111.111 is NaN: the largest low 7 bits (a max is vectorized, == is not)
-            if codes.numel() and int(low.max()) == 0x7F:
-                blocks.masked_fill_((low == 0x7F).view(rows, -1, self.block), float("nan"))
+            self._decode_e4m3_cpu(codes.contiguous(), scales, blocks)
             return
-        elif self.fmt in _FP8:
+        if self.fmt in _FP8:
             blocks.copy_(codes.contiguous().view(getattr(torch, _FP8[self.fmt])).view(rows, -1, self.block))
         elif self.fmt == "int8":
             blocks.copy_(codes.contiguous().view(torch.int8).view(rows, -1, self.block))
@@ -221,6 +206,24 @@ class BlockQuant:
             lo, hi = ((signed & 0x0F) ^ 8) - 8, ((signed >> 4) ^ 8) - 8
             blocks.copy_(torch.stack((lo, hi), -1).view(rows, -1, self.block))
         blocks.mul_(scales.unsqueeze(-1))
+
+    @staticmethod
+    def _decode_e4m3_cpu(codes: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor) -> None:
+        """fp8 e4m3 ``codes`` into ``blocks`` (rows x blocks x block) on CPU, where torch
+        casts e4m3fn to fp32 one value at a time (about 9 ns each; e5m2 and fp16 convert
+        vectorized): a code's 7 low bits shifted into a float16's exponent and mantissa are
+        its value / 2^8 exactly, subnormals included. Sign-extended to 16 bits and shifted
+        by 7, the code has its sign in bits 15 and 14: clearing bit 14 leaves that float16."""
+        half = (codes.view(torch.int8).to(torch.int16) << 7) & -16385
+        blocks.copy_(half.view(torch.float16).view(blocks.shape))
+        # x 2^8 folded into the scales where that is exact (powers of two below 2^120)
+        exact = bool((scales < 2.0**120).all())
+        blocks.mul_((scales * 256.0 if exact else scales).unsqueeze(-1))
+        if not exact:
+            blocks.mul_(256.0)
+        low = codes & 0x7F  # S.1111.111 is NaN: the largest low 7 bits (a max is vectorized, == is not)
+        if codes.numel() and int(low.max()) == 0x7F:
+            blocks.masked_fill_((low == 0x7F).view(blocks.shape), float("nan"))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``, shaped as ``x``: what a receiver sees."""
