@@ -55,10 +55,11 @@ def prepare_model_without_ddp(accelerator: Any, model: torch.nn.Module) -> torch
 def gloo_has_avg() -> bool:
     """Whether Gloo's ``all_reduce`` takes ``ReduceOp.AVG``: torch 2.8 and newer.
 
-    torch 2.6 and 2.7 raise ``Cannot use ReduceOp.AVG with Gloo``. fastreduce does not
-    read this: its mean plan (:func:`fastreduce.comm.collectives.plan_mean`) tries AVG
-    once on the group and otherwise divides before a SUM (one more pass over the wire
-    buffer), whatever the backend. It tells the tests what to expect.
+    torch 2.6 and 2.7 raise ``Cannot use ReduceOp.AVG with Gloo``. The mean plan
+    (:func:`fastreduce.comm.collectives.plan_mean`) reads this for Gloo and divides
+    before a SUM where it is false (one more pass over the wire buffer); on a backend
+    it does not know, it tries AVG once on the group. ``tests/test_compat.py`` checks
+    it against a real Gloo all-reduce.
     """
     return version_of("torch") >= (2, 8)
 

@@ -5,6 +5,7 @@ where one process can show it, on the other side of the difference too."""
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,35 @@ def test_gloo_has_avg() -> None:
         assert outs == [True, True], outs
     else:
         assert all(isinstance(o, str) and "AVG" in o for o in outs), outs
+
+
+def _plan_worker(rank: int, world_size: int) -> tuple[list[str], str]:
+    import torch.distributed as dist
+
+    from fastreduce.comm.collectives import plan_mean
+
+    ops, real = [], dist.all_reduce
+
+    def spy(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
+        ops.append(str(op))  # the real collective still runs
+        return real(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        plan = plan_mean(None, torch.float32, torch.device("cpu"))
+    finally:
+        dist.all_reduce = real
+    return ops, repr(plan)
+
+
+def test_gloo_mean_plan_sends_no_probe() -> None:
+    """On Gloo the mean plan follows torch's version and sends nothing to find out: on
+    torch 2.6 a refused AVG probe could still be in the group's work in progress when
+    the next barrier gathered it, and that barrier raised "Cannot use ReduceOp.AVG
+    with Gloo" (the overlapped mode's link probe, two network-namespace hosts)."""
+    for ops, plan in run_ranks(_plan_worker, 2):
+        assert ops == [], ops
+        assert ("AVG" in plan) == compat.gloo_has_avg(), plan
 
 
 def _accelerate_worker(rank: int, world_size: int, force_old: bool) -> dict[str, bool]:

@@ -1,7 +1,7 @@
 """Collectives: the cheapest correct call per process-group backend.
 
-Averaging: where the backend offers ``ReduceOp.AVG`` (NCCL; Gloo on recent torch;
-probed once per group) the collective divides for free. Elsewhere, and always for an
+Averaging: where the backend offers ``ReduceOp.AVG`` (NCCL; Gloo from torch 2.8, known
+by version; another backend probed once per group) the collective divides for free. Elsewhere, and always for an
 fp16 wire (a sum of fp16 values can overflow before it is divided), the buffer is
 divided by the world size *before* the sum, as DDP does.
 
@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from ..compat import gloo_has_avg
 from ..faults import wait_watched
 from ..profiling import span
 from .shm import ShmAllReduce, sum_order
@@ -118,6 +119,11 @@ def plan_mean(group: dist.ProcessGroup | None, wire_dtype: torch.dtype, device: 
         use_avg = False  # sum before divide could overflow fp16
     elif backend == "nccl":
         use_avg = True
+    elif backend == "gloo":
+        # Never a failing AVG on Gloo: on torch 2.6 the failed op can still be in the
+        # group's work in progress when the next barrier gathers it, and that barrier
+        # then raises "Cannot use ReduceOp.AVG with Gloo" (seen on two network hosts).
+        use_avg = gloo_has_avg()
     else:
         use_avg = _avg_works(group, device)
     return MeanPlan(group, world, use_avg)
