@@ -84,9 +84,43 @@ def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb
         compile_fn = backend
     else:
         raise TypeError(f"backend must be a backend name or a callable, got {type(backend).__name__}")
-    from torch._dynamo.backends.distributed import DDPOptimizer
-    splitter = DDPOptimizer(int(bucket_mb * 2**20), compile_fn, first_bucket_cap=int(first_bucket_mb * 2**20))
+    splitter = _splitter()(int(bucket_mb * 2**20), compile_fn, first_bucket_cap=int(first_bucket_mb * 2**20))
     return _Split(splitter, backend, bucket_mb)
+
+
+_SPLITTER: list[type] = []  # [torch's DDPOptimizer, ours], once made
+
+
+def _splitter() -> type:
+    """torch's ``DDPOptimizer``, counting each parameter's own bytes toward a piece.
+
+    torch's counts the bytes of the parameter's storage: the same for DDP's parameters,
+    each of which owns its storage, but ZeRO's and gossip's parameters are views of one
+    flat buffer, so each counted as the whole buffer, and every op that reads a parameter
+    (a linear layer, a LayerNorm) closed a piece of its own whatever the bucket size.
+    """
+    if not _SPLITTER:
+        from torch._dynamo.backends.distributed import DDPOptimizer
+
+        class Splitter(DDPOptimizer):
+            def add_param(self, bucket: Any, param: torch.nn.Parameter, name: str) -> None:
+                before = bucket.size
+                super().add_param(bucket, param, name)
+                bucket.size = before + param.numel() * param.element_size()
+
+        _SPLITTER.extend((DDPOptimizer, Splitter))
+    return _SPLITTER[1]
+
+
+def _use_splitter(ours: bool) -> None:
+    """Where dynamo looks up ``DDPOptimizer`` when it cuts a frame for "the active DDP
+    module": ours while a mode asks for the cut (it is imported there just before the
+    cut, after dynamo asked ``bool(_CUT)``), torch's again once none does."""
+    import sys
+
+    module = sys.modules.get("torch._dynamo.backends.distributed")
+    if module is not None and (ours or _SPLITTER):
+        module.DDPOptimizer = _splitter() if ours else _SPLITTER[0]
 
 
 class _Split:
@@ -121,7 +155,10 @@ class _Cut:
     def __bool__(self) -> bool:
         # Forwards that train run with grad on; an evaluation forward or an optimizer's
         # compiled step (no_grad) compiles whole.
-        return bool(self.owners) and torch.is_grad_enabled()
+        cut = bool(self.owners) and torch.is_grad_enabled()
+        if cut:
+            _use_splitter(True)
+        return cut
 
 
 _CUT = _Cut()
@@ -177,3 +214,4 @@ def _release(key: int) -> None:
 
         if DDP._active_ddp_module is _CUT:
             DDP._active_ddp_module = None
+        _use_splitter(False)

@@ -258,6 +258,11 @@ SPLITS = {  # how the model is compiled -> the mode's reference case
 
 
 WIDE = 512  # 1 MB layers: a plain compile is cut in pieces of 1 MB at least (DDP's first)
+# Inductor's rounding grows with the layers' width: on torch 2.6, torch's own
+# DDP(torch.compile(model)) of this model (in a module class of its own) ends 1.086e-5 off
+# eager DDP after the 6 steps, and every compiled reducing mode here by the same
+# 1.086e-5; 1.3e-6 on torch 2.13. A missing reduction moves the parameters 8e-2.
+TOL_WIDE = {"aot_eager": TOL["aot_eager"], "inductor": 3e-5}
 
 
 def split_worker(rank: int, world: int, backend_name: str, how: str) -> dict[str, Any]:
@@ -308,33 +313,35 @@ def compiled_nodes(loss: torch.Tensor) -> int:
 def test_backward_is_cut_at_buckets(backend: str, how: str) -> None:
     ranks = run_ranks(split_worker, 2, backend, how, timeout=300)
     for rank, out in enumerate(ranks):
-        assert out["diff"] <= TOL[backend], f"rank {rank}: {out['diff']:.2e} off the uncompiled run"
+        assert out["diff"] <= TOL_WIDE[backend], f"rank {rank}: {out['diff']:.2e} off the uncompiled run"
         # 7 Linear layers of ~1 MB, buckets of one each, pieces of 1 MB or more: 3 or more, each its own node.
         assert all(n >= 3 for n in out["nodes"]), f"rank {rank}: compiled backward nodes per step {out['nodes']}"
         assert how != "compile_backend" or out["pieces"] >= 3
+
+
+def pieces_of_a_fresh_compile(grad: bool = True, model: nn.Module | None = None) -> int:
+    """Graphs the backend was handed for one forward of a freshly compiled model."""
+    torch._dynamo.reset()
+    pieces = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        pieces.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(make_model(WIDE) if model is None else model, backend=backend)
+    with torch.set_grad_enabled(grad):
+        compiled(batch(0, 0, WIDE)[0])
+    return len(pieces)
+
+
+class Mode:
+    """Stands for a living mode that asks for the cut."""
 
 
 def test_cut_lasts_while_its_mode_lives() -> None:
     """In one process, no group: a plain torch.compile is cut while an owner lives and
     asks for it, at its size; whole again once it is gone, and under no_grad."""
     from fastreduce.compiling import cut_graphs, uncut_graphs
-
-    def pieces_of_a_fresh_compile(grad: bool = True) -> int:
-        """Graphs the backend was handed for one forward of a freshly compiled model."""
-        torch._dynamo.reset()
-        pieces = []
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            pieces.append(gm)
-            return gm.forward
-
-        model = torch.compile(make_model(WIDE), backend=backend)
-        with torch.set_grad_enabled(grad):
-            model(batch(0, 0, WIDE)[0])
-        return len(pieces)
-
-    class Mode:
-        pass
 
     mode, other = Mode(), Mode()
     assert pieces_of_a_fresh_compile() == 1
@@ -351,6 +358,38 @@ def test_cut_lasts_while_its_mode_lives() -> None:
     from torch.nn.parallel import DistributedDataParallel
     assert DistributedDataParallel._active_ddp_module is None
     assert pieces_of_a_fresh_compile() == 1
+
+
+def test_cut_counts_a_view_parameter_by_its_own_bytes() -> None:
+    """ZeRO's and gossip's parameters are views of one flat buffer (``params_as_views``).
+    torch's DDPOptimizer counts a parameter's storage, so each counted as the whole
+    buffer and every layer became a piece of its own whatever the bucket size (a compiled
+    6-layer GPT-2 under ZeRO: 38 pieces at 6 MB buckets). The cut counts the view's own
+    bytes: the same pieces as the same model with parameters of their own, and torch's
+    DDPOptimizer is back once no mode asks for the cut."""
+    import torch._dynamo.backends.distributed as ddp_backend
+
+    from fastreduce.compiling import cut_graphs, uncut_graphs
+
+    torchs = ddp_backend.DDPOptimizer
+    flat_model = make_model(WIDE)
+    with torch.no_grad():
+        flat = torch.cat([p.reshape(-1) for p in flat_model.parameters()])
+        at = 0
+        for module in flat_model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(flat[at:at + p.numel()].view_as(p)))
+                at += p.numel()
+    assert all(p.untyped_storage().data_ptr() == flat.data_ptr() for p in flat_model.parameters())
+    mode = Mode()
+    cut_graphs(mode, 3.0)  # 7 layers of ~1 MB: DDP's 1 MB first piece, then ~3 MB each
+    try:
+        own = pieces_of_a_fresh_compile()
+        assert 2 <= own <= 4
+        assert pieces_of_a_fresh_compile(model=flat_model) == own
+    finally:
+        uncut_graphs(mode)
+    assert ddp_backend.DDPOptimizer is torchs
 
 
 def test_compile_backend_names_a_missing_backend() -> None:
