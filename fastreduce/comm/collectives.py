@@ -1,9 +1,9 @@
 """Collectives: the cheapest correct call per process-group backend.
 
 Averaging: where the backend offers ``ReduceOp.AVG`` (NCCL; Gloo from torch 2.8, known
-by version; another backend probed once per group) the collective divides for free. Elsewhere, and always for an
-fp16 wire (a sum of fp16 values can overflow before it is divided), the buffer is
-divided by the world size *before* the sum, as DDP does.
+by version; another backend probed once per group) the collective divides for free.
+Elsewhere, and always for an fp16 wire (a sum of fp16 values can overflow before it is
+divided), the buffer is divided by the world size *before* the sum, as DDP does.
 
 fp32 accumulation of a low-precision wire (``accumulate_dtype=torch.float32``): a
 ring all-reduce in bf16 rounds every partial sum, so its error grows with the number
