@@ -117,13 +117,18 @@ def _splitter() -> type:
 
 def _use_splitter(ours: bool) -> None:
     """Where dynamo looks up ``DDPOptimizer`` when it cuts a frame for "the active DDP
-    module": ours while a mode asks for the cut (it is imported there just before the
-    cut, after dynamo asked ``bool(_CUT)``), torch's again once none does."""
-    import sys
+    module": ours while a mode asks for the cut, torch's again once none does. Dynamo
+    imports the name just after it asked ``bool(_CUT)``, where ours is put, and in a
+    process's first compile that import is the module's first, so it is made here."""
+    if ours:
+        import torch._dynamo.backends.distributed as module  # dynamo is compiling: cheap
 
-    module = sys.modules.get("torch._dynamo.backends.distributed")
-    if module is not None and (ours or _SPLITTER):
-        module.DDPOptimizer = _splitter() if ours else _SPLITTER[0]
+        module.DDPOptimizer = _splitter()
+    elif _SPLITTER:
+        import sys
+
+        module = sys.modules["torch._dynamo.backends.distributed"]
+        module.DDPOptimizer = _SPLITTER[0]
 
 
 class _Split:

@@ -360,36 +360,48 @@ def test_cut_lasts_while_its_mode_lives() -> None:
     assert pieces_of_a_fresh_compile() == 1
 
 
-def test_cut_counts_a_view_parameter_by_its_own_bytes() -> None:
-    """ZeRO's and gossip's parameters are views of one flat buffer (``params_as_views``).
-    torch's DDPOptimizer counts a parameter's storage, so each counted as the whole
-    buffer and every layer became a piece of its own whatever the bucket size (a compiled
-    6-layer GPT-2 under ZeRO: 38 pieces at 6 MB buckets). The cut counts the view's own
-    bytes: the same pieces as the same model with parameters of their own, and torch's
-    DDPOptimizer is back once no mode asks for the cut."""
-    import torch._dynamo.backends.distributed as ddp_backend
+def view_cut_worker(rank: int, world: int) -> dict[str, Any]:
+    """In a fresh process (the test's spawned rank), where dynamo has not yet imported
+    its DDP pass: the first compile is the one that imports it."""
+    import sys
 
     from fastreduce.compiling import cut_graphs, uncut_graphs
 
-    torchs = ddp_backend.DDPOptimizer
+    name = "torch._dynamo.backends.distributed"
+    out: dict[str, Any] = {"fresh": name not in sys.modules}
     flat_model = make_model(WIDE)
     with torch.no_grad():
         flat = torch.cat([p.reshape(-1) for p in flat_model.parameters()])
         at = 0
         for module in flat_model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                setattr(module, name, nn.Parameter(flat[at:at + p.numel()].view_as(p)))
+            for pname, p in list(module.named_parameters(recurse=False)):
+                setattr(module, pname, nn.Parameter(flat[at:at + p.numel()].view_as(p)))
                 at += p.numel()
-    assert all(p.untyped_storage().data_ptr() == flat.data_ptr() for p in flat_model.parameters())
+    out["views"] = all(p.untyped_storage().data_ptr() == flat.data_ptr() for p in flat_model.parameters())
     mode = Mode()
     cut_graphs(mode, 3.0)  # 7 layers of ~1 MB: DDP's 1 MB first piece, then ~3 MB each
     try:
-        own = pieces_of_a_fresh_compile()
-        assert 2 <= own <= 4
-        assert pieces_of_a_fresh_compile(model=flat_model) == own
+        out["flat"] = pieces_of_a_fresh_compile(model=flat_model)  # the process's first compile
+        out["own"] = pieces_of_a_fresh_compile()
     finally:
         uncut_graphs(mode)
-    assert ddp_backend.DDPOptimizer is torchs
+    out["torchs_back"] = sys.modules[name].DDPOptimizer.__module__ == name
+    return out
+
+
+def test_cut_counts_a_view_parameter_by_its_own_bytes() -> None:
+    """ZeRO's and gossip's parameters are views of one flat buffer (``params_as_views``).
+    torch's DDPOptimizer counts a parameter's storage, so each counted as the whole
+    buffer and every layer became a piece of its own whatever the bucket size (a compiled
+    6-layer GPT-2 under ZeRO: 38 pieces at 6 MB buckets). The cut counts the view's own
+    bytes: the same pieces as the same model with parameters of their own, from a
+    process's first compile on, and torch's DDPOptimizer is back once no mode asks for
+    the cut."""
+    (out,) = run_ranks(view_cut_worker, 1, timeout=300)
+    assert out["fresh"] and out["views"], out  # else this would not test the first import
+    assert 2 <= out["own"] <= 4, out
+    assert out["flat"] == out["own"], out
+    assert out["torchs_back"], out
 
 
 def test_compile_backend_names_a_missing_backend() -> None:
