@@ -34,6 +34,8 @@ the user's backend, as it does for a frame compiled inside a DDP forward.
 
 from __future__ import annotations
 
+import re
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -42,7 +44,9 @@ import torch.distributed as dist
 
 from .buckets import default_bucket_mb
 
-__all__ = ["compile_backend", "cut_graphs", "keep_cut", "recut", "uncut_graphs"]
+__all__ = ["compile_backend", "cut_graphs", "graphs_wait", "keep_cut", "recut", "uncut_graphs", "wait_in_graphs"]
+
+_WHOLE = 2**62  # a piece size that never cuts
 
 
 def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb: float | None = None,
@@ -106,10 +110,19 @@ def _splitter() -> type:
         from torch._dynamo.backends.distributed import DDPOptimizer
 
         class Splitter(DDPOptimizer):
+            def __init__(self, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None):
+                if first_bucket_cap is None and bucket_bytes_cap >= _WHOLE:  # a frame to wait in, not to cut
+                    first_bucket_cap = bucket_bytes_cap
+                super().__init__(bucket_bytes_cap, backend_compile_fn, first_bucket_cap=first_bucket_cap)
+
             def add_param(self, bucket: Any, param: torch.nn.Parameter, name: str) -> None:
                 before = bucket.size
                 super().add_param(bucket, param, name)
                 bucket.size = before + param.numel() * param.element_size()
+
+            def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+                compiled = super().compile_fn(gm, example_inputs, **kwargs)
+                return _with_waits(gm, self.buckets, compiled)
 
         _SPLITTER.extend((DDPOptimizer, Splitter))
     return _SPLITTER[1]
@@ -149,21 +162,29 @@ class _Split:
 
 
 class _Cut:
-    """What dynamo reads as "the active DDP module" while a mode that overlaps lives: its
-    bucket size, and (``bool``) whether the frame being compiled now should be cut."""
+    """What dynamo reads as "the active DDP module" while a mode that overlaps lives, or a
+    mode whose parameters compiled code must wait for: the piece size, and (``bool``)
+    whether the frame being compiled now goes through :func:`_splitter`'s pass."""
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}  # id(mode) -> bucket bytes
+        self.waits: dict[int, tuple[Callable[[], Any], dict[int, int]]] = {}  # key -> (weak wait, id(param) -> bucket)
+        self.bucket_at: dict[int, tuple[int, int]] = {}  # id(param) -> (key, bucket), of every entry of waits
+
+    def index(self) -> None:
+        self.bucket_at = {pid: (key, b) for key, (_, bucket_of) in self.waits.items() for pid, b in bucket_of.items()}
 
     @property
     def bucket_bytes_cap(self) -> int:
+        if not (self.owners and torch.is_grad_enabled()):
+            return _WHOLE  # one piece, with its waits
         # at least DDP's first piece (1 MB), which DDPOptimizer requires of the others
         return max(min(self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
 
     def __bool__(self) -> bool:
         # Forwards that train run with grad on; an evaluation forward or an optimizer's
-        # compiled step (no_grad) compiles whole.
-        cut = bool(self.owners) and torch.is_grad_enabled()
+        # compiled step (no_grad) compiles whole, in one piece that waits where a mode asks.
+        cut = bool(self.owners) and torch.is_grad_enabled() or bool(self.waits)
         if cut:
             _use_splitter(True)
         return cut
@@ -187,6 +208,123 @@ def cut_graphs(owner: object, bucket_mb: float) -> None:
     _CUT.owners[key] = max(1, int(bucket_mb * 2**20))
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _CUT
+
+
+def graphs_wait() -> bool:
+    """Whether dynamo runs its DDP pass (``torch._dynamo.config.optimize_ddp``, on by
+    default), through which :func:`wait_in_graphs` puts its waits into compiled code."""
+    dynamo = sys.modules.get("torch._dynamo")
+    mode = dynamo.config.optimize_ddp if dynamo is not None else True
+    return mode is True or mode == "ddp_optimizer"
+
+
+def wait_in_graphs(wait: Callable[[tuple[int, ...]], None], bucket_of: dict[int, int]) -> bool:
+    """From now until ``wait``'s object is garbage collected, every graph dynamo compiles
+    (in a frame it converts from now on) calls ``wait(buckets)`` before the first of its
+    pieces that reads a parameter of one of ``buckets`` (``bucket_of``: ``id(param) ->
+    bucket``): a compiled forward waits for each bucket of parameters where it first needs
+    it, as an eager one does in forward pre-hooks. Returns whether dynamo's DDP pass is on
+    (:func:`graphs_wait`); where it is off nothing is registered and compiled code does not
+    wait. Code compiled before this does not wait either: the caller drops it."""
+    if not graphs_wait():
+        return False
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    owner = wait.__self__  # type: ignore[attr-defined]
+    key = id(owner)
+    if key not in _CUT.owners and key not in _CUT.waits:
+        weakref.finalize(owner, _release, key)
+    _CUT.waits[key] = (weakref.WeakMethod(wait), dict(bucket_of))  # type: ignore[arg-type]
+    _CUT.index()
+    if DDP._active_ddp_module is None:
+        DDP._active_ddp_module = _CUT
+    return True
+
+
+def _graph_wait(static: tuple[tuple[int, int], ...], *params: Any) -> None:
+    """Run by compiled code before a piece (see :func:`_with_waits`): wait for the buckets
+    ``static`` (``(key, bucket)`` pairs) and those of ``params``, the piece's parameter
+    inputs of this call. Looked up per call: dynamo reuses a graph for every module of
+    the same code and shapes (``Linear.forward`` of each layer), the parameters its inputs."""
+    todo: dict[int, set[int]] = {}
+    for key, b in static:
+        todo.setdefault(key, set()).add(b)
+    for p in params:
+        hit = _CUT.bucket_at.get(id(p))
+        if hit is not None:
+            todo.setdefault(hit[0], set()).add(hit[1])
+    for key, buckets in todo.items():
+        entry = _CUT.waits.get(key)
+        wait = entry[0]() if entry is not None else None
+        if wait is not None:
+            wait(tuple(sorted(buckets)))
+
+
+def _param_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
+    """The parameter a graph input or attribute node is (at compile time), else ``None``."""
+    if node.op == "get_attr":
+        found = getattr(gm, str(node.target), None)
+    elif node.op == "placeholder":
+        arg = node.meta.get("grapharg")  # dynamo's record of the input: .example is the real tensor
+        found = getattr(arg, "example", None) if arg is not None else None
+    else:
+        return None
+    return found if isinstance(found, torch.nn.Parameter) else None
+
+
+def _with_waits(gm: torch.fx.GraphModule, pieces: list[Any], compiled: Any) -> Any:
+    """``compiled`` (``gm`` compiled in ``pieces``, DDPOptimizer's buckets in forward
+    order) with a call of :func:`_graph_wait` before each piece, given the parameter
+    inputs it reads first (and the registered buckets of the parameters it holds as
+    attributes): a node of the stitching graph where ``gm`` was cut, else a wrapper."""
+    if not _CUT.waits:
+        return compiled
+    piece_of = {node: i for i, piece in enumerate(pieces) for node in piece.nodes}
+    inputs: dict[int, list[torch.fx.Node]] = {}  # piece -> parameter inputs it reads first
+    static: dict[int, set[tuple[int, int]]] = {}  # piece -> registered (key, bucket) of its attributes
+    seen: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        piece = piece_of.get(node, 0)
+        for src in (node, *node.all_input_nodes):
+            if src in seen or _param_of(gm, src) is None:
+                continue
+            seen.add(src)
+            if src.op == "placeholder":
+                inputs.setdefault(piece, []).append(src)
+            elif (hit := _CUT.bucket_at.get(id(_param_of(gm, src)))) is not None:
+                static.setdefault(piece, set()).add(hit)
+    if not (inputs or static):
+        return compiled
+
+    def args(piece: int, nodes: list[Any]) -> tuple[Any, ...]:
+        return (tuple(sorted(static.get(piece, ()))), *nodes)
+
+    if isinstance(compiled, torch.fx.GraphModule) and len(pieces) > 1:
+        outer = {str(n.target): n for n in compiled.graph.nodes if n.op == "placeholder"}
+        placed = set()
+        for node in list(compiled.graph.nodes):  # submod_<piece>, compiled_submod_<piece> once compiled
+            found = re.fullmatch(r"(?:.*_)?submod_(\d+)", str(node.target)) if node.op == "call_module" else None
+            piece = int(found[1]) if found else -1
+            if piece in inputs or piece in static:
+                placed.add(piece)
+                with compiled.graph.inserting_before(node):
+                    compiled.graph.call_function(_graph_wait, args(piece, [outer[str(n.target)]
+                                                                           for n in inputs.get(piece, ())]))
+        if placed != set(inputs) | set(static):
+            raise RuntimeError("fastreduce: torch's DDPOptimizer cut the graph into pieces it did not name "
+                               "submod_<n>; the waits cannot be placed. Please report it with your torch version")
+        compiled.recompile()
+        return compiled
+    where = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    positions = sorted(where[n] for nodes in inputs.values() for n in nodes)
+    fixed = tuple(sorted(set().union(*static.values()))) if static else ()
+
+    def run(*call_args: Any) -> Any:
+        _graph_wait(fixed, *(call_args[i] for i in positions))
+        return compiled(*call_args)
+    return run
 
 
 def recut(owner: object, bucket_mb: float | None) -> bool:
@@ -217,7 +355,9 @@ def uncut_graphs(owner: object) -> None:
 
 def _release(key: int) -> None:
     _CUT.owners.pop(key, None)
-    if not _CUT.owners:
+    if _CUT.waits.pop(key, None) is not None:
+        _CUT.index()
+    if not (_CUT.owners or _CUT.waits):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if DDP._active_ddp_module is _CUT:

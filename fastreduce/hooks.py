@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -114,16 +115,24 @@ def on_step(optimizer: torch.optim.Optimizer, *, pre: Callable[..., Any] | None 
 
 
 def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Callable[[Any], None], mode: str,
-                  what: str, on_compiled: Callable[[], None] | None = None) -> tuple[list[Any], bool]:
+                  what: str, on_compiled: Callable[[], None] | None = None,
+                  in_graphs: bool = False) -> tuple[list[Any], bool]:
     """Before each submodule's forward, ``wait(buckets)`` for the buckets (``bucket_of``:
     ``id(param) -> bucket``) of its own parameters, so that the rest stay in flight during
     the forward; before ``state_dict`` and ``load_state_dict``, ``wait(None)`` (all).
-    Returns the handles and whether the forward waits: not where ``module`` is compiled
-    (a wait per submodule would be a graph break per submodule; the caller waits for all
-    itself). Where the hooks end up traced by dynamo all the same (the module compiled
-    after this, or a compiled wrapper of it run instead of it), the first traced hook
-    waits for everything, eagerly, and the hooks stand down for good: ``on_compiled()``
-    tells the caller to wait for all itself from then on."""
+    Returns the handles and whether the forward waits.
+
+    ``in_graphs``: compiled code waits too (the caller registered ``wait`` with
+    :func:`fastreduce.compiling.wait_in_graphs`, which has dynamo's DDP pass put each
+    bucket's wait before the first compiled piece that reads it); the pre-hooks, where
+    dynamo traces them, are traced into nothing, and still wait wherever the module runs
+    eagerly. Where that pass is off (``torch._dynamo.config.optimize_ddp = False``) a
+    compiled forward cannot wait per bucket (a wait per submodule would be a graph break
+    per submodule): with ``module`` compiled already nothing waits in the forward and the
+    caller waits for all itself; where the hooks end up traced all the same (the module
+    compiled after this), the first traced hook waits for everything, eagerly, and the
+    hooks stand down for good: ``on_compiled()`` tells the caller to wait for all itself
+    from then on."""
     state = {"off": False}
 
     @eager
@@ -136,24 +145,39 @@ def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Call
             if on_compiled is not None:
                 on_compiled()
 
+    run_wait = eager(wait) if in_graphs else wait  # eagerly, also from a frame dynamo runs as is
+
     def before(buckets: tuple[int, ...]) -> None:
         if state["off"]:
             return
-        if torch.compiler.is_compiling():  # being traced: compiled after the hooks were registered
+        if not torch.compiler.is_compiling():
+            run_wait(buckets)
+        elif not in_graphs:  # being traced, with no waits put into the graph
             compiled_after()
-        else:
-            wait(buckets)
 
     handles = [module.register_state_dict_pre_hook(lambda *_: wait(None)),
                module.register_load_state_dict_pre_hook(lambda *_: wait(None))]
-    if compiled(module):
-        log.info("fastreduce: %s(module=...) got a compiled model: %s is waited for outside the "
-                 "compiled forward, not overlapped with it", mode, what)
+    if compiled(module) and not in_graphs:
+        log.info("fastreduce: %s(module=...) got a compiled model and dynamo's DDP pass is off: %s is "
+                 "waited for outside the compiled forward, not overlapped with it", mode, what)
         return handles, False
-    for m in module.modules():
+    def hook(_m: torch.nn.Module, _a: Any, mine: tuple[int, ...]) -> None:
+        before(mine)
+
+    if in_graphs:
+        # Traced inside a module's frame, the hook is nothing and the graph waits; but dynamo
+        # may convert the hook as a frame of its own (torch 2.9 compiling a torch.nn
+        # container in place starts at the first frame outside torch.nn: this one), whose
+        # empty graph would skip the wait while the module's ops run eagerly. Such a frame
+        # runs as it is, and waits.
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(before.__code__)
+        skip_code(hook.__code__)
+    for m in getattr(module, "_orig_mod", module).modules():
         mine = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}))
         if mine:
-            handles.append(before_forward(m, lambda _m, _a, mine=mine: before(mine), traced=True))
+            handles.append(before_forward(m, partial(hook, mine=mine), traced=True))
     return handles, True
 
 

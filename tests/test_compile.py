@@ -450,5 +450,70 @@ def test_zero_module_compiled_after_the_optimizer_matches_plain(how: str) -> Non
         assert out["diff"] <= TOL["aot_eager"], out
 
 
+def zero_forward_waits_worker(rank: int, world: int, ddp_pass: bool) -> dict[str, Any]:
+    """ZeroOptimizer(module=) on a compiled model of 7 layers of ~1 MB (a bucket each,
+    pieces of 1 MB or more): what the optimizer waits for and when, over 4 steps, then an
+    evaluation forward (no_grad, compiled whole) with the last all-gather in flight."""
+    from fastreduce.modes.zero import ZeroOptimizer
+
+    on_device()
+    torch._dynamo.reset()
+    calls: list[Any] = []
+    wait = ZeroOptimizer._wait_gathers
+
+    def spy(self: Any, which: Any = None) -> None:  # the class's: compiled code holds a weak bound method
+        calls.append(None if which is None else tuple(which))
+        wait(self, which)
+
+    ZeroOptimizer._wait_gathers = spy  # this spawned process's class only
+    out: dict[str, Any] = {"forward": [], "in_flight": []}
+    with torch._dynamo.config.patch(optimize_ddp=ddp_pass):
+        model = make_model(WIDE)
+        m = torch.compile(model, backend="aot_eager")
+        opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=m, lr=1e-2,
+                                       eps=ADAM_EPS, bucket_mb=BUCKET_MB)
+        out["buckets"] = opt.num_buckets
+        for s in range(4):
+            x, y = batch(rank, s, WIDE)
+            del calls[:]
+            loss = ((m(x) - y) ** 2).mean()
+            out["forward"].append(list(calls))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out["in_flight"].append(sum(g is not None for g in opt._gathers))
+        x, _ = batch(rank, 9, WIDE)
+        with torch.no_grad():
+            del calls[:]
+            got = m(x)
+            out["eval_waits"] = sorted({b for which in calls if which is not None for b in which})
+            opt.wait_params()
+            want = model(x)  # uncompiled, every gather done
+        out["eval_diff"] = (got - want).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("ddp_pass", [True, False], ids=["ddp-pass", "ddp-pass-off"])
+def test_zero_compiled_forward_waits_for_each_bucket_where_it_reads_it(ddp_pass: bool) -> None:
+    """A compiled forward under ZeroOptimizer(module=) waits for each bucket's all-gather
+    before the first compiled piece that reads it (dynamo's DDP pass puts the waits in),
+    so that the rest of the gather overlaps the forward, as the eager pre-hooks do: the
+    gathers are in flight when step() returns, and the next forward waits a bucket or two
+    at a time, last bucket (first layers) first. An evaluation forward (no_grad, compiled
+    whole) with the gathers in flight waits too, and computes the uncompiled model's
+    output. With the pass off (``optimize_ddp=False``) step() waits for all, as before."""
+    for rank, out in enumerate(run_ranks(zero_forward_waits_worker, 2, ddp_pass, timeout=300)):
+        assert out["eval_diff"] <= 1e-6, (rank, out)
+        if not ddp_pass:
+            assert out["in_flight"] == [0] * 4 and all(f == [] for f in out["forward"]), (rank, out)
+            continue
+        assert out["buckets"] >= 5 and out["in_flight"] == [out["buckets"]] * 4, (rank, out)
+        assert out["eval_waits"] == list(range(out["buckets"])), (rank, out)
+        for waits in out["forward"][1:]:  # the first forward has nothing in flight yet
+            order = [b for which in waits for b in which]
+            assert len(waits) >= 3 and order == sorted(order, reverse=True) \
+                and set(order) == set(range(out["buckets"])), (rank, out)
+
+
 if os.environ.get("FASTREDUCE_TRANSPORT") == "process_group" or DEVICE == "cuda":  # only what reduces
     del test_compile_backend_names_a_missing_backend

@@ -43,7 +43,7 @@ from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
-from ..compiling import keep_cut, recut
+from ..compiling import graphs_wait, keep_cut, recut, wait_in_graphs
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
@@ -89,12 +89,11 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             are ready (else all at ``step()``).
         bucket_mb: bucket size on the wire, MB; ``"auto"`` or ``None`` (default): chosen when built (``.sizing``).
         transport: ``auto`` / ``shm`` / ``process_group`` (see :class:`~fastreduce.comm.Comm`).
-        module: the model; with it the parameter all-gather after ``step()`` is waited
-            per bucket in forward pre-hooks (overlapping the next forward), and in full
+        module: the model (compiled or not); with it the parameter all-gather after
+            ``step()`` is waited per bucket where the next forward first reads it (forward
+            pre-hooks; compiled, before each piece), overlapping the forward, and in full
             before ``module.state_dict()`` / ``load_state_dict()``; read parameters any
-            other way only after :meth:`wait_params`. Without it, or where its forward is
-            compiled (the wrapper or the inner module passed, compiled before or after
-            this), ``step()`` waits before returning (a compiled forward cannot wait per module).
+            other way after :meth:`wait_params`. Without it ``step()`` waits before returning.
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -104,9 +103,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             :attr:`last_step_skipped` says so and :attr:`skipped_steps` counts it, as
             ``GradScaler`` skips). A rank holds only its shard of the average, so the
             verdict costs one fused check of the shard and a one-element MAX all-reduce
-            per step (a latency-bound collective: tens of microseconds on NCCL/HCCL, about
-            0.1 ms on Gloo); naming the parameter takes a second one, on the error path
-            only. A step driven by a ``scaler`` is left to the scaler's own check.
+            per step (about 0.1 ms on Gloo); naming the parameter takes a second one, on
+            the error path only. A step driven by a ``scaler`` is left to the scaler's own check.
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``, ...).
 
     Example::
@@ -159,7 +157,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._found: torch.Tensor | None = None  # set when the shard was unscaled this step
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
-        self._forward_waits: bool | None = False  # module= given (and not compiled): forward pre-hooks wait
+        self._forward_waits: bool | None = False  # module= given: forward pre-hooks (and compiled code) wait
+        self._graph_waits: bool | None = False  # dynamo's DDP pass puts the waits into compiled code
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
@@ -243,11 +242,12 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
 
             self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt)
             self._schedule.sync = self.overlap
-        if module is not None:  # its forward waits for the gathers, unless it is compiled
+        if module is not None:  # its forward waits for the gathers, compiled or not
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+            self._graph_waits = wait_in_graphs(self._wait_gathers, bucket_of)
             self._module_hooks, self._forward_waits = forward_waits(  # compiled after all: step() waits (None)
                 module, bucket_of, self._wait_gathers, "ZeroOptimizer", "the parameter all-gather",
-                lambda: setattr(self, "_forward_waits", None))
+                lambda: setattr(self, "_forward_waits", None), self._graph_waits)
         if self.rank == 0:
             log.info("fastreduce: ZeroOptimizer(%s): %s in %d buckets, wire %s, %d ranks, "
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
@@ -311,13 +311,11 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         norm_type = float(norm_type)
         self._clip_args = (max_norm, norm_type)
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        if norm_type == float("inf"):
-            local, op = norms.max(), dist.ReduceOp.MAX
-        else:
-            local, op = norms.pow(norm_type).sum(), dist.ReduceOp.SUM
+        inf = norm_type == float("inf")
+        local, op = (norms.max(), dist.ReduceOp.MAX) if inf else (norms.pow(norm_type).sum(), dist.ReduceOp.SUM)
         if self.world_size > 1:
             all_reduce_watched(local, op, self.group)
-        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+        total = local if inf else local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return total
@@ -448,6 +446,8 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             else:  # in gather_dtype, then into the parameters (every chunk: this rank's rounded too)
                 gathers[b] = (self.comm.all_gather(s.send)[0], partial(s.params.copy_, s.send))
         self._gathers = gathers
+        if self._graph_waits and not graphs_wait():  # dynamo's DDP pass turned off: what it compiles
+            self._graph_waits = self._forward_waits = None  # now would not wait; step() waits from now on
         if not self._forward_waits:
             self._wait_gathers()
 
