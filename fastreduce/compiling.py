@@ -30,6 +30,12 @@ while a mode that starts collectives during backward lives, dynamo's own hook fo
 (``DistributedDataParallel._get_active_ddp_module()``, read as each frame is compiled)
 answers with the mode's bucket size, so dynamo cuts the graph with ``DDPOptimizer`` around
 the user's backend, as it does for a frame compiled inside a DDP forward.
+
+The same pass puts waits into compiled code (:func:`wait_in_graphs`): ZeRO's parameters
+are all-gathered after its step and read by the next forward, so each compiled piece
+first waits for the buckets of the parameters it reads (a call in the graph that
+stitches the pieces, or a wrapper of a graph compiled whole), and the rest of the gather
+stays in flight behind it, as the eager forward's pre-hooks leave it.
 """
 
 from __future__ import annotations
