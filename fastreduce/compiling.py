@@ -174,11 +174,8 @@ class _Cut:
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}  # id(mode) -> bucket bytes
-        self.waits: dict[int, tuple[Callable[[], Any], dict[int, int]]] = {}  # key -> (weak wait, id(param) -> bucket)
-        self.bucket_at: dict[int, tuple[int, int]] = {}  # id(param) -> (key, bucket), of every entry of waits
-
-    def index(self) -> None:
-        self.bucket_at = {pid: (key, b) for key, (_, bucket_of) in self.waits.items() for pid, b in bucket_of.items()}
+        self.waits: dict[int, Callable[[], Any]] = {}  # key -> weak wait(buckets)
+        self.bucket_at: dict[int, tuple[int, int]] = {}  # id(param) -> (key, bucket), for every key of waits
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -240,11 +237,17 @@ def wait_in_graphs(wait: Callable[[tuple[int, ...]], None], bucket_of: dict[int,
     key = id(owner)
     if key not in _CUT.owners and key not in _CUT.waits:
         weakref.finalize(owner, _release, key)
-    _CUT.waits[key] = (weakref.WeakMethod(wait), dict(bucket_of))  # type: ignore[arg-type]
-    _CUT.index()
+    _forget_waits(key)  # a mode built again: its old buckets go
+    _CUT.waits[key] = weakref.WeakMethod(wait)  # type: ignore[arg-type]
+    _CUT.bucket_at.update((pid, (key, b)) for pid, b in bucket_of.items())
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _CUT
     return True
+
+
+def _forget_waits(key: int) -> None:
+    if _CUT.waits.pop(key, None) is not None:
+        _CUT.bucket_at = {pid: hit for pid, hit in _CUT.bucket_at.items() if hit[0] != key}
 
 
 def _graph_wait(static: tuple[tuple[int, int], ...], *params: Any) -> None:
@@ -252,18 +255,13 @@ def _graph_wait(static: tuple[tuple[int, int], ...], *params: Any) -> None:
     ``static`` (``(key, bucket)`` pairs) and those of ``params``, the piece's parameter
     inputs of this call. Looked up per call: dynamo reuses a graph for every module of
     the same code and shapes (``Linear.forward`` of each layer), the parameters its inputs."""
-    todo: dict[int, set[int]] = {}
-    for key, b in static:
-        todo.setdefault(key, set()).add(b)
-    for p in params:
-        hit = _CUT.bucket_at.get(id(p))
-        if hit is not None:
-            todo.setdefault(hit[0], set()).add(hit[1])
-    for key, buckets in todo.items():
-        entry = _CUT.waits.get(key)
-        wait = entry[0]() if entry is not None else None
+    hits = set(static)
+    hits.update(filter(None, map(_CUT.bucket_at.get, map(id, params))))
+    for key in {k for k, _ in hits}:
+        ref = _CUT.waits.get(key)
+        wait = ref() if ref is not None else None
         if wait is not None:
-            wait(tuple(sorted(buckets)))
+            wait(tuple(sorted(b for k, b in hits if k == key)))
 
 
 def _param_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
@@ -294,12 +292,13 @@ def _with_waits(gm: torch.fx.GraphModule, pieces: list[Any], compiled: Any) -> A
             continue
         piece = piece_of.get(node, 0)
         for src in (node, *node.all_input_nodes):
-            if src in seen or _param_of(gm, src) is None:
+            param = None if src in seen else _param_of(gm, src)
+            if param is None:
                 continue
             seen.add(src)
             if src.op == "placeholder":
                 inputs.setdefault(piece, []).append(src)
-            elif (hit := _CUT.bucket_at.get(id(_param_of(gm, src)))) is not None:
+            elif (hit := _CUT.bucket_at.get(id(param))) is not None:
                 static.setdefault(piece, set()).add(hit)
     if not (inputs or static):
         return compiled
@@ -361,8 +360,7 @@ def uncut_graphs(owner: object) -> None:
 
 def _release(key: int) -> None:
     _CUT.owners.pop(key, None)
-    if _CUT.waits.pop(key, None) is not None:
-        _CUT.index()
+    _forget_waits(key)
     if not (_CUT.owners or _CUT.waits):
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -158,7 +158,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
         self._forward_waits: bool | None = False  # module= given: forward pre-hooks (and compiled code) wait
-        self._graph_waits: bool | None = False  # dynamo's DDP pass puts the waits into compiled code
+        self._graph_waits = False  # dynamo's DDP pass puts the waits into compiled code
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
@@ -447,7 +447,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                 gathers[b] = (self.comm.all_gather(s.send)[0], partial(s.params.copy_, s.send))
         self._gathers = gathers
         if self._graph_waits and not graphs_wait():  # dynamo's DDP pass turned off: what it compiles
-            self._graph_waits = self._forward_waits = None  # now would not wait; step() waits from now on
+            self._graph_waits, self._forward_waits = False, None  # now would not wait; step() waits from now on
         if not self._forward_waits:
             self._wait_gathers()
 
