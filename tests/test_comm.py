@@ -16,6 +16,7 @@ from torch.testing import assert_close
 
 import fastreduce.comm.shm as shm_mod
 from fastreduce.comm import Comm, get_comm
+from fastreduce.comm.collectives import exchange_ops
 from fastreduce.launch import run_ranks
 
 WORLDS = (2, 3, 4)
@@ -144,6 +145,15 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
     on_gpu = Comm(None, torch.device("cuda"), "process_group")
     out["point_to_point"] = {"cpu": (comm.by_exchange, comm.gather_by_exchange),
                              "cuda": (on_gpu.by_exchange, on_gpu.gather_by_exchange)}
+    # the posting order of an exchange in pieces of 16 bytes (4 fp32): every receive first
+    peers = [j for j in range(world) if j != rank]
+    sends = {j: torch.arange(10.0) + 100 * rank + j for j in peers}
+    recvs = {j: torch.full((10,), float("nan")) for j in peers}
+    ops = exchange_ops(sends, recvs, None, lambda j: j, piece_bytes=16)
+    out["p2p_order"] = [(op.op.__name__, op.peer, op.tensor.numel()) for op in ops]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["p2p_got"] = {j: (recvs[j], torch.arange(10.0) + 100 * j + rank) for j in peers}
     return out
 
 
@@ -228,3 +238,20 @@ def test_uniform_mix_is_the_rank_order_sum_bit_for_bit(results, matrix: str, dty
 def test_weighted_mix_into_a_shared_output(results, dtype: str) -> None:
     for got, want in (r[f"shared_pair_{dtype}"] for r in results[1]):
         assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_point_to_point_posts_every_receive_before_any_send(results) -> None:
+    """Gloo holds a send until the receiver's note that its receive is posted, and the
+    note queues behind whatever the receiver has already sent: receives posted among or
+    after sends stalled ZeRO's phases over a 100 Mbit/s link by up to 55%
+    (``exchange_ops``' docstring). Each kind goes in pieces, the peers in turn."""
+    _, per_rank = results
+    world = len(per_rank)
+    for rank, r in enumerate(per_rank):
+        kinds = [k for k, _, _ in r["p2p_order"]]
+        peers = [j for j in range(world) if j != rank]
+        pieces = [(j, n) for n in (4, 4, 2) for j in peers]  # 10 values in pieces of at most 4
+        assert kinds == ["irecv"] * len(pieces) + ["isend"] * len(pieces)
+        assert [(p, n) for _, p, n in r["p2p_order"]] == pieces + pieces
+        for j, (got, want) in r["p2p_got"].items():
+            assert_close(got, want, rtol=0, atol=0)
