@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb",
-           "choose", "probe_link", "shared_memory", "wire_piece_bytes"]
+           "choose", "probe_link", "shared_memory"]
 
 AUTO = "auto"
 AUTO_RULE = ("one bucket on shared memory; over a process group, the least communication left after "
@@ -93,24 +93,6 @@ class Sizing:
         size = "one bucket" if self.buckets == 1 else \
             f"buckets of {self.bucket_mb:g} MB, the first {self.first_bucket_mb:g} MB"
         return f"bucket_mb='auto': {size} ({self.why})"
-
-
-PIECE_SECONDS = 0.004
-PIECE_MIN, PIECE_MAX = 1 << 16, 1 << 18
-
-
-def wire_piece_bytes(link: Link) -> int:
-    """The piece size of point-to-point exchanges over Gloo (ZeRO's reduce-scatter and
-    all-gather) for ``link``: the power of two nearest below :data:`PIECE_SECONDS` of its
-    bandwidth, between 64 and 256 KiB (the default, ``WIRE_PIECE_BYTES``). Measured on
-    two namespace hosts, ZeRO's step against DDP's (medians of three jobs): at 100 Mbit/s
-    (probed at 17 MB/s: 64 KiB) 1.011x eager and 0.969x compiled with 64 KiB pieces
-    against 1.115x and 1.085x with 256 KiB; at 1 Gbit/s (128 MB/s: 256 KiB) 64 KiB
-    pieces were 6% slower."""
-    piece = PIECE_MIN
-    while piece * 2 <= min(link.bytes_per_s * PIECE_SECONDS, PIECE_MAX):
-        piece *= 2
-    return piece
 
 
 def shared_memory(wire_bytes: int) -> Sizing:

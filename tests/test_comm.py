@@ -145,11 +145,11 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
     on_gpu = Comm(None, torch.device("cuda"), "process_group")
     out["point_to_point"] = {"cpu": (comm.by_exchange, comm.gather_by_exchange),
                              "cuda": (on_gpu.by_exchange, on_gpu.gather_by_exchange)}
-    # the posting order of an exchange in pieces of 16 bytes (4 fp32): every receive first
+    # the posting order of an exchange: every receive first
     peers = [j for j in range(world) if j != rank]
     sends = {j: torch.arange(10.0) + 100 * rank + j for j in peers}
     recvs = {j: torch.full((10,), float("nan")) for j in peers}
-    ops = exchange_ops(sends, recvs, None, lambda j: j, piece_bytes=16)
+    ops = exchange_ops(sends, recvs, None, lambda j: j)
     out["p2p_order"] = [(op.op.__name__, op.peer, op.tensor.numel()) for op in ops]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
@@ -244,14 +244,14 @@ def test_point_to_point_posts_every_receive_before_any_send(results) -> None:
     """Gloo holds a send until the receiver's note that its receive is posted, and the
     note queues behind whatever the receiver has already sent: receives posted among or
     after sends stalled ZeRO's phases over a 100 Mbit/s link by up to 55%
-    (``exchange_ops``' docstring). Each kind goes in pieces, the peers in turn."""
+    (``exchange_ops``' docstring). Messages go whole, to the peers in rank order."""
     _, per_rank = results
     world = len(per_rank)
     for rank, r in enumerate(per_rank):
         kinds = [k for k, _, _ in r["p2p_order"]]
         peers = [j for j in range(world) if j != rank]
-        pieces = [(j, n) for n in (4, 4, 2) for j in peers]  # 10 values in pieces of at most 4
-        assert kinds == ["irecv"] * len(pieces) + ["isend"] * len(pieces)
-        assert [(p, n) for _, p, n in r["p2p_order"]] == pieces + pieces
+        whole = [(j, 10) for j in peers]
+        assert kinds == ["irecv"] * len(whole) + ["isend"] * len(whole)
+        assert [(p, n) for _, p, n in r["p2p_order"]] == whole + whole
         for j, (got, want) in r["p2p_got"].items():
             assert_close(got, want, rtol=0, atol=0)

@@ -153,7 +153,7 @@ def zero_sizing(rank: int, world: int, transport: str, bucket_mb: float | str) -
                                    bucket_mb=bucket_mb)
     s = opt.sizing
     return {"sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb, s.buckets, s.link),
-            "why": s and s.describe(), "buckets": opt.num_buckets, "pieces": opt.comm.piece_bytes}
+            "why": s and s.describe(), "buckets": opt.num_buckets}
 
 
 @pytest.mark.parametrize("transport", ["shm", "process_group"])
@@ -164,21 +164,8 @@ def test_zero_sizes_its_buckets_when_built(transport: str) -> None:
         assert ranks[0]["buckets"] == 1 and "shared memory" in ranks[0]["why"]
     else:
         assert "MB/s per all-reduce" in ranks[0]["why"] and ranks[0]["sizing"][2] >= 1
-        from fastreduce.sizing import wire_piece_bytes
-        pieces = wire_piece_bytes(ranks[0]["sizing"][3])  # Gloo's point-to-point pieces, from the agreed link
-        assert ranks[0]["pieces"] == pieces and f"point-to-point pieces of {pieces // 1024} KiB" in ranks[0]["why"]
     for out in run_ranks(zero_sizing, 2, transport, 0.2):  # a number is kept: a bucket per 256 KB layer
         assert out["sizing"] is None and out["buckets"] == 8
-
-
-def test_wire_pieces_follow_the_link() -> None:
-    """Gloo's point-to-point pieces: about 4 ms of the link, 64 to 256 KiB, a power of two."""
-    from fastreduce.sizing import Link, wire_piece_bytes
-    assert wire_piece_bytes(Link(3e-3, 17 * 2**20)) == 64 * 1024  # 100 Mbit/s, as the probe reads it
-    assert wire_piece_bytes(Link(4e-4, 128 * 2**20)) == 256 * 1024  # 1 Gbit/s
-    assert wire_piece_bytes(Link(1e-3, 40 * 2**20)) == 128 * 1024
-    assert wire_piece_bytes(Link(1e-2, 2**20)) == 64 * 1024  # never below
-    assert wire_piece_bytes(Link(1e-5, 10 * 2**30)) == 256 * 1024  # never above
 
 
 def test_first_bucket_has_its_own_limit() -> None:

@@ -147,41 +147,31 @@ def start_all_reduce(buf: torch.Tensor, plan: MeanPlan, pack: Callable[[], None]
     return work, unpack
 
 
-WIRE_PIECE_BYTES = 1 << 18
-"""The largest message of :func:`exchange_ops` (256 KiB). Over a rate-limited link one
-large Gloo message (an all-to-all's row, a point-to-point send) often moves at half
-the link's rate: 4.2 MB each way over 100 Mbit/s took 690 ms in 3 of 4 tries, in pieces
-of 256 KiB or less 350-375 ms every time (the wire's floor: 336 ms)."""
+RING_PIECE_BYTES = 1 << 18
+"""The piece of :class:`RingReduceScatter`'s messages (256 KiB): each received piece is
+summed and sent on, so the ring's W - 1 steps overlap piece by piece."""
 
 
 def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
-                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int],
-                 piece_bytes: int | None = WIRE_PIECE_BYTES) -> list[Any]:
+                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int]) -> list[Any]:
     """Point-to-point ops sending ``sends[j]`` to group rank ``j`` and receiving
-    ``recvs[j]`` from it, each cut into contiguous pieces of at most ``piece_bytes``
-    (``None``: whole; both sides cut alike: a send and its receive are as long).
+    ``recvs[j]`` from it (each as long as what the other side sends), every receive
+    posted before any send.
 
-    Every receive is posted before any send. Gloo's sender holds a message until the
-    receiver's "ready to receive" note for it has arrived, and that note travels on the
-    same connection as the receiver's own data: posted after sends (or between them), a
-    rank's notes queue behind up to megabytes of its data, and the peer's sends stall
-    for as long. Two namespace hosts at 100 Mbit/s, ZeRO's 4.2 MB each way per phase in
-    64 KiB pieces (floor 336 ms, 350 with TCP's headers): with sends and receives
-    interleaved, half the phases took 405-545 ms, with stalls of 25-80 ms where
-    the link carried nothing; receives first, 349-372 ms every phase of 44. Within each
-    kind the pieces go to (or come from) the peers in turn: piece k of every peer, then
-    piece k + 1."""
-    def interleaved(kind: Any, tensors: dict[int, torch.Tensor]) -> list[Any]:
-        per_peer = []
-        for j in sorted(tensors):
-            t = tensors[j]
-            if t is not None and t.numel():
-                step = t.numel() if piece_bytes is None else max(1, piece_bytes // t.element_size())
-                per_peer.append([dist.P2POp(kind, t[a:a + step], global_rank(j), group)
-                                 for a in range(0, t.numel(), step)])
-        return [ops[k] for k in range(max(map(len, per_peer), default=0)) for ops in per_peer if k < len(ops)]
-
-    return interleaved(dist.irecv, recvs) + interleaved(dist.isend, sends)
+    Gloo's sender holds a message until the receiver's "ready to receive" note for it
+    has arrived, and that note travels on the same connection as the receiver's own
+    data: posted after a send, a rank's note queues behind its data (megabytes, over a
+    slow link hundreds of milliseconds), and the peer's send waits as long. Two
+    namespace hosts at 100 Mbit/s, ZeRO's 4.2 MB each way per phase (floor 336 ms, 350
+    with TCP's headers): sends and receives interleaved in 64 KiB pieces, half the
+    phases took 405-545 ms with stalls of 25-80 ms where the link carried nothing;
+    receives first, 349-372 ms in each of 44 phases. Cut into pieces, the messages only
+    cost more once the receives go first (4.2 MB each way, medians of 45: 100 Mbit/s
+    373 ms whole, 377 in 256 KiB pieces, 388 in 64 KiB; 1 Gbit/s 37.3, 37.7, 40.7; one
+    host, 24 MB each way, 21.2, 28.7, 48.2): they go whole."""
+    posts = [(dist.irecv, recvs), (dist.isend, sends)]
+    return [dist.P2POp(kind, t, global_rank(j), group)
+            for kind, tensors in posts for j in sorted(tensors) if (t := tensors[j]) is not None and t.numel()]
 
 
 RING_TAG = 1 << 24
@@ -207,7 +197,7 @@ class RingReduceScatter:
     The launch posts every receive (a buffer of its own per step: ``recv``, W - 1
     chunks) and step 0's sends (my own row). The later sends need the receive before
     them, so a thread of the group's own (:func:`_ring_of`) waits for each received
-    piece (``WIRE_PIECE_BYTES``), adds my row to it and sends it on: the steps overlap
+    piece (``RING_PIECE_BYTES``), adds my row to it and sends it on: the steps overlap
     piece by piece, and the next launch's first step is already on the wire when this
     one ends. Every step of every launch has a tag of its own, so which thread posts
     first never matters. ``wait()`` is watched for lost ranks like any Gloo wait
@@ -216,7 +206,7 @@ class RingReduceScatter:
     """
 
     def __init__(self, rows: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
-                 global_rank: Callable[[int], int], piece_bytes: int | None):
+                 global_rank: Callable[[int], int], piece_bytes: int | None = RING_PIECE_BYTES):
         self.rows, self.out, self.group = rows, out, group
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]

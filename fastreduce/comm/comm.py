@@ -22,18 +22,17 @@ How the bytes travel, per buffer:
                     averages chunk r over every rank's region (all-reduce: and pushes
                     it back; reduce-scatter: into ``out``); all-gather pulls chunk k from
                     rank k's region. See :mod:`.shm`.
- Gloo               point-to-point rows for both halves (what an all-to-all moves), in
-                    pieces of 256 KiB, with the sum done locally in fp32; an fp32
-                    reduce-scatter over more than two ranks goes around a ring instead
-                    (:class:`~.collectives.RingReduceScatter`: one flow per link, about 0.85x
-                    the time of the direct exchange over 100 Mbit/s links): measured on
-                    torch 2.13 (2 ranks, 48 MB fp32, one host), ``all_to_all_single``
-                    21 ms against ``reduce_scatter_tensor`` 62 ms and
-                    ``all_gather_into_tensor`` 49 ms; the pieces cost 25-35% more than
-                    one all-to-all on one host (14.5 against 11.8 ms) and halve the
-                    time over a rate-limited link (see ``WIRE_PIECE_BYTES``); the
-                    gossip mix's point-to-point sends are cut alike on Gloo (whole on
-                    other backends). All-reduce stays ``all_reduce``
+ Gloo               point-to-point rows for both halves (what an all-to-all moves),
+                    every receive posted before any send
+                    (:func:`~.collectives.exchange_ops`), with the sum done locally in
+                    fp32; an fp32 reduce-scatter over more than two ranks goes around a
+                    ring instead (:class:`~.collectives.RingReduceScatter`: one flow per
+                    link, about 0.85x the time of the direct exchange over 100 Mbit/s
+                    links): measured on torch 2.13 (2 ranks, 48 MB fp32, one host),
+                    ``all_to_all_single`` 21 ms, the point-to-point exchange 21 ms,
+                    against ``reduce_scatter_tensor`` 62 ms and
+                    ``all_gather_into_tensor`` 49 ms; the gossip mix goes point to point
+                    alike. All-reduce stays ``all_reduce``
                     (39 ms, faster than the two exchanges it would take). Device
                     tensors over Gloo take ``all_to_all_single`` and the all-gather:
                     Gloo's point to point moves host memory only.
@@ -58,7 +57,7 @@ import torch.distributed as dist
 
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
-from .collectives import (WIRE_PIECE_BYTES, Fp32Accumulate, MeanPlan, Pending, RingReduceScatter, all_gather_flat,
+from .collectives import (Fp32Accumulate, MeanPlan, Pending, RingReduceScatter, all_gather_flat,
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
@@ -107,8 +106,6 @@ class Comm:
         # which stage through host memory themselves.
         self.by_exchange = self.by_all_to_all and device.type == "cpu"
         self.gather_by_exchange = self.by_exchange and gather_by_exchange(self.pg_backend, self.world)
-        # Gloo moves large messages slowly over a slow link: point-to-point goes in pieces
-        self.piece_bytes = WIRE_PIECE_BYTES if self.pg_backend == "gloo" else None
         self.shms: list[ShmAllReduce] = []
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._plans: dict[torch.dtype, MeanPlan] = {}
@@ -219,7 +216,7 @@ class Comm:
                     pack()
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
                 return RingReduceScatter(buf.view(self.world, n), out, self._scratch_like(buf, "recv"), self.group,
-                                         self._global, self.piece_bytes), None
+                                         self._global), None
             if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
                 work = self.exchange(buf.view(self.world, n), recv.view(self.world, n))
@@ -234,7 +231,7 @@ class Comm:
     def exchange(self, rows: torch.Tensor, got: torch.Tensor) -> Any:
         """Launch an all-to-all of ``rows`` (W rows): row j to rank j, and rank j's row
         r into ``got[j]`` (this rank's own row copied). On Gloo with CPU tensors it is
-        point-to-point, in pieces (``WIRE_PIECE_BYTES``); elsewhere ``all_to_all_single``.
+        point-to-point (:meth:`send_recv`); elsewhere ``all_to_all_single``.
         Returns the work to wait on."""
         if self.by_exchange:
             got[self.rank].copy_(rows[self.rank])
@@ -244,9 +241,10 @@ class Comm:
 
     def send_recv(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Any:
         """Launch point-to-point messages: ``sends[j]`` to rank ``j``, ``recvs[j]`` from
-        it (each as long as what ``j`` sends; in pieces of ``WIRE_PIECE_BYTES`` on Gloo,
-        which moves host memory only). Returns the work to wait on (once)."""
-        ops = exchange_ops(sends, recvs, self.group, self._global, self.piece_bytes)
+        it (each as long as what ``j`` sends; Gloo moves host memory only), every
+        receive posted before any send (:func:`~.collectives.exchange_ops`). Returns the
+        work to wait on (once)."""
+        ops = exchange_ops(sends, recvs, self.group, self._global)
         return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
 
     def all_gather(self, buf: torch.Tensor) -> Pending:
@@ -259,12 +257,10 @@ class Comm:
         with span("fastreduce::all_gather"):
             if shm is not None:
                 return shm.start(buf, kind=ALL_GATHER), None
-            if self.gather_by_exchange:  # Gloo, 2 ranks: my chunk to the other, theirs into place, in pieces
+            if self.gather_by_exchange:  # Gloo, 2 ranks: my chunk to the other, theirs into place
                 rows = buf.view(self.world, n)
                 peers = [j for j in range(self.world) if j != self.rank]
-                ops = exchange_ops({j: mine for j in peers}, {j: rows[j] for j in peers}, self.group, self._global,
-                                   self.piece_bytes)
-                return _AllWorks(dist.batch_isend_irecv(ops)), None
+                return self.send_recv({j: mine for j in peers}, {j: rows[j] for j in peers}), None
             return all_gather_flat(buf, mine, self.group, async_op=True), None
 
     def mix(self, buf: torch.Tensor, out: torch.Tensor, matrix: torch.Tensor,
@@ -308,7 +304,7 @@ class Comm:
             send = buf if host is None else self._scratch_like(buf, "send_host", device=host).copy_(buf)
             recvs = [self._scratch_like(buf, f"recv{j}", device=host) for j in peers]
             ops = exchange_ops({i: send for i in range(self.world) if i != r and col[i] != 0.0},
-                               dict(zip(peers, recvs)), self.group, self._global, self.piece_bytes)
+                               dict(zip(peers, recvs)), self.group, self._global)
             works = dist.batch_isend_irecv(ops) if ops else []
             acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
             tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)

@@ -3,14 +3,12 @@ value fails here, naming the field, before anything is built), and its default b
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..buckets import default_bucket_mb
 from ..codecs.quant import BlockQuant, check_wire
 from ..comm import Comm
-from ..sizing import AUTO, AutoSizer, Sizing, check_bucket_mb, wire_piece_bytes
+from ..sizing import AUTO, AutoSizer, Sizing, check_bucket_mb
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "zero_bucket_mb", "zero_buckets"]
 
@@ -48,9 +46,6 @@ def zero_buckets(bucket_mb: float | str | None, comm: Comm, named: list[tuple[st
     if comm.wants_shm:
         comm.buffer(1, torch.float32)  # collective: whether the ranks share /dev/shm
     sizing = AutoSizer().build(bool(comm.shms), wire_bytes, None, comm.group, comm.device)
-    if sizing.link is not None and comm.piece_bytes is not None:  # Gloo's point-to-point, sized to the link
-        comm.piece_bytes = wire_piece_bytes(sizing.link)
-        sizing = replace(sizing, why=f"{sizing.why}; point-to-point pieces of {comm.piece_bytes // 1024} KiB")
     return sizing.bucket_mb, sizing.first_bucket_mb, sizing.bucket_mb if sizing.buckets > 1 else None, sizing
 
 
