@@ -303,9 +303,8 @@ class Comm:
             host = torch.device("cpu") if self.pg_backend == "gloo" and buf.device.type != "cpu" else None
             send = buf if host is None else self._scratch_like(buf, "send_host", device=host).copy_(buf)
             recvs = [self._scratch_like(buf, f"recv{j}", device=host) for j in peers]
-            ops = exchange_ops({i: send for i in range(self.world) if i != r and col[i] != 0.0},
-                               dict(zip(peers, recvs)), self.group, self._global)
-            works = dist.batch_isend_irecv(ops) if ops else []
+            work = self.send_recv({i: send for i in range(self.world) if i != r and col[i] != 0.0},
+                                  dict(zip(peers, recvs)))
             acc = out if out.dtype.itemsize >= 4 else self._scratch_like(out, "mix_acc", torch.float32)
             tmp = None if buf.dtype == acc.dtype else self._scratch_like(buf, "mix_tmp", acc.dtype)
             ranks = sorted([r, *peers])  # summed in rank order, as on shared memory
@@ -315,7 +314,7 @@ class Comm:
                                                   for j, t in zip(peers, recvs)]
                 by_rank = {r: buf, **dict(zip(peers, got))}
                 weighted_sum(out, acc, tmp, [row[j] for j in ranks], [by_rank[j] for j in ranks])
-            return _AllWorks(works), combine
+            return work, combine
 
     # ------------------------------------------------------------------ helpers
 
