@@ -9,9 +9,9 @@ fp32 accumulation of a low-precision wire (``accumulate_dtype=torch.float32``): 
 ring all-reduce in bf16 rounds every partial sum, so its error grows with the number
 of ranks. :class:`Fp32Accumulate` sends the same bytes as a ring all-reduce but rounds
 only twice at any world size: an all-to-all hands each rank one chunk from every
-rank, the rank sums its chunk in fp32 and divides, and an all-gather (on Gloo at 2
-ranks a second all-to-all: :func:`gather_by_exchange`) returns every rank's averaged
-chunk.
+rank, the rank sums its chunk in fp32 and divides, and an all-gather returns every
+rank's averaged chunk (both through :class:`~.comm.Comm`'s exchange and all-gather: on
+Gloo with CPU tensors point to point, every receive posted first).
 
 CPU ranks on one host skip the process group for the data: :mod:`.shm` averages
 through a shared-memory segment (summing low-precision wires in fp32 as well), and a
@@ -319,6 +319,10 @@ class Fp32Accumulate:
 
     ``wire.numel()`` must be a multiple of the world size. Holds persistent scratch:
     one wire-sized receive buffer and two fp32 chunks, so a launch allocates nothing.
+    ``exchange(rows, got)`` launches the all-to-all and ``gather(buf)`` the in-place
+    all-gather: :class:`~.comm.Comm`'s, which builds these (on Gloo with CPU tensors both
+    go point to point, every receive posted first: Gloo's ``all_to_all_single`` there
+    took 2x the wire's time over a 100 Mbit/s link, its stall on "ready to receive" notes).
 
     Two phases, so that a bucket launched from a backward hook never waits there for
     its own data: :meth:`start` launches the all-to-all and returns; :meth:`advance`
@@ -335,19 +339,23 @@ class Fp32Accumulate:
 
     collectives = 2
     """Collectives per launch (for counters)."""
+    watches_itself = True
+    """Its waits go through :func:`~fastreduce.faults.wait_watched` themselves."""
 
-    def __init__(self, wire: torch.Tensor, plan: MeanPlan, backlog: deque[Fp32Accumulate] | None = None):
+    def __init__(self, wire: torch.Tensor, plan: MeanPlan, backlog: deque[Fp32Accumulate],
+                 exchange: Callable[[torch.Tensor, torch.Tensor], Any], gather: Callable[[torch.Tensor], Pending]):
         world = plan.world
         if wire.numel() % world:
             raise ValueError(f"buffer of {wire.numel()} elements does not split into {world} chunks")
-        self.wire, self.world, self.group = wire, world, plan.group
+        self.wire, self.world = wire, world
         self.rank = dist.get_rank(plan.group)
         self.recv = torch.empty_like(wire)
         self.rows = self.recv.view(world, -1)
+        self.mine = wire.view(world, -1)[self.rank]
         self.acc = torch.empty(self.rows.shape[1], dtype=torch.float32, device=wire.device)
         self.tmp = torch.empty_like(self.acc)
-        self.gather_by_all_to_all = gather_by_exchange(dist.get_backend(plan.group), world)
-        self.backlog: deque[Fp32Accumulate] = deque() if backlog is None else backlog
+        self.exchange, self.gather = exchange, gather  # Comm's (same calls as its other users)
+        self.backlog = backlog
         self.first: Any = None  # the all-to-all in flight (phase 1)
         self.second: Any = None  # the gather in flight (phase 2)
 
@@ -360,7 +368,7 @@ class Fp32Accumulate:
         if self.first is not None or self.second is not None:
             raise RuntimeError("this buffer's fp32 accumulation is already in flight; wait() for "
                                "it before starting it again")
-        self.first = dist.all_to_all_single(self.recv, self.wire, group=self.group, async_op=True)
+        self.first = self.exchange(self.wire.view(self.world, -1), self.rows)
         self.backlog.append(self)
         return self
 
@@ -379,12 +387,8 @@ class Fp32Accumulate:
             self.tmp.copy_(self.rows[r])
             self.acc.add_(self.tmp)
         self.acc.div_(self.world)
-        if self.gather_by_all_to_all:
-            self.rows.copy_(self.acc.expand_as(self.rows))
-            self.second = dist.all_to_all_single(self.wire, self.recv, group=self.group, async_op=True)
-        else:
-            self.rows[0].copy_(self.acc)
-            self.second = all_gather_flat(self.wire, self.rows[0], self.group, async_op=True)
+        self.mine.copy_(self.acc)  # the wire's own chunk was sent in phase 1: free now
+        self.second = self.gather(self.wire)[0]
 
     def wait(self) -> bool:
         """Advance, then wait for the gather: ``wire`` holds the mean."""
