@@ -361,10 +361,10 @@ def wait_watched(work: Any) -> Any:
     The wait is on the work's future where it has one, else (Gloo's point-to-point
     work has none) on a waiter thread that calls ``wait()``. A work made of works that
     it waits for through here itself (``watches_itself``, :class:`~.comm.Fp32Accumulate`)
-    is waited on directly: on the waiter thread its own waits would queue behind it. Only where the host waits
-    inside the collective (a Gloo default group): NCCL's and HCCL's ``wait()`` only
-    orders the device's streams, and their own watchdogs (at the group's timeout) see
-    a stuck collective there. Without a heartbeat, a plain wait."""
+    is waited on directly: on the waiter thread its own waits would queue behind it.
+    Only where the host waits inside the collective (a Gloo default group): NCCL's and
+    HCCL's ``wait()`` only orders the device's streams, and their own watchdogs (at the
+    group's timeout) see a stuck collective there. Without a heartbeat, a plain wait."""
     if getattr(work, "watches_itself", False):  # a launch of several works, each waited through here
         return work.wait()
     wait = getattr(work, "wait_unwatched", None) or work.wait

@@ -351,7 +351,8 @@ class Fp32Accumulate:
         self.rank = dist.get_rank(plan.group)
         self.recv = torch.empty_like(wire)
         self.rows = self.recv.view(world, -1)
-        self.mine = wire.view(world, -1)[self.rank]
+        self.sent = wire.view(world, -1)  # row j goes to rank j; row rank then takes the mean
+        self.mine = self.sent[self.rank]
         self.acc = torch.empty(self.rows.shape[1], dtype=torch.float32, device=wire.device)
         self.tmp = torch.empty_like(self.acc)
         self.exchange, self.gather = exchange, gather  # Comm's (same calls as its other users)
@@ -368,7 +369,7 @@ class Fp32Accumulate:
         if self.first is not None or self.second is not None:
             raise RuntimeError("this buffer's fp32 accumulation is already in flight; wait() for "
                                "it before starting it again")
-        self.first = self.exchange(self.wire.view(self.world, -1), self.rows)
+        self.first = self.exchange(self.sent, self.rows)
         self.backlog.append(self)
         return self
 

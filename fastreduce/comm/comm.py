@@ -180,7 +180,8 @@ class Comm:
         key = ("fp32_accumulate", buf.data_ptr(), buf.numel(), buf.dtype)
         accumulate = self._accumulators.get(key)
         if accumulate is None:
-            accumulate = self._accumulators[key] = Fp32Accumulate(buf, plan, self._backlog, self.exchange, self.all_gather)
+            accumulate = self._accumulators[key] = Fp32Accumulate(buf, plan, self._backlog, self.exchange,
+                                                                  self.all_gather)
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
