@@ -263,10 +263,10 @@ def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.
 
 @pytest.mark.timeout(600)
 def test_network_suite_quick_smoke(tmp_path: Path) -> None:
-    """Two namespace hosts over a 1 Gbit/s link: DDP, fused, overlapped and ZeRO at their
-    defaults each time a few steps, and the two hosts end with one model in every method,
-    the overlapped mode having sized its buckets from a probe; then every mode trains
-    8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
+    """Two namespace hosts over a 1 Gbit/s link: DDP, fused and overlapped (fp32 and their
+    default bf16 wire) and ZeRO at their defaults each time a few steps, and the two hosts
+    end with one model in every method, the overlapped mode having sized its buckets from
+    a probe; then every mode trains 8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -275,7 +275,8 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
         assert network["skipped"].startswith("needs ")
         pytest.skip(network["skipped"])
     assert list(network["rates"]) == ["1gbit"]
-    _steps_part_ok(network, "1gbit", "MB/s per all-reduce", ["overlapped <= ddp", "zero <= ddp"])
+    _steps_part_ok(network, "1gbit", "MB/s per all-reduce",
+                   ["overlapped <= ddp", "overlapped_bf16 <= ddp", "zero <= ddp"])
     _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
 
 
@@ -289,7 +290,8 @@ def test_network_steps_on_one_host_smoke() -> None:
                           timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _steps_part_ok(json.loads(proc.stdout)["network"], "host", "shared memory",
-                   ["overlapped <= ddp", "zero <= ddp", "overlapped <= fused"])
+                   ["overlapped <= ddp", "overlapped_bf16 <= ddp", "zero <= ddp", "overlapped <= fused",
+                    "overlapped_bf16 <= fused_bf16"])
 
 
 def _steps_part_ok(network: dict, rate: str, chose: str, targets: list[str]) -> None:

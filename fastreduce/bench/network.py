@@ -16,17 +16,22 @@ dynamo cut at its buckets):
 * ``fused``: ``FusedReducer(model, wire_dtype=torch.float32)``, one all-reduce after backward;
 * ``overlapped``: ``FusedReducer(model, overlap=True, wire_dtype=torch.float32)``:
   ``bucket_mb="auto"`` (:mod:`fastreduce.sizing`);
+* ``fused_bf16`` / ``overlapped_bf16``: ``FusedReducer(model)`` /
+  ``FusedReducer(model, overlap=True)``, every setting its default, the wire too (bf16:
+  half DDP's bytes);
 * ``zero``: ``ZeroOptimizer(params, torch.optim.AdamW, lr=..., module=model)`` at its
   defaults (fp32 wire).
 
-The fastreduce wires are fp32 (their default is bf16): equal bytes with DDP, so the
-comparison is of scheduling, not of bytes. Timed as every suite is (:mod:`.common`):
+Every other fastreduce row sends fp32 (the reducers' default wire is bf16): equal bytes
+with DDP, so those comparisons are of scheduling, not of bytes; the ``_bf16`` rows
+are what a user who names nothing gets. Timed as every suite is (:mod:`.common`):
 round-robin within a job, each timed call a block of :data:`BLOCK` steps ending with
 the method's work in flight waited for, the slowest rank's time per step, median of
 ``iters`` blocks; ``warmup`` rounds first (compiling and the overlapped mode's sizing and refresh happen
 there); ``repeats`` jobs per link, each ratio the median of the jobs' ratios. Targets
-(issue 33): the overlapped and ZeRO steps at most DDP's, eager and compiled (against DDP
-compiled), at every link; on one host the overlapped step at most the fused one's.
+(issue 33): the overlapped (at both wires) and ZeRO steps at most DDP's, eager and
+compiled (against DDP compiled), at every link; on one host the overlapped step at most
+the fused one's at the same wire.
 
 Needs root, iproute2 and util-linux (``unshare``) for the namespace hosts; without them
 only ``host`` runs, with a note saying why.
@@ -50,7 +55,7 @@ from typing import Any, Callable
 
 __all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts", "worker_main"]
 
-METHODS = ("ddp", "fused", "overlapped", "zero")
+METHODS = ("ddp", "fused", "overlapped", "fused_bf16", "overlapped_bf16", "zero")
 BLOCK = 4
 """Steps per timed call, ending with the method's work in flight waited for (ZeRO's
 all-gather): a collective left in flight would otherwise run on during the next
@@ -109,7 +114,8 @@ def _build(name: str, compiled: bool) -> tuple[Any, Callable[[], None], Callable
         return run, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params, \
             lambda: f"{zopt.num_buckets} bucket(s); {zopt.sizing.describe() if zopt.sizing else ''}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    reducer = fastreduce.FusedReducer(run, overlap=name == "overlapped", wire_dtype=torch.float32)
+    wire = {} if name.endswith("_bf16") else {"wire_dtype": torch.float32}  # _bf16: every setting its default
+    reducer = fastreduce.FusedReducer(run, overlap=name.startswith("overlapped"), **wire)
     sizing = lambda: reducer.stats.sizing.describe() if reducer.stats.sizing else None  # noqa: E731
     return run, lambda: (reducer.reduce(), opt.step(), opt.zero_grad()), lambda: None, sizing
 
@@ -214,10 +220,11 @@ def launch_on(hosts: list[Any], module: str, spec: dict[str, Any], timeout: floa
         return json.loads(Path(out).read_text())
 
 
-TARGETS = [("overlapped", "ddp"), ("overlapped, compiled", "ddp, compiled"), ("zero", "ddp"),
-           ("zero, compiled", "ddp, compiled")]
+TARGETS = [("overlapped", "ddp"), ("overlapped, compiled", "ddp, compiled"), ("overlapped_bf16", "ddp"),
+           ("overlapped_bf16, compiled", "ddp, compiled"), ("zero", "ddp"), ("zero, compiled", "ddp, compiled")]
 """(method, reference): the method's step at most the reference's, at every link."""
-HOST_TARGETS = [("overlapped", "fused"), ("overlapped, compiled", "fused, compiled")]
+HOST_TARGETS = [("overlapped", "fused"), ("overlapped, compiled", "fused, compiled"),
+                ("overlapped_bf16", "fused_bf16"), ("overlapped_bf16, compiled", "fused_bf16, compiled")]
 """On one host also: the overlapped step at most the fused one's."""
 
 
@@ -274,8 +281,9 @@ def format_text(report: dict[str, Any]) -> str:
         return f"network suite skipped: {report['skipped']}"
     cfg = report["config"]
     names = list(next(iter(report["rates"].values())))
-    lines = [f"network suite, every mode at its defaults (fp32 wires): 2 ranks, {LAYERS} x Linear {WIDTH} "
-             f"(2.1M params), batch {cfg['batch']}, torch.optim.AdamW; ms per step, median of {cfg['iters']} "
+    lines = [f"network suite, every mode at its defaults (fp32 wires but the _bf16 rows'): 2 ranks, "
+             f"{LAYERS} x Linear {WIDTH} (2.1M params), batch {cfg['batch']}, torch.optim.AdamW; ms per step, "
+             f"median of {cfg['iters']} "
              f"steps, median of {cfg['repeats']} jobs",
              f"{'link':<10}" + "".join(f"{n:>22}" for n in names)]
     for rate, r in report["rates"].items():
