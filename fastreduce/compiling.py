@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import default_bucket_mb
+from .hooks import forget_compiled_code
 
 __all__ = ["compile_backend", "cut_graphs", "graphs_wait", "keep_cut", "recut", "uncut_graphs", "wait_in_graphs"]
 
@@ -341,6 +342,30 @@ def recut(owner: object, bucket_mb: float | None) -> bool:
         return old is not None
     cut_graphs(owner, bucket_mb)
     return _CUT.owners[id(owner)] != old
+
+
+class ModeCut:
+    """An overlapped mode's cut through its sizes' life. Built, the mode cuts at a first
+    size (``None``: not at all, where "auto" expects shared memory); its choice moves the
+    cut, and where that drops compiled code the mode learns its backward order again on a
+    step of the new pieces (each piece hands its gradients over at its end, in its own
+    order: buckets laid out in the old pieces' order wait for the last piece and launch
+    together); built again (``close()`` took the cut off), the cut compiled code has
+    goes back. The methods take the mode (``owner``): the cut lives as long as it does."""
+
+    def __init__(self, owner: object, mb: float | None):
+        self.now, self.ran_uncut = mb, mb is None
+        self.relearn = False  # compiled code was dropped for a new cut: the mode lays its buckets out again
+        self.again(owner)
+
+    def again(self, owner: object) -> None:
+        if self.now is not None:
+            cut_graphs(owner, self.now)
+
+    def move(self, owner: object, mb: float | None) -> bool:
+        """Cut at ``mb`` (``None``: no cut); :attr:`relearn` if compiled code was dropped for it."""
+        changed, self.now = recut(owner, mb), mb
+        self.relearn = changed and forget_compiled_code()
 
 
 def keep_cut() -> None:

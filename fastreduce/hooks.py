@@ -205,10 +205,13 @@ def _compiled_something() -> bool:
     return bool(getattr(convert_frame, "FRAME_COUNTER", 0))
 
 
-def forget_compiled_code() -> None:
+def forget_compiled_code() -> bool:
     """Drop what dynamo has compiled so far, so that the next call retraces and sees the
-    hooks just registered; nothing to do (and nothing done) before the first compile."""
-    if _compiled_something():
-        log.info("fastreduce: a forward hook was registered after torch.compile ran; dynamo's "
-                 "compiled code is dropped (torch._dynamo.reset()) so that it sees the hook")
-        torch._dynamo.reset()
+    hooks just registered; nothing to do (and nothing done) before the first compile.
+    Whether there was something to drop."""
+    if not _compiled_something():
+        return False
+    log.info("fastreduce: a forward hook was registered after torch.compile ran; dynamo's "
+             "compiled code is dropped (torch._dynamo.reset()) so that it sees the hook")
+    torch._dynamo.reset()
+    return True

@@ -194,6 +194,7 @@ class AutoSizer:
     def __init__(self) -> None:
         self.sizing: Sizing | None = None
         self.refreshed = False
+        self.hold = False  # the next build keeps the sizes (the mode lays them out again, in a new order)
         self._link: Link | None = None
 
     def build(self, shm: bool, wire_bytes: int, backward_s: float | None, group: dist.ProcessGroup | None,
@@ -201,7 +202,9 @@ class AutoSizer:
         """Collective (unless ``shm`` or refreshed): the sizes for the buckets built now.
         ``backward_s=None`` (none has run yet, ZeRO's case): taken to be as long as the
         gradients' communication."""
-        if self.sizing is None or not self.refreshed:  # a re-lay after the refresh keeps its choice
+        if self.hold:
+            self.hold = False
+        elif self.sizing is None or not self.refreshed:  # a re-lay after the refresh keeps its choice
             if shm:
                 self.sizing = shared_memory(wire_bytes)
             else:

@@ -5,6 +5,8 @@ rank, one bucket on shared memory, the re-lay after the refresh, the average sti
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from typing import Any
 from unittest import mock
@@ -173,3 +175,71 @@ def test_first_bucket_has_its_own_limit() -> None:
     named = [(str(k), nn.Parameter(torch.zeros(100))) for k in range(6)]
     assert bucket_runs(named, [0] * 6, 300) == [[0, 1, 2], [3, 4, 5]]
     assert bucket_runs(named, [0] * 6, 300, first_limit=100) == [[0], [1, 2, 3], [4, 5]]
+
+
+# ============================================================== compiled
+
+def compiled_steps(rank: int, world: int, segment: bool) -> dict[str, Any]:
+    """``torch.compile(model)`` and the overlapped mode, STEPS + 2 steps: over the process
+    group (``segment=True``), or at ``transport="auto"`` on CPU ranks whose shared-memory
+    segment does not open, as on several hosts (``ShmAllReduce.open`` answers that on
+    every rank; the averaging is the process group's, for real): that first step runs
+    uncut, expecting shared memory, and its compiled backward hands every gradient over
+    at its end. Each step's mean is checked against ``dist.all_reduce``'s of an eager
+    twin; the last step records the order the gradients arrived in."""
+    from fastreduce import compiling
+    from fastreduce.comm.shm import ShmAllReduce
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 8 MB: pieces of several buckets at Gloo's 6
+    twin = copy.deepcopy(model)
+    run = torch.compile(model, backend="aot_eager")
+    walls, errors, cut, arrived = [], [], [], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(arrived.append)
+    no_segment = mock.patch.object(ShmAllReduce, "open", classmethod(lambda cls, *a, **k: None))
+    with no_segment if not segment else contextlib.nullcontext():
+        reducer = fastreduce.FusedReducer(run, overlap=True, wire_dtype=torch.float32,
+                                          transport="process_group" if segment else "auto")
+        for step in range(STEPS + 2):
+            x = torch.randn(128, 512, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = run(x).square().mean()
+            arrived.clear()
+            t0 = time.perf_counter()
+            loss.backward()
+            walls.append(time.perf_counter() - t0)
+            reducer.reduce()
+            cut.append(id(reducer) in compiling._CUT.owners)
+            twin(x).square().mean().backward()
+            for p in twin.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            errors.append(max((p.grad - q.grad).abs().max().item()
+                              for p, q in zip(model.parameters(), twin.parameters())))
+            model.zero_grad(set_to_none=False)
+            twin.zero_grad(set_to_none=True)
+    schedule = reducer._built.schedule
+    slot = {id(p): i for i, p in enumerate(schedule.layout.params)}
+    s = reducer.stats.sizing
+    return {"cut": cut, "errors": errors, "backward_s": s.backward_s, "wall_s": sorted(walls)[len(walls) // 2],
+            "why": s.why, "refreshed": reducer._sizer.refreshed, "buckets": len(schedule.buckets),
+            "arrival": [schedule.bucket_of[slot[id(p)]] for p in arrived]}
+
+
+@pytest.mark.parametrize("segment", [True, False], ids=["process_group", "no_segment"])
+def test_compiled_buckets_follow_the_compiled_pieces(segment: bool) -> None:
+    """Each bucket holds the gradients of consecutive compiled pieces: in the last step
+    the gradients arrive bucket after bucket (the layout was learned again on a step of
+    the pieces the choice cut; laid out in an earlier cut's order, a bucket mixed pieces
+    and waited for the last, and the buckets launched together at the end). Without a
+    segment the graphs stay cut from the first choice on, whatever it was, so the refresh
+    measured a backward that handed its gradients over as it ran (it read ~0, every
+    step: one bucket, no overlap, for good)."""
+    for out in run_ranks(compiled_steps, 2, segment):
+        assert out["refreshed"] and "MB/s per all-reduce" in out["why"]
+        assert max(out["errors"]) <= 1e-6, out["errors"]
+        assert out["arrival"] == sorted(out["arrival"]), out["arrival"]
+        if not segment:
+            assert all(out["cut"][:sizing.AutoSizer.REFRESH_AFTER]), out["cut"]  # until the refresh lays out again
+            assert out["backward_s"] >= 0.1 * out["wall_s"], (out["backward_s"], out["wall_s"])  # ~1% when uncut

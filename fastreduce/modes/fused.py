@@ -39,10 +39,10 @@ from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_buck
 from ..buffer import FusedBuffer, attached
 from ..comm import Comm, MeanPlan, Pending, complete, get_comm, wants_shm
 from ..comm.quantized import QuantMean, QuantMeans
-from ..compiling import cut_graphs, keep_cut, recut, uncut_graphs
+from ..compiling import ModeCut, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
-from ..hooks import forget_compiled_code, optional_before_forward, remove_hooks
+from ..hooks import optional_before_forward, remove_hooks
 from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, check_grad, first_nonfinite, missing_message,
                      nonfinite_error, one_device)
 from ..join import JoinableMode, sync_from_last_joiner
@@ -129,16 +129,15 @@ class FusedReducer(ReducerState, JoinableMode):
         ...         opt.step()
         ...         reducer.zero_grad()               # grads stay views: no copy next step
     """
+    _cut: ModeCut | None = None  # overlap: the compiled graphs' cut (see _cut_graphs)
 
-    def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None,
-                 **config: Any):
+    def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None, **config: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torch.distributed is not initialized: call "
-                               "fastreduce.init_distributed() (or "
-                               "torch.distributed.init_process_group) on every rank first, "
-                               "e.g. in a script launched with torchrun")
+            raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() (or "
+                               "torch.distributed.init_process_group) on every rank first, e.g. in a script "
+                               "launched with torchrun")
         self.config = ReducerConfig(**config)
         self.model = model
         self.group = group
@@ -154,6 +153,8 @@ class FusedReducer(ReducerState, JoinableMode):
         self._forward_hook = optional_before_forward(model, self.reattach)
         self._fixed_mb = None if self.config.bucket_mb in (None, AUTO) else float(self.config.bucket_mb)
         self._sizer = AutoSizer() if self.config.overlap and not (self._fixed_mb or self.config.per_bucket) else None
+        self._cut: ModeCut | None = None
+        self._relearn = False
         self._cut_graphs()
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
@@ -220,28 +221,28 @@ class FusedReducer(ReducerState, JoinableMode):
         return ok
 
     def _cut_graphs(self, sizing: Sizing | None = None) -> None:
-        """Have dynamo cut compiled graphs at the buckets (:mod:`fastreduce.compiling`): at the
-        backend's size until ``bucket_mb="auto"`` has chosen, then at its ``sizing`` (not at
-        all for one bucket), recompiling what was compiled at the old size, once. Where
-        "auto" will find shared memory (CPU ranks on one host: one bucket) there is no cut
-        from the start, so nothing recompiles; should the segment not open after all (ranks
-        on several hosts), the choice at the first reduce cuts then, as over a process group."""
+        """Cut compiled graphs at the buckets (:class:`~fastreduce.compiling.ModeCut`): the backend's size (none
+        where "auto" expects shared memory) until "auto" chooses; with no segment after all, until it has measured."""
         if not (self.config.overlap and self.world_size > 1):
             return
+        default_mb = self._fixed_mb or default_bucket_mb(dist.get_backend(self.group))
         if sizing is None:
+            if self._cut is not None and self._sizer is not None and self._sizer.sizing is not None:
+                return self._cut.again(self)  # built again: the cut compiled code has
             device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-            if self._sizer is not None and wants_shm(self.config.transport, device):
-                return  # "auto" on shared memory is one bucket: no cut, and nothing to recompile at the choice
-            cut_graphs(self, self._fixed_mb or default_bucket_mb(dist.get_backend(self.group)))
-        elif recut(self, sizing.bucket_mb if sizing.buckets > 1 else None):
-            forget_compiled_code()
+            self._cut = ModeCut(self, None if self._sizer and wants_shm(self.config.transport, device) else default_mb)
+            return
+        blind = sizing.link is not None and self._cut.ran_uncut and not self._sizer.refreshed
+        self._cut.move(self, sizing.bucket_mb if sizing.buckets > 1 else default_mb if blind else None)
 
     def _refresh_sizes(self, built: _Built) -> None:
-        """``bucket_mb="auto"``: the sizes chosen again from the steps' backward times,
-        once (not under Join, whose joined ranks run no backward); laid out again if they
-        changed."""
+        """``bucket_mb="auto"``: the sizes chosen again from the steps' backward times, once (not
+        under Join, whose joined ranks run no backward); laid out again if they changed."""
         if self._sizer is None or built.schedule is None or self._join_config.enable:
             return
+        if self._cut is not None and self._cut.relearn:  # the next step learns the new pieces' order
+            self._cut.relearn, self._sizer.hold = False, True
+            return self.rebuild()
         if self._sizer.refresh(built.schedule.backward_s, built.buffer.nbytes, self.group, built.buffer.wire.device):
             if dist.get_rank(self.group) == 0:
                 log.info("fastreduce: %s; the buckets are laid out again", self._sizer.sizing.describe())
@@ -341,9 +342,9 @@ class FusedReducer(ReducerState, JoinableMode):
 
     def _record_order(self) -> None:
         """Overlap mode: learn the backward order (and time) on the first step, to lay
-        buckets out in it (and size them). Not the order with a quantized wire: its blocks (what each rounding spans) follow the
-        layout, so it takes the reverse model order, the same plain and compiled (whose
-        backward hands over the gradients in another order)."""
+        buckets out in it (and size them). Not with a quantized wire: its blocks (what each
+        rounding spans) follow the layout, so it takes the reverse model order, the same
+        plain and compiled (whose backward hands over the gradients in another order)."""
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
