@@ -72,6 +72,16 @@ def make_model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
 
 
+def twin_error(model: nn.Module, twin: nn.Module, x: torch.Tensor, world: int) -> float:
+    """The largest difference of ``model``'s averaged grads from ``twin``'s through
+    ``dist.all_reduce`` on the same input."""
+    twin(x).square().mean().backward()
+    for p in twin.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), twin.parameters()))
+
+
 def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
           force_relay: bool = False, bucket_mb: float | str = "auto") -> dict[str, Any]:
     """STEPS overlapped steps (fp32 wire); each step's averaged grads against the mean
@@ -99,12 +109,7 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
             x = torch.randn(32, 256, generator=g)
             model(x).square().mean().backward()
             reducer.reduce()
-            twin(x).square().mean().backward()
-            for p in twin.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            errors.append(max((p.grad - q.grad).abs().max().item()
-                              for p, q in zip(model.parameters(), twin.parameters())))
+            errors.append(twin_error(model, twin, x, world))
             buckets.append(reducer.num_buckets)
             model.zero_grad(set_to_none=False)
             twin.zero_grad(set_to_none=True)
@@ -211,12 +216,7 @@ def compiled_steps(rank: int, world: int, segment: bool) -> dict[str, Any]:
             walls.append(time.perf_counter() - t0)
             reducer.reduce()
             cut.append(id(reducer) in compiling._CUT.owners)
-            twin(x).square().mean().backward()
-            for p in twin.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            errors.append(max((p.grad - q.grad).abs().max().item()
-                              for p, q in zip(model.parameters(), twin.parameters())))
+            errors.append(twin_error(model, twin, x, world))
             model.zero_grad(set_to_none=False)
             twin.zero_grad(set_to_none=True)
     schedule = reducer._built.schedule
