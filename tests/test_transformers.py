@@ -229,11 +229,17 @@ def test_compiled_really_compiled(compiled: dict, run: str) -> None:
         assert graphs[0] > 0 and graphs[settled:] == [graphs[settled]] * (COMPILE_STEPS - settled), graphs
         assert rank["reduces"] == COMPILE_STEPS
         if _BREAK_KEEPS_FRAME:  # the re-attach pre-hook runs as a graph break before the compiled forward
-            assert (rank["preattached"], rank["reattached"]) == (ref["preattached"], ref["reattached"])
+            # overlapped: where the choice moved the cut, one more step learns the layout (the new
+            # pieces' order) and has its gradients copied in, as the first
+            relearn = (0, ref["reattached"]) if run.startswith("overlap") else (0,)
+            assert rank["reattached"] - ref["reattached"] in relearn, (rank["reattached"], ref["reattached"])
+            assert rank["preattached"] + rank["reattached"] == ref["preattached"] + ref["reattached"]
         else:  # torch <= 2.9: none in a compiled forward (a break would leave it uncompiled); reduce() copies
             assert (rank["preattached"], rank["reattached"]) == (0, ref["preattached"] + ref["reattached"])
-        # overlapped: as many buckets went out during the compiled backward as during the eager one
-        assert rank["launched_in_backward"] == ref["launched_in_backward"]
+        # overlapped: as many buckets went out per overlapped step of the compiled backward as of the eager
+        # one (the first step learns the layout, and where the cut moved the second too)
+        steps = (COMPILE_STEPS - 1, COMPILE_STEPS - 2) if run.startswith("overlap") else (COMPILE_STEPS - 1,)
+        assert rank["launched_in_backward"] * (COMPILE_STEPS - 1) in [ref["launched_in_backward"] * k for k in steps]
     assert run.startswith("fused") or eager[0]["launched_in_backward"] > 0
 
 
