@@ -362,7 +362,7 @@ class ModeCut:
         if self.now is not None:
             cut_graphs(owner, self.now)
 
-    def move(self, owner: object, mb: float | None) -> bool:
+    def move(self, owner: object, mb: float | None) -> None:
         """Cut at ``mb`` (``None``: no cut); :attr:`relearn` if compiled code was dropped for it."""
         changed, self.now = recut(owner, mb), mb
         self.relearn = changed and forget_compiled_code()

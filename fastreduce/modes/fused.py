@@ -153,8 +153,6 @@ class FusedReducer(ReducerState, JoinableMode):
         self._forward_hook = optional_before_forward(model, self.reattach)
         self._fixed_mb = None if self.config.bucket_mb in (None, AUTO) else float(self.config.bucket_mb)
         self._sizer = AutoSizer() if self.config.overlap and not (self._fixed_mb or self.config.per_bucket) else None
-        self._cut: ModeCut | None = None
-        self._relearn = False
         self._cut_graphs()
         self._init_join(group, next((p.device for p in model.parameters()), torch.device("cpu")))
 
