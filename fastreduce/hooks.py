@@ -211,7 +211,7 @@ def forget_compiled_code() -> bool:
     Whether there was something to drop."""
     if not _compiled_something():
         return False
-    log.info("fastreduce: a forward hook was registered after torch.compile ran; dynamo's "
-             "compiled code is dropped (torch._dynamo.reset()) so that it sees the hook")
+    log.info("fastreduce: dynamo's compiled code is dropped (torch._dynamo.reset()) so that the next call "
+             "compiles what changed since (a hook registered after torch.compile ran, or a new cut at the buckets)")
     torch._dynamo.reset()
     return True
