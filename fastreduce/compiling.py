@@ -29,7 +29,10 @@ A plain ``torch.compile(model)`` gets the same cut with nothing to name (:func:`
 while a mode that starts collectives during backward lives, dynamo's own hook for DDP
 (``DistributedDataParallel._get_active_ddp_module()``, read as each frame is compiled)
 answers with the mode's bucket size, so dynamo cuts the graph with ``DDPOptimizer`` around
-the user's backend, as it does for a frame compiled inside a DDP forward.
+the user's backend, as it does for a frame compiled inside a DDP forward. The cut is the
+mode's own: a graph is cut at the size of the modes whose parameters it reads, and a
+graph of another model in the process (a second model with a fused reducer, a teacher,
+a loss function) is compiled whole.
 
 The same pass puts waits into compiled code (:func:`wait_in_graphs`): ZeRO's parameters
 are all-gathered after its step and read by the next forward, so each compiled piece
@@ -43,7 +46,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -121,6 +124,9 @@ def _splitter() -> type:
                 if first_bucket_cap is None and bucket_bytes_cap >= _WHOLE:  # a frame to wait in, not to cut
                     first_bucket_cap = bucket_bytes_cap
                 super().__init__(bucket_bytes_cap, backend_compile_fn, first_bucket_cap=first_bucket_cap)
+                from torch.nn.parallel import DistributedDataParallel as DDP
+
+                self.ours = DDP._active_ddp_module is _CUT  # else a real DDP's forward: its cut, as torch's
 
             def add_param(self, bucket: Any, param: torch.nn.Parameter, name: str) -> None:
                 before = bucket.size
@@ -128,6 +134,9 @@ def _splitter() -> type:
                 bucket.size = before + param.numel() * param.element_size()
 
             def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+                if self.ours and self.bucket_bytes_cap < _WHOLE:  # the cut of the modes whose parameters gm reads
+                    self.bucket_bytes_cap = cap = _CUT.cap_for(gm)
+                    self.first_bucket_cap = min(cap, dist._DEFAULT_FIRST_BUCKET_BYTES) if cap < _WHOLE else cap
                 compiled = super().compile_fn(gm, example_inputs, **kwargs)
                 return _with_waits(gm, self.buckets, compiled)
 
@@ -175,6 +184,7 @@ class _Cut:
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}  # id(mode) -> bucket bytes
+        self.params_of: dict[int, frozenset[int]] = {}  # id(mode) -> ids of its parameters
         self.waits: dict[int, Callable[[], Any]] = {}  # key -> weak wait(buckets)
         self.bucket_at: dict[int, tuple[int, int]] = {}  # id(param) -> (key, bucket), for every key of waits
 
@@ -184,6 +194,14 @@ class _Cut:
             return _WHOLE  # one piece, with its waits
         # at least DDP's first piece (1 MB), which DDPOptimizer requires of the others
         return max(min(self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+    def cap_for(self, gm: torch.fx.GraphModule) -> int:
+        """The piece size for ``gm``: the smallest of the modes whose parameters it reads
+        (at least DDP's first piece); whole where it reads none (another model's frame,
+        a loss function)."""
+        ids = {id(p) for n in gm.graph.nodes if (p := _param_of(gm, n)) is not None}
+        sizes = [size for key, size in self.owners.items() if self.params_of.get(key, frozenset()) & ids]
+        return max(min(sizes), dist._DEFAULT_FIRST_BUCKET_BYTES) if sizes else _WHOLE
 
     def __bool__(self) -> bool:
         # Forwards that train run with grad on; an evaluation forward or an optimizer's
@@ -197,19 +215,22 @@ class _Cut:
 _CUT = _Cut()
 
 
-def cut_graphs(owner: object, bucket_mb: float) -> None:
-    """From now until ``owner`` is garbage collected, dynamo compiles every frame run with
-    grad enabled in pieces of ``bucket_mb`` megabytes of parameters (the smallest of the
-    living owners', at least 1 MB), the last piece 1 MB as DDP's, each with the user's own backend (its
-    DDP pass, ``torch._dynamo.config.optimize_ddp``; off there, nothing is cut). Code
-    compiled before is kept as it was. Called again, it moves the owner's size (and
-    puts the hook back if a DDP forward took it off)."""
+def cut_graphs(owner: object, bucket_mb: float, params: Iterable[torch.Tensor]) -> None:
+    """From now until ``owner`` is garbage collected, dynamo compiles every graph that
+    reads one of ``params`` (run with grad enabled) in pieces of ``bucket_mb`` megabytes
+    of parameters (the smallest of the living owners of the parameters it reads, at
+    least 1 MB), the last piece 1 MB as DDP's, each with the user's own backend (its DDP
+    pass, ``torch._dynamo.config.optimize_ddp``; off there, nothing is cut). Graphs of
+    other parameters (another model in the process) are not cut. Code compiled before is
+    kept as it was. Called again, it moves the owner's size (and puts the hook back if a
+    DDP forward took it off)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     key = id(owner)
     if key not in _CUT.owners:
         weakref.finalize(owner, _release, key)
     _CUT.owners[key] = max(1, int(bucket_mb * 2**20))
+    _CUT.params_of[key] = frozenset(map(id, params))
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _CUT
 
@@ -333,14 +354,14 @@ def _with_waits(gm: torch.fx.GraphModule, pieces: list[Any], compiled: Any) -> A
     return run
 
 
-def recut(owner: object, bucket_mb: float | None) -> bool:
+def recut(owner: object, bucket_mb: float | None, params: Iterable[torch.Tensor]) -> bool:
     """``owner`` asks for another size (``None``: no cut); whether that changed anything
     (code compiled at the old size keeps it: the caller may drop it)."""
     old = _CUT.owners.get(id(owner))
     if bucket_mb is None:
         uncut_graphs(owner)
         return old is not None
-    cut_graphs(owner, bucket_mb)
+    cut_graphs(owner, bucket_mb, params)
     return _CUT.owners[id(owner)] != old
 
 
@@ -353,18 +374,19 @@ class ModeCut:
     together); built again (``close()`` took the cut off), the cut compiled code has
     goes back. The methods take the mode (``owner``): the cut lives as long as it does."""
 
-    def __init__(self, owner: object, mb: float | None):
+    def __init__(self, owner: object, mb: float | None, params: Iterable[torch.Tensor]):
         self.now, self.ran_uncut = mb, mb is None
+        self.params = list(params)  # the graphs that read these are cut
         self.relearn = False  # compiled code was dropped for a new cut: the mode lays its buckets out again
         self.again(owner)
 
     def again(self, owner: object) -> None:
         if self.now is not None:
-            cut_graphs(owner, self.now)
+            cut_graphs(owner, self.now, self.params)
 
     def move(self, owner: object, mb: float | None) -> None:
         """Cut at ``mb`` (``None``: no cut); :attr:`relearn` if compiled code was dropped for it."""
-        changed, self.now = recut(owner, mb), mb
+        changed, self.now = recut(owner, mb, self.params), mb
         self.relearn = changed and forget_compiled_code()
 
 
@@ -385,6 +407,7 @@ def uncut_graphs(owner: object) -> None:
 
 def _release(key: int) -> None:
     _CUT.owners.pop(key, None)
+    _CUT.params_of.pop(key, None)
     _forget_waits(key)
     if not (_CUT.owners or _CUT.waits):
         from torch.nn.parallel import DistributedDataParallel as DDP

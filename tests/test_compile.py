@@ -339,25 +339,95 @@ class Mode:
 
 
 def test_cut_lasts_while_its_mode_lives() -> None:
-    """In one process, no group: a plain torch.compile is cut while an owner lives and
-    asks for it, at its size; whole again once it is gone, and under no_grad."""
+    """In one process, no group: a plain torch.compile of a model is cut while an owner
+    of its parameters lives and asks for it, at its size; whole again once it is gone,
+    and under no_grad. Another model's graphs are never cut: the cut is its owner's."""
     from fastreduce.compiling import cut_graphs, uncut_graphs
 
-    mode, other = Mode(), Mode()
-    assert pieces_of_a_fresh_compile() == 1
-    cut_graphs(mode, BUCKET_MB)
-    assert pieces_of_a_fresh_compile() >= 3
-    assert pieces_of_a_fresh_compile(grad=False) == 1  # an evaluation forward: no graph to cut
-    cut_graphs(other, 16.0)  # a larger size does not coarsen the living mode's cut
-    assert pieces_of_a_fresh_compile() >= 3
+    mode, other, bystander = Mode(), Mode(), Mode()
+    model, elsewhere = make_model(WIDE), make_model(WIDE)
+    assert pieces_of_a_fresh_compile(model=model) == 1
+    cut_graphs(mode, BUCKET_MB, model.parameters())
+    assert pieces_of_a_fresh_compile(model=model) >= 3
+    assert pieces_of_a_fresh_compile(model=elsewhere) == 1  # not the mode's parameters: whole
+    cut_graphs(bystander, BUCKET_MB, elsewhere.parameters())
+    assert pieces_of_a_fresh_compile(model=elsewhere) >= 3  # now it is a mode's
+    uncut_graphs(bystander)
+    assert pieces_of_a_fresh_compile(model=elsewhere) == 1
+    assert pieces_of_a_fresh_compile(grad=False, model=model) == 1  # an evaluation forward: no graph to cut
+    cut_graphs(other, 16.0, model.parameters())  # a larger size does not coarsen the living mode's cut
+    assert pieces_of_a_fresh_compile(model=model) >= 3
     uncut_graphs(mode)  # closed: only ``other`` is left: DDP's 1 MB first piece, then the other 6 MB
-    assert pieces_of_a_fresh_compile() == 2
+    assert pieces_of_a_fresh_compile(model=model) == 2
     del other
     import gc
     gc.collect()
     from torch.nn.parallel import DistributedDataParallel
     assert DistributedDataParallel._active_ddp_module is None
-    assert pieces_of_a_fresh_compile() == 1
+    assert pieces_of_a_fresh_compile(model=model) == 1
+
+
+def model_of_its_own_class(inner: nn.Module) -> nn.Module:
+    """``inner`` in a model class of its own, as distinct models are: dynamo shares one
+    graph between instances of a class (the parameters are its inputs)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+    return Model()
+
+
+def own_cut_worker(rank: int, world: int) -> dict[str, Any]:
+    """Three compiled models in one process, trained in turn: one under the overlapped
+    mode, one under the fused mode, one in DDP (1 MB buckets). Compiled backward nodes
+    per step of each, and the fused model's largest gradient difference from
+    ``dist.all_reduce``'s mean of its local gradients."""
+    import torch.distributed as dist
+
+    on_device()
+    torch._dynamo.reset()
+    models = {name: model_of_its_own_class(make_model(WIDE)) for name in ("overlapped", "fused", "ddp")}
+    over = fastreduce.FusedReducer(models["overlapped"], overlap=True, bucket_mb=BUCKET_MB, wire_dtype=torch.float32)
+    fused = fastreduce.FusedReducer(models["fused"], wire_dtype=torch.float32)
+    ddp = nn.parallel.DistributedDataParallel(models["ddp"], bucket_cap_mb=1)
+    runs = {"overlapped": torch.compile(models["overlapped"], backend="aot_eager"),
+            "fused": torch.compile(models["fused"], backend="aot_eager"),
+            "ddp": torch.compile(ddp, backend="aot_eager")}
+    nodes: dict[str, list[int]] = {name: [] for name in runs}
+    off = 0.0
+    for s in range(3):
+        x, y = batch(rank, s, WIDE)
+        for name, run in runs.items():
+            loss = ((run(x) - y) ** 2).mean()
+            nodes[name].append(compiled_nodes(loss))
+            loss.backward()
+            if name == "fused":
+                want = [p.grad.clone() for p in models[name].parameters()]
+                for g in want:
+                    dist.all_reduce(g)
+                    g /= world
+                fused.reduce()
+                off = max(off, *((p.grad - g).abs().max().item() for p, g in zip(models[name].parameters(), want)))
+            elif name == "overlapped":
+                over.reduce()
+            models[name].zero_grad()
+    return {"nodes": nodes, "off": off}
+
+
+def test_cut_is_the_modes_own() -> None:
+    """A living overlapped mode cuts the graphs of its own model only: another compiled
+    model in the process (a fused mode's) is compiled whole, and a compiled DDP keeps
+    DDP's cut. Before, the cut was global to the process: every graph dynamo compiled
+    with grad on was cut at the overlapped mode's size."""
+    for rank, out in enumerate(run_ranks(own_cut_worker, 2, timeout=300)):
+        assert all(n >= 3 for n in out["nodes"]["overlapped"]), (rank, out)
+        assert out["nodes"]["fused"] == [1, 1, 1], (rank, out)
+        assert all(n >= 3 for n in out["nodes"]["ddp"]), (rank, out)
+        assert out["off"] <= 1e-6, (rank, out)
 
 
 def view_cut_worker(rank: int, world: int) -> dict[str, Any]:
@@ -378,11 +448,11 @@ def view_cut_worker(rank: int, world: int) -> dict[str, Any]:
                 setattr(module, pname, nn.Parameter(flat[at:at + p.numel()].view_as(p)))
                 at += p.numel()
     out["views"] = all(p.untyped_storage().data_ptr() == flat.data_ptr() for p in flat_model.parameters())
-    mode = Mode()
-    cut_graphs(mode, 3.0)  # 7 layers of ~1 MB: DDP's 1 MB first piece, then ~3 MB each
-    try:
+    mode, own_model = Mode(), make_model(WIDE)
+    cut_graphs(mode, 3.0, [*flat_model.parameters(), *own_model.parameters()])  # 7 layers of ~1 MB: DDP's
+    try:  # 1 MB first piece, then ~3 MB each
         out["flat"] = pieces_of_a_fresh_compile(model=flat_model)  # the process's first compile
-        out["own"] = pieces_of_a_fresh_compile()
+        out["own"] = pieces_of_a_fresh_compile(model=own_model)
     finally:
         uncut_graphs(mode)
     out["torchs_back"] = sys.modules[name].DDPOptimizer.__module__ == name

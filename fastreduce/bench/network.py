@@ -10,7 +10,8 @@ user's model is: dynamo leaves a bare ``nn.Sequential`` inside DDP uncompiled on
 reduce + AdamW + zero_grad. Methods, each eager and under a plain ``torch.compile``
 (inductor; DDP compiled as ``torch.compile(ddp)``, where dynamo cuts the graph at DDP's
 buckets; the fastreduce modes on ``torch.compile(model)``, which the living mode has
-dynamo cut at its buckets):
+dynamo cut at its buckets: each mode's cut is its own, so the methods' models, each of a
+class of its own, are cut as each would be alone in its process):
 
 * ``ddp``: ``DistributedDataParallel(model)`` at its defaults (25 MB buckets, 1 MB first);
 * ``fused``: ``FusedReducer(model, wire_dtype=torch.float32)``, one all-reduce after backward;
@@ -69,8 +70,10 @@ WIDTH, LAYERS = 512, 8
 class NetworkConfig:
     rates: list[str] = field(default_factory=lambda: ["1gbit", "100mbit", HOST])
     iters: int = 5            # timed blocks (of BLOCK steps) per method
-    warmup: int = 3           # untimed rounds (of BLOCK steps) of every method first (the overlapped mode
-    #                           sizes its buckets at step 1 and refreshes them at step 10)
+    warmup: int = 4           # untimed rounds (of BLOCK steps) of every method first (the overlapped mode
+    #                           sizes its buckets at step 1 and refreshes them at step 10; a new cut drops
+    #                           what dynamo compiled, and the methods before it in the round recompile
+    #                           in the next)
     batch: int = 512
     repeats: int = 3          # jobs per link; ratios are the median of theirs
     compile: bool = True      # also the compiled methods

@@ -228,7 +228,8 @@ class FusedReducer(ReducerState, JoinableMode):
             if self._cut is not None and self._sizer is not None and self._sizer.sizing is not None:
                 return self._cut.again(self)  # built again: the cut compiled code has
             device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-            self._cut = ModeCut(self, None if self._sizer and wants_shm(self.config.transport, device) else default_mb)
+            self._cut = ModeCut(self, None if self._sizer and wants_shm(self.config.transport, device) else default_mb,
+                               self.model.parameters())
             return
         blind = sizing.link is not None and self._cut.ran_uncut and not self._sizer.refreshed
         self._cut.move(self, sizing.bucket_mb if sizing.buckets > 1 else default_mb if blind else None)

@@ -181,7 +181,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._synced_backward = False  # the first step closes after a backward outside no_sync
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
         if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
-            cut_graphs(self, self.bucket_mb)  # steps during a compiled backward
+            cut_graphs(self, self.bucket_mb, (p for _, p in named))  # steps during a compiled backward
 
     # ------------------------------------------------------------------ public
 
