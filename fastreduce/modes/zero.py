@@ -200,7 +200,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
         mb, first, cut, self.sizing = zero_buckets(bucket_mb, comm, named, wire, fixed=quant is not None)
-        recut(self, cut, (p for _, p in named))  # reduce-scatters start during a compiled backward too (no cut: one bucket)
+        recut(self, cut, (p for _, p in named))  # reduce-scatters in a compiled backward too (no cut: 1 bucket)
         segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize, int(first * 2**20) // wire.itemsize)
         pad = math.lcm(comm.shard_multiple, self.world_size * quant.block) if quant else comm.shard_multiple
         self.layout = layout = GradLayout(named, wire, segments=segments, pad_to=pad)
