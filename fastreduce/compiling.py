@@ -102,6 +102,7 @@ def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb
     else:
         raise TypeError(f"backend must be a backend name or a callable, got {type(backend).__name__}")
     splitter = _splitter()(int(bucket_mb * 2**20), compile_fn, first_bucket_cap=int(first_bucket_mb * 2**20))
+    splitter.ours = False  # the sizes given here, even where a living mode made this while it asks for its cut
     return _Split(splitter, backend, bucket_mb)
 
 

@@ -381,6 +381,28 @@ def model_of_its_own_class(inner: nn.Module) -> nn.Module:
     return Model()
 
 
+def test_compile_backend_made_while_a_mode_lives_cuts_at_its_own_sizes() -> None:
+    """``compile_backend(bucket_mb=...)`` made while a mode asks for its cut keeps the
+    sizes it was given: each of the mode's pieces is cut further."""
+    from fastreduce.compiling import cut_graphs, uncut_graphs
+
+    mode, model = Mode(), make_model(WIDE)
+    cut_graphs(mode, 16.0, model.parameters())  # 7 layers of ~1 MB: the mode's cut alone is 2 pieces
+    try:
+        assert pieces_of_a_fresh_compile(model=model) == 2
+        pieces = []
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            pieces.append(gm)
+            return gm.forward
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=fastreduce.compile_backend(counting, bucket_mb=1.0))
+        compiled(batch(0, 0, WIDE)[0])
+        assert len(pieces) >= 6, len(pieces)
+    finally:
+        uncut_graphs(mode)
+
+
 def own_cut_worker(rank: int, world: int) -> dict[str, Any]:
     """Three compiled models in one process, trained in turn: one under the overlapped
     mode, one under the fused mode, one in DDP (1 MB buckets). Compiled backward nodes
