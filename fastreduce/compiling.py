@@ -101,8 +101,8 @@ def compile_backend(backend: str | Callable[..., Any] = "inductor", *, bucket_mb
         compile_fn = backend
     else:
         raise TypeError(f"backend must be a backend name or a callable, got {type(backend).__name__}")
-    splitter = _splitter()(int(bucket_mb * 2**20), compile_fn, first_bucket_cap=int(first_bucket_mb * 2**20))
-    splitter.ours = False  # the sizes given here, even where a living mode made this while it asks for its cut
+    splitter = _splitter()(int(bucket_mb * 2**20), compile_fn, first_bucket_cap=int(first_bucket_mb * 2**20),
+                           scoped=False)  # the sizes given here, even where made while a mode asks for its cut
     return _Split(splitter, backend, bucket_mb)
 
 
@@ -121,13 +121,15 @@ def _splitter() -> type:
         from torch._dynamo.backends.distributed import DDPOptimizer
 
         class Splitter(DDPOptimizer):
-            def __init__(self, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None):
-                if first_bucket_cap is None and bucket_bytes_cap >= _WHOLE:  # a frame to wait in, not to cut
-                    first_bucket_cap = bucket_bytes_cap
-                super().__init__(bucket_bytes_cap, backend_compile_fn, first_bucket_cap=first_bucket_cap)
+            def __init__(self, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None,
+                         scoped: bool | None = None):
+                first = _first_cap(bucket_bytes_cap) if first_bucket_cap is None else first_bucket_cap
+                super().__init__(bucket_bytes_cap, backend_compile_fn, first_bucket_cap=first)
                 from torch.nn.parallel import DistributedDataParallel as DDP
 
-                self.ours = DDP._active_ddp_module is _CUT  # else a real DDP's forward: its cut, as torch's
+                # Made by dynamo for the modes' hook (scoped: each graph at its modes' size), or for a
+                # real DDP's forward or by compile_backend (the sizes given, as torch's).
+                self.scoped = DDP._active_ddp_module is _CUT if scoped is None else scoped
 
             def add_param(self, bucket: Any, param: torch.nn.Parameter, name: str) -> None:
                 before = bucket.size
@@ -135,14 +137,20 @@ def _splitter() -> type:
                 bucket.size = before + param.numel() * param.element_size()
 
             def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-                if self.ours and self.bucket_bytes_cap < _WHOLE:  # the cut of the modes whose parameters gm reads
+                if self.scoped and self.bucket_bytes_cap < _WHOLE:  # the cut of the modes whose parameters gm reads
                     self.bucket_bytes_cap = cap = _CUT.cap_for(gm)
-                    self.first_bucket_cap = min(cap, dist._DEFAULT_FIRST_BUCKET_BYTES) if cap < _WHOLE else cap
+                    self.first_bucket_cap = _first_cap(cap)
                 compiled = super().compile_fn(gm, example_inputs, **kwargs)
                 return _with_waits(gm, self.buckets, compiled)
 
         _SPLITTER.extend((DDPOptimizer, Splitter))
     return _SPLITTER[1]
+
+
+def _first_cap(cap: int) -> int:
+    """The first piece's size for pieces of ``cap``: DDP's 1 MB where smaller, and none
+    for a frame to wait in, not to cut (``_WHOLE``)."""
+    return cap if cap >= _WHOLE else min(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def _use_splitter(ours: bool) -> None:
@@ -184,8 +192,7 @@ class _Cut:
     whether the frame being compiled now goes through :func:`_splitter`'s pass."""
 
     def __init__(self) -> None:
-        self.owners: dict[int, int] = {}  # id(mode) -> bucket bytes
-        self.params_of: dict[int, frozenset[int]] = {}  # id(mode) -> ids of its parameters
+        self.owners: dict[int, tuple[int, frozenset[int]]] = {}  # id(mode) -> (bucket bytes, ids of its params)
         self.waits: dict[int, Callable[[], Any]] = {}  # key -> weak wait(buckets)
         self.bucket_at: dict[int, tuple[int, int]] = {}  # id(param) -> (key, bucket), for every key of waits
 
@@ -194,14 +201,14 @@ class _Cut:
         if not (self.owners and torch.is_grad_enabled()):
             return _WHOLE  # one piece, with its waits
         # at least DDP's first piece (1 MB), which DDPOptimizer requires of the others
-        return max(min(self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
+        return max(min(size for size, _ in self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
 
     def cap_for(self, gm: torch.fx.GraphModule) -> int:
         """The piece size for ``gm``: the smallest of the modes whose parameters it reads
         (at least DDP's first piece); whole where it reads none (another model's frame,
         a loss function)."""
         ids = {id(p) for n in gm.graph.nodes if (p := _param_of(gm, n)) is not None}
-        sizes = [size for key, size in self.owners.items() if self.params_of.get(key, frozenset()) & ids]
+        sizes = [size for size, params in self.owners.values() if params & ids]
         return max(min(sizes), dist._DEFAULT_FIRST_BUCKET_BYTES) if sizes else _WHOLE
 
     def __bool__(self) -> bool:
@@ -230,8 +237,7 @@ def cut_graphs(owner: object, bucket_mb: float, params: Iterable[torch.Tensor]) 
     key = id(owner)
     if key not in _CUT.owners:
         weakref.finalize(owner, _release, key)
-    _CUT.owners[key] = max(1, int(bucket_mb * 2**20))
-    _CUT.params_of[key] = frozenset(map(id, params))
+    _CUT.owners[key] = max(1, int(bucket_mb * 2**20)), frozenset(map(id, params))
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _CUT
 
@@ -358,12 +364,12 @@ def _with_waits(gm: torch.fx.GraphModule, pieces: list[Any], compiled: Any) -> A
 def recut(owner: object, bucket_mb: float | None, params: Iterable[torch.Tensor]) -> bool:
     """``owner`` asks for another size (``None``: no cut); whether that changed anything
     (code compiled at the old size keeps it: the caller may drop it)."""
-    old = _CUT.owners.get(id(owner))
+    old = _CUT.owners.get(id(owner), (None,))[0]
     if bucket_mb is None:
         uncut_graphs(owner)
         return old is not None
     cut_graphs(owner, bucket_mb, params)
-    return _CUT.owners[id(owner)] != old
+    return _CUT.owners[id(owner)][0] != old
 
 
 class ModeCut:
@@ -408,7 +414,6 @@ def uncut_graphs(owner: object) -> None:
 
 def _release(key: int) -> None:
     _CUT.owners.pop(key, None)
-    _CUT.params_of.pop(key, None)
     _forget_waits(key)
     if not (_CUT.owners or _CUT.waits):
         from torch.nn.parallel import DistributedDataParallel as DDP
