@@ -49,27 +49,9 @@ class Progressions(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
-    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
-    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
-    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
-    ap.add_argument("--output-dir", default=None, help="Trainer output directory (default: a temporary one)")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # fastreduce's one-line summary
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-    # The process group and device as fastreduce picks them (HPU, CUDA, else CPU); the
-    # Trainer then finds the group initialized.
-    info = fastreduce.init_distributed()
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
-                        bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)  # any rank's weights would do: rank 0's are broadcast
-    output_dir = args.output_dir or tempfile.mkdtemp(prefix="fastreduce-hf-")
+def train_and_check(model: GPT2LMHeadModel, info, args: argparse.Namespace, output_dir: str) -> bool:
+    """Train with ``FastReduceTrainer``, evaluate, print the figures on rank 0; True where every
+    rank holds rank 0's exact parameters."""
     training_args = TrainingArguments(
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=args.batch, gradient_accumulation_steps=args.accum,
@@ -91,6 +73,33 @@ def main() -> None:
               f"{stats.wait_seconds if stats else 0.0:.2f}s waited", flush=True)
         print(f"{info.world_size} ranks, wire {args.wire}, {'overlapped' if args.overlap else 'fused'}: "
               f"parameters identical on all ranks: {in_sync}", flush=True)
+    return in_sync
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
+    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
+    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
+    ap.add_argument("--output-dir", default=None, help="Trainer output directory (default: a temporary one)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # fastreduce's one-line summary
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    # The process group and device as fastreduce picks them (HPU, CUDA, else CPU); the
+    # Trainer then finds the group initialized.
+    info = fastreduce.init_distributed()
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)  # any rank's weights would do: rank 0's are broadcast
+    # The Trainer wants an output folder even with nothing to save: a temporary one, removed
+    # at the end, unless one is given.
+    with tempfile.TemporaryDirectory(prefix="fastreduce-hf-") as scratch:
+        in_sync = train_and_check(model, info, args, args.output_dir or scratch)
     leave(in_sync)
 
 

@@ -54,10 +54,11 @@ COMPILE_RUNS = {  # run: (fastreduce_config, torch_compile_backend); each compil
 COMPILED = {"fused_aot_eager": "fused", "fused_inductor": "fused", "overlap_aot_eager": "overlap"}  # run: reference
 
 
-def torchrun(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``script`` on 2 ranks under torchrun (one torch thread each); kill it all on timeout."""
+def torchrun(script: Path, *args: str, timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 ranks under torchrun (one torch thread each, ``env_extra`` added to the
+    environment); kill it all on timeout."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(script), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -276,9 +277,11 @@ def test_accelerate_example() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_hf_trainer_example() -> None:
-    """The Trainer example trains through FastReduceTrainer, with the Trainer's progress and logs."""
-    out = check_ran(torchrun(ROOT / "examples" / "hf_trainer.py", "--steps", "6", timeout=120))
+def test_hf_trainer_example(tmp_path: Path) -> None:
+    """The Trainer example trains through FastReduceTrainer, with the Trainer's progress and logs,
+    and leaves no temporary output folder behind."""
+    out = check_ran(torchrun(ROOT / "examples" / "hf_trainer.py", "--steps", "6", timeout=120, TMPDIR=str(tmp_path)))
+    assert not list(tmp_path.glob("fastreduce-hf-*")), sorted(os.listdir(tmp_path))
     assert "6/6" in out, out[-4000:]              # the Trainer's progress bar
     assert "'loss'" in out and "'grad_norm'" in out, out[-4000:]  # its logging
     assert "without DDP" in out, out[-4000:]
