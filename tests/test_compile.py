@@ -496,6 +496,45 @@ def test_cut_counts_a_view_parameter_by_its_own_bytes() -> None:
     assert out["torchs_back"], out
 
 
+def test_pieces_end_where_parameters_are_read() -> None:
+    """A piece closes before an op that reads parameters, never after an activation: each
+    piece of a Linear/ReLU stack cut at 1 MB hands on a linear layer's output, and its ReLU
+    opens the next piece (closed after the ReLU, as torch's DDPOptimizer does, every piece's
+    forward also saved the ReLU's mask, 2.7 ms each on CPU inductor). Same pieces, same
+    gradients as the uncompiled model."""
+    from fastreduce.compiling import _reads_params
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(WIDE, WIDE), nn.ReLU())]
+
+    class Stack(nn.Module):  # a class of its own: dynamo compiles its forward afresh
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*layers)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x)
+
+    model, pieces = Stack(), []
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        pieces.append(gm)
+        return gm.forward
+
+    x = torch.randn(8, WIDE)
+    reference = [g.clone() for g in torch.autograd.grad(model(x).square().mean(), list(model.parameters()))]
+    compiled = torch.compile(model, backend=fastreduce.compile_backend(inner, bucket_mb=1))
+    grads = torch.autograd.grad(compiled(x).square().mean(), list(model.parameters()))
+    assert len(pieces) == 4, [gm.graph for gm in pieces]  # one 1 MB layer each
+    for gm in pieces[:-1]:
+        (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+        handed_on = [n for n in output.all_input_nodes if n.op != "placeholder"]
+        assert handed_on and all(_reads_params(gm, n) for n in handed_on), gm.graph
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_compile_backend_names_a_missing_backend() -> None:
     with pytest.raises(ValueError, match="no torch.compile backend named 'hpu_backend'.*habana_frameworks"):
         fastreduce.compile_backend("hpu_backend")
