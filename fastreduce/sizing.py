@@ -7,7 +7,8 @@ many small ones start early and pay it often; the first bucket (the model's last
 layers, whose gradients come first) sets when the wire starts working at all. Which
 wins depends on the link, so the mode measures it:
 
-* **probe** (:func:`probe_link`, once, when the mode builds its buckets, on every rank):
+* **probe** (:func:`probe_link`, when the mode builds its buckets and again at the
+  refresh, on every rank):
   all-reduces of 4 KB (three) and 256 KB (two; 4 MB as well where 256 KB took under
   5 ms) through the process group, the fastest of each, give the latency ``a`` (the
   small one) and the bandwidth ``B`` (bytes all-reduced per second beyond it). About
@@ -17,18 +18,24 @@ wins depends on the link, so the mode measures it:
   bucket starts when its bytes are in and the one before it is done, and takes
   ``a + size / B``; the cost is what is left after ``T``. Every pair of sizes on a grid
   (first bucket 1 to 4 MB or as the rest; the rest 1 to 128 MB or everything in one)
-  is played out and the cheapest kept, the fewest buckets among those within 2%
-  of it.
+  is played out; among those within 2% of the cheapest, the fewest buckets none of
+  which is longer on the wire than a backward, or where every bucket is (a slow link),
+  the smallest buckets. One large message pacing a slow link is at the mercy of its
+  own stalls: at 100 Mbit/s eight 1 MB all-reduces in flight together took 713 ms
+  (median of 12) against 729 for one of 8 MB, and the overlapped step with 1 MB
+  buckets was 0.985x DDP's compiled against 1.022x with one 1 MB and one 7 MB bucket,
+  though the model counts them within 1% of each other.
 * **shared memory** (CPU ranks on one host): one bucket, no probe. Its collective runs
   on the same cores as the backward, so what overlap hides it takes from the compute
   (measured: the overlapped step was 1.27x a no-communication one against the fused
   step's 1.15x).
 
 Every input is agreed (the largest ``a`` and ``T``, the smallest ``B`` over the ranks)
-before choosing, so every rank lays the buckets out the same. The measured backward
-is refreshed from real steps: the overlapped mode chooses again from the backward
-times of its first steps (the first step's includes one-off costs such as compiling),
-and re-lays its buckets once if the choice changed.
+before choosing, so every rank lays the buckets out the same. The inputs are refreshed
+from real steps: the overlapped mode probes the link again and chooses again from the
+backward times of its first steps (the first step's includes one-off costs such as
+compiling, and the probe after it reads them too), and re-lays its buckets once if the
+choice changed.
 """
 
 from __future__ import annotations
@@ -176,7 +183,11 @@ def choose(wire_bytes: int, backward_s: float, link: Link) -> Sizing:
             tried.append((cost, n, -size, -first))
     best = min(c for c, *_ in tried)
     near = [t for t in tried if t[0] <= best * (1 + _NEAR) + 1e-6]
-    cost, n, size, first = min(near, key=lambda t: (t[1], t[0]))
+    steady = [t for t in near if link.seconds(-t[2] * MB) <= backward_s]
+    if steady:  # the fewest buckets, none on the wire longer than a backward
+        cost, n, size, first = min(steady, key=lambda t: (t[1], t[0]))
+    else:  # a slow link: the smallest buckets (then the fewest) among the near-cheapest
+        cost, n, size, first = min(near, key=lambda t: (-t[2], t[1], t[0]))
     size, first = -size, -first
     comm = link.seconds(wire_bytes)
     why = (f"link {link.latency_s * 1e3:.2f} ms + {link.bytes_per_s / MB:.0f} MB/s per all-reduce, "
@@ -217,10 +228,13 @@ class AutoSizer:
                 device: torch.device) -> bool:
         """Collective, at the same step on every rank: once ``backward_s`` (per step since
         the build) holds :attr:`REFRESH_AFTER` steps, choose again from their median
-        (the first left out); whether the buckets should be laid out again."""
+        (the first left out), and the link probed again (the first probe runs just after the
+        first step, while a compiled model's pieces have just been compiled: on this 2-core
+        machine it read 3.5 ms a launch there against 0.45 ms in steady steps); whether the
+        buckets should be laid out again."""
         if self.refreshed or self._link is None or len(backward_s) < self.REFRESH_AFTER:
             return False
         self.refreshed = True
-        _, median = agree(self._link, statistics.median(backward_s[1:]), group, device)
+        self._link, median = agree(probe_link(group, device), statistics.median(backward_s[1:]), group, device)
         old, self.sizing = self.sizing, choose(wire_bytes, median, self._link)
         return (self.sizing.bucket_mb, self.sizing.first_bucket_mb) != (old.bucket_mb, old.first_bucket_mb)

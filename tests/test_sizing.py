@@ -39,14 +39,26 @@ def test_two_buckets_beat_one_where_the_hand_count_says() -> None:
     assert (one.buckets, one.exposed_s) == (1, pytest.approx(0.21))
 
 
-def test_slow_link_starts_early_and_launches_few() -> None:
-    """100 Mbit/s (12.5 MB/s), 8.4 MB, a 60 ms backward: the wire is the step, so a small
-    first bucket (an early start) and large ones after it (few launches)."""
+def test_slow_link_starts_early_in_buckets_no_longer_than_the_backward_allows() -> None:
+    """100 Mbit/s (12.5 MB/s), 8.4 MB, a 60 ms backward: the wire is the step, and the model
+    counts a small first bucket and any layout after it within 2% of each other. Every
+    bucket is longer on the wire than the backward (1 MB: 84 ms), so the smallest win:
+    one large message no longer paces the step (the rule measured in the module doc)."""
     out = choose(int(8.4 * MB), 0.06, Link(3e-4, 12.5e6))
-    assert out.first_bucket_mb <= 2 and out.bucket_mb >= 4, out
+    assert (out.first_bucket_mb, out.bucket_mb) == (1.0, 1.0), out
     single = 3e-4 + 8.4 * MB / 12.5e6
     assert out.exposed_s < single - 0.04  # most of the backward hidden
     assert "100 ms" not in out.why and "60 ms" in out.why
+
+
+def test_the_fewest_buckets_that_each_fit_in_a_backward() -> None:
+    """1 Gbit/s-like (140 MB/s, 4 ms a launch), 8 MB, a 40 ms backward: of the layouts within
+    2% of the cheapest, the fewest whose buckets each take at most the backward on the wire
+    (4 MB: 34 ms); the smallest-first rule of slow links does not apply here."""
+    link = Link(4e-3, 140 * MB)
+    out = choose(8 * MB, 0.04, link)
+    assert link.seconds(out.bucket_mb * MB) <= 0.04 and out.buckets == 3, out
+    assert (out.bucket_mb, out.first_bucket_mb) == (4.0, 2.0), out
 
 
 def test_fast_link_with_a_long_backward_leaves_only_a_small_last_bucket() -> None:
@@ -100,7 +112,14 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
         choices.append(out)
         return out
 
-    with mock.patch.object(sizing, "choose", choose):
+    probes = []
+    real_probe = sizing.probe_link
+
+    def probe_link(group: Any, device: torch.device) -> Link:
+        probes.append(real_probe(group, device))
+        return probes[-1]
+
+    with mock.patch.object(sizing, "choose", choose), mock.patch.object(sizing, "probe_link", probe_link):
         reducer = fastreduce.FusedReducer(model, overlap=True, wire_dtype=torch.float32, transport=transport,
                                           bucket_mb=bucket_mb)
         errors, buckets = [], []
@@ -115,7 +134,7 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
             twin.zero_grad(set_to_none=True)
     s = reducer.stats.sizing
     return {"errors": errors, "buckets": buckets, "sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb,
-            s.buckets, s.backward_s, s.link), "why": s and s.why, "choices": len(choices)}
+            s.buckets, s.backward_s, s.link), "why": s and s.why, "choices": len(choices), "probes": len(probes)}
 
 
 def test_process_group_sizes_are_agreed_and_the_mean_is_exact() -> None:
@@ -126,6 +145,7 @@ def test_process_group_sizes_are_agreed_and_the_mean_is_exact() -> None:
     assert backward_s >= 0.03, f"the agreed backward ({backward_s}) is not the slow rank's"
     assert "MB/s per all-reduce" in ranks[0]["why"]
     assert ranks[0]["choices"] == 2  # at the build and at the refresh, never again
+    assert ranks[0]["probes"] == ranks[1]["probes"] == 2  # the link too: the first probe reads the first step's costs
     for out in ranks:
         assert max(out["errors"]) <= 1e-6, out["errors"]
 
@@ -133,7 +153,7 @@ def test_process_group_sizes_are_agreed_and_the_mean_is_exact() -> None:
 def test_shared_memory_takes_one_bucket() -> None:
     for out in run_ranks(train, 2, "shm"):
         assert out["buckets"][1:] == [1] * (STEPS + 1)
-        assert "shared memory" in out["why"] and out["choices"] == 0
+        assert "shared memory" in out["why"] and out["choices"] == out["probes"] == 0
         assert max(out["errors"]) <= 1e-6
 
 
