@@ -16,7 +16,6 @@ extra: ``pip install 'fastreduce[hf]'``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
@@ -30,18 +29,11 @@ from transformers.utils import logging as hf_logging
 import fastreduce
 from fastreduce.integrations.transformers import broadcast_parameters
 from hf_trainer import Progressions  # examples/hf_trainer.py
-from train import leave, params_in_sync  # examples/train.py
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from train import DTYPES, integration_parser, leave, params_in_sync  # examples/train.py
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
-    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
-    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
-    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
+    ap = integration_parser(__doc__)
     args = ap.parse_args()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

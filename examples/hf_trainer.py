@@ -28,9 +28,8 @@ from transformers.utils import logging as hf_logging
 
 import fastreduce
 from fastreduce.integrations.transformers import FastReduceTrainer
-from train import leave, params_in_sync  # examples/train.py (the script's folder is on sys.path)
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# examples/train.py (the script's folder is on sys.path)
+from train import DTYPES, integration_parser, leave, params_in_sync
 
 
 class Progressions(Dataset):
@@ -49,7 +48,8 @@ class Progressions(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def train_and_check(model: GPT2LMHeadModel, info, args: argparse.Namespace, output_dir: str) -> bool:
+def train_and_check(model: GPT2LMHeadModel, info: fastreduce.DistInfo, args: argparse.Namespace,
+                    output_dir: str) -> bool:
     """Train with ``FastReduceTrainer``, evaluate, print the figures on rank 0; True where every
     rank holds rank 0's exact parameters."""
     training_args = TrainingArguments(
@@ -77,12 +77,7 @@ def train_and_check(model: GPT2LMHeadModel, info, args: argparse.Namespace, outp
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
-    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
-    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
-    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
+    ap = integration_parser(__doc__)
     ap.add_argument("--output-dir", default=None, help="Trainer output directory (default: a temporary one)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # fastreduce's one-line summary

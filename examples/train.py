@@ -38,6 +38,17 @@ import fastreduce
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def integration_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags the Hugging Face examples share (``hf_trainer.py``, ``accelerate_train.py``)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="per-rank micro-batch size")
+    ap.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    ap.add_argument("--wire", choices=sorted(DTYPES), default="bf16", help="dtype on the wire")
+    ap.add_argument("--overlap", action="store_true", help="reduce buckets during backward")
+    return ap
+
+
 def make_data(n: int, dim: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed, learnable problem: labels from a random linear teacher plus noise."""
     g = torch.Generator().manual_seed(1234)
