@@ -135,9 +135,9 @@ def _splitter() -> type:
                 before = bucket.size
                 super().add_param(bucket, param, name)
                 bucket.size = before  # counted by _Deferred once the piece may end
-                bucket.owed = getattr(bucket, "owed", 0) + param.numel() * param.element_size()
                 if not isinstance(bucket.nodes, _Deferred):
                     bucket.nodes = _Deferred(bucket.nodes, bucket, self.next_reads)
+                bucket.nodes.owed += param.numel() * param.element_size()
 
             def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
                 if self.scoped and self.bucket_bytes_cap < _WHOLE:  # the cut of the modes whose parameters gm reads
@@ -167,12 +167,13 @@ class _Deferred(list):
     def __init__(self, nodes: list[Any], bucket: Any, next_reads: dict[Any, bool]):
         super().__init__(nodes)
         self.bucket, self.next_reads = bucket, next_reads
+        self.owed = 0  # parameter bytes added, not yet in the bucket's size
 
     def append(self, node: Any) -> None:
         super().append(node)
         if self.next_reads.get(node, True):
-            self.bucket.size += getattr(self.bucket, "owed", 0)
-            self.bucket.owed = 0
+            self.bucket.size += self.owed
+            self.owed = 0
 
 
 def _reads_params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -180,15 +180,14 @@ def choose(wire_bytes: int, backward_s: float, link: Link) -> Sizing:
     for size in sizes:
         for first in sorted({f for f in _FIRSTS if f < size} | {size}):
             cost, n = _exposed(wire_bytes, backward_s, link, first * MB, size * MB)
-            tried.append((cost, n, -size, -first))
+            tried.append((cost, n, size, first))
     best = min(c for c, *_ in tried)
     near = [t for t in tried if t[0] <= best * (1 + _NEAR) + 1e-6]
-    steady = [t for t in near if link.seconds(-t[2] * MB) <= backward_s]
+    steady = [t for t in near if link.seconds(t[2] * MB) <= backward_s]
     if steady:  # the fewest buckets, none on the wire longer than a backward
         cost, n, size, first = min(steady, key=lambda t: (t[1], t[0]))
     else:  # a slow link: the smallest buckets (then the fewest) among the near-cheapest
-        cost, n, size, first = min(near, key=lambda t: (-t[2], t[1], t[0]))
-    size, first = -size, -first
+        cost, n, size, first = min(near, key=lambda t: (t[2], t[1], t[0]))
     comm = link.seconds(wire_bytes)
     why = (f"link {link.latency_s * 1e3:.2f} ms + {link.bytes_per_s / MB:.0f} MB/s per all-reduce, "
            f"{whole:.1f} MB of gradients ({comm * 1e3:.0f} ms in one), backward {backward_s * 1e3:.0f} ms: "
