@@ -25,7 +25,8 @@ wins depends on the link, so the mode measures it:
   (median of 12) against 729 for one of 8 MB, and the overlapped step with 1 MB
   buckets was 0.985x DDP's compiled against 1.022x with one 1 MB and one 7 MB bucket,
   though the model counts them within 1% of each other.
-* **shared memory** (CPU ranks on one host): one bucket, no probe. Its collective runs
+* **shared memory** (CPU ranks on one host): one bucket, no probe (the overlapped mode
+  then sends it after backward as the fused mode does). Its collective runs
   on the same cores as the backward, so what overlap hides it takes from the compute
   (measured: the overlapped step was 1.27x a no-communication one against the fused
   step's 1.15x).
@@ -51,8 +52,9 @@ __all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "AutoSizer
            "choose", "probe_link", "shared_memory"]
 
 AUTO = "auto"
-AUTO_RULE = ("one bucket on shared memory; over a process group, the least communication left after "
-             "backward for the probed link and the timed backward (agreed, refreshed after 8 steps); "
+AUTO_RULE = ("one bucket on shared memory, sent after backward as the fused mode's; over a process group, the "
+             "least communication left after backward for the probed link and the timed backward (agreed, "
+             "refreshed after 8 steps; one bucket then is sent as the fused mode's too); "
              "fixed_bucket_mb with a quantized or compressed wire or accumulate_dtype")
 ZERO_AUTO_RULE = ("as the overlapped mode's, chosen when the optimizer is built, the backward taken to be as "
                   "long as the gradients' communication; not refreshed")
@@ -223,6 +225,11 @@ class AutoSizer:
                 self.sizing = choose(wire_bytes, guess, self._link)
         return self.sizing
 
+    @property
+    def settled(self) -> bool:
+        """The sizes will not be chosen again (shared memory: never probed; or refreshed)."""
+        return self.sizing is not None and (self._link is None or self.refreshed)
+
     def refresh(self, backward_s: list[float], wire_bytes: int, group: dist.ProcessGroup | None,
                 device: torch.device) -> bool:
         """Collective, at the same step on every rank: once ``backward_s`` (per step since
@@ -230,10 +237,12 @@ class AutoSizer:
         (the first left out), and the link probed again (the first probe runs just after the
         first step, while a compiled model's pieces have just been compiled: on this 2-core
         machine it read 3.5 ms a launch there against 0.45 ms in steady steps); whether the
-        buckets should be laid out again."""
+        buckets should be laid out again (also where one bucket is kept: the mode then runs it as
+        the fused collective)."""
         if self.refreshed or self._link is None or len(backward_s) < self.REFRESH_AFTER:
             return False
         self.refreshed = True
         self._link, median = agree(probe_link(group, device), statistics.median(backward_s[1:]), group, device)
         old, self.sizing = self.sizing, choose(wire_bytes, median, self._link)
-        return (self.sizing.bucket_mb, self.sizing.first_bucket_mb) != (old.bucket_mb, old.first_bucket_mb)
+        return self.sizing.buckets == 1 or \
+            (self.sizing.bucket_mb, self.sizing.first_bucket_mb) != (old.bucket_mb, old.first_bucket_mb)

@@ -95,10 +95,11 @@ def twin_error(model: nn.Module, twin: nn.Module, x: torch.Tensor, world: int) -
 
 
 def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
-          force_relay: bool = False, bucket_mb: float | str = "auto") -> dict[str, Any]:
+          force: str | None = None, bucket_mb: float | str = "auto") -> dict[str, Any]:
     """STEPS overlapped steps (fp32 wire); each step's averaged grads against the mean
     of a twin model's grads through dist.all_reduce. ``slow_rank`` sleeps 30 ms in its
-    backward (its backward time is the one agreed)."""
+    backward (its backward time is the one agreed); ``force`` makes the refresh choose
+    a bucket per layer ("relay") or one bucket ("one")."""
     model, twin = make_model(), make_model()
     if slow_rank == rank:
         model[3].weight.register_hook(lambda g: time.sleep(0.03) or g)
@@ -107,8 +108,10 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
 
     def choose(wire_bytes: int, backward_s: float, link: Link) -> Sizing:
         out = real_choose(wire_bytes, backward_s, link)
-        if force_relay and choices:  # the refresh: a bucket per 256 KB layer
+        if force == "relay" and choices:  # the refresh: a bucket per 256 KB layer
             out = Sizing(0.2, 0.2, 8, "forced by the test", link, backward_s, 0.0)
+        elif force == "one" and choices:
+            out = Sizing(wire_bytes / 2**20, wire_bytes / 2**20, 1, "forced by the test", link, backward_s, 0.0)
         choices.append(out)
         return out
 
@@ -122,7 +125,7 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
     with mock.patch.object(sizing, "choose", choose), mock.patch.object(sizing, "probe_link", probe_link):
         reducer = fastreduce.FusedReducer(model, overlap=True, wire_dtype=torch.float32, transport=transport,
                                           bucket_mb=bucket_mb)
-        errors, buckets = [], []
+        errors, buckets, launched = [], [], []
         for step in range(STEPS + 2):
             g = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(32, 256, generator=g)
@@ -130,10 +133,11 @@ def train(rank: int, world: int, transport: str, slow_rank: int | None = None,
             reducer.reduce()
             errors.append(twin_error(model, twin, x, world))
             buckets.append(reducer.num_buckets)
+            launched.append(reducer.stats.launched_in_backward)
             model.zero_grad(set_to_none=False)
             twin.zero_grad(set_to_none=True)
     s = reducer.stats.sizing
-    return {"errors": errors, "buckets": buckets, "sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb,
+    return {"errors": errors, "buckets": buckets, "launched": launched, "sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb,
             s.buckets, s.backward_s, s.link), "why": s and s.why, "choices": len(choices), "probes": len(probes)}
 
 
@@ -151,23 +155,37 @@ def test_process_group_sizes_are_agreed_and_the_mean_is_exact() -> None:
 
 
 def test_shared_memory_takes_one_bucket() -> None:
+    """One bucket, run as the fused mode's collective after backward: nothing launched
+    from a gradient hook (overlap on shared memory takes from the backward what it hides)."""
     for out in run_ranks(train, 2, "shm"):
         assert out["buckets"][1:] == [1] * (STEPS + 1)
         assert "shared memory" in out["why"] and out["choices"] == out["probes"] == 0
+        assert out["launched"] == [0] * (STEPS + 2), out["launched"]
         assert max(out["errors"]) <= 1e-6
+
+
+def test_one_bucket_chosen_again_is_sent_as_the_fused_collective() -> None:
+    """A refresh that chooses one bucket over a process group: the mode builds again and
+    sends it after backward as the fused mode does (no bucket launched in backward from
+    then on); every step's mean is exact."""
+    for out in run_ranks(train, 2, "process_group", None, "one"):
+        assert out["sizing"][2] == 1 and out["buckets"][-3:] == [1, 1, 1]
+        launched = out["launched"]
+        assert launched[-1] == launched[-4], launched  # the last steps launched nothing in backward
+        assert max(out["errors"]) <= 1e-6, out["errors"]
 
 
 def test_the_refresh_lays_the_buckets_out_again() -> None:
     """A refresh that chooses other sizes: the next step learns the layout again (no
     overlap in it), the steps after use the new buckets; every step's mean is exact."""
-    for out in run_ranks(train, 2, "process_group", None, True):
+    for out in run_ranks(train, 2, "process_group", None, "relay"):
         assert out["buckets"][-1] == 8 and out["buckets"][1] != 8, out["buckets"]
         assert out["sizing"][:2] == (0.2, 0.2)
         assert max(out["errors"]) <= 1e-6, out["errors"]
 
 
 def test_a_given_bucket_mb_is_kept() -> None:
-    for out in run_ranks(train, 2, "process_group", None, False, 0.2):
+    for out in run_ranks(train, 2, "process_group", None, None, 0.2):
         assert out["sizing"] is None and out["choices"] == 0
         assert out["buckets"][1:] == [8] * (STEPS + 1)
 

@@ -388,17 +388,22 @@ class FusedReducer(ReducerState, JoinableMode):
             comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
-        # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
-        pack, unpack = (None, None) if cfg.overlap else self._capture(backend, buffer, plan)
-        flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
-        built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not cfg.overlap)
-        if cfg.overlap:
+        overlap = cfg.overlap
+        if overlap:
             sizing = self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device) \
                 if self._sizer is not None else None
             self.stats.sizing = sizing
             if sizing is not None:
                 self._cut_graphs(sizing)
+                # one bucket for good (shared memory, or so chosen again from real steps): the fused
+                # mode's collective after backward, without a Python hook per gradient in backward
+                overlap = not (sizing.buckets == 1 and self._sizer.settled)
+        # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
+        pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
+        flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
+        built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
+        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not overlap)
+        if overlap:
             built.schedule, means = overlap_schedule(
                 layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=cfg.per_bucket,
                 bucket_mb=sizing.bucket_mb if sizing else self._fixed_mb, first_mb=sizing and sizing.first_bucket_mb,

@@ -71,7 +71,8 @@ class ReducerConfig:
     """Bucket size on the wire in overlap mode (MB). ``"auto"`` (or ``None``): chosen on
     the first step from the link (a short probe of the group's all-reduce) and the
     backward's time, and once more from the backward times of the next steps
-    (:mod:`fastreduce.sizing`); one bucket on shared memory. With a quantized or
+    (:mod:`fastreduce.sizing`); one bucket on shared memory, sent after backward as in the
+    fused mode (so is one bucket chosen again over a process group). With a quantized or
     compressed wire or ``accumulate_dtype``, "auto" is the backend's size (6 MB on Gloo,
     25 on NCCL, 64 on HCCL)."""
     transport: Transport = field(default_factory=lambda: os.environ.get(TRANSPORT_ENV, "auto"))
