@@ -388,16 +388,12 @@ class FusedReducer(ReducerState, JoinableMode):
             comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
-        overlap = cfg.overlap
-        if overlap:
-            sizing = self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device) \
-                if self._sizer is not None else None
-            self.stats.sizing = sizing
-            if sizing is not None:
-                self._cut_graphs(sizing)
-                # one bucket for good (shared memory, or so chosen again from real steps): the fused
-                # mode's collective after backward, without a Python hook per gradient in backward
-                overlap = not (sizing.buckets == 1 and self._sizer.settled)
+        sizing = self._sizer and self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device)
+        self.stats.sizing = sizing  # (overlap mode only: None in fused mode)
+        if sizing is not None:
+            self._cut_graphs(sizing)
+        # one bucket for good (shared memory, or chosen again at the refresh): the fused step, no hook per grad
+        overlap = cfg.overlap and not (sizing and sizing.buckets == 1 and self._sizer.settled)
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
