@@ -27,8 +27,8 @@ from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
 __all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first",
-           "check_grad", "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error", "one_device",
-           "start_from_rank0"]
+           "attach_used", "check_grad", "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error",
+           "one_device", "start_from_rank0"]
 
 NonFinite = Literal["ignore", "raise", "skip"]
 NONFINITE = ("ignore", "raise", "skip")
@@ -135,6 +135,14 @@ def missing_message(names: list[str]) -> str:
             "Freeze parameters you do not train (param.requires_grad_(False)), or pass "
             "unused_grads='zero' to count a missing gradient as zero (like DDP's "
             "find_unused_parameters=True)")
+
+
+def attach_used(layout: GradLayout, buffer: FusedBuffer, flags: torch.Tensor, missing: list[int]) -> None:
+    """``unused_grads="zero"``: a grad missing on this rank but present on another (its count in
+    ``flags`` after their all-reduce) becomes its view of the average; the others stay ``None``."""
+    for i, count in zip(missing, flags[missing].tolist()):
+        if count > 0:
+            layout.params[i].grad = buffer.views[i]
 
 
 def adopt(layout: GradLayout, buffer: FusedBuffer, indices: Sequence[int], *, direct: bool = False,

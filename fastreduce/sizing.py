@@ -226,9 +226,9 @@ class AutoSizer:
         return self.sizing
 
     @property
-    def settled(self) -> bool:
-        """The sizes will not be chosen again (shared memory: never probed; or refreshed)."""
-        return self.sizing is not None and (self._link is None or self.refreshed)
+    def one_bucket(self) -> bool:
+        """One bucket for good: it will not be chosen again (shared memory: never probed; or refreshed)."""
+        return self.sizing is not None and self.sizing.buckets == 1 and (self._link is None or self.refreshed)
 
     def refresh(self, backward_s: list[float], wire_bytes: int, group: dist.ProcessGroup | None,
                 device: torch.device) -> bool:

@@ -215,21 +215,28 @@ def adamw(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)
 
 
-def case_two_reducers(rank: int, world: int, counts: list[int]) -> dict:
+def case_two_reducers(rank: int, world: int, counts: list[int], built: bool = False) -> dict:
     """Two joinables in one Join (two models, one loss): the second counts the active
     ranks with an all-reduce of its own, which its hook matches on the joined ranks.
-    Listed in the order they communicate (the overlapped one during backward)."""
+    Listed in the order they communicate (the overlapped one during backward). ``built``:
+    the first step (every rank active) runs before the Join, so the overlapped reducer was
+    built outside it (on shared memory as the fused step: one bucket) and must be built again."""
     a, b = make_model(0), make_model(1)
     ra = fastreduce.FusedReducer(a, wire_dtype=torch.float32)
     rb = fastreduce.FusedReducer(b, wire_dtype=torch.float32, overlap=True)
     opt = sgd(list(a.parameters()) + list(b.parameters()))
+
+    def step(s: int) -> None:
+        (loss_on(a, rank, 100 * s) + loss_on(b, rank, 100 * s)).backward()
+        ra.reduce()
+        rb.reduce()
+        opt.step()
+        opt.zero_grad()
+    if built:
+        step(0)
     with Join([rb, ra]):
-        for s in range(counts[rank]):
-            (loss_on(a, rank, 100 * s) + loss_on(b, rank, 100 * s)).backward()
-            ra.reduce()
-            rb.reduce()
-            opt.step()
-            opt.zero_grad()
+        for s in range(int(built), counts[rank]):
+            step(s)
     return {"ours": params(a) + params(b),
             "ref": reference_sync(world, counts, False, sgd) + reference_sync(world, counts, False, sgd, seed=1)}
 
@@ -366,6 +373,7 @@ def worker(rank: int, world: int, transport: str) -> dict:
         out[("no_extra", overlap)] = guarded(case_no_extra, rank, counts, overlap)
     out[("functional",)] = guarded(case_functional, rank, counts)
     out[("two_reducers",)] = guarded(case_two_reducers, rank, world, counts)
+    out[("two_reducers", "built")] = guarded(case_two_reducers, rank, world, counts, True)
     for overlap in (False, True):
         for divide in (False, True):
             out[("zero", overlap, divide)] = guarded(case_zero, rank, world, counts, overlap, divide, None)
@@ -462,8 +470,9 @@ def test_functional_all_reduce_gradients_under_join(world: int, transport: str) 
 
 @WORLDS
 @TRANSPORT
-def test_two_joinables_in_one_join(world: int, transport: str) -> None:
-    for r, res in enumerate(per_rank(world, transport, ("two_reducers",))):
+@pytest.mark.parametrize("built", [False, True], ids=["built_inside", "built_before"])
+def test_two_joinables_in_one_join(world: int, transport: str, built: bool) -> None:
+    for r, res in enumerate(per_rank(world, transport, ("two_reducers", "built") if built else ("two_reducers",))):
         assert_close(res["ours"], res["ref"], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r}: {m}")
 
 

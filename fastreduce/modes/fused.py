@@ -43,8 +43,8 @@ from ..compiling import ModeCut, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import optional_before_forward, remove_hooks
-from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, check_grad, first_nonfinite, missing_message,
-                     nonfinite_error, one_device)
+from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, attach_used, check_grad, first_nonfinite,
+                     missing_message, nonfinite_error, one_device)
 from ..join import JoinableMode, sync_from_last_joiner
 from ..layout import GradLayout, verify_across_ranks
 from ..profiling import span
@@ -392,8 +392,8 @@ class FusedReducer(ReducerState, JoinableMode):
         self.stats.sizing = sizing  # (overlap mode only: None in fused mode)
         if sizing is not None:
             self._cut_graphs(sizing)
-        # one bucket for good (shared memory, or chosen again at the refresh): the fused step, no hook per grad
-        overlap = cfg.overlap and not (sizing and sizing.buckets == 1 and self._sizer.settled)
+        # one bucket for good (shm, or chosen again at the refresh): the fused step; not under Join (_join_check)
+        overlap = cfg.overlap and (self._join_config.enable or not (self._sizer and self._sizer.one_bucket))
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
@@ -485,7 +485,7 @@ class FusedReducer(ReducerState, JoinableMode):
                         with span("fastreduce::unpack"):
                             then()
         if missing:
-            self._attach_used(built, missing)
+            attach_used(built.layout, built.buffer, built.flags, missing)
             if not self._warned_missing:
                 self._warned_missing = True
                 names = ", ".join(repr(built.layout.names[i]) for i in missing[:5])
@@ -501,15 +501,6 @@ class FusedReducer(ReducerState, JoinableMode):
             st.compressed += compressed
         st.bytes_reduced += path.nbytes if compressed else getattr(built.plan, "wire_bytes", built.buffer.nbytes)
 
-    @staticmethod
-    def _attach_used(built: _Built, missing: list[int]) -> None:
-        """A grad missing here but present on another rank gets the average; else stays None."""
-        assert built.flags is not None
-        used = built.flags[missing].tolist()
-        for i, count in zip(missing, used):
-            if count > 0:
-                built.layout.params[i].grad = built.buffer.views[i]
-
     # ------------------------------------------------------------------ uneven inputs (Join)
 
     @staticmethod
@@ -517,6 +508,11 @@ class FusedReducer(ReducerState, JoinableMode):
         """Averaged over the group with joined ranks' zeros in it: x world / active."""
         if factor != 1.0:
             torch._foreach_mul_(built.buffer.flats, factor)
+
+    def _join_check(self) -> None:
+        """Joinables communicate in the order listed, an overlapped reducer from backward: not as the fused step."""
+        if self.config.overlap and self._built is not None and self._built.schedule is None:
+            self.rebuild()  # (the next reduce() builds its schedule: see _build)
 
     @torch.no_grad()
     def _join_shadow(self) -> None:
