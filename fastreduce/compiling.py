@@ -431,9 +431,10 @@ class ModeCut:
             cut_graphs(owner, self.now, self.params)
 
     def move(self, owner: object, mb: float | None) -> None:
-        """Cut at ``mb`` (``None``: no cut); :attr:`relearn` if compiled code was dropped for it."""
+        """Cut at ``mb`` (``None``: no cut); :attr:`relearn` if compiled code was dropped for a new cut
+        (not for none: its one bucket, or the fused step, launches once every gradient is in, in any order)."""
         changed, self.now = recut(owner, mb, self.params), mb
-        self.relearn = changed and forget_compiled_code()
+        self.relearn = changed and forget_compiled_code() and mb is not None
 
 
 def keep_cut() -> None:
