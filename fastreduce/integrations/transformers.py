@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -48,7 +49,8 @@ import torch.distributed as dist
 
 from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
-from ..modes.fused import FusedReducer, ReducerConfig
+from ..modes.fused import FusedReducer
+from .modes import TrainerMode, make_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     import transformers
@@ -73,36 +75,49 @@ def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None
 
 
 class FastReduceMixin:
-    """Makes a ``transformers.Trainer`` (sub)class reduce gradients with fastreduce, not DDP.
+    """Makes a ``transformers.Trainer`` (sub)class train in a fastreduce mode, not DDP.
 
     Put it first in the bases: ``class MyTrainer(FastReduceMixin, Trainer)``;
-    :class:`FastReduceTrainer` is ``FastReduceMixin`` over ``Trainer``. It takes one
-    keyword argument more than the trainer it is mixed into:
+    :class:`FastReduceTrainer` is ``FastReduceMixin`` over ``Trainer``. It takes two
+    keyword arguments more than the trainer it is mixed into:
 
     Args:
-        fastreduce_config: keyword arguments for :class:`fastreduce.FusedReducer`:
-            the fields of :class:`fastreduce.ReducerConfig` (``wire_dtype``,
-            ``overlap``, ``bucket_mb``, ``accumulate_dtype``, ``unused_grads``,
-            ``transport``, ``use_graphs``, ``backend``) and ``group``. Checked when
-            the trainer is built. fastreduce's defaults apply: a bf16 wire;
-            ``wire_dtype=torch.float32`` (or ``None``) averages exactly as DDP does.
-            ``unused_grads`` defaults to ``"zero"`` when
-            ``TrainingArguments.ddp_find_unused_parameters`` is ``True``, to
-            ``"error"`` otherwise.
+        fastreduce_mode: ``"fused"`` (the default), ``"overlap"``, ``"zero"``,
+            ``"localsgd"`` or ``"diloco"`` (:mod:`fastreduce.integrations.modes`).
+        fastreduce_config: the mode's settings: the keyword arguments of its class
+            (:class:`fastreduce.FusedReducer`'s :class:`fastreduce.ReducerConfig` fields,
+            :class:`fastreduce.ZeroOptimizer`'s, :class:`fastreduce.LocalSGD`'s,
+            :class:`fastreduce.DiLoCo`'s, ``group`` included), with their names, defaults
+            and errors; checked when the trainer is built. Without ``fastreduce_mode``,
+            ``overlap=True`` here means the ``"overlap"`` mode. For ``"fused"`` and
+            ``"overlap"``, ``unused_grads`` defaults to ``"zero"`` when
+            ``TrainingArguments.ddp_find_unused_parameters`` is ``True``.
 
     What it changes, in a run of more than one process (with one, nothing):
 
     - ``_wrap_model`` (training): prepares the model with
       ``accelerator.prepare_model(model, evaluation_mode=True)`` (device placement,
-      mixed precision, ``torch.compile``; no DDP) so that the Trainer's
-      ``accelerator.prepare(model, optimizer)`` leaves it as it is (on every
-      accelerate: :func:`fastreduce.compat.prepare_model_without_ddp`); then
-      broadcasts rank 0's parameters and buffers and builds the reducer (once per
-      model: a second ``train()`` reuses both).
-    - ``training_step``: on a micro-step that does not end an accumulation window
-      (``accelerator.sync_gradients`` false) backward runs under
-      ``reducer.no_sync()``; on one that does, ``reducer.reduce()`` follows backward,
-      so the Trainer clips (``max_grad_norm``) and steps on averaged gradients.
+      mixed precision, ``torch.compile``; no DDP), broadcasts rank 0's parameters and
+      buffers, and builds the mode over the model and the Trainer's optimizer (``zero``
+      replaces the optimizer by a :class:`~fastreduce.ZeroOptimizer` of the same class,
+      param groups and hyperparameters, which the LR scheduler then drives; ``localsgd``
+      and ``diloco`` hook the Trainer's optimizer, the inner one). Once per model: a
+      second ``train()`` reuses it.
+    - ``training_step``: backward of a micro-step that does not end an accumulation
+      window runs under the mode's ``no_sync()``; after the one that does, the fused and
+      overlapped modes average the gradients, so the Trainer clips (``max_grad_norm``)
+      and steps on averaged gradients. ZeRO's clipping is its global norm.
+    - ``evaluate()`` and ``save_model()`` (so a checkpoint's model files too) see the
+      exact mean of the ranks' parameters in ``localsgd`` and ``diloco``, whose ranks
+      hold their own between syncs; afterwards each rank trains on its own again.
+    - Checkpoints (``save_steps``): the mode's whole state (ZeRO's shards, each rank's
+      own parameters and optimizer, anchors, outer optimizer, residuals, step counts) is
+      saved with :class:`fastreduce.checkpoint.Checkpointer` in the checkpoint's
+      ``fastreduce/`` folder, beside the Trainer's files, and
+      ``train(resume_from_checkpoint=...)`` resumes it (a ZeRO checkpoint on any world size).
+    - ``log``: each training log (every ``logging_steps``) holds the mode's figures
+      (``fastreduce/...``: bytes per step, seconds waiting per step and their share of
+      the time, syncs, skipped steps, the buckets).
 
     Buffers are broadcast once, at the start; a buffer that forward updates
     (BatchNorm statistics) then stays per rank, as under DDP with
@@ -110,33 +125,56 @@ class FastReduceMixin:
     models sharded at load time reduce gradients their own way and are refused.
     """
 
-    def __init__(self, *args: Any, fastreduce_config: Mapping[str, Any] | None = None, **kwargs: Any):
-        config = dict(fastreduce_config or {})
-        ReducerConfig(**{k: v for k, v in config.items() if k != "group"})  # a typo fails here
-        self.fastreduce_config: dict[str, Any] = config
-        self.fastreduce_reducer: FusedReducer | None = None
-        """The reducer of the model being trained (``None`` until ``train()`` starts on
-        more than one rank); its ``stats`` count the reductions."""
+    def __init__(self, *args: Any, fastreduce_mode: str | None = None,
+                 fastreduce_config: Mapping[str, Any] | None = None, **kwargs: Any):
+        self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config)  # a typo fails here
+        """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
+        self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
         super().__init__(*args, **kwargs)
+        self._fastreduce_check_supported()
+        if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
+            raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
+                             "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
+                             "drives the one replaced: pass optimizers=(optimizer, None), or "
+                             "optimizer_cls_and_kwargs, and let the Trainer build the scheduler")
+
+    @property
+    def fastreduce_reducer(self) -> FusedReducer | None:
+        """The fused or overlapped reducer of the model being trained (``None`` until
+        ``train()`` starts on more than one rank, and in the other modes); its ``stats``
+        count the reductions."""
+        obj = self.fastreduce_mode.obj
+        return obj if isinstance(obj, FusedReducer) else None
 
     # ------------------------------------------------------------------ Trainer hooks
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
-        """Prepare the model for training without DDP and attach the reducer (see the class)."""
+        """Prepare the model for training without DDP and build the mode (see the class)."""
         if not training or not self._fastreduce_world():
             return super()._wrap_model(model, training=training, dataloader=dataloader)
-        self._fastreduce_check_supported()
         accelerator = self.accelerator
         if accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
-            return model  # prepared by an earlier train() (e.g. compiled): keep it and its reducer
+            return model  # prepared by an earlier train() (e.g. compiled): keep it and its mode
         prepared = prepare_model_without_ddp(accelerator, model)
-        self._fastreduce_attach(accelerator.unwrap_model(prepared, keep_torch_compile=False))
+        inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
+        if inner is not self._fastreduce_model:
+            self.fastreduce_mode.close()
+            self.fastreduce_mode.obj = None
+            self._fastreduce_model = inner
+            broadcast_parameters(inner, self.fastreduce_mode.config.get("group"))
+            self._fastreduce_build()
         return prepared
 
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """The Trainer's optimizer; then the mode, where the model is prepared already."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        self._fastreduce_build()
+        return self.optimizer if self.optimizer is not None else optimizer
+
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The Trainer's step (forward, backward), then the average on a sync step."""
-        reducer = self.fastreduce_reducer
-        if reducer is None:
+        """The Trainer's step (forward, backward), then the mode's work after the last micro-step."""
+        mode = self.fastreduce_mode
+        if mode.obj is None:
             return super().training_step(model, inputs, *args, **kwargs)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise RuntimeError(f"{type(self).__name__}: the Trainer wrapped the model in DistributedDataParallel "
@@ -144,17 +182,83 @@ class FastReduceMixin:
                                "transformers/accelerate pair is not supported: please report the versions")
         state = self.accelerator.gradient_state
         sync = state.sync_gradients or bool(getattr(state, "plugin_kwargs", {}).get("sync_each_batch", False))
-        with contextlib.nullcontext() if sync else reducer.no_sync():
+        with contextlib.nullcontext() if sync else mode.no_sync():
             loss = super().training_step(model, inputs, *args, **kwargs)
         if sync:
-            reducer.reduce()
+            mode.after_backward()
         return loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The Trainer's evaluation, on the ranks' mean parameters where each holds its own."""
+        with self._fastreduce_averaged():
+            return super().evaluate(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model`` (call it on every rank), of the ranks' mean
+        parameters where each holds its own: the model a user loads with ``from_pretrained``."""
+        with self._fastreduce_averaged():
+            super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.fastreduce_mode.obj is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self._fastreduce_checkpointer(output_dir).save(self.state.global_step)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self.fastreduce_mode.obj is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        folder = os.path.join(checkpoint, _FOLDER)
+        if not os.path.isdir(folder):
+            raise ValueError(f"{checkpoint} holds no fastreduce state ({_FOLDER}/): it was not saved by a "
+                             f"{type(self).__name__} in a fastreduce mode; resume it with the trainer that saved it")
+        self._fastreduce_checkpointer(checkpoint).load_latest()
+        sched = os.path.join(checkpoint, _SCHEDULER)
+        if self.lr_scheduler is not None and os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+        self.fastreduce_mode.start_figures(self.state.global_step)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log; a training log (one with ``loss``) also gets the mode's figures."""
+        if self.fastreduce_mode.obj is not None and "loss" in logs:
+            logs.update(self.fastreduce_mode.figures(self.state.global_step))
+        super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ helpers
 
     def _fastreduce_world(self) -> bool:
-        group = self.fastreduce_config.get("group")
+        group = self.fastreduce_mode.config.get("group")
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+    def _fastreduce_build(self) -> None:
+        """Build the mode once the model is prepared and (but for the fused modes) the
+        optimizer exists; ``_wrap_model`` and ``create_optimizer`` come in either order."""
+        mode, model = self.fastreduce_mode, self._fastreduce_model
+        if mode.obj is not None or model is None or (self.optimizer is None and mode.name not in ("fused", "overlap")):
+            return
+        if mode.name in ("fused", "overlap") and "unused_grads" not in mode.config \
+                and self.args.ddp_find_unused_parameters:
+            mode.config["unused_grads"] = "zero"
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
+        built = mode.build(model, optimizer, getattr(self.accelerator, "scaler", None))
+        if built is not optimizer:
+            self.optimizer = built
+        mode.start_figures(self.state.global_step)
+        if type(mode).clip_grad_norm_ is not TrainerMode.clip_grad_norm_:
+            _clip_with(self.accelerator, mode)
+        group = mode.config.get("group")
+        if dist.get_rank(group) == 0:
+            log.info("fastreduce: %s trains %s without DDP on %d ranks in mode %r", type(self).__name__,
+                     type(model).__name__, dist.get_world_size(group), mode.name)
+
+    def _fastreduce_checkpointer(self, output_dir: str) -> Any:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return self.fastreduce_mode.checkpointer(os.path.join(output_dir, _FOLDER), self._fastreduce_model, optimizer)
+
+    def _fastreduce_averaged(self) -> contextlib.AbstractContextManager:
+        model = self._fastreduce_model
+        return contextlib.nullcontext() if model is None else self.fastreduce_mode.averaged(model)
 
     def _fastreduce_check_supported(self) -> None:
         ours = type(self).__name__
@@ -164,24 +268,22 @@ class FastReduceMixin:
                  "a ParallelismConfig" if getattr(self.accelerator, "parallelism_config", None) is not None else
                  None)
         if other is not None:
-            raise ValueError(f"{ours} replaces DDP's gradient all-reduce, but this run uses {other}, "
-                             "which reduces gradients its own way: use the stock Trainer for it")
+            raise ValueError(f"{ours} trains in fastreduce mode {self.fastreduce_mode.name!r}, which replaces "
+                             f"DDP, but this run also asks for {other}, which reduces gradients its own way: "
+                             f"drop the {other} setting (deepspeed=, fsdp=, ...), or use the stock Trainer for it")
 
-    def _fastreduce_attach(self, model: torch.nn.Module) -> None:
-        reducer = self.fastreduce_reducer
-        if reducer is not None and reducer.model is model:
-            return
-        config = dict(self.fastreduce_config)
-        if "unused_grads" not in config and self.args.ddp_find_unused_parameters:
-            config["unused_grads"] = "zero"
-        group = config.pop("group", None)
-        broadcast_parameters(model, group)
-        self.fastreduce_reducer = FusedReducer(model, group=group, **config)
-        if dist.get_rank(group) == 0:
-            cfg = self.fastreduce_reducer.config
-            log.info("fastreduce: %s trains %s without DDP on %d ranks: wire %s, %s", type(self).__name__,
-                     type(model).__name__, dist.get_world_size(group), cfg.wire_dtype,
-                     "overlapped" if cfg.overlap else "fused")
+
+_FOLDER = "fastreduce"  # the mode's state, in a Trainer checkpoint folder
+_SCHEDULER = "scheduler.pt"  # the Trainer's name for its scheduler's state (transformers.trainer.SCHEDULER_NAME)
+
+
+def _clip_with(accelerator: Any, mode: TrainerMode) -> None:
+    """Make ``accelerator.clip_grad_norm_`` (which every Trainer clips and reads its
+    ``grad_norm`` through) the mode's own, on this accelerator only."""
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        return mode.clip_grad_norm_(max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
 def _make_trainer() -> type:

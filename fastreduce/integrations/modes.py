@@ -1,0 +1,299 @@
+"""The modes a trainer can run, by name: one small adapter per mode over what every
+trainer does (build over the model and the trainer's optimizer, skip communication on
+the micro-steps of gradient accumulation, reduce after the last backward, clip, save,
+evaluate), so that each trainer integration (:mod:`.transformers`, :mod:`.lightning`)
+is one class over this registry and never branches on a mode.
+
+========== ============================================== =========================================
+ name       what the trainer's loop runs                   the trainer's optimizer
+========== ============================================== =========================================
+ fused      :class:`~fastreduce.FusedReducer` after the    stepped as it is
+            last backward of each accumulation window
+ overlap    the same with ``overlap=True``: buckets go     stepped as it is
+            out from backward hooks
+ zero       :class:`~fastreduce.ZeroOptimizer` over the    replaced by its sharded twin (same
+            trainer's param groups; it averages itself     class, groups and hyperparameters)
+ localsgd   :class:`~fastreduce.LocalSGD` on the           steps locally; the mode averages every
+            trainer's optimizer                            ``sync_every`` steps from its step hook
+ diloco     :class:`~fastreduce.DiLoCo`, the trainer's     the inner optimizer; the outer one is
+            optimizer as the inner one                     ``outer_optimizer`` (default: the
+                                                           paper's Nesterov SGD, lr 0.7, 0.9)
+========== ============================================== =========================================
+
+A mode's settings are its class's keyword arguments, with the same names, defaults and
+errors; a name the class does not take is refused when the trainer is built.
+Parameters differ across ranks between syncs in ``localsgd`` and ``diloco``
+(:attr:`TrainerMode.per_rank`): evaluation and a saved model see their exact mean
+(:meth:`TrainerMode.averaged`), and a checkpoint holds every rank's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import time
+from typing import Any, Callable, ClassVar, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint import Checkpointer
+from ..modes.diloco import DiLoCo
+from ..modes.fused import FusedReducer, ReducerConfig
+from ..modes.localsgd import LocalSGD
+from ..modes.zero import ZeroOptimizer
+
+__all__ = ["MODES", "TrainerMode", "make_mode"]
+
+_IMPLEMENTATION = ("foreach", "fused", "differentiable")  # torch.optim's kernel choices, None/False: not chosen
+
+
+class TrainerMode:
+    """One fastreduce mode inside a trainer (see the module doc); built in two steps:
+    the settings when the trainer is built (:func:`make_mode`, checked there), the mode
+    itself when training starts (:meth:`build`, collective)."""
+
+    name: ClassVar[str]
+    cls: ClassVar[Callable[..., Any]]
+    """The mode's own class: its keyword arguments are the settings."""
+    fixed: ClassVar[tuple[str, ...]] = ()
+    """Its arguments the trainer fills (model, optimizer, ...): not settings."""
+    per_rank: ClassVar[bool] = False
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.config = dict(config)
+        self.check(self.config)
+        self.obj: Any = None  # the mode object, once built
+        self._last = (time.perf_counter(), 0)  # (when, steps) the figures were last read
+        self._sent, self._waited = 0, 0.0  # the byte and wait counters then
+
+    # ------------------------------------------------------------------ settings
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        sig = inspect.signature(cls.cls)
+        return [n for n, p in sig.parameters.items()
+                if n not in cls.fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    @classmethod
+    def check(cls, config: dict[str, Any]) -> None:
+        """``TypeError`` for a setting the mode does not take (with the ones it does)."""
+        bad = sorted(set(config) - set(cls.settings()))
+        if bad:
+            raise TypeError(f"fastreduce mode {cls.name!r} ({cls.cls.__name__}) does not take the setting "
+                            f"{bad[0]!r}; its settings: {', '.join(cls.settings())}")
+
+    # ------------------------------------------------------------------ build
+
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any = None
+              ) -> torch.optim.Optimizer | None:
+        """Build the mode over ``model`` (on its device, every rank's parameters rank 0's)
+        and the trainer's ``optimizer``; return the optimizer the trainer steps."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ every step
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Around the backward of a micro-step that does not end an accumulation window."""
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """After the backward of the micro-step that ends an accumulation window."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """The global gradient norm, clipped, where the mode holds the gradients its own
+        way (ZeRO); ``None``: the trainer's own clipping is right."""
+        return None
+
+    @contextlib.contextmanager
+    def averaged(self, model: nn.Module) -> Iterator[None]:
+        """Inside: every rank's parameters and float buffers are their exact mean over
+        ranks (collective), for modes whose ranks hold their own (:attr:`per_rank`);
+        afterwards each rank's own again, bit for bit."""
+        if not self.per_rank or self.obj is None:
+            yield
+            return
+        tensors = [p.detach() for p in model.parameters() if p.requires_grad]
+        tensors += [b.detach() for b in model.buffers() if b.is_floating_point()]
+        own = [t.clone() for t in tensors]
+        with torch.no_grad():
+            for t in tensors:
+                mean = t.double()
+                dist.all_reduce(mean, group=self.config.get("group"))
+                t.copy_(mean.div_(dist.get_world_size(self.config.get("group"))))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, o in zip(tensors, own):
+                    t.copy_(o)
+
+    # ------------------------------------------------------------------ state and figures
+
+    def checkpointer(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpointer:
+        """The :class:`~fastreduce.checkpoint.Checkpointer` of this mode's whole state."""
+        return Checkpointer(directory, model, optimizer, mode=self.obj, keep=1)
+
+    def start_figures(self, steps: int) -> None:
+        """Count the figures from now on, the trainer at ``steps`` (after a build or a resume)."""
+        counts = self._counts()
+        self._last = (time.perf_counter(), steps)
+        self._sent, self._waited = counts.get("bytes", 0), counts.get("wait_seconds", 0.0)
+
+    def figures(self, steps: int) -> dict[str, float]:
+        """What the trainer's log shows, over the optimizer steps since the last call
+        (``steps``: the trainer's step count now)."""
+        now = time.perf_counter()
+        since, then = self._last
+        self._last = (now, steps)
+        n = max(steps - then, 1)
+        out = {f"fastreduce/{k}": v for k, v in self._counts().items()}
+        sent = out.pop("fastreduce/bytes", None)
+        if sent is not None:
+            out["fastreduce/bytes_per_step"] = (sent - self._sent) / n
+            self._sent = sent
+        waited = out.pop("fastreduce/wait_seconds", None)
+        if waited is not None:
+            out["fastreduce/wait_seconds_per_step"] = (waited - self._waited) / n
+            out["fastreduce/comm_share"] = (waited - self._waited) / max(now - since, 1e-9)
+            self._waited = waited
+        return out
+
+    def _counts(self) -> dict[str, float]:
+        """Cumulative counters of the mode (``bytes`` and ``wait_seconds`` become per step)."""
+        return {}
+
+    def close(self) -> None:
+        """Take the mode's hooks off the model and optimizer."""
+
+
+class Fused(TrainerMode):
+    name, cls = "fused", FusedReducer
+    fixed = ("model",)
+    overlap = False
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        return ["group", *(f.name for f in dataclasses.fields(ReducerConfig) if f.name != "overlap")]
+
+    @classmethod
+    def check(cls, config: dict[str, Any]) -> None:
+        super().check(config)
+        config["overlap"] = cls.overlap
+        ReducerConfig(**{k: v for k, v in config.items() if k != "group"})  # a bad value fails here
+
+    def build(self, model, optimizer, scaler=None):
+        self.obj = FusedReducer(model, **self.config)
+        return optimizer
+
+    def no_sync(self):
+        return self.obj.no_sync()
+
+    def after_backward(self) -> None:
+        self.obj.reduce()
+
+    def _counts(self):
+        st = self.obj.stats
+        out = {"reductions": st.calls, "bytes": st.bytes_reduced, "wait_seconds": st.wait_seconds,
+               "nonfinite": st.nonfinite}
+        if st.sizing is not None:
+            out["buckets"] = st.sizing.buckets
+        return out
+
+    def close(self) -> None:
+        if self.obj is not None:
+            self.obj.close()
+
+
+class Overlap(Fused):
+    name = "overlap"
+    overlap = True
+
+
+class Zero(TrainerMode):
+    name, cls = "zero", ZeroOptimizer
+    fixed = ("params", "optimizer_class", "module", "scaler")
+
+    def build(self, model, optimizer, scaler=None):
+        if optimizer is None:
+            raise ValueError("fastreduce mode 'zero' shards the trainer's optimizer, and there is none yet")
+        takes = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW's decoupled_...)
+        defaults = {k: v for k, v in optimizer.defaults.items()
+                    if k in takes and not (k in _IMPLEMENTATION and v in (None, False))}
+        groups = [{"params": g["params"], **{k: v for k, v in g.items() if k != "params" and defaults.get(k) != v
+                                             and not (k in _IMPLEMENTATION and v in (None, False))}}
+                  for g in optimizer.param_groups if g["params"]]
+        self.obj = ZeroOptimizer(groups, type(optimizer), module=model, scaler=scaler, **defaults, **self.config)
+        return self.obj
+
+    def no_sync(self):
+        return self.obj.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.obj.clip_grad_norm_(max_norm, norm_type)
+
+    def checkpointer(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpointer:
+        return Checkpointer(directory, model, self.obj, keep=1)  # the optimizer is the mode
+
+    def _counts(self):
+        return {"buckets": self.obj.num_buckets, "skipped_steps": self.obj.skipped_steps}
+
+
+class Local(TrainerMode):
+    name, cls = "localsgd", LocalSGD
+    fixed = ("model", "optimizer")
+    per_rank = True
+
+    def build(self, model, optimizer, scaler=None):
+        self.obj = LocalSGD(model, optimizer, **self.config)
+        return optimizer
+
+    def _counts(self):
+        m = self.obj
+        return {"syncs": m.syncs, "bytes": m.syncs * m.bytes_per_sync, "skipped_steps": m.skipped_steps,
+                "skipped_syncs": m.skipped_syncs}
+
+    def close(self) -> None:
+        if self.obj is not None:
+            self.obj.remove()
+
+
+class Diloco(Local):
+    name, cls = "diloco", DiLoCo
+    fixed = ("model", "inner_optimizer")
+
+    @classmethod
+    def check(cls, config: dict[str, Any]) -> None:
+        super().check(config)
+        outer = config.get("outer_optimizer")
+        if outer is not None and not (isinstance(outer, torch.optim.Optimizer) or callable(outer)):
+            raise TypeError("outer_optimizer must be a torch optimizer over the model's parameters or a "
+                            f"callable params -> optimizer, got {type(outer).__name__}")
+
+    def build(self, model, optimizer, scaler=None):
+        config = dict(self.config)
+        outer = config.pop("outer_optimizer", None)
+        if outer is None or not isinstance(outer, torch.optim.Optimizer):
+            params = [p for p in model.parameters() if p.requires_grad]
+            outer = outer(params) if outer is not None else torch.optim.SGD(params, lr=0.7, momentum=0.9,
+                                                                             nesterov=True)
+        self.obj = DiLoCo(model, optimizer, outer, **config)
+        return optimizer
+
+
+MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco)}
+"""The trainer modes by name."""
+
+
+def make_mode(name: str | None, config: Mapping[str, Any] | None) -> TrainerMode:
+    """The mode ``name`` (``None``: ``fused``, or ``overlap`` where ``config`` says
+    ``overlap=True``) with ``config`` checked: ``ValueError`` for an unknown name,
+    ``TypeError`` for a setting the mode does not take, the mode's own errors for a bad value."""
+    config = dict(config or {})
+    if name is None:
+        name = "overlap" if config.pop("overlap", False) else "fused"
+    if name not in MODES:
+        raise ValueError(f"unknown fastreduce mode {name!r}: choose one of {', '.join(MODES)}")
+    return MODES[name](config)

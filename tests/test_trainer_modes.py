@@ -1,0 +1,399 @@
+"""Every fastreduce mode inside the Hugging Face ``Trainer`` (``FastReduceTrainer(fastreduce_mode=...)``),
+on real processes: ``torchrun --standalone --nproc-per-node 2``, Gloo on CPU.
+
+One torchrun launch (this file's ``__main__`` part) trains, per mode, on the same batches
+(a sequential sampler, so the reference loop can take the Trainer's own data loader):
+
+- the Trainer: 20 optimizer steps of ``gradient_accumulation_steps=2``, AdamW with weight
+  decay (the Trainer's two param groups), clipping at a norm below every step's, a
+  cosine schedule with warm-up, saving a checkpoint every 10 steps;
+- the same mode in a hand-written loop (its own class, the same optimizer, groups,
+  schedule, clipping and accumulation): the reference, equal to 1e-6;
+- the Trainer resumed from its step-10 checkpoint to step 20 in a new Trainer (and new
+  mode): bit for bit the uninterrupted run.
+
+The same launch runs the stock Trainer (DDP) with AdamW for ZeRO's parity, and both the
+stock Trainer and ``localsgd`` at ``sync_every=1`` with plain SGD and no clipping, where
+their arithmetic is the same. A second launch, on 3 ranks, resumes the ZeRO checkpoint
+saved on 2 and checks the resharded state. Skipped without the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
+pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
+LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
+MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's mode
+    "fused": {"wire_dtype": torch.float32},
+    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
+    "zero": {},
+    "localsgd": {"sync_every": 4},
+    "diloco": {"sync_every": 4, "fragments": 2},
+}
+
+
+def torchrun(world: int, *args: str, timeout: float) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(__file__).resolve()), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the torchrun launch did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{out[-8000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``{run: [per-rank facts]}`` of the 2-rank launch, then the 3-rank ZeRO resume's."""
+    out = tmp_path_factory.mktemp("trainer_modes")
+    torchrun(2, "train", str(out), timeout=400)
+    torchrun(3, "reshard", str(out), timeout=200)
+    facts: dict = {}
+    for f in sorted(out.glob("*.rank*.pt")):
+        run, rank = f.name.split(".rank")
+        facts.setdefault(run, {})[int(rank.split(".")[0])] = torch.load(f, weights_only=False)
+    return {run: [ranks[r] for r in sorted(ranks)] for run, ranks in facts.items()} | {"dir": out}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trainer_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
+    """The Trainer in each mode ends where the mode's own loop ends, on every rank (1e-6):
+    accumulation 2, clipping on every step, cosine schedule with warm-up, AdamW groups."""
+    for rank, (ours, ref) in enumerate(zip(runs[f"{mode}_trainer"], runs[f"{mode}_loop"])):
+        assert float((ref["params"] - ref["start"]).norm()) > 10 * LR * CLIP, "training did not move the parameters"
+        assert ours["grad_norms"] == pytest.approx(ref["grad_norms"][4::5], rel=1e-5)  # logged every 5 steps
+        _close(ours["params"], ref["params"], 1e-6)
+        assert min(ref["grad_norms"]) > 2 * CLIP, ref["grad_norms"]  # every step clipped
+        assert ours["lrs"] == pytest.approx(ref["lrs"], rel=1e-9), (ours["lrs"], ref["lrs"])
+        assert ours["lrs"][0] < ours["lrs"][WARMUP] and ours["lrs"][-1] < ours["lrs"][WARMUP]  # warm-up, decay
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_from_the_trainer_checkpoint_equals_the_uninterrupted_run(runs: dict, mode: str) -> None:
+    """Saved at step 10 through ``save_steps``, resumed by a new Trainer with
+    ``train(resume_from_checkpoint=...)``: at step 20 bit for bit the run that never stopped."""
+    for ours, ref in zip(runs[f"{mode}_resumed"], runs[f"{mode}_trainer"]):
+        assert ours["resumed_at"] == SAVE
+        assert torch.equal(ours["params"], ref["params"]), float((ours["params"] - ref["params"]).abs().max())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["fused", "overlap", "zero"])
+def test_ranks_identical_where_the_mode_keeps_them_so(runs: dict, mode: str) -> None:
+    ranks = runs[f"{mode}_trainer"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.timeout(600)
+def test_zero_equals_the_trainer_with_ddp(runs: dict) -> None:
+    """ZeRO + AdamW in the Trainer against the stock Trainer (DDP) + AdamW: the same arithmetic."""
+    _close(runs["zero_trainer"][0]["params"], runs["ddp_adamw"][0]["params"], 1e-6)
+    assert runs["zero_trainer"][0]["grad_norms"] == pytest.approx(runs["ddp_adamw"][0]["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_localsgd_every_step_equals_the_trainer_with_ddp(runs: dict) -> None:
+    """LocalSGD averaging after every plain SGD step (no clipping) is DDP's step."""
+    for ours, ddp in zip(runs["localsgd_h1"], runs["ddp_sgd"]):
+        _close(ours["params"], ddp["params"], 1e-6)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["localsgd", "diloco"])
+def test_per_rank_modes_evaluate_and_save_the_mean(runs: dict, mode: str) -> None:
+    """Between syncs the ranks hold their own parameters; ``evaluate()`` and the saved model
+    (``from_pretrained`` of a checkpoint's files, no fastreduce involved) see their mean,
+    and training then goes on from each rank's own (the resume test above proves it)."""
+    ranks = runs[f"{mode}_trainer"]
+    assert not torch.equal(ranks[0]["at_save"], ranks[1]["at_save"]), "the ranks held the same parameters at save"
+    mean = (ranks[0]["at_save"].double() + ranks[1]["at_save"].double()).div(2).float()
+    for r in ranks:
+        _close(r["saved_model"], mean, 1e-7)
+        assert r["eval_loss"] == pytest.approx(r["mean_loss"], rel=1e-5)
+        assert torch.equal(r["after_save"], r["at_save"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_log_holds_the_mode_figures(runs: dict, mode: str) -> None:
+    """Every training log of ``log_history`` holds the mode's figures, as its own counters say."""
+    rank = runs[f"{mode}_trainer"][0]
+    logs = [h for h in rank["log_history"] if "loss" in h]
+    assert len(logs) == STEPS // 5
+    keys = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
+            "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs"}
+    assert all(keys[mode] in h for h in logs), logs[0]
+    if mode in ("fused", "overlap"):
+        assert logs[-1]["fastreduce/reductions"] == STEPS == rank["counters"]["reductions"]
+        assert logs[-1]["fastreduce/bytes_per_step"] == rank["counters"]["bytes"] / STEPS
+        assert 0 <= logs[-1]["fastreduce/comm_share"] < 1
+    if mode in ("localsgd", "diloco"):
+        assert logs[-1]["fastreduce/syncs"] == rank["counters"]["syncs"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_zero_resumes_on_three_ranks(runs: dict) -> None:
+    """The ZeRO checkpoint saved on 2 ranks resumes on 3: right after the load, the
+    parameters and AdamW's state (torch.optim's format, gathered) are what was saved."""
+    saved, resharded = runs["zero_trainer"][0], runs["zero_reshard"]
+    for rank in resharded:
+        assert rank["world"] == 3
+        _close(rank["params"], saved["at_save"], 1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(rank["optim"][key], saved["optim_at_save"][key], 1e-6)
+        assert rank["optim"]["step"] == saved["optim_at_save"]["step"] == SAVE
+        assert rank["trained_after"]  # and it trains on
+
+
+# ============================================================== the torchrun worker
+
+def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs in order)
+    import logging
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import (PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments,
+                              get_scheduler)
+    from transformers.utils import logging as hf_logging
+
+    from fastreduce import DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
+    from fastreduce.integrations.transformers import FastReduceMixin
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class TinyConfig(PretrainedConfig):
+        model_type = "fastreduce_tiny"
+
+        def __init__(self, width: int = 16, **kwargs):
+            self.width = width
+            super().__init__(**kwargs)
+
+    class Tiny(PreTrainedModel):
+        """A regression MLP with LayerNorm (a no-decay group) whose forward takes no
+        ``**kwargs``: the Trainer scales each micro-batch's loss by 1/accumulation, as a loop does."""
+        config_class = TinyConfig
+
+        def __init__(self, config: TinyConfig):
+            super().__init__(config)
+            w = config.width
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, w), torch.nn.LayerNorm(w), torch.nn.Tanh(),
+                                           torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, 1))
+            self.post_init()
+
+        def _init_weights(self, module):
+            pass  # torch's own initialisation, from the seed
+
+        def forward(self, x, labels=None):
+            y = self.net(x).squeeze(-1)
+            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+    class Data(Dataset):
+        def __init__(self, n: int, seed: int):
+            g = torch.Generator().manual_seed(seed)
+            self.x = torch.randn(n, 8, generator=g)
+            self.y = torch.sin(self.x.sum(1)) + 0.1 * torch.randn(n, generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class Ordered(FastReduceMixin, Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    class Stock(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    train_data, eval_data = Data(STEPS * ACCUM * BATCH * world, 1), Data(64, 2)
+
+    def flat(model) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+    def fresh() -> Tiny:
+        torch.manual_seed(0)
+        return Tiny(TinyConfig())
+
+    def arguments(run: str, steps: int = STEPS, optim: str = "adamw_torch", clip: float = CLIP,
+                  sched: str = "cosine", warmup: int = WARMUP) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(out / run), use_cpu=True, report_to="none", per_device_train_batch_size=BATCH,
+            gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=LR, weight_decay=WD if
+            optim.startswith("adamw") else 0.0, optim=optim, max_grad_norm=clip, lr_scheduler_type=sched,
+            warmup_steps=warmup, logging_steps=5, save_strategy="steps", save_steps=SAVE, disable_tqdm=True,
+            eval_strategy="steps", eval_steps=SAVE,
+            seed=0, dataloader_num_workers=0, per_device_eval_batch_size=16)
+
+    class Record(TrainerCallback):
+        def __init__(self, trainer, mode: str | None):
+            self.trainer, self.mode, self.lrs, self.facts = trainer, mode, [], {}
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            self.lrs.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step != SAVE or self.mode is None:
+                return
+            model = self.trainer.model
+            if self.mode == "zero":  # a callback reads the parameters outside forward: wait for the gather
+                self.trainer.fastreduce_mode.obj.wait_params()
+            self.facts["at_save"] = flat(model)
+            if self.mode == "zero":
+                sd = self.trainer.optimizer.optimizer.state_dict()  # collective, torch.optim's format
+                self.facts["optim_at_save"] = optim_facts(sd)
+
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == SAVE and self.mode is not None:
+                self.facts["after_save"] = flat(self.trainer.model)  # evaluated and saved: own parameters back
+
+    def optim_facts(sd: dict) -> dict:
+        states = [sd["state"][i] for i in sorted(sd["state"])]
+        return {"exp_avg": torch.cat([s["exp_avg"].reshape(-1) for s in states]),
+                "exp_avg_sq": torch.cat([s["exp_avg_sq"].reshape(-1) for s in states]),
+                "step": int(states[0]["step"])}
+
+    def save(run: str, facts: dict) -> None:
+        torch.save(facts, out / f"{run}.rank{rank}.pt")
+
+    def trainer_run(run: str, mode: str | None, config: dict | None, resume: bool = False, **kw) -> dict:
+        model = fresh()
+        start = flat(model)
+        args = arguments(run, **kw)
+        cls = Stock if mode is None else Ordered
+        extra = {} if mode is None else {"fastreduce_mode": mode, "fastreduce_config": dict(config)}
+        trainer = cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data, **extra)
+        rec = Record(trainer, mode)
+        trainer.add_callback(rec)
+        ckpt = out / run.replace("_resumed", "_trainer") / f"checkpoint-{SAVE}"
+        trainer.train(resume_from_checkpoint=str(ckpt) if resume else None)
+        facts = {"start": start, "params": flat(model), "lrs": rec.lrs, **rec.facts,
+                 "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+                 "log_history": trainer.state.log_history, "resumed_at": SAVE if resume else None}
+        if mode is not None and not resume:
+            m = trainer.fastreduce_mode.obj
+            facts["counters"] = ({"reductions": m.stats.calls, "bytes": m.stats.bytes_reduced}
+                                 if isinstance(m, FusedReducer) else
+                                 {"syncs": m.syncs} if isinstance(m, (LocalSGD, DiLoCo)) else {})
+            if mode in ("localsgd", "diloco"):
+                saved = Tiny.from_pretrained(str(ckpt))  # the checkpoint's model files, as a user loads them
+                facts["saved_model"] = flat(saved)
+                facts["eval_loss"] = next(h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h)
+                with torch.no_grad():  # the loss of the ranks' mean parameters at step 10, by hand
+                    mean = rec.facts["at_save"].double()
+                    dist.all_reduce(mean)
+                    probe = fresh()
+                    torch.nn.utils.vector_to_parameters(mean.div(world).float(), probe.parameters())
+                    facts["mean_loss"] = float(probe(eval_data.x, eval_data.y)["loss"])
+        save(run, facts)
+        return facts
+
+    def loop_run(run: str, mode: str, config: dict) -> None:
+        """The mode in a hand-written loop: what the Trainer does, written out."""
+        model = fresh()
+        start = flat(model)
+        probe = Stock(model=model, args=arguments(run), train_dataset=train_data, eval_dataset=eval_data)
+        loader = probe.get_train_dataloader()  # the Trainer's own batches, in its order
+        decay = probe.get_decay_parameter_names(model)
+        groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": WD},
+                  {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+        config = dict(config)
+        reducer = None
+        if mode == "zero":
+            opt = ZeroOptimizer(groups, torch.optim.AdamW, lr=LR, module=model, **config)
+        else:
+            opt = torch.optim.AdamW(groups, lr=LR)
+        if mode in ("fused", "overlap"):
+            reducer = FusedReducer(model, overlap=mode == "overlap", **config)
+        elif mode == "localsgd":
+            LocalSGD(model, opt, **config)
+        elif mode == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            DiLoCo(model, opt, outer, **config)
+        sched = get_scheduler("cosine", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
+        lrs, norms, batches = [], [], iter(loader)
+        for _ in range(STEPS):
+            for micro in range(ACCUM):
+                batch = next(batches)
+                quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero")
+                with (reducer or opt).no_sync() if quiet else torch.enable_grad():
+                    (model(**batch)["loss"] / ACCUM).backward()
+            if reducer is not None:
+                reducer.reduce()
+            clip = opt.clip_grad_norm_ if mode == "zero" else partial(torch.nn.utils.clip_grad_norm_, model.parameters())
+            norms.append(float(clip(CLIP)))
+            opt.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            sched.step()
+            model.zero_grad()
+        if mode == "zero":
+            opt.wait_params()  # the last step's all-gather, before reading the parameters outside forward
+        save(run, {"start": start, "params": flat(model), "lrs": lrs, "grad_norms": norms})
+
+    if what == "train":
+        for mode, config in MODES.items():
+            trainer_run(f"{mode}_trainer", mode, config)
+            trainer_run(f"{mode}_resumed", mode, config, resume=True)
+            loop_run(f"{mode}_loop", mode, config)
+        trainer_run("ddp_adamw", None, None)
+        plain = {"optim": "sgd", "clip": 0.0, "sched": "constant", "warmup": 0}
+        trainer_run("ddp_sgd", None, None, **plain)
+        trainer_run("localsgd_h1", "localsgd", {"sync_every": 1}, **plain)
+    elif what == "reshard":  # 3 ranks: the 2-rank ZeRO checkpoint, loaded and trained one step on
+        model = fresh()
+        trainer = Ordered(model=model, args=arguments("zero_reshard", steps=SAVE + 1), train_dataset=train_data, eval_dataset=eval_data,
+                          fastreduce_mode="zero")
+        facts: dict = {"world": world}
+
+        class AtLoad(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                trainer.fastreduce_mode.obj.wait_params()
+                facts["params"] = flat(model)
+                facts["optim"] = optim_facts(trainer.optimizer.optimizer.state_dict())
+
+        trainer.add_callback(AtLoad())
+        trainer.train(resume_from_checkpoint=str(out / "zero_trainer" / f"checkpoint-{SAVE}"))
+        facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
+                                                                                          facts["params"])
+        save("zero_reshard", facts)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[2]), sys.argv[1])
