@@ -1,4 +1,4 @@
-"""Lightning: ``Trainer(strategy=FastReduceStrategy(...))``, fastreduce instead of DDP.
+"""Lightning: ``Trainer(strategy=FastReduceStrategy(...))``, a fastreduce mode instead of DDP.
 
     from fastreduce.integrations.lightning import FastReduceStrategy
 
@@ -7,17 +7,22 @@
         strategy=FastReduceStrategy(wire_dtype=torch.bfloat16, overlap=True))
     trainer.fit(module, datamodule)
 
-(or ``strategy="fastreduce"`` once this module is imported). The strategy is Lightning's
+(or ``strategy="fastreduce"``, ``"fastreduce_overlap"``, ``"fastreduce_zero"``,
+``"fastreduce_localsgd"``, ``"fastreduce_diloco"`` once this module is imported).
+``FastReduceStrategy(mode=...)`` runs any mode of :mod:`fastreduce.integrations.modes`
+(``fused``, ``overlap``, ``zero``, ``localsgd``, ``diloco``) over the LightningModule
+and the optimizer of ``configure_optimizers``. The strategy is Lightning's
 ``DDPStrategy`` (same launchers, process group, samplers, ``barrier``, ``broadcast``,
-``reduce``, checkpointing) except for the gradients: the LightningModule is not wrapped
-in ``DistributedDataParallel``; rank 0's parameters and buffers are broadcast once when
-fitting starts, and a :class:`fastreduce.FusedReducer` averages the gradients in
-:meth:`~FastReduceStrategy.post_backward`, which Lightning calls right after each
-``backward`` and before ``on_before_optimizer_step``, gradient clipping and the
-optimizer step. On the non-final micro-batches of gradient accumulation Lightning runs
-backward inside :meth:`~FastReduceStrategy.block_backward_sync`; there the reducer is
-in ``no_sync()`` and nothing is communicated. DDP's own communication hooks are
-registered on CUDA only, so on CPU and HPU this is the way to plug in a custom reducer.
+``reduce``, checkpoint files) except for the gradients: the LightningModule is not
+wrapped in ``DistributedDataParallel``; rank 0's parameters and buffers are broadcast
+once when fitting starts, and the mode does the rest through Lightning's hooks:
+:meth:`~FastReduceStrategy.post_backward` (right after each ``backward`` and before
+``on_before_optimizer_step``, gradient clipping and the optimizer step) is the mode's
+``after_backward`` (the fused modes average the gradients there); backward on the
+non-final micro-batches of gradient accumulation runs inside
+:meth:`~FastReduceStrategy.block_backward_sync`, the mode's ``no_sync()``. DDP's own
+communication hooks are registered on CUDA only, so on CPU and HPU this is the way to
+plug in a custom reducer.
 
 Lightning is imported at the top of this module: import it only where ``lightning``
 is installed (``pip install fastreduce[lightning]``); ``import fastreduce`` never
@@ -26,27 +31,36 @@ imports it.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
+import os
+import shutil
 from contextlib import contextmanager
+from functools import wraps
 from typing import Any, Iterator
+from weakref import ref
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.utils import _sync_params_and_buffers
 
 from ..comm import broadcast_from_rank0
 from ..compat import preserve_version_counters
 from ..modes.fused import FusedReducer, ReducerConfig
+from .modes import MODES, TrainerMode, make_mode
 
 __all__ = ["FastReduceStrategy"]
 
 log = logging.getLogger(__name__)
 
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ReducerConfig))
+_SETTINGS = frozenset(s for m in MODES.values() for s in m.settings()) | {"overlap"}  # every mode's
+_SUFFIX = ".fastreduce"  # the mode's state, beside a Lightning checkpoint file
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's buffer broadcast buckets
+_DDP_ARGS = frozenset({"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+                       "precision_plugin", "process_group_backend", "timeout", "start_method"})
 # DDP constructor arguments that have no meaning here: what to use instead.
 _DDP_ONLY = {
     "ddp_comm_state": "fastreduce replaces DDP's communication hooks; pass fastreduce's settings "
@@ -54,105 +68,162 @@ _DDP_ONLY = {
     "ddp_comm_hook": "fastreduce replaces DDP's communication hooks; pass fastreduce's settings "
                      "(wire_dtype, overlap, ...) instead",
     "ddp_comm_wrapper": "fastreduce replaces DDP's communication hooks; pass wire_dtype instead",
-    "model_averaging_period": "for periodic model averaging use fastreduce.LocalSGD in a "
-                              "LightningModule with manual optimization",
+    "model_averaging_period": "for periodic model averaging use mode='localsgd' (sync_every=...)",
     "bucket_cap_mb": "use bucket_mb (overlap=True)",
     "device_ids": "Lightning picks the device",
     "output_device": "Lightning picks the device",
-    "process_group": "the strategy reduces over the world group",
+    "process_group": "the strategy reduces over the world group (a mode's own group: group=...)",
 }
 
 
 class FastReduceStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy`` with fastreduce averaging the gradients instead of DDP.
+    """Lightning's ``DDPStrategy`` with a fastreduce mode in place of DDP.
 
     Args:
-        **kwargs: fastreduce's settings, the fields of :class:`fastreduce.ReducerConfig`
-            (``wire_dtype`` (default ``torch.bfloat16``; ``torch.float32`` for an exact
-            average), ``overlap``, ``bucket_mb``, ``accumulate_dtype``, ``unused_grads``,
-            ``use_graphs``, ``backend``, ``transport``), passed to
-            ``fastreduce.FusedReducer(module, **config)``; every other keyword goes to
+        mode: ``"fused"``, ``"overlap"``, ``"zero"``, ``"localsgd"`` or ``"diloco"``
+            (:mod:`fastreduce.integrations.modes`); ``None`` (default): ``"fused"``, or
+            ``"overlap"`` where ``overlap=True`` is passed.
+        **kwargs: the mode's settings, the keyword arguments of its class
+            (:class:`fastreduce.FusedReducer`'s :class:`fastreduce.ReducerConfig` fields:
+            ``wire_dtype`` (default ``torch.bfloat16``; ``torch.float32`` for an exact
+            average), ``bucket_mb``, ``unused_grads``, ...; :class:`fastreduce.ZeroOptimizer`'s,
+            :class:`fastreduce.LocalSGD`'s (``sync_every``, ...), :class:`fastreduce.DiLoCo`'s),
+            checked here: an unknown mode raises ``ValueError``, a setting the mode does not
+            take ``TypeError``, a bad value the mode's own error. Every other keyword goes to
             ``DDPStrategy`` (``accelerator``, ``parallel_devices``, ``cluster_environment``,
-            ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``). Of DDP's own arguments these keep their
-            meaning: ``find_unused_parameters=True`` is ``unused_grads="zero"``;
-            ``broadcast_buffers`` (default ``True``) broadcasts rank 0's buffers before a
-            training forward exactly when DDP would. ``static_graph`` and
-            ``gradient_as_bucket_view`` are accepted and ignored (fastreduce learns the
-            layout once and its gradients always are views of its buffer); the others
-            (``ddp_comm_hook``, ``bucket_cap_mb``, ...) raise ``TypeError`` naming what to
-            use instead.
+            ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``,
+            ``start_method``). Of DDP's own arguments these keep their meaning:
+            ``find_unused_parameters=True`` is ``unused_grads="zero"`` (modes that take
+            ``unused_grads``; refused by the others); ``broadcast_buffers`` (default
+            ``True``) broadcasts rank 0's buffers before a training forward exactly when
+            DDP would. ``static_graph`` and ``gradient_as_bucket_view`` are accepted and
+            ignored; the others (``ddp_comm_hook``, ``bucket_cap_mb``, ...) raise
+            ``TypeError`` naming what to use instead.
 
-    The reducer is built when fitting starts (``Trainer.fit``), before the first
-    backward, so ``overlap=True`` works; it is :attr:`reducer` (e.g.
-    ``trainer.strategy.reducer.stats``) and stays readable after ``fit`` returns.
-    Validation, test and predict runs outside ``fit`` build no reducer; they broadcast
+    The mode is built when fitting starts, after ``configure_optimizers`` and before the
+    first backward: :attr:`mode` (a :class:`~fastreduce.integrations.modes.TrainerMode`;
+    ``mode.obj`` the mode object, e.g. ``trainer.strategy.mode.obj.stats``), readable
+    after ``fit`` returns; :attr:`reducer` is the :class:`~fastreduce.FusedReducer` in the
+    fused modes. ``zero`` replaces the optimizer (``trainer.optimizers``) by its sharded
+    twin and re-points the LR schedulers of ``configure_optimizers`` at it; norm clipping
+    (``gradient_clip_val``) is then ZeRO's global norm. Modes other than fused and
+    overlap take one optimizer. Checkpoints (``ModelCheckpoint``,
+    ``trainer.save_checkpoint``) also save the mode's whole state, per rank, in the
+    folder ``<checkpoint>.fastreduce`` beside the file, and ``fit(ckpt_path=...)``
+    resumes it; in ``localsgd`` and ``diloco`` (ranks hold their own parameters between
+    syncs) the checkpoint's ``state_dict`` and validation under ``fit`` see the ranks'
+    exact mean. Every ``log_every_n_steps`` the mode's figures (``fastreduce/...``) are
+    logged (``trainer.logged_metrics``, ``callback_metrics``, the logger).
+    Validation, test and predict runs outside ``fit`` build no mode; they broadcast
     rank 0's parameters and buffers once, as ``DDPStrategy`` does.
 
     Example::
 
         >>> from fastreduce.integrations.lightning import FastReduceStrategy
         >>> trainer = Trainer(accelerator="cpu", devices=2, accumulate_grad_batches=2,
-        ...                   strategy=FastReduceStrategy(wire_dtype=torch.float32))
+        ...                   strategy=FastReduceStrategy("zero", wire_dtype=torch.bfloat16))
     """
 
     strategy_name = "fastreduce"
 
-    def __init__(self, **kwargs: Any) -> None:
-        config = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+    def __init__(self, mode: str | None = None, **kwargs: Any) -> None:
         bad = sorted(k for k in kwargs if k in _DDP_ONLY)
         if bad:
             raise TypeError(f"FastReduceStrategy does not take {bad[0]!r}: {_DDP_ONLY[bad[0]]}")
-        if kwargs.pop("find_unused_parameters", False):
-            if config.setdefault("unused_grads", "zero") != "zero":
-                raise ValueError("find_unused_parameters=True means unused_grads='zero', "
-                                 f"but unused_grads={config['unused_grads']!r} was passed")
+        unknown = sorted(set(kwargs) - _DDP_ARGS - _SETTINGS - {"find_unused_parameters", "broadcast_buffers",
+                                                                  "static_graph", "gradient_as_bucket_view"})
+        if unknown:
+            raise TypeError(f"FastReduceStrategy got unexpected keyword argument(s) {unknown}: "
+                            f"neither a fastreduce setting ({', '.join(sorted(_SETTINGS))}) "
+                            f"nor a DDPStrategy argument ({', '.join(sorted(_DDP_ARGS))})")
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in _SETTINGS}
+        find_unused = bool(kwargs.pop("find_unused_parameters", False))
         self._broadcast_buffers = bool(kwargs.pop("broadcast_buffers", True))
         kwargs.pop("static_graph", None)
         kwargs.pop("gradient_as_bucket_view", None)
-        ddp_args = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                    "precision_plugin", "process_group_backend", "timeout", "start_method"}
-        unknown = sorted(set(kwargs) - ddp_args)
-        if unknown:
-            raise TypeError(f"FastReduceStrategy got unexpected keyword argument(s) {unknown}: "
-                            f"neither a fastreduce setting ({', '.join(sorted(_CONFIG_FIELDS))}) "
-                            f"nor a DDPStrategy argument ({', '.join(sorted(ddp_args))})")
-        self.reducer_config = ReducerConfig(**config)  # invalid settings fail here, not at fit
-        """The settings the reducer is built with (validated at construction)."""
-        self._config = config
+        self._mode_arg, self._settings = mode, settings
+        self._mode: TrainerMode = make_mode(mode, settings)  # a typo or a bad value fails here, not at fit
+        if find_unused:
+            if "unused_grads" not in self._mode.settings():
+                raise ValueError(f"find_unused_parameters=True has no meaning in fastreduce mode "
+                                 f"{self._mode.name!r}: drop it")
+            if settings.setdefault("unused_grads", "zero") != "zero":
+                raise ValueError("find_unused_parameters=True means unused_grads='zero', "
+                                 f"but unused_grads={settings['unused_grads']!r} was passed")
+            self._mode = make_mode(mode, settings)
         super().__init__(**kwargs)
-        self._reducer: FusedReducer | None = None
         self._blocked = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync: True before the first forward
+        self._resume_from: str | None = None  # the checkpoint fit(ckpt_path=...) loads
+        self._validating: contextlib.ExitStack | None = None
+        self._clip_patched: Any = None  # the precision plugin whose clipping is the mode's
+
+    @property
+    def mode(self) -> TrainerMode:
+        """The mode: its settings from construction, the mode object (``mode.obj``) once ``fit`` starts."""
+        return self._mode
+
+    @property
+    def reducer_config(self) -> ReducerConfig | None:
+        """The fused modes' reducer settings (validated at construction); ``None`` in the other modes."""
+        if not issubclass(self._mode.cls, FusedReducer):
+            return None
+        return ReducerConfig(**{k: v for k, v in self._mode.config.items() if k != "group"})
 
     @property
     def reducer(self) -> FusedReducer | None:
-        """The :class:`fastreduce.FusedReducer` of the current (or last) ``fit``; ``None`` before."""
-        return self._reducer
+        """The :class:`fastreduce.FusedReducer` of the current (or last) ``fit`` in the fused
+        modes; ``None`` before, and in the other modes."""
+        obj = self._mode.obj
+        return obj if isinstance(obj, FusedReducer) else None
 
     # ------------------------------------------------------------------ setup: no DDP wrapper
 
     def configure_ddp(self) -> None:
-        """Instead of wrapping in DDP: broadcast rank 0's state once, then build the reducer.
+        """Instead of wrapping in DDP: broadcast rank 0's parameters (and buffers, unless
+        ``broadcast_buffers=False``) once, so every rank starts from the same weights.
 
         ``DDPStrategy.setup`` calls this when fitting, after the module is on its
-        device and before the optimizers are created. Like DDP's constructor it
-        broadcasts rank 0's parameters (and buffers, unless ``broadcast_buffers=False``)
-        so every rank starts from the same weights, then builds the
-        :class:`~fastreduce.FusedReducer` (its overlap hooks must exist before the
-        first backward).
-        """
+        device and before the optimizers are created (:meth:`setup_optimizers` then
+        builds the mode)."""
         assert isinstance(self.model, LightningModule)
         self._release()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _world() > 1:
             ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
             state = list(self.model.named_parameters())
             if self._broadcast_buffers:
                 state += list(self.model.named_buffers())
             broadcast_from_rank0([t.detach() for n, t in state if n not in ignore], None)
-        self._reducer = FusedReducer(self.model, **self._config)
         self._blocked = False
         self._sync_buffers_next = True
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """``configure_optimizers``, then the mode over the LightningModule and its optimizer.
+
+        The mode's optimizer replaces the one configured where it differs (ZeRO); the
+        LR schedulers that drove the configured one then drive it."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or not isinstance(self.model, LightningModule):
+            return
+        self._release()
+        mode = self._mode = make_mode(self._mode_arg, self._settings)
+        optimizers = list(self.optimizers)
+        if len(optimizers) > 1 and not issubclass(mode.cls, FusedReducer):  # the fused modes take none
+            raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} is built over one optimizer, and "
+                             f"configure_optimizers returned {len(optimizers)}: return one (several param "
+                             "groups are fine), or use mode='fused' or 'overlap'")
+        configured = optimizers[0] if optimizers else None
+        built = mode.build(self.model, configured, getattr(self.precision_plugin, "scaler", None))
+        if built is not configured:
+            self._repoint_schedulers(configured, built)
+            self.optimizers = [built]
+        mode.start_figures(trainer.global_step)
+        self._patch_clipping()
+        if not any(isinstance(c, _Figures) for c in trainer.callbacks):
+            trainer.callbacks.append(_Figures())
+        if self.global_rank == 0:
+            log.info("fastreduce: FastReduceStrategy trains %s without DDP on %d ranks in mode %r",
+                     type(self.model).__name__, _world(), mode.name)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module stays as it is: no ``DistributedDataParallel`` wrapper."""
@@ -177,8 +248,9 @@ class FastReduceStrategy(DDPStrategy):
         # manual optimization, so there DDP broadcasts before the first forward only.
         self._before_forward(syncing=torch.is_grad_enabled() and not self._blocked
                              and (lm is None or lm.automatic_optimization))
-        if self._reducer is not None:  # training_step may call a submodule, not the module's forward
-            self._reducer.reattach()
+        reattach = getattr(self._mode.obj, "reattach", None)
+        if reattach is not None:  # training_step may call a submodule, not the module's forward
+            reattach()
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -192,45 +264,153 @@ class FastReduceStrategy(DDPStrategy):
         return super().validation_step(*args, **kwargs)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        """Average the gradients across ranks, unless inside :meth:`block_backward_sync`.
+        """The mode's work after the backward that ends an accumulation window (the fused
+        modes average the gradients), unless inside :meth:`block_backward_sync`.
 
         Lightning calls this right after ``backward`` (automatic optimization, and
         ``manual_backward``), before ``on_before_optimizer_step``, gradient clipping and
         the optimizer step, so clipping and the step see averaged gradients.
         """
-        if self._reducer is not None and not self._blocked:
-            self._reducer.reduce()
+        if self._mode.obj is not None and not self._blocked:
+            self._mode.after_backward()
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Gradient accumulation: backward inside this block reduces nothing.
+        """Gradient accumulation: backward inside this block is in the mode's ``no_sync()``.
 
         Lightning enters it for every micro-batch but the last of an accumulation
         window (and ``LightningOptimizer.toggle_model(sync_grad=False)`` in manual
-        optimization); the reduce after the last backward averages the accumulated
-        gradients once.
+        optimization); the mode's work after the last backward covers the window.
         """
-        if self._reducer is None:
+        if self._mode.obj is None:
             yield None
             return
         outer = self._blocked
-        with self._reducer.no_sync():
+        with self._mode.no_sync():
             self._blocked = True
             try:
                 yield None
             finally:
                 self._blocked = outer
 
+    def on_validation_start(self) -> None:
+        """Under ``fit``, per-rank modes validate the ranks' exact mean parameters."""
+        super().on_validation_start()
+        if self._mode.obj is not None and self._mode.per_rank and self._validating is None \
+                and isinstance(self.model, torch.nn.Module):
+            self._validating = contextlib.ExitStack()
+            self._validating.enter_context(self._mode.averaged(self.model))
+
+    def on_validation_end(self) -> None:
+        """Each rank's own parameters back, bit for bit."""
+        if self._validating is not None:
+            stack, self._validating = self._validating, None
+            stack.close()
+        super().on_validation_end()
+
     def teardown(self) -> None:
-        """Remove the reducer's gradient hooks (overlap mode); the reducer and its stats stay readable."""
+        """Take the mode's hooks off; the mode object and its counters stay readable."""
+        if self._validating is not None:
+            self.on_validation_end()
         self._release()
         super().teardown()
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state (collective in per-rank modes: the ranks' exact mean)."""
+        if self._mode.obj is None or not self._mode.per_rank:
+            return super().lightning_module_state_dict()
+        assert self.lightning_module is not None
+        with self._mode.averaged(self.lightning_module):
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's file (rank 0), and the mode's whole state in ``<filepath>.fastreduce``
+        (every rank: Lightning calls this on all of them)."""
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._mode.obj is not None and "optimizer_states" in checkpoint:  # not a weights-only save
+            self._checkpointer(os.fspath(filepath) + _SUFFIX).save(int(checkpoint.get("global_step", 0)))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the file and its ``.fastreduce`` folder (``ModelCheckpoint(save_top_k=...)``)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shutil.rmtree(os.fspath(filepath) + _SUFFIX, ignore_errors=True)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._resume_from = os.fspath(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Resume the mode's whole state (model, optimizer, mode, random generators) from
+        the ``.fastreduce`` folder beside the checkpoint being resumed; Lightning's own
+        file restores the loops and LR schedulers."""
+        if self._mode.obj is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        folder = (self._resume_from or "") + _SUFFIX
+        if not os.path.isdir(folder):
+            raise ValueError(f"FastReduceStrategy: {self._resume_from} has no fastreduce state beside it "
+                             f"({folder}): it was not saved by a FastReduceStrategy in a fastreduce mode; "
+                             "resume it with the strategy that saved it")
+        self._checkpointer(folder).load_latest()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._mode.start_figures(int(checkpoint.get("global_step", 0)) if trainer is None else trainer.global_step)
+
     # ------------------------------------------------------------------ helpers
+
+    def _checkpointer(self, folder: str) -> Any:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return self._mode.checkpointer(folder, self.lightning_module, optimizer)
+
+    def _repoint_schedulers(self, old: torch.optim.Optimizer | None, new: torch.optim.Optimizer) -> None:
+        """The LR schedulers of ``configure_optimizers`` drove ``old``: make them drive ``new``
+        (the mode's twin, same param groups in the same order and hyperparameters)."""
+        for config in self.lr_scheduler_configs:
+            sched = config.scheduler
+            if getattr(sched, "optimizer", None) is not old:
+                continue
+            if len(new.param_groups) != len(old.param_groups):  # type: ignore[union-attr]
+                raise ValueError(f"FastReduceStrategy: fastreduce mode {self._mode.name!r} replaces the optimizer, "
+                                 f"and the new one has {len(new.param_groups)} param groups where the configured "
+                                 f"one has {len(old.param_groups)} (an empty group?), so the LR scheduler "  # type: ignore[union-attr]
+                                 f"{type(sched).__name__} cannot drive it: drop the empty param groups")
+            for theirs, ours in zip(old.param_groups, new.param_groups):  # type: ignore[union-attr]
+                for key in ("lr", "initial_lr"):  # as the scheduler set them
+                    if key in theirs:
+                        ours[key] = theirs[key]
+            sched.optimizer = new
+            _track_step(sched, new)
+
+    def _patch_clipping(self) -> None:
+        """Route Lightning's norm clipping (``precision_plugin.clip_grad_by_norm``) to the
+        mode's ``clip_grad_norm_`` where the mode holds the gradients its own way (ZeRO's
+        global norm); clipping by value is refused there."""
+        self._unpatch_clipping()
+        mode, plugin = self._mode, self.precision_plugin
+        if type(mode).clip_grad_norm_ is TrainerMode.clip_grad_norm_:
+            return
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            mode.clip_grad_norm_(float(clip_val), 2.0)
+
+        def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+            raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} holds the averaged gradients in "
+                             "shards and clips them by their global norm only: use gradient_clip_algorithm='norm'")
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+        self._clip_patched = plugin
+
+    def _unpatch_clipping(self) -> None:
+        plugin, self._clip_patched = self._clip_patched, None
+        if plugin is not None:
+            for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+                plugin.__dict__.pop(name, None)
 
     def _before_forward(self, syncing: bool) -> None:
         """DDP's buffer rule: broadcast now if the previous forward synced; note this one."""
-        if self._reducer is None or not self._broadcast_buffers:
+        if self._mode.obj is None or not self._broadcast_buffers:
             return
         if self._sync_buffers_next:
             self._sync_buffers()
@@ -238,7 +418,7 @@ class FastReduceStrategy(DDPStrategy):
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if _world() <= 1:
             return
         assert self.model is not None
         ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -248,19 +428,64 @@ class FastReduceStrategy(DDPStrategy):
                 _sync_params_and_buffers(dist.group.WORLD, bufs, _BROADCAST_BUCKET_BYTES, src=0)
 
     def _release(self) -> None:
-        """Take the reducer's hooks off the module and its parameters, so that a second
-        ``fit`` (a new reducer) does not leave the old one's running."""
-        if self._reducer is not None:
-            self._reducer.close()
+        """Take the mode's hooks off the module, parameters and optimizer, so that a second
+        ``fit`` (a new mode) does not leave the old one's running."""
+        self._unpatch_clipping()
+        self._mode.close()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``strategy="fastreduce"`` (default settings) with Lightning.
+        """Register ``strategy="fastreduce"`` (the fused mode, default settings) and
+        ``"fastreduce_<mode>"`` for the other modes with Lightning.
 
         Overrides ``DDPStrategy``'s, which would register the ``ddp*`` names to this class.
         """
         strategy_registry.register("fastreduce", cls, description="DDP strategy with gradients averaged by "
                                    "fastreduce.FusedReducer (no DDP wrapper)", override=True)
+        for name in MODES:
+            if name != "fused":
+                strategy_registry.register(f"fastreduce_{name}", cls, description=f"fastreduce mode {name!r} "
+                                           "in place of DDP", override=True, mode=name)
+
+
+class _Figures(Callback):
+    """Logs the mode's figures every ``log_every_n_steps`` optimizer steps, when Lightning logs."""
+
+    def __init__(self) -> None:
+        self._last = -1
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        mode = getattr(strategy, "mode", None) if isinstance(strategy, FastReduceStrategy) else None
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        if mode is None or mode.obj is None or not every or step == self._last or step % every:
+            return
+        self._last = step
+        figures = {k: float(v) for k, v in mode.figures(step).items()}
+        if figures:
+            pl_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _track_step(sched: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as torch's LR schedulers do when built over it, so the
+    scheduler's first ``step()`` does not warn that the optimizer was replaced."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+        return
+    opt_ref, func = ref(optimizer), step.__func__
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 FastReduceStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,344 @@
+"""Every fastreduce mode inside Lightning (``FastReduceStrategy(mode=...)``), on real processes:
+``torchrun --standalone --nproc-per-node 2``, Gloo on CPU.
+
+One torchrun launch (this file's ``__main__`` part) trains, per mode, on the same batches
+(Lightning's DistributedSampler over an unshuffled loader; one epoch is 10 optimizer steps):
+
+- Lightning: 20 optimizer steps of ``accumulate_grad_batches=2``, AdamW with two param
+  groups (weight decay on the weights only), ``gradient_clip_val`` below every step's norm,
+  a cosine schedule with warm-up stepped per optimizer step, a ``ModelCheckpoint`` at the
+  end of each epoch, a ``CSVLogger`` with ``log_every_n_steps=5``;
+- the same mode in a hand-written loop (its own class, the same optimizer, groups,
+  schedule, clipping and accumulation): the reference, equal to 1e-6;
+- Lightning resumed from its step-10 checkpoint (``fit(ckpt_path=...)``, a new Trainer,
+  strategy and mode) to step 20: bit for bit the run that never stopped.
+
+Skipped without the ``lightning`` extra.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
+LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
+MODES = {  # name: settings of the strategy and of the reference loop's mode
+    "fused": {"wire_dtype": torch.float32},
+    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
+    "zero": {},
+    "localsgd": {"sync_every": 4},
+    "diloco": {"sync_every": 4, "fragments": 2},
+}
+FIGURE = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
+          "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs"}
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---------------------------------------------------------------------- in-process checks
+
+def test_modes_by_name_and_their_settings_checked_at_construction() -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from fastreduce.integrations.lightning import FastReduceStrategy
+
+    for name in ("zero", "localsgd", "diloco", "overlap"):
+        entry = StrategyRegistry[f"fastreduce_{name}"]
+        assert entry["strategy"] is FastReduceStrategy and entry["init_params"] == {"mode": name}
+    assert StrategyRegistry["fastreduce"]["init_params"] == {}
+    s = FastReduceStrategy("localsgd", sync_every=8, process_group_backend="gloo")
+    assert s.mode.name == "localsgd" and s.mode.config == {"sync_every": 8} and s.reducer_config is None
+    assert s.process_group_backend == "gloo" and s.mode.obj is None
+    assert FastReduceStrategy(overlap=True).mode.name == "overlap"  # today's default: overlap=True
+    assert FastReduceStrategy("zero", overlap=False).mode.config == {"overlap": False}  # ZeRO's own overlap
+    with pytest.raises(ValueError, match="unknown fastreduce mode 'zeros'"):
+        FastReduceStrategy("zeros")
+    with pytest.raises(TypeError, match="'zero' .* does not take the setting 'sync_every'"):
+        FastReduceStrategy("zero", sync_every=4)
+    with pytest.raises(TypeError, match="unexpected"):
+        FastReduceStrategy("zero", sync_evry=4)
+    with pytest.raises(ValueError, match="find_unused_parameters"):
+        FastReduceStrategy("localsgd", find_unused_parameters=True)
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        FastReduceStrategy("diloco", outer_optimizer=3)
+
+
+# ---------------------------------------------------------------------- on real ranks
+
+def torchrun(world: int, *args: str, timeout: float) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(__file__).resolve()), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the torchrun launch did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{out[-8000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``{run: [per-rank facts]}`` of the 2-rank launch."""
+    pytest.importorskip("lightning")
+    out = tmp_path_factory.mktemp("lightning_modes")
+    torchrun(2, "train", str(out), timeout=240)
+    facts: dict = {}
+    for f in sorted(out.glob("*.rank*.pt")):
+        run, rank = f.name.split(".rank")
+        facts.setdefault(run, {})[int(rank.split(".")[0])] = torch.load(f, weights_only=False)
+    return {run: [ranks[r] for r in sorted(ranks)] for run, ranks in facts.items()}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lightning_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
+    """Lightning in each mode ends where the mode's own loop ends, on every rank (1e-6):
+    accumulation 2, clipping on every step, cosine schedule with warm-up, AdamW groups."""
+    for ours, ref in zip(runs[f"{mode}_lightning"], runs[f"{mode}_loop"]):
+        assert ours["global_step"] == STEPS
+        assert float((ref["params"] - ref["start"]).norm()) > 10 * LR * CLIP, "training did not move the parameters"
+        assert min(ref["grad_norms"]) > 2 * CLIP, ref["grad_norms"]  # every step clipped
+        _close(ours["params"], ref["params"], 1e-6)
+        assert ours["lrs"] == pytest.approx(ref["lrs"], rel=1e-9), (ours["lrs"], ref["lrs"])
+        assert ours["lrs"][0] < ours["lrs"][WARMUP] and ours["lrs"][-1] < ours["lrs"][WARMUP]  # warm-up, decay
+        assert ours["optimizer"] == ("ZeroOptimizer" if mode == "zero" else "AdamW")
+        if mode != "zero":  # the gradients Lightning clips (before clipping) are the loop's
+            assert ours["norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        assert ours["scheduler_drives_it"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_from_the_lightning_checkpoint_equals_the_uninterrupted_run(runs: dict, mode: str) -> None:
+    """Saved at step 10 by ``ModelCheckpoint`` (the mode's state in ``<ckpt>.fastreduce``),
+    resumed by a new Trainer with ``fit(ckpt_path=...)``: at step 20 bit for bit the run that never stopped."""
+    for ours, ref in zip(runs[f"{mode}_resumed"], runs[f"{mode}_lightning"]):
+        assert ours["global_step"] == STEPS and ours["lrs"] == ref["lrs"][SAVE:]
+        assert torch.equal(ours["params"], ref["params"]), float((ours["params"] - ref["params"]).abs().max())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["fused", "overlap", "zero"])
+def test_ranks_identical_where_the_mode_keeps_them_so(runs: dict, mode: str) -> None:
+    ranks = runs[f"{mode}_lightning"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["localsgd", "diloco"])
+def test_per_rank_modes_checkpoint_the_mean(runs: dict, mode: str) -> None:
+    """Between syncs the ranks hold their own parameters; the Lightning checkpoint's
+    ``state_dict`` is their exact mean, and training goes on from each rank's own."""
+    ranks = runs[f"{mode}_lightning"]
+    assert not torch.equal(ranks[0]["at_save"], ranks[1]["at_save"]), "the ranks held the same parameters at save"
+    mean = (ranks[0]["at_save"].double() + ranks[1]["at_save"].double()).div(2).float()
+    _close(ranks[0]["checkpoint_state"], mean, 1e-7)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_logged_metrics_hold_the_mode_figures(runs: dict, mode: str) -> None:
+    """Every ``log_every_n_steps`` (5) the mode's figures go to the logger: the CSV rows at steps
+    5, 10, 15, 20, ``trainer.logged_metrics`` and ``callback_metrics`` hold them."""
+    rank = runs[f"{mode}_lightning"][0]
+    key = FIGURE[mode]
+    assert key in rank["logged_metrics"] and key in rank["callback_metrics"]
+    rows = [r for r in rank["csv"] if r.get(key) not in (None, "")]
+    assert [int(r["step"]) for r in rows] == [4, 9, 14, 19], rows  # Lightning's step: batches stepped before
+    if mode in ("fused", "overlap"):
+        assert float(rows[-1]["fastreduce/reductions"]) == STEPS == rank["counters"]["reductions"]
+        assert float(rows[-1]["fastreduce/bytes_per_step"]) == rank["counters"]["bytes"] / STEPS
+    if mode in ("localsgd", "diloco"):
+        assert float(rows[-1]["fastreduce/syncs"]) == rank["counters"]["syncs"] > 0
+
+
+# ============================================================== the torchrun worker
+
+def _schedule(step: int) -> float:
+    """Linear warm-up over WARMUP steps, then cosine to 0 at STEPS (transformers' cosine)."""
+    if step < WARMUP:
+        return step / max(1, WARMUP)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / max(1, STEPS - WARMUP))))
+
+
+def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
+    import logging
+    import warnings
+
+    import torch.distributed as dist
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from fastreduce import DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
+    from fastreduce.integrations.lightning import FastReduceStrategy
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    g = torch.Generator().manual_seed(1)
+    n = SAVE * ACCUM * BATCH * world  # one epoch: SAVE optimizer steps per rank
+    x = torch.randn(n, 8, generator=g)
+    y = torch.sin(x.sum(1)) + 0.1 * torch.randn(n, generator=g)
+    data = TensorDataset(x, y)
+
+    def groups(model: nn.Module) -> list[dict]:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        return [{"params": decay, "weight_decay": WD},
+                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                     nn.Linear(16, 1))
+
+        def loss(self, batch) -> torch.Tensor:
+            xb, yb = batch
+            return nn.functional.mse_loss(self.net(xb).squeeze(-1), yb)
+
+        def training_step(self, batch, batch_idx):
+            return self.loss(batch)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(groups(self), lr=LR)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def flat(model: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+    def settle(obj) -> None:  # ZeRO: the last step's all-gather, before reading the parameters outside forward
+        if isinstance(obj, ZeroOptimizer):
+            obj.wait_params()
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.lrs, self.facts, self.norms = [], {}, []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+            if not isinstance(trainer.strategy.mode.obj, ZeroOptimizer):  # ZeRO's averaged gradients are its shards
+                self.norms.append(float(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]).norm()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == SAVE and "at_save" not in self.facts:
+                settle(trainer.strategy.mode.obj)
+                self.facts["at_save"] = flat(pl_module)
+
+    def save(run: str, facts: dict) -> None:
+        torch.save(facts, out / f"{run}.rank{rank}.pt")
+
+    def lightning_run(run: str, mode: str, config: dict, resume: bool = False) -> None:
+        model, rec = Net(), Record()
+        ckpt = out / f"{mode}_lightning" / f"step={SAVE}.ckpt"
+        trainer = Trainer(
+            accelerator="cpu", devices=world, num_nodes=1, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+            strategy=FastReduceStrategy(mode, process_group_backend="gloo", **config),
+            gradient_clip_val=CLIP, log_every_n_steps=5, logger=CSVLogger(out / run, name="logs"),
+            callbacks=[rec, ModelCheckpoint(dirpath=out / run, filename="{step}", every_n_train_steps=SAVE,
+                                            save_top_k=-1)],
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False), ckpt_path=str(ckpt) if resume else None)
+        strategy = trainer.strategy
+        obj = strategy.mode.obj
+        settle(obj)
+        opt = trainer.optimizers[0]
+        facts = {"params": flat(model), "lrs": rec.lrs, "norms": rec.norms, "global_step": trainer.global_step, **rec.facts,
+                 "optimizer": type(opt).__name__,
+                 "scheduler_drives_it": all(c.scheduler.optimizer is opt for c in strategy.lr_scheduler_configs),
+                 "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
+                 "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                 "counters": ({"reductions": obj.stats.calls, "bytes": obj.stats.bytes_reduced}
+                              if isinstance(obj, FusedReducer) else
+                              {"syncs": obj.syncs} if isinstance(obj, (LocalSGD, DiLoCo)) else {})}
+        dist.barrier()
+        if rank == 0:
+            with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+                facts["csv"] = list(csv.DictReader(f))
+            if not resume:
+                state = torch.load(ckpt, weights_only=False)["state_dict"]
+                facts["checkpoint_state"] = torch.cat([state[k].reshape(-1) for k, _ in model.named_parameters()])
+        save(run, facts)
+
+    def loop_run(run: str, mode: str, config: dict) -> None:
+        """The mode in a hand-written loop: what Lightning does, written out."""
+        model = Net()
+        start = flat(model)
+        sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)  # Lightning's, for training
+        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+        reducer = None
+        if mode == "zero":
+            opt = ZeroOptimizer(groups(model), torch.optim.AdamW, lr=LR, module=model, **config)
+        else:
+            opt = torch.optim.AdamW(groups(model), lr=LR)
+        if mode in ("fused", "overlap"):
+            reducer = FusedReducer(model, overlap=mode == "overlap", **config)
+        elif mode == "localsgd":
+            LocalSGD(model, opt, **config)
+        elif mode == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            DiLoCo(model, opt, outer, **config)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        lrs, norms = [], []
+        for epoch in range(STEPS // SAVE):
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            for _ in range(SAVE):
+                for micro in range(ACCUM):
+                    quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero")
+                    with (reducer or opt).no_sync() if quiet else torch.enable_grad():
+                        (model.loss(next(batches)) / ACCUM).backward()
+                if reducer is not None:
+                    reducer.reduce()
+                if mode == "zero":
+                    norms.append(float(opt.clip_grad_norm_(CLIP)))
+                else:
+                    params = [p for g in opt.param_groups for p in g["params"]]  # Lightning's order: the optimizer's
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        settle(opt)
+        save(run, {"start": start, "params": flat(model), "lrs": lrs, "grad_norms": norms})
+
+    for mode, config in MODES.items():
+        lightning_run(f"{mode}_lightning", mode, config)
+        lightning_run(f"{mode}_resumed", mode, config, resume=True)
+        loop_run(f"{mode}_loop", mode, config)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[2]))
