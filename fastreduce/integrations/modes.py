@@ -165,6 +165,12 @@ class TrainerMode:
         """Cumulative counters of the mode (``bytes`` and ``wait_seconds`` become per step)."""
         return {}
 
+    def finish(self) -> None:
+        """End of training (collective): every rank's parameters complete and, where the
+        mode keeps them per rank, synced (LocalSGD, DiLoCo: a last sync now)."""
+        if self.per_rank:
+            self.obj.sync()
+
     def close(self) -> None:
         """Take the mode's hooks off the model and optimizer."""
 
@@ -239,6 +245,9 @@ class Zero(TrainerMode):
 
     def _counts(self):
         return {"buckets": self.obj.num_buckets, "skipped_steps": self.obj.skipped_steps}
+
+    def finish(self) -> None:
+        self.obj.wait_params()
 
 
 class Local(TrainerMode):

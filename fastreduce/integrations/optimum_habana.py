@@ -52,7 +52,7 @@ import torch
 
 from ..modes import functional
 
-__all__ = ["install", "uninstall", "installed"]
+__all__ = ["FastReduceGaudiTrainer", "install", "uninstall", "installed"]
 
 _PACKAGE = "optimum.habana.distributed"
 _NAME = "all_reduce_gradients"
@@ -178,3 +178,34 @@ def _holds(module: Any, original: Any) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return fn is not None and (fn is original or _is_ours(fn))
+
+
+def _make_gaudi_trainer() -> type:
+    from optimum.habana import GaudiTrainer
+
+    from .transformers import FastReduceMixin
+
+    class FastReduceGaudiTrainer(FastReduceMixin, GaudiTrainer):
+        """optimum-habana's ``GaudiTrainer`` in any fastreduce mode (``fastreduce_mode``,
+        ``fastreduce_config``: :class:`~fastreduce.integrations.transformers.FastReduceMixin`),
+        with ``distribution_strategy="ddp"`` (the mode replaces DDP; ``fast_ddp`` is
+        :func:`install`'s path, for the fused mode only). Written against optimum-habana
+        1.21's ``GaudiTrainer``, a ``transformers.Trainer`` subclass with the same hooks;
+        not run: it needs Habana's software."""
+
+    FastReduceGaudiTrainer.__module__ = __name__
+    FastReduceGaudiTrainer.__qualname__ = "FastReduceGaudiTrainer"
+    return FastReduceGaudiTrainer
+
+
+def __getattr__(name: str) -> Any:
+    # GaudiTrainer imports Habana's software: build the class on first use only.
+    if name == "FastReduceGaudiTrainer":
+        try:
+            cls = _make_gaudi_trainer()
+        except ImportError as exc:
+            raise ImportError("fastreduce.integrations.optimum_habana.FastReduceGaudiTrainer needs optimum-habana "
+                              f"and Habana's software (habana_frameworks), which did not import: {exc}") from exc
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
