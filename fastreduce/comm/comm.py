@@ -409,11 +409,12 @@ def get_comm(group: dist.ProcessGroup | None, device: torch.device, transport: s
         raise RuntimeError("torch.distributed is not initialized: call "
                            "fastreduce.init_distributed() (or torch.distributed.init_process_group) "
                            "on every rank first, e.g. in a script launched with torchrun")
-    start_heartbeat()  # so that a rank lost later can be named (fastreduce.faults)
     pg = group or dist.group.WORLD
     per_pg = _comms.setdefault(pg, {})
     key = (torch.device(device), resolve_transport(transport))
     comm = per_pg.get(key)
     if comm is None:
         comm = per_pg[key] = Comm(group, key[0], key[1])
+    # After the transport's checks (a rank raises them alone, DESIGN invariant 11): the first touch of the store.
+    start_heartbeat()  # so that a rank lost later can be named (fastreduce.faults)
     return comm
