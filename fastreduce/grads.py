@@ -27,8 +27,8 @@ from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
 __all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first",
-           "attach_used", "check_grad", "check_nonfinite", "first_nonfinite", "missing_message", "nonfinite_error",
-           "one_device", "start_from_rank0"]
+           "attach_used", "check_grad", "check_grads", "check_nonfinite", "first_nonfinite", "missing_message",
+           "nonfinite_error", "one_device", "start_from_rank0"]
 
 NonFinite = Literal["ignore", "raise", "skip"]
 NONFINITE = ("ignore", "raise", "skip")
@@ -127,6 +127,17 @@ def check_grad(name: str, p: torch.Tensor, device: torch.device) -> None:
     if g.device != device:
         raise ValueError(f"parameter {name!r} has its gradient on {g.device}, the others on "
                          f"{device}; keep all gradients of one reducer on one device")
+
+
+def check_grads(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+    """The one device of ``named`` (:func:`one_device`), each gradient there checked
+    (:func:`check_grad`): what a mode checks at its first call before it talks to another
+    rank or to the store, so that every rank raises it, however soon another left
+    (DESIGN invariant 11)."""
+    device = one_device(named)
+    for name, p in named:
+        check_grad(name, p, device)
+    return device
 
 
 def missing_message(names: list[str]) -> str:

@@ -43,8 +43,8 @@ from ..compiling import ModeCut, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import optional_before_forward, remove_hooks
-from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, attach_used, check_grad, first_nonfinite,
-                     missing_message, nonfinite_error, one_device)
+from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, attach_used, check_grads, first_nonfinite,
+                     missing_message, nonfinite_error)
 from ..join import JoinableMode, sync_from_last_joiner
 from ..layout import GradLayout, verify_across_ranks
 from ..profiling import span
@@ -175,9 +175,6 @@ class FusedReducer(ReducerState, JoinableMode):
             return 0
         return len(self._built.schedule.buckets) if self._built.schedule else 1
 
-    @guarded("{cls}.reduce()", "This step's gradients are lost: param.grad may hold this rank's own "
-             "gradients, a partial average or stale values (do not step the optimizer); the parameters "
-             "and optimizer state are as before the step.")
     @torch.no_grad()
     def reduce(self) -> bool:
         """Average every participating gradient over the group, in place; return whether
@@ -198,11 +195,17 @@ class FusedReducer(ReducerState, JoinableMode):
         if self.world_size == 1:
             return True
         self._group_built.check("FusedReducer")
+        return self._reduce(self._check_alone() if self._built is None else None)
+
+    @guarded("{cls}.reduce()", "This step's gradients are lost: param.grad may hold this rank's own "
+             "gradients, a partial average or stale values (do not step the optimizer); the parameters "
+             "and optimizer state are as before the step.")
+    def _reduce(self, checked: tuple | None) -> bool:
         keep_cut()
         built = self._built
         first = built is None
         if built is None:
-            built = self._built = self._build()
+            built = self._built = self._build(*checked)
         built.reattach.settle(done=True)  # re-attached but never written by backward: None again
         if built.frozen and any(map(_get_requires_grad, built.frozen)):
             self._raise_unfrozen(built)
@@ -347,15 +350,17 @@ class FusedReducer(ReducerState, JoinableMode):
         if self.config.overlap and self.world_size > 1:
             self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
 
-    def _build(self) -> _Built:
-        cfg = self.config
+    def _check_alone(self) -> tuple[list, torch.device, Comm]:
+        """The first reduce()'s checks a rank does alone, before the guard's heartbeat touches the store."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
         if not named:
             raise ValueError("no parameter of the model requires grad: nothing to reduce")
-        device = one_device(named)
-        for n, p in named:
-            check_grad(n, p, device)
+        device = check_grads(named)
+        return named, device, get_comm(self.group, device, self.config.transport)
+
+    def _build(self, named: list, device: torch.device, comm: Comm) -> _Built:
+        cfg = self.config
+        frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
         recorder, self._recorder = self._recorder, None
         backward_s = recorder.backward_s if recorder is not None else 0.0
         seen = recorder.remove() if recorder is not None else None
@@ -381,7 +386,6 @@ class FusedReducer(ReducerState, JoinableMode):
         verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
         if cfg.unused_grads == "error" and not all(present):
             raise RuntimeError(missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
-        comm = get_comm(self.group, device, cfg.transport)
         pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
         plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant and not cfg.overlap else \
