@@ -161,8 +161,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         if not named:
             raise ValueError("no parameter of the model requires grad: nothing to train")
         self.device = one_device(named)
+        self.comm = get_comm(group, self.device, None)  # its checks before the all-gather: a rank raises them alone
         verify_model(named, group, self.device, type(self).__name__)
-        self.comm = get_comm(group, self.device, None)
         self._init_join(group, self.device)
         self._join_owes_close = False  # a joined rank's shadow step is closed at the next one
         self.wire_dtype = wire_dtype

@@ -129,13 +129,13 @@ class LocalUpdates(JoinableMode):
         self.model, self.optimizer, self.group = model, optimizer, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = one_device(named)
-        verify_model(named, group, self.device, type(self).__name__)
+        members = _fragments(named, fragments)  # checks a rank does alone (get_comm's too) before the all-gather
         self.comm: Comm = get_comm(group, self.device, transport)
+        verify_model(named, group, self.device, type(self).__name__)
         self.buffers = buffers
         self.wire_dtype = wire_dtype
         self.steps = 0
         self.syncs = 0
-        members = _fragments(named, fragments)
         # One segment per (fragment, dtype), fragments in model order: a fragment is a run
         # of segments, and in the wire buffer one contiguous slice.
         segments = [[k for k in frag if named[k][1].dtype == d]

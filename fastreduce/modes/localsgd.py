@@ -159,9 +159,10 @@ class LocalSGD(LocalUpdates):
         if self._delta and len(self._level_sizes) > 1:
             raise ValueError("a wire_dtype other than the parameters' (or compression=) works without hierarchy "
                              "only: each level would need its own copy of the last averaged parameters")
-        # Checked: from here on the model changes.
-        self._levels = [(period, get_comm(_subgroup(group, size), one_device(self._named), transport))
-                        for period, size in self._level_sizes]
+        # Checked: from here on the model changes. The world's Comm (the transport's checks) before any subgroup.
+        device = one_device(self._named)
+        comms = {size: get_comm(_subgroup(group, size), device, transport) for _, size in self._level_sizes[::-1]}
+        self._levels = [(period, comms[size]) for period, size in self._level_sizes]
         self._setup(model, optimizer, group=group, wire_dtype=wire_dtype if self._delta else None,
                     accumulate_dtype=None, buffers=buffers, fragments=1, backup_device=None,
                     transport=transport, scratch=False, compression=compression, quant=quant,
