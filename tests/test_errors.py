@@ -11,7 +11,10 @@ tests below run the rows whose test is in this file, for each mode the row lists
 from __future__ import annotations
 
 import ast
+import os
+import queue
 import re
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fastreduce
-from fastreduce.launch import free_port, run_ranks
+from fastreduce.launch import free_port, rank_context, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -351,3 +354,107 @@ def test_the_world_size_changed_since_the_layout_was_built(mode: str) -> None:
         for words in r["words"]:
             assert _says(words, got["message"]), (rank, words, got["message"])
         assert got["unchanged"], (rank, got)
+
+
+# ============================================================== a rank alone: the other raised first and left
+
+LONE = [("sparse gradients", "all_reduce_gradients"), ("sparse gradients", "fused"), ("sparse gradients", "overlap"),
+        ("sparse gradients", "zero"), ("an unknown transport", "zero"), ("an unknown transport", "gossip"),
+        ("more fragments than parameters", "diloco"), ("a parameter on another device", "local")]
+LONE_WORDS = {"sparse gradients": "has a sparse gradient", "an unknown transport": "unknown transport",
+              "more fragments than parameters": "trainable parameters; a fragment holds whole parameters",
+              "a parameter on another device": "the trainable parameters live on several devices"}
+
+
+def lone_case(situation: str, mode: str, rank: int) -> None:
+    """Make the mistake ``situation`` in ``mode``: each one a check that a rank can do alone."""
+    if situation == "sparse gradients":
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        if mode == "all_reduce_gradients":  # the issue's call
+            model(torch.tensor([1, 2 + rank])).sum().backward()
+            fastreduce.all_reduce_gradients(model, torch.float32, False)
+        elif mode == "zero":  # the gradients exist when it is built: refused there
+            model(torch.tensor([1, 2 + rank])).sum().backward()
+            step_of(mode, model)
+        else:
+            _, step = step_of(mode, model)
+            model(torch.tensor([1, 2 + rank])).sum().backward()
+            step()
+    elif situation == "an unknown transport" and mode == "zero":
+        fastreduce.ZeroOptimizer(TwoLayer().parameters(), torch.optim.SGD, lr=0.1, transport="carrier-pigeon")
+    elif situation == "an unknown transport":
+        os.environ["FASTREDUCE_TRANSPORT"] = "carrier-pigeon"
+        try:
+            step_of(mode, TwoLayer())
+        finally:
+            del os.environ["FASTREDUCE_TRANSPORT"]
+    elif situation == "more fragments than parameters":  # 4 parameters
+        model = TwoLayer()
+        outer = torch.optim.SGD(model.parameters(), lr=0.7)
+        fastreduce.DiLoCo(model, sgd(model), outer, sync_every=5, fragments=5)
+    else:  # LocalSGD with a subgroup to make (hierarchy)
+        model = TwoLayer()
+        model.elsewhere = nn.Parameter(torch.zeros(4, device="meta"))
+        fastreduce.LocalSGD(model, sgd(model), sync_every=2, hierarchy={1: 1})
+
+
+def lone_worker(rank: int, port: int, ready: Any, go: Any, results: Any) -> None:
+    """Rank 0 hosts the store (``init_process_group`` over TCP), makes the first mistake once
+    rank 1 is set up, and exits at once; rank 1 waits until that process is gone (``go``),
+    then makes every mistake alone."""
+    try:
+        import torch._dynamo  # noqa: F401 - the modes' first construction imports it (seconds): not timed
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        if rank == 0:
+            ready.wait(60)  # rank 1 is set up: nothing left of the race but the one in question
+        else:
+            ready.set()
+            go.wait(60)  # rank 0 raised, and its process (the store's host) is gone
+        for situation, mode in LONE[:1] if rank == 0 else LONE:
+            t0 = time.monotonic()
+            res = attempt(lambda: lone_case(situation, mode, rank))
+            results.put((rank, situation, mode, res, time.monotonic() - t0))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def test_a_check_a_rank_can_do_alone_raises_on_every_rank_with_none_waiting_on_another() -> None:
+    """DESIGN invariant 11: a local error raises on every rank before any rank waits on another.
+    Rank 0 (the store's host) raises the sparse gradient of all_reduce_gradients and exits; rank
+    1, only then, still raises it, at once, and every other mistake a rank can see alone too
+    (before, it hung in the heartbeat's store clone, or failed in a collective with rank 0)."""
+    ctx = rank_context()
+    results, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=lone_worker, args=(r, port, ready, go, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got: dict[tuple[int, str, str], tuple[dict, float]] = {}
+    try:
+        rank, situation, mode, res, seconds = results.get(timeout=60)
+        got[(rank, situation, mode)] = (res, seconds)
+        procs[0].join(timeout=30)
+        assert procs[0].exitcode is not None, "rank 0 did not exit after raising"
+        go.set()
+        deadline = time.monotonic() + 20
+        while len(got) < 1 + len(LONE):
+            rank, situation, mode, res, seconds = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            got[(rank, situation, mode)] = (res, seconds)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert (0, *LONE[0]) in got, "rank 0 reported nothing"
+    for rank, (situation, mode) in [(0, LONE[0])] + [(1, case) for case in LONE]:
+        assert (rank, situation, mode) in got, (f"rank {rank} raised nothing for {situation!r} ({mode}) within "
+                                                "20 s: it waited on the other rank or the store")
+        res, seconds = got[(rank, situation, mode)]
+        assert res["raised"] == "ValueError", (rank, situation, mode, res)
+        assert LONE_WORDS[situation] in res["message"], (rank, situation, mode, res)
+        assert seconds < 3.0, (rank, situation, mode, f"{seconds:.1f} s: it waited on something")
+    assert got[(0, *LONE[0])][0] == got[(1, *LONE[0])][0], "the ranks raised different errors"
