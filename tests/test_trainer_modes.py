@@ -31,25 +31,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastreduce.compat import version_of
-
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 
 ROOT = Path(__file__).resolve().parent.parent
-OLD_HF = version_of("transformers") < (5, 0)
-"""transformers < 5: ZeRO with save_steps is refused (a checkpoint's save changed the step after it, open)."""
 STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
 MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's mode
     "fused": {"wire_dtype": torch.float32},
     "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
-    **({} if OLD_HF else {"zero": {}}),
+    "zero": {},
     "localsgd": {"sync_every": 4},
     "diloco": {"sync_every": 4, "fragments": 2},
 }
-ZERO = pytest.mark.skipif(OLD_HF, reason="transformers < 5: ZeRO with save_steps is refused (open: a save changed "
-                          "the next step)")
 
 
 def torchrun(world: int, *args: str, timeout: float) -> str:
@@ -74,8 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``{run: [per-rank facts]}`` of the 2-rank launch, then the 3-rank ZeRO resume's."""
     out = tmp_path_factory.mktemp("trainer_modes")
     torchrun(2, "train", str(out), timeout=400)
-    if not OLD_HF:
-        torchrun(3, "reshard", str(out), timeout=200)
+    torchrun(3, "reshard", str(out), timeout=200)
     facts: dict = {}
     for f in sorted(out.glob("*.rank*.pt")):
         run, rank = f.name.split(".rank")
@@ -112,13 +105,12 @@ def test_resume_from_the_trainer_checkpoint_equals_the_uninterrupted_run(runs: d
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["fused", "overlap", pytest.param("zero", marks=ZERO)])
+@pytest.mark.parametrize("mode", ["fused", "overlap", "zero"])
 def test_ranks_identical_where_the_mode_keeps_them_so(runs: dict, mode: str) -> None:
     ranks = runs[f"{mode}_trainer"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
 
 
-@ZERO
 @pytest.mark.timeout(600)
 def test_zero_equals_the_trainer_with_ddp(runs: dict) -> None:
     """ZeRO + AdamW in the Trainer against the stock Trainer (DDP) + AdamW: the same arithmetic."""
@@ -166,7 +158,6 @@ def test_the_log_holds_the_mode_figures(runs: dict, mode: str) -> None:
         assert logs[-1]["fastreduce/syncs"] == rank["counters"]["syncs"] > 0
 
 
-@ZERO
 @pytest.mark.timeout(600)
 def test_zero_resumes_on_three_ranks(runs: dict) -> None:
     """The ZeRO checkpoint saved on 2 ranks resumes on 3: right after the load, the
@@ -212,7 +203,7 @@ def test_zero_refuses_a_scheduler_built_over_the_optimizer_it_replaces(tmp_path:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"optimizers=\(optimizer, None\)"):
         FastReduceTrainer(model=model, args=args, optimizers=(opt, sched), fastreduce_mode="zero")
 
@@ -427,8 +418,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             trainer_run(f"{mode}_trainer", mode, config)
             trainer_run(f"{mode}_resumed", mode, config, resume=True)
             loop_run(f"{mode}_loop", mode, config)
-        if not OLD_HF:
-            trainer_run("ddp_adamw", None, None)
+        trainer_run("ddp_adamw", None, None)
         plain = {"optim": "sgd", "clip": 0.0, "sched": "constant", "warmup": 0}
         trainer_run("ddp_sgd", None, None, **plain)
         trainer_run("localsgd_h1", "localsgd", {"sync_every": 1}, **plain)

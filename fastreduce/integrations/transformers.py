@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import broadcast_from_rank0
-from ..compat import prepare_model_without_ddp, version_of
+from ..compat import prepare_model_without_ddp
 from ..modes.fused import FusedReducer
 from .modes import TrainerMode, make_mode
 
@@ -132,12 +132,6 @@ class FastReduceMixin:
         self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
         super().__init__(*args, **kwargs)
         self._fastreduce_check_supported()
-        if self.fastreduce_mode.name == "zero" and version_of("transformers") < (5, 0) \
-                and str(getattr(self.args, "save_strategy", "no")).lower().split(".")[-1] != "no":
-            raise NotImplementedError(f"{type(self).__name__}: fastreduce mode 'zero' with checkpoints (save_strategy="
-                                      f"{self.args.save_strategy!r}) is not supported on transformers < 5 yet: on "
-                                      "4.55 a save changed the step after it. Set save_strategy='no', or use "
-                                      "transformers >= 5, or the 'fused'/'overlap' modes")
         if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
@@ -176,6 +170,12 @@ class FastReduceMixin:
         optimizer = super().create_optimizer(*args, **kwargs)
         self._fastreduce_build()
         return self.optimizer if self.optimizer is not None else optimizer
+
+    def create_scheduler(self, num_training_steps: int, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's scheduler; its step count is kept, so that the scheduler can be made
+        again over ZeRO where transformers < 5 makes it before the model is wrapped."""
+        self._fastreduce_steps = num_training_steps
+        return super().create_scheduler(num_training_steps, *args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The Trainer's step (forward, backward), then the mode's work after the last micro-step."""
@@ -252,7 +252,7 @@ class FastReduceMixin:
             self.optimizer = built
             if self.lr_scheduler is not None:  # transformers < 5 made it already, over the optimizer replaced
                 self.lr_scheduler = None
-                self.create_scheduler(num_training_steps=self.state.max_steps, optimizer=built)
+                self.create_scheduler(num_training_steps=self._fastreduce_steps, optimizer=built)
         mode.start_figures(self.state.global_step)
         if type(mode).clip_grad_norm_ is not TrainerMode.clip_grad_norm_:
             _clip_with(self.accelerator, mode)
