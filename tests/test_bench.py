@@ -506,3 +506,20 @@ def test_decentralized_suite_runs_and_reports_the_like_for_like_row() -> None:
     text = gossip_suite.format_text(report)
     assert "like against like (fused AdamW on both sides): gossip_complete / no_comm_fused = " in text
     assert "gossip_hidden" in report["targets"]
+
+
+def test_trainers_suite_quick_smoke(tmp_path: Path) -> None:
+    """The HF Trainer with ZeRO and with DDP, side by side on this host: each timed, the
+    Trainer's own throughput and each optimizer's state bytes beside, the targets reported
+    (ZeRO's AdamW state at 2 ranks is half of AdamW's: two fp32 moments of half the elements)."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "trainers", "--quick", "--json",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trainers = json.loads(proc.stdout)["trainers"]
+    host = trainers["rates"]["host"]
+    assert list(host) == ["ddp", "zero"]
+    for m in host.values():
+        assert m["step_ms"] > 0 and m["samples_per_second"] > 0
+    assert host["zero"]["optimizer_bytes"] / host["ddp"]["optimizer_bytes"] == pytest.approx(0.5, rel=0.01)
+    assert {t["what"] for t in trainers["targets"]} == {"zero / ddp step", "zero / ddp optimizer_bytes"}

@@ -270,10 +270,17 @@ def test_import_is_lazy() -> None:
 # ============================================================== the examples
 
 @pytest.mark.timeout(150)
-def test_accelerate_example() -> None:
-    """The Accelerate recipe trains and ends with identical parameters on every rank."""
-    out = check_ran(torchrun(ROOT / "examples" / "accelerate_train.py", "--steps", "6", timeout=120))
+@pytest.mark.parametrize("mode", [None, "zero", "diloco"])
+def test_accelerate_example(mode: str | None) -> None:
+    """The Accelerate recipe trains in the mode asked for (the fused one by default; ZeRO, whose
+    optimizer and clipping replace the plain ones; DiLoCo, whose ranks differ between syncs
+    until ``finish()``) and ends with identical parameters on every rank."""
+    args = ["--steps", "6"] + (["--mode", mode] if mode else [])
+    out = check_ran(torchrun(ROOT / "examples" / "accelerate_train.py", *args, timeout=120))
+    assert f"mode {mode or 'fused'}:" in out, out[-4000:]
     assert "parameters identical on all ranks: True" in out, out[-4000:]
+    if mode == "diloco":
+        assert "syncs 2" in out, out[-4000:]  # step 4, and finish()
 
 
 @pytest.mark.timeout(150)

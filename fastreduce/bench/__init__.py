@@ -43,6 +43,11 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   entry. Also ``--eval-every``, ``--train-mb``, ``--powersgd-warmup``, ``--powersgd-rank``
   (this suite and the compression suite), ``--convergence-methods``, ``--params-m``, ``--batch`` (sequences per rank);
   ``--quick``: a 4 x 32 model, 40 steps, 2 ranks.
+* ``trainers`` (:mod:`.trainers`): the Hugging Face ``Trainer`` in fastreduce's modes
+  against the ``Trainer`` with DDP: ZeRO at its defaults on this host (step and optimizer
+  state per rank), DiLoCo (H = 32, bf16) on two namespace hosts at each ``--rates`` entry
+  other than ``host`` (default: ``host`` and 100 Mbit/s), three jobs each, with the
+  Trainer's own ``train_samples_per_second`` beside; ``--quick``: one job, ``host`` only.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -83,6 +88,7 @@ from .network import format_text as format_network
 from .network_modes import ModesConfig, run_modes_bench, write_modes_chart
 from .network_modes import format_text as format_modes
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes, run_optim_bench
+from .optim import MODELS as OPTIM_MODELS
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
 from .reduce import BenchConfig, run_bench
@@ -91,11 +97,13 @@ from .report import write_chart, write_csv
 from .step import REFERENCE as STEP_REFERENCE
 from .step import StepConfig, chart_title, csv_rows, run_step_bench
 from .step import format_text as format_step
+from .trainers import TrainersConfig, run_trainers_bench
+from .trainers import format_text as format_trainers
 
 __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence")
+SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers")
 DEFAULT_SUITES = ("reduce", "step")
 """What runs without ``--suite``: the optim, decentralized, local, network, compression and
 convergence suites are asked for by name or ``all``."""
@@ -129,6 +137,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optim suite: the world sizes to run, comma-separated (default: "
                              + ",".join(map(str, DEFAULT_WORLD_SIZES)) + "; "
                              + ",".join(map(str, QUICK_WORLD_SIZES)) + " with --quick)")
+    parser.add_argument("--zero-bucket-mb", default=None, metavar="MB,MB",
+                        help="optim suite: also time zero_adamw at each of these bucket sizes, side by side "
+                             "with its default (rows zero_adamw_<mb>mb)")
+    parser.add_argument("--optim-model", default="many", choices=OPTIM_MODELS,
+                        help="optim suite: the step suite's model (many, the default) or the decentralized "
+                             f"suite's 48 x (Linear + LayerNorm) (blocks; {GOSSIP_PARAMS_M:g}M params, batch "
+                             f"{GOSSIP_BATCH} unless given)")
+    parser.add_argument("--set-to-none", action="store_true",
+                        help="optim suite: every method zeroes with zero_grad(set_to_none=True), torch's "
+                             "default (default: in place)")
     parser.add_argument("--gossip-ranks", default=None, metavar="N,N",
                         help="decentralized suite: the world sizes to run (default: 2,4; 2 with --quick)")
     parser.add_argument("--gossip-optimizer", default="plain", choices=("plain", "fused"),
@@ -138,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local suite: the world sizes to run (default: "
                              + ",".join(map(str, LOCAL_WORLD_SIZES)) + ")")
     parser.add_argument("--rates", default=None, metavar="RATE,RATE",
-                        help="network suite: link rates, tc's units, and 'host' (its steps part: two ranks on "
+                        help="network and trainers suites: link rates, tc's units, and 'host' (two ranks on "
                              "this host) (default: 1gbit,100mbit,host for the steps part, 1gbit,100mbit for the "
                              "modes part; 1gbit with --quick); the convergence suite: namespace hosts at each rate "
                              "instead of one host")
@@ -291,6 +309,19 @@ def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
     return cfg
 
 
+def _bucket_sizes(text: str | None) -> tuple[float, ...]:
+    """``--zero-bucket-mb "0.5,1,2"`` -> ``(0.5, 1.0, 2.0)``: positive, no repeats."""
+    if text is None:
+        return ()
+    try:
+        sizes = tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"--zero-bucket-mb must be comma-separated sizes in MB, got {text!r}") from None
+    if not sizes or not all(s > 0 for s in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--zero-bucket-mb needs distinct positive sizes, got {text!r}")
+    return sizes
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig, OptimConfig, GossipConfig,
                                                          LocalConfig]:
     iters = args.iters if args.iters is not None else (4 if args.quick else 20)
@@ -318,11 +349,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
     local_batch = batch if args.quick or args.batch is not None else LOCAL_BATCH
     gossip_params_m = params_m if args.quick or args.params_m is not None else GOSSIP_PARAMS_M
     gossip_batch = batch if args.quick or args.batch is not None else GOSSIP_BATCH
+    blocks = args.optim_model == "blocks"
+    sweep = _bucket_sizes(args.zero_bucket_mb)
     return (BenchConfig(ranks=args.ranks, iters=iters, params_m=params_m, quick=args.quick),
             StepConfig(ranks=args.ranks, iters=iters, params_m=params_m, batch=batch,
                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
-            OptimConfig(world_sizes=worlds, iters=iters, params_m=params_m, batch=batch,
-                        bucket_mb=args.bucket_mb, threads=args.threads, quick=args.quick),
+            OptimConfig(world_sizes=worlds, iters=iters, params_m=gossip_params_m if blocks else params_m,
+                        batch=gossip_batch if blocks else batch, bucket_mb=args.bucket_mb, threads=args.threads,
+                        quick=args.quick, zero_bucket_mbs=sweep, model=args.optim_model,
+                        set_to_none=args.set_to_none),
             GossipConfig(world_sizes=gossip_worlds, iters=-(-iters // 2), params_m=gossip_params_m, batch=gossip_batch,
                          threads=args.threads, quick=args.quick, optimizer=args.gossip_optimizer),
             LocalConfig(world_sizes=local_worlds, iters=-(-iters // 2),
@@ -424,6 +459,13 @@ def run(args: argparse.Namespace) -> int:
                  f"{', '.join(c.methods)} ...")
             result["convergence"] = run_convergence_bench(c)
             say(format_convergence(result["convergence"]) + "\n")
+        elif suite == "trainers":
+            rates = args.rates.split(",") if args.rates else ([HOST] if args.quick else TrainersConfig().rates)
+            cfg = TrainersConfig(rates=rates, **({"repeats": 1, "rounds": 1, "steps": 4, "batch": 64}
+                                                 if args.quick else {}))
+            note(f"trainers suite: the HF Trainer on 2 ranks at {', '.join(cfg.rates)}, {cfg.repeats} jobs ...")
+            result["trainers"] = run_trainers_bench(cfg)
+            say(format_trainers(result["trainers"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")

@@ -54,7 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["NetworkConfig", "format_text", "launch_on", "run_network_bench", "run_on_hosts", "worker_main"]
+__all__ = ["NetworkConfig", "format_text", "launch_here", "launch_on", "run_network_bench", "run_on_hosts",
+           "worker_main"]
 
 METHODS = ("ddp", "fused", "overlapped", "fused_bf16", "overlapped_bf16", "zero")
 BLOCK = 4
@@ -234,17 +235,23 @@ HOST_TARGETS = [("overlapped", "fused"), ("overlapped, compiled", "fused, compil
 def _one_job(cfg: NetworkConfig, rate: str) -> dict[str, Any]:
     if rate != HOST:
         return run_on_hosts(2, rate, "fastreduce.bench.network", asdict(cfg), cfg.timeout)
+    return launch_here("fastreduce.bench.network", asdict(cfg), cfg.timeout, "the network suite on this host")
+
+
+def launch_here(module: str, spec: dict[str, Any], timeout: float, where: str) -> Any:
+    """``python -m module --worker SPEC OUT`` on two ranks of this host (``torchrun
+    --standalone``, the cores split between them); the JSON it wrote to ``OUT``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "fastreduce.bench.network", "--worker", json.dumps(asdict(cfg)), out]
+                "-m", module, "--worker", json.dumps(spec), out]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=cfg.timeout, env=env)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the network suite on this host: no result within {cfg.timeout:.0f} s") from None
+            raise RuntimeError(f"{where}: no result within {timeout:.0f} s") from None
         if proc.returncode or not os.path.exists(out):
-            raise RuntimeError(f"the network suite on this host failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(f"{where} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
         return json.loads(Path(out).read_text())
 
 
