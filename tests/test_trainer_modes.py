@@ -43,6 +43,7 @@ MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's 
     "zero": {},
     "localsgd": {"sync_every": 4},
     "diloco": {"sync_every": 4, "fragments": 2},
+    "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
 }
 
 
@@ -89,7 +90,8 @@ def test_trainer_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
         assert float((ref["params"] - ref["start"]).norm()) > 10 * LR * CLIP, "training did not move the parameters"
         assert ours["grad_norms"] == pytest.approx(ref["grad_norms"][4::5], rel=1e-5)  # logged every 5 steps
         _close(ours["params"], ref["params"], 1e-6)
-        assert min(ref["grad_norms"]) > 2 * CLIP, ref["grad_norms"]  # every step clipped
+        norms = ref["grad_norms"][mode == "gossip":]  # gossip's first step closes (clipped) at the next forward
+        assert min(norms) > 2 * CLIP, ref["grad_norms"]  # every step clipped
         assert ours["lrs"] == pytest.approx(ref["lrs"], rel=1e-9), (ours["lrs"], ref["lrs"])
         assert ours["lrs"][0] < ours["lrs"][WARMUP] and ours["lrs"][-1] < ours["lrs"][WARMUP]  # warm-up, decay
 
@@ -126,7 +128,7 @@ def test_localsgd_every_step_equals_the_trainer_with_ddp(runs: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["localsgd", "diloco"])
+@pytest.mark.parametrize("mode", ["localsgd", "diloco", "gossip"])
 def test_per_rank_modes_evaluate_and_save_the_mean(runs: dict, mode: str) -> None:
     """Between syncs the ranks hold their own parameters; ``evaluate()`` and the saved model
     (``from_pretrained`` of a checkpoint's files, no fastreduce involved) see their mean,
@@ -148,7 +150,8 @@ def test_the_log_holds_the_mode_figures(runs: dict, mode: str) -> None:
     logs = [h for h in rank["log_history"] if "loss" in h]
     assert len(logs) == STEPS // 5
     keys = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
-            "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs"}
+            "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs",
+            "gossip": "fastreduce/rounds"}
     assert all(keys[mode] in h for h in logs), logs[0]
     if mode in ("fused", "overlap"):
         assert logs[-1]["fastreduce/reductions"] == STEPS == rank["counters"]["reductions"]
@@ -234,7 +237,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
                               get_scheduler)
     from transformers.utils import logging as hf_logging
 
-    from fastreduce import DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
+    from fastreduce import DecentralizedDataParallel, DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
     from fastreduce.integrations.transformers import FastReduceMixin
 
     torch.set_num_threads(1)
@@ -358,7 +361,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             facts["counters"] = ({"reductions": m.stats.calls, "bytes": m.stats.bytes_reduced}
                                  if isinstance(m, FusedReducer) else
                                  {"syncs": m.syncs} if isinstance(m, (LocalSGD, DiLoCo)) else {})
-            if mode in ("localsgd", "diloco"):
+            if mode in ("localsgd", "diloco", "gossip"):
                 saved = Tiny.from_pretrained(str(ckpt))  # the checkpoint's model files, as a user loads them
                 facts["saved_model"] = flat(saved)
                 facts["eval_loss"] = next(h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h)
@@ -393,19 +396,34 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         elif mode == "diloco":
             outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
             DiLoCo(model, opt, outer, **config)
+        net = model
+        if mode == "gossip":  # one AdamW per bucket, with its own cosine schedule, stepped and clipped in backward
+            def optim_fn(named):
+                return torch.optim.AdamW([g for g in (
+                    {"params": [p for n, p in named if n in decay], "weight_decay": WD},
+                    {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}) if g["params"]], lr=LR)
+
+            net = DecentralizedDataParallel(model, optim_fn, partial(get_scheduler, "cosine", num_warmup_steps=WARMUP,
+                                                                     num_training_steps=STEPS),
+                                            grad_clip_norm=CLIP, **config)
         sched = get_scheduler("cosine", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
         lrs, norms, batches = [], [], iter(loader)
         for _ in range(STEPS):
             for micro in range(ACCUM):
                 batch = next(batches)
-                quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero")
-                with (reducer or opt).no_sync() if quiet else torch.enable_grad():
-                    (model(**batch)["loss"] / ACCUM).backward()
+                quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero", "gossip")
+                with (reducer or (net if mode == "gossip" else opt)).no_sync() if quiet else torch.enable_grad():
+                    (net(**batch)["loss"] / ACCUM).backward()
             if reducer is not None:
                 reducer.reduce()
-            clip = opt.clip_grad_norm_ if mode == "zero" else partial(torch.nn.utils.clip_grad_norm_, model.parameters())
-            norms.append(float(clip(CLIP)))
-            opt.step()
+            if mode == "gossip":  # stepped in backward; opt only keeps the schedule's lr for the record
+                bucket_norms = getattr(net, "grad_norms", [])  # the first step closes at the next forward
+                norms.append(float(torch.stack(bucket_norms).square().sum().sqrt()) if bucket_norms else 0.0)
+            else:
+                clip = opt.clip_grad_norm_ if mode == "zero" else partial(torch.nn.utils.clip_grad_norm_,
+                                                                          model.parameters())
+                norms.append(float(clip(CLIP)))
+                opt.step()
             lrs.append(opt.param_groups[0]["lr"])
             sched.step()
             model.zero_grad()

@@ -143,6 +143,11 @@ class FastReduceStrategy(DDPStrategy):
         kwargs.pop("gradient_as_bucket_view", None)
         self._mode_arg, self._settings = mode, settings
         self._mode: TrainerMode = make_mode(mode, settings)  # a typo or a bad value fails here, not at fit
+        if not _runs_here(type(self._mode)):
+            raise NotImplementedError(f"fastreduce mode {self._mode.name!r} is not in FastReduceStrategy yet: it "
+                                      "must see every training forward through its own wrapper, which a "
+                                      "LightningModule's training_step does not call; use it in a hand-written "
+                                      "loop or the Hugging Face Trainer (docs/trainers.md)")
         if find_unused:
             if "unused_grads" not in self._mode.settings():
                 raise ValueError(f"find_unused_parameters=True has no meaning in fastreduce mode "
@@ -442,10 +447,15 @@ class FastReduceStrategy(DDPStrategy):
         """
         strategy_registry.register("fastreduce", cls, description="DDP strategy with gradients averaged by "
                                    "fastreduce.FusedReducer (no DDP wrapper)", override=True)
-        for name in MODES:
-            if name != "fused":
+        for name, mode in MODES.items():
+            if name != "fused" and _runs_here(mode):
                 strategy_registry.register(f"fastreduce_{name}", cls, description=f"fastreduce mode {name!r} "
                                            "in place of DDP", override=True, mode=name)
+
+
+def _runs_here(mode: type[TrainerMode]) -> bool:
+    """Whether the strategy runs ``mode``: not one that wraps the forward (gossip)."""
+    return mode.module_to_call is TrainerMode.module_to_call
 
 
 class _Figures(Callback):

@@ -42,6 +42,7 @@ from torch import nn
 from ..checkpoint import Checkpointer
 from ..modes.diloco import DiLoCo
 from ..modes.fused import FusedReducer, ReducerConfig
+from ..modes.gossip import DecentralizedDataParallel
 from ..modes.localsgd import LocalSGD
 from ..modes.zero import ZeroOptimizer
 
@@ -87,13 +88,19 @@ class TrainerMode:
 
     # ------------------------------------------------------------------ build
 
-    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any = None
-              ) -> torch.optim.Optimizer | None:
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any = None,
+              max_grad_norm: float = 0.0) -> torch.optim.Optimizer | None:
         """Build the mode over ``model`` (on its device, every rank's parameters rank 0's)
-        and the trainer's ``optimizer``; return the optimizer the trainer steps."""
+        and the trainer's ``optimizer``; return the optimizer the trainer steps.
+        ``max_grad_norm``: the trainer's clipping, for a mode that must clip itself."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ every step
+
+    def module_to_call(self, prepared: nn.Module) -> nn.Module:
+        """What the trainer calls forward on: ``prepared`` (the model as the trainer prepared
+        it), or the mode's wrapper where the mode must see each forward (gossip)."""
+        return prepared
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Around the backward of a micro-step that does not end an accumulation window."""
@@ -190,7 +197,7 @@ class Fused(TrainerMode):
         config["overlap"] = cls.overlap
         ReducerConfig(**{k: v for k, v in config.items() if k != "group"})  # a bad value fails here
 
-    def build(self, model, optimizer, scaler=None):
+    def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         self.obj = FusedReducer(model, **self.config)
         return optimizer
 
@@ -218,19 +225,29 @@ class Overlap(Fused):
     overlap = True
 
 
+def rebuild_args(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What makes ``optimizer`` again: its constructor's keyword arguments (the defaults it
+    takes, less kernel choices left unchosen) and, per param group, the hyperparameters in
+    which the group differs from them (``lr``: the base lr, where an LR scheduler already
+    set the group's, as transformers < 5 does before the model is wrapped)."""
+    takes = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW's decoupled_...)
+    defaults = {k: v for k, v in optimizer.defaults.items()
+                if k in takes and not (k in _IMPLEMENTATION and v in (None, False))}
+    hypers = [{k: v for k, v in {**g, "lr": g.get("initial_lr", g["lr"])}.items()  # an LR scheduler's base lr
+               if k not in ("params", "initial_lr") and defaults.get(k) != v
+               and not (k in _IMPLEMENTATION and v in (None, False))} for g in optimizer.param_groups]
+    return defaults, hypers
+
+
 class Zero(TrainerMode):
     name, cls = "zero", ZeroOptimizer
     fixed = ("params", "optimizer_class", "module", "scaler")
 
-    def build(self, model, optimizer, scaler=None):
+    def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         if optimizer is None:
             raise ValueError("fastreduce mode 'zero' shards the trainer's optimizer, and there is none yet")
-        takes = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW's decoupled_...)
-        defaults = {k: v for k, v in optimizer.defaults.items()
-                    if k in takes and not (k in _IMPLEMENTATION and v in (None, False))}
-        groups = [{"params": g["params"], **{k: v for k, v in g.items() if k != "params" and defaults.get(k) != v
-                                             and not (k in _IMPLEMENTATION and v in (None, False))}}
-                  for g in optimizer.param_groups if g["params"]]
+        defaults, hypers = rebuild_args(optimizer)
+        groups = [{"params": g["params"], **h} for g, h in zip(optimizer.param_groups, hypers) if g["params"]]
         self.obj = ZeroOptimizer(groups, type(optimizer), module=model, scaler=scaler, **defaults, **self.config)
         return self.obj
 
@@ -255,7 +272,7 @@ class Local(TrainerMode):
     fixed = ("model", "optimizer")
     per_rank = True
 
-    def build(self, model, optimizer, scaler=None):
+    def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         self.obj = LocalSGD(model, optimizer, **self.config)
         return optimizer
 
@@ -281,7 +298,7 @@ class Diloco(Local):
             raise TypeError("outer_optimizer must be a torch optimizer over the model's parameters or a "
                             f"callable params -> optimizer, got {type(outer).__name__}")
 
-    def build(self, model, optimizer, scaler=None):
+    def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         config = dict(self.config)
         outer = config.pop("outer_optimizer", None)
         if outer is None or not isinstance(outer, torch.optim.Optimizer):
@@ -292,7 +309,82 @@ class Diloco(Local):
         return optimizer
 
 
-MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco)}
+class _Steered(torch.optim.Optimizer):
+    """The trainer's optimizer under gossip: the same param groups, whose hyperparameters the
+    trainer's LR scheduler drives; :meth:`step` does nothing (each bucket's optimizer stepped
+    in backward, reading its group's ``lr`` first)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__([dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        return None
+
+
+class Gossip(TrainerMode):
+    """Gossip (:class:`~fastreduce.DecentralizedDataParallel`): each bucket's optimizer is the
+    trainer's (its class, defaults and the param groups' hyperparameters; the group's ``lr``
+    read from the trainer's scheduler at each bucket step), stepped in backward, so the
+    trainer's own step does nothing, and the trainer's clipping becomes the mode's
+    ``grad_clip_norm`` (per bucket; "auto" is one bucket: this rank's whole gradient)."""
+
+    name, cls = "gossip", DecentralizedDataParallel
+    fixed = ("model", "optim_fn", "lr_scheduler_fn", "scaler")
+    per_rank = True
+
+    def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
+        if optimizer is None:
+            raise ValueError("fastreduce mode 'gossip' builds its optimizers like the trainer's, and there is none yet")
+        steered = _Steered(optimizer)
+        defaults, hypers = rebuild_args(optimizer)
+        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+        def optim_fn(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+            members: dict[int, list[nn.Parameter]] = {}
+            for _, p in named:
+                members.setdefault(group_of[id(p)], []).append(p)
+            opt = type(optimizer)([{"params": ps, **hypers[k]} for k, ps in members.items()], **defaults)
+
+            def follow(o: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+                for g, k in zip(o.param_groups, members):
+                    g["lr"] = steered.param_groups[k]["lr"]
+
+            opt.register_step_pre_hook(follow)
+            return opt
+
+        config = {"grad_clip_norm": max_grad_norm or 0.0, **self.config}
+        self.obj = DecentralizedDataParallel(model, optim_fn, scaler=scaler, **config)
+        return steered
+
+    def module_to_call(self, prepared: nn.Module) -> nn.Module:
+        if prepared is not self.obj.module:
+            raise NotImplementedError("fastreduce mode 'gossip' trains the model through its own wrapper and does "
+                                      "not run on a model the trainer compiled or wrapped yet: turn torch_compile "
+                                      "off for it")
+        return self.obj
+
+    def no_sync(self):
+        return self.obj.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clipped already, per bucket, in backward: the norm before clipping, over the buckets."""
+        norms = [n for n in getattr(self.obj, "grad_norms", ()) if n is not None]
+        return torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
+
+    def checkpointer(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpointer:
+        # the trainer saves its scheduler; the lr it set is in the steered groups, kept per rank
+        return Checkpointer(directory, self.obj, None, mode=self.obj, keep=1, extras={"steered": optimizer})
+
+    def _counts(self):
+        return {"rounds": self.obj.step, "skipped_steps": self.obj.skipped_steps, "buckets": self.obj.num_buckets}
+
+    def finish(self) -> None:
+        self.obj.global_avg()
+
+
+MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco, Gossip)}
+
 """The trainer modes by name."""
 
 

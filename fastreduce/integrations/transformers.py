@@ -83,7 +83,7 @@ class FastReduceMixin:
 
     Args:
         fastreduce_mode: ``"fused"`` (the default), ``"overlap"``, ``"zero"``,
-            ``"localsgd"`` or ``"diloco"`` (:mod:`fastreduce.integrations.modes`).
+            ``"localsgd"``, ``"diloco"`` or ``"gossip"`` (:mod:`fastreduce.integrations.modes`).
         fastreduce_config: the mode's settings: the keyword arguments of its class
             (:class:`fastreduce.FusedReducer`'s :class:`fastreduce.ReducerConfig` fields,
             :class:`fastreduce.ZeroOptimizer`'s, :class:`fastreduce.LocalSGD`'s,
@@ -101,14 +101,17 @@ class FastReduceMixin:
       buffers, and builds the mode over the model and the Trainer's optimizer (``zero``
       replaces the optimizer by a :class:`~fastreduce.ZeroOptimizer` of the same class,
       param groups and hyperparameters, which the LR scheduler then drives; ``localsgd``
-      and ``diloco`` hook the Trainer's optimizer, the inner one). Once per model: a
-      second ``train()`` reuses it.
+      and ``diloco`` hook the Trainer's optimizer, the inner one; ``gossip`` wraps the
+      model, which the Trainer then calls, and steps one optimizer like the Trainer's per
+      bucket during backward, at the ``lr`` the Trainer's scheduler sets, clipping each
+      bucket at ``max_grad_norm``; the Trainer's own step then does nothing). Once per
+      model: a second ``train()`` reuses it.
     - ``training_step``: backward of a micro-step that does not end an accumulation
       window runs under the mode's ``no_sync()``; after the one that does, the fused and
       overlapped modes average the gradients, so the Trainer clips (``max_grad_norm``)
       and steps on averaged gradients. ZeRO's clipping is its global norm.
     - ``evaluate()`` and ``save_model()`` (so a checkpoint's model files too) see the
-      exact mean of the ranks' parameters in ``localsgd`` and ``diloco``, whose ranks
+      exact mean of the ranks' parameters in ``localsgd``, ``diloco`` and ``gossip``, whose ranks
       hold their own between syncs; afterwards each rank trains on its own again.
     - Checkpoints (``save_steps``): the mode's whole state (ZeRO's shards, each rank's
       own parameters and optimizer, anchors, outer optimizer, residuals, step counts) is
@@ -153,17 +156,18 @@ class FastReduceMixin:
         if not training or not self._fastreduce_world():
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         accelerator = self.accelerator
-        if accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
-            return model  # prepared by an earlier train() (e.g. compiled): keep it and its mode
+        mode = self.fastreduce_mode
+        if model is mode.obj or accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
+            return model  # prepared by an earlier train() (e.g. compiled, or gossip's wrapper): keep it and its mode
         prepared = prepare_model_without_ddp(accelerator, model)
         inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
         if inner is not self._fastreduce_model:
-            self.fastreduce_mode.close()
-            self.fastreduce_mode.obj = None
+            mode.close()
+            mode.obj = None
             self._fastreduce_model = inner
-            broadcast_parameters(inner, self.fastreduce_mode.config.get("group"))
+            broadcast_parameters(inner, mode.config.get("group"))
             self._fastreduce_build()
-        return prepared
+        return prepared if mode.obj is None else mode.module_to_call(prepared)
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         """The Trainer's optimizer; then the mode, where the model is prepared already."""
@@ -247,7 +251,7 @@ class FastReduceMixin:
                 and self.args.ddp_find_unused_parameters:
             mode.config["unused_grads"] = "zero"
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
-        built = mode.build(model, optimizer, getattr(self.accelerator, "scaler", None))
+        built = mode.build(model, optimizer, getattr(self.accelerator, "scaler", None), self.args.max_grad_norm)
         if built is not optimizer:
             self.optimizer = built
             if self.lr_scheduler is not None:  # transformers < 5 made it already, over the optimizer replaced

@@ -428,6 +428,7 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._optims = [self.optim_fn([(s.name, s.param) for s in seg.slots]) for seg in layout.segments]
         fused = [prefer_fused(o) for o in self._optims] if self.world_size > 1 else []
         self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
+        self.grad_norms: list[torch.Tensor | None] = [None] * len(self._optims)  # each bucket's, before clipping
         self._exchanges: list[Pending | None] = [None] * len(self._buckets)
         self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False))
         self._schedule.sync = not self._accumulating
@@ -496,13 +497,13 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         if self.scaler is not None:
             if self.grad_clip_norm > 0:
                 self.scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+                self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
             self.scaler.step(opt)
             if b == len(self._optims) - 1:
                 self.scaler.update()
         elif self._finite(b, params):
             if self.grad_clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+                self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
             opt.step()
         opt.zero_grad(set_to_none=False)  # kept: freeing them costs a fresh allocation (page faults) in every backward
         if self._scheds[b] is not None:
