@@ -136,6 +136,21 @@ def test_compiled_trainer_equals_the_eager_one(runs: dict, mode: str) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_epochs_early_stopping_and_save_total_limit(runs: dict) -> None:
+    """DiLoCo trained for epochs: early stopping ends it before the last of 2 epochs'
+    steps, ``save_total_limit=1`` leaves the best checkpoint and the last one, each with
+    the mode's state, and ``load_best_model_at_end`` leaves every rank on the best model
+    (the ranks' mean saved there): the same parameters on every rank."""
+    ranks = runs["diloco_epochs"]
+    full = 2 * STEPS  # the steps of 2 epochs
+    for r in ranks:
+        assert 0 < r["steps"] < full and r["epoch"] < 2, (r["steps"], r["epoch"])  # stopped early
+        assert 1 <= len(r["folders"]) <= 2 and all(r["has_state"]), r["folders"]
+        assert r["best"] and r["best"].endswith(tuple(r["folders"]))
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.timeout(600)
 def test_gossip_refuses_a_compiled_model(runs: dict) -> None:
     for rank in runs["gossip_compiled"]:
         assert "turn torch_compile off" in rank["refused"]
@@ -472,6 +487,24 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             opt.wait_params()  # the last step's all-gather, before reading the parameters outside forward
         save(run, {"start": start, "params": flat(model), "lrs": lrs, "grad_norms": norms})
 
+    def epochs_run(out: Path) -> None:
+        """DiLoCo for epochs (no max_steps), evaluated and saved every 5 steps, keeping one
+        checkpoint, stopped early and ending on the best model."""
+        from transformers import EarlyStoppingCallback
+
+        model = fresh()
+        args = arguments("diloco_epochs", steps=-1, num_train_epochs=2, save_total_limit=1,
+                         load_best_model_at_end=True, metric_for_best_model="eval_loss")
+        args.save_steps = args.eval_steps = 5
+        trainer = Ordered(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                          fastreduce_mode="diloco", fastreduce_config=MODES["diloco"],
+                          callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=0.05)])
+        trainer.train()
+        folders = sorted(p.name for p in (out / "diloco_epochs").glob("checkpoint-*"))
+        save("diloco_epochs", {"params": flat(model), "folders": folders, "epoch": trainer.state.epoch,
+                               "steps": trainer.state.global_step, "best": trainer.state.best_model_checkpoint,
+                               "has_state": [(out / "diloco_epochs" / f / "fastreduce").is_dir() for f in folders]})
+
     if what == "train":
         for mode, config in MODES.items():
             trainer_run(f"{mode}_trainer", mode, config)
@@ -481,6 +514,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         plain = {"optim": "sgd", "clip": 0.0, "sched": "constant", "warmup": 0}
         trainer_run("ddp_sgd", None, None, **plain)
         trainer_run("localsgd_h1", "localsgd", {"sync_every": 1}, **plain)
+        epochs_run(out)
         for mode in COMPILED:  # the Trainer's torch_compile, against the same mode's eager run above
             trainer_run(f"{mode}_compiled", mode, MODES[mode], torch_compile=True, torch_compile_backend="aot_eager")
         try:
