@@ -62,6 +62,13 @@ Methods are interleaved round-robin with a barrier before each step; a step's ti
 the slowest rank's (see :mod:`fastreduce.bench.common`). The weights change every
 step, but every step of a method does the same work.
 
+Options: ``--zero-bucket-mb 0.5,1,2`` adds a ``zero_adamw_<mb>mb`` row per size (``bucket_mb``
+fixed, everything else as ``zero_adamw``), timed side by side with its ``"auto"``;
+``--optim-model blocks`` runs the decentralized suite's 48 x (``Linear`` + ``LayerNorm``)
+(12.66M parameters, batch 32 unless given) instead of ``many``; ``--set-to-none`` zeroes
+every method with ``zero_grad(set_to_none=True)``, torch's default, so each backward
+allocates its gradients afresh (the fused reducer: ``model.zero_grad()``).
+
 Targets (reported, never enforced), at 2 ranks: ``zero_adamw`` at most 1.0x
 ``fused_adamw`` and 1.0x ``ddp_adamw``, at most 0.8x ``torch_zero_adamw``; and at every
 world size N, ``zero_adamw``'s state bytes per rank at most plain AdamW's / N +
@@ -90,12 +97,14 @@ from ..launch import run_ranks
 from ..layout import ALIGN
 from ..optim_kernels import fused_if_possible
 from .common import Method, machine_info, slowest_rank, summary_ms, time_round_robin
+from .gossip import build_gossip_model
 from .report import judge_ratios
 from .step import StepMethod, batch_for, build_model, ddp_method, fastreduce_method
 
 __all__ = ["METHODS", "OptimConfig", "csv_rows", "format_text", "parse_world_sizes", "run_optim_bench"]
 
 MODEL = "many"
+MODELS = (MODEL, "blocks")
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 ZERO_METHODS = ("zero_adamw", "zero_adamw_nooverlap")
@@ -129,6 +138,12 @@ class OptimConfig:
     batch: int = 64
     bucket_mb: float | None = None
     """``ZeroOptimizer``'s bucket size; ``None``: its default."""
+    zero_bucket_mbs: tuple[float, ...] = ()
+    """Also ``zero_adamw`` at each of these bucket sizes (``zero_adamw_<mb>mb``), side by side."""
+    model: str = MODEL
+    """``"many"`` (the step suite's) or ``"blocks"`` (the decentralized suite's)."""
+    set_to_none: bool = False
+    """Every method zeroes with ``set_to_none=True`` (torch's default) instead of in place."""
     threads: int | None = None
     """Intra-op threads per rank; ``None``: cores / ranks."""
     quick: bool = False
@@ -206,7 +221,8 @@ def _plain_adamw(params: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **fastest_kernel(params))
 
 
-def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | None) -> OptimMethod:
+def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | None,
+                set_to_none: bool = False) -> OptimMethod:
     """``fastreduce.ZeroOptimizer`` (it reduces the gradients itself: no DDP, no reducer)."""
     zero_cls = getattr(fastreduce, "ZeroOptimizer", None)
     if zero_cls is None:
@@ -219,7 +235,7 @@ def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | N
     wait = getattr(opt, "wait_params", lambda: None)
 
     def zero() -> None:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         wait()  # no all-gather left running into the next method's timed step
     base = StepMethod(name, model, params, lambda: None, zero, 0)
 
@@ -242,20 +258,20 @@ def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | N
     return OptimMethod(base, opt, state_bytes, info)
 
 
-def fused_method(name: str, model: nn.Module) -> OptimMethod:
-    base = fastreduce_method(name, model, None, False, None)  # type: ignore[arg-type]  # fp32 wire
+def fused_method(name: str, model: nn.Module, set_to_none: bool = False) -> OptimMethod:
+    base = fastreduce_method(name, model, None, False, None, set_to_none=set_to_none)  # type: ignore[arg-type]
     opt = _plain_adamw(model.parameters())
     return OptimMethod(base, opt, lambda: state_tensor_bytes(opt.state))
 
 
-def ddp_adamw_method(name: str, model: nn.Module) -> OptimMethod:
-    base = ddp_method(name, model, None)
+def ddp_adamw_method(name: str, model: nn.Module, set_to_none: bool = False) -> OptimMethod:
+    base = ddp_method(name, model, None, set_to_none)
     opt = _plain_adamw(base.module.parameters())
     return OptimMethod(base, opt, lambda: state_tensor_bytes(opt.state))
 
 
-def torch_zero_method(name: str, model: nn.Module) -> OptimMethod:
-    base = ddp_method(name, model, None)
+def torch_zero_method(name: str, model: nn.Module, set_to_none: bool = False) -> OptimMethod:
+    base = ddp_method(name, model, None, set_to_none)
     params = list(base.module.parameters())
     opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
                                   lr=LR, weight_decay=WEIGHT_DECAY, **fastest_kernel(params))
@@ -263,17 +279,25 @@ def torch_zero_method(name: str, model: nn.Module) -> OptimMethod:
 
 
 def build_methods(base: nn.Module, cfg: OptimConfig) -> list[OptimMethod]:
-    """Every method of :data:`METHODS`, each on its own copy of ``base`` (same order on all ranks)."""
+    """Every method of :data:`METHODS` (and the bucket sweep's), each on its own copy of
+    ``base`` (same order on all ranks)."""
     def twin() -> nn.Module:
         return copy.deepcopy(base)
 
+    none = cfg.set_to_none
     return [
-        zero_method("zero_adamw", twin(), True, cfg.bucket_mb),
-        zero_method("zero_adamw_nooverlap", twin(), False, cfg.bucket_mb),
-        fused_method("fused_adamw", twin()),
-        ddp_adamw_method(DDP_BASELINE, twin()),
-        torch_zero_method("torch_zero_adamw", twin()),
+        zero_method("zero_adamw", twin(), True, cfg.bucket_mb, none),
+        *(zero_method(sweep_name(mb), twin(), True, mb, none) for mb in cfg.zero_bucket_mbs),
+        zero_method("zero_adamw_nooverlap", twin(), False, cfg.bucket_mb, none),
+        fused_method("fused_adamw", twin(), none),
+        ddp_adamw_method(DDP_BASELINE, twin(), none),
+        torch_zero_method("torch_zero_adamw", twin(), none),
     ]
+
+
+def sweep_name(mb: float) -> str:
+    """The bucket sweep's row for ``bucket_mb=mb``."""
+    return f"zero_adamw_{mb:g}mb"
 
 
 def _norm(tensors: Any) -> float:
@@ -312,7 +336,7 @@ def check_against_ddp(methods: list[OptimMethod], init: list[torch.Tensor],
 def optim_rank(rank: int, world: int, cfg: OptimConfig) -> dict[str, Any]:
     """Everything one rank does; module-level so :func:`run_ranks` can pickle it."""
     os.dup2(2, 1)  # a rank never writes to stdout: --json output must stay one object
-    base = build_model(MODEL, cfg.params_m)
+    base = build_model(MODEL, cfg.params_m) if cfg.model == MODEL else build_gossip_model(cfg.params_m)
     x = batch_for(base, rank, cfg.batch)
     init = [p.detach().clone() for p in base.parameters()]
     methods = build_methods(base, cfg)
@@ -345,8 +369,7 @@ def build_world(world: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     times = [r["times"] for r in per_rank]
     plain = max(r["state_bytes"].get(PLAIN, 0) for r in per_rank)
     methods: dict[str, Any] = {}
-    for name in METHODS:
-        skipped = r0["skipped"][name]
+    for name, skipped in r0["skipped"].items():  # METHODS, the sweep's after zero_adamw
         m: dict[str, Any] = {"median_ms": None, "p10_ms": None, "p90_ms": None, **r0["info"][name],
                              "param_err": r0["errors"].get(name), "skipped": skipped}
         if skipped is None:
@@ -389,19 +412,19 @@ def build_report(cfg: OptimConfig, per_world: dict[int, list[dict[str, Any]]], s
                 targets.update(judge_ratios([spec], lambda n: ms[n]["median_ms"], where=f"{TARGET_WORLD} ranks: "))
     for n, w in worlds.items():
         targets[f"zero_state_bytes_{n}ranks"] = w["state_bound"]
-    config = {**asdict(cfg), "model": MODEL, "lr": LR, "weight_decay": WEIGHT_DECAY,
+    config = {**asdict(cfg), "lr": LR, "weight_decay": WEIGHT_DECAY,
               "check_steps": CHECK_STEPS, "param_tol": PARAM_TOL,
               "step": "forward + backward + reduce + AdamW step + zero_grad(set_to_none=False)",
               "step_time": "max over ranks per iteration", "wall_seconds": round(seconds, 1)}
     return {"config": config,
-            "model": {"kind": MODEL, "width": r0["width"], "tensors": r0["tensors"], "numel": r0["numel"]},
+            "model": {"kind": cfg.model, "width": r0["width"], "tensors": r0["tensors"], "numel": r0["numel"]},
             "worlds": worlds, "targets": targets, "torch_version": torch.__version__, "machine": machine_info()}
 
 
 def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (world size, timed method), in the step suite's CSV columns (``model``
     is ``many@Nranks``; no ``mb_wire``)."""
-    return [{"model": f"{MODEL}@{n}ranks", "method": name,
+    return [{"model": f"{report['model']['kind']}@{n}ranks", "method": name,
              **{k: m[k] for k in ("median_ms", "p10_ms", "p90_ms", "speedup_vs_ddp")}}
             for n, w in report["worlds"].items() for name, m in w["methods"].items() if m["median_ms"] is not None]
 
@@ -420,7 +443,8 @@ def _target_lines(targets: dict[str, dict[str, Any]], width: int) -> list[str]:
 
 def format_text(report: dict[str, Any]) -> str:
     c, mod = report["config"], report["model"]
-    lines = [f"optim suite (forward + backward + reduce + AdamW step + zero_grad): model {MODEL}: "
+    zero = "zero_grad(set_to_none=True)" if c["set_to_none"] else "zero_grad"
+    lines = [f"optim suite (forward + backward + reduce + AdamW step + {zero}): model {mod['kind']}: "
              f"{mod['numel'] / 1e6:.2f}M fp32 params in {mod['tensors']} tensors (width {mod['width']}), "
              f"batch {c['batch']}/rank, {c['iters']} timed steps/method (round-robin), step = slowest rank; "
              f"AdamW lr {LR:g}, weight decay {WEIGHT_DECAY:g}"]
