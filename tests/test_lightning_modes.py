@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launching import leave, load_runs, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
 MODES = {  # name: settings of the strategy and of the reference loop's mode
@@ -75,33 +72,14 @@ def test_modes_by_name_and_their_settings_checked_at_construction() -> None:
 
 # ---------------------------------------------------------------------- on real ranks
 
-def torchrun(world: int, *args: str, timeout: float) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(Path(__file__).resolve()), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the torchrun launch did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{out[-8000:]}"
-    return out
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``{run: [per-rank facts]}`` of the 2-rank launch."""
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lightning_modes")
-    torchrun(2, "train", str(out), timeout=240)
-    facts: dict = {}
-    for f in sorted(out.glob("*.rank*.pt")):
-        run, rank = f.name.split(".rank")
-        facts.setdefault(run, {})[int(rank.split(".")[0])] = torch.load(f, weights_only=False)
-    return {run: [ranks[r] for r in sorted(ranks)] for run, ranks in facts.items()}
+    torchrun(__file__, 2, "train", str(out), timeout=240)
+    return load_runs(out)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
@@ -333,11 +311,7 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
         lightning_run(f"{mode}_lightning", mode, config)
         lightning_run(f"{mode}_resumed", mode, config, resume=True)
         loop_run(f"{mode}_loop", mode, config)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -20,22 +20,19 @@ saved on 2 and checks the resharded state. Skipped without the ``hf`` extra.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launching import leave, load_runs, torchrun
 
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
 MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's mode
@@ -50,34 +47,13 @@ MIXED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with bf16=True 
 COMPILED = ["zero", "localsgd", "diloco"]  # also trained with torch_compile=True (gossip refuses it)
 
 
-def torchrun(world: int, *args: str, timeout: float) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(Path(__file__).resolve()), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the torchrun launch did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{out[-8000:]}"
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``{run: [per-rank facts]}`` of the 2-rank launch, then the 3-rank ZeRO resume's."""
     out = tmp_path_factory.mktemp("trainer_modes")
-    torchrun(2, "train", str(out), timeout=400)
-    torchrun(3, "reshard", str(out), timeout=200)
-    facts: dict = {}
-    for f in sorted(out.glob("*.rank*.pt")):
-        run, rank = f.name.split(".rank")
-        facts.setdefault(run, {})[int(rank.split(".")[0])] = torch.load(f, weights_only=False)
-    return {run: [ranks[r] for r in sorted(ranks)] for run, ranks in facts.items()} | {"dir": out}
+    torchrun(__file__, 2, "train", str(out), timeout=400)
+    torchrun(__file__, 3, "reshard", str(out), timeout=200)
+    return load_runs(out) | {"dir": out}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
@@ -544,11 +520,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
                                                                                           facts["params"])
         save("zero_reshard", facts)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""A test file's own ``torchrun`` launch (its ``__main__`` part as the worker) and what the
+worker leaves: per-rank facts saved as ``RUN.rankR.pt``, read back by :func:`load_runs`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(script: str | Path, world: int, *args: str, timeout: float) -> str:
+    """``script`` on ``world`` ranks under ``torchrun --standalone`` (one torch thread each);
+    its output, or the test fails with it (a non-zero exit, or killed at ``timeout``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(script).resolve()), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the torchrun launch did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{out[-8000:]}"
+    return out
+
+
+def load_runs(out: Path) -> dict[str, list[dict]]:
+    """``{run: [rank 0's facts, rank 1's, ...]}`` from the ``RUN.rankR.pt`` files in ``out``."""
+    facts: dict[str, dict[int, dict]] = {}
+    for f in sorted(out.glob("*.rank*.pt")):
+        run, rank = f.name.split(".rank")
+        facts.setdefault(run, {})[int(rank.split(".")[0])] = torch.load(f, weights_only=False)
+    return {run: [ranks[r] for r in sorted(ranks)] for run, ranks in facts.items()}
+
+
+def leave() -> None:
+    """End a worker: wait for the peers, then exit without interpreter teardown (a Gloo
+    thread may still be releasing the last collective's tensors, as in examples/train.py)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
