@@ -54,8 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["NetworkConfig", "format_text", "launch_here", "launch_on", "run_network_bench", "run_on_hosts",
-           "worker_main"]
+__all__ = ["NetworkConfig", "format_text", "interleaved_jobs", "launch_here", "launch_on", "run_network_bench",
+           "run_on_hosts", "worker_main"]
 
 METHODS = ("ddp", "fused", "overlapped", "fused_bf16", "overlapped_bf16", "zero")
 BLOCK = 4
@@ -238,6 +238,23 @@ def _one_job(cfg: NetworkConfig, rate: str) -> dict[str, Any]:
     return launch_here("fastreduce.bench.network", asdict(cfg), cfg.timeout, "the network suite on this host")
 
 
+def interleaved_jobs(rates: list[str], repeats: int, one_job: Callable[[str], Any]
+                     ) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """``repeats`` results of ``one_job(rate)`` per rate, the rates interleaved (noise on
+    this machine drifts: each rate's jobs are spread over the whole run); namespace rates
+    are left out where hosts cannot be made here. Returns the results by rate, and the
+    rates left out with why."""
+    from .hosts import can_make_hosts
+
+    why = can_make_hosts()
+    kept = [r for r in rates if r == HOST or not why]
+    jobs: dict[str, list[Any]] = {r: [] for r in kept}
+    for _ in range(repeats):
+        for rate in kept:
+            jobs[rate].append(one_job(rate))
+    return jobs, {r: str(why) for r in rates if r not in kept}
+
+
 def launch_here(module: str, spec: dict[str, Any], timeout: float, where: str) -> Any:
     """``python -m module --worker SPEC OUT`` on two ranks of this host (``torchrun
     --standalone``, the cores split between them); the JSON it wrote to ``OUT``."""
@@ -258,19 +275,11 @@ def launch_here(module: str, spec: dict[str, Any], timeout: float, where: str) -
 def run_network_bench(cfg: NetworkConfig) -> dict[str, Any]:
     """``repeats`` jobs per link, the links interleaved; namespace links are skipped (with
     the reason) where hosts cannot be made here, ``host`` still runs."""
-    from .hosts import can_make_hosts
-
-    why = can_make_hosts()
-    rates = [r for r in cfg.rates if r == HOST or not why]
-    if not rates:
-        return {"skipped": why}
     started = time.monotonic()
-    jobs: dict[str, list[dict[str, Any]]] = {rate: [] for rate in rates}
-    for _ in range(cfg.repeats):
-        for rate in rates:
-            jobs[rate].append(_one_job(cfg, rate))
-    report: dict[str, Any] = {"config": asdict(cfg), "rates": {}, "targets": [],
-                              "skipped_rates": {r: why for r in cfg.rates if r not in rates}}
+    jobs, skipped = interleaved_jobs(cfg.rates, cfg.repeats, lambda rate: _one_job(cfg, rate))
+    if not jobs:
+        return {"skipped": next(iter(skipped.values()))}
+    report: dict[str, Any] = {"config": asdict(cfg), "rates": {}, "targets": [], "skipped_rates": skipped}
     for rate, runs in jobs.items():
         report["rates"][rate] = {
             name: {**{k: statistics.median(j[name][k] for j in runs) for k in ("median_ms", "p10_ms", "p90_ms")},

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .network import HOST, launch_here, run_on_hosts, worker_main
+from .network import HOST, interleaved_jobs, launch_here, run_on_hosts, worker_main
 
 __all__ = ["TrainersConfig", "format_text", "run_trainers_bench"]
 
@@ -161,17 +161,9 @@ def _one_job(cfg: TrainersConfig, rate: str) -> dict[str, Any]:
 def run_trainers_bench(cfg: TrainersConfig) -> dict[str, Any]:
     """``repeats`` jobs per link, the links interleaved; namespace links are skipped (with the
     reason) where hosts cannot be made here."""
-    from .hosts import can_make_hosts
-
-    why = can_make_hosts()
-    rates = [r for r in cfg.rates if r == HOST or not why]
     started = time.monotonic()
-    jobs: dict[str, list[dict[str, Any]]] = {r: [] for r in rates}
-    for _ in range(cfg.repeats):
-        for rate in rates:
-            jobs[rate].append(_one_job(cfg, rate))
-    report: dict[str, Any] = {"config": asdict(cfg), "rates": {}, "targets": [],
-                              "skipped_rates": {r: why for r in cfg.rates if r not in rates}}
+    jobs, skipped = interleaved_jobs(cfg.rates, cfg.repeats, lambda rate: _one_job(cfg, rate))
+    report: dict[str, Any] = {"config": asdict(cfg), "rates": {}, "targets": [], "skipped_rates": skipped}
     for rate, runs in jobs.items():
         report["rates"][rate] = {m: {k: statistics.median(j[m][k] for j in runs) for k in runs[0][m]}
                                  | {"jobs_step_ms": [j[m]["step_ms"] for j in runs]} for m in runs[0]}
