@@ -19,6 +19,7 @@ from torch import nn
 import fastreduce
 from fastreduce import sizing
 from fastreduce.launch import run_ranks
+from fastreduce.optim_kernels import fused_if_possible
 from fastreduce.sizing import MB, Link, Sizing, choose
 
 pytestmark = pytest.mark.timeout(300)
@@ -192,25 +193,79 @@ def test_a_given_bucket_mb_is_kept() -> None:
 
 # ============================================================== ZeRO: chosen when built
 
+WIDE_LAYERS = 16  # 16 x Linear(256, 256): 4.1 MB of fp32 gradients, two of ZeRO's 2 MB buckets on shared memory
+
+
 def zero_sizing(rank: int, world: int, transport: str, bucket_mb: float | str) -> dict[str, Any]:
     model = make_model()
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, transport=transport,
                                    bucket_mb=bucket_mb)
     s = opt.sizing
-    return {"sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb, s.buckets, s.link),
-            "why": s and s.describe(), "buckets": opt.num_buckets}
+    out = {"sizing": None if s is None else (s.bucket_mb, s.first_bucket_mb, s.buckets, s.link),
+           "why": s and s.describe(), "buckets": opt.num_buckets}
+    if bucket_mb == "auto":
+        out["wide"] = zero_wide(rank, world, transport)
+    return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "process_group"])
-def test_zero_sizes_its_buckets_when_built(transport: str) -> None:
-    ranks = run_ranks(zero_sizing, 2, transport, "auto")
+def zero_wide(rank: int, world: int, transport: str) -> dict[str, Any]:
+    """ZeRO at its defaults on a model wider than one shared-memory bucket, three steps
+    (``zero_grad()``: fresh gradients each backward) against a twin's AdamW (the same kernel
+    as the shard's) on its gradients averaged through ``dist.all_reduce``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(WIDE_LAYERS)])
+    twin = copy.deepcopy(model)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, transport=transport)
+    params = list(twin.parameters())
+    ref = torch.optim.AdamW(params, lr=1e-3, **fused_if_possible(torch.optim.AdamW, params, {}))
+    equal = []
+    for step in range(3):
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        twin(x).square().mean().backward()
+        for p in twin.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        ref.step()
+        ref.zero_grad()
+        equal.append(all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters())))
+    s = opt.sizing
+    return {"buckets": opt.num_buckets, "modelled": s and s.buckets, "why": s and s.describe(), "equal": equal}
+
+
+@pytest.fixture(scope="module", params=["shm", "process_group"])
+def zero_auto(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    """ZeRO at ``bucket_mb="auto"`` on 2 ranks of each transport (one spawn each)."""
+    return request.param, run_ranks(zero_sizing, 2, request.param, "auto")
+
+
+def test_zero_sizes_its_buckets_when_built(zero_auto: tuple[str, list[dict[str, Any]]]) -> None:
+    transport, ranks = zero_auto
     assert ranks[0] == ranks[1], "the ranks chose different buckets"
-    if transport == "shm":
+    if transport == "shm":  # make_model's 2.1 MB: under 1.5 of ZeRO's buckets there
         assert ranks[0]["buckets"] == 1 and "shared memory" in ranks[0]["why"]
     else:
         assert "MB/s per all-reduce" in ranks[0]["why"] and ranks[0]["sizing"][2] >= 1
     for out in run_ranks(zero_sizing, 2, transport, 0.2):  # a number is kept: a bucket per 256 KB layer
         assert out["sizing"] is None and out["buckets"] == 8
+
+
+def test_zero_cuts_a_wide_model_on_shared_memory_and_steps_as_the_reference(
+        zero_auto: tuple[str, list[dict[str, Any]]]) -> None:
+    """On shared memory ZeRO's "auto" is not the overlapped mode's one bucket: 4.1 MB of
+    gradients go in 2 MB buckets (so that the ones ``zero_grad()`` set to None are freed
+    during backward, not page-faulted in again every step; fastreduce/modes/zero_config.py),
+    and the parameters stay bit for bit those of AdamW on the ``dist.all_reduce`` mean."""
+    transport, ranks = zero_auto
+    wide = [r["wide"] for r in ranks]
+    assert wide[0]["buckets"] == wide[1]["buckets"] and wide[0]["why"] == wide[1]["why"]
+    if transport == "shm":
+        assert wide[0]["buckets"] == wide[0]["modelled"] == 2, wide[0]
+        assert "buckets of 2 MB" in wide[0]["why"] and "shared memory" in wide[0]["why"], wide[0]["why"]
+    for out in wide:
+        assert out["equal"] == [True] * 3, out
 
 
 def test_first_bucket_has_its_own_limit() -> None:
