@@ -32,11 +32,14 @@ def shared_memory_buckets(wire_bytes: int) -> Sizing:
     allocate afresh. A bucket copies them into the wire and frees them at its launch; in one
     bucket all of them live until backward ends and are freed at once, which glibc's malloc
     hands back to the system, so each backward faults them in again. 2 ranks, 48 x (Linear
-    512 + LayerNorm) (50 MB), AdamW: 12,258 minor page faults per rank and step in one bucket
-    (and at 4 or 8 MB) against none at 1 to 3 MB; the step 71.6 ms against 59.7 at 2 MB (the
-    fastest, 58.5 ms at 3 MB; a no-communication step 77.8). With ``zero_grad(set_to_none=False)``
-    one bucket was the fastest, 54.9 ms against 57.7 at 2 MB. A size, not a count: a model
-    of under 1.5 buckets' bytes stays one bucket (a bucket is cut once it reaches the size)."""
+    512 + LayerNorm) (50 MB), AdamW, ``zero_grad()``: 9,000 to 12,000 minor page faults per
+    rank and step in one bucket or 4 and 8 MB ones, at most a few hundred at 0.5 to 2 MB;
+    the step 69.3 ms in one bucket, 56.3 at 2 MB, the fastest (medians of three interleaved
+    runs, ``fastreduce bench --suite optim --optim-model blocks --set-to-none --zero-bucket-mb
+    ...``). Zeroed in place (nothing allocated) one bucket is the fastest, 52.1 ms against
+    58.3 (the optim suite's model: 77.2 against 84.5): 2 MB is the size whose worse case of
+    the two is least (1.12x the best against one bucket's 1.23x). A size, not a count: a
+    model under 1.5 buckets' bytes stays one bucket (a bucket is cut once it reaches the size)."""
     whole = max(wire_bytes / MB, 1e-6)
     n = max(1, round(whole / ZERO_SHM_BUCKET_MB))
     if n == 1:
