@@ -127,6 +127,13 @@ def test_epochs_early_stopping_and_save_total_limit(runs: dict) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_fsdp_with_a_mode_is_refused_when_the_trainer_is_built(runs: dict) -> None:
+    for rank in runs["fsdp"]:
+        assert rank["refused"] and "also asks for FSDP" in rank["refused"], rank["refused"]
+        assert "drop the FSDP setting" in rank["refused"]
+
+
+@pytest.mark.timeout(600)
 def test_gossip_refuses_a_compiled_model(runs: dict) -> None:
     for rank in runs["gossip_compiled"]:
         assert "turn torch_compile off" in rank["refused"]
@@ -491,6 +498,15 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         trainer_run("ddp_sgd", None, None, **plain)
         trainer_run("localsgd_h1", "localsgd", {"sync_every": 1}, **plain)
         epochs_run(out)
+        before = set(os.environ)  # transformers < 5: fsdp= sets ACCELERATE_USE_FSDP for every later Trainer
+        try:  # FSDP (made only in a distributed run) with a fastreduce mode: refused when the Trainer is built
+            Ordered(model=fresh(), args=arguments("fsdp", fsdp="full_shard"), train_dataset=train_data,
+                    eval_dataset=eval_data, fastreduce_mode="zero")
+            save("fsdp", {"refused": None})
+        except ValueError as exc:
+            save("fsdp", {"refused": str(exc)})
+        for var in set(os.environ) - before:
+            del os.environ[var]
         for mode in COMPILED:  # the Trainer's torch_compile, against the same mode's eager run above
             trainer_run(f"{mode}_compiled", mode, MODES[mode], torch_compile=True, torch_compile_backend="aot_eager")
         try:

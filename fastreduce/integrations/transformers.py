@@ -133,8 +133,11 @@ class FastReduceMixin:
         self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config)  # a typo fails here
         """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
         self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
+        self.args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.accelerator = None
+        self._fastreduce_check_supported()  # deepspeed= / fsdp= asked for: before the Trainer builds them
         super().__init__(*args, **kwargs)
-        self._fastreduce_check_supported()
+        self._fastreduce_check_supported()  # what the Trainer made of the rest
         if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
@@ -275,11 +278,13 @@ class FastReduceMixin:
 
     def _fastreduce_check_supported(self) -> None:
         ours = type(self).__name__
-        other = ("DeepSpeed" if getattr(self, "is_deepspeed_enabled", False) else
-                 "FSDP" if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_fsdp_xla_enabled", False) else
+        args = getattr(self, "args", None)
+        other = ("DeepSpeed" if getattr(self, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None) else
+                 "FSDP" if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_fsdp_xla_enabled", False)
+                 or getattr(args, "fsdp", None) else
                  "a model sharded at load time" if getattr(self, "is_distributed_loading_by_transformers", False) else
-                 "a ParallelismConfig" if getattr(self.accelerator, "parallelism_config", None) is not None else
-                 None)
+                 "a ParallelismConfig" if getattr(getattr(self, "accelerator", None), "parallelism_config", None)
+                 is not None else None)
         if other is not None:
             raise ValueError(f"{ours} trains in fastreduce mode {self.fastreduce_mode.name!r}, which replaces "
                              f"DDP, but this run also asks for {other}, which reduces gradients its own way: "
