@@ -18,11 +18,14 @@ is one class over this registry and never branches on a mode.
  diloco     :class:`~fastreduce.DiLoCo`, the trainer's     the inner optimizer; the outer one is
             optimizer as the inner one                     ``outer_optimizer`` (default: the
                                                            paper's Nesterov SGD, lr 0.7, 0.9)
+ gossip     :class:`~fastreduce.DecentralizedDataParallel` its groups drive one optimizer per
+            (the trainer calls its wrapper), each bucket   bucket; its own step does nothing
+            stepped in backward
 ========== ============================================== =========================================
 
 A mode's settings are its class's keyword arguments, with the same names, defaults and
 errors; a name the class does not take is refused when the trainer is built.
-Parameters differ across ranks between syncs in ``localsgd`` and ``diloco``
+Parameters differ across ranks between syncs in ``localsgd``, ``diloco`` and ``gossip``
 (:attr:`TrainerMode.per_rank`): evaluation and a saved model see their exact mean
 (:meth:`TrainerMode.averaged`), and a checkpoint holds every rank's own.
 """
@@ -49,6 +52,12 @@ from ..modes.zero import ZeroOptimizer
 __all__ = ["MODES", "TrainerMode", "make_mode"]
 
 _IMPLEMENTATION = ("foreach", "fused", "differentiable")  # torch.optim's kernel choices, None/False: not chosen
+
+
+def _unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive runs of ``flat`` into ``tensors`` (each cast to its own dtype)."""
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
 
 
 class TrainerMode:
@@ -122,20 +131,20 @@ class TrainerMode:
         if not self.per_rank or self.obj is None:
             yield
             return
+        group = self.config.get("group")
         tensors = [p.detach() for p in model.parameters() if p.requires_grad]
         tensors += [b.detach() for b in model.buffers() if b.is_floating_point()]
-        own = [t.clone() for t in tensors]
         with torch.no_grad():
-            for t in tensors:
-                mean = t.double()
-                dist.all_reduce(mean, group=self.config.get("group"))
-                t.copy_(mean.div_(dist.get_world_size(self.config.get("group"))))
+            own = torch.cat([t.reshape(-1).double() for t in tensors])  # this rank's, exact in fp64
+            mean = own.clone()
+            dist.all_reduce(mean, group=group)  # one collective, not one per tensor
+            mean.div_(dist.get_world_size(group))
+            _unflatten_into(tensors, mean)
         try:
             yield
         finally:
             with torch.no_grad():
-                for t, o in zip(tensors, own):
-                    t.copy_(o)
+                _unflatten_into(tensors, own)
 
     # ------------------------------------------------------------------ state and figures
 
@@ -174,7 +183,8 @@ class TrainerMode:
 
     def finish(self) -> None:
         """End of training (collective): every rank's parameters complete and, where the
-        mode keeps them per rank, synced (LocalSGD, DiLoCo: a last sync now)."""
+        mode keeps them per rank, synced (LocalSGD, DiLoCo: a last sync now; gossip: the
+        global average; ZeRO: the last all-gather)."""
         if self.per_rank:
             self.obj.sync()
 
@@ -384,7 +394,6 @@ class Gossip(TrainerMode):
 
 
 MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco, Gossip)}
-
 """The trainer modes by name."""
 
 

@@ -133,11 +133,10 @@ class FastReduceMixin:
         self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config)  # a typo fails here
         """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
         self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
-        self.args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.accelerator = None
-        self._fastreduce_check_supported()  # deepspeed= / fsdp= asked for: before the Trainer builds them
+        # deepspeed= / fsdp= asked for: refused before the Trainer builds either
+        self._fastreduce_refuse(_other_in(kwargs.get("args", args[1] if len(args) > 1 else None)))
         super().__init__(*args, **kwargs)
-        self._fastreduce_check_supported()  # what the Trainer made of the rest
+        self._fastreduce_refuse(_other_in(self.args) or _other_made(self))  # and what the Trainer made
         if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
@@ -276,19 +275,24 @@ class FastReduceMixin:
         model = self._fastreduce_model
         return contextlib.nullcontext() if model is None else self.fastreduce_mode.averaged(model)
 
-    def _fastreduce_check_supported(self) -> None:
-        ours = type(self).__name__
-        args = getattr(self, "args", None)
-        other = ("DeepSpeed" if getattr(self, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None) else
-                 "FSDP" if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_fsdp_xla_enabled", False)
-                 or getattr(args, "fsdp", None) else
-                 "a model sharded at load time" if getattr(self, "is_distributed_loading_by_transformers", False) else
-                 "a ParallelismConfig" if getattr(getattr(self, "accelerator", None), "parallelism_config", None)
-                 is not None else None)
+    def _fastreduce_refuse(self, other: str | None) -> None:
         if other is not None:
-            raise ValueError(f"{ours} trains in fastreduce mode {self.fastreduce_mode.name!r}, which replaces "
-                             f"DDP, but this run also asks for {other}, which reduces gradients its own way: "
-                             f"drop the {other} setting (deepspeed=, fsdp=, ...), or use the stock Trainer for it")
+            raise ValueError(f"{type(self).__name__} trains in fastreduce mode {self.fastreduce_mode.name!r}, which "
+                             f"replaces DDP, but this run also asks for {other}, which reduces gradients its own "
+                             f"way: drop the {other} setting (deepspeed=, fsdp=, ...), or use the stock Trainer for it")
+
+
+def _other_in(args: Any) -> str | None:
+    """What ``TrainingArguments`` ask for that reduces gradients its own way, if anything."""
+    return "DeepSpeed" if getattr(args, "deepspeed", None) else "FSDP" if getattr(args, "fsdp", None) else None
+
+
+def _other_made(trainer: Any) -> str | None:
+    """What the built Trainer runs that reduces gradients its own way, if anything."""
+    return ("DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else
+            "FSDP" if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False) else
+            "a model sharded at load time" if getattr(trainer, "is_distributed_loading_by_transformers", False) else
+            "a ParallelismConfig" if getattr(trainer.accelerator, "parallelism_config", None) is not None else None)
 
 
 _FOLDER = "fastreduce"  # the mode's state, in a Trainer checkpoint folder
