@@ -10,8 +10,8 @@ The algorithm under test, with x_r rank r's parameters, G_r(k) the gradient of r
 loss at step k, computed at the parameters the k-th forward saw (``snap_r(k)``), and
 W_t = ``topology.mixing(t)``:
 
-* step 0: the backward only traces; at the next forward every bucket's optimizer steps
-  on G(0) and the first exchange (round 0) of the updated parameters starts:
+* step 0: the backward traces the order; as it ends every bucket's optimizer steps on
+  G(0) and the first exchange (round 0) of the updated parameters starts:
   ``snap(1) = snap(0) - lr G(0)``;
 * step k >= 1: when a bucket's grads are ready its parameters become the mixed result of
   the previous exchange, then the optimizer steps with G(k) (computed before the mix):
@@ -327,10 +327,28 @@ def case_group(rank: int, world: int) -> dict | None:
     return {"init": init, "after": after, "avg": params_of(model)}
 
 
+def case_zero_grad(rank: int, world: int) -> dict:
+    """The same 4 steps, once as above and once with ``model.zero_grad()`` after each
+    backward (a trainer's order): the first step is taken as its backward ends, so the
+    zeroing loses nothing."""
+    out = {}
+    for zero in (False, True):
+        model = MODELS["odd"](SEED + 100 * rank)
+        ddp = make_ddp(model, "ring")
+        for k in range(4):
+            out_loss(ddp(*batch_for(model, rank, k))).backward()
+            if zero:
+                model.zero_grad()
+        ddp.close()
+        out[zero] = params_of(model)
+    return out
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
         res["unknown_topology"] = guarded(case_unknown_topology, rank, world)
+        res["zero_grad"] = guarded(case_zero_grad, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
     for case in TRAJ_CASES.get(world, []):
         res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
@@ -547,6 +565,14 @@ def test_clipping_case_clips_and_schedules(worlds) -> None:
                 norm = torch.cat([o["grads"][k][n].reshape(-1) for n in bucket]).norm()
                 coefs.append(CLIP / (float(norm) + 1e-6))
     assert min(coefs) < 0.5 and len(outs[0]["names"]) > 1, coefs
+
+
+def test_zero_grad_between_steps_loses_no_step(worlds) -> None:
+    """``zero_grad()`` after each backward (before the next forward) ends where the run
+    without it ends, bit for bit: no step's gradients, the first one's included, are lost."""
+    for o in ok(worlds(2), "zero_grad"):
+        for n, kept in o[False].items():
+            assert torch.equal(o[True][n], kept), n
 
 
 def test_parameter_used_twice_trains(worlds) -> None:

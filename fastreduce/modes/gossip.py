@@ -6,8 +6,9 @@ mixing matrix from a :mod:`~fastreduce.modes.topology` (``complete``, ``ring``,
 ``one-peer-exp``, ``alternating-exp-ring``, or your own). The exchange of a bucket
 overlaps the next step's forward and backward. Communication pattern, per step::
 
-    forward:   (the first time: build buckets in rank 0's backward order, step every
-               bucket's optimizer on the first gradients, launch round 0's exchanges)
+    backward:  (the first time, as it ends: build buckets in rank 0's backward order,
+               step every bucket's optimizer on the first gradients, launch round 0's
+               exchanges; the next forward, where that backward ran compiled)
     backward:  bucket b's last grad ready -> hook: wait for b's exchange of round t-1,
                parameters := the mixed result, b's optimizer (and scheduler) step on
                the gradients (taken at the pre-mix parameters), zero them, send the new
@@ -46,7 +47,7 @@ from ..buffer import TensorBlock, _view, params_as_views
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..comm.quantized import QuantMix
-from ..compiling import cut_graphs, keep_cut
+from ..compiling import cut_graphs, keep_cut, uncut_graphs
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
@@ -55,6 +56,7 @@ from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_model
 from ..optim_kernels import prefer_fused
 from ..sizing import AUTO, GOSSIP_AUTO_RULE, Sizing, check_bucket_mb
+from .gossip_state import _DONE, GossipState
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
@@ -63,10 +65,9 @@ log = logging.getLogger(__name__)
 
 OptimFn = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
-_DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
 
 
-class DecentralizedDataParallel(nn.Module, JoinableMode):
+class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
     """Gossip data parallelism over a time-varying topology (see the module doc).
 
     Args:
@@ -178,7 +179,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         self._built = False
         self._broadcast_from_rank0()
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
-        self._synced_backward = False  # the first step closes after a backward outside no_sync
+        self._synced_backward = False  # the first step is taken after a backward outside no_sync
+        self._first_queued = self._first_owes_close = False  # taken as that backward ends; closed in forward
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
         if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
             cut_graphs(self, self.bucket_mb, (p for _, p in named))  # steps during a compiled backward
@@ -230,6 +232,20 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         are still applied at each bucket's next step, as without the wait)."""
         self._drain()
 
+    def close(self) -> None:
+        """Take every hook of this mode off the model and its parameters (the order
+        recorder, the gradient hooks, the compiled backward's cuts); the parameters stay
+        where they are. The mode must not be used afterwards."""
+        self._drain()
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+        remove_hooks(self._marks)
+        self._marks = []
+        if self._built:
+            self._schedule.remove()
+        uncut_graphs(self)
+
     @torch.no_grad()
     def global_avg(self) -> None:
         """Every rank's parameters and float buffers := their exact mean over ranks
@@ -266,50 +282,6 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         dist.all_reduce(d, group=self.group)
         return float(d.item() / self.world_size)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Everything to resume (collective): the model, every bucket's optimizer and
-        scheduler, the round, the bucket order, and the exchange in flight (drained:
-        its mixed result is saved and applied at the next step, as it would have been)."""
-        self._drain()
-        out: dict[str, Any] = {"model": self.module.state_dict(), "round": self._round, "built": self._built}
-        if self._built:
-            out["buckets"] = [[self._names[i] for i in b.slots] for b in self._buckets]
-            out["optimizers"] = [o.state_dict() for o in self._optims]
-            out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
-            out["mixed"] = [m.clone() for m in self._mixed]
-            out["pending"] = [self._exchanges[b] is not None for b in range(len(self._buckets))]
-            if self._qmix is not None:
-                out["public_copies"] = [q.state_dict() for q in self._qmix]
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.state_dict()
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Resume from :meth:`state_dict` (same world size, model and wire)."""
-        if state_dict.get("built") and ("public_copies" in state_dict) != (self._quant is not None):
-            raise ValueError("this state was saved with a quantized wire's public copies and this mode has no "
-                             "quantized wire, or the other way round: resume with the same wire_dtype; nothing "
-                             "was loaded")
-        self.module.load_state_dict(state_dict["model"], strict=strict)
-        self._round = int(state_dict["round"])
-        if state_dict.get("built"):
-            index = {n: k for k, (n, _) in enumerate(self._named)}
-            order = [index[n] for names in state_dict["buckets"] for n in names]
-            self._build(order, [len(names) for names in state_dict["buckets"]])
-            for o, s in zip(self._optims, state_dict["optimizers"]):
-                o.load_state_dict(s)
-            for sch, s in zip(self._scheds, state_dict["schedulers"]):
-                if sch is not None and s is not None:
-                    sch.load_state_dict(s)
-            with torch.no_grad():
-                for b, (m, pending) in enumerate(zip(state_dict["mixed"], state_dict["pending"])):
-                    self._mixed[b].copy_(m)
-                    self._exchanges[b] = _DONE if pending else None
-            for q, c in zip(self._qmix or (), state_dict.get("public_copies") or ()):
-                q.load_state_dict(c)
-        if self.scaler is not None and "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
-
     # ------------------------------------------------------------------ build
 
     @torch.no_grad()
@@ -318,8 +290,28 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
                          "DecentralizedDataParallel")  # frozen ones too
 
     def _mark_synced(self, _i: int) -> None:
-        if not self._accumulating:
-            self._synced_backward = True
+        if self._accumulating:
+            return
+        self._synced_backward = True
+        if not self._first_queued and torch._C._current_graph_task_id() != -1 \
+                and not torch.compiler.is_compiling():  # compiled autograd: at the next forward
+            self._first_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._first_step)
+
+    @guarded("{cls}'s first step (as the first synced backward ends)", "The parameters are lost: some "
+             "buckets took the first step and others did not.")
+    def _first_step(self) -> None:
+        """The first synced backward's end: lay out the buckets in the order every rank
+        agrees on and step each one on these gradients, before the caller may zero them
+        (``zero_grad()`` before the next forward, as trainers do); the next forward closes it."""
+        if self._built or self._recorder is None:
+            return
+        order = agreed_order(self._recorder.remove(), len(self._named), self.group)
+        self._recorder = None
+        self._build(order)
+        for b in range(len(self._buckets)):
+            self._update(b, False)
+        self._first_owes_close = True
 
     def _catch_up(self) -> None:
         """Close the last step: build after the first backward, or step the buckets whose
@@ -327,15 +319,11 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         if not self._built:
             if self._recorder is None or not self._synced_backward:
                 return
-            order = agreed_order(self._recorder.remove(), len(self._named), self.group)
-            self._recorder = None
-            self._build(order)
-            for b in range(len(self._buckets)):
-                self._update(b, False)
+            self._first_step()
             self._close_step()
             return
-        if self._join_owes_close:
-            self._join_owes_close = False
+        if self._first_owes_close or self._join_owes_close:
+            self._first_owes_close = self._join_owes_close = False
             self._close_step()
             return
         sched = self._schedule
@@ -347,7 +335,8 @@ class DecentralizedDataParallel(nn.Module, JoinableMode):
         """Whether :meth:`_catch_up` has a step to close (collectives to run)."""
         if not self._built:
             return self._recorder is not None and self._synced_backward
-        return self._join_owes_close or any(self._schedule.fired) or bool(self._schedule.next)
+        return (self._first_owes_close or self._join_owes_close or any(self._schedule.fired)
+                or bool(self._schedule.next))
 
     def _join_shadow(self) -> None:
         """A joined rank's step under Join: close its last step, then every bucket

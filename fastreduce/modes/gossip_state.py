@@ -1,0 +1,65 @@
+"""What a :class:`~fastreduce.DecentralizedDataParallel` saves and restores, per rank: its
+model, every bucket's optimizer and scheduler, the round, the bucket order, and the
+exchange in flight (its mixed result, applied at the next step as it would have been).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import Pending
+
+__all__ = ["GossipState"]
+
+_DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
+
+
+class GossipState:
+    """The checkpoint half of :class:`~fastreduce.DecentralizedDataParallel` (a mixin: it
+    reads the mode's module, buckets, optimizers, schedulers and blocks)."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Everything to resume (collective): the model, every bucket's optimizer and
+        scheduler, the round, the bucket order, and the exchange in flight (drained:
+        its mixed result is saved and applied at the next step, as it would have been)."""
+        self._drain()
+        out: dict[str, Any] = {"model": self.module.state_dict(), "round": self._round, "built": self._built}
+        if self._built:
+            out["buckets"] = [[self._names[i] for i in b.slots] for b in self._buckets]
+            out["optimizers"] = [o.state_dict() for o in self._optims]
+            out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
+            out["mixed"] = [m.clone() for m in self._mixed]
+            out["pending"] = [self._exchanges[b] is not None for b in range(len(self._buckets))]
+            if self._qmix is not None:
+                out["public_copies"] = [q.state_dict() for q in self._qmix]
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
+        """Resume from :meth:`state_dict` (same world size, model and wire)."""
+        if state_dict.get("built") and ("public_copies" in state_dict) != (self._quant is not None):
+            raise ValueError("this state was saved with a quantized wire's public copies and this mode has no "
+                             "quantized wire, or the other way round: resume with the same wire_dtype; nothing "
+                             "was loaded")
+        self.module.load_state_dict(state_dict["model"], strict=strict)
+        self._round = int(state_dict["round"])
+        if state_dict.get("built"):
+            index = {n: k for k, (n, _) in enumerate(self._named)}
+            order = [index[n] for names in state_dict["buckets"] for n in names]
+            self._build(order, [len(names) for names in state_dict["buckets"]])
+            for o, s in zip(self._optims, state_dict["optimizers"]):
+                o.load_state_dict(s)
+            for sch, s in zip(self._scheds, state_dict["schedulers"]):
+                if sch is not None and s is not None:
+                    sch.load_state_dict(s)
+            with torch.no_grad():
+                for b, (m, pending) in enumerate(zip(state_dict["mixed"], state_dict["pending"])):
+                    self._mixed[b].copy_(m)
+                    self._exchanges[b] = _DONE if pending else None
+            for q, c in zip(self._qmix or (), state_dict.get("public_copies") or ()):
+                q.load_state_dict(c)
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
