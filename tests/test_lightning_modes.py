@@ -35,9 +35,12 @@ MODES = {  # name: settings of the strategy and of the reference loop's mode
     "zero": {},
     "localsgd": {"sync_every": 4},
     "diloco": {"sync_every": 4, "fragments": 2},
+    "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
 }
 FIGURE = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
-          "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs"}
+          "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs",
+          "gossip": "fastreduce/rounds"}
+OPTIMIZER = {"zero": "ZeroOptimizer", "gossip": "_Steered"}  # what Lightning steps, where not the AdamW
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -49,7 +52,7 @@ def test_modes_by_name_and_their_settings_checked_at_construction() -> None:
 
     from fastreduce.integrations.lightning import FastReduceStrategy
 
-    for name in ("zero", "localsgd", "diloco", "overlap"):
+    for name in ("zero", "localsgd", "diloco", "overlap", "gossip"):
         entry = StrategyRegistry[f"fastreduce_{name}"]
         assert entry["strategy"] is FastReduceStrategy and entry["init_params"] == {"mode": name}
     assert StrategyRegistry["fastreduce"]["init_params"] == {}
@@ -68,6 +71,9 @@ def test_modes_by_name_and_their_settings_checked_at_construction() -> None:
         FastReduceStrategy("localsgd", find_unused_parameters=True)
     with pytest.raises(TypeError, match="outer_optimizer"):
         FastReduceStrategy("diloco", outer_optimizer=3)
+    assert FastReduceStrategy("gossip", eval_params="own").mode.eval_params == "own"
+    with pytest.raises(ValueError, match="mode 'overlap' keeps the same parameters on every rank"):
+        FastReduceStrategy("overlap", eval_params="own")
 
 
 # ---------------------------------------------------------------------- on real ranks
@@ -98,8 +104,8 @@ def test_lightning_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
         _close(ours["params"], ref["params"], 1e-6)
         assert ours["lrs"] == pytest.approx(ref["lrs"], rel=1e-9), (ours["lrs"], ref["lrs"])
         assert ours["lrs"][0] < ours["lrs"][WARMUP] and ours["lrs"][-1] < ours["lrs"][WARMUP]  # warm-up, decay
-        assert ours["optimizer"] == ("ZeroOptimizer" if mode == "zero" else "AdamW")
-        if mode != "zero":  # the gradients Lightning clips (before clipping) are the loop's
+        assert ours["optimizer"] == OPTIMIZER.get(mode, "AdamW")
+        if mode not in ("zero", "gossip"):  # the gradients Lightning clips (before clipping) are the loop's
             assert ours["norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
         assert ours["scheduler_drives_it"]
 
@@ -122,7 +128,7 @@ def test_ranks_identical_where_the_mode_keeps_them_so(runs: dict, mode: str) -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["localsgd", "diloco"])
+@pytest.mark.parametrize("mode", ["localsgd", "diloco", "gossip"])
 def test_per_rank_modes_checkpoint_the_mean(runs: dict, mode: str) -> None:
     """Between syncs the ranks hold their own parameters; the Lightning checkpoint's
     ``state_dict`` is their exact mean, and training goes on from each rank's own."""
@@ -147,6 +153,8 @@ def test_the_logged_metrics_hold_the_mode_figures(runs: dict, mode: str) -> None
         assert float(rows[-1]["fastreduce/bytes_per_step"]) == rank["counters"]["bytes"] / STEPS
     if mode in ("localsgd", "diloco"):
         assert float(rows[-1]["fastreduce/syncs"]) == rank["counters"]["syncs"] > 0
+    if mode == "gossip":  # one round a step, the last one's logged after it
+        assert float(rows[-1]["fastreduce/rounds"]) == rank["counters"]["rounds"] == STEPS
 
 
 # ============================================================== the torchrun worker
@@ -169,7 +177,7 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
     from torch import nn
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from fastreduce import DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
+    from fastreduce import DecentralizedDataParallel, DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
     from fastreduce.integrations.lightning import FastReduceStrategy
 
     warnings.filterwarnings("ignore")
@@ -201,6 +209,9 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
             xb, yb = batch
             return nn.functional.mse_loss(self.net(xb).squeeze(-1), yb)
 
+        def forward(self, batch) -> torch.Tensor:  # the hand-written gossip loop calls the mode's wrapper
+            return self.loss(batch)
+
         def training_step(self, batch, batch_idx):
             return self.loss(batch)
 
@@ -222,7 +233,8 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
-            if not isinstance(trainer.strategy.mode.obj, ZeroOptimizer):  # ZeRO's averaged gradients are its shards
+            # ZeRO's averaged gradients are its shards; gossip's were stepped (and zeroed) in backward
+            if not isinstance(trainer.strategy.mode.obj, (ZeroOptimizer, DecentralizedDataParallel)):
                 self.norms.append(float(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]).norm()))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -255,7 +267,8 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
                  "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                  "counters": ({"reductions": obj.stats.calls, "bytes": obj.stats.bytes_reduced}
                               if isinstance(obj, FusedReducer) else
-                              {"syncs": obj.syncs} if isinstance(obj, (LocalSGD, DiLoCo)) else {})}
+                              {"syncs": obj.syncs} if isinstance(obj, (LocalSGD, DiLoCo)) else
+                              {"rounds": obj.step} if isinstance(obj, DecentralizedDataParallel) else {})}
         dist.barrier()
         if rank == 0:
             with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
@@ -283,6 +296,16 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
         elif mode == "diloco":
             outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
             DiLoCo(model, opt, outer, **config)
+        net = model
+        if mode == "gossip":  # one AdamW per bucket, with its own schedule, stepped and clipped in backward
+            def optim_fn(named):
+                params = [p for _, p in named]
+                return torch.optim.AdamW([g for g in ({"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                                                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0})
+                                          if g["params"]], lr=LR)
+
+            net = DecentralizedDataParallel(model, optim_fn, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _schedule),
+                                            grad_clip_norm=CLIP, **config)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
         lrs, norms = [], []
         for epoch in range(STEPS // SAVE):
@@ -290,18 +313,21 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
             batches = iter(loader)
             for _ in range(SAVE):
                 for micro in range(ACCUM):
-                    quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero")
-                    with (reducer or opt).no_sync() if quiet else torch.enable_grad():
-                        (model.loss(next(batches)) / ACCUM).backward()
+                    quiet = micro < ACCUM - 1 and mode in ("fused", "overlap", "zero", "gossip")
+                    with (reducer or (net if mode == "gossip" else opt)).no_sync() if quiet else torch.enable_grad():
+                        (net(next(batches)) / ACCUM).backward()
                 if reducer is not None:
                     reducer.reduce()
-                if mode == "zero":
+                if mode == "gossip":  # stepped in backward; opt only keeps the schedule's lr for the record
+                    norms.append(float(torch.stack(net.grad_norms).square().sum().sqrt()))
+                elif mode == "zero":
                     norms.append(float(opt.clip_grad_norm_(CLIP)))
                 else:
                     params = [p for g in opt.param_groups for p in g["params"]]  # Lightning's order: the optimizer's
                     norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
                 lrs.append(opt.param_groups[0]["lr"])
-                opt.step()
+                if mode != "gossip":
+                    opt.step()
                 sched.step()
                 opt.zero_grad()
         settle(opt)

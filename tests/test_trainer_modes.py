@@ -169,6 +169,36 @@ def test_per_rank_modes_evaluate_and_save_the_mean(runs: dict, mode: str) -> Non
 
 
 @pytest.mark.timeout(600)
+def test_eval_params_own_evaluates_each_ranks_own_parameters(runs: dict) -> None:
+    """``fastreduce_eval_params="own"``: ``evaluate()`` sees each rank's own parameters on
+    its share of the evaluation batches (no communication), not their mean; the saved model
+    is still the mean, and training is the same run as with ``"mean"``."""
+    for own, mean in zip(runs["diloco_own"], runs["diloco_trainer"]):
+        assert own["eval_loss"] == pytest.approx(own["own_loss"], rel=1e-5)
+        assert own["eval_loss"] != pytest.approx(own["mean_loss"], rel=1e-5)
+        _close(own["saved_model"], mean["saved_model"], 0.0)
+        assert torch.equal(own["params"], mean["params"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode, eval_params, says", [
+    ("zero", "own", "mode 'zero' keeps the same parameters on every rank"),
+    ("fused", "own", "pick a mode whose ranks train their own (localsgd, diloco, gossip)"),
+    ("diloco", "averaged", "eval_params must be one of 'mean', 'own', got 'averaged'"),
+])
+def test_a_mode_that_cannot_evaluate_as_asked_fails_when_the_trainer_is_built(
+        tmp_path: Path, mode: str, eval_params: str, says: str) -> None:
+    from transformers import TrainingArguments
+
+    from fastreduce.integrations.transformers import FastReduceTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_mode=mode,
+                          fastreduce_eval_params=eval_params)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_log_holds_the_mode_figures(runs: dict, mode: str) -> None:
     """Every training log of ``log_history`` holds the mode's figures, as its own counters say."""
@@ -370,13 +400,15 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
     def save(run: str, facts: dict) -> None:
         torch.save(facts, out / f"{run}.rank{rank}.pt")
 
-    def trainer_run(run: str, mode: str | None, config: dict | None, resume: bool = False, **kw) -> dict:
+    def trainer_run(run: str, mode: str | None, config: dict | None, resume: bool = False, eval_params: str = "mean",
+                    **kw) -> dict:
         before = set(os.environ)  # (TrainingArguments of transformers < 5 sets some)
         model = fresh()
         start = flat(model)
         args = arguments(run, **kw)
         cls = Stock if mode is None else Ordered
-        extra = {} if mode is None else {"fastreduce_mode": mode, "fastreduce_config": dict(config)}
+        extra = {} if mode is None else {"fastreduce_mode": mode, "fastreduce_config": dict(config),
+                                         "fastreduce_eval_params": eval_params}
         trainer = cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data, **extra)
         rec = Record(trainer, mode)
         trainer.add_callback(rec)
@@ -407,6 +439,13 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
                     probe = fresh()
                     torch.nn.utils.vector_to_parameters(mean.div(world).float(), probe.parameters())
                     facts["mean_loss"] = float(probe(eval_data.x, eval_data.y)["loss"])
+                    # each rank's own parameters on its share of the Trainer's evaluation batches
+                    torch.nn.utils.vector_to_parameters(rec.facts["at_save"], probe.parameters())
+                    own = torch.tensor([0.0, 0.0], dtype=torch.float64)
+                    for batch in trainer.get_eval_dataloader():
+                        own += torch.tensor([float(probe(**batch)["loss"]), 1.0], dtype=torch.float64)
+                    dist.all_reduce(own)
+                    facts["own_loss"] = float(own[0] / own[1])
         save(run, facts)
         return facts
 
@@ -497,6 +536,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         plain = {"optim": "sgd", "clip": 0.0, "sched": "constant", "warmup": 0}
         trainer_run("ddp_sgd", None, None, **plain)
         trainer_run("localsgd_h1", "localsgd", {"sync_every": 1}, **plain)
+        trainer_run("diloco_own", "diloco", MODES["diloco"], eval_params="own")
         epochs_run(out)
         before = set(os.environ)  # transformers < 5: fsdp= sets ACCELERATE_USE_FSDP for every later Trainer
         try:  # FSDP (made only in a distributed run) with a fastreduce mode: refused when the Trainer is built

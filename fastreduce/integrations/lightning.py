@@ -8,13 +8,16 @@
     trainer.fit(module, datamodule)
 
 (or ``strategy="fastreduce"``, ``"fastreduce_overlap"``, ``"fastreduce_zero"``,
-``"fastreduce_localsgd"``, ``"fastreduce_diloco"`` once this module is imported).
-``FastReduceStrategy(mode=...)`` runs any mode of :mod:`fastreduce.integrations.modes`
-(``fused``, ``overlap``, ``zero``, ``localsgd``, ``diloco``) over the LightningModule
-and the optimizer of ``configure_optimizers``. The strategy is Lightning's
+``"fastreduce_localsgd"``, ``"fastreduce_diloco"``, ``"fastreduce_gossip"`` once this
+module is imported). ``FastReduceStrategy(mode=...)`` runs any mode of
+:mod:`fastreduce.integrations.modes` (``fused``, ``overlap``, ``zero``, ``localsgd``,
+``diloco``, ``gossip``) over the LightningModule and the optimizer of
+``configure_optimizers``. The strategy is Lightning's
 ``DDPStrategy`` (same launchers, process group, samplers, ``barrier``, ``broadcast``,
 ``reduce``, checkpoint files) except for the gradients: the LightningModule is not
-wrapped in ``DistributedDataParallel``; rank 0's parameters and buffers are broadcast
+wrapped in ``DistributedDataParallel`` (gossip wraps it in its own
+:class:`~fastreduce.DecentralizedDataParallel`, through which Lightning then runs each
+``training_step`` as it does through DDP); rank 0's parameters and buffers are broadcast
 once when fitting starts, and the mode does the rest through Lightning's hooks:
 :meth:`~FastReduceStrategy.post_backward` (right after each ``backward`` and before
 ``on_before_optimizer_step``, gradient clipping and the optimizer step) is the mode's
@@ -80,9 +83,11 @@ class FastReduceStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` with a fastreduce mode in place of DDP.
 
     Args:
-        mode: ``"fused"``, ``"overlap"``, ``"zero"``, ``"localsgd"`` or ``"diloco"``
+        mode: ``"fused"``, ``"overlap"``, ``"zero"``, ``"localsgd"``, ``"diloco"`` or ``"gossip"``
             (:mod:`fastreduce.integrations.modes`); ``None`` (default): ``"fused"``, or
             ``"overlap"`` where ``overlap=True`` is passed.
+        eval_params: ``"mean"`` (default) or ``"own"``: what validation under ``fit`` sees in
+            a mode whose ranks hold their own parameters (:mod:`~fastreduce.integrations.modes`).
         **kwargs: the mode's settings, the keyword arguments of its class
             (:class:`fastreduce.FusedReducer`'s :class:`fastreduce.ReducerConfig` fields:
             ``wire_dtype`` (default ``torch.bfloat16``; ``torch.float32`` for an exact
@@ -106,13 +111,18 @@ class FastReduceStrategy(DDPStrategy):
     after ``fit`` returns; :attr:`reducer` is the :class:`~fastreduce.FusedReducer` in the
     fused modes. ``zero`` replaces the optimizer (``trainer.optimizers``) by its sharded
     twin and re-points the LR schedulers of ``configure_optimizers`` at it; norm clipping
-    (``gradient_clip_val``) is then ZeRO's global norm. Modes other than fused and
-    overlap take one optimizer. Checkpoints (``ModelCheckpoint``,
+    (``gradient_clip_val``) is then ZeRO's global norm. ``gossip`` steps one optimizer per
+    bucket in backward, built like the configured one and at the lr its schedulers set,
+    clipped per bucket at ``gradient_clip_val`` (one bucket by default: the whole
+    gradient); ``trainer.optimizers`` then holds an optimizer whose step only runs
+    Lightning's closure. ``zero`` and ``gossip`` clip by norm only. Modes other than fused
+    and overlap take one optimizer. Checkpoints (``ModelCheckpoint``,
     ``trainer.save_checkpoint``) also save the mode's whole state, per rank, in the
     folder ``<checkpoint>.fastreduce`` beside the file, and ``fit(ckpt_path=...)``
-    resumes it; in ``localsgd`` and ``diloco`` (ranks hold their own parameters between
-    syncs) the checkpoint's ``state_dict`` and validation under ``fit`` see the ranks'
-    exact mean. Every ``log_every_n_steps`` the mode's figures (``fastreduce/...``) are
+    resumes it; in ``localsgd``, ``diloco`` and ``gossip`` (ranks hold their own
+    parameters) the checkpoint's ``state_dict`` and validation under ``fit`` see the
+    ranks' exact mean (``eval_params="own"``: validation sees each rank's own, with no
+    communication; refused in the other modes). Every ``log_every_n_steps`` the mode's figures (``fastreduce/...``) are
     logged (``trainer.logged_metrics``, ``callback_metrics``, the logger).
     Validation, test and predict runs outside ``fit`` build no mode; they broadcast
     rank 0's parameters and buffers once, as ``DDPStrategy`` does.
@@ -126,7 +136,7 @@ class FastReduceStrategy(DDPStrategy):
 
     strategy_name = "fastreduce"
 
-    def __init__(self, mode: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, mode: str | None = None, eval_params: str = "mean", **kwargs: Any) -> None:
         bad = sorted(k for k in kwargs if k in _DDP_ONLY)
         if bad:
             raise TypeError(f"FastReduceStrategy does not take {bad[0]!r}: {_DDP_ONLY[bad[0]]}")
@@ -141,13 +151,8 @@ class FastReduceStrategy(DDPStrategy):
         self._broadcast_buffers = bool(kwargs.pop("broadcast_buffers", True))
         kwargs.pop("static_graph", None)
         kwargs.pop("gradient_as_bucket_view", None)
-        self._mode_arg, self._settings = mode, settings
-        self._mode: TrainerMode = make_mode(mode, settings)  # a typo or a bad value fails here, not at fit
-        if not _runs_here(type(self._mode)):
-            raise NotImplementedError(f"fastreduce mode {self._mode.name!r} is not in FastReduceStrategy yet: it "
-                                      "must see every training forward through its own wrapper, which a "
-                                      "LightningModule's training_step does not call; use it in a hand-written "
-                                      "loop or the Hugging Face Trainer (docs/trainers.md)")
+        self._mode_arg, self._settings, self._eval_params = mode, settings, eval_params
+        self._mode: TrainerMode = make_mode(mode, settings, eval_params)  # a typo or a bad value fails here
         if find_unused:
             if "unused_grads" not in self._mode.settings():
                 raise ValueError(f"find_unused_parameters=True has no meaning in fastreduce mode "
@@ -155,7 +160,7 @@ class FastReduceStrategy(DDPStrategy):
             if settings.setdefault("unused_grads", "zero") != "zero":
                 raise ValueError("find_unused_parameters=True means unused_grads='zero', "
                                  f"but unused_grads={settings['unused_grads']!r} was passed")
-            self._mode = make_mode(mode, settings)
+            self._mode = make_mode(mode, settings, eval_params)
         super().__init__(**kwargs)
         self._blocked = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync: True before the first forward
@@ -211,17 +216,22 @@ class FastReduceStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(self.model, LightningModule):
             return
         self._release()
-        mode = self._mode = make_mode(self._mode_arg, self._settings)
+        mode = self._mode = make_mode(self._mode_arg, self._settings, self._eval_params)
         optimizers = list(self.optimizers)
         if len(optimizers) > 1 and not issubclass(mode.cls, FusedReducer):  # the fused modes take none
             raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} is built over one optimizer, and "
                              f"configure_optimizers returned {len(optimizers)}: return one (several param "
                              "groups are fine), or use mode='fused' or 'overlap'")
         configured = optimizers[0] if optimizers else None
-        built = mode.build(self.model, configured, getattr(self.precision_plugin, "scaler", None))
+        clip = trainer.gradient_clip_val or 0.0
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm") and type(mode).clip_grad_norm_ is not \
+                TrainerMode.clip_grad_norm_:
+            raise ValueError(_by_norm_only(mode))
+        built = mode.build(self.model, configured, getattr(self.precision_plugin, "scaler", None), float(clip))
         if built is not configured:
             self._repoint_schedulers(configured, built)
             self.optimizers = [built]
+        self.model = mode.module_to_call(self.model)  # gossip: its wrapper, through which every forward goes
         mode.start_figures(trainer.global_step)
         self._patch_clipping()
         if not any(isinstance(c, _Figures) for c in trainer.callbacks):
@@ -299,12 +309,13 @@ class FastReduceStrategy(DDPStrategy):
                 self._blocked = outer
 
     def on_validation_start(self) -> None:
-        """Under ``fit``, per-rank modes validate the ranks' exact mean parameters."""
+        """Under ``fit``, per-rank modes validate the ranks' exact mean parameters (or each
+        rank's own: ``eval_params="own"``)."""
         super().on_validation_start()
         if self._mode.obj is not None and self._mode.per_rank and self._validating is None \
                 and isinstance(self.model, torch.nn.Module):
             self._validating = contextlib.ExitStack()
-            self._validating.enter_context(self._mode.averaged(self.model))
+            self._validating.enter_context(self._mode.evaluating(self.model))
 
     def on_validation_end(self) -> None:
         """Each rank's own parameters back, bit for bit."""
@@ -400,8 +411,7 @@ class FastReduceStrategy(DDPStrategy):
             mode.clip_grad_norm_(float(clip_val), 2.0)
 
         def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-            raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} holds the averaged gradients in "
-                             "shards and clips them by their global norm only: use gradient_clip_algorithm='norm'")
+            raise ValueError(_by_norm_only(mode))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
@@ -433,9 +443,11 @@ class FastReduceStrategy(DDPStrategy):
                 _sync_params_and_buffers(dist.group.WORLD, bufs, _BROADCAST_BUCKET_BYTES, src=0)
 
     def _release(self) -> None:
-        """Take the mode's hooks off the module, parameters and optimizer, so that a second
-        ``fit`` (a new mode) does not leave the old one's running."""
+        """Take the mode's hooks (and wrapper) off the module, parameters and optimizer, so
+        that a second ``fit`` (a new mode) does not leave the old one's running."""
         self._unpatch_clipping()
+        if self._mode.obj is not None and self.model is self._mode.obj:
+            self.model = self.lightning_module
         self._mode.close()
 
     @classmethod
@@ -447,15 +459,16 @@ class FastReduceStrategy(DDPStrategy):
         """
         strategy_registry.register("fastreduce", cls, description="DDP strategy with gradients averaged by "
                                    "fastreduce.FusedReducer (no DDP wrapper)", override=True)
-        for name, mode in MODES.items():
-            if name != "fused" and _runs_here(mode):
+        for name in MODES:
+            if name != "fused":
                 strategy_registry.register(f"fastreduce_{name}", cls, description=f"fastreduce mode {name!r} "
                                            "in place of DDP", override=True, mode=name)
 
 
-def _runs_here(mode: type[TrainerMode]) -> bool:
-    """Whether the strategy runs ``mode``: not one that wraps the forward (gossip)."""
-    return mode.module_to_call is TrainerMode.module_to_call
+def _by_norm_only(mode: TrainerMode) -> str:
+    return (f"FastReduceStrategy: fastreduce mode {mode.name!r} clips the averaged gradients its own way (zero: "
+            "their global norm over the shards; gossip: each bucket's norm in backward), by norm only: use "
+            "gradient_clip_algorithm='norm'")
 
 
 class _Figures(Callback):

@@ -26,8 +26,12 @@ is one class over this registry and never branches on a mode.
 A mode's settings are its class's keyword arguments, with the same names, defaults and
 errors; a name the class does not take is refused when the trainer is built.
 Parameters differ across ranks between syncs in ``localsgd``, ``diloco`` and ``gossip``
-(:attr:`TrainerMode.per_rank`): evaluation and a saved model see their exact mean
-(:meth:`TrainerMode.averaged`), and a checkpoint holds every rank's own.
+(:attr:`TrainerMode.per_rank`): a saved model is their exact mean
+(:meth:`TrainerMode.averaged`), a checkpoint holds every rank's own, and evaluation sees
+the mean (``eval_params="mean"``, the default: one fp64 all-reduce of the parameters, 8
+bytes each, per evaluation) or each rank's own (``"own"``: no communication; each rank
+evaluates its own parameters on its share of the evaluation data, so the trainer's
+metric is the mean over ranks of each rank's own model on its share).
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ from ..modes.gossip import DecentralizedDataParallel
 from ..modes.localsgd import LocalSGD
 from ..modes.zero import ZeroOptimizer
 
-__all__ = ["MODES", "TrainerMode", "make_mode"]
+__all__ = ["EVAL_PARAMS", "MODES", "TrainerMode", "make_mode"]
+
+EVAL_PARAMS = ("mean", "own")
+"""What a per-rank mode evaluates: the ranks' exact mean parameters, or each rank's own."""
 
 _IMPLEMENTATION = ("foreach", "fused", "differentiable")  # torch.optim's kernel choices, None/False: not chosen
 
@@ -72,9 +79,16 @@ class TrainerMode:
     """Its arguments the trainer fills (model, optimizer, ...): not settings."""
     per_rank: ClassVar[bool] = False
 
-    def __init__(self, config: Mapping[str, Any]):
+    def __init__(self, config: Mapping[str, Any], eval_params: str = "mean"):
         self.config = dict(config)
         self.check(self.config)
+        if eval_params not in EVAL_PARAMS:
+            raise ValueError(f"eval_params must be one of {', '.join(map(repr, EVAL_PARAMS))}, got {eval_params!r}")
+        if eval_params == "own" and not self.per_rank:
+            raise ValueError(f"fastreduce mode {self.name!r} keeps the same parameters on every rank, so there are "
+                             "no ranks' own parameters to evaluate (eval_params='own'): drop it, or pick a mode "
+                             f"whose ranks train their own ({', '.join(m.name for m in _per_rank())})")
+        self.eval_params = eval_params
         self.obj: Any = None  # the mode object, once built
         self._last = (time.perf_counter(), 0)  # (when, steps) the figures were last read
         self._sent, self._waited = 0, 0.0  # the byte and wait counters then
@@ -145,6 +159,11 @@ class TrainerMode:
         finally:
             with torch.no_grad():
                 _unflatten_into(tensors, own)
+
+    def evaluating(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around an evaluation: :meth:`averaged` (``eval_params="mean"``), or each rank's own
+        parameters as they are (``"own"``)."""
+        return self.averaged(model) if self.eval_params == "mean" else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state and figures
 
@@ -321,15 +340,19 @@ class Diloco(Local):
 
 class _Steered(torch.optim.Optimizer):
     """The trainer's optimizer under gossip: the same param groups, whose hyperparameters the
-    trainer's LR scheduler drives; :meth:`step` does nothing (each bucket's optimizer stepped
-    in backward, reading its group's ``lr`` first)."""
+    trainer's LR scheduler drives; :meth:`step` only runs its ``closure`` (Lightning's
+    training step and backward), as each bucket's optimizer is stepped in backward,
+    reading its group's ``lr`` first."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         super().__init__([dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        return None
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
 
 class Gossip(TrainerMode):
@@ -392,18 +415,28 @@ class Gossip(TrainerMode):
     def finish(self) -> None:
         self.obj.global_avg()
 
+    def close(self) -> None:
+        if self.obj is not None:
+            self.obj.close()
+
 
 MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco, Gossip)}
 """The trainer modes by name."""
 
 
-def make_mode(name: str | None, config: Mapping[str, Any] | None) -> TrainerMode:
+def _per_rank() -> list[type[TrainerMode]]:
+    return [m for m in MODES.values() if m.per_rank]
+
+
+def make_mode(name: str | None, config: Mapping[str, Any] | None, eval_params: str = "mean") -> TrainerMode:
     """The mode ``name`` (``None``: ``fused``, or ``overlap`` where ``config`` says
     ``overlap=True``) with ``config`` checked: ``ValueError`` for an unknown name,
-    ``TypeError`` for a setting the mode does not take, the mode's own errors for a bad value."""
+    ``TypeError`` for a setting the mode does not take, the mode's own errors for a bad value;
+    ``eval_params`` (:data:`EVAL_PARAMS`; ``"own"`` only in a mode whose ranks hold their own
+    parameters, else ``ValueError``)."""
     config = dict(config or {})
     if name is None:
         name = "overlap" if config.pop("overlap", False) else "fused"
     if name not in MODES:
         raise ValueError(f"unknown fastreduce mode {name!r}: choose one of {', '.join(MODES)}")
-    return MODES[name](config)
+    return MODES[name](config, eval_params)

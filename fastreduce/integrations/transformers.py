@@ -113,6 +113,9 @@ class FastReduceMixin:
     - ``evaluate()`` and ``save_model()`` (so a checkpoint's model files too) see the
       exact mean of the ranks' parameters in ``localsgd``, ``diloco`` and ``gossip``, whose ranks
       hold their own between syncs; afterwards each rank trains on its own again.
+      ``fastreduce_eval_params="own"`` evaluates each rank's own parameters instead (no
+      communication; the metric is then the mean over ranks of each rank's model on its
+      share of the evaluation data); a mode whose ranks share their parameters refuses it.
     - Checkpoints (``save_steps``): the mode's whole state (ZeRO's shards, each rank's
       own parameters and optimizer, anchors, outer optimizer, residuals, step counts) is
       saved with :class:`fastreduce.checkpoint.Checkpointer` in the checkpoint's
@@ -129,8 +132,10 @@ class FastReduceMixin:
     """
 
     def __init__(self, *args: Any, fastreduce_mode: str | None = None,
-                 fastreduce_config: Mapping[str, Any] | None = None, **kwargs: Any):
-        self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config)  # a typo fails here
+                 fastreduce_config: Mapping[str, Any] | None = None, fastreduce_eval_params: str = "mean",
+                 **kwargs: Any):
+        self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config,  # a typo fails here
+                                                      fastreduce_eval_params)
         """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
         self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
         # deepspeed= / fsdp= asked for: refused before the Trainer builds either
@@ -201,8 +206,10 @@ class FastReduceMixin:
         return loss
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """The Trainer's evaluation, on the ranks' mean parameters where each holds its own."""
-        with self._fastreduce_averaged():
+        """The Trainer's evaluation, on the ranks' mean parameters where each holds its own
+        (or each rank's own: ``fastreduce_eval_params="own"``)."""
+        model = self._fastreduce_model
+        with contextlib.nullcontext() if model is None else self.fastreduce_mode.evaluating(model):
             return super().evaluate(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
