@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml $(STACK_REQS)
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode overlap
+	$(BIN)/python examples/train.py --chaos
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode zero
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py --mode local

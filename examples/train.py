@@ -6,6 +6,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode gossip  # decentralized
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode local   # local SGD
     torchrun --standalone --nproc-per-node 2 examples/train.py --mode diloco  # DiLoCo
+    python examples/train.py --chaos   # a member dies mid-run, a replacement joins (keep_training.py)
 
 Each rank trains the same small classifier on its own shard of a synthetic data set,
 averages gradients with ``fastreduce.all_reduce_gradients`` after every backward (with
@@ -178,4 +179,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--chaos" in sys.argv[1:]:  # not under torchrun: it launches a fault-tolerant job itself
+        from keep_training import main as chaos
+
+        chaos([a for a in sys.argv[1:] if a != "--chaos"])
+        sys.exit(0)
     main()

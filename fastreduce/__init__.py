@@ -10,8 +10,8 @@ reduce-scatter, all-gather; :mod:`.comm.shm`, shared memory for CPU ranks on one
 :mod:`.layout`, :mod:`.buffer` and :mod:`.grads` (which grads, where in the flat buffer),
 :mod:`.buckets` (backward-order buckets launched from hooks), then the modes, one module
 each in :mod:`.modes` (fused, overlap, functional, zero, gossip, localsgd, diloco);
-:mod:`.checkpoint` saves and resumes any of them; :mod:`.compiling` keeps their overlap under
-``torch.compile``. This module holds the public names only.
+:mod:`.checkpoint` saves and resumes any of them; :mod:`.membership` keeps training when
+ranks are lost or join; :mod:`.compiling` keeps their overlap under ``torch.compile``. This module holds the public names only.
 """
 
 from . import checkpoint  # the submodule: fastreduce.checkpoint.Checkpointer
@@ -23,6 +23,7 @@ from .engine import DistInfo, init_distributed
 from .faults import RankLostError
 from .grads import NonFiniteGradError
 from .layout import LayoutMismatchError
+from .membership import Membership, MembershipError
 from .modes.diloco import DiLoCo
 from .modes.functional import all_reduce_gradients, gradient_reducer
 from .modes.fused import FusedReducer, ReducerConfig, ReducerStats
@@ -40,6 +41,8 @@ __all__ = [
     "GraphContractError",
     "LayoutMismatchError",
     "LocalSGD",
+    "Membership",
+    "MembershipError",
     "NonFiniteGradError",
     "PowerSGD",
     "RankLostError",

@@ -60,6 +60,29 @@ def _info(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=info.run)
 
 
+def _coordinator(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Serve the coordinator of a fault-tolerant job (fastreduce.Membership): a c10d "
+                          "TCPStore that no member hosts, until interrupted")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    parser.add_argument("--port", type=int, default=29400, help="port (default 29400; 0: any free one)")
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from .membership import serve
+
+    store = serve(args.port, args.host)
+    print(f"fastreduce coordinator: serving on {args.host}:{store.port}; give the members "
+          f"FASTREDUCE_COORDINATOR=<this host>:{store.port}; Ctrl-C stops it", file=args.stdout, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastreduce", description="fastreduce tools")
     parser.add_argument("--version", action="version", version=f"fastreduce {__version__}")
@@ -69,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", setup=_info, help="what fastreduce would do on this machine: device, process-group "
                                              "backend, graph capture, transport, each mode's defaults, "
                                              "optional integrations")
+    sub.add_parser("coordinator", setup=_coordinator, help="serve the coordinator of a fault-tolerant job "
+                                                           "(fastreduce.Membership)")
     return parser
 
 

@@ -1,0 +1,171 @@
+"""Training that goes on when a member dies and a replacement joins (``fastreduce.Membership``).
+
+    python examples/keep_training.py                    # 3 members; member 2 dies at step 15
+    python examples/train.py --chaos                    # the same, from the main example
+    python examples/keep_training.py --transport shm --kill-at 8 --where between
+
+On one host this starts everything itself: a coordinator (``fastreduce.membership.serve``),
+``--members`` processes that train a small MLP with AdamW through the fused reducer (fp32
+wire), and one replacement process, started at once (so its imports are done) and told to
+join when the member it replaces has died. Member 2 ``os._exit``\\ s at step ``--kill-at``,
+``--where`` ``mid-step`` (after its backward, before the reduction) or ``between`` steps.
+Each member prints one line per new epoch: the survivors discard the step in flight and go
+on without it, the replacement is admitted at their next step and takes the whole state
+(parameters, AdamW's moments, the step count) from a live member; at the end every member
+prints a digest of its parameters, the same on all.
+
+On several hosts: ``fastreduce coordinator --port 29400`` on one machine, then on each host
+the training script with ``FASTREDUCE_COORDINATOR=thathost:29400`` (plain processes, not
+under torchrun, whose agent would restart every worker of a host when one dies), each doing
+what :func:`member` does. docs/faults.md says what each step costs and what a loss keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 40
+HEARTBEAT = "0.25"  # s: a silent member is lost after 3 heartbeats
+
+
+def make_model(width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
+           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False) -> None:
+    """One process of the job: join, train to ``steps`` committed steps, save what it saw
+    to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at; ``go``: an event to
+    wait for before joining, for a replacement)."""
+    os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
+    import fastreduce
+    from fastreduce.membership import Membership, MembershipError
+
+    torch.set_num_threads(1)
+    model = make_model(width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    facts: dict[str, Any] = {"index": index, "steps": []}
+
+    def say(text: str) -> None:
+        if verbose:
+            print(f"[member {index} {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    try:
+        if go is not None:
+            go.wait(120)
+        started = time.perf_counter()
+        m = Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag="fused fp32", wait_s=60)
+        m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model, wire_dtype=torch.float32))
+        facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
+        say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
+            f"in {facts['joined_s']:.2f} s")
+        while m.step < steps:
+            if kill == ("between", m.step):
+                say(f"dies between steps, at step {m.step}")
+                os._exit(9)
+            g = torch.Generator().manual_seed(1000 * m.step + m.rank)  # this rank's shard of the step's batch
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin()).backward()
+            if kill == ("mid-step", m.step):
+                say(f"dies mid-step, at step {m.step}")
+                os._exit(9)
+            epoch = m.epoch.number
+            ok = m.commit()
+            if ok:
+                opt.step()
+            opt.zero_grad()
+            if m.epoch.number != epoch or not ok:
+                why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
+                say(f"epoch {m.epoch.number}: rank {m.rank} of {m.world} ({why}"
+                    f"{'; step discarded' if not ok else ''}), {stall:.2f} s")
+            facts["steps"].append((m.step, ok, m.epoch.number, m.world))
+            time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        st = opt.state_dict()["state"]
+        facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
+                                                    for s in st.values()]),
+                     adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
+                     epoch=m.epoch.number, world=m.world)
+        say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters "
+            f"{hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]}")
+        m.close()
+    except MembershipError as err:
+        facts["refused"] = str(err)
+        say(str(err))
+    except BaseException:  # noqa: BLE001 - reported by the launcher
+        facts["error"] = traceback.format_exc()
+    torch.save(facts, Path(out) / f"member{index}.pt")
+
+
+def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
+           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False) -> dict[int, dict]:
+    """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
+    replacements, each told to join once the next dying member's process is gone;
+    returns what each member saved."""
+    from fastreduce.membership import serve
+
+    server = serve(0, "127.0.0.1")
+    ctx = mp.get_context("spawn")
+    procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
+                            kwargs={"steps": steps, "verbose": verbose}) for i in range(3)}
+    gos = [ctx.Event() for _ in range(joiners)]
+    late = {3 + k: ctx.Process(target=member, args=(3 + k, server.port, str(out), transport, None, gos[k]),
+                               kwargs={"width": joiner_width, "steps": steps, "verbose": verbose})
+            for k in range(joiners)}
+    everyone = [*late.values(), *procs.values()]
+    for p in everyone:
+        p.start()
+    try:
+        for k, i in enumerate(sorted(kills)[:joiners]):
+            procs[i].join(120)
+            gos[k].set()
+        for p in everyone:
+            p.join(180)
+    finally:
+        for p in everyone:
+            if p.is_alive():
+                p.kill()
+    found = {}
+    for i in [*procs, *late]:
+        f = out / f"member{i}.pt"
+        if f.exists():
+            found[i] = torch.load(f, weights_only=False)
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--kill-at", type=int, default=15, help="the step member 2 dies at")
+    ap.add_argument("--where", choices=("mid-step", "between"), default="mid-step")
+    ap.add_argument("--transport", choices=("process_group", "shm"), default="process_group")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        found = launch(Path(out), args.transport, {2: (args.where, args.kill_at)}, steps=args.steps, verbose=True)
+    errors = [f["error"] for f in found.values() if "error" in f]
+    if errors:
+        raise SystemExit(errors[0])
+    final = [f for f in found.values() if "params" in f]
+    same = all(torch.equal(f["params"], final[0]["params"]) and torch.equal(f["adam"], final[0]["adam"])
+               for f in final)
+    print(f"{len(final)} members at step {args.steps}; parameters and AdamW state "
+          f"{'bit-identical on every member' if same else 'DIFFER'}", flush=True)
+    if not same:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

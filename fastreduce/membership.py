@@ -1,0 +1,495 @@
+"""Members come and go; training goes on (DESIGN, invariant 11).
+
+A job's processes (its *members*) agree through a **coordinator** on numbered **epochs**:
+who is in, in rank order, and at which committed step the epoch began. The coordinator
+is a c10d ``TCPStore`` that no member hosts (``fastreduce coordinator --port P``, or any
+``TCPStore(is_master=True)``); it is the job's one documented single point: a member that
+cannot reach it raises :class:`MembershipError` within the store's timeout, and a network
+partition never splits the job in two, as only the side that reaches the coordinator can
+form the next epoch. Each epoch gets a process group of its own (the default group, made
+again on a fresh store prefix), so every fastreduce mode, built over the default group,
+runs in it unchanged; the mode is rebuilt at each new epoch from the builder the members
+gave (each survivor keeping its own mode state: error-feedback residuals).
+
+Per step, :meth:`Membership.commit` runs the mode's reduction and then a vote through the
+coordinator: each member adds 1 to the step's counter once its reduction succeeded; the
+member whose vote completes the count writes the decision. So a step is **committed on
+every member or on none**: if a member is lost, its vote never comes, every survivor
+discards the step (its gradients are lost with the batch; the parameters and optimizer
+state are as before it, as the caller steps only on ``True``), and the survivors form the
+next epoch without it. At most one step is discarded per loss.
+
+**Losses.** A failed reduction (a :class:`~fastreduce.RankLostError`, or the transport's
+error) or a vote that stalls while a member's heartbeat is silent for
+``$FASTREDUCE_LOST_AFTER_S`` ends the epoch: the member that sees it first marks the step
+aborted (the others' waits end at once), every survivor registers for the next epoch,
+waits until every member not known lost has registered (at most the same window), and
+the first proposal written wins (``compare_set``); a member left out of it (registered
+too late) raises :class:`MembershipError`, and may rejoin as a new process.
+
+**Joining.** A new process, started like the others with the same coordinator, takes a
+ticket and is admitted at the members' next vote (the voter that completes the count sees
+the ticket and decides ``"join"``): after that step is committed, the next epoch holds the
+members then the joiners, and rank 0 (a member) sends the whole training state (every
+``state_dict`` of ``state`` and the committed step count) over the new group; the joiner
+loads it, so it equals the members bit for bit, and the world grows. A joiner whose
+fastreduce version, ``tag`` (the mode and its settings) or model layout (names, shapes,
+dtypes) differs from the members' is refused before admission, with an error naming the
+difference, and the members are not disturbed.
+
+The data: :attr:`Membership.rank` and :attr:`Membership.world` change with the epoch; a
+sampler re-shards from them at each epoch (:attr:`Membership.epoch`). A discarded step's
+batches are skipped, not re-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import faults
+from .faults import RankLostError
+
+__all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "connect", "serve"]
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
+"""``host:port`` of the coordinator, where :class:`Membership` is given none."""
+_P = "fastreduce/members/"
+
+
+class MembershipError(RuntimeError):
+    """This process cannot be (or stay) a member: refused as a joiner, left out of an
+    epoch, or the coordinator is unreachable. The message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership: ``members`` in rank order, from committed step ``step`` on."""
+
+    number: int
+    members: tuple[str, ...]
+    step: int
+    admitted: int  # joiner tickets handled so far
+    joined: tuple[str, ...] = ()  # members new in this epoch (they receive the state)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members), "step": self.step,
+                           "admitted": self.admitted, "joined": list(self.joined)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Epoch:
+        d = json.loads(text)
+        return cls(d["number"], tuple(d["members"]), d["step"], d["admitted"], tuple(d["joined"]))
+
+
+def connect(coordinator: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client connection to the coordinator at ``host:port``."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - torch raises several kinds
+        raise MembershipError(f"fastreduce: cannot reach the coordinator at {coordinator} ({err}); start it "
+                              "first (`fastreduce coordinator --port PORT`) and pass its address") from err
+
+
+def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
+    """The coordinator: a ``TCPStore`` server (``port`` 0: any free one, ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+@dataclass
+class _Counters:
+    discarded_steps: int = 0
+    losses: int = 0
+    joins: int = 0
+    stalls: list[tuple[str, float]] = field(default_factory=list)
+    """Per new epoch: why (``"loss"``, ``"join"``; a joiner's own: ``"joined"``) and the
+    seconds the step that ended the old one took (detection, agreement, healing)."""
+
+
+class Membership:
+    """This process's membership of a fault-tolerant job (see the module doc).
+
+    Args:
+        coordinator: ``"host:port"`` of the coordinator, or a store; default
+            ``$FASTREDUCE_COORDINATOR``.
+        world_size: the members the job starts with (epoch 0 forms when they have all
+            joined); later joiners grow it.
+        min_ranks: below this many members the survivors wait up to ``wait_s`` for
+            joiners, then raise :class:`~fastreduce.RankLostError`.
+        backend: each epoch's process group backend (``"gloo"``; ``"nccl"``/``"hccl"``
+            where each member has its own device).
+        tag: the mode and its settings, in words (e.g. ``"fused bf16"``): a joiner with
+            another tag is refused.
+        timeout_s: each epoch's process-group timeout.
+        wait_s: how long a joiner waits for admission, and survivors below
+            ``min_ranks`` wait for joiners.
+
+    Use::
+
+        m = Membership("10.0.0.1:29400", world_size=4, min_ranks=2, tag="fused bf16")
+        m.join({"model": model, "optimizer": opt},
+               lambda: fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16))
+        while m.step < steps:
+            loss_fn(model(*batch_for(m.rank, m.world, m.step))).backward()
+            if m.commit():        # the mode's reduce(), then the vote
+                opt.step()
+            opt.zero_grad()
+    """
+
+    def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
+                 backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
+                 member: str | None = None):
+        if world_size < 1 or not 1 <= min_ranks:
+            raise ValueError(f"world_size and min_ranks must be >= 1, got {world_size} and {min_ranks}")
+        coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
+        if coordinator is None:
+            raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "
+                             "(start one with `fastreduce coordinator --port PORT`)")
+        self.where = coordinator if isinstance(coordinator, str) else "the coordinator store"
+        self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
+        self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
+        self.timeout_s, self.wait_s = timeout_s, wait_s
+        self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.epoch: Epoch | None = None
+        self.step = 0  # committed steps
+        self.mode: Any = None  # the mode object of this epoch
+        self.counters = _Counters()
+        self._state: dict[str, Any] = {}
+        self._build: Callable[[], Any] | None = None
+        self._pending_join = False
+        self._refused: set[int] = set()  # joiner tickets refused here
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def rank(self) -> int:
+        return self._epoch().members.index(self.member)
+
+    @property
+    def world(self) -> int:
+        return self._epoch().world
+
+    def _epoch(self) -> Epoch:
+        if self.epoch is None:
+            raise RuntimeError("not a member yet: call join() first")
+        return self.epoch
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, state: Mapping[str, Any], build: Callable[[], Any] | None = None) -> Epoch:
+        """Enter the job: epoch 0 with the first ``world_size`` processes, else admitted
+        at the members' next step and given their whole state (``state``: name -> object
+        with ``state_dict``/``load_state_dict``, e.g. the model and its optimizer; the
+        same names on every member). ``build()`` makes the mode over the current default
+        group (again at each new epoch). Returns the epoch joined."""
+        self._state, self._build = dict(state), build
+        mine = self._fingerprint()
+        ticket = self._call(self.store.add, _P + "tickets", 1)
+        self._call(self.store.set, _P + f"ticket/{ticket}", json.dumps({"member": self.member, "print": mine}))
+        if ticket == self.world_size:  # the last of the first members lays out epoch 0
+            checked = [(t, self._ticket(t)) for t in range(1, ticket + 1)]
+            refusals = {t: self._differs(j["print"], mine) for t, j in checked}
+            members = tuple(j["member"] for t, j in checked if refusals[t] is None)
+            self._propose(Epoch(0, members, 0, ticket, members), refusals)
+        answer = self._await_key(_P + f"admit/{ticket}", self.wait_s, "admission")
+        if answer.startswith("refused"):
+            raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
+        epoch = Epoch.from_json(self._call(self.store.get, _P + f"epoch/{int(answer)}"))
+        start = time.perf_counter()
+        self._enter(epoch)
+        self.counters.stalls.append(("joined", time.perf_counter() - start))
+        return epoch
+
+    def _fingerprint(self) -> dict[str, Any]:
+        from . import __version__  # (set after the package's imports)
+
+        tensors = []
+        for name, obj in sorted(self._state.items()):
+            if isinstance(obj, torch.nn.Module):
+                tensors += [[f"{name}.{k}", list(v.shape), str(v.dtype)] for k, v in obj.state_dict().items()]
+            else:
+                tensors.append([name, type(obj).__name__, ""])
+        return {"version": __version__, "tag": self.tag, "tensors": tensors}
+
+    @staticmethod
+    def _differs(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+        """Why a joiner (``theirs``) cannot join members like ``ours``, or ``None``."""
+        if theirs["version"] != ours["version"]:
+            return f"fastreduce {theirs['version']} joining members on fastreduce {ours['version']}: install the same"
+        if theirs["tag"] != ours["tag"]:
+            return f"tag {theirs['tag']!r} (mode and settings) joining members with tag {ours['tag']!r}"
+        for a, b in zip(theirs["tensors"], ours["tensors"]):
+            if a != b:
+                return f"its state holds {' '.join(map(str, a))} where the members hold {' '.join(map(str, b))}"
+        if len(theirs["tensors"]) != len(ours["tensors"]):
+            return (f"its state holds {len(theirs['tensors'])} entries where the members hold "
+                    f"{len(ours['tensors'])}: the same model and optimizer are needed")
+        return None
+
+    def _ticket(self, t: int) -> dict[str, Any]:
+        return json.loads(self._await_key(_P + f"ticket/{t}", self.wait_s, f"joiner ticket {t}"))
+
+    # ------------------------------------------------------------------ every step
+
+    def commit(self) -> bool:
+        """The mode's reduction (``mode.reduce()`` where it has one), then the vote:
+        ``True``: the step is committed on every member (step the optimizer now);
+        ``False``: discarded on every member (a member was lost: do not step; the next
+        epoch is formed already, read :attr:`rank` and :attr:`world` again)."""
+        start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
+        if self._pending_join:
+            self._pending_join = False
+            self._next_epoch(set(), "join", start)
+        reduce = getattr(self.mode, "reduce", None)
+        try:
+            if reduce is not None:
+                reduce()
+        except RuntimeError as err:
+            lost = self._lost_in(err)
+            if lost is None:
+                raise
+            self._abort_step()
+            self._discard(lost, start)
+            return False
+        decision, silent = self._vote()
+        if decision == "abort":
+            self._discard(silent, start)
+            return False
+        self.step += 1
+        if decision == "join":
+            self._pending_join = True
+        return True
+
+    def _vote(self) -> tuple[str, set[str]]:
+        epoch = self._epoch()
+        key = _P + f"e{epoch.number}/s{self.step}"
+        try:
+            if self.store.add(key, 1) == epoch.world:
+                self.store.compare_set(key + "/done", "", "join" if self._joiners_waiting() else "go")
+        except MembershipError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the coordinator is gone
+            raise self._unreachable(err) from err
+        return self._await_decision(key + "/done")
+
+    def _joiners_waiting(self) -> bool:
+        """Whether a process waits to join with this layout; one with another layout is
+        refused here, so the members never leave their epoch for it."""
+        epoch, mine = self._epoch(), None
+        waiting = False
+        for t in range(epoch.admitted + 1, int(self._call(self.store.add, _P + "tickets", 0)) + 1):
+            if t in self._refused or self._call(self.store.check, [_P + f"admit/{t}"]):
+                continue
+            mine = mine or self._fingerprint()
+            bad = self._differs(self._ticket(t)["print"], mine)
+            if bad is None:
+                waiting = True
+            else:
+                self._refused.add(t)
+                self._call(self.store.set, _P + f"admit/{t}", f"refused: {bad}")
+        return waiting
+
+    def _await_decision(self, done: str) -> tuple[str, set[str]]:
+        """The vote's decision; ``"abort"`` (and the silent members) where a member's
+        heartbeat stops for ``$FASTREDUCE_LOST_AFTER_S`` first."""
+        epoch = self._epoch()
+        beat, window = faults._beat, faults.lost_after()
+        if beat is not None and beat.default != id(faults._default_store()):
+            beat = None  # an earlier epoch's
+        slice_s = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
+        seen: dict[int, tuple[int, float]] = {}
+        while True:
+            try:
+                self.store.wait([done], timedelta(seconds=slice_s))
+                return self.store.get(done).decode(), set()
+            except Exception as err:  # noqa: BLE001 - a timeout (keep watching) or the store is gone
+                if "timeout" not in str(err).lower():
+                    raise self._unreachable(err) from err
+            if beat is None:
+                continue
+            now = time.monotonic()
+            counts = self._call(beat.counts)
+            for r, c in enumerate(counts):
+                if r not in seen or seen[r][0] != c:
+                    seen[r] = (c, now)
+            silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
+            if silent:
+                value = self.store.compare_set(done, "", "abort").decode()
+                return value, silent if value == "abort" else set()
+
+    def _lost_in(self, err: RuntimeError) -> set[str] | None:
+        """The members a failed reduction lost, or ``None`` if it was no loss."""
+        epoch = self._epoch()
+        if isinstance(err, RankLostError):
+            return {epoch.members[r] for r in err.ranks if r < epoch.world}
+        if not faults.is_transport_failure(err):
+            return None
+        ranks, _, _ = faults.diagnose()
+        return {epoch.members[r] for r in ranks}
+
+    def _abort_step(self) -> None:
+        """Wake the members waiting in this step's vote: the step is aborted."""
+        epoch = self._epoch()
+        try:
+            self.store.compare_set(_P + f"e{epoch.number}/s{self.step}/done", "", "abort")
+        except Exception as err:  # noqa: BLE001
+            raise self._unreachable(err) from err
+
+    def _discard(self, lost: set[str], start: float) -> None:
+        self.counters.discarded_steps += 1
+        self.counters.losses += 1
+        log.warning("fastreduce: step %d discarded on every member (lost: %s); forming the next epoch",
+                    self.step, ", ".join(sorted(lost)) or "a silent member")
+        self._next_epoch(lost, "loss", start)
+
+    # ------------------------------------------------------------------ epochs
+
+    def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
+        """With the other survivors: the next epoch, without ``lost`` and with the
+        joiners waiting; then its group, the state for the joiners and the mode
+        (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
+        old = self._epoch()
+        n = old.number + 1
+        self._leave_group(abandon=why == "loss")
+        alive = _P + f"e{n}/alive/"
+        self._call(self.store.set, alive + self.member, str(self.step))
+        expected = [m for m in old.members if m not in lost]
+        deadline = time.monotonic() + (faults.lost_after() if why == "loss" else self.timeout_s)
+        while True:
+            present = [m for m in old.members if self._call(self.store.check, [alive + m])]
+            if set(expected) <= set(present) or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        mine, key = self._fingerprint(), _P + f"epoch/{n}"
+        deadline = time.monotonic() + self.wait_s
+        while True:  # below min_ranks: wait for joiners (unless another survivor proposed already)
+            tickets = int(self._call(self.store.add, _P + "tickets", 0))
+            checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
+                       if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
+            refusals = {t: self._differs(j["print"], mine) for t, j in checked}
+            joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
+            proposal = Epoch(n, tuple(present) + joiners, self.step, tickets, joiners)
+            if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
+                break
+            if time.monotonic() > deadline:
+                raise RankLostError(sorted(old.members.index(m) for m in set(old.members) - set(present)),
+                                    "Membership", f"{len(present)} member(s) are left, below min_ranks="
+                                    f"{self.min_ranks}, and no process joined within {self.wait_s:g} s",
+                                    "members were lost", old.world)
+            time.sleep(0.05)
+        epoch = self._propose(proposal, refusals)
+        if self.member not in epoch.members:
+            raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
+                                  "(it registered after the others had formed it); start it again to rejoin")
+        if epoch.step != self.step:
+            raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
+                                  f"committed {self.step}: the members disagree on the committed steps (a bug: "
+                                  "please report it)")
+        self.counters.joins += len(epoch.joined)
+        self._enter(epoch)
+        self.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
+        """Write ``proposal`` unless another member's for that epoch was first; then admit
+        the joiners of the epoch written and refuse the tickets it handled with another
+        layout (the rest wait for a later epoch). Returns the epoch written."""
+        key = _P + f"epoch/{proposal.number}"
+        epoch = Epoch.from_json(self._call(self.store.compare_set, key, "", proposal.to_json()))
+        for t, bad in refusals.items():
+            if t > epoch.admitted:
+                continue
+            joined = bad is None and self._ticket(t)["member"] in epoch.joined
+            if joined or bad is not None:
+                self._call(self.store.set, _P + f"admit/{t}", str(epoch.number) if joined else f"refused: {bad}")
+        return epoch
+
+    def _enter(self, epoch: Epoch) -> None:
+        """This epoch's process group; the state from rank 0 where it has joiners; the mode."""
+        own = self.mode.state_dict() if self.mode is not None and hasattr(self.mode, "state_dict") else None
+        if self.mode is not None and hasattr(self.mode, "close"):
+            self.mode.close()
+        self.mode = None
+        store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
+        dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
+                                world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
+        faults.start_heartbeat()  # this epoch's: the vote watches it
+        self.epoch = epoch
+        if epoch.joined:
+            self._sync_state(joining=self.member in epoch.joined)
+        if self._build is not None:
+            self.mode = self._build()
+            if own is not None and self.member not in epoch.joined:
+                self.mode.load_state_dict(own)  # this member's own residuals go on
+
+    def _sync_state(self, joining: bool) -> None:
+        """Rank 0's whole state to every rank (the joiners load it)."""
+        payload: list[Any] = [None]
+        if dist.get_rank() == 0:
+            buf = io.BytesIO()
+            torch.save({"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()}}, buf)
+            payload[0] = buf.getvalue()
+        dist.broadcast_object_list(payload, src=0)
+        if joining and dist.get_rank() != 0:
+            got = torch.load(io.BytesIO(payload[0]), weights_only=False)
+            for k, obj in self._state.items():
+                obj.load_state_dict(got["state"][k])
+            self.step = int(got["step"])
+
+    def _leave_group(self, abandon: bool) -> None:
+        if dist.is_initialized():
+            if abandon:  # a collective may still wait on a lost peer: never join its thread
+                faults._abandon_groups()
+            dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Leave: take the mode's hooks off and end this epoch's group."""
+        if self.mode is not None and hasattr(self.mode, "close"):
+            self.mode.close()
+        self.mode = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ the coordinator
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001 - the store raises several kinds
+            raise self._unreachable(err) from err
+
+    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except Exception as err:  # noqa: BLE001
+            if "timeout" in str(err).lower():
+                raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
+                                      "a step boundary, or the job is not running (wait_s= waits longer)") from err
+            raise self._unreachable(err) from err
+        return self._call(self.store.get, key).decode()
+
+    def _unreachable(self, err: BaseException) -> MembershipError:
+        return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
+                               f"{err}): it is the job's single point; this member cannot go on. Restart the "
+                               "coordinator and the job from the last checkpoint")

@@ -1,0 +1,94 @@
+"""fastreduce.Membership: training goes on when a member is lost or joins (issue 49).
+
+Real processes (spawned, each its own interpreter), a real coordinator (a ``TCPStore``
+server in this test's process), real Gloo groups made again at each epoch, both
+transports (``FASTREDUCE_TRANSPORT``: Gloo's collectives, or shared memory). Each member
+trains a small MLP with AdamW in the fused mode (fp32 wire), one seeded batch per
+(step, rank), and records every step it commits. Faults are real: a member ``os._exit``\\ s
+mid-step (after its backward, before the reduction) or between steps; a replacement
+process, started beforehand and waiting with torch imported, joins when told. The
+members' loop is ``examples/keep_training.py``'s (``make demo`` runs it).
+
+What is asserted, per scenario: training never stops (every final member commits the
+last step); every final member holds the same parameters and AdamW state, bit for bit
+(the joiners' included: they took the state from a live peer, not from disk); at most one
+step is discarded per loss; the epochs and world sizes are as the faults make them; a
+joiner with another layout is refused with an error naming the difference while the
+members train on undisturbed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from keep_training import STEPS, launch  # noqa: E402  (examples/keep_training.py: the members' loop)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
+        joiner_width: int = 16) -> dict[int, dict]:
+    found = launch(tmp_path, transport, kills, joiners, joiner_width)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    return found
+
+
+def _same(members: list[dict]) -> None:
+    first = members[0]
+    for m in members[1:]:
+        assert torch.equal(m["params"], first["params"]), (m["index"], float((m["params"] - first["params"]).abs().max()))
+        assert torch.equal(m["adam"], first["adam"]) and m["adam_step"] == first["adam_step"]
+
+
+SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one case of each kind
+
+
+@pytest.mark.parametrize("transport, where", [("process_group", "mid-step"), ("shm", "mid-step"),
+                                              pytest.param("process_group", "between", marks=SLOW),
+                                              pytest.param("shm", "between", marks=SLOW)])
+def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str) -> None:
+    found = run(tmp_path, transport, {2: (where, 10)})
+    final = [found[i] for i in (0, 1, 3)]
+    assert 2 not in found  # it died
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True), f["steps"][-3:]
+        # the replacement joins the epoch that drops the lost member (1) if it is waiting by
+        # then, else the next one (2)
+        assert f["world"] == 3 and f["epoch"] in (1, 2), (f["epoch"], f["world"])
+        committed = [s for s, ok, _, _ in f["steps"] if ok]
+        assert committed == list(range(f["joined_at"] + 1, STEPS + 1))  # every step once, none skipped
+    survivors = final[:2]
+    for f in survivors:
+        c = f["counters"]
+        assert c["losses"] == 1 and c["discarded_steps"] <= 1 and c["joins"] == 1, c
+        assert [s for s, ok, _, _ in f["steps"] if not ok] == [10] * c["discarded_steps"]  # the step it died in
+    joiner = final[2]
+    assert 10 <= joiner["joined_at"] < STEPS, joiner["joined_at"]
+    assert joiner["counters"]["stalls"][0][0] == "joined"
+    _same(final)  # the joiner took the whole state from a live peer: bit for bit after 20+ more steps
+
+
+@SLOW
+def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_joiner(tmp_path: Path) -> None:
+    found = run(tmp_path, "process_group", {1: ("mid-step", 8), 2: ("mid-step", 8)}, joiners=1)
+    final = [found[i] for i in (0, 3)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2
+    assert found[0]["counters"]["discarded_steps"] == 1
+    _same(final)
+
+
+def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_path: Path) -> None:
+    found = run(tmp_path, "process_group", {2: ("between", 6)}, joiners=1, joiner_width=12)
+    assert "refused" in found[3] and "model.0.weight [12, 8]" in found[3]["refused"], found[3]
+    assert "[16, 8]" in found[3]["refused"]
+    final = [found[0], found[1]]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2 and f["counters"]["joins"] == 0
+    _same(final)
