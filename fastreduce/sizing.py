@@ -26,7 +26,7 @@ wins depends on the link, so the mode measures it:
   buckets was 0.985x DDP's compiled against 1.022x with one 1 MB and one 7 MB bucket,
   though the model counts them within 1% of each other.
 * **shared memory** (CPU ranks on one host): one bucket, no probe (the overlapped mode
-  then sends it after backward as the fused mode does; ZeRO takes buckets of
+  then sends it after backward as the fused mode does; ZeRO too with ``module=``, else buckets of
   :data:`ZERO_SHM_BUCKET_MB`, :func:`fastreduce.modes.zero_config.shared_memory_buckets`). Its collective runs
   on the same cores as the backward, so what overlap hides it takes from the compute
   (measured: the overlapped step was 1.27x a no-communication one against the fused
@@ -58,9 +58,11 @@ AUTO_RULE = ("one bucket on shared memory, sent after backward as the fused mode
              "refreshed after 8 steps; one bucket then is sent as the fused mode's too); "
              "fixed_bucket_mb with a quantized or compressed wire or accumulate_dtype")
 ZERO_SHM_BUCKET_MB = 2.0
-"""ZeRO's bucket on shared memory (:func:`fastreduce.modes.zero_config.shared_memory_buckets`)."""
-ZERO_AUTO_RULE = (f"buckets of {ZERO_SHM_BUCKET_MB:g} MB on shared memory (the gradients backward allocates "
-                  "after zero_grad() are copied and freed per bucket, not page-faulted in again each step); over a process group as the "
+"""ZeRO's bucket on shared memory without ``module=`` (:func:`fastreduce.modes.zero_config.shared_memory_buckets`)."""
+ZERO_AUTO_RULE = ("one bucket on shared memory with module= (the gradients zero_grad() set to None are re-attached "
+                  "as views of the flat buffer before each forward: backward allocates none), buckets of "
+                  f"{ZERO_SHM_BUCKET_MB:g} MB there without it (those backward allocates are copied and freed per "
+                  "bucket, not page-faulted in again each step); over a process group as the "
                   "overlapped mode's, chosen when the optimizer is built, the backward taken to be as long as "
                   "the gradients' communication; not refreshed")
 GOSSIP_AUTO_RULE = ("one bucket: a bucket's exchange has a whole step to finish (it is waited for at that "

@@ -205,17 +205,20 @@ def zero_sizing(rank: int, world: int, transport: str, bucket_mb: float | str) -
            "why": s and s.describe(), "buckets": opt.num_buckets}
     if bucket_mb == "auto":
         out["wide"] = zero_wide(rank, world, transport)
+        out["wide_module"] = zero_wide(rank, world, transport, module=True)
     return out
 
 
-def zero_wide(rank: int, world: int, transport: str) -> dict[str, Any]:
+def zero_wide(rank: int, world: int, transport: str, module: bool = False) -> dict[str, Any]:
     """ZeRO at its defaults on a model wider than one shared-memory bucket, three steps
     (``zero_grad()``: fresh gradients each backward) against a twin's AdamW (the same kernel
-    as the shard's) on its gradients averaged through ``dist.all_reduce``."""
+    as the shard's) on its gradients averaged through ``dist.all_reduce``; ``module``: built
+    with ``module=model`` (the gradients re-attached as views before each forward)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(WIDE_LAYERS)])
     twin = copy.deepcopy(model)
-    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, transport=transport)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, transport=transport,
+                                   module=model if module else None)
     params = list(twin.parameters())
     ref = torch.optim.AdamW(params, lr=1e-3, **fused_if_possible(torch.optim.AdamW, params, {}))
     equal = []
@@ -224,6 +227,7 @@ def zero_wide(rank: int, world: int, transport: str) -> dict[str, Any]:
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        opt.wait_params()
         twin(x).square().mean().backward()
         for p in twin.parameters():
             dist.all_reduce(p.grad)
@@ -252,18 +256,40 @@ def test_zero_sizes_its_buckets_when_built(zero_auto: tuple[str, list[dict[str, 
         assert out["sizing"] is None and out["buckets"] == 8
 
 
+def wide_runs(zero_auto: tuple[str, list[dict[str, Any]]], key: str) -> tuple[str, list[dict[str, Any]]]:
+    """The transport and each rank's ``key`` run of :func:`zero_wide`, the ranks' choices agreed."""
+    transport, ranks = zero_auto
+    wide = [r[key] for r in ranks]
+    assert wide[0]["buckets"] == wide[1]["buckets"] and wide[0]["why"] == wide[1]["why"]
+    return transport, wide
+
+
 def test_zero_cuts_a_wide_model_on_shared_memory_and_steps_as_the_reference(
         zero_auto: tuple[str, list[dict[str, Any]]]) -> None:
-    """On shared memory ZeRO's "auto" is not the overlapped mode's one bucket: 4.1 MB of
+    """Without ``module=``, ZeRO's "auto" on shared memory is not one bucket: 4.1 MB of
     gradients go in 2 MB buckets (so that the ones ``zero_grad()`` set to None are freed
     during backward, not page-faulted in again every step; fastreduce/modes/zero_config.py),
     and the parameters stay bit for bit those of AdamW on the ``dist.all_reduce`` mean."""
-    transport, ranks = zero_auto
-    wide = [r["wide"] for r in ranks]
-    assert wide[0]["buckets"] == wide[1]["buckets"] and wide[0]["why"] == wide[1]["why"]
+    transport, wide = wide_runs(zero_auto, "wide")
     if transport == "shm":
         assert wide[0]["buckets"] == wide[0]["modelled"] == 2, wide[0]
         assert "buckets of 2 MB" in wide[0]["why"] and "shared memory" in wide[0]["why"], wide[0]["why"]
+    for out in wide:
+        assert out["equal"] == [True] * 3, out
+
+
+def test_zero_with_module_keeps_one_bucket_on_shared_memory_and_steps_as_the_reference(
+        zero_auto: tuple[str, list[dict[str, Any]]]) -> None:
+    """With ``module=`` the gradients ``zero_grad()`` set to None come back as views of the
+    flat buffer before each forward, so backward allocates none and "auto" on shared memory
+    is one bucket (one reduce-scatter and one all-gather), still bit for bit AdamW on the
+    ``dist.all_reduce`` mean; over a process group the link's probe decides, as without it."""
+    transport, wide = wide_runs(zero_auto, "wide_module")
+    if transport == "shm":
+        assert wide[0]["buckets"] == wide[0]["modelled"] == 1, wide[0]
+        assert "module=" in wide[0]["why"] and "shared memory" in wide[0]["why"], wide[0]["why"]
+    else:  # the link's probe decides, as without module=
+        assert "MB/s per all-reduce" in wide[0]["why"], wide[0]["why"]
     for out in wide:
         assert out["equal"] == [True] * 3, out
 

@@ -1329,3 +1329,111 @@ def test_state_dict_from_3_ranks_loads_at_2(ckpt) -> None:
     want = ckpt["ref"]["params"][SAVE_AT:]
     for rank, out in enumerate(per_rank(ckpt["loaded"], "from_world3")):
         assert_runs_close(out["params"], want, f"rank {rank}", first_step=SAVE_AT)
+
+
+# ============================================================== gradients as persistent views (module=)
+
+VIEW_STEPS = 4
+VIEW_BUCKETS = {"auto": None, "buckets": 0.002}  # one bucket on shared memory | ~3 of this model's 14 KB
+
+
+class BlocksWithHead(nn.Module):
+    """3 x (Linear 32 + LayerNorm) and a head its forward never reads (an unused parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.body = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(32, 32), nn.LayerNorm(32))])
+        self.unused = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def view_batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
+
+
+def views_case(rank: int, world: int, set_to_none: bool, bucket_mb: float | None, group: Any) -> dict:
+    """ZeRO with ``module=`` zeroed by ``zero_grad(set_to_none=...)``, two micro-batches a step
+    (the first under ``no_sync()``), against AdamW (the shard's kernel) on the ``dist.all_reduce``
+    mean of a twin's gradients; what ``param.grad`` is at each point of the step."""
+    from fastreduce.optim_kernels import fused_if_possible
+    model = BlocksWithHead()
+    twin = copy.deepcopy(model)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                   module=model, bucket_mb=bucket_mb)
+    views = dict(zip(map(id, opt.layout.params), opt.buffer.views))
+    used = [p for n, p in model.named_parameters() if not n.startswith("unused")]
+    seen: dict[str, list[bool]] = {k: [] for k in ("none_after_zero_grad", "none_after_eval", "views_after_forward",
+                                                   "views_after_backward", "unused_none", "zeroed_views")}
+    for step in range(VIEW_STEPS):
+        with opt.no_sync():
+            model(view_batch(step, 0, rank)).square().mean().backward()
+        seen["unused_none"].append(model.unused.weight.grad is None and model.unused.bias.grad is None)
+        out = model(view_batch(step, 1, rank))
+        seen["views_after_forward"].append(all(p.grad is views[id(p)] for p in used))
+        out.square().mean().backward()
+        seen["views_after_backward"].append(all(p.grad is views[id(p)] for p in used))
+        seen["unused_none"].append(model.unused.weight.grad is None and model.unused.bias.grad is None)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            seen["none_after_zero_grad"].append(all(p.grad is None for p in model.parameters()))
+            with torch.no_grad():  # an evaluation: no backward follows, the grads stay None
+                model(view_batch(step, 2, rank))
+            seen["none_after_eval"].append(all(p.grad is None for p in model.parameters()))
+        else:
+            seen["zeroed_views"].append(all(p.grad is views[id(p)] and not p.grad.any() for p in used))
+    opt.wait_params()
+    ref_used = [p for n, p in twin.named_parameters() if not n.startswith("unused")]
+    ref = torch.optim.AdamW(ref_used, lr=1e-2, weight_decay=0.1,
+                            **fused_if_possible(torch.optim.AdamW, ref_used, {}))
+    for step in range(VIEW_STEPS):
+        for micro in (0, 1):
+            twin(view_batch(step, micro, rank)).square().mean().backward()
+        for p in ref_used:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= world
+        ref.step()
+        ref.zero_grad(set_to_none=set_to_none)
+    equal = [n for (n, p), q in zip(model.named_parameters(), twin.parameters())
+             if not n.startswith("unused") and not torch.equal(p, q)]
+    return {"seen": seen, "differ": equal, "preattached": opt.grad_stats.preattached,
+            "buckets": opt.num_buckets, "shm": bool(opt.comm.shms)}
+
+
+def views_worker(rank: int, world: int) -> dict:
+    group = dist.new_group(backend="gloo")
+    return {f"{'none' if none else 'in_place'}-{name}": guarded(views_case, rank, world, none, mb, group)
+            for none in (True, False) for name, mb in VIEW_BUCKETS.items()}
+
+
+@pytest.fixture(scope="module")
+def views() -> list[dict]:
+    return spawn(views_worker, 2)
+
+
+@pytest.mark.parametrize("bucket", list(VIEW_BUCKETS))
+@pytest.mark.parametrize("zeroing", ["none", "in_place"])
+def test_module_keeps_grads_as_views_and_steps_as_adamw(views, zeroing: str, bucket: str) -> None:
+    """With ``module=`` backward always accumulates into the flat buffer: after
+    ``zero_grad()`` (set_to_none) every ``param.grad`` is ``None`` (an evaluation forward
+    under ``no_grad`` leaves it so) until a forward re-attaches it as its zeroed view; an
+    unused parameter's is ``None`` after each backward; zeroed in place they stay views.
+    Both step bit for bit as AdamW on the ``dist.all_reduce`` mean, ``no_sync()`` included."""
+    outs = per_rank(views, f"{zeroing}-{bucket}")
+    for rank, out in enumerate(outs):
+        seen = out["seen"]
+        for key in ("views_after_forward", "views_after_backward", "unused_none"):
+            assert seen[key] and all(seen[key]), (rank, key, seen[key])
+        if zeroing == "none":
+            assert all(seen["none_after_zero_grad"]) and all(seen["none_after_eval"]), (rank, seen)
+            assert out["preattached"] > 0, out
+        else:
+            assert all(seen["zeroed_views"]), (rank, seen)
+        assert out["differ"] == [], f"rank {rank}: {out['differ']} differ from AdamW's"
+        if bucket == "buckets":
+            assert out["buckets"] >= 2, out
+        elif out["shm"]:
+            assert out["buckets"] == 1, out

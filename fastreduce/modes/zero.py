@@ -10,7 +10,8 @@ Communication pattern, per step (N ranks, rank r)::
                back into the parameters; all-gather every bucket of parameters, async,
                the last bucket (the first layers, read first by the next forward) first
     forward:   (``module=`` given) a pre-hook waits for the buckets of the module's
-               own parameters; else step() waited before returning
+               own parameters; else step() waited before returning; gradients that
+               ``zero_grad()`` set to None come back as zeroed views of the buffer
 
 Layout: the trainable parameters of each param group, in reverse registration order
 (the order backward tends to produce their grads), are cut per dtype into buckets of
@@ -21,7 +22,8 @@ buffer per dtype, gradients views of the communication layer's wire buffer (see
 :class:`~fastreduce.buffer.FusedBuffer`): a reduce-scatter and an all-gather move the
 bytes of one all-reduce, and the optimizer touches 1/N of the elements.
 
-What a rank holds is in :mod:`.zero_shard`, the checkpoints (torch.optim's format, DCP
+What a rank holds is in :mod:`.zero_shard`, the gradients' buckets and hooks in
+:mod:`.zero_grads`, the checkpoints (torch.optim's format, DCP
 ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md: the peers' designs.
 """
 
@@ -31,22 +33,20 @@ import bisect
 import itertools
 import logging
 import math
-from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from ..buckets import OverlapSchedule, make_buckets
+from ..buckets import make_buckets
 from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
-from ..comm.quantized import QuantMean, QuantMeans
 from ..compiling import graphs_wait, keep_cut, recut, wait_in_graphs
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
-from ..grads import FiniteCheck, NonFinite, adopt, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
+from ..grads import FiniteCheck, NonFinite, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
 from ..hooks import forward_waits, stand_down
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
@@ -54,6 +54,7 @@ from ..profiling import span
 from ..optim_kernels import fused_if_possible
 from .zero_shard import make_shards, shard_optimizer
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
+from .zero_grads import ZeroGradients
 from .zero_state import ZeroCheckpointing
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
@@ -61,7 +62,7 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
 log = logging.getLogger(__name__)
 
 
-class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
+class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
     """A torch optimizer whose state, step and master weights are sharded across ranks.
 
     It averages the gradients itself (no DDP): build it over the model's parameters,
@@ -94,6 +95,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
             pre-hooks; compiled, before each piece), overlapping the forward, and in full
             before ``module.state_dict()`` / ``load_state_dict()``; read parameters any
             other way after :meth:`wait_params`. Without it ``step()`` waits before returning.
+            With it, too, gradients that ``zero_grad()`` set to ``None`` come back as zeroed
+            views of the flat buffer at the next forward in grad mode (:mod:`.zero_grads`),
+            so backward allocates none (and ``bucket_mb="auto"`` on one host is one bucket).
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -116,7 +120,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         ...     loss_fn(model(x), y).backward()   # buckets reduce-scatter during backward
         ...     opt.clip_grad_norm_(1.0)          # global norm over every rank's shard
         ...     opt.step()                        # 1/N of AdamW, then all-gather
-        ...     opt.zero_grad(set_to_none=False)  # keeps grads as views: no copy next step
+        ...     opt.zero_grad()                   # None now, views again at the next forward
         ...     sched.step()
     """
 
@@ -199,7 +203,9 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         order = list(range(len(named)))[::-1]
         named = [named[i] for i in order]
         group_of = [group_of[i] for i in order]
-        mb, first, cut, self.sizing = zero_buckets(bucket_mb, comm, named, wire, fixed=quant is not None)
+        views = self._hook_forward(module)  # dropped gradients come back as views before each forward
+        mb, first, cut, self.sizing = zero_buckets(bucket_mb, comm, named, wire, fixed=quant is not None,
+                                                   views=views)
         recut(self, cut, (p for _, p in named))  # reduce-scatters in a compiled backward too (no cut: 1 bucket)
         segments = bucket_runs(named, group_of, int(mb * 2**20) // wire.itemsize, int(first * 2**20) // wire.itemsize)
         pad = math.lcm(comm.shard_multiple, self.world_size * quant.block) if quant else comm.shard_multiple
@@ -216,32 +222,7 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
                                   self.world_size, separate_out=self.scaler is not None,
                                   gather=self.gather_dtype if self.world_size > 1 else None, alloc=comm.buffer)
         self.inner = shard_optimizer(self.optimizer_class, self.param_groups, self.shards, self._kwargs)
-        self._schedule: OverlapSchedule | None = None
-        self.quantized: QuantMeans | None = None
-        if self.world_size > 1:
-            packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
-            outs = [s.out for s in self.shards]
-            fp32_sum = accumulate_dtype == torch.float32
-            if quant is not None:  # the shard's gradient: its chunk of the wire, or its own out
-                c = [seg.numel // self.world_size for seg in layout.segments]
-                self.quantized = means = QuantMeans([
-                    QuantMean(comm, b.wire, quant, error_feedback,
-                              out=b.wire[self.rank * n:(self.rank + 1) * n] if o is None else o)
-                    for b, o, n in zip(self.buckets, outs, c)])
-
-            def launch(b: int, packed: bool) -> Pending:
-                if b == 0:  # under Join: this rank is active; bucket 0 opens the step's collectives
-                    self._join_notify()
-                pack = self._join_prescale(self.buckets[b].wire, None if packed else packs[b])
-                if self.quantized is None:
-                    return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum)
-                pending = means[b].start(pack, hold=True)  # and the last bucket's sum, while this is out
-                if b:
-                    means[b - 1].advance()
-                return pending
-
-            self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt)
-            self._schedule.sync = self.overlap
+        self._build_grads(accumulate_dtype, quant, error_feedback)
         if module is not None:  # its forward waits for the gathers, compiled or not
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
             self._graph_waits = wait_in_graphs(self._wait_gathers, bucket_of)
@@ -264,35 +245,6 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         """Bytes of optimizer state this rank holds (its shard's state and fp32 masters)."""
         n = sum(t.nbytes for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
         return n + sum(s.master.nbytes for s in self.shards if s.low)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: nothing is communicated inside this block; the
-        next backward outside it, then :meth:`step`, averages the accumulated grads."""
-        self._syncing = False
-        if self._schedule is not None:
-            self._schedule.sync = False
-        try:
-            yield
-        finally:
-            self._syncing = True
-            if self._schedule is not None:
-                self._schedule.sync = self.overlap
-
-    @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients: ``set_to_none=False`` zeroes the flat buffer in place (one
-        op per bucket) and keeps every ``param.grad`` a view of it, the fast path;
-        ``True`` (torch's default) sets them to ``None``, and the next step copies
-        autograd's fresh gradients in. It does not wait for the parameters' all-gather
-        (the gradients are other memory), so that stays overlapped with what follows."""
-        for p, v in zip(self.layout.params, self.buffer.views):
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not v and p.grad is not None:
-                p.grad = v
-        if not set_to_none:
-            self.buffer.zero_()
 
     @guarded("{cls}.clip_grad_norm_()", "This step's gradients are averaged but not clipped; the "
              "parameters and optimizer state are as before the step.")
@@ -356,20 +308,6 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
 
     # ------------------------------------------------------------------ uneven inputs (Join)
 
-    def _join_prescale(self, wire: torch.Tensor, pack: Callable[[], None] | None) -> Callable[[], None] | None:
-        """Under Join with fewer active ranks: the bucket's pack, then x world / active, so
-        that the reduce-scatter (joined ranks send zeros) lands the mean over the active
-        ranks in every shard, the joined ranks' too (they step theirs with it)."""
-        factor = self._join_factor()
-        if factor == 1.0:
-            return pack
-
-        def scaled() -> None:
-            if pack is not None:
-                pack()
-            wire.mul_(factor)
-        return scaled
-
     def _join_check(self) -> None:
         if self.scaler is not None:
             raise ValueError("ZeroOptimizer with a GradScaler cannot run under Join: a joined rank "
@@ -393,38 +331,6 @@ class ZeroOptimizer(ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
         self._wait_gathers()  # every rank's parameters are the all-gathered ones: alike
 
     # ------------------------------------------------------------------ every step
-
-    def _adopt(self, indices: list[int], direct: bool) -> tuple[list[int], bool]:
-        missing, _, direct = adopt(self.layout, self.buffer, indices, direct=direct)
-        return missing, direct
-
-    @guarded("the reduce-scatter of {cls}.step()", "This step's gradients are lost (partly averaged); "
-             "the parameters and optimizer state are as before the step.")
-    def _reduce(self) -> None:
-        """This step's reduce-scatter: launch what is left, wait for every bucket."""
-        if self._reduced:
-            return
-        if not self._syncing:
-            raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called inside "
-                               "no_sync(): nothing would be averaged. Step after the no_sync() "
-                               "block, once per accumulation window; nothing was changed")
-        self._group_built.check("ZeroOptimizer")
-        if self.frozen and any(p.requires_grad for p in self.frozen):
-            raise RuntimeError("a parameter that was frozen (requires_grad=False) when ZeroOptimizer "
-                               "was built now requires grad; its shard does not exist: build the "
-                               "optimizer again after changing requires_grad")
-        if self._schedule is None:  # one rank: the grads are the average
-            adopt(self.layout, self.buffer, range(len(self.layout)))
-            self.buffer.pack()
-            for s, b in zip(self.shards, self.buckets):
-                if s.out is not None:
-                    s.out.copy_(b.wire)
-        else:
-            _, works = self._schedule.finish(quiet=not self.overlap)
-            with span("fastreduce::wait"):
-                for pending in works:
-                    complete(pending)
-        self._reduced = True
 
     def _gather(self) -> None:
         """Copy the updated shard into the parameters and all-gather every bucket."""

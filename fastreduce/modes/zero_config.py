@@ -26,21 +26,29 @@ def zero_bucket_mb(pg_backend: str) -> float:
     return max(25.0, default_bucket_mb(pg_backend))
 
 
-def shared_memory_buckets(wire_bytes: int) -> Sizing:
-    """ZeRO's ``"auto"`` on shared memory: buckets of :data:`ZERO_SHM_BUCKET_MB`, for the gradients
-    that ``zero_grad()`` (``set_to_none=True``: torch's default, the Trainer's) lets backward
-    allocate afresh. A bucket copies them into the wire and frees them at its launch; in one
-    bucket all of them live until backward ends and are freed at once, which glibc's malloc
-    hands back to the system, so each backward faults them in again. 2 ranks, 48 x (Linear
-    512 + LayerNorm) (50 MB), AdamW, ``zero_grad()``: 9,000 to 12,000 minor page faults per
-    rank and step in one bucket or 4 and 8 MB ones, at most a few hundred at 0.5 to 2 MB;
-    the step 69.3 ms in one bucket, 56.3 at 2 MB, the fastest (medians of three interleaved
-    runs, ``fastreduce bench --suite optim --optim-model blocks --set-to-none --zero-bucket-mb
-    ...``). Zeroed in place (nothing allocated) one bucket is the fastest, 52.1 ms against
-    58.3 (the optim suite's model: 77.2 against 84.5): 2 MB is the size whose worse case of
-    the two is least (1.12x the best against one bucket's 1.23x). A size, not a count: a
-    model under 1.5 buckets' bytes stays one bucket (a bucket is cut once it reaches the size)."""
+def shared_memory_buckets(wire_bytes: int, views: bool = False) -> Sizing:
+    """ZeRO's ``"auto"`` on shared memory. ``views`` (``module=`` given, its forward pre-hook
+    registered): one bucket, as the overlapped mode's. Gradients that ``zero_grad()``
+    (``set_to_none=True``: torch's default, the Trainer's) dropped come back as zeroed views
+    of the flat buffer before each forward (:mod:`.zero_grads`), so backward accumulates into
+    it whatever the zeroing and allocates no gradient, and one bucket pays one reduce-scatter
+    and one all-gather. 2 ranks, 48 x (Linear 512 + LayerNorm) (50 MB), AdamW, ms per step,
+    medians of three interleaved runs (``fastreduce bench --suite optim --optim-model blocks
+    --zero-bucket-mb 1,2,8,64 [--set-to-none]``): with ``zero_grad()`` one bucket 53.7, 2 MB
+    58.8, 8 MB 57.7; zeroed in place 52.2, 57.7, 54.4.
+
+    Without ``views`` backward allocates those gradients afresh, and a bucket copies them
+    into the wire and frees them at its launch: buckets of :data:`ZERO_SHM_BUCKET_MB`. In
+    one bucket all of them lived until backward ended and were freed at once, which glibc's
+    malloc hands back to the system, so each backward faulted them in again (12,000-13,000
+    minor faults per rank and step on that model; 600-1,200 with the views): 69.3 ms in one
+    bucket against 56.3 at 2 MB, before the views. A size, not a count: a model under 1.5
+    buckets' bytes stays one bucket (a bucket is cut once it reaches the size)."""
     whole = max(wire_bytes / MB, 1e-6)
+    if views:
+        return Sizing(whole, whole, 1, "shared memory, module= given: gradients that zero_grad() set to None "
+                      "are re-attached as views before each forward, so backward allocates none; one "
+                      "bucket pays one reduce-scatter and one all-gather")
     n = max(1, round(whole / ZERO_SHM_BUCKET_MB))
     if n == 1:
         return Sizing(whole, whole, 1, f"shared memory: {whole:.1f} MB of gradients, under 1.5 buckets of "
@@ -51,15 +59,16 @@ def shared_memory_buckets(wire_bytes: int) -> Sizing:
 
 
 def zero_buckets(bucket_mb: float | str | None, comm: Comm, named: list[tuple[str, torch.nn.Parameter]],
-                 wire: torch.dtype, fixed: bool = False) -> tuple[float, float, float | None, Sizing | None]:
+                 wire: torch.dtype, fixed: bool = False,
+                 views: bool = False) -> tuple[float, float, float | None, Sizing | None]:
     """``(bucket MB, first bucket MB, MB to cut a compiled graph at or None, the choice)``.
     A number is kept. ``"auto"`` (``None``) is chosen here, when the optimizer is built
     (collective), as :mod:`fastreduce.sizing` does for the overlapped mode, with two
     differences: no backward has run yet, so it is taken to be as long as the gradients'
     communication (on a slow link that only matters little; on a fast one it keeps
     buckets small), and it is not refreshed, since the layout holds the optimizer's
-    shards. On shared memory (a one-page probe segment tells) :func:`shared_memory_buckets`,
-    not the overlapped mode's one bucket; ``fixed`` (a quantized wire, whose per-rank
+    shards. On shared memory (a one-page probe segment tells) :func:`shared_memory_buckets`
+    (``views``: dropped gradients come back as views before each forward); ``fixed`` (a quantized wire, whose per-rank
     residuals a checkpoint holds in this layout) and a world of one take
     :func:`zero_bucket_mb`."""
     if bucket_mb not in (None, AUTO):
@@ -70,7 +79,7 @@ def zero_buckets(bucket_mb: float | str | None, comm: Comm, named: list[tuple[st
         return mb, mb, mb, None
     if comm.wants_shm:
         comm.buffer(1, torch.float32)  # collective: whether the ranks share /dev/shm
-    sizing = shared_memory_buckets(wire_bytes) if comm.shms else \
+    sizing = shared_memory_buckets(wire_bytes, views) if comm.shms else \
         AutoSizer().build(False, wire_bytes, None, comm.group, comm.device)
     return sizing.bucket_mb, sizing.first_bucket_mb, sizing.bucket_mb if sizing.buckets > 1 else None, sizing
 

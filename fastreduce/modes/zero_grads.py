@@ -1,0 +1,186 @@
+"""ZeRO's gradients: the buckets they are reduce-scattered in, when each launches, and
+what ``zero_grad()`` leaves (the gradient half of :class:`~fastreduce.ZeroOptimizer`, a mixin).
+
+Every trainable parameter's gradient is a view of the communication layer's wire buffer
+(:class:`~fastreduce.buffer.FusedBuffer`), cut into one bucket per layout segment. Each
+gradient's post-accumulate hook (:class:`~fastreduce.buckets.OverlapSchedule`) counts it
+in; a complete bucket is reduce-scattered at once (``overlap``), and ``step()`` launches
+the rest and waits for all.
+
+Gradients that ``zero_grad()`` (``set_to_none=True``, torch's default) dropped: with
+``module=`` they come back as zeroed views of the buffer before the next forward that
+records a graph (:class:`~fastreduce.grads.Reattach`, the fused reducer's mechanism), so
+backward accumulates into the buffer as after ``zero_grad(set_to_none=False)`` and
+allocates no gradient of its own; one that backward then leaves unwritten is ``None``
+again when it ends. Between ``zero_grad()`` and that forward every gradient is ``None``,
+as torch's; from the forward to its backward they are zeroed views (torch's stay
+``None`` until backward writes them). Without ``module=`` (or where no pre-hook runs: a
+forward compiled before the optimizer was made, or on torch 2.9 and older) autograd
+allocates them and each bucket copies its own in at its launch (:func:`~fastreduce.grads.adopt`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..buckets import OverlapSchedule
+from ..comm import Pending, complete
+from ..comm.quantized import QuantMean, QuantMeans
+from ..faults import guarded
+from ..grads import Reattach, adopt
+from ..hooks import optional_before_forward
+from ..profiling import span
+
+__all__ = ["GradStats", "ZeroGradients"]
+
+
+@dataclass(slots=True)
+class GradStats:
+    """Counters of a :class:`~fastreduce.ZeroOptimizer`'s gradients."""
+
+    preattached: int = 0
+    """Gradients that were ``None`` at a forward and were re-attached as zeroed views."""
+
+
+class ZeroGradients:
+    """The gradient half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
+
+    It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
+    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, and
+    the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
+    ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``.
+    """
+
+    def _hook_forward(self, module: torch.nn.Module | None) -> bool:
+        """Re-attach dropped gradients before each forward of ``module``; whether a hook
+        was registered (the persistent views then hold for the whole run)."""
+        self.grad_stats = GradStats()
+        self._reattach: Reattach | None = None
+        self._forward_reattach = None if module is None else optional_before_forward(module, self.reattach)
+        return self._forward_reattach is not None
+
+    def _build_grads(self, accumulate_dtype: torch.dtype | None, quant: Any, error_feedback: bool) -> None:
+        """The re-attach and (several ranks) the schedule of the buckets' reduce-scatters."""
+        layout, comm, W = self.layout, self.comm, self.world_size
+        self._schedule: OverlapSchedule | None = None
+        self.quantized: QuantMeans | None = None
+        self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1)
+        if W == 1:
+            return
+        packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
+        outs = [s.out for s in self.shards]
+        fp32_sum = accumulate_dtype == torch.float32
+        if quant is not None:  # the shard's gradient: its chunk of the wire, or its own out
+            c = [seg.numel // W for seg in layout.segments]
+            self.quantized = means = QuantMeans([
+                QuantMean(comm, b.wire, quant, error_feedback,
+                          out=b.wire[self.rank * n:(self.rank + 1) * n] if o is None else o)
+                for b, o, n in zip(self.buckets, outs, c)])
+
+        def launch(b: int, packed: bool) -> Pending:
+            if b == 0:  # under Join: this rank is active; bucket 0 opens the step's collectives
+                self._join_notify()
+            pack = self._join_prescale(self.buckets[b].wire, None if packed else packs[b])
+            if self.quantized is None:
+                return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum)
+            pending = means[b].start(pack, hold=True)  # and the last bucket's sum, while this is out
+            if b:
+                means[b - 1].advance()
+            return pending
+
+        self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready)
+        self._schedule.sync = self.overlap
+
+    # ------------------------------------------------------------------ public
+
+    def reattach(self) -> None:
+        """Re-attach gradients freed by ``zero_grad(set_to_none=True)`` as zeroed views of
+        the flat buffer now. With ``module=`` the model's forward does this by itself (a
+        pre-hook); call it before a backward whose forward did not go through that
+        module's own ``forward``, or its buckets copy the fresh gradients in instead
+        (correct, one copy slower, and freed memory that may page-fault in again)."""
+        if self._reattach is not None and torch.is_grad_enabled():
+            self._reattach.before_forward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: nothing is communicated inside this block; the
+        next backward outside it, then :meth:`step`, averages the accumulated grads."""
+        self._syncing = False
+        if self._schedule is not None:
+            self._schedule.sync = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+            if self._schedule is not None:
+                self._schedule.sync = self.overlap
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients: ``set_to_none=False`` zeroes the flat buffer in place (one
+        op per bucket) and keeps every ``param.grad`` a view of it; ``True`` (torch's
+        default) sets them to ``None``, and with ``module=`` the next forward re-attaches
+        them as zeroed views (the same memset, moved), so neither allocates gradients in
+        backward. It does not wait for the parameters' all-gather (the gradients are
+        other memory), so that stays overlapped with what follows."""
+        for p, v in zip(self.layout.params, self.buffer.views):
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not v and p.grad is not None:
+                p.grad = v
+        if not set_to_none:
+            self.buffer.zero_()
+
+    # ------------------------------------------------------------------ every step
+
+    def _join_prescale(self, wire: torch.Tensor, pack: Callable[[], None] | None) -> Callable[[], None] | None:
+        """Under Join with fewer active ranks: the bucket's pack, then x world / active, so
+        that the reduce-scatter (joined ranks send zeros) lands the mean over the active
+        ranks in every shard, the joined ranks' too (they step theirs with it)."""
+        factor = self._join_factor()
+        if factor == 1.0:
+            return pack
+
+        def scaled() -> None:
+            if pack is not None:
+                pack()
+            wire.mul_(factor)
+        return scaled
+
+    def _adopt(self, indices: list[int], direct: bool) -> tuple[list[int], bool]:
+        missing, _, direct = adopt(self.layout, self.buffer, indices, direct=direct)
+        return missing, direct
+
+    @guarded("the reduce-scatter of {cls}.step()", "This step's gradients are lost (partly averaged); "
+             "the parameters and optimizer state are as before the step.")
+    def _reduce(self) -> None:
+        """This step's reduce-scatter: launch what is left, wait for every bucket."""
+        if self._reduced:
+            return
+        if not self._syncing:
+            raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called inside "
+                               "no_sync(): nothing would be averaged. Step after the no_sync() "
+                               "block, once per accumulation window; nothing was changed")
+        self._group_built.check("ZeroOptimizer")
+        if self.frozen and any(p.requires_grad for p in self.frozen):
+            raise RuntimeError("a parameter that was frozen (requires_grad=False) when ZeroOptimizer "
+                               "was built now requires grad; its shard does not exist: build the "
+                               "optimizer again after changing requires_grad")
+        self._reattach.settle(done=True)  # re-attached but never written by backward: None again
+        if self._schedule is None:  # one rank: the grads are the average
+            adopt(self.layout, self.buffer, range(len(self.layout)))
+            self.buffer.pack()
+            for s, b in zip(self.shards, self.buckets):
+                if s.out is not None:
+                    s.out.copy_(b.wire)
+        else:
+            _, works = self._schedule.finish(quiet=not self.overlap)
+            with span("fastreduce::wait"):
+                for pending in works:
+                    complete(pending)
+        self._reduced = True
