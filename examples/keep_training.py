@@ -44,10 +44,12 @@ def make_model(width: int = 16) -> nn.Module:
 
 
 def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
-           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False) -> None:
+           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, overlap: bool = False) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
-    to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at; ``go``: an event to
-    wait for before joining, for a replacement)."""
+    to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
+    ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
+    the later layers' buckets in flight with ``overlap``); ``go``: an event to wait for
+    before joining, for a replacement)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -66,8 +68,13 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
             go.wait(120)
         started = time.perf_counter()
         m = Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag="fused fp32", wait_s=60)
-        m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model, wire_dtype=torch.float32))
+        settings = {"overlap": True, "bucket_mb": 0.0005} if overlap else {}  # 0.5 KB: a bucket per layer
+        m.join({"model": model, "optimizer": opt},
+               lambda: fastreduce.FusedReducer(model, wire_dtype=torch.float32, **settings))
+        if kill is not None and kill[0] == "in-backward":
+            model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
+        (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
             f"in {facts['joined_s']:.2f} s")
         while m.step < steps:
@@ -101,7 +108,7 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
             f"{hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]}")
         m.close()
     except MembershipError as err:
-        facts["refused"] = str(err)
+        facts["refused"], facts["failed_at"] = str(err), time.time()
         say(str(err))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
@@ -109,7 +116,8 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
 
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False) -> dict[int, dict]:
+           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, overlap: bool = False
+           ) -> dict[int, dict]:
     """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
     replacements, each told to join once the next dying member's process is gone;
     returns what each member saved."""
@@ -118,10 +126,11 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     server = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
-                            kwargs={"steps": steps, "verbose": verbose}) for i in range(3)}
+                            kwargs={"steps": steps, "verbose": verbose, "overlap": overlap}) for i in range(3)}
     gos = [ctx.Event() for _ in range(joiners)]
     late = {3 + k: ctx.Process(target=member, args=(3 + k, server.port, str(out), transport, None, gos[k]),
-                               kwargs={"width": joiner_width, "steps": steps, "verbose": verbose})
+                               kwargs={"width": joiner_width, "steps": steps, "verbose": verbose,
+                                       "overlap": overlap})
             for k in range(joiners)}
     everyone = [*late.values(), *procs.values()]
     for p in everyone:
@@ -150,11 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--kill-at", type=int, default=15, help="the step member 2 dies at")
-    ap.add_argument("--where", choices=("mid-step", "between"), default="mid-step")
+    ap.add_argument("--where", choices=("mid-step", "between", "in-backward"), default="mid-step")
+    ap.add_argument("--overlap", action="store_true", help="the overlapped reducer (buckets during backward)")
     ap.add_argument("--transport", choices=("process_group", "shm"), default="process_group")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
-        found = launch(Path(out), args.transport, {2: (args.where, args.kill_at)}, steps=args.steps, verbose=True)
+        found = launch(Path(out), args.transport, {2: (args.where, args.kill_at)}, steps=args.steps, verbose=True,
+                       overlap=args.overlap)
     errors = [f["error"] for f in found.values() if "error" in f]
     if errors:
         raise SystemExit(errors[0])

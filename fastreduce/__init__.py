@@ -30,6 +30,7 @@ from .modes.fused import FusedReducer, ReducerConfig, ReducerStats
 from .modes.gossip import DecentralizedDataParallel
 from .modes.localsgd import LocalSGD
 from .modes.zero import ZeroOptimizer
+from .version import __version__
 
 __all__ = [
     "CheckpointDamagedError",
@@ -56,5 +57,3 @@ __all__ = [
     "gradient_reducer",
     "init_distributed",
 ]
-
-__version__ = "0.1.0"

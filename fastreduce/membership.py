@@ -59,8 +59,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from . import faults
+import fastreduce.faults as faults
+
 from .faults import RankLostError
+from .version import __version__
 
 __all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "connect", "serve"]
 
@@ -69,6 +71,7 @@ log = logging.getLogger(__name__)
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`Membership` is given none."""
 _P = "fastreduce/members/"
+_HEARTBEAT_S = 0.25  # a member's heartbeat period unless $FASTREDUCE_HEARTBEAT_S is set
 
 
 class MembershipError(RuntimeError):
@@ -168,6 +171,9 @@ class Membership:
             raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "
                              "(start one with `fastreduce coordinator --port PORT`)")
         self.where = coordinator if isinstance(coordinator, str) else "the coordinator store"
+        # A loss must end a step within a second or two, whatever the group's timeout: beat
+        # every 0.25 s (lost after 3 silent beats) unless the job says otherwise.
+        os.environ.setdefault(faults.HEARTBEAT_ENV, str(_HEARTBEAT_S))
         self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
         self.timeout_s, self.wait_s = timeout_s, wait_s
@@ -223,8 +229,6 @@ class Membership:
         return epoch
 
     def _fingerprint(self) -> dict[str, Any]:
-        from . import __version__  # (set after the package's imports)
-
         tensors = []
         for name, obj in sorted(self._state.items()):
             if isinstance(obj, torch.nn.Module):

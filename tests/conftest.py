@@ -19,6 +19,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "functional": ("test_join.py::test_functional_all_reduce_gradients_under_join[*-2]",),
     "zero": ("test_zero.py::test_params_match_reference[world2-*",),
     "gossip": ("test_decentralized.py::test_mean_over_ranks_follows_sgd_on_the_mean_gradient[world2-*",),
+    "gossip_state": ("test_decentralized.py::test_state_dict_resume_in_new_processes_continues_the_run[2]",),
     "localsgd": ("test_local.py::test_sync_every_1_matches_torch_ddp",
                  "test_local.py::test_periodic_averaging_matches_reference_loop[odd-*"),
     "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations*",),
@@ -33,6 +34,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "checkpoint": ("test_elastic.py::test_resume_equals_uninterrupted*",),
     "comm": ("test_comm.py::*w2*",),
     "faults": ("test_faults.py::test_survivors_name_the_dead_rank[fused-*",),
+    "membership": ("test_membership.py::test_a_lost_member_is_replaced_and_training_goes_on[process_group-mid-step*",),
     "static": ("test_imports.py::*", "test_docs.py::*", "test_topology.py::*", "test_buckets.py::*"),
 }
 """Per mode or concern, the node ids (patterns) of its quick tests."""
@@ -47,7 +49,7 @@ QUICK: dict[str, tuple[str, ...]] = {
 
 INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_info.py", "test_readme.py",
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
-               "test_optimum_habana.py")
+               "test_optimum_habana.py", "test_membership.py")
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link

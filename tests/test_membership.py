@@ -32,8 +32,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-        joiner_width: int = 16) -> dict[int, dict]:
-    found = launch(tmp_path, transport, kills, joiners, joiner_width)
+        joiner_width: int = 16, overlap: bool = False) -> dict[int, dict]:
+    found = launch(tmp_path, transport, kills, joiners, joiner_width, overlap=overlap)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     return found
@@ -49,11 +49,16 @@ def _same(members: list[dict]) -> None:
 SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one case of each kind
 
 
-@pytest.mark.parametrize("transport, where", [("process_group", "mid-step"), ("shm", "mid-step"),
-                                              pytest.param("process_group", "between", marks=SLOW),
-                                              pytest.param("shm", "between", marks=SLOW)])
-def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str) -> None:
-    found = run(tmp_path, transport, {2: (where, 10)})
+@pytest.mark.parametrize("transport, where, overlap", [
+    ("process_group", "mid-step", False), ("shm", "mid-step", False), ("process_group", "in-backward", True),
+    pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW),
+    pytest.param("shm", "between", False, marks=SLOW)])
+def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
+                                                        overlap: bool) -> None:
+    """Killed mid-step (after backward), inside backward with the overlapped reducer's
+    later buckets in flight, or between steps: the survivors discard that step and go on;
+    the replacement heals from a live member."""
+    found = run(tmp_path, transport, {2: (where, 10)}, overlap=overlap)
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found  # it died
     for f in final:
@@ -92,3 +97,41 @@ def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_pa
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2 and f["counters"]["joins"] == 0
     _same(final)
+
+
+def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
+    """The coordinator is the job's single point: killed mid-run, every member raises
+    MembershipError naming it within seconds (no hang, whatever the group's timeout)."""
+    import multiprocessing as mp
+    import signal
+    import subprocess
+    import time
+
+    from keep_training import member
+
+    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
+                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", None, None),
+                             kwargs={"steps": 100_000, "world": 2}) for i in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"member{i}.joined").exists() for i in range(2)):
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        killed = time.time()
+        coordinator.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.join(60)
+            assert not p.is_alive(), "a member hangs after its coordinator died"
+    finally:
+        coordinator.kill()
+    for i in range(2):
+        f = torch.load(tmp_path / f"member{i}.pt", weights_only=False)
+        assert "error" not in f, f["error"]
+        assert "the coordinator (127.0.0.1:" in f["refused"] and "stopped answering" in f["refused"], f["refused"]
+        assert f["failed_at"] - killed < 10, f["failed_at"] - killed
