@@ -43,13 +43,29 @@ def make_model(width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
 
 
+MODES = ("fused", "overlap", "localsgd", "diloco")
+
+
+def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """The mode, over the current epoch's group (Membership calls this at each new epoch)."""
+    import fastreduce
+
+    if mode == "localsgd":
+        return fastreduce.LocalSGD(model, opt, sync_every=4)
+    if mode == "diloco":
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2)
+    settings = {"overlap": True, "bucket_mb": 0.0005} if mode == "overlap" else {}  # 0.5 KB: a bucket per layer
+    return fastreduce.FusedReducer(model, wire_dtype=torch.float32, **settings)
+
+
 def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
-           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, overlap: bool = False) -> None:
+           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
     the later layers' buckets in flight with ``overlap``); ``go``: an event to wait for
-    before joining, for a replacement)."""
+    before joining, for a replacement; ``mode``: one of :data:`MODES`)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -67,10 +83,8 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
         if go is not None:
             go.wait(120)
         started = time.perf_counter()
-        m = Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag="fused fp32", wait_s=60)
-        settings = {"overlap": True, "bucket_mb": 0.0005} if overlap else {}  # 0.5 KB: a bucket per layer
-        m.join({"model": model, "optimizer": opt},
-               lambda: fastreduce.FusedReducer(model, wire_dtype=torch.float32, **settings))
+        m = Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
+        m.join({"model": model, "optimizer": opt}, lambda: build(mode, model, opt))
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
@@ -88,9 +102,7 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
                 say(f"dies mid-step, at step {m.step}")
                 os._exit(9)
             epoch = m.epoch.number
-            ok = m.commit()
-            if ok:
-                opt.step()
+            ok = m.commit(opt.step)  # the reduction (or the sync in the step), the vote, the step
             opt.zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
@@ -98,6 +110,8 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
                     f"{'; step discarded' if not ok else ''}), {stall:.2f} s")
             facts["steps"].append((m.step, ok, m.epoch.number, m.world))
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
+        if mode in ("localsgd", "diloco"):
+            m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         st = opt.state_dict()["state"]
         facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
@@ -116,7 +130,7 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
 
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, overlap: bool = False
+           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused"
            ) -> dict[int, dict]:
     """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
     replacements, each told to join once the next dying member's process is gone;
@@ -126,11 +140,11 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     server = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
-                            kwargs={"steps": steps, "verbose": verbose, "overlap": overlap}) for i in range(3)}
+                            kwargs={"steps": steps, "verbose": verbose, "mode": mode}) for i in range(3)}
     gos = [ctx.Event() for _ in range(joiners)]
     late = {3 + k: ctx.Process(target=member, args=(3 + k, server.port, str(out), transport, None, gos[k]),
                                kwargs={"width": joiner_width, "steps": steps, "verbose": verbose,
-                                       "overlap": overlap})
+                                       "mode": mode})
             for k in range(joiners)}
     everyone = [*late.values(), *procs.values()]
     for p in everyone:
@@ -160,20 +174,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--kill-at", type=int, default=15, help="the step member 2 dies at")
     ap.add_argument("--where", choices=("mid-step", "between", "in-backward"), default="mid-step")
-    ap.add_argument("--overlap", action="store_true", help="the overlapped reducer (buckets during backward)")
+    ap.add_argument("--mode", choices=MODES, default="fused", help="overlap: buckets during backward; localsgd, "
+                    "diloco: a sync every 4 steps, redone over the survivors when a member is lost in it")
     ap.add_argument("--transport", choices=("process_group", "shm"), default="process_group")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
         found = launch(Path(out), args.transport, {2: (args.where, args.kill_at)}, steps=args.steps, verbose=True,
-                       overlap=args.overlap)
+                       mode=args.mode)
     errors = [f["error"] for f in found.values() if "error" in f]
     if errors:
         raise SystemExit(errors[0])
     final = [f for f in found.values() if "params" in f]
-    same = all(torch.equal(f["params"], final[0]["params"]) and torch.equal(f["adam"], final[0]["adam"])
+    one_model = args.mode in ("fused", "overlap")  # the local modes' ranks keep their own AdamW state
+    same = all(torch.equal(f["params"], final[0]["params"]) and (not one_model or torch.equal(f["adam"], final[0]["adam"]))
                for f in final)
-    print(f"{len(final)} members at step {args.steps}; parameters and AdamW state "
-          f"{'bit-identical on every member' if same else 'DIFFER'}", flush=True)
+    what = "parameters and AdamW state" if one_model else "parameters (after a last sync)"
+    print(f"{len(final)} members at step {args.steps}; {what} {'bit-identical on every member' if same else 'DIFFER'}",
+          flush=True)
     if not same:
         raise SystemExit(1)
 

@@ -44,6 +44,7 @@ batches are skipped, not re-run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -52,6 +53,7 @@ import os
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -124,6 +126,7 @@ def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
 @dataclass
 class _Counters:
     discarded_steps: int = 0
+    resyncs: int = 0  # syncs of a local-update mode run again over the survivors
     losses: int = 0
     joins: int = 0
     stalls: list[tuple[str, float]] = field(default_factory=list)
@@ -156,8 +159,7 @@ class Membership:
                lambda: fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16))
         while m.step < steps:
             loss_fn(model(*batch_for(m.rank, m.world, m.step))).backward()
-            if m.commit():        # the mode's reduce(), then the vote
-                opt.step()
+            m.commit(opt.step)    # the mode's reduce(), the vote, the step if committed
             opt.zero_grad()
     """
 
@@ -257,15 +259,29 @@ class Membership:
 
     # ------------------------------------------------------------------ every step
 
-    def commit(self) -> bool:
-        """The mode's reduction (``mode.reduce()`` where it has one), then the vote:
-        ``True``: the step is committed on every member (step the optimizer now);
-        ``False``: discarded on every member (a member was lost: do not step; the next
-        epoch is formed already, read :attr:`rank` and :attr:`world` again)."""
+    def commit(self, step: Callable[[], Any] | None = None) -> bool:
+        """Commit this step on every member or on none; ``True`` when committed.
+
+        The fused and overlapped modes: the mode's ``reduce()``, then the vote; committed,
+        ``step()`` (the optimizer's) runs here, or, with no ``step``, the caller steps on
+        ``True``; ``False``: discarded on every member (a member was lost: do not step;
+        the next epoch is formed already, read :attr:`rank` and :attr:`world` again).
+
+        LocalSGD and DiLoCo (their collectives run inside the optimizer's step): pass
+        ``step`` (``opt.step``). An inner step without a collective just runs. At a sync,
+        the mode's state and the optimizer's are kept first; if a member is lost during
+        the sync or before the vote completes, every survivor puts them back and runs
+        the same step (the same gradients) again over the next epoch: the sync is redone
+        over the survivors, nothing is discarded (``counters.resyncs``)."""
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         if self._pending_join:
             self._pending_join = False
             self._next_epoch(set(), "join", start)
+        if hasattr(self.mode, "communicates_at"):
+            if step is None:
+                raise TypeError(f"{type(self.mode).__name__} syncs inside the optimizer's step: pass it, "
+                                "membership.commit(optimizer.step)")
+            return self._commit_local(step, start)
         reduce = getattr(self.mode, "reduce", None)
         try:
             if reduce is not None:
@@ -282,9 +298,58 @@ class Membership:
             self._discard(silent, start)
             return False
         self.step += 1
+        if step is not None:
+            step()
         if decision == "join":
-            self._pending_join = True
+            if step is not None:
+                self._next_epoch(set(), "join", start)
+            else:
+                self._pending_join = True  # after the caller's optimizer step: at the next commit
         return True
+
+    def _commit_local(self, step: Callable[[], Any], start: float) -> bool:
+        mode = self.mode
+        if not mode.communicates_at(mode.steps + 1):
+            step()
+            self.step += 1
+            return True
+        kept = self._keep()
+        while True:
+            try:
+                step()
+            except RuntimeError as err:
+                lost = self._lost_in(err)
+                if lost is None:
+                    raise
+                self._abort_step()
+                self._again(kept, lost, start)
+                continue
+            decision, silent = self._vote()
+            if decision != "abort":
+                break
+            self._again(kept, silent, start)
+        self.step += 1
+        if decision == "join":
+            self._next_epoch(set(), "join", start)
+        return True
+
+    def _keep(self) -> dict[str, Any]:
+        """What a sync changes, to put back if it fails: the mode's state (parameters,
+        anchor, outer optimizer, counters) and every object of ``state`` but the model."""
+        return {"mode": _clone(self.mode.state_dict()),
+                **{k: _clone(v.state_dict()) for k, v in self._state.items() if not isinstance(v, torch.nn.Module)}}
+
+    def _again(self, kept: dict[str, Any], lost: set[str], start: float) -> None:
+        """The sync failed: state back as before the step, the next epoch, then the step again."""
+        for k, v in self._state.items():
+            if k in kept:
+                v.load_state_dict(kept[k])
+        self.mode.load_state_dict(kept["mode"])
+        self.counters.losses += 1
+        self.counters.resyncs += 1
+        log.warning("fastreduce: the sync at step %d failed (lost: %s); every survivor goes back to before it and "
+                    "syncs again over the next epoch", self.step, ", ".join(sorted(lost)) or "a silent member")
+        self._next_epoch(lost, "loss", start)
 
     def _vote(self) -> tuple[str, set[str]]:
         epoch = self._epoch()
@@ -432,34 +497,53 @@ class Membership:
     def _enter(self, epoch: Epoch) -> None:
         """This epoch's process group; the state from rank 0 where it has joiners; the mode."""
         own = self.mode.state_dict() if self.mode is not None and hasattr(self.mode, "state_dict") else None
-        if self.mode is not None and hasattr(self.mode, "close"):
-            self.mode.close()
-        self.mode = None
+        per_rank = hasattr(self.mode, "communicates_at")
+        self._close_mode()
         store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
         dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
                                 world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
         faults.start_heartbeat()  # this epoch's: the vote watches it
         self.epoch = epoch
-        if epoch.joined:
-            self._sync_state(joining=self.member in epoch.joined)
+        joining = self.member in epoch.joined
+        if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
+            got = self._sync_state(joining, own if per_rank else None)
+            if joining:  # rank 0's mode state came only if its mode keeps one per rank
+                own, per_rank = got, got is not None
         if self._build is not None:
-            self.mode = self._build()
-            if own is not None and self.member not in epoch.joined:
-                self.mode.load_state_dict(own)  # this member's own residuals go on
+            with _quiet() if own is not None and per_rank else contextlib.nullcontext():
+                self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
+            if not (hasattr(self.mode, "reduce") or hasattr(self.mode, "communicates_at")):
+                raise TypeError(f"fastreduce.Membership runs the fused, overlapped, LocalSGD and DiLoCo modes so far, "
+                                f"not {type(self.mode).__name__}")
+            if getattr(self.mode, "fragment_delay", 0):
+                raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
+                                 "under fastreduce.Membership yet: use fragment_delay=0")
+            if own is not None and (per_rank or not joining):
+                self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
 
-    def _sync_state(self, joining: bool) -> None:
-        """Rank 0's whole state to every rank (the joiners load it)."""
+    def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Rank 0's whole state (and its mode's, ``mode_state``) to every rank; a joiner
+        loads it and gets the mode's state back, to load once its mode is built."""
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             buf = io.BytesIO()
-            torch.save({"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()}}, buf)
+            torch.save({"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()},
+                        "mode": mode_state}, buf)
             payload[0] = buf.getvalue()
         dist.broadcast_object_list(payload, src=0)
-        if joining and dist.get_rank() != 0:
-            got = torch.load(io.BytesIO(payload[0]), weights_only=False)
-            for k, obj in self._state.items():
-                obj.load_state_dict(got["state"][k])
-            self.step = int(got["step"])
+        if not joining or dist.get_rank() == 0:
+            return None
+        got = torch.load(io.BytesIO(payload[0]), weights_only=False)
+        for k, obj in self._state.items():
+            obj.load_state_dict(got["state"][k])
+        self.step = int(got["step"])
+        return got["mode"]
+
+    def _close_mode(self) -> None:
+        close = getattr(self.mode, "close", None) or getattr(self.mode, "remove", None)
+        if close is not None:
+            close()
+        self.mode = None
 
     def _leave_group(self, abandon: bool) -> None:
         if dist.is_initialized():
@@ -469,9 +553,7 @@ class Membership:
 
     def close(self) -> None:
         """Leave: take the mode's hooks off and end this epoch's group."""
-        if self.mode is not None and hasattr(self.mode, "close"):
-            self.mode.close()
-        self.mode = None
+        self._close_mode()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -497,3 +579,29 @@ class Membership:
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")
+
+
+def _clone(state: Any) -> Any:
+    """A deep copy of a ``state_dict``'s tensors (torch's optimizers return their own)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Without the modes' warning that the ranks' parameters differed (they do, in a
+    per-rank mode rebuilt mid-run: each rank loads its own right after)."""
+    logger = logging.getLogger("fastreduce")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-        joiner_width: int = 16, overlap: bool = False) -> dict[int, dict]:
-    found = launch(tmp_path, transport, kills, joiners, joiner_width, overlap=overlap)
+        joiner_width: int = 16, mode: str = "fused") -> dict[int, dict]:
+    found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     return found
@@ -58,7 +58,7 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     """Killed mid-step (after backward), inside backward with the overlapped reducer's
     later buckets in flight, or between steps: the survivors discard that step and go on;
     the replacement heals from a live member."""
-    found = run(tmp_path, transport, {2: (where, 10)}, overlap=overlap)
+    found = run(tmp_path, transport, {2: (where, 10)}, mode="overlap" if overlap else "fused")
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found  # it died
     for f in final:
@@ -77,6 +77,25 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     assert 10 <= joiner["joined_at"] < STEPS, joiner["joined_at"]
     assert joiner["counters"]["stalls"][0][0] == "joined"
     _same(final)  # the joiner took the whole state from a live peer: bit for bit after 20+ more steps
+
+
+@pytest.mark.parametrize("mode, transport", [("diloco", "process_group"), ("localsgd", "shm")])
+def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode: str, transport: str) -> None:
+    """LocalSGD and DiLoCo (a sync every 4 steps, DiLoCo's in 2 fragments): a member lost
+    before a sync fails it; every survivor puts its parameters, anchor, outer and inner
+    optimizer state back as before that step and runs it again over the next epoch. No
+    step is discarded, and after a last sync every member (the joiner too) holds the
+    same parameters, bit for bit."""
+    found = run(tmp_path, transport, {2: ("mid-step", 10)}, mode=mode)
+    final = [found[i] for i in (0, 1, 3)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3
+        assert all(ok for _, ok, _, _ in f["steps"])
+    for f in final[:2]:
+        c = f["counters"]
+        assert c["losses"] == 1 and c["resyncs"] == 1 and c["discarded_steps"] == 0, c
+    for f in final[1:]:
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
 @SLOW

@@ -204,6 +204,12 @@ class DiLoCo(LocalUpdates):
                 self._land(k, mix=False)
         self._average_buffers(self.comm)
 
+    def communicates_at(self, s: int) -> bool:
+        """Whether inner step ``s`` (counted from 1) launches or lands a fragment's sync
+        (:class:`fastreduce.Membership` puts a commit vote at those steps only)."""
+        H, tau = self.sync_every, self.fragment_delay
+        return any((s + tau) % H == t or (tau and s % H == t) for t in self._apply_at) or s % H == 0
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: the step count (hence the fragment phase), the
         last synced parameters, this rank's parameters, the outer optimizer's state and

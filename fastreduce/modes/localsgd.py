@@ -198,6 +198,12 @@ class LocalSGD(LocalUpdates):
         """Average the parameters (and float buffers) over the whole group now (collective)."""
         self._sync(self._levels[-1][1])
 
+    def communicates_at(self, s: int) -> bool:
+        """Whether inner step ``s`` (counted from 1) runs a collective: a warm-up step (its
+        gradient average), or a sync at some level (:class:`fastreduce.Membership` puts a
+        commit vote at those steps only)."""
+        return s <= self.warmup_steps or any((s - self.warmup_steps) % p == 0 for p, _ in self._levels)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: the step count (warm-up included), this rank's
         parameters and, with a narrow ``wire_dtype``, the last averaged ones."""
