@@ -186,7 +186,6 @@ class Membership:
         self.counters = _Counters()
         self._state: dict[str, Any] = {}
         self._build: Callable[[], Any] | None = None
-        self._pending_join = False
         self._refused: set[int] = set()  # joiner tickets refused here
 
     # ------------------------------------------------------------------ reading
@@ -259,28 +258,28 @@ class Membership:
 
     # ------------------------------------------------------------------ every step
 
-    def commit(self, step: Callable[[], Any] | None = None) -> bool:
+    def commit(self, step: Callable[[], Any]) -> bool:
         """Commit this step on every member or on none; ``True`` when committed.
 
-        The fused and overlapped modes: the mode's ``reduce()``, then the vote; committed,
-        ``step()`` (the optimizer's) runs here, or, with no ``step``, the caller steps on
-        ``True``; ``False``: discarded on every member (a member was lost: do not step;
-        the next epoch is formed already, read :attr:`rank` and :attr:`world` again).
+        ``step``: the optimizer's (``opt.step``), run here when the step is committed, so
+        that a joiner admitted at this step takes the state after it (the members form
+        the next epoch right after it, before any backward of the next step).
 
-        LocalSGD and DiLoCo (their collectives run inside the optimizer's step): pass
-        ``step`` (``opt.step``). An inner step without a collective just runs. At a sync,
+        The fused and overlapped modes: the mode's ``reduce()``, then the vote, then
+        ``step()``; ``False``: discarded on every member (a member was lost; the next
+        epoch is formed already, read :attr:`rank` and :attr:`world` again).
+
+        LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
+        inner step without a collective just runs. At a sync,
         the mode's state and the optimizer's are kept first; if a member is lost during
         the sync or before the vote completes, every survivor puts them back and runs
         the same step (the same gradients) again over the next epoch: the sync is redone
         over the survivors, nothing is discarded (``counters.resyncs``)."""
+        if not callable(step):
+            raise TypeError(f"commit() takes the optimizer's step (membership.commit(optimizer.step)), got "
+                            f"{type(step).__name__}")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
-        if self._pending_join:
-            self._pending_join = False
-            self._next_epoch(set(), "join", start)
         if hasattr(self.mode, "communicates_at"):
-            if step is None:
-                raise TypeError(f"{type(self.mode).__name__} syncs inside the optimizer's step: pass it, "
-                                "membership.commit(optimizer.step)")
             return self._commit_local(step, start)
         reduce = getattr(self.mode, "reduce", None)
         try:
@@ -298,13 +297,9 @@ class Membership:
             self._discard(silent, start)
             return False
         self.step += 1
-        if step is not None:
-            step()
+        step()
         if decision == "join":
-            if step is not None:
-                self._next_epoch(set(), "join", start)
-            else:
-                self._pending_join = True  # after the caller's optimizer step: at the next commit
+            self._next_epoch(set(), "join", start)
         return True
 
     def _commit_local(self, step: Callable[[], Any], start: float) -> bool:
