@@ -8,6 +8,7 @@ timing: the machine is shared, and the targets are a report, not a contract.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -523,3 +524,47 @@ def test_trainers_suite_quick_smoke(tmp_path: Path) -> None:
         assert m["step_ms"] > 0 and m["samples_per_second"] > 0
     assert host["zero"]["optimizer_bytes"] / host["ddp"]["optimizer_bytes"] == pytest.approx(0.5, rel=0.01)
     assert {t["what"] for t in trainers["targets"]} == {"zero / ddp step", "zero / ddp optimizer_bytes"}
+
+
+@pytest.mark.timeout(300)
+def test_faults_suite_quick_smoke(tmp_path: Path) -> None:
+    """Every contender runs the quick schedule (3 members, one lost mid-step, a replacement
+    joining): each reports the stall, the steps discarded, the joiner's first commit, the
+    wall time and the no-failure ratio of three rounds; Membership discards exactly the step
+    in flight, checkpoint-restart the steps since its checkpoint and that one; every final
+    member ends at the same step. torchft is skipped with a note where it does not import."""
+    from fastreduce.bench import faults as faults_suite
+
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "faults", "--quick", "--json",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["faults"]
+    cfg = faults_suite.quick_config()
+    assert report["config"]["kill_step"] == cfg.kill_step and cfg.kill_step % cfg.checkpoint_every
+    assert list(report["contenders"]) == list(faults_suite.CONTENDERS)
+    for name, f in report["contenders"].items():
+        if "skipped" in f:
+            assert name == "torchft" and "torchft" in f["skipped"]
+            continue
+        assert "error" not in f, f"{name}: {f['error']}"
+        assert len(f["final_steps"]) == 1, (name, f["final_steps"])  # every final member at one step
+        assert f["loss_stall_s"] is not None and f["wall_s"] > 0 and f["median_step_s"] > 0, name
+        assert 0 < f["joiner_first_commit_s"] and 0 < f["joiner_start_imports_s"], name
+        assert len(f["no_failure"]["rounds"]) == cfg.rounds and f["no_failure"]["ratio"] > 0, name
+    for name in ("fastreduce_gloo", "fastreduce_shm"):
+        f = report["contenders"][name]
+        assert f["discarded_steps"] == 1 and f["final_steps"] == [cfg.steps + cfg.rounds * cfg.block]
+        assert f["membership_loss_stall_s"] > 0 and f["membership_join_stall_s"] is not None
+        assert {f"{name} loss stall", f"{name} joiner", f"{name} step"} <= set(report["targets"])
+    restart = report["contenders"]["checkpoint_restart"]
+    assert restart["discarded_steps"] == cfg.kill_step % cfg.checkpoint_every + 1
+    assert restart["final_steps"] == [cfg.steps] and restart["join_stall_s"] is None
+    assert "faults suite" in faults_suite.format_text(report)
+
+
+@pytest.mark.parametrize("argv", [["--faults-contenders", "nope"], ["--faults-contenders", ","],
+                                  ["--steps", "10"], ["--faults-wire", "fp8"]])
+def test_bad_faults_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) if argv[0] == "--faults-wire" else contextlib.nullcontext():
+        assert main(["bench", "--suite", "faults", *argv]) == 2
+    assert "error" in capsys.readouterr().err

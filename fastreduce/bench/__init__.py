@@ -48,6 +48,15 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   state per rank), DiLoCo (H = 32, bf16) on two namespace hosts at each ``--rates`` entry
   other than ``host`` (default: ``host`` and 100 Mbit/s), three jobs each, with the
   Trainer's own ``train_samples_per_second`` beside; ``--quick``: one job, ``host`` only.
+* ``faults`` (:mod:`.faults`): training that goes on when a member is lost and a replacement
+  joins, side by side on the same MLP, data and failure schedule: ``fastreduce.Membership`` +
+  the fused reducer on Gloo and on shared memory, torchft 0.2.0 (where it imports) and
+  checkpoint-restart (``Checkpointer`` every 20 steps, the whole job relaunched): the stall at
+  the loss, the steps discarded, the joiner's first commit (process start and imports apart),
+  the members' stall at the join, the wall time to ``--steps`` (300) committed steps and the
+  per-step cost with no failure. Also ``--faults-contenders``, ``--faults-wire``,
+  ``--params-m`` (1 by default; 10 for the joiner target's model); ``--quick``: 3 members,
+  a 0.05M model, 24 steps.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -74,6 +83,11 @@ from .convergence import METHODS as CONVERGENCE_METHODS
 from .convergence import QUICK_WORLD_SIZES as CONVERGENCE_QUICK_WORLD_SIZES
 from .convergence import ConvergenceConfig, quick_config, run_convergence_bench, width_for, write_convergence_chart
 from .convergence import format_text as format_convergence
+from .faults import CONTENDERS as FAULTS_CONTENDERS
+from .faults import WIRES as FAULTS_WIRES
+from .faults import FaultsConfig, run_faults_bench
+from .faults import format_text as format_faults
+from .faults import quick_config as faults_quick_config
 from .gossip import DEFAULT_BATCH as GOSSIP_BATCH
 from .gossip import DEFAULT_PARAMS_M as GOSSIP_PARAMS_M
 from .gossip import GossipConfig, run_gossip_bench
@@ -103,7 +117,8 @@ from .trainers import format_text as format_trainers
 __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_arguments", "run", "run_bench",
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers")
+SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers",
+          "faults")
 DEFAULT_SUITES = ("reduce", "step")
 """What runs without ``--suite``: the optim, decentralized, local, network, compression and
 convergence suites are asked for by name or ``all``."""
@@ -121,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params-m", type=float, default=None,
                         help="model size in millions of fp32 parameters (default: 12, the local suite "
                              f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick; "
-                             "the convergence suite: its GPT-2's width is picked to come nearest, default 0.84)")
+                             "the convergence suite: its GPT-2's width is picked to come nearest, default 0.84; the faults "
+                             "suite: its MLP's, default 1, 0.05 with --quick)")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"step, optim, decentralized and local suites: input rows per rank (default: "
                              f"{STEP_BATCH}, the local suite {LOCAL_BATCH}, the decentralized suite "
@@ -179,7 +195,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="convergence suite: the methods to train (default: all: "
                              + ",".join(CONVERGENCE_METHODS) + ")")
     parser.add_argument("--steps", type=int, default=None,
-                        help="convergence suite: training steps per method (default: 300; 40 with --quick)")
+                        help="convergence suite: training steps per method (default: 300; 40 with --quick); "
+                             "faults suite: committed steps per contender (default: 300; 24 with --quick)")
+    parser.add_argument("--faults-contenders", default=None, metavar="NAME,NAME",
+                        help="faults suite: which to run (default: all: " + ",".join(FAULTS_CONTENDERS) + ")")
+    parser.add_argument("--faults-wire", default="fp32", choices=tuple(FAULTS_WIRES),
+                        help="faults suite: fastreduce's wire dtype, Membership's and checkpoint-restart's "
+                             "(default: fp32, torchft's)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="convergence suite: steps between held-out evaluations (default: 25; 10 with --quick)")
     parser.add_argument("--train-mb", type=float, default=None,
@@ -365,6 +387,21 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
                         **({"loss_steps": QUICK_LOSS_STEPS} if args.quick else {})))
 
 
+def faults_config(args: argparse.Namespace) -> FaultsConfig:
+    """The faults suite's settings: ``--quick`` is :func:`~.faults.quick_config`."""
+    given: dict[str, Any] = {"wire": args.faults_wire}
+    if args.faults_contenders is not None:
+        names = tuple(n for n in args.faults_contenders.split(",") if n)
+        if not names or any(n not in FAULTS_CONTENDERS for n in names):
+            raise ValueError(f"--faults-contenders takes names among {', '.join(FAULTS_CONTENDERS)}, "
+                             f"got {args.faults_contenders!r}")
+        given["contenders"] = names
+    for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch)):
+        if value is not None:
+            given[key] = value
+    return faults_quick_config(**given) if args.quick else FaultsConfig(**given)
+
+
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     """``bench.json`` always; ``step.csv`` and ``step.png`` when the step suite ran, ``optim.csv``
     when the optim suite did."""
@@ -406,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
     if not parts or any(p not in ("steps", "modes") for p in parts):
         raise ValueError(f"--network-parts takes steps, modes or both, got {args.network_parts!r}")
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
+    faults_cfg = faults_config(args) if "faults" in suites else None
     out = Path(args.out)
 
     def note(text: str) -> None:  # progress and notes: stderr, so stdout stays the report
@@ -466,6 +504,12 @@ def run(args: argparse.Namespace) -> int:
             note(f"trainers suite: the HF Trainer on 2 ranks at {', '.join(cfg.rates)}, {cfg.repeats} jobs ...")
             result["trainers"] = run_trainers_bench(cfg)
             say(format_trainers(result["trainers"]) + "\n")
+        elif suite == "faults" and faults_cfg is not None:
+            c = faults_cfg
+            note(f"faults suite: {', '.join(c.contenders)}; {c.members} members, {c.params_m:g}M params, "
+                 f"{c.steps} committed steps, a loss at step {c.kill_step} ...")
+            result["faults"] = run_faults_bench(c)
+            say(format_faults(result["faults"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
