@@ -59,13 +59,19 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
     return fastreduce.FusedReducer(model, wire_dtype=torch.float32, **settings)
 
 
-def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
+def digest(model: nn.Module) -> str:
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
+
+
+def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
     the later layers' buckets in flight with ``overlap``); ``go``: an event to wait for
-    before joining, for a replacement; ``mode``: one of :data:`MODES`)."""
+    before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
+    coordinator's on this host, or its ``host:port``)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -73,7 +79,7 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
     torch.set_num_threads(1)
     model = make_model(width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    facts: dict[str, Any] = {"index": index, "steps": []}
+    facts: dict[str, Any] = {"index": index, "steps": [], "digests": {}}
 
     def say(text: str) -> None:
         if verbose:
@@ -83,7 +89,7 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
         if go is not None:
             go.wait(120)
         started = time.perf_counter()
-        m = Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
+        m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
         m.join({"model": model, "optimizer": opt}, lambda: build(mode, model, opt))
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
@@ -109,6 +115,8 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
                 say(f"epoch {m.epoch.number}: rank {m.rank} of {m.world} ({why}"
                     f"{'; step discarded' if not ok else ''}), {stall:.2f} s")
             facts["steps"].append((m.step, ok, m.epoch.number, m.world))
+            if ok:  # what this member committed at each step: no two members may differ on one
+                facts["digests"][m.step] = digest(model)
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
         if mode in ("localsgd", "diloco"):
             m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
@@ -118,12 +126,11 @@ def member(index: int, port: int, out: str, transport: str, kill: tuple[str, int
                                                     for s in st.values()]),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
                      epoch=m.epoch.number, world=m.world)
-        say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters "
-            f"{hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]}")
+        say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         m.close()
     except MembershipError as err:
         facts["refused"], facts["failed_at"] = str(err), time.time()
-        say(str(err))
+        say(f"stops: {err}")
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
     torch.save(facts, Path(out) / f"member{index}.pt")

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "TransportError", "all_reduce_watched", "diagnose",
+__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "StoreCaller", "TransportError", "all_reduce_watched", "diagnose",
            "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
@@ -158,6 +158,41 @@ def _default_store() -> Any:
         return None
 
 
+class StoreCaller:
+    """Store requests with a deadline, made on a thread of their own.
+
+    A ``TCPStore`` client whose link went silent (a partition: no reset, no error) blocks
+    in its request far past its own timeout (measured: over 100 s with a 5 s timeout), so
+    a thread that must decide in seconds never makes the request itself: it hands it to
+    this caller's thread and waits at most ``seconds``. A request still blocked there
+    makes every later one fail at its deadline too (the store is unreachable)."""
+
+    def __init__(self, name: str):
+        import queue
+
+        self._q: Any = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, done, box = self._q.get()
+            try:
+                box.append(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                box.append(err)
+            done.set()
+
+    def call(self, fn: Callable[..., Any], *args: Any, seconds: float) -> Any:
+        done, box = threading.Event(), []
+        self._q.put((fn, args, done, box))
+        if not done.wait(seconds):
+            raise TransportError(f"fastreduce: the job's c10d store did not answer within {seconds:g} s (its host, "
+                                 "or the link to it, is down)")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+
 class _Heartbeat:
     """This process's heartbeat thread and its own connection to the job's store."""
 
@@ -172,6 +207,7 @@ class _Heartbeat:
         except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
             store = default
         self.store = store
+        self.caller = StoreCaller("fastreduce-store")  # the watchdog's and diagnosis's reads, bounded
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
@@ -192,6 +228,10 @@ class _Heartbeat:
                 break
         _forget(self)
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a read of the store) within the loss window, else :class:`TransportError`."""
+        return self.caller.call(fn, *args, seconds=max(lost_after(), 1.0))
+
     def mark_lost(self, ranks: Any, how: str, who: dict[int, str], publish: bool = True) -> None:
         """Remember ``ranks`` as lost (the first word on a rank stays) and, found here
         (``publish``), tell the other ranks through the store (:meth:`verdict`). A rank
@@ -202,8 +242,8 @@ class _Heartbeat:
             self.lost.setdefault(r, (how, {r: who[r]} if who.get(r) else {}))
         if new and publish:
             try:
-                self.store.set(f"{_KEY}lost", json.dumps({"by": self.rank, "ranks": new, "how": how,
-                                                          "who": {str(r): who[r] for r in new if who.get(r)}}))
+                self.call(self.store.set, f"{_KEY}lost", json.dumps({"by": self.rank, "ranks": new, "how": how,
+                                                                     "who": {str(r): who[r] for r in new if who.get(r)}}))
             except Exception:  # noqa: BLE001 - best effort: the others then look for themselves
                 pass
 
@@ -304,7 +344,7 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         who = {r: w for r in ranks for w in beat.lost[r][1].values()}
         return ranks, beat.lost[ranks[0]][0], who
     try:
-        found = beat.verdict()
+        found = beat.call(beat.verdict)
     except Exception:  # noqa: BLE001 - the store does not answer: see below
         found = None
     if found is not None:
@@ -315,14 +355,14 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
     silent = [r for r in range(beat.world) if r != me]
     start = None
     try:
-        before = beat.counts()
+        before = beat.call(beat.counts)
         start = time.monotonic()
         while silent and time.monotonic() < start + wait:
             time.sleep(min(0.25, beat.interval / 2))
-            now = beat.counts()
+            now = beat.call(beat.counts)
             silent = [r for r in silent if now[r] == before[r]]
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
-        who = beat.who(silent)
+        who = beat.call(beat.who, silent)
     except Exception:  # noqa: BLE001 - the store itself does not answer
         # [Note: the store dies mid-diagnosis] The store's host (rank 0) may have exited
         # because it raised this very error first: ranks silent for two heartbeats while
@@ -431,8 +471,8 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
     while not done.wait(min(beat.interval, 1.0)):
         now = time.monotonic()
         try:
-            counts = beat.counts()
-            found = beat.verdict()
+            counts = beat.call(beat.counts)
+            found = beat.call(beat.verdict)
         except Exception as err:  # noqa: BLE001 - the store does not answer
             unanswered = unanswered or now
             if time.monotonic() - unanswered >= window:
@@ -454,7 +494,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")
-            beat.mark_lost(silent, how, beat.who(silent))
+            beat.mark_lost(silent, how, beat.call(beat.who, silent))
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")

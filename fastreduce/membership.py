@@ -177,6 +177,7 @@ class Membership:
         # every 0.25 s (lost after 3 silent beats) unless the job says otherwise.
         os.environ.setdefault(faults.HEARTBEAT_ENV, str(_HEARTBEAT_S))
         self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
+        self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
         self.timeout_s, self.wait_s = timeout_s, wait_s
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -349,13 +350,8 @@ class Membership:
     def _vote(self) -> tuple[str, set[str]]:
         epoch = self._epoch()
         key = _P + f"e{epoch.number}/s{self.step}"
-        try:
-            if self.store.add(key, 1) == epoch.world:
-                self.store.compare_set(key + "/done", "", "join" if self._joiners_waiting() else "go")
-        except MembershipError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the coordinator is gone
-            raise self._unreachable(err) from err
+        if self._call(self.store.add, key, 1) == epoch.world:
+            self._call(self.store.compare_set, key + "/done", "", "join" if self._joiners_waiting() else "go")
         return self._await_decision(key + "/done")
 
     def _joiners_waiting(self) -> bool:
@@ -385,12 +381,8 @@ class Membership:
         slice_s = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
         seen: dict[int, tuple[int, float]] = {}
         while True:
-            try:
-                self.store.wait([done], timedelta(seconds=slice_s))
-                return self.store.get(done).decode(), set()
-            except Exception as err:  # noqa: BLE001 - a timeout (keep watching) or the store is gone
-                if "timeout" not in str(err).lower():
-                    raise self._unreachable(err) from err
+            if self._wait(done, slice_s):
+                return self._call(self.store.get, done).decode(), set()
             if beat is None:
                 continue
             now = time.monotonic()
@@ -400,7 +392,7 @@ class Membership:
                     seen[r] = (c, now)
             silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
             if silent:
-                value = self.store.compare_set(done, "", "abort").decode()
+                value = self._call(self.store.compare_set, done, "", "abort").decode()
                 return value, silent if value == "abort" else set()
 
     def _lost_in(self, err: RuntimeError) -> set[str] | None:
@@ -416,10 +408,7 @@ class Membership:
     def _abort_step(self) -> None:
         """Wake the members waiting in this step's vote: the step is aborted."""
         epoch = self._epoch()
-        try:
-            self.store.compare_set(_P + f"e{epoch.number}/s{self.step}/done", "", "abort")
-        except Exception as err:  # noqa: BLE001
-            raise self._unreachable(err) from err
+        self._call(self.store.compare_set, _P + f"e{epoch.number}/s{self.step}/done", "", "abort")
 
     def _discard(self, lost: set[str], start: float) -> None:
         self.counters.discarded_steps += 1
@@ -554,23 +543,34 @@ class Membership:
 
     # ------------------------------------------------------------------ the coordinator
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
+        """A request to the coordinator, answered within ``seconds`` (default: twice the loss
+        window, at least 5 s) or :class:`MembershipError` (a TCPStore request on a silent
+        link would block for minutes)."""
         try:
-            return fn(*args)
+            return self._caller.call(fn, *args, seconds=seconds or max(5.0, 2 * faults.lost_after()))
         except Exception as err:  # noqa: BLE001 - the store raises several kinds
             raise self._unreachable(err) from err
 
-    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
+    def _wait(self, key: str, seconds: float) -> bool:
+        """Whether ``key`` is set within ``seconds`` (``False``: not yet)."""
         try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except Exception as err:  # noqa: BLE001
-            if "timeout" in str(err).lower():
-                raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
-                                      "a step boundary, or the job is not running (wait_s= waits longer)") from err
-            raise self._unreachable(err) from err
+            self._caller.call(self.store.wait, [key], timedelta(seconds=seconds),
+                              seconds=seconds + max(5.0, 2 * faults.lost_after()))
+            return True
+        except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
+            if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
+                raise self._unreachable(err) from err
+            return False
+
+    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
+        if not self._wait(key, timeout_s):
+            raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
+                                  "a step boundary, or the job is not running (wait_s= waits longer)")
         return self._call(self.store.get, key).decode()
 
     def _unreachable(self, err: BaseException) -> MembershipError:
+        faults._abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")
