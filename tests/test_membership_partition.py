@@ -42,7 +42,7 @@ def _run(*argv: str) -> None:
     assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
 
 
-@pytest.mark.parametrize("split", ["3+1", "2+2"])
+@pytest.mark.parametrize("split", ["3+1", pytest.param("2+2", marks=pytest.mark.slow)])
 def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str) -> None:
     with namespace_hosts(4, "1gbit") as hosts:
         a = hosts[0]
