@@ -64,6 +64,22 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
 
 
+def die_as_source(flag: Path, m: Any) -> None:
+    """Make this process exit as it starts sending a joiner the state (after epoch 0), once
+    per job (``flag``): a test of a joiner's source lost while it heals."""
+    import torch.distributed as dist
+
+    send = dist.broadcast_object_list
+
+    def dying(objects: list, src: int = 0, group: Any = None, device: Any = None) -> None:
+        if dist.get_rank() == src and m.epoch is not None and m.epoch.number > 0 and not flag.exists():
+            flag.touch()
+            os._exit(9)
+        send(objects, src=src, group=group, device=device)
+
+    dist.broadcast_object_list = dying
+
+
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
@@ -91,6 +107,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         started = time.perf_counter()
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
         m.join({"model": model, "optimizer": opt}, lambda: build(mode, model, opt))
+        if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
+            die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
@@ -137,11 +155,11 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused"
-           ) -> dict[int, dict]:
+           joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
+           release_after: list[int] | None = None) -> dict[int, dict]:
     """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
-    replacements, each told to join once the next dying member's process is gone;
-    returns what each member saved."""
+    replacements, each told to join once the next dying member's process is gone (of
+    ``release_after``, default: the killed ones in order); returns what each member saved."""
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
@@ -157,7 +175,7 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     for p in everyone:
         p.start()
     try:
-        for k, i in enumerate(sorted(kills)[:joiners]):
+        for k, i in enumerate((sorted(kills) if release_after is None else release_after)[:joiners]):
             procs[i].join(120)
             gos[k].set()
         for p in everyone:

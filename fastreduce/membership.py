@@ -188,6 +188,8 @@ class Membership:
         self._state: dict[str, Any] = {}
         self._build: Callable[[], Any] | None = None
         self._refused: set[int] = set()  # joiner tickets refused here
+        self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
+        self._kept_mode: tuple[dict[str, Any] | None, bool] = (None, False)  # (the mode's state, per rank)
 
     # ------------------------------------------------------------------ reading
 
@@ -427,7 +429,7 @@ class Membership:
         n = old.number + 1
         self._leave_group(abandon=why == "loss")
         alive = _P + f"e{n}/alive/"
-        self._call(self.store.set, alive + self.member, str(self.step))
+        self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
         expected = [m for m in old.members if m not in lost]
         deadline = time.monotonic() + (faults.lost_after() if why == "loss" else self.timeout_s)
         while True:
@@ -436,14 +438,25 @@ class Membership:
                 break
             time.sleep(0.005)
         mine, key = self._fingerprint(), _P + f"epoch/{n}"
+        # A joiner whose healing failed (its source lost) is healed again in this epoch,
+        # by a member that holds the state: the members holding it come first, and only
+        # they propose (the others' step count is not the job's yet).
+        healed = [m for m in present if json.loads(self._call(self.store.get, alive + m))["healed"]]
+        unhealed = tuple(m for m in present if m not in healed)
         deadline = time.monotonic() + self.wait_s
-        while True:  # below min_ranks: wait for joiners (unless another survivor proposed already)
+        while not self._healed:
+            if self._wait(key, 0.25):
+                break
+            if time.monotonic() > deadline:
+                raise MembershipError(f"fastreduce: no member holding the job's state formed epoch {n} within "
+                                      f"{self.wait_s:g} s (the members were lost while this process joined)")
+        while self._healed:  # below min_ranks: wait for joiners (unless another survivor proposed already)
             tickets = int(self._call(self.store.add, _P + "tickets", 0))
             checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
                        if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
             joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
-            proposal = Epoch(n, tuple(present) + joiners, self.step, tickets, joiners)
+            proposal = Epoch(n, tuple(healed) + unhealed + joiners, self.step, tickets, unhealed + joiners)
             if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
@@ -452,11 +465,12 @@ class Membership:
                                     f"{self.min_ranks}, and no process joined within {self.wait_s:g} s",
                                     "members were lost", old.world)
             time.sleep(0.05)
-        epoch = self._propose(proposal, refusals)
+        epoch = self._propose(proposal, refusals) if self._healed else \
+            Epoch.from_json(self._call(self.store.get, key))
         if self.member not in epoch.members:
             raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
                                   "(it registered after the others had formed it); start it again to rejoin")
-        if epoch.step != self.step:
+        if self._healed and epoch.step != self.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.step}: the members disagree on the committed steps (a bug: "
                                   "please report it)")
@@ -479,15 +493,33 @@ class Membership:
         return epoch
 
     def _enter(self, epoch: Epoch) -> None:
-        """This epoch's process group; the state from rank 0 where it has joiners; the mode."""
-        own = self.mode.state_dict() if self.mode is not None and hasattr(self.mode, "state_dict") else None
-        per_rank = hasattr(self.mode, "communicates_at")
-        self._close_mode()
+        """This epoch's process group; the state from rank 0 where it has joiners; the mode.
+        A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
+        if self.mode is not None:  # kept until an epoch is entered: a failed entry must not lose it
+            self._kept_mode = (self.mode.state_dict() if hasattr(self.mode, "state_dict") else None,
+                               hasattr(self.mode, "communicates_at"))
+            self._close_mode()
+        self.epoch = epoch
+        try:
+            self._set_up(epoch)
+        except RuntimeError as err:
+            lost = self._lost_in(err) if dist.is_initialized() else None
+            if lost is None:
+                raise
+            self.counters.losses += 1
+            log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
+                        ", ".join(sorted(lost)) or "a silent member")
+            self._next_epoch(lost, "loss", time.perf_counter())
+            return
+        self._healed = True
+        self._kept_mode = (None, False)
+
+    def _set_up(self, epoch: Epoch) -> None:
+        own, per_rank = self._kept_mode
         store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
         dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
                                 world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
         faults.start_heartbeat()  # this epoch's: the vote watches it
-        self.epoch = epoch
         joining = self.member in epoch.joined
         if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
             got = self._sync_state(joining, own if per_rank else None)

@@ -98,6 +98,23 @@ def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: Path) -> None:
+    """Member 2 dies at step 10; its replacement is admitted, and the member sending it the
+    state dies as it starts: the survivor and the joiner form the next epoch, where the
+    survivor (the one member holding the state) heals the joiner; they train on to the end,
+    bit-identical."""
+    found = launch(tmp_path, "process_group", {0: ("in-heal", 0), 1: ("in-heal", 0), 2: ("mid-step", 10)},
+                   release_after=[2])
+    final = [f for f in found.values() if "params" in f]
+    assert len(final) == 2 and 3 in found and "params" in found[3], {i: f.get("error") for i, f in found.items()}
+    for f in final:
+        assert "error" not in f, f["error"]
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2
+    survivor = next(f for f in final if f["index"] != 3)
+    assert survivor["counters"]["losses"] == 2, survivor["counters"]
+    _same(final)
+
+
 @SLOW
 def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_joiner(tmp_path: Path) -> None:
     found = run(tmp_path, "process_group", {1: ("mid-step", 8), 2: ("mid-step", 8)}, joiners=1)
