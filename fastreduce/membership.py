@@ -333,16 +333,26 @@ class Membership:
 
     def _keep(self) -> dict[str, Any]:
         """What a sync changes, to put back if it fails: the mode's state (parameters,
-        anchor, outer optimizer, counters) and every object of ``state`` but the model."""
-        return {"mode": _clone(self.mode.state_dict()),
-                **{k: _clone(v.state_dict()) for k, v in self._state.items() if not isinstance(v, torch.nn.Module)}}
+        anchor, outer optimizer, counters), every object of ``state`` but the model, and
+        the gradients (LocalSGD's warm-up averages them in the step)."""
+        grads = [(p, p.grad.clone()) for v in self._state.values() if isinstance(v, torch.nn.Module)
+                 for p in v.parameters() if p.grad is not None]
+        return {"mode": _clone(self.mode.state_dict()), "grads": grads,
+                "state": {k: _clone(v.state_dict()) for k, v in self._state.items()
+                          if not isinstance(v, torch.nn.Module)}}
 
     def _again(self, kept: dict[str, Any], lost: set[str], start: float) -> None:
         """The sync failed: state back as before the step, the next epoch, then the step again."""
         for k, v in self._state.items():
-            if k in kept:
-                v.load_state_dict(kept[k])
+            if k in kept["state"]:
+                v.load_state_dict(kept["state"][k])
         self.mode.load_state_dict(kept["mode"])
+        with torch.no_grad():
+            for p, g in kept["grads"]:
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
         self.counters.losses += 1
         self.counters.resyncs += 1
         log.warning("fastreduce: the sync at step %d failed (lost: %s); every survivor goes back to before it and "
