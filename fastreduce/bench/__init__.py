@@ -132,7 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which suite to run (default: reduce and step; all: every suite)")
     parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (default: 2)")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick)")
+                        help="timed calls (reduce) / steps (step, optim) per method (default: 20; 4 with --quick); "
+                             "faults suite: steps per timed block (default: 100; 3 with --quick)")
     parser.add_argument("--params-m", type=float, default=None,
                         help="model size in millions of fp32 parameters (default: 12, the local suite "
                              f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick; "
@@ -396,7 +397,8 @@ def faults_config(args: argparse.Namespace) -> FaultsConfig:
             raise ValueError(f"--faults-contenders takes names among {', '.join(FAULTS_CONTENDERS)}, "
                              f"got {args.faults_contenders!r}")
         given["contenders"] = names
-    for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch)):
+    for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
+                       ("block", args.iters)):
         if value is not None:
             given[key] = value
     return faults_quick_config(**given) if args.quick else FaultsConfig(**given)
