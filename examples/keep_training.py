@@ -85,7 +85,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
-    the later layers' buckets in flight with ``overlap``); ``go``: an event to wait for
+    the later layers' buckets in flight with ``overlap``), ``before-vote`` (its reduction
+    done on every member, its vote not cast), ``in-heal``; ``go``: an event to wait for
     before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
@@ -109,6 +110,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         m.join({"model": model, "optimizer": opt}, lambda: build(mode, model, opt))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
+        if kill is not None and kill[0] == "before-vote":  # after its reduction succeeded everywhere
+            vote = m._vote
+            m._vote = lambda: os._exit(9) if m.step == kill[1] else vote()
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step

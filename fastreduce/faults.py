@@ -182,9 +182,14 @@ class StoreCaller:
                 box.append(err)
             done.set()
 
-    def call(self, fn: Callable[..., Any], *args: Any, seconds: float) -> Any:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> tuple[threading.Event, list[Any]]:
+        """Queue ``fn(*args)``; the event is set once its result (or error) is in the list."""
         done, box = threading.Event(), []
         self._q.put((fn, args, done, box))
+        return done, box
+
+    def call(self, fn: Callable[..., Any], *args: Any, seconds: float) -> Any:
+        done, box = self.submit(fn, *args)
         if not done.wait(seconds):
             raise TransportError(f"fastreduce: the job's c10d store did not answer within {seconds:g} s (its host, "
                                  "or the link to it, is down)")

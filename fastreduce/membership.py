@@ -45,8 +45,6 @@ batches are skipped, not re-run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import logging
 import os
@@ -64,6 +62,7 @@ import torch.distributed as dist
 import fastreduce.faults as faults
 
 from .faults import RankLostError
+from .heal import broadcast_state
 from .version import __version__
 
 __all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "connect", "serve"]
@@ -178,6 +177,7 @@ class Membership:
         os.environ.setdefault(faults.HEARTBEAT_ENV, str(_HEARTBEAT_S))
         self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
         self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
+        self._waiter: Any = None  # a connection for the vote's waiting get
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
         self.timeout_s, self.wait_s = timeout_s, wait_s
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -391,21 +391,30 @@ class Membership:
         if beat is not None and beat.default != id(faults._default_store()):
             beat = None  # an earlier epoch's
         slice_s = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
+        # One request waits for the decision (a get on a connection of its own, no timeout
+        # of its own to print every slice); meanwhile this thread watches the heartbeats
+        # through the heartbeat's connection and, if a member goes silent, writes "abort".
+        finished, box = self._caller.submit(self._vote_connection().get, done)
         seen: dict[int, tuple[int, float]] = {}
-        while True:
-            if self._wait(done, slice_s):
-                return self._call(self.store.get, done).decode(), set()
-            if beat is None:
+        silent: set[str] = set()
+        while not finished.wait(slice_s):
+            if beat is None or silent:
                 continue
             now = time.monotonic()
-            counts = self._call(beat.counts)
-            for r, c in enumerate(counts):
-                if r not in seen or seen[r][0] != c:
-                    seen[r] = (c, now)
-            silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
-            if silent:
-                value = self._call(self.store.compare_set, done, "", "abort").decode()
-                return value, silent if value == "abort" else set()
+            try:
+                counts = beat.call(beat.counts)
+                for r, c in enumerate(counts):
+                    if r not in seen or seen[r][0] != c:
+                        seen[r] = (c, now)
+                silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
+                if silent:
+                    beat.call(self.store.compare_set, done, "", "abort")  # the waiting get returns it too
+            except faults.TransportError as err:
+                raise self._unreachable(err) from err
+        if isinstance(box[0], BaseException):
+            raise self._unreachable(box[0]) from box[0]
+        value = box[0].decode()
+        return value, silent if value == "abort" else set()
 
     def _lost_in(self, err: RuntimeError) -> set[str] | None:
         """The members a failed reduction lost, or ``None`` if it was no loss."""
@@ -548,18 +557,17 @@ class Membership:
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
 
     def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Rank 0's whole state (and its mode's, ``mode_state``) to every rank; a joiner
-        loads it and gets the mode's state back, to load once its mode is built."""
-        payload: list[Any] = [None]
+        """Rank 0's whole state (and its mode's, ``mode_state``) to every rank, its tensors
+        as one flat broadcast per dtype (:func:`~fastreduce.heal.broadcast_state`); a
+        joiner loads it and gets the mode's state back, to load once its mode is built."""
+        first = next((p for v in self._state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
+        device = torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
+        mine = None
         if dist.get_rank() == 0:
-            buf = io.BytesIO()
-            torch.save({"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()},
-                        "mode": mode_state}, buf)
-            payload[0] = buf.getvalue()
-        dist.broadcast_object_list(payload, src=0)
+            mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()}, "mode": mode_state}
+        got = broadcast_state(mine, device)
         if not joining or dist.get_rank() == 0:
             return None
-        got = torch.load(io.BytesIO(payload[0]), weights_only=False)
         for k, obj in self._state.items():
             obj.load_state_dict(got["state"][k])
         self.step = int(got["step"])
@@ -604,6 +612,17 @@ class Membership:
             if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
                 raise self._unreachable(err) from err
             return False
+
+    def _vote_connection(self) -> Any:
+        """A connection of its own for the vote's waiting get (the other requests go on
+        the first while it waits), with the epoch's timeout."""
+        if self._waiter is None:
+            try:
+                self._waiter = self.store.clone()
+            except Exception:  # noqa: BLE001 - a store that cannot clone (an older torch): a second client
+                self._waiter = connect(self.where, self.timeout_s) if ":" in self.where else self.store
+            self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
+        return self._waiter
 
     def _await_key(self, key: str, timeout_s: float, what: str) -> str:
         if not self._wait(key, timeout_s):

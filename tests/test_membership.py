@@ -51,13 +51,15 @@ SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one 
 
 @pytest.mark.parametrize("transport, where, overlap", [
     ("process_group", "mid-step", False), ("shm", "mid-step", False), ("process_group", "in-backward", True),
+    ("process_group", "before-vote", False),
     pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW),
     pytest.param("shm", "between", False, marks=SLOW)])
 def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
                                                         overlap: bool) -> None:
     """Killed mid-step (after backward), inside backward with the overlapped reducer's
-    later buckets in flight, or between steps: the survivors discard that step and go on;
-    the replacement heals from a live member."""
+    later buckets in flight, after its reduction completed on every member but before its
+    vote (the survivors' heartbeat watch aborts the step), or between steps: the survivors
+    discard that step and go on; the replacement heals from a live member."""
     found = run(tmp_path, transport, {2: (where, 10)}, mode="overlap" if overlap else "fused")
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found  # it died
@@ -198,3 +200,37 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
         _ = m.rank
     with pytest.raises(TypeError, match=r"commit\(\) takes the optimizer's step"):
         m.commit(None)
+
+
+def _heal_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from fastreduce.heal import broadcast_state
+
+    torch.manual_seed(rank)  # every rank's own values: only rank 0's may arrive
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    state = {"step": 7 + rank, "model": model.state_dict(), "opt": opt.state_dict(),
+             "extra": [torch.zeros(0), torch.arange(3, dtype=torch.int64), ("text", 1.5)]}
+    got = broadcast_state(state if rank == 0 else None, torch.device("cpu"))
+    dist.barrier()
+    return {"sent": state, "got": got}
+
+
+def test_a_joiner_receives_the_state_as_flat_blocks_bit_for_bit() -> None:
+    """fastreduce.heal.broadcast_state: rank 0's nested state (a model's and AdamW's
+    state_dicts, several dtypes, an empty tensor, plain values) arrives equal on rank 1."""
+    from fastreduce.launch import run_ranks
+
+    sent, got = (r for r in run_ranks(_heal_worker, 2, timeout=60))
+    a, b = sent["sent"], got["got"]
+    assert b["step"] == 7 and b["extra"][2] == ("text", 1.5) and b["extra"][0].numel() == 0
+    assert torch.equal(b["extra"][1], a["extra"][1])
+    for k, v in a["model"].items():
+        assert torch.equal(b["model"][k], v) and b["model"][k].dtype == v.dtype, k
+    for i, st in a["opt"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(b["opt"]["state"][i][k], v), (i, k)
+    assert b["opt"]["param_groups"] == a["opt"]["param_groups"]
