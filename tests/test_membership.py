@@ -50,8 +50,9 @@ SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one 
 
 
 @pytest.mark.parametrize("transport, where, overlap", [
-    ("process_group", "mid-step", False), ("shm", "mid-step", False), ("process_group", "in-backward", True),
-    ("process_group", "before-vote", False),
+    ("process_group", "mid-step", False), pytest.param("shm", "mid-step", False, marks=SLOW),
+    pytest.param("process_group", "in-backward", True, marks=SLOW),
+    pytest.param("process_group", "before-vote", False, marks=SLOW),
     pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW),
     pytest.param("shm", "between", False, marks=SLOW)])
 def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
@@ -81,7 +82,8 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     _same(final)  # the joiner took the whole state from a live peer: bit for bit after 20+ more steps
 
 
-@pytest.mark.parametrize("mode, transport", [("diloco", "process_group"), ("localsgd", "shm")])
+@pytest.mark.parametrize("mode, transport", [("diloco", "process_group"),
+                                             pytest.param("localsgd", "shm", marks=SLOW)])
 def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode: str, transport: str) -> None:
     """LocalSGD and DiLoCo (a sync every 4 steps, DiLoCo's in 2 fragments): a member lost
     before a sync fails it; every survivor puts its parameters, anchor, outer and inner
@@ -100,6 +102,7 @@ def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@SLOW
 def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: Path) -> None:
     """Member 2 dies at step 10; its replacement is admitted, and the member sending it the
     state dies as it starts: the survivor and the joiner form the next epoch, where the
@@ -127,6 +130,7 @@ def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_join
     _same(final)
 
 
+@SLOW
 def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_path: Path) -> None:
     found = run(tmp_path, "process_group", {2: ("between", 6)}, joiners=1, joiner_width=12)
     assert "refused" in found[3] and "model.0.weight [12, 8]" in found[3]["refused"], found[3]
@@ -137,6 +141,7 @@ def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_pa
     _same(final)
 
 
+@SLOW
 def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
     """The coordinator is the job's single point: killed mid-run, every member raises
     MembershipError naming it within seconds (no hang, whatever the group's timeout)."""
