@@ -101,6 +101,10 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[plot,peers]"
+	@# torchft (faults suite) only where the installed torch is >= 2.7, and never replacing it
+	$(BIN)/python -c "import sys, torch; sys.exit(tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) < (2, 7) or sys.version_info >= (3, 12))" \
+		&& $(BIN)/python -m pip install -q "torchft==0.2.0" "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)')" \
+		|| echo "fastreduce bench: torchft left out (it needs torch >= 2.7 and CPython < 3.12); the faults suite skips it"
 	$(BIN)/fastreduce bench
 
 lint: $(STAMP)

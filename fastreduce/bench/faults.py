@@ -8,7 +8,7 @@ the same model, data and failure schedule under three ways of surviving a lost p
  ``fastreduce_shm``       (``--faults-wire``, fp32 by default), on Gloo
                           (``FASTREDUCE_TRANSPORT=process_group``) and on shared memory;
                           a coordinator (:func:`fastreduce.membership.serve`) in the launcher
- ``torchft``              torchft 0.2.0 (``pip install torchft==0.2.0``, the ``peers`` extra;
+ ``torchft``              torchft 0.2.0 (``pip install torchft==0.2.0``, by ``make bench``;
                           skipped with a note where it does not import): a Lighthouse in the
                           launcher, each member a replica of one rank with its own
                           ``Manager`` (``ProcessGroupGloo`` with a 5 s timeout, async quorum,
