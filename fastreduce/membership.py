@@ -289,11 +289,7 @@ class Membership:
             if reduce is not None:
                 reduce()
         except RuntimeError as err:
-            lost = self._lost_in(err)
-            if lost is None:
-                raise
-            self._abort_step()
-            self._discard(lost, start)
+            self._discard(self._aborted_by(err), start)
             return False
         decision, silent = self._vote()
         if decision == "abort":
@@ -316,11 +312,7 @@ class Membership:
             try:
                 step()
             except RuntimeError as err:
-                lost = self._lost_in(err)
-                if lost is None:
-                    raise
-                self._abort_step()
-                self._again(kept, lost, start)
+                self._again(kept, self._aborted_by(err), start)
                 continue
             decision, silent = self._vote()
             if decision != "abort":
@@ -425,6 +417,15 @@ class Membership:
             return None
         ranks, _, _ = faults.diagnose()
         return {epoch.members[r] for r in ranks}
+
+    def _aborted_by(self, err: RuntimeError) -> set[str]:
+        """The members whose loss failed this step's collective (the step then aborted for
+        every member); ``err`` itself again where it is no loss."""
+        lost = self._lost_in(err)
+        if lost is None:
+            raise err
+        self._abort_step()
+        return lost
 
     def _abort_step(self) -> None:
         """Wake the members waiting in this step's vote: the step is aborted."""

@@ -22,19 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastreduce.bench.hosts import can_make_hosts, namespace_hosts
+from fastreduce.bench.hosts import namespace_hosts
+from test_partition import _hosts_possible  # noqa: F401  (autouse: skipped where namespace hosts cannot be made)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 200
 PORT = 29400
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def _hosts_possible() -> None:
-    why = can_make_hosts()
-    if why:
-        pytest.skip(f"namespace hosts: {why}")
 
 
 def _run(*argv: str) -> None:
