@@ -80,13 +80,34 @@ def die_as_source(flag: Path, m: Any) -> None:
     dist.broadcast_object_list = dying
 
 
+def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
+    """``mode``, whose ``reduce()`` raises a transport error once at step ``kill[1]`` after
+    it completed (where ``kill[0]`` is ``flaps``): a link that failed on this member alone."""
+    if kill is None or kill[0] != "flaps":
+        return mode
+    from fastreduce.faults import TransportError
+
+    reduce = mode.reduce
+
+    def flaky() -> None:
+        reduce()
+        if m.step == kill[1] and not m.counters.losses:
+            raise TransportError("fastreduce: the link flapped on this member after its reduction completed "
+                                 "(injected by examples/keep_training.py)")
+
+    mode.reduce = flaky
+    return mode
+
+
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
-    the later layers' buckets in flight with ``overlap``), ``before-vote`` (its reduction
-    done on every member, its vote not cast), ``in-heal``; ``go``: an event to wait for
+    the later layers' buckets in flight with ``overlap``), ``after-reduce`` (its reduction
+    done on every member, its optimizer step not taken), ``flaps`` (its reduction completed
+    on every member, then a transport error on this one alone: it is healed forward to the
+    step the others committed), ``in-heal``; ``go``: an event to wait for
     before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
@@ -107,12 +128,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             go.wait(120)
         started = time.perf_counter()
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
-        m.join({"model": model, "optimizer": opt}, lambda: build(mode, model, opt))
+        m.join({"model": model, "optimizer": opt}, lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
-        if kill is not None and kill[0] == "before-vote":  # after its reduction succeeded everywhere
-            vote = m._vote
-            m._vote = lambda: os._exit(9) if m.step == kill[1] else vote()
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
@@ -130,7 +148,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 say(f"dies mid-step, at step {m.step}")
                 os._exit(9)
             epoch = m.epoch.number
-            ok = m.commit(opt.step)  # the reduction (or the sync in the step), the vote, the step
+            dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
+            ok = m.commit(lambda: os._exit(9) if dies else opt.step())  # the reduction (or the sync), the step
             opt.zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)

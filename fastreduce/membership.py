@@ -11,24 +11,33 @@ again on a fresh store prefix), so every fastreduce mode, built over the default
 runs in it unchanged; the mode is rebuilt at each new epoch from the builder the members
 gave (each survivor keeping its own mode state: error-feedback residuals).
 
-Per step, :meth:`Membership.commit` runs the mode's reduction and then a vote through the
-coordinator: each member adds 1 to the step's counter once its reduction succeeded; the
-member whose vote completes the count writes the decision. So a step is **committed on
-every member or on none**: if a member is lost, its vote never comes, every survivor
-discards the step (its gradients are lost with the batch; the parameters and optimizer
-state are as before it, as the caller steps only on ``True``), and the survivors form the
-next epoch without it. At most one step is discarded per loss.
+Per step, :meth:`Membership.commit` runs the mode's reduction and, where it succeeded,
+the optimizer's step: no request to the coordinator on the way. A step is still **committed
+on every member or on none**, decided when the epoch ends: a member is lost, the
+survivors' reductions fail (some survivors may have completed that step's reduction before
+the loss, with every member's gradients in it, and stepped), and each survivor registers
+for the next epoch with its committed steps. The members holding the most (at most one
+more than the others: a step's reduction needs every member) send their state to the
+others as to a joiner, so every survivor enters the next epoch at that step; where none
+completed it, the step is discarded on every member (its gradients lost with the batch;
+the caller steps only on ``True``). At most one step is discarded per loss.
 
 **Losses.** A failed reduction (a :class:`~fastreduce.RankLostError`, or the transport's
-error) or a vote that stalls while a member's heartbeat is silent for
-``$FASTREDUCE_LOST_AFTER_S`` ends the epoch: the member that sees it first marks the step
-aborted (the others' waits end at once), every survivor registers for the next epoch,
-waits until every member not known lost has registered (at most the same window), and
-the first proposal written wins (``compare_set``); a member left out of it (registered
-too late) raises :class:`MembershipError`, and may rejoin as a new process.
+error) ends the epoch: every survivor registers for the next epoch, waits until every
+member not known lost has registered (at most ``$FASTREDUCE_LOST_AFTER_S``), and the first
+proposal written wins (``compare_set``); a member left out of it (registered too late)
+raises :class:`MembershipError`, and may rejoin as a new process.
+
+**Polls.** Every ``poll_s`` seconds (a number of steps agreed at the previous poll, from
+the step time) the members vote through the coordinator at the end of a step: each adds 1
+to the step's counter, and the member whose vote completes the count looks for joiners and
+writes the decision (go on, or admit them) and the step of the next poll. A member silent
+for ``$FASTREDUCE_LOST_AFTER_S`` during a poll ends the epoch as a failed reduction does.
+LocalSGD and DiLoCo, whose collectives run in the optimizer's step, vote at every sync
+instead: a sync that fails on any member is put back and run again on every survivor.
 
 **Joining.** A new process, started like the others with the same coordinator, takes a
-ticket and is admitted at the members' next vote (the voter that completes the count sees
+ticket and is admitted at the members' next poll (the voter that completes the count sees
 the ticket and decides ``"join"``): after that step is committed, the next epoch holds the
 members then the joiners, and rank 0 (a member) sends the whole training state (every
 ``state_dict`` of ``state`` and the committed step count) over the new group; the joiner
@@ -150,6 +159,9 @@ class Membership:
         timeout_s: each epoch's process-group timeout.
         wait_s: how long a joiner waits for admission, and survivors below
             ``min_ranks`` wait for joiners.
+        poll_s: about how often the members look for joiners (a vote through the
+            coordinator every so many steps; the per-step modes' only request to it).
+            A joiner waits up to this long for admission, plus a step.
 
     Use::
 
@@ -164,9 +176,11 @@ class Membership:
 
     def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
                  backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
-                 member: str | None = None):
+                 poll_s: float = 0.2, member: str | None = None):
         if world_size < 1 or not 1 <= min_ranks:
             raise ValueError(f"world_size and min_ranks must be >= 1, got {world_size} and {min_ranks}")
+        if not poll_s >= 0:
+            raise ValueError(f"poll_s must be >= 0 seconds (0: a poll at every step), got {poll_s}")
         coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
         if coordinator is None:
             raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "
@@ -179,7 +193,10 @@ class Membership:
         self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
         self._waiter: Any = None  # a connection for the vote's waiting get
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
-        self.timeout_s, self.wait_s = timeout_s, wait_s
+        self.timeout_s, self.wait_s, self.poll_s = timeout_s, wait_s, poll_s
+        self._poll_at = 0  # the step index of the members' next poll (agreed at the last one)
+        self._step_s: float | None = None  # a running mean of the seconds between commits
+        self._last_commit: float | None = None
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.epoch: Epoch | None = None
         self.step = 0  # committed steps
@@ -264,13 +281,16 @@ class Membership:
     def commit(self, step: Callable[[], Any]) -> bool:
         """Commit this step on every member or on none; ``True`` when committed.
 
-        ``step``: the optimizer's (``opt.step``), run here when the step is committed, so
+        ``step``: the optimizer's (``opt.step``), run here once the reduction succeeded, so
         that a joiner admitted at this step takes the state after it (the members form
         the next epoch right after it, before any backward of the next step).
 
-        The fused and overlapped modes: the mode's ``reduce()``, then the vote, then
-        ``step()``; ``False``: discarded on every member (a member was lost; the next
-        epoch is formed already, read :attr:`rank` and :attr:`world` again).
+        The fused and overlapped modes: the mode's ``reduce()``, then ``step()``, then,
+        at a poll, the vote. ``False``: a member was lost and no survivor completed this
+        step's reduction, so every member discarded it; ``True`` after a loss: another
+        survivor completed it (with this member's gradients in it) and this member took
+        its state. Either way the next epoch is formed already: read :attr:`rank` and
+        :attr:`world` again.
 
         LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
         inner step without a collective just runs. At a sync,
@@ -284,22 +304,45 @@ class Membership:
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         if hasattr(self.mode, "communicates_at"):
             return self._commit_local(step, start)
-        reduce = getattr(self.mode, "reduce", None)
+        reduce, s = getattr(self.mode, "reduce", None), self.step
         try:
             if reduce is not None:
                 reduce()
         except RuntimeError as err:
-            self._discard(self._aborted_by(err), start)
-            return False
-        decision, silent = self._vote()
-        if decision == "abort":
-            self._discard(silent, start)
-            return False
+            return self._lost_step(self._aborted_by(err), start)
         self.step += 1
         step()
-        if decision == "join":
-            self._next_epoch(set(), "join", start)
+        if s >= self._poll_at:
+            decision, silent = self._vote(s)
+            if decision == "abort":  # a member went silent after this step's reduction: the step stands
+                self.counters.losses += 1
+                self._next_epoch(silent, "loss", start)
+            elif decision == "join":
+                self._next_epoch(set(), "join", start)
+        self._timed()
         return True
+
+    def _timed(self) -> None:
+        """The running mean of the seconds between commits (the next poll's distance)."""
+        now = time.perf_counter()
+        if self._last_commit is not None:
+            gap = now - self._last_commit
+            self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
+        self._last_commit = now
+
+    def _lost_step(self, lost: set[str], start: float) -> bool:
+        """This step's reduction failed: the next epoch, at the step the survivors reached.
+        ``True`` where another survivor completed this step (this member took its state)."""
+        before = self.step
+        self.counters.losses += 1
+        log.warning("fastreduce: step %d failed (lost: %s); forming the next epoch", before,
+                    ", ".join(sorted(lost)) or "a silent member")
+        self._next_epoch(lost, "loss", start)
+        if self.step > before:
+            return True
+        self.counters.discarded_steps += 1
+        log.warning("fastreduce: step %d discarded on every member", before)
+        return False
 
     def _commit_local(self, step: Callable[[], Any], start: float) -> bool:
         mode = self.mode
@@ -314,7 +357,7 @@ class Membership:
             except RuntimeError as err:
                 self._again(kept, self._aborted_by(err), start)
                 continue
-            decision, silent = self._vote()
+            decision, silent = self._vote(self.step)
             if decision != "abort":
                 break
             self._again(kept, silent, start)
@@ -351,12 +394,21 @@ class Membership:
                     "syncs again over the next epoch", self.step, ", ".join(sorted(lost)) or "a silent member")
         self._next_epoch(lost, "loss", start)
 
-    def _vote(self) -> tuple[str, set[str]]:
+    def _vote(self, s: int) -> tuple[str, set[str]]:
+        """The members' vote at step index ``s``: ``"go"``, ``"join"`` or ``"abort"`` (and the
+        silent members); the voter completing the count also sets the next poll's step."""
         epoch = self._epoch()
-        key = _P + f"e{epoch.number}/s{self.step}"
+        key = _P + f"e{epoch.number}/s{s}"
         if self._call(self.store.add, key, 1) == epoch.world:
-            self._call(self.store.compare_set, key + "/done", "", "join" if self._joiners_waiting() else "go")
-        return self._await_decision(key + "/done")
+            every = 1 if not self._step_s else max(1, min(10_000, int(self.poll_s / self._step_s)))
+            decision = "join" if self._joiners_waiting() else "go"
+            self._call(self.store.compare_set, key + "/done", "", f"{decision} {s + every}")
+        value, silent = self._await_decision(key + "/done")
+        if value == "abort":
+            return value, silent
+        decision, _, at = value.partition(" ")
+        self._poll_at = int(at)
+        return decision, silent
 
     def _joiners_waiting(self) -> bool:
         """Whether a process waits to join with this layout; one with another layout is
@@ -432,13 +484,6 @@ class Membership:
         epoch = self._epoch()
         self._call(self.store.compare_set, _P + f"e{epoch.number}/s{self.step}/done", "", "abort")
 
-    def _discard(self, lost: set[str], start: float) -> None:
-        self.counters.discarded_steps += 1
-        self.counters.losses += 1
-        log.warning("fastreduce: step %d discarded on every member (lost: %s); forming the next epoch",
-                    self.step, ", ".join(sorted(lost)) or "a silent member")
-        self._next_epoch(lost, "loss", start)
-
     # ------------------------------------------------------------------ epochs
 
     def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
@@ -458,11 +503,16 @@ class Membership:
                 break
             time.sleep(0.005)
         mine, key = self._fingerprint(), _P + f"epoch/{n}"
-        # A joiner whose healing failed (its source lost) is healed again in this epoch,
-        # by a member that holds the state: the members holding it come first, and only
-        # they propose (the others' step count is not the job's yet).
-        healed = [m for m in present if json.loads(self._call(self.store.get, alive + m))["healed"]]
-        unhealed = tuple(m for m in present if m not in healed)
+        # The members holding the job's state at its latest step come first (rank 0 sends
+        # it); the survivors one step behind (their reduction failed where these completed
+        # it) and a joiner whose healing failed (its source lost) receive it. Only members
+        # that held the state propose (a joiner's step count is not the job's yet).
+        said = {m: json.loads(self._call(self.store.get, alive + m)) for m in present}
+        healed = [m for m in present if said[m]["healed"]]
+        top = max((said[m]["step"] for m in healed), default=self.step)
+        behind = tuple(m for m in healed if said[m]["step"] != top)
+        healed = [m for m in healed if m not in behind]
+        unhealed = behind + tuple(m for m in present if not said[m]["healed"])
         deadline = time.monotonic() + self.wait_s
         while not self._healed:
             if self._wait(key, 0.25):
@@ -476,7 +526,7 @@ class Membership:
                        if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
             joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
-            proposal = Epoch(n, tuple(healed) + unhealed + joiners, self.step, tickets, unhealed + joiners)
+            proposal = Epoch(n, tuple(healed) + unhealed + joiners, top, tickets, unhealed + joiners)
             if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
@@ -490,7 +540,7 @@ class Membership:
         if self.member not in epoch.members:
             raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
                                   "(it registered after the others had formed it); start it again to rejoin")
-        if self._healed and epoch.step != self.step:
+        if self._healed and self.member not in epoch.joined and epoch.step != self.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.step}: the members disagree on the committed steps (a bug: "
                                   "please report it)")
@@ -533,6 +583,7 @@ class Membership:
             return
         self._healed = True
         self._kept_mode = (None, False)
+        self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
 
     def _set_up(self, epoch: Epoch) -> None:
         own, per_rank = self._kept_mode
@@ -541,9 +592,10 @@ class Membership:
                                 world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
         faults.start_heartbeat()  # this epoch's: the vote watches it
         joining = self.member in epoch.joined
+        fresh = joining and not self._healed  # a new process (a survivor one step behind keeps its mode's state)
         if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
             got = self._sync_state(joining, own if per_rank else None)
-            if joining:  # rank 0's mode state came only if its mode keeps one per rank
+            if fresh:  # rank 0's mode state came only if its mode keeps one per rank
                 own, per_rank = got, got is not None
         if self._build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
@@ -554,7 +606,7 @@ class Membership:
             if getattr(self.mode, "fragment_delay", 0):
                 raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
                                  "under fastreduce.Membership yet: use fragment_delay=0")
-            if own is not None and (per_rank or not joining):
+            if own is not None and (per_rank or not fresh):
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
 
     def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -52,15 +52,17 @@ SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one 
 @pytest.mark.parametrize("transport, where, overlap", [
     ("process_group", "mid-step", False), pytest.param("shm", "mid-step", False, marks=SLOW),
     pytest.param("process_group", "in-backward", True, marks=SLOW),
-    pytest.param("process_group", "before-vote", False, marks=SLOW),
+    pytest.param("process_group", "after-reduce", False, marks=SLOW),
     pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW),
     pytest.param("shm", "between", False, marks=SLOW)])
 def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
                                                         overlap: bool) -> None:
     """Killed mid-step (after backward), inside backward with the overlapped reducer's
-    later buckets in flight, after its reduction completed on every member but before its
-    vote (the survivors' heartbeat watch aborts the step), or between steps: the survivors
-    discard that step and go on; the replacement heals from a live member."""
+    later buckets in flight, or between steps: the survivors discard that step and go on;
+    killed after its reduction completed on every member (before its optimizer step), the
+    survivors commit that step and discard the next, whose reduction fails (none if that
+    step was a poll: its vote sees the member silent). The replacement heals from a live
+    member."""
     found = run(tmp_path, transport, {2: (where, 10)}, mode="overlap" if overlap else "fused")
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found  # it died
@@ -75,11 +77,31 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     for f in survivors:
         c = f["counters"]
         assert c["losses"] == 1 and c["discarded_steps"] <= 1 and c["joins"] == 1, c
-        assert [s for s, ok, _, _ in f["steps"] if not ok] == [10] * c["discarded_steps"]  # the step it died in
+        died = 11 if where == "after-reduce" else 10  # the first step whose reduction lacks it
+        assert [s for s, ok, _, _ in f["steps"] if not ok] == [died] * c["discarded_steps"]
     joiner = final[2]
     assert 10 <= joiner["joined_at"] < STEPS, joiner["joined_at"]
     assert joiner["counters"]["stalls"][0][0] == "joined"
     _same(final)  # the joiner took the whole state from a live peer: bit for bit after 20+ more steps
+
+
+@SLOW
+def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed_forward(tmp_path: Path) -> None:
+    """Member 1's reduction completes on every member, then fails on member 1 alone (a
+    transport error: its link flapped). The others committed that step; member 1 takes
+    their state in the next epoch (as a joiner would) and goes on from the same step: no
+    process lost, none of member 1's steps discarded, every member bit-identical."""
+    found = run(tmp_path, "process_group", {1: ("flaps", 10)}, joiners=0)
+    final = [found[i] for i in (0, 1, 2)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["epoch"] == 1, (f["epoch"], f["world"])
+        assert f["counters"]["losses"] == 1, f["counters"]
+    flapped = found[1]
+    assert flapped["counters"]["discarded_steps"] == 0 and all(ok for _, ok, _, _ in flapped["steps"])
+    assert [s for s, _, _, _ in flapped["steps"]] == list(range(1, STEPS + 1))  # step 11 healed forward, not skipped
+    for f in (found[0], found[2]):  # they committed step 10; their step 11 failed as member 1 left the group
+        assert [s for s, ok, _, _ in f["steps"] if not ok] == [11] * f["counters"]["discarded_steps"]
+    _same(final)
 
 
 @pytest.mark.parametrize("mode, transport", [("diloco", "process_group"),
