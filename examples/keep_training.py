@@ -43,7 +43,7 @@ def make_model(width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
 
 
-MODES = ("fused", "overlap", "localsgd", "diloco")
+MODES = ("fused", "overlap", "localsgd", "diloco", "gossip")
 
 
 def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -55,6 +55,9 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
     if mode == "diloco":
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2)
+    if mode == "gossip":  # each bucket's AdamW inside the mode (``opt`` is not used)
+        return fastreduce.DecentralizedDataParallel(
+            model, lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2), topology="ring")
     settings = {"overlap": True, "bucket_mb": 0.0005} if mode == "overlap" else {}  # 0.5 KB: a bucket per layer
     return fastreduce.FusedReducer(model, wire_dtype=torch.float32, **settings)
 
@@ -143,13 +146,20 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 os._exit(9)
             g = torch.Generator().manual_seed(1000 * m.step + m.rank)  # this rank's shard of the step's batch
             x = torch.randn(16, 8, generator=g)
-            nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin()).backward()
-            if kill == ("mid-step", m.step):
-                say(f"dies mid-step, at step {m.step}")
-                os._exit(9)
+
+            def forward_backward(net: nn.Module) -> None:
+                nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
+                if kill == ("mid-step", m.step):
+                    say(f"dies mid-step, at step {m.step}")
+                    os._exit(9)
+
             epoch = m.epoch.number
-            dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
-            ok = m.commit(lambda: os._exit(9) if dies else opt.step())  # the reduction (or the sync), the step
+            if mode == "gossip":  # the mode steps inside forward and backward: commit runs them
+                ok = m.commit(lambda: forward_backward(m.mode))
+            else:
+                forward_backward(model)
+                dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
+                ok = m.commit(lambda: os._exit(9) if dies else opt.step())  # the reduction (or the sync), the step
             opt.zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
@@ -161,10 +171,12 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
         if mode in ("localsgd", "diloco"):
             m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
+        if mode == "gossip":
+            m.mode.global_avg()  # the end of training: every rank's parameters := their exact mean
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        st = opt.state_dict()["state"]
+        st = opt.state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
         facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
-                                                    for s in st.values()]),
+                                                    for s in st.values()] or [torch.zeros(0)]),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
                      epoch=m.epoch.number, world=m.world)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kill-at", type=int, default=15, help="the step member 2 dies at")
     ap.add_argument("--where", choices=("mid-step", "between", "in-backward"), default="mid-step")
     ap.add_argument("--mode", choices=MODES, default="fused", help="overlap: buckets during backward; localsgd, "
-                    "diloco: a sync every 4 steps, redone over the survivors when a member is lost in it")
+                    "diloco: a sync every 4 steps, redone over the survivors when a member is lost in it; gossip: "
+                    "a ring, rebuilt over the survivors")
     ap.add_argument("--transport", choices=("process_group", "shm"), default="process_group")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     one_model = args.mode in ("fused", "overlap")  # the local modes' ranks keep their own AdamW state
     same = all(torch.equal(f["params"], final[0]["params"]) and (not one_model or torch.equal(f["adam"], final[0]["adam"]))
                for f in final)
-    what = "parameters and AdamW state" if one_model else "parameters (after a last sync)"
+    what = "parameters and AdamW state" if one_model else "parameters (after a last sync or global_avg)"
     print(f"{len(final)} members at step {args.steps}; {what} {'bit-identical on every member' if same else 'DIFFER'}",
           flush=True)
     if not same:

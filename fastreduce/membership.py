@@ -35,6 +35,10 @@ writes the decision (go on, or admit them) and the step of the next poll. A memb
 for ``$FASTREDUCE_LOST_AFTER_S`` during a poll ends the epoch as a failed reduction does.
 LocalSGD and DiLoCo, whose collectives run in the optimizer's step, vote at every sync
 instead: a sync that fails on any member is put back and run again on every survivor.
+Gossip, which steps and exchanges inside forward and backward, gives ``commit()`` them (a
+closure): at a loss each survivor drops the exchanges in flight and keeps its own
+parameters and optimizer state (a gossip rank's are its own anyway), and the ring or
+graph is rebuilt over the survivors at one round they agree on.
 
 **Joining.** A new process, started like the others with the same coordinator, takes a
 ticket and is admitted at the members' next poll (the voter that completes the count sees
@@ -292,6 +296,11 @@ class Membership:
         its state. Either way the next epoch is formed already: read :attr:`rank` and
         :attr:`world` again.
 
+        Gossip (:class:`~fastreduce.DecentralizedDataParallel`): ``step`` is the step's
+        forward and backward through :attr:`mode` (``m.commit(lambda:
+        loss_fn(m.mode(x), y).backward())``), as the mode steps and exchanges inside them;
+        at a loss every survivor keeps its own state and the exchanges in flight are dropped.
+
         LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
         inner step without a collective just runs. At a sync,
         the mode's state and the optimizer's are kept first; if a member is lost during
@@ -302,16 +311,19 @@ class Membership:
             raise TypeError(f"commit() takes the optimizer's step (membership.commit(optimizer.step)), got "
                             f"{type(step).__name__}")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
-        if hasattr(self.mode, "communicates_at"):
+        kind, s = _kind(self.mode), self.step
+        if kind == "local":
             return self._commit_local(step, start)
-        reduce, s = getattr(self.mode, "reduce", None), self.step
         try:
-            if reduce is not None:
-                reduce()
+            if kind == "gossip":
+                step()  # the step's forward and backward: the mode steps and exchanges inside them
+            elif kind == "reduce":
+                self.mode.reduce()
         except RuntimeError as err:
             return self._lost_step(self._aborted_by(err), start)
         self.step += 1
-        step()
+        if kind != "gossip":
+            step()
         if s >= self._poll_at:
             decision, silent = self._vote(s)
             if decision == "abort":  # a member went silent after this step's reduction: the step stands
@@ -492,6 +504,7 @@ class Membership:
         (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
         old = self._epoch()
         n = old.number + 1
+        self._stash_mode(after_loss=why == "loss")
         self._leave_group(abandon=why == "loss")
         alive = _P + f"e{n}/alive/"
         self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
@@ -565,10 +578,6 @@ class Membership:
     def _enter(self, epoch: Epoch) -> None:
         """This epoch's process group; the state from rank 0 where it has joiners; the mode.
         A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
-        if self.mode is not None:  # kept until an epoch is entered: a failed entry must not lose it
-            self._kept_mode = (self.mode.state_dict() if hasattr(self.mode, "state_dict") else None,
-                               hasattr(self.mode, "communicates_at"))
-            self._close_mode()
         self.epoch = epoch
         try:
             self._set_up(epoch)
@@ -600,14 +609,11 @@ class Membership:
         if self._build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
                 self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
-            if not (hasattr(self.mode, "reduce") or hasattr(self.mode, "communicates_at")):
-                raise TypeError(f"fastreduce.Membership runs the fused, overlapped, LocalSGD and DiLoCo modes so far, "
-                                f"not {type(self.mode).__name__}")
-            if getattr(self.mode, "fragment_delay", 0):
-                raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
-                                 "under fastreduce.Membership yet: use fragment_delay=0")
+            _check_mode(self.mode)
             if own is not None and (per_rank or not fresh):
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
+            if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
+                self.mode.set_round(epoch.step)
 
     def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:
         """Rank 0's whole state (and its mode's, ``mode_state``) to every rank, its tensors
@@ -626,9 +632,22 @@ class Membership:
         self.step = int(got["step"])
         return got["mode"]
 
-    def _close_mode(self) -> None:
-        close = getattr(self.mode, "close", None) or getattr(self.mode, "remove", None)
-        if close is not None:
+    def _stash_mode(self, after_loss: bool) -> None:
+        """Keep the mode's state until the next epoch is entered (a failed entry must not
+        lose it), then take the mode off: after a loss without a collective (gossip's
+        exchanges in flight are dropped), else as it saves it (they are completed)."""
+        if self.mode is None:
+            return
+        kind = _kind(self.mode)
+        save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
+            getattr(self.mode, "state_dict", None)
+        self._kept_mode = (_clone(save()) if save is not None else None, kind in ("local", "gossip"))
+        self._close_mode(drain=not after_loss)
+
+    def _close_mode(self, drain: bool = True) -> None:
+        if _kind(self.mode) == "gossip":
+            self.mode.close(drain=drain)
+        elif (close := getattr(self.mode, "close", None) or getattr(self.mode, "remove", None)) is not None:
             close()
         self.mode = None
 
@@ -688,6 +707,31 @@ class Membership:
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")
+
+
+def _kind(mode: Any) -> str:
+    """How :meth:`Membership.commit` runs ``mode``: ``local`` (LocalSGD, DiLoCo: their
+    collectives in the optimizer's step), ``gossip`` (steps and exchanges inside forward and
+    backward), ``reduce`` (the fused and overlapped reducers), else ``other``."""
+    if hasattr(mode, "communicates_at"):
+        return "local"
+    if hasattr(mode, "local_state_dict"):
+        return "gossip"
+    return "reduce" if hasattr(mode, "reduce") else "other"
+
+
+def _check_mode(mode: Any) -> None:
+    """Refuse, on every member alike, a mode Membership cannot keep training."""
+    if _kind(mode) == "other":
+        raise TypeError(f"fastreduce.Membership runs the fused, overlapped, gossip, LocalSGD and DiLoCo modes so far, "
+                        f"not {type(mode).__name__} (ZeRO's shards would be lost with their rank: not yet)")
+    if getattr(mode, "fragment_delay", 0):
+        raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
+                         "under fastreduce.Membership yet: use fragment_delay=0")
+    if _kind(mode) == "gossip" and getattr(mode, "_quant", None) is not None:
+        raise ValueError("gossip with a quantized wire keeps a public copy of each neighbour's parameters, which a "
+                         "new membership's topology would not match: under fastreduce.Membership use a float "
+                         "wire_dtype (bfloat16 halves the bytes)")
 
 
 def _clone(state: Any) -> Any:

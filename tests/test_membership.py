@@ -124,6 +124,27 @@ def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@pytest.mark.parametrize("transport, where", [("process_group", "mid-step"),
+                                             pytest.param("shm", "between", marks=SLOW)])
+def test_gossip_goes_on_over_the_survivors_ring(tmp_path: Path, transport: str, where: str) -> None:
+    """Gossip (a ring, each bucket's AdamW inside the mode, commit() running the step's
+    forward and backward): a member lost; the survivors drop the exchanges in flight, keep
+    their own parameters and optimizer state, and rebuild the ring over themselves at one
+    agreed round; the replacement takes rank 0's parameters, optimizers and round. Every
+    step is committed once on each final member, and their exact mean (global_avg) is the
+    same on all, bit for bit."""
+    found = run(tmp_path, transport, {2: (where, 10)}, mode="gossip")
+    final = [found[i] for i in (0, 1, 3)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+        committed = [s for s, ok, _, _ in f["steps"] if ok]
+        assert committed == list(range(f["joined_at"] + 1, STEPS + 1))
+    for f in final[:2]:
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1, f["counters"]
+    for f in final[1:]:
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+
+
 @SLOW
 def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: Path) -> None:
     """Member 2 dies at step 10; its replacement is admitted, and the member sending it the
@@ -227,6 +248,9 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
         _ = m.rank
     with pytest.raises(TypeError, match=r"commit\(\) takes the optimizer's step"):
         m.commit(None)
+    from fastreduce.membership import _check_mode
+    with pytest.raises(TypeError, match="gossip, LocalSGD and DiLoCo modes so far, not SGD"):
+        _check_mode(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 
 
 def _heal_worker(rank: int, world: int) -> dict:

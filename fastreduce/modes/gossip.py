@@ -232,11 +232,13 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         are still applied at each bucket's next step, as without the wait)."""
         self._drain()
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         """Take every hook of this mode off the model and its parameters (the order
         recorder, the gradient hooks, the compiled backward's cuts); the parameters stay
-        where they are. The mode must not be used afterwards."""
-        self._drain()
+        where they are. The mode must not be used afterwards. ``drain=False``: the
+        exchanges in flight are dropped, not waited for (a peer is gone)."""
+        if drain:
+            self._drain()
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None

@@ -25,18 +25,33 @@ class GossipState:
         scheduler, the round, the bucket order, and the exchange in flight (drained:
         its mixed result is saved and applied at the next step, as it would have been)."""
         self._drain()
+        return self._saved(in_flight=True)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without a collective, for when a peer is gone: the exchanges
+        in flight are dropped (each bucket keeps this rank's parameters, unmixed for that
+        round)."""
+        return self._saved(in_flight=False)
+
+    def _saved(self, in_flight: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.module.state_dict(), "round": self._round, "built": self._built}
         if self._built:
             out["buckets"] = [[self._names[i] for i in b.slots] for b in self._buckets]
             out["optimizers"] = [o.state_dict() for o in self._optims]
             out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
             out["mixed"] = [m.clone() for m in self._mixed]
-            out["pending"] = [self._exchanges[b] is not None for b in range(len(self._buckets))]
+            out["pending"] = [in_flight and self._exchanges[b] is not None for b in range(len(self._buckets))]
             if self._qmix is not None:
                 out["public_copies"] = [q.state_dict() for q in self._qmix]
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         return out
+
+    def set_round(self, round_: int) -> None:
+        """The round of the next exchange (its mixing matrix): every rank must hold the
+        same one. A new membership (:class:`fastreduce.Membership`) sets it on every
+        member, whose own rounds may differ by one after a loss."""
+        self._round = int(round_)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
         """Resume from :meth:`state_dict` (same world size, model and wire)."""
