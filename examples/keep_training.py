@@ -103,7 +103,8 @@ def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
 
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
-           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused") -> None:
+           width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
+           compiled: bool = False) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -112,13 +113,15 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``; ``go``: an event to wait for
     before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
-    coordinator's on this host, or its ``host:port``)."""
+    coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
+    ``torch.compile(model)``, the way users on Gaudi and CUDA train)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
 
     torch.set_num_threads(1)
     model = make_model(width)
+    net = torch.compile(model) if compiled else model  # compiled once: every epoch's mode hooks the same model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     facts: dict[str, Any] = {"index": index, "steps": [], "digests": {}}
 
@@ -157,7 +160,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             if mode == "gossip":  # the mode steps inside forward and backward: commit runs them
                 ok = m.commit(lambda: forward_backward(m.mode))
             else:
-                forward_backward(model)
+                forward_backward(net)
                 dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
                 ok = m.commit(lambda: os._exit(9) if dies else opt.step())  # the reduction (or the sync), the step
             opt.zero_grad()
@@ -191,7 +194,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
-           release_after: list[int] | None = None) -> dict[int, dict]:
+           release_after: list[int] | None = None, compiled: bool = False) -> dict[int, dict]:
     """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
     replacements, each told to join once the next dying member's process is gone (of
     ``release_after``, default: the killed ones in order); returns what each member saved."""
@@ -200,11 +203,12 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     server = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
-                            kwargs={"steps": steps, "verbose": verbose, "mode": mode}) for i in range(3)}
+                            kwargs={"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled})
+             for i in range(3)}
     gos = [ctx.Event() for _ in range(joiners)]
     late = {3 + k: ctx.Process(target=member, args=(3 + k, server.port, str(out), transport, None, gos[k]),
                                kwargs={"width": joiner_width, "steps": steps, "verbose": verbose,
-                                       "mode": mode})
+                                       "mode": mode, "compiled": compiled})
             for k in range(joiners)}
     everyone = [*late.values(), *procs.values()]
     for p in everyone:

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-        joiner_width: int = 16, mode: str = "fused") -> dict[int, dict]:
-    found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode)
+        joiner_width: int = 16, mode: str = "fused", compiled: bool = False) -> dict[int, dict]:
+    found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode, compiled=compiled)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     return found
@@ -101,6 +101,20 @@ def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed
     assert [s for s, _, _, _ in flapped["steps"]] == list(range(1, STEPS + 1))  # step 11 healed forward, not skipped
     for f in (found[0], found[2]):  # they committed step 10; their step 11 failed as member 1 left the group
         assert [s for s, ok, _, _ in f["steps"] if not ok] == [11] * f["counters"]["discarded_steps"]
+    _same(final)
+
+
+@SLOW
+@pytest.mark.parametrize("mode", ["fused", "overlap"])
+def test_a_compiled_model_keeps_training_through_a_loss_and_a_join(tmp_path: Path, mode: str) -> None:
+    """The forward through torch.compile(model) (compiled once per process; each epoch's
+    mode hooks the same parameters, the overlapped one's buckets in the compiled
+    backward): a member lost mid-step and replaced, every final member bit-identical."""
+    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, mode=mode, compiled=True)
+    final = [found[i] for i in (0, 1, 3)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+    assert all(f["counters"]["losses"] == 1 for f in final[:2])
     _same(final)
 
 
