@@ -568,3 +568,72 @@ def test_bad_faults_options_exit_2_before_spawning(argv: list[str], capsys: pyte
     with pytest.raises(SystemExit) if argv[0] == "--faults-wire" else contextlib.nullcontext():
         assert main(["bench", "--suite", "faults", *argv]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> None:
+    """The quick chaos run (3 members, the overlapped mode on shared memory, one member
+    killed inside backward with buckets in flight, a replacement told to join 8 steps later)
+    and its failure-free twin: training reaches the last step on every final member, the world
+    back at 3; one loss, one join, at most one step discarded; every member's parameters equal
+    at every committed step and right after the heal; the final held-out loss within the
+    quick tolerance of the failure-free run's, both far below the initial one."""
+    from fastreduce.bench import chaos as chaos_suite
+
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "chaos", "--quick", "--json",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["chaos"]
+    cfg = chaos_suite.quick_config()
+    [kill] = report["schedule"]["overlap"]
+    assert kill["kind"] == "in-flight" and kill["replacement"] == cfg.members
+    run = report["runs"]["overlap/shm"]
+    chaos, free = run["chaos"], run["failure_free"]
+    assert "error" not in chaos and "error" not in free, chaos.get("error") or free.get("error")
+    assert chaos["final_steps"] == [cfg.steps] == free["final_steps"] and chaos["final_world"] == [cfg.members]
+    final = {int(i) for i, m in chaos["members"].items() if not m["killed"]}
+    assert final == {*range(cfg.members), cfg.members} - {kill["victim"]}
+    assert chaos["members"][str(kill["victim"])]["killed"] == "in-flight"  # its record saved as it died
+    assert chaos["losses"] == 1 and chaos["joins"] == 1 and free["losses"] == free["joins"] == 0
+    [loss] = chaos["per_loss"]
+    assert loss["discarded"] <= 1 and loss["stall_s"] > 0 and loss["at_step"] >= kill["step"]
+    digests = chaos["digests"]
+    assert digests["equal"] and digests["steps_compared"] >= cfg.steps - 1 and chaos["heldout_equal"]
+    [heal] = digests["heals"]
+    assert heal["equal"] and heal["compared"] == cfg.members  # the replacement and every member at that step
+    assert abs(run["heldout_diff_pct"]) <= cfg.tolerance_pct
+    assert max(chaos["heldout"], free["heldout"]) < 0.9 * chaos["heldout_initial"]  # it trained
+    for target in ("held-out", "digests", "discarded", "losses", "joins", "steps"):
+        assert report["targets"][f"overlap/shm {target}"]["pass"], (target, report["targets"])
+    with (tmp_path / "chaos_steps.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["run"] for r in rows} == {"chaos", "failure_free"} and {r["world"] for r in rows} == {"2", "3"}
+    assert (tmp_path / "chaos.csv").read_text().count("\n") == 2
+    assert "chaos suite" in chaos_suite.format_text(report)
+
+
+@pytest.mark.parametrize("argv", [["--chaos-modes", "zero"], ["--chaos-transports", "nccl"], ["--steps", "20"]])
+def test_bad_chaos_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "chaos", *argv]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:
+    """Three kills, one of each kind in a seeded order, each in its own part of the run with
+    its replacement's join (20 steps later) before the next kill; a victim is a process
+    alive then (a healed replacement included); DiLoCo's in-flight kill on a sync step."""
+    from fastreduce.bench import chaos as chaos_suite
+
+    cfg = chaos_suite.ChaosConfig()
+    for seed in range(20):
+        c = chaos_suite.ChaosConfig(seed=seed)
+        kills = chaos_suite.schedule(c, "fused_bf16")
+        assert kills == chaos_suite.schedule(c, "overlap") and sorted(k["kind"] for k in kills) == sorted(chaos_suite.KINDS)
+        alive = set(range(cfg.members))
+        for k, nxt in zip(kills, kills[1:] + [None]):
+            assert k["victim"] in alive and k["step"] + cfg.join_after + cfg.sync_every < (nxt["step"] if nxt else cfg.steps)
+            alive = alive - {k["victim"]} | {k["replacement"]}
+        for a, b in zip(kills, chaos_suite.schedule(c, "diloco")):
+            assert (a["kind"], a["victim"]) == (b["kind"], b["victim"])
+            assert b["step"] == a["step"] if a["kind"] != "in-flight" else (b["step"] + 1) % cfg.sync_every == 0
+    assert chaos_suite.schedule(cfg, "overlap") != chaos_suite.schedule(chaos_suite.ChaosConfig(seed=1), "overlap")

@@ -57,6 +57,18 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   per-step cost with no failure. Also ``--faults-contenders``, ``--faults-wire``,
   ``--params-m`` (1 by default; 10 for the joiner target's model); ``--quick``: 3 members,
   a 0.05M model, 24 steps.
+* ``chaos`` (:mod:`.chaos`): every mode ``fastreduce.Membership`` runs (fused with a bf16
+  wire, overlapped with small buckets, DiLoCo; ZeRO and gossip are listed as not supported
+  under it yet) on Gloo and on shared memory: 4 members train a seeded MLP regression to
+  ``--steps`` (300) committed steps through three seeded kills (mid-step, in flight: inside
+  backward or the reduction or the sync, and between steps; ``--seed``), each replaced 20
+  steps later. Per mode and transport: the losses, joins, steps discarded and stall per loss,
+  every member's parameter digests equal after each heal, the final held-out loss against a
+  failure-free run of the same data and seeds (within 1%), the wall time; ``chaos.csv``,
+  ``chaos_steps.csv`` (every member's every step) and ``chaos.png`` (loss and world size
+  against wall time, a panel per mode). Also ``--chaos-modes``, ``--chaos-transports``,
+  ``--params-m`` (0.1), ``--batch`` (64); ``--quick``: 3 members, 30 steps, one kill and one
+  join, the overlapped mode on shared memory.
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
@@ -75,6 +87,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .chaos import MODES as CHAOS_MODES
+from .chaos import TRANSPORTS as CHAOS_TRANSPORTS
+from .chaos import ChaosConfig, run_chaos_bench
+from .chaos import format_text as format_chaos
+from .chaos import quick_config as chaos_quick_config
+from .chaos import write_outputs as write_chaos_outputs
 from .common import machine_info
 from .compression import CompressionConfig, run_compression_bench
 from .compression import format_text as format_compression
@@ -118,7 +136,7 @@ __all__ = ["BenchConfig", "LocalConfig", "OptimConfig", "StepConfig", "add_argum
            "run_local_bench", "run_optim_bench", "run_step_bench"]
 
 SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers",
-          "faults")
+          "faults", "chaos")
 DEFAULT_SUITES = ("reduce", "step")
 """What runs without ``--suite``: the optim, decentralized, local, network, compression and
 convergence suites are asked for by name or ``all``."""
@@ -138,12 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model size in millions of fp32 parameters (default: 12, the local suite "
                              f"{LOCAL_PARAMS_M:g}, the decentralized suite {GOSSIP_PARAMS_M:g}; 0.25 with --quick; "
                              "the convergence suite: its GPT-2's width is picked to come nearest, default 0.84; the faults "
-                             "suite: its MLP's, default 1, 0.05 with --quick)")
+                             "suite: its MLP's, default 1, 0.05 with --quick; the chaos suite's: 0.1, 0.05 with --quick)")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"step, optim, decentralized and local suites: input rows per rank (default: "
                              f"{STEP_BATCH}, the local suite {LOCAL_BATCH}, the decentralized suite "
                              f"{GOSSIP_BATCH}; 8 with --quick; the convergence suite: sequences per rank, 8, "
-                             "4 with --quick)")
+                             "4 with --quick; the chaos suite: 64, 32 with --quick)")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="step and optim suites: bucket size of overlapped fastreduce (and of "
                              "ZeroOptimizer) in MB (default: the process-group backend's default)")
@@ -197,12 +215,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ",".join(CONVERGENCE_METHODS) + ")")
     parser.add_argument("--steps", type=int, default=None,
                         help="convergence suite: training steps per method (default: 300; 40 with --quick); "
-                             "faults suite: committed steps per contender (default: 300; 24 with --quick)")
+                             "faults suite: committed steps per contender (default: 300; 24 with --quick); "
+                             "chaos suite: committed steps per run (default: 300; 30 with --quick)")
     parser.add_argument("--faults-contenders", default=None, metavar="NAME,NAME",
                         help="faults suite: which to run (default: all: " + ",".join(FAULTS_CONTENDERS) + ")")
     parser.add_argument("--faults-wire", default="fp32", choices=tuple(FAULTS_WIRES),
                         help="faults suite: fastreduce's wire dtype, Membership's and checkpoint-restart's "
                              "(default: fp32, torchft's)")
+    parser.add_argument("--chaos-modes", default=None, metavar="NAME,NAME",
+                        help="chaos suite: the modes to run (default: all: " + ",".join(CHAOS_MODES) + "; "
+                             "overlap with --quick)")
+    parser.add_argument("--chaos-transports", default=None, metavar="NAME,NAME",
+                        help="chaos suite: the transports (default: " + ",".join(CHAOS_TRANSPORTS) + "; shm with "
+                             "--quick)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="chaos suite: draws the kills (steps, victims, order) and the data (default: 0)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="convergence suite: steps between held-out evaluations (default: 25; 10 with --quick)")
     parser.add_argument("--train-mb", type=float, default=None,
@@ -404,6 +431,23 @@ def faults_config(args: argparse.Namespace) -> FaultsConfig:
     return faults_quick_config(**given) if args.quick else FaultsConfig(**given)
 
 
+def chaos_config(args: argparse.Namespace) -> ChaosConfig:
+    """The chaos suite's settings: ``--quick`` is :func:`~.chaos.quick_config`."""
+    given: dict[str, Any] = {}
+    for key, text, names in (("modes", args.chaos_modes, CHAOS_MODES),
+                             ("transports", args.chaos_transports, CHAOS_TRANSPORTS)):
+        if text is not None:
+            chosen = tuple(n for n in text.split(",") if n)
+            if not chosen or any(n not in names for n in chosen):
+                raise ValueError(f"--chaos-{key} takes names among {', '.join(names)}, got {text!r}")
+            given[key] = chosen
+    for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
+                       ("seed", args.seed)):
+        if value is not None:
+            given[key] = value
+    return chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
+
+
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     """``bench.json`` always; ``step.csv`` and ``step.png`` when the step suite ran, ``optim.csv``
     when the optim suite did."""
@@ -426,6 +470,8 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         note = write_chart(out / "step.png", rows, chart_title(step), reference=STEP_REFERENCE)
         files["png"] = None if note else str(out / "step.png")
         files["chart_note"] = note
+    if result.get("chaos") is not None:
+        files.update(write_chaos_outputs(result["chaos"], out))
     optim = result.get("optim")
     if optim is not None:
         rows = optim_csv_rows(optim)
@@ -446,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--network-parts takes steps, modes or both, got {args.network_parts!r}")
     suites = {None: DEFAULT_SUITES, "all": SUITES}.get(args.suite, (args.suite,))
     faults_cfg = faults_config(args) if "faults" in suites else None
+    chaos_cfg = chaos_config(args) if "chaos" in suites else None
     out = Path(args.out)
 
     def note(text: str) -> None:  # progress and notes: stderr, so stdout stays the report
@@ -512,6 +559,13 @@ def run(args: argparse.Namespace) -> int:
                  f"{c.steps} committed steps, a loss at step {c.kill_step} ...")
             result["faults"] = run_faults_bench(c)
             say(format_faults(result["faults"]) + "\n")
+        elif suite == "chaos" and chaos_cfg is not None:
+            c = chaos_cfg
+            note(f"chaos suite: {', '.join(c.modes)} on {', '.join(c.transports)}; {c.members} members, "
+                 f"{c.params_m:g}M params, {c.steps} committed steps, {len(c.kinds)} kills, each run and a "
+                 "failure-free one ...")
+            result["chaos"] = run_chaos_bench(c)
+            say(format_chaos(result["chaos"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")
@@ -523,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
             result["step"] = run_step_bench(step_cfg)
             say(format_step(result["step"]) + "\n")
     files = write_outputs(out, result)
-    for key in ("chart_note", "network_chart_note", "convergence_chart_note"):
+    for key in ("chart_note", "network_chart_note", "convergence_chart_note", "chaos_chart_note"):
         if files.get(key):
             note(files[key])
     say("wrote " + ", ".join(v for k, v in files.items() if not k.endswith("chart_note") and v))

@@ -1,0 +1,645 @@
+"""``fastreduce bench --suite chaos``: each mode trains through three losses and three joins.
+
+Issue 49's chaos run. Per mode that :class:`fastreduce.Membership` runs today (:data:`MODES`:
+the fused reducer with a bf16 wire, the overlapped reducer with an fp32 wire and buckets
+small enough that several are in flight, DiLoCo) and per transport (``FASTREDUCE_TRANSPORT``
+``process_group``, i.e. Gloo, and ``shm``), ``members`` (4) processes train one seeded MLP
+regression (:func:`.faults.build_model`, AdamW with a cosine learning rate over the committed
+steps, each (step, rank) its own seeded batch, :func:`.faults.batch_for`) to ``steps`` (300)
+committed steps through ``Membership``, with a coordinator
+(:func:`fastreduce.membership.serve`) in the launcher. ZeRO and gossip are reported as not
+supported under ``Membership`` yet (it refuses them): nothing is run for them.
+
+The kills (:func:`schedule`, drawn from ``seed``, the same steps and victims in every mode):
+one in each third of the run, a member (any one alive then, a healed replacement included)
+``os._exit``\\ s at a point of each kind, in a seeded order:
+
+* ``mid-step``: after its backward, before ``commit()``;
+* ``in-flight``: overlapped, inside backward as the first layer's gradient is computed (the
+  later layers' buckets in flight); fused, as its reduction begins (its peers in the
+  collective); DiLoCo, after its inner step as the sync begins (its peers in the sync; the
+  step moved to the next sync);
+* ``between``: before the next step's forward.
+
+``join_after`` (20) committed steps after each kill, a replacement joins: a process started
+with the others (so its imports are done), told to join then; the world returns to
+``members``. Every process records, per step: its begin and end (wall clock), whether the
+step was committed, the world, the epoch and the training loss; a digest of its parameters
+at every committed step (DiLoCo: at every sync, when the ranks' parameters are one), and a
+replacement's right after its healing. Then, per mode and transport, a failure-free run: the
+same members, data and seeds, no kill, the same committed steps.
+
+The figures (:func:`run_chaos_bench`): committed steps of the final members; the losses and
+joins (``Membership.counters``, and per loss from the timeline: the steps discarded, the stall:
+from the end of the last committed step before it to the end of the first committed after it,
+less one median step); every digest of one step equal on every member that recorded it, each
+heal checked at the replacement's first step; the final model's held-out loss (4096 held-out
+rows) against the failure-free run's, within ``tolerance_pct`` (1%); the wall time from the
+first step begun to the last committed. Outputs (:func:`write_outputs`): ``chaos.csv`` (a row
+per mode and transport), ``chaos_steps.csv`` (a row per member and step), ``chaos.png`` (loss
+and world size against wall time, a panel per mode; the ``plot`` extra, else skipped with a
+note). ``--quick``: 3 members, 30 steps, one kill (``in-flight``) and one join, the
+overlapped mode on shared memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import random
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .common import machine_info
+from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
+
+__all__ = ["KINDS", "MODES", "TRANSPORTS", "UNSUPPORTED", "ChaosConfig", "format_text", "quick_config",
+           "run_chaos_bench", "schedule", "write_outputs"]
+
+MODES = ("fused_bf16", "overlap", "diloco")
+TRANSPORTS = ("process_group", "shm")
+KINDS = ("mid-step", "in-flight", "between")
+UNSUPPORTED = {"zero": "ZeroOptimizer: not supported under Membership yet (its shards must outlive their rank)",
+               "gossip": "DecentralizedDataParallel: Membership runs it since 6076894, not in this suite yet"}
+IN_FLIGHT = {"fused_bf16": "as its reduction begins, its peers in the collective",
+             "overlap": "inside backward, the later layers' buckets in flight",
+             "diloco": "after its inner step, as the sync begins (the next sync step)"}
+HELDOUT_SEED = 1000
+"""Added to ``seed`` for the held-out rows (the training batches' seeds stay far below it)."""
+
+
+@dataclass(kw_only=True)
+class ChaosConfig:
+    """One run of the suite."""
+
+    modes: tuple[str, ...] = MODES
+    """Which modes to run (``--chaos-modes``)."""
+    transports: tuple[str, ...] = TRANSPORTS
+    """Which transports (``--chaos-transports``)."""
+    members: int = 4
+    """Processes the job starts with (and returns to after each join)."""
+    steps: int = 300
+    """Committed steps each run trains to."""
+    params_m: float = 0.1
+    """The MLP's size in millions of fp32 parameters."""
+    batch: int = 64
+    """Rows per rank and step."""
+    lr: float = 3e-3
+    """AdamW's peak learning rate (cosine to 0 over the committed steps)."""
+    seed: int = 0
+    """Draws the kills (steps, victims, order) and the data."""
+    kinds: tuple[str, ...] = KINDS
+    """The kills, one per kind, in an order drawn from ``seed``."""
+    join_after: int = 20
+    """Committed steps between a kill and its replacement's start of joining."""
+    sync_every: int = 10
+    """DiLoCo's ``H`` (one fragment; outer SGD, lr 1.0, no momentum)."""
+    bucket_mb: float = 0.05
+    """The overlapped mode's bucket size (MB): several buckets in flight."""
+    heldout: int = 4096
+    """Held-out rows."""
+    tolerance_pct: float = 1.0
+    """The final held-out loss within this of the failure-free run's (percent)."""
+    heartbeat_s: float = 0.25
+    """``FASTREDUCE_HEARTBEAT_S``."""
+    pace_s: float = 0.0
+    """A pause after each step (not timed), so that ``--quick``'s replacement arrives in time."""
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES] + [t for t in self.transports if t not in TRANSPORTS]
+        if bad or not self.modes or not self.transports:
+            raise ValueError(f"modes among {', '.join(MODES)} and transports among {', '.join(TRANSPORTS)}, got "
+                             f"{self.modes!r} and {self.transports!r}")
+        if not self.kinds or any(k not in KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds: distinct kinds among {', '.join(KINDS)}, got {self.kinds!r}")
+        if self.members < 3:
+            raise ValueError(f"members must be at least 3 (two survivors go on), got {self.members}")
+        if not self.params_m > 0 or self.batch < 1 or self.join_after < 1 or self.sync_every < 1:
+            raise ValueError("params_m must be positive; batch, join_after and sync_every at least 1")
+        if "diloco" in self.modes and self.steps % self.sync_every:
+            raise ValueError(f"steps={self.steps} must be a multiple of sync_every={self.sync_every} (DiLoCo's "
+                             "final model is the one its last sync made)")
+        if self._segment() <= self.join_after + self.sync_every + 2:
+            raise ValueError(f"steps={self.steps} leaves no room for {len(self.kinds)} kills, each replaced "
+                             f"{self.join_after} steps later")
+
+    def _segment(self) -> int:
+        return (self.steps - self._start() - max(3, self.steps // 10)) // len(self.kinds)
+
+    def _start(self) -> int:
+        return max(3, self.steps // 20)
+
+
+def quick_config(**given: Any) -> ChaosConfig:
+    """``--quick``: 3 members, a 0.05M model, 30 steps, one kill inside backward and one join,
+    the overlapped mode on shared memory; a tolerance of 5%: 30 steps are far from converged,
+    so every batch missed shows in the held-out loss (1.0-1.5% in a one-process simulation of
+    this schedule; 2.3% measured, where the replacement's join took 7 more steps)."""
+    base = dict(modes=("overlap",), transports=("shm",), members=3, steps=30, params_m=0.05, batch=32,
+                kinds=("in-flight",), join_after=8, tolerance_pct=5.0, pace_s=0.02, quick=True)
+    return ChaosConfig(**{**base, **given})
+
+
+def schedule(cfg: ChaosConfig, mode: str) -> list[dict[str, Any]]:
+    """The kills: ``kind``, ``step`` (the victim dies at its first chance at or after this many
+    committed steps), ``victim`` (a process index: ``0..members-1`` the first members, then the
+    replacements in order) and the ``replacement`` that joins ``join_after`` steps later."""
+    rng = random.Random(cfg.seed)
+    kinds = list(cfg.kinds)
+    rng.shuffle(kinds)
+    seg, alive, kills = cfg._segment(), list(range(cfg.members)), []
+    for k, kind in enumerate(kinds):
+        lo = cfg._start() + k * seg
+        step = rng.randrange(lo, max(lo + 1, lo + seg - cfg.join_after - cfg.sync_every - max(2, seg // 8)))
+        if mode == "diloco" and kind == "in-flight":
+            step += -(step + 1) % cfg.sync_every  # inner step step + 1 syncs
+        victim = rng.choice(alive)
+        alive.remove(victim)
+        alive.append(cfg.members + k)
+        kills.append({"kind": kind, "step": step, "victim": victim, "replacement": cfg.members + k})
+    return kills
+
+
+# ---------------------------------------------------------------- one process
+
+@dataclass
+class ChaosRecord(Record):
+    """A process's figures: :class:`.faults.Record`'s, and per step (``iters``' order)."""
+
+    epochs: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    at: list[tuple[int, int]] = field(default_factory=list)  # committed steps before and after
+    digests: dict[str, str] = field(default_factory=dict)  # committed step -> parameter digest
+    joined_step: int = -1
+    heldout: float | None = None
+    heldout_initial: float | None = None
+    killed: str = ""  # where this process was killed (its record saved as it died)
+
+    def finish(self, m: Any) -> None:
+        c = m.counters
+        self.counters = {"discarded_steps": c.discarded_steps, "losses": c.losses, "joins": c.joins,
+                         "resyncs": c.resyncs, "stalls": [list(s) for s in c.stalls], "epoch": m.epoch.number,
+                         "world": m.world}
+        self.final_step = m.step
+
+
+def _digest(model: nn.Module) -> str:
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:16]
+
+
+def _heldout(cfg: ChaosConfig, model: nn.Module) -> float:
+    x, y = batch_for(replace(cfg, seed=cfg.seed + HELDOUT_SEED, batch=cfg.heldout), 0, 0)  # type: ignore[arg-type]
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x), y).item()
+
+
+def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: dict[str, str], spawned: float,
+           kill: dict[str, Any] | None, go: int | None, shared: list[Shared]) -> None:
+    """One process: a first member, or (``go``) the replacement told to join by ``shared[go]``;
+    ``kill``: where and at which step it dies."""
+    record = ChaosRecord(**asdict(_enter(env, spawned, index)))
+    try:
+        import fastreduce
+        from fastreduce.membership import Membership
+
+        model = build_model(cfg.params_m)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)
+        record.heldout_initial = _heldout(cfg, model)
+        m: Any = None
+
+        def armed(kind: str) -> bool:
+            """Whether to die here, now; if so, the record is saved first (a few ms)."""
+            if kill is None or kill["kind"] != kind or m is None or m.step < kill["step"]:
+                return False  # (a replacement as the victim: at its first chance once it has joined)
+            if kind == "in-flight" and mode == "diloco" and (m.step + 1) % cfg.sync_every:
+                return False  # a sync step
+            record.killed = kind
+            record.finish(m)
+            record.save(Path(out) / f"{index}.json")
+            return True
+
+        def build() -> Any:
+            if mode == "diloco":
+                return fastreduce.DiLoCo(model, opt, outer, sync_every=cfg.sync_every)
+            if mode == "overlap":
+                return fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=True, bucket_mb=cfg.bucket_mb)
+            reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
+            reduce = reducer.reduce
+            reducer.reduce = lambda *a, **k: os._exit(9) if armed("in-flight") else reduce(*a, **k)  # type: ignore
+            return reducer
+
+        if mode == "overlap":  # the first layer's gradient comes last in backward
+            model[0].weight.register_hook(lambda g: os._exit(9) if armed("in-flight") else g)
+        if mode == "diloco":  # before the mode's own hook (registered later): the step done, the sync not begun
+            opt.register_step_post_hook(lambda *_: os._exit(9) if armed("in-flight") else None)
+        shared[0].ready.wait(TIMEOUT_S)  # every process imported and built before the first step
+        if go is not None:
+            shared[go].go.wait(TIMEOUT_S)
+        record.join_start = time.time()
+        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}", wait_s=120)
+        m.join({"model": model, "optimizer": opt}, build)
+        record.joined_step = m.step
+        if go is not None:  # healed: the members' parameters after that step
+            record.digests[str(m.step)] = _digest(model)
+        while m.step < cfg.steps:
+            if armed("between"):
+                os._exit(9)
+            t0, before = time.time(), m.step
+            shared[0].started(t0)
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * m.step / cfg.steps))
+            x, y = batch_for(cfg, m.step, m.rank)  # type: ignore[arg-type]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if armed("mid-step"):
+                os._exit(9)
+            ok = m.commit(opt.step)
+            opt.zero_grad()
+            record.step_done(t0, ok, m.world, shared[0], m.step)
+            for s in shared[1:]:
+                s.committed(m.step, record.iters[-1][1])
+            record.epochs.append(m.epoch.number)
+            record.losses.append(loss.item())
+            record.at.append((before, m.step))
+            if ok and (mode != "diloco" or m.step % cfg.sync_every == 0) and m.step > before:
+                record.digests[str(m.step)] = _digest(model)
+            time.sleep(cfg.pace_s)
+        record.heldout = _heldout(cfg, model)
+        record.finish(m)
+        m.close()
+    except BaseException:  # noqa: BLE001 - reported by the launcher
+        record.error = traceback.format_exc()
+    record.save(Path(out) / f"{index}.json")
+    os._exit(0)  # no interpreter teardown: an abandoned group's Gloo threads may linger
+
+
+def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """The coordinator, ``members`` processes and one replacement per kill; their records."""
+    from ..launch import rank_context
+    from ..membership import serve
+
+    ctx = rank_context("fastreduce.bench.chaos")
+    n = cfg.members + len(kills)
+    shared = [Shared.make(ctx, k["step"] + cfg.join_after, n) for k in kills] or [Shared.make(ctx, cfg.steps + 1, n)]
+    env = _env(FASTREDUCE_HEARTBEAT_S=str(cfg.heartbeat_s), FASTREDUCE_TRANSPORT=transport)
+    server = serve(0, "127.0.0.1")
+    victims = {k["victim"]: k for k in kills}
+    procs = []
+    for i in range(n):
+        go = i - cfg.members if i >= cfg.members else None
+        p = ctx.Process(target=member, args=(i, cfg, mode, server.port, str(out), env, time.time(), victims.get(i),
+                                             go, shared), daemon=True)
+        p.start()
+        procs.append(p)
+    try:
+        _watch(procs, out, set(victims), time.time() + TIMEOUT_S)
+    finally:
+        _wait(procs, time.time())
+    records = {}
+    for i in range(n):
+        f = out / f"{i}.json"
+        records[i] = json.loads(f.read_text()) if f.exists() else None
+    return {"records": records, "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+
+
+def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float) -> None:
+    """Until every process has ended, or one that is no victim has ended without its
+    record or with an error in it (the others, waiting for a step or a signal that will
+    never come, are then given 5 s and killed), or the deadline."""
+    while time.time() < deadline and any(p.is_alive() for p in procs):
+        for i, p in enumerate(procs):
+            f = out / f"{i}.json"
+            if p.exitcode is not None and i not in victims and (not f.exists() or json.loads(f.read_text())["error"]):
+                deadline = min(deadline, time.time() + 5)
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- the figures
+
+def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
+    """The losses one member lived through: the first step discarded or with fewer members
+    than the step before, the steps discarded up to the next committed one, the epoch that
+    one is in, the stall (as in the faults suite)."""
+    iters, events, i = r["iters"], [], 0
+    while i < len(iters):
+        shrank = i > 0 and iters[i][3] < iters[i - 1][3]
+        if iters[i][2] and not shrank:
+            i += 1
+            continue
+        j = next((j for j in range(i, len(iters)) if iters[j][2]), None)
+        if j is None:
+            break
+        before = iters[i - 1][1] if i else iters[i][0]
+        events.append({"epoch": r["epochs"][j], "discarded": j - i, "stall_s": iters[j][1] - before - median,
+                       "at_step": r["at"][i][0]})
+        i = j + 1
+    return events
+
+
+def _losses(records: dict[int, dict[str, Any]], median: float) -> list[dict[str, Any]]:
+    """Per loss (the epoch it formed, in order): the largest stall and discard count over
+    the members that saw it, and Membership's own stall (its counters, the largest)."""
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for r in records.values():
+        events = _loss_events(r, median)
+        own = [s for why, s in r["counters"].get("stalls", []) if why == "loss"]
+        for k, e in enumerate(events):
+            e["membership_stall_s"] = own[k] if len(own) == len(events) else None
+            by_epoch.setdefault(e["epoch"], []).append(e)
+    out = []
+    for epoch in sorted(by_epoch):
+        seen = by_epoch[epoch]
+        own = [e["membership_stall_s"] for e in seen if e["membership_stall_s"] is not None]
+        out.append({"epoch": epoch, "members": len(seen), "at_step": min(e["at_step"] for e in seen),
+                    "stall_s": max(e["stall_s"] for e in seen), "discarded": max(e["discarded"] for e in seen),
+                    "membership_stall_s": max(own) if own else None})
+    return out
+
+
+def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every step's digests equal across the members that recorded it; each heal: the
+    replacement's digest right after it against every member's at that step."""
+    by_step: dict[str, dict[int, str]] = {}
+    for i, r in records.items():
+        for step, d in r["digests"].items():
+            by_step.setdefault(step, {})[i] = d
+    differ = sorted((int(s) for s, ds in by_step.items() if len(set(ds.values())) > 1))
+    heals = []
+    for k in kills:
+        j = records.get(k["replacement"])
+        if j is None or j["joined_step"] < 0:
+            heals.append({"replacement": k["replacement"], "step": None, "compared": 0, "equal": False})
+            continue
+        ds = by_step.get(str(j["joined_step"]), {})
+        heals.append({"replacement": k["replacement"], "step": j["joined_step"], "compared": len(ds),
+                      "equal": len(ds) > 1 and len(set(ds.values())) == 1})
+    return {"steps_compared": sum(1 for ds in by_step.values() if len(ds) > 1), "steps_differ": differ[:20],
+            "heals": heals, "equal": not differ and all(h["equal"] for h in heals)}
+
+
+def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures (a chaos run, or the failure-free one with ``kills`` empty)."""
+    records = job["records"]
+    errors = {i: r["error"] for i, r in records.items() if r and r["error"]}
+    missing = [i for i, r in records.items() if r is None]
+    if errors or missing:
+        text = "\n".join(f"process {i}: {e}" for i, e in errors.items())
+        return {"error": (text or f"processes {missing} left no record (killed by the launcher's timeout?)")[-4000:],
+                "codes": job["codes"]}
+    final = {i: r for i, r in records.items() if not r["killed"]}
+    median = _median_step(list(final.values()))
+    losses = _losses(records, median)
+    joins = []
+    for k in kills:
+        j = records[k["replacement"]]
+        joins.append({"replacement": k["replacement"], "joined_step": j["joined_step"],
+                      "first_commit_s": j["first_commit"] - j["join_start"],
+                      "members_stall_s": max(_join_stall(r, j, median) for i, r in records.items() if i != k["replacement"]),
+                      "membership_joined_s": next((s for w, s in j["counters"]["stalls"] if w == "joined"), None)})
+    first = job["first"]
+    heldout = sorted({r["heldout"] for r in final.values()})
+    return {"median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
+            "final_world": sorted({r["counters"]["world"] for r in final.values()}),
+            "losses": max(r["counters"]["losses"] for r in final.values()),
+            "joins": max(r["counters"]["joins"] for r in final.values()),
+            "resyncs": max(r["counters"]["resyncs"] for r in final.values()),
+            "discarded_steps": max(r["counters"]["discarded_steps"] for r in final.values()),
+            "per_loss": losses, "per_join": joins,
+            "max_stall_s": max((e["stall_s"] for e in losses), default=None),
+            "digests": _digests(records, kills),
+            "heldout": heldout[0], "heldout_equal": len(heldout) == 1,
+            "heldout_initial": next(iter(final.values()))["heldout_initial"],
+            "wall_s": max(r["iters"][-1][1] for r in final.values()) - first,
+            "members": {i: _timeline(r, first) for i, r in records.items()}}
+
+
+def _timeline(r: dict[str, Any], first: float) -> dict[str, Any]:
+    """A member's steps: ``[begin_s, end_s, committed, world, epoch, step, after, loss]``,
+    seconds from the run's first step."""
+    rows = [[round(t0 - first, 4), round(t1 - first, 4), ok, world, e, a, b, round(loss, 6)]
+            for (t0, t1, ok, world), e, (a, b), loss in zip(r["iters"], r["epochs"], r["at"], r["losses"])]
+    return {"joined_step": r["joined_step"], "killed": r["killed"], "steps": rows}
+
+
+def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
+    """Every mode and transport: the chaos run and the failure-free one; the report (JSON-able)."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info(),
+                              "model_params": sum(p.numel() for p in build_model(cfg.params_m).parameters()),
+                              "schedule": {m: schedule(cfg, m) for m in cfg.modes},
+                              "unsupported": UNSUPPORTED, "runs": {}}
+    for mode in cfg.modes:
+        kills = report["schedule"][mode]
+        for transport in cfg.transports:
+            run: dict[str, Any] = {"mode": mode, "transport": transport}
+            for name, ks in (("chaos", kills), ("failure_free", [])):
+                with tempfile.TemporaryDirectory(prefix=f"fastreduce-chaos-{mode}-{transport}-") as tmp:
+                    try:
+                        run[name] = figures(cfg, run_job(cfg, mode, transport, ks, Path(tmp)), ks)
+                    except Exception:  # noqa: BLE001 - one run's failure is a row of the report
+                        run[name] = {"error": traceback.format_exc()[-4000:]}
+            chaos, free = run["chaos"], run["failure_free"]
+            if "error" not in chaos and "error" not in free:
+                run["heldout_diff_pct"] = 100 * (chaos["heldout"] - free["heldout"]) / free["heldout"]
+            report["runs"][f"{mode}/{transport}"] = run
+    report["targets"] = judge(cfg, report)
+    report["config"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per run: held-out loss within the tolerance, digests equal, at most one step discarded
+    per loss, every kill seen as a loss and followed by a join, the last step committed."""
+    targets: dict[str, dict[str, Any]] = {}
+    for key, run in report["runs"].items():
+        c = run["chaos"]
+        if "error" in c or "heldout_diff_pct" not in run:
+            targets[f"{key} ran"] = {"value": "failed", "limit": "ran", "op": "==", "pass": False, "what": "the run"}
+            continue
+        n = len(report["schedule"][run["mode"]])
+        checks = [("held-out", abs(run["heldout_diff_pct"]), "<=", cfg.tolerance_pct,
+                   "|held-out loss - failure-free's| (%)"),
+                  ("digests", int(not c["digests"]["equal"] or not c["heldout_equal"]), "<=", 0,
+                   "steps or heals where the members' parameters differ (0: none)"),
+                  ("discarded", max((e["discarded"] for e in c["per_loss"]), default=0), "<=", 1,
+                   "steps discarded at one loss (the most)"),
+                  ("losses", len(c["per_loss"]), "==", n, "losses seen (one per kill)"),
+                  ("joins", c["joins"], "==", n, "joins (one per kill)"),
+                  ("steps", min(c["final_steps"]), "==", cfg.steps, "committed steps of the final members")]
+        for name, value, op, limit, what in checks:
+            ok = value <= limit if op == "<=" else value == limit
+            targets[f"{key} {name}"] = {"value": value, "limit": limit, "op": op, "pass": bool(ok), "what": what}
+    return targets
+
+
+# ---------------------------------------------------------------- the table, CSVs and chart
+
+def _cell(value: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value) if isinstance(value, float) else str(value)
+
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per mode and transport (the table's columns)."""
+    rows = []
+    for run in report["runs"].values():
+        c, f = run["chaos"], run["failure_free"]
+        row: dict[str, Any] = {"mode": run["mode"], "transport": run["transport"]}
+        if "error" in c or "error" in f:
+            text = (c.get("error") or f.get("error", "")).strip().splitlines()
+            rows.append({**row, "error": text[-1] if text else "failed"})
+            continue
+        rows.append({**row, "committed_steps": min(c["final_steps"]), "losses": c["losses"], "joins": c["joins"],
+                     "discarded_steps": sum(e["discarded"] for e in c["per_loss"]), "resyncs": c["resyncs"],
+                     "max_stall_s": c["max_stall_s"], "heldout": c["heldout"], "heldout_failure_free": f["heldout"],
+                     "heldout_diff_pct": run["heldout_diff_pct"], "digests_equal": c["digests"]["equal"],
+                     "wall_s": c["wall_s"], "wall_failure_free_s": f["wall_s"], "median_step_ms": 1e3 * c["median_step_s"]})
+    return rows
+
+
+SUMMARY_FIELDS = ("mode", "transport", "committed_steps", "losses", "joins", "discarded_steps", "resyncs",
+                  "max_stall_s", "heldout", "heldout_failure_free", "heldout_diff_pct", "digests_equal", "wall_s",
+                  "wall_failure_free_s", "median_step_ms", "error")
+STEP_FIELDS = ("mode", "transport", "run", "member", "begin_s", "end_s", "committed", "world", "epoch", "step",
+               "after", "loss")
+
+
+def format_text(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [f"chaos suite: {c['members']} members, MLP of {report['model_params'] / 1e6:.2f}M params, AdamW "
+             f"(lr {c['lr']:g}, cosine), batch {c['batch']}/rank, {c['steps']} committed steps, seed {c['seed']}; "
+             f"each kill replaced {c['join_after']} steps later; held-out loss on {c['heldout']} rows against a "
+             f"failure-free run (same data and seeds), tolerance {c['tolerance_pct']:g}%", ""]
+    for mode, kills in report["schedule"].items():
+        lines.append(f"kills ({mode}): " + "; ".join(
+            f"{k['kind']} at step {k['step']} (process {k['victim']}, replaced by {k['replacement']})" for k in kills))
+    lines += ["", f"{'mode':<11}{'transport':<14}{'steps':>6}{'losses':>7}{'joins':>6}{'discard':>8}{'max stall':>10}"
+                  f"{'held-out':>10}{'no-fail':>9}{'diff':>8}{'digests':>8}{'wall s':>8}{'no-fail s':>10}"]
+    for row in summary_rows(report):
+        if "error" in row:
+            lines.append(f"{row['mode']:<11}{row['transport']:<14}FAILED")
+            continue
+        lines.append(f"{row['mode']:<11}{row['transport']:<14}{row['committed_steps']:>6}{row['losses']:>7}"
+                     f"{row['joins']:>6}{row['discarded_steps']:>8}{_cell(row['max_stall_s']):>10}"
+                     f"{row['heldout']:>10.5f}{row['heldout_failure_free']:>9.5f}{row['heldout_diff_pct']:>+7.2f}%"
+                     f"{'yes' if row['digests_equal'] else 'NO':>8}{row['wall_s']:>8.1f}{row['wall_failure_free_s']:>10.1f}")
+    lines += ["", "(max stall: s from the end of the last committed step before a loss to the end of the first "
+              "after it, less one median step; discard: steps discarded over all losses; digests: every member's "
+              "parameters equal at every committed step (DiLoCo: at its syncs) and after each heal)", "per loss:"]
+    for key, run in report["runs"].items():
+        ch = run["chaos"]
+        if "error" in ch:
+            lines.append(f"  {key} FAILED:\n{ch['error']}")
+            continue
+        if "error" in run["failure_free"]:
+            lines.append(f"  {key} failure-free run FAILED:\n{run['failure_free']['error']}")
+        for k, e in zip(report["schedule"][run["mode"]], ch["per_loss"]):
+            lines.append(f"  {key:<24} {k['kind']:<9} step {k['step']:>3}: stall {e['stall_s']:.2f} s (Membership's "
+                         f"{_cell(e['membership_stall_s'])}), {e['discarded']} discarded, seen at step {e['at_step']}")
+        for j in ch["per_join"]:
+            lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
+                         f"{j['first_commit_s']:.2f} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
+    lines.append("not run: " + "; ".join(f"{k} ({v})" for k, v in report["unsupported"].items()))
+    if c["quick"]:
+        lines.append("(--quick: one kill, one join, a tiny model and 30 steps: proves the suite runs)")
+    if report["targets"]:
+        from .report import target_lines
+        lines += ["", "targets (report only):", *target_lines(report["targets"], width=34)]
+    return "\n".join(lines)
+
+
+def step_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for run in report["runs"].values():
+        for name in ("chaos", "failure_free"):
+            for i, mem in run[name].get("members", {}).items():
+                rows += [dict(zip(STEP_FIELDS, (run["mode"], run["transport"], name, i, *s))) for s in mem["steps"]]
+    return rows
+
+
+def _write(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def _curve(run: dict[str, Any], every: int = 10) -> tuple[list[float], list[float], list[float], list[int]]:
+    """Per committed step: the time it ended (the last member), the members' mean training
+    loss (smoothed over ``every`` steps), and the world over time."""
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    world: list[tuple[float, int]] = []
+    for mem in run["members"].values():
+        for begin, end, ok, w, _, step, after, loss in mem["steps"]:
+            world.append((end, w))
+            if ok and after > step:
+                by_step.setdefault(step, []).append((end, loss))
+    steps = sorted(by_step)
+    t = [max(e for e, _ in by_step[s]) for s in steps]
+    loss = [statistics.fmean(v for _, v in by_step[s]) for s in steps]
+    smooth = [statistics.fmean(loss[max(0, i - every + 1):i + 1]) for i in range(len(loss))]
+    world.sort()
+    return t, smooth, [e for e, _ in world], [w for _, w in world]
+
+
+def write_chart(report: dict[str, Any], path: Path) -> str | None:
+    """Training loss and world size against wall time, a panel per mode, a colour per
+    transport (the failure-free run dashed, the kills marked); ``None`` when written."""
+    from .report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return "chaos chart skipped: matplotlib is not installed (pip install 'fastreduce[plot]')"
+    modes = list(dict.fromkeys(r["mode"] for r in report["runs"].values()))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 3.8 * len(modes)), squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        twin = ax.twinx()
+        for n, run in enumerate(r for r in report["runs"].values() if r["mode"] == mode):
+            colour = f"C{n}"
+            for name, style in (("chaos", "-"), ("failure_free", "--")):
+                if "members" not in run[name]:
+                    continue
+                t, loss, tw, w = _curve(run[name])
+                label = f"{run['transport']}" + (" (failure-free)" if name == "failure_free" else "")
+                ax.plot(t, loss, style, color=colour, lw=1.2 if name == "chaos" else 0.9, label=label)
+                if name == "chaos":
+                    twin.step(tw, w, where="post", color=colour, alpha=0.45, lw=1.0)
+        failed = [r["transport"] for r in report["runs"].values() if r["mode"] == mode and "error" in r["chaos"]]
+        ax.set(xlabel="wall time, s (from the first step)", ylabel="training loss (mean of members, 10 steps)",
+               title=f"{mode}: {report['config']['steps']} committed steps, kills: "
+                     + ", ".join(f"{k['kind']} @{k['step']}" for k in report["schedule"][mode])
+                     + (f"\nthe chaos run FAILED on {', '.join(failed)} (see the report)" if failed else ""))
+        twin.set_ylabel("world size (thin)")
+        twin.set_ylim(0, report["config"]["members"] + 1)
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``chaos.csv``, ``chaos_steps.csv`` and ``chaos.png`` (or a note) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "chaos.csv", SUMMARY_FIELDS, summary_rows(report))
+    _write(out / "chaos_steps.csv", STEP_FIELDS, step_rows(report))
+    note = write_chart(report, out / "chaos.png")
+    return {"chaos_csv": str(out / "chaos.csv"), "chaos_steps_csv": str(out / "chaos_steps.csv"),
+            "chaos_png": None if note else str(out / "chaos.png"), "chaos_chart_note": note}
