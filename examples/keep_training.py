@@ -111,8 +111,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     the later layers' buckets in flight with ``overlap``), ``after-reduce`` (its reduction
     done on every member, its optimizer step not taken), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
-    step the others committed), ``in-heal``; ``go``: an event to wait for
-    before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
+    step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``);
+    ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
     ``torch.compile(model)``, the way users on Gaudi and CUDA train)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
@@ -137,6 +137,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         m.join({"model": model, "optimizer": opt}, lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
+        if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1], before its group exists
+            set_up = m._set_up
+            m._set_up = lambda e: os._exit(9) if e.number == kill[1] else set_up(e)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step

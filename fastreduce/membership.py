@@ -199,6 +199,7 @@ class Membership:
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
         self.timeout_s, self.wait_s, self.poll_s = timeout_s, wait_s, poll_s
         self._poll_at = 0  # the step index of the members' next poll (agreed at the last one)
+        self._polled: tuple[int, int] | None = None  # (epoch, step) of this member's last poll
         self._step_s: float | None = None  # a running mean of the seconds between commits
         self._last_commit: float | None = None
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -415,6 +416,11 @@ class Membership:
             every = 1 if not self._step_s else max(1, min(10_000, int(self.poll_s / self._step_s)))
             decision = "join" if self._joiners_waiting() else "go"
             self._call(self.store.compare_set, key + "/done", "", f"{decision} {s + every}")
+            if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
+                old = _P + f"e{epoch.number}/s{self._polled[1]}"
+                for k in (old, old + "/done"):
+                    self._call(self.store.delete_key, k)
+        self._polled = (epoch.number, s)
         value, silent = self._await_decision(key + "/done")
         if value == "abort":
             return value, silent
@@ -581,8 +587,8 @@ class Membership:
         self.epoch = epoch
         try:
             self._set_up(epoch)
-        except RuntimeError as err:
-            lost = self._lost_in(err) if dist.is_initialized() else None
+        except (RuntimeError, _Missing) as err:
+            lost = err.members if isinstance(err, _Missing) else self._lost_in(err) if dist.is_initialized() else None
             if lost is None:
                 raise
             self.counters.losses += 1
@@ -596,6 +602,7 @@ class Membership:
 
     def _set_up(self, epoch: Epoch) -> None:
         own, per_rank = self._kept_mode
+        self._rendezvous(epoch)
         store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
         dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
                                 world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
@@ -614,6 +621,20 @@ class Membership:
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
             if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.mode.set_round(epoch.step)
+
+    def _rendezvous(self, epoch: Epoch) -> None:
+        """Wait until every member of ``epoch`` is entering it, at most a few loss windows
+        (they all read the epoch within milliseconds of each other): a member that died
+        meanwhile is named here (:class:`_Missing`), not after the process group's own
+        rendezvous waited its whole timeout for it."""
+        key = _P + f"e{epoch.number}/ready"
+        self._call(self.store.set, f"{key}/{self.member}", "1")
+        self._call(self.store.add, key, 1)
+        deadline = time.monotonic() + max(5.0, 4 * faults.lost_after())
+        while int(self._call(self.store.add, key, 0)) < epoch.world:
+            if time.monotonic() > deadline:
+                raise _Missing({m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])})
+            time.sleep(0.005)
 
     def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:
         """Rank 0's whole state (and its mode's, ``mode_state``) to every rank, its tensors
@@ -707,6 +728,14 @@ class Membership:
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")
+
+
+class _Missing(Exception):
+    """Members of an epoch that never came to enter it (lost as it formed)."""
+
+    def __init__(self, members: set[str]):
+        super().__init__(", ".join(sorted(members)))
+        self.members = members
 
 
 def _kind(mode: Any) -> str:

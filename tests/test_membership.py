@@ -178,6 +178,22 @@ def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: 
 
 
 @SLOW
+def test_a_member_lost_as_the_next_epoch_forms_is_named_in_seconds_not_the_groups_timeout(tmp_path: Path) -> None:
+    """Member 2 dies at step 10; member 1 dies as it enters the epoch that drops member 2,
+    before that epoch's group exists. Member 0 (and the replacement, if admitted there)
+    name it at the coordinator's rendezvous within seconds (the group's own rendezvous
+    would wait its 600 s timeout), form the next epoch and train on with the replacement."""
+    found = launch(tmp_path, "process_group", {1: ("in-enter", 1), 2: ("mid-step", 10)}, release_after=[2])
+    final = [found[0], found[3]]
+    for f in final:
+        assert "error" not in f, f["error"]
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2, (f["steps"][-3:], f["world"])
+    assert found[0]["counters"]["losses"] == 2, found[0]["counters"]
+    assert max(s for why, s in found[0]["counters"]["stalls"] if why == "loss") < 30, found[0]["counters"]["stalls"]
+    _same(final)
+
+
+@SLOW
 def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_joiner(tmp_path: Path) -> None:
     found = run(tmp_path, "process_group", {1: ("mid-step", 8), 2: ("mid-step", 8)}, joiners=1)
     final = [found[i] for i in (0, 3)]
