@@ -138,6 +138,19 @@ def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@pytest.mark.parametrize("mode", ["diloco", pytest.param("localsgd", marks=SLOW)])
+def test_a_local_update_mode_goes_on_at_a_smaller_world(tmp_path: Path, mode: str) -> None:
+    """No replacement: the sync is redone over 2 members, whose mode's state, kept at 3
+    (its blocks padded to a multiple of the world size), loads at 2; they train on to
+    the end with the same parameters after a last sync."""
+    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, joiners=0, mode=mode)
+    final = [found[0], found[1]]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2, (f["steps"][-3:], f["world"])
+        assert f["counters"]["resyncs"] == 1 and f["counters"]["discarded_steps"] == 0, f["counters"]
+    assert torch.equal(final[0]["params"], final[1]["params"])
+
+
 @pytest.mark.parametrize("transport, where", [("process_group", "mid-step"),
                                              pytest.param("shm", "between", marks=SLOW)])
 def test_gossip_goes_on_over_the_survivors_ring(tmp_path: Path, transport: str, where: str) -> None:
