@@ -51,6 +51,12 @@ def result(quick_run: dict) -> dict:
     return json.loads(proc.stdout)  # the whole of stdout is one JSON object
 
 
+# The suites' smoke runs that cost most (30-55 s each): run on the default stack only
+# (the Gaudi stack's pass is `-m "not slow"`), where they check the bench itself; the
+# library paths they drive are tested on both stacks by the library's own tests.
+BENCH_ONLY_DEFAULT_STACK = pytest.mark.slow
+
+
 def _stats_ok(m: dict) -> None:
     for key in ("median_ms", "p10_ms", "p90_ms"):
         assert math.isfinite(m[key]) and m[key] > 0, (key, m)
@@ -221,6 +227,7 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"result": json.loads(proc.stdout), "out": out}
 
 
+@BENCH_ONLY_DEFAULT_STACK
 def test_local_suite_quick_smoke(local_run: dict) -> None:
     """Every method is timed in blocks holding whole periods, with the bytes each sends per
     step; the loss table trains every method to a synced model that learned something;
@@ -262,6 +269,7 @@ def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.
     assert "error" in capsys.readouterr().err
 
 
+@BENCH_ONLY_DEFAULT_STACK
 @pytest.mark.timeout(600)
 def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     """Two namespace hosts over a 1 Gbit/s link: DDP, fused and overlapped (fp32 and their
@@ -281,6 +289,7 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
 
 
+@BENCH_ONLY_DEFAULT_STACK
 @pytest.mark.timeout(300)
 def test_network_steps_on_one_host_smoke() -> None:
     """``--rates host``: two ranks on this host (no namespaces needed): every method at its
@@ -355,6 +364,7 @@ def convergence_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"result": json.loads(proc.stdout), "out": out}
 
 
+@BENCH_ONLY_DEFAULT_STACK
 def test_convergence_suite_quick_smoke(convergence_run: dict, tmp_path: Path) -> None:
     """Every method trains the byte-level GPT-2 on the same data: finite held-out losses that
     fall, fused bf16 at DDP fp32's loss, PowerSGD's bytes a fraction of DDP's, the ranks of
@@ -465,6 +475,7 @@ def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: 
     assert words in capsys.readouterr().err
 
 
+@BENCH_ONLY_DEFAULT_STACK
 @pytest.mark.timeout(600)
 def test_compression_suite_quick_smoke(tmp_path: Path) -> None:
     """PowerSGD against DDP and torch's hook on one host (a small GPT-2) and on two namespace
@@ -526,6 +537,7 @@ def test_trainers_suite_quick_smoke(tmp_path: Path) -> None:
     assert {t["what"] for t in trainers["targets"]} == {"zero / ddp step", "zero / ddp optimizer_bytes"}
 
 
+@BENCH_ONLY_DEFAULT_STACK
 @pytest.mark.timeout(300)
 def test_faults_suite_quick_smoke(tmp_path: Path) -> None:
     """Every contender runs the quick schedule (3 members, one lost mid-step, a replacement
@@ -570,6 +582,7 @@ def test_bad_faults_options_exit_2_before_spawning(argv: list[str], capsys: pyte
     assert "error" in capsys.readouterr().err
 
 
+@BENCH_ONLY_DEFAULT_STACK
 @pytest.mark.timeout(120)
 def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> None:
     """The quick chaos run (3 members, the overlapped mode on shared memory, one member
