@@ -1,14 +1,14 @@
 """``fastreduce bench --suite chaos``: each mode trains through three losses and three joins.
 
-Issue 49's chaos run. Per mode that :class:`fastreduce.Membership` runs today (:data:`MODES`:
+Issue 49's chaos run. Per mode under :class:`fastreduce.Membership` (:data:`MODES`:
 the fused reducer with a bf16 wire, the overlapped reducer with an fp32 wire and buckets
 small enough that several are in flight, DiLoCo) and per transport (``FASTREDUCE_TRANSPORT``
 ``process_group``, i.e. Gloo, and ``shm``), ``members`` (4) processes train one seeded MLP
 regression (:func:`.faults.build_model`, AdamW with a cosine learning rate over the committed
 steps, each (step, rank) its own seeded batch, :func:`.faults.batch_for`) to ``steps`` (300)
 committed steps through ``Membership``, with a coordinator
-(:func:`fastreduce.membership.serve`) in the launcher. ZeRO and gossip are reported as not
-supported under ``Membership`` yet (it refuses them): nothing is run for them.
+(:func:`fastreduce.membership.serve`) in the launcher. ZeRO (``Membership`` refuses it) and
+gossip (``Membership`` runs it since 6076894; not here yet) are listed as not run.
 
 The kills (:func:`schedule`, drawn from ``seed``, the same steps and victims in every mode):
 one in each third of the run, a member (any one alive then, a healed replacement included)
