@@ -111,7 +111,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     the later layers' buckets in flight with ``overlap``), ``after-reduce`` (its reduction
     done on every member, its optimizer step not taken), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
-    step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``);
+    step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
+    ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
     ``torch.compile(model)``, the way users on Gaudi and CUDA train)."""
@@ -146,7 +147,10 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
             f"in {facts['joined_s']:.2f} s")
-        while m.step < steps:
+        while m.step < steps and not m.left:
+            if kill == ("leaves", m.step):  # asks to leave: out at the members' next poll
+                say(f"asks to leave at step {m.step}")
+                m.leave()
             if kill == ("between", m.step):
                 say(f"dies between steps, at step {m.step}")
                 os._exit(9)
@@ -175,6 +179,11 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             if ok:  # what this member committed at each step: no two members may differ on one
                 facts["digests"][m.step] = digest(model)
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
+        if m.left:
+            facts.update(left_at=m.step, counters=vars(m.counters), epoch=m.epoch.number)
+            say(f"left at step {m.step}")
+            torch.save(facts, Path(out) / f"member{index}.pt")
+            return
         if mode in ("localsgd", "diloco"):
             m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
         if mode == "gossip":

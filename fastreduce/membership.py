@@ -50,6 +50,10 @@ fastreduce version, ``tag`` (the mode and its settings) or model layout (names, 
 dtypes) differs from the members' is refused before admission, with an error naming the
 difference, and the members are not disturbed.
 
+**Leaving.** :meth:`Membership.leave` asks to leave at the next poll: the voter that
+completes the count sees it, and the others form the next epoch without the member, with
+no loss (a spot instance's preemption notice, or a member out of data).
+
 The data: :attr:`Membership.rank` and :attr:`Membership.world` change with the epoch; a
 sampler re-shards from them at each epoch (:attr:`Membership.epoch`). A discarded step's
 batches are skipped, not re-run.
@@ -141,6 +145,7 @@ class _Counters:
     resyncs: int = 0  # syncs of a local-update mode run again over the survivors
     losses: int = 0
     joins: int = 0
+    leaves: int = 0  # members that left at a poll (Membership.leave)
     stalls: list[tuple[str, float]] = field(default_factory=list)
     """Per new epoch: why (``"loss"``, ``"join"``; a joiner's own: ``"joined"``) and the
     seconds the step that ended the old one took (detection, agreement, healing)."""
@@ -200,6 +205,8 @@ class Membership:
         self.timeout_s, self.wait_s, self.poll_s = timeout_s, wait_s, poll_s
         self._poll_at = 0  # the step index of the members' next poll (agreed at the last one)
         self._polled: tuple[int, int] | None = None  # (epoch, step) of this member's last poll
+        self._leaves_seen = 0  # requests to leave counted when this member last looked
+        self.left = False  # this member left the job (leave())
         self._step_s: float | None = None  # a running mean of the seconds between commits
         self._last_commit: float | None = None
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -311,6 +318,8 @@ class Membership:
         if not callable(step):
             raise TypeError(f"commit() takes the optimizer's step (membership.commit(optimizer.step)), got "
                             f"{type(step).__name__}")
+        if self.left:
+            raise RuntimeError("this member left the job (leave()); start a new process to join again")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         kind, s = _kind(self.mode), self.step
         if kind == "local":
@@ -326,14 +335,36 @@ class Membership:
         if kind != "gossip":
             step()
         if s >= self._poll_at:
-            decision, silent = self._vote(s)
+            decision, who = self._vote(s)
             if decision == "abort":  # a member went silent after this step's reduction: the step stands
                 self.counters.losses += 1
-                self._next_epoch(silent, "loss", start)
+                self._next_epoch(who, "loss", start)
             elif decision == "join":
-                self._next_epoch(set(), "join", start)
+                self._change(who, start)
         self._timed()
         return True
+
+    def leave(self) -> None:
+        """Leave the job at the members' next poll (LocalSGD, DiLoCo: their next sync),
+        with no loss: :meth:`commit` runs the steps as before until then, and
+        :attr:`left` turns ``True`` once this member is out (its group and mode closed).
+        The others go on without it, nothing discarded and no loss window waited. For a
+        member told it will be preempted (a spot instance's notice) or out of data."""
+        self._epoch()
+        self._call(self.store.set, _P + f"leaving/{self.member}", "1")
+        self._call(self.store.add, _P + "leaving", 1)
+
+    def _change(self, leavers: set[str], start: float) -> None:
+        """A poll decided a new epoch: joiners admitted, ``leavers`` gone (this one too?)."""
+        self.counters.leaves += len(leavers)
+        if self.member not in leavers:
+            self._next_epoch(leavers, "leave" if leavers else "join", start)
+            return
+        self._stash_mode(after_loss=False)  # as the others do (gossip completes its exchanges with them)
+        self._leave_group(abandon=False)
+        self._kept_mode = (None, False)
+        self.left = True
+        log.info("fastreduce: member %s left the job at step %d", self.member, self.step)
 
     def _timed(self) -> None:
         """The running mean of the seconds between commits (the next poll's distance)."""
@@ -370,13 +401,13 @@ class Membership:
             except RuntimeError as err:
                 self._again(kept, self._aborted_by(err), start)
                 continue
-            decision, silent = self._vote(self.step)
+            decision, who = self._vote(self.step)
             if decision != "abort":
                 break
-            self._again(kept, silent, start)
+            self._again(kept, who, start)
         self.step += 1
         if decision == "join":
-            self._next_epoch(set(), "join", start)
+            self._change(who, start)
         return True
 
     def _keep(self) -> dict[str, Any]:
@@ -408,14 +439,16 @@ class Membership:
         self._next_epoch(lost, "loss", start)
 
     def _vote(self, s: int) -> tuple[str, set[str]]:
-        """The members' vote at step index ``s``: ``"go"``, ``"join"`` or ``"abort"`` (and the
-        silent members); the voter completing the count also sets the next poll's step."""
+        """The members' vote at step index ``s``: ``"go"``, ``"abort"`` (and the silent
+        members) or ``"join"``: a new epoch, for joiners or for the members leaving
+        (returned); the voter completing the count also sets the next poll's step."""
         epoch = self._epoch()
         key = _P + f"e{epoch.number}/s{s}"
         if self._call(self.store.add, key, 1) == epoch.world:
             every = 1 if not self._step_s else max(1, min(10_000, int(self.poll_s / self._step_s)))
-            decision = "join" if self._joiners_waiting() else "go"
-            self._call(self.store.compare_set, key + "/done", "", f"{decision} {s + every}")
+            leavers = self._leavers()
+            decision = "join" if self._joiners_waiting() or leavers else "go"
+            self._call(self.store.compare_set, key + "/done", "", f"{decision} {s + every} {','.join(leavers)}")
             if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
                 old = _P + f"e{epoch.number}/s{self._polled[1]}"
                 for k in (old, old + "/done"):
@@ -424,9 +457,18 @@ class Membership:
         value, silent = self._await_decision(key + "/done")
         if value == "abort":
             return value, silent
-        decision, _, at = value.partition(" ")
+        decision, at, leavers = value.split(" ")
         self._poll_at = int(at)
-        return decision, silent
+        return decision, set(filter(None, leavers.split(",")))
+
+    def _leavers(self) -> list[str]:
+        """The members that asked to leave (:meth:`leave`), looked for when the count of
+        such requests changed since this member last looked."""
+        asked = int(self._call(self.store.add, _P + "leaving", 0))
+        if asked == self._leaves_seen:
+            return []
+        self._leaves_seen = asked
+        return [m for m in self._epoch().members if self._call(self.store.check, [_P + f"leaving/{m}"])]
 
     def _joiners_waiting(self) -> bool:
         """Whether a process waits to join with this layout; one with another layout is

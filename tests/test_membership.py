@@ -190,6 +190,27 @@ def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: 
     _same(final)
 
 
+@pytest.mark.parametrize("mode", ["fused", pytest.param("gossip", marks=SLOW), pytest.param("diloco", marks=SLOW)])
+def test_a_member_that_leaves_is_out_at_the_next_poll_with_nothing_discarded(tmp_path: Path, mode: str) -> None:
+    """Member 2 asks to leave at step 10 (a spot instance's notice): it trains on until the
+    members' next poll (DiLoCo: its next sync), then is out; the others go on at 2 without
+    a loss, no step discarded, within a fraction of a second."""
+    found = run(tmp_path, "process_group", {2: ("leaves", 10)}, joiners=0, mode=mode)
+    leaver = found[2]
+    assert "error" not in leaver and leaver["left_at"] >= 10 and leaver["counters"]["leaves"] == 1, leaver
+    final = [found[0], found[1]]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2, (f["steps"][-3:], f["world"])
+        assert all(ok for _, ok, _, _ in f["steps"])
+        c = f["counters"]
+        assert c["losses"] == 0 and c["discarded_steps"] == 0 and c["leaves"] == 1, c
+        assert max(sec for why, sec in c["stalls"] if why == "leave") < 1.0, c["stalls"]
+    if mode == "fused":
+        _same(final)
+    else:
+        assert torch.equal(final[0]["params"], final[1]["params"])
+
+
 @SLOW
 def test_a_member_lost_as_the_next_epoch_forms_is_named_in_seconds_not_the_groups_timeout(tmp_path: Path) -> None:
     """Member 2 dies at step 10; member 1 dies as it enters the epoch that drops member 2,
