@@ -320,6 +320,11 @@ class Membership:
                             f"{type(step).__name__}")
         if self.left:
             raise RuntimeError("this member left the job (leave()); start a new process to join again")
+        joined = getattr(self.mode, "_join_config", None)
+        if joined is not None and joined.enable:  # each member alone, before any collective
+            raise RuntimeError("fastreduce.Membership does not run a mode under torch's Join (uneven inputs): the "
+                               "members re-shard the data at every epoch, so each has a batch at every step; a "
+                               "member out of data calls membership.leave() and is out at the next poll")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         kind, s = _kind(self.mode), self.step
         if kind == "local":

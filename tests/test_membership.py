@@ -312,6 +312,10 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
         _ = m.rank
     with pytest.raises(TypeError, match=r"commit\(\) takes the optimizer's step"):
         m.commit(None)
+    import types
+    m.mode = types.SimpleNamespace(reduce=lambda: None, _join_config=types.SimpleNamespace(enable=True))  # as Join sets it
+    with pytest.raises(RuntimeError, match="does not run a mode under torch's Join"):
+        m.commit(lambda: None)
     from fastreduce.membership import _check_mode
     with pytest.raises(TypeError, match="gossip, LocalSGD and DiLoCo modes so far, not SGD"):
         _check_mode(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
