@@ -53,6 +53,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 from ..comm import broadcast_from_rank0
 from ..compat import preserve_version_counters
 from ..modes.fused import FusedReducer, ReducerConfig
+from .membership import TrainerMembership, check_plain_process
 from .modes import MODES, TrainerMode, make_mode
 
 __all__ = ["FastReduceStrategy"]
@@ -136,7 +137,8 @@ class FastReduceStrategy(DDPStrategy):
 
     strategy_name = "fastreduce"
 
-    def __init__(self, mode: str | None = None, eval_params: str = "mean", **kwargs: Any) -> None:
+    def __init__(self, mode: str | None = None, eval_params: str = "mean", membership: Any = None,
+                 **kwargs: Any) -> None:
         bad = sorted(k for k in kwargs if k in _DDP_ONLY)
         if bad:
             raise TypeError(f"FastReduceStrategy does not take {bad[0]!r}: {_DDP_ONLY[bad[0]]}")
@@ -161,12 +163,116 @@ class FastReduceStrategy(DDPStrategy):
                 raise ValueError("find_unused_parameters=True means unused_grads='zero', "
                                  f"but unused_grads={settings['unused_grads']!r} was passed")
             self._mode = make_mode(mode, settings, eval_params)
+        self._membership: TrainerMembership | None = None
+        if membership is not None:
+            check_plain_process("FastReduceStrategy")
+            self._membership = TrainerMembership(membership, self._mode, "FastReduceStrategy")
+            self._broadcast_buffers = False  # no collective outside a commit: buffers stay each member's own
         super().__init__(**kwargs)
         self._blocked = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync: True before the first forward
         self._resume_from: str | None = None  # the checkpoint fit(ckpt_path=...) loads
         self._validating: contextlib.ExitStack | None = None
         self._clip_patched: Any = None  # the precision plugin whose clipping is the mode's
+
+    @property
+    def membership(self) -> TrainerMembership | None:
+        """This strategy's side of ``membership=`` (:mod:`fastreduce.integrations.membership`)."""
+        return self._membership
+
+    # ------------------------------------------------------------------ under a Membership
+    # Each member is one process of one device; its rank and world are the Membership's
+    # epoch's, and the strategy's collectives are each member's own: outside a commit a
+    # collective would fail on a lost member, or wait on a joiner not there yet.
+
+    @property
+    def global_rank(self) -> int:
+        glue = self._membership
+        if glue is None:
+            return super().global_rank
+        return glue.m.rank if glue.m.epoch is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        glue = self._membership
+        if glue is None:
+            return super().world_size
+        return glue.m.world if glue.m.epoch is not None else 1
+
+    def setup_environment(self) -> None:
+        """Under a Membership: the device only; the Membership forms each epoch's process group."""
+        if self._membership is None:
+            return super().setup_environment()
+        super(DDPStrategy, self).setup_environment()
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._membership is None:
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._membership is not None else super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor if self._membership is not None else super().reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if self._membership is not None:
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision if self._membership is not None else super().reduce_boolean_decision(decision, all)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under a Membership, the training loader draws from a
+        :class:`~fastreduce.integrations.membership.MembershipSampler`."""
+        glue = self._membership
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if glue is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or glue.sampler is not None \
+                or not isinstance(dataloader, torch.utils.data.DataLoader):
+            return super().process_dataloader(dataloader)
+        from lightning.pytorch.trainer.states import RunningStage
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        old = getattr(dataloader.sampler, "seed", None)
+        sampler = glue.make_sampler(dataloader.dataset, step_samples=(dataloader.batch_size or 1)
+                                    * trainer.accumulate_grad_batches, seed=int(old or 0), sized=True,
+                                    num_workers=dataloader.num_workers)
+        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+    def on_train_start(self) -> None:
+        """Under a Membership: join it (a joiner takes the model, optimizer, LR schedulers,
+        data position and step count from a live member)."""
+        super().on_train_start()
+        glue = self._membership
+        if glue is None:
+            return
+        trainer = self.lightning_module.trainer
+        if trainer.max_steps is None or trainer.max_steps <= 0 or trainer.max_epochs not in (None, -1):
+            raise ValueError("FastReduceStrategy: under fastreduce.Membership the run's length is its number of "
+                             "committed optimizer steps (the steps in an epoch change with the world): pass "
+                             "Trainer(max_steps=...) and no max_epochs")
+        bad = [c for c in self.lr_scheduler_configs if c.interval != "step" or c.frequency != 1 or
+               c.reduce_on_plateau]
+        if bad:
+            raise ValueError("FastReduceStrategy: under fastreduce.Membership an LR scheduler steps once per committed "
+                             "step (interval='step', frequency=1; not ReduceLROnPlateau), so that a joiner's equals "
+                             "the members'")
+        if len(self.optimizers) != 1:
+            raise ValueError("FastReduceStrategy: under fastreduce.Membership configure_optimizers returns one "
+                             f"optimizer (several param groups are fine), got {len(self.optimizers)}")
+        step = glue.join(self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs],
+                         last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
+                         max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
+        _set_global_step(trainer, step)
+        if not any(isinstance(c, _Figures) for c in trainer.callbacks):
+            trainer.callbacks.append(_Figures())
+
+    def _on_new_epoch(self) -> None:
+        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @property
     def mode(self) -> TrainerMode:
@@ -217,6 +323,10 @@ class FastReduceStrategy(DDPStrategy):
             return
         self._release()
         mode = self._mode = make_mode(self._mode_arg, self._settings, self._eval_params)
+        if self._membership is not None:  # built at each epoch by the Membership, which it joins at on_train_start
+            self._membership.mode = mode
+            self._membership.sampler = None
+            return
         optimizers = list(self.optimizers)
         if len(optimizers) > 1 and not issubclass(mode.cls, FusedReducer):  # the fused modes take none
             raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} is built over one optimizer, and "
@@ -287,7 +397,10 @@ class FastReduceStrategy(DDPStrategy):
         the optimizer step, so clipping and the step see averaged gradients.
         """
         if self._mode.obj is not None and not self._blocked:
-            self._mode.after_backward()
+            if self._membership is not None:
+                self._membership.after_backward()  # a loss: raised again in the commit
+            else:
+                self._mode.after_backward()
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -313,7 +426,7 @@ class FastReduceStrategy(DDPStrategy):
         rank's own: ``eval_params="own"``)."""
         super().on_validation_start()
         if self._mode.obj is not None and self._mode.per_rank and self._validating is None \
-                and isinstance(self.model, torch.nn.Module):
+                and self._membership is None and isinstance(self.model, torch.nn.Module):
             self._validating = contextlib.ExitStack()
             self._validating.enter_context(self._mode.evaluating(self.model))
 
@@ -335,7 +448,7 @@ class FastReduceStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state (collective in per-rank modes: the ranks' exact mean)."""
-        if self._mode.obj is None or not self._mode.per_rank:
+        if self._mode.obj is None or not self._mode.per_rank or self._membership is not None:
             return super().lightning_module_state_dict()
         assert self.lightning_module is not None
         with self._mode.averaged(self.lightning_module):
@@ -479,14 +592,33 @@ class _Figures(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
+        glue = getattr(strategy, "membership", None) if isinstance(strategy, FastReduceStrategy) else None
+        if glue is not None and glue.committed is False:  # discarded on every member: no step
+            _set_global_step(trainer, glue.m.step, stepping=True)
+            glue.committed = None
         mode = getattr(strategy, "mode", None) if isinstance(strategy, FastReduceStrategy) else None
         step, every = trainer.global_step, trainer.log_every_n_steps
         if mode is None or mode.obj is None or not every or step == self._last or step % every:
             return
         self._last = step
         figures = {k: float(v) for k, v in mode.figures(step).items()}
+        if strategy.membership is not None:
+            figures.update(strategy.membership.figures())
         if figures:
             pl_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
+    """Make Lightning's global step (its optimizer-step count) ``step``, the Membership's
+    committed steps, and its loggers' step with it (``stepping``: in a batch that Lightning
+    counts as stepped once it ends)."""
+    loop = trainer.fit_loop.epoch_loop
+    tracker = loop.automatic_optimization.optim_progress.optimizer.step
+    delta = tracker.total.completed - step
+    for t in (tracker.total, tracker.current):
+        t.ready -= delta
+        t.completed -= delta
+    loop._batches_that_stepped = step - 1 if stepping else step
 
 
 def _world() -> int:

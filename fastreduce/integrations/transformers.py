@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
 from ..modes.fused import FusedReducer
+from .membership import TrainerMembership, check_plain_process
 from .modes import TrainerMode, make_mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,15 +134,27 @@ class FastReduceMixin:
 
     def __init__(self, *args: Any, fastreduce_mode: str | None = None,
                  fastreduce_config: Mapping[str, Any] | None = None, fastreduce_eval_params: str = "mean",
-                 **kwargs: Any):
+                 fastreduce_membership: Any = None, **kwargs: Any):
         self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config,  # a typo fails here
                                                       fastreduce_eval_params)
         """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
         self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
+        self.fastreduce_membership: TrainerMembership | None = None
+        """This trainer's side of ``fastreduce_membership`` (:mod:`fastreduce.integrations.membership`)."""
+        if fastreduce_membership is not None:
+            check_plain_process(type(self).__name__)
+            self.fastreduce_membership = TrainerMembership(fastreduce_membership, self.fastreduce_mode,
+                                                           type(self).__name__)
         # deepspeed= / fsdp= asked for: refused before the Trainer builds either
         self._fastreduce_refuse(_other_in(kwargs.get("args", args[1] if len(args) > 1 else None)))
         super().__init__(*args, **kwargs)
         self._fastreduce_refuse(_other_in(self.args) or _other_made(self))  # and what the Trainer made
+        if self.fastreduce_membership is not None:
+            if self.args.max_steps <= 0:
+                raise ValueError(f"{type(self).__name__}: under fastreduce.Membership the run's length is its number "
+                                 "of committed optimizer steps (the LR schedule is over it, and the steps in a data "
+                                 "epoch change with the world): set TrainingArguments(max_steps=...)")
+            self.add_callback(_membership_callback(self))
         if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
@@ -160,6 +173,10 @@ class FastReduceMixin:
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """Prepare the model for training without DDP and build the mode (see the class)."""
+        if training and self.fastreduce_membership is not None:  # the Membership builds the mode, at each epoch
+            prepared = prepare_model_without_ddp(self.accelerator, model)
+            self._fastreduce_model = self.accelerator.unwrap_model(prepared, keep_torch_compile=False)
+            return prepared
         if not training or not self._fastreduce_world():
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         accelerator = self.accelerator
@@ -202,14 +219,42 @@ class FastReduceMixin:
         with contextlib.nullcontext() if sync else mode.no_sync():
             loss = super().training_step(model, inputs, *args, **kwargs)
         if sync:
-            mode.after_backward()
+            if self.fastreduce_membership is not None:
+                self.fastreduce_membership.after_backward()  # a loss: raised again in the commit
+            else:
+                mode.after_backward()
         return loss
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's; under a Membership a plain ``DataLoader`` over a
+        :class:`~fastreduce.integrations.membership.MembershipSampler` (Accelerate's
+        prepared loader fetches a batch ahead, before the step in flight commits; the
+        Trainer moves each batch to its device itself)."""
+        if self.fastreduce_membership is None:
+            return super().get_train_dataloader()
+        accelerator = self.accelerator
+        accelerator.prepare = _unprepared  # this call only: the loader as the Trainer made it
+        try:
+            return super().get_train_dataloader()
+        finally:
+            del accelerator.prepare
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        glue = self.fastreduce_membership
+        if glue is None:
+            return super()._get_train_sampler(*args, **kwargs)
+        dataset = args[0] if args else kwargs.get("train_dataset", self.train_dataset)
+        dataset = self.train_dataset if dataset is None else dataset
+        return glue.make_sampler(dataset, step_samples=self._train_batch_size * self.args.gradient_accumulation_steps,
+                                 seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+                                 sized=False, num_workers=self.args.dataloader_num_workers)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The Trainer's evaluation, on the ranks' mean parameters where each holds its own
         (or each rank's own: ``fastreduce_eval_params="own"``)."""
         model = self._fastreduce_model
-        with contextlib.nullcontext() if model is None else self.fastreduce_mode.evaluating(model):
+        own = model is None or self.fastreduce_membership is not None  # no collective outside a commit
+        with contextlib.nullcontext() if own else self.fastreduce_mode.evaluating(model):
             return super().evaluate(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -242,6 +287,8 @@ class FastReduceMixin:
         """The Trainer's log; a training log (one with ``loss``) also gets the mode's figures."""
         if self.fastreduce_mode.obj is not None and "loss" in logs:
             logs.update(self.fastreduce_mode.figures(self.state.global_step))
+            if self.fastreduce_membership is not None:
+                logs.update(self.fastreduce_membership.figures())
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ helpers
@@ -254,7 +301,8 @@ class FastReduceMixin:
         """Build the mode once the model is prepared and (but for the fused modes) the
         optimizer exists; ``_wrap_model`` and ``create_optimizer`` come in either order."""
         mode, model = self.fastreduce_mode, self._fastreduce_model
-        if mode.obj is not None or model is None or (self.optimizer is None and mode.name not in ("fused", "overlap")):
+        if self.fastreduce_membership is not None or mode.obj is not None or model is None or \
+                (self.optimizer is None and mode.name not in ("fused", "overlap")):
             return
         if mode.name in ("fused", "overlap") and "unused_grads" not in mode.config \
                 and self.args.ddp_find_unused_parameters:
@@ -280,7 +328,8 @@ class FastReduceMixin:
 
     def _fastreduce_averaged(self) -> contextlib.AbstractContextManager:
         model = self._fastreduce_model
-        return contextlib.nullcontext() if model is None else self.fastreduce_mode.averaged(model)
+        own = model is None or self.fastreduce_membership is not None  # no collective outside a commit
+        return contextlib.nullcontext() if own else self.fastreduce_mode.averaged(model)
 
     def _fastreduce_refuse(self, other: str | None) -> None:
         if other is not None:
@@ -313,6 +362,41 @@ def _clip_with(accelerator: Any, mode: TrainerMode) -> None:
         return mode.clip_grad_norm_(max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _unprepared(*objects: Any, **_: Any) -> Any:
+    """``Accelerator.prepare`` that prepares nothing (the training loader under a Membership)."""
+    return objects[0] if len(objects) == 1 else objects
+
+
+def _membership_callback(trainer: Any) -> Any:
+    """The callback that joins ``trainer``'s Membership when training starts, and makes a
+    discarded step no step (the last callback, after the Trainer's own flow decisions)."""
+    from transformers import TrainerCallback
+
+    class FastReduceMembership(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            glue, mode = trainer.fastreduce_membership, trainer.fastreduce_mode
+            if mode.name in ("fused", "overlap") and "unused_grads" not in mode.config \
+                    and args.ddp_find_unused_parameters:
+                mode.config["unused_grads"] = "zero"
+            step = glue.join(trainer._fastreduce_model, getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+                             [trainer.lr_scheduler], last_step=state.max_steps,
+                             scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
+            state.global_step = trainer._globalstep_last_logged = step  # a joiner's: the members'
+            if hasattr(trainer, "_initial_global_step"):
+                trainer._initial_global_step = step
+            state.epoch = glue.sampler.data_epoch
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            glue = trainer.fastreduce_membership
+            if glue.committed is False:  # discarded on every member: no step, so no log, save, eval or stop
+                state.global_step = glue.m.step
+                control.should_log = control.should_save = control.should_evaluate = False
+                control.should_training_stop = control.should_training_stop and state.global_step >= state.max_steps
+            state.epoch = glue.sampler.data_epoch  # data epochs drawn, the same on every member
+
+    return FastReduceMembership()
 
 
 def _make_trainer() -> type:

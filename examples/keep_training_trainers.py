@@ -1,0 +1,277 @@
+"""The HF Trainer and Lightning going on when a member dies and a replacement joins
+(``fastreduce.Membership`` inside the trainers; the hand-written loop: ``keep_training.py``).
+
+    python examples/keep_training_trainers.py --trainer hf          # 3 members; member 2 dies at step 10
+    python examples/keep_training_trainers.py --trainer lightning --mode diloco
+
+On one host this starts a coordinator (``fastreduce.membership.serve``), 3 member processes
+and one replacement, each a plain process (not ``torchrun``) running the same training
+script: a small MLP regression with AdamW, gradient clipping and a warm-up + cosine LR
+schedule, through ``FastReduceTrainer(..., fastreduce_membership=m)`` or
+``FastReduceStrategy(mode, membership=m)``. Member 2 ``os._exit``\\ s in the forward of step
+``--kill-at``; the survivors discard that step and go on; the replacement, started at once
+and told to join when member 2 is gone, is admitted and takes the whole state from a live
+member. Each member prints its end: the step count, its parameters' digest (the same on all).
+
+What each member does, on several hosts: ``fastreduce coordinator --port 29400`` on one
+machine, then ``FASTREDUCE_COORDINATOR=thathost:29400 python train.py`` on each, where
+``train.py`` does what :func:`hf_member` or :func:`lightning_member` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 24
+BATCH = 4
+SAMPLES = 96
+LR, WARMUP = 1e-2, 4
+LOG_EVERY = 4
+HEARTBEAT = "0.25"
+LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
+#                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
+PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arrives mid-run
+MODES = ("fused", "overlap", "localsgd", "diloco")
+SETTINGS: dict[str, dict[str, Any]] = {
+    "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
+    "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4, "fragments": 2},
+}
+
+
+class Samples(torch.utils.data.Dataset):
+    """``SAMPLES`` seeded (x, y) pairs, y = sin(sum x)."""
+
+    def __init__(self, as_dict: bool):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(SAMPLES, 8, generator=g)
+        self.y = self.x.sum(1).sin()
+        self.as_dict = as_dict
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": self.x[i], "y": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def schedule(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warm-up then cosine (``transformers.get_cosine_schedule_with_warmup``'s shape)."""
+    import math
+
+    def factor(s: int) -> float:
+        if s < WARMUP:
+            return (s + 1) / WARMUP
+        return 0.5 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def expected_lrs(steps: int) -> list[float]:
+    """The lr of each step 1..steps in a run without failures."""
+    opt = torch.optim.AdamW(net().parameters(), lr=LR)
+    sched = schedule(opt, steps)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def digest(params: torch.Tensor) -> str:
+    return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
+
+
+def _membership(port: int) -> Any:
+    from fastreduce.membership import Membership
+
+    return Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, wait_s=60)
+
+
+def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
+    """Member ``index`` exits in the forward of step ``kill`` (``step()``: the trainer's count)."""
+    if kill is not None:
+        module.register_forward_pre_hook(lambda *_: os._exit(9) if step() == kill else None)
+
+
+# ====================================================================== Hugging Face
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
+
+
+def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
+              go: Any = None) -> dict[str, Any]:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from fastreduce.integrations.transformers import FastReduceTrainer
+
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    args = TrainingArguments(output_dir=str(Path(out) / f"hf{index}"), max_steps=steps,
+                             per_device_train_batch_size=BATCH, gradient_accumulation_steps=2, max_grad_norm=1.0, logging_steps=LOG_EVERY,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
+
+    class Record(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            lrs.append((trainer.fastreduce_membership.m.step + 1, opt.param_groups[0]["lr"]))  # the step's lr
+            time.sleep(PAUSE)  # a step long enough for the replacement to arrive mid-run
+
+    trainer = FastReduceTrainer(model=model, args=args, train_dataset=Samples(as_dict=True),
+                                optimizers=(opt, schedule(opt, steps)), callbacks=[Record()],
+                                fastreduce_mode=mode, fastreduce_config=SETTINGS[mode],
+                                fastreduce_membership=_membership(port))
+    _die_at(model.net, index, kill, lambda: trainer.state.global_step)
+    if go is not None:  # a replacement: everything built, join when told
+        go.wait(120)
+    trainer.train()
+    glue = trainer.fastreduce_membership
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "joined_at": glue.joined_at,
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m}
+
+
+# ====================================================================== Lightning
+
+
+def lightning_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
+                     go: Any = None) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from fastreduce.integrations.lightning import FastReduceStrategy
+
+    lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt, steps), "interval": "step"}}
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            lrs.append((self.trainer.strategy.membership.m.step + 1, optimizer.param_groups[0]["lr"]))
+            time.sleep(PAUSE)
+
+    module = Module()
+    strategy = FastReduceStrategy(mode, membership=_membership(port), **SETTINGS[mode])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, strategy=strategy, accumulate_grad_batches=2,
+                         gradient_clip_val=1.0, log_every_n_steps=LOG_EVERY, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    _die_at(module.net, index, kill, lambda: trainer.global_step)
+    if go is not None:
+        go.wait(120)
+    trainer.fit(module, torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=BATCH, shuffle=True))
+    glue = strategy.membership
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged,
+            "joined_at": glue.joined_at, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m}
+
+
+# ====================================================================== the job on one host
+
+def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
+           transport: str = "process_group") -> None:
+    """One process: train (``go``: an event to wait for before training, for a replacement),
+    save what it saw to ``out/member<index>.pt``."""
+    os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_LOST_AFTER_S=LOST_AFTER,
+                      FASTREDUCE_TRANSPORT=transport, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    torch.set_num_threads(1)
+    facts: dict[str, Any] = {"index": index}
+    try:
+        if trainer == "hf":  # imported before waiting: a replacement is ready to join at once
+            import fastreduce.integrations.transformers  # noqa: F401
+            import transformers  # noqa: F401
+        else:
+            import fastreduce.integrations.lightning  # noqa: F401
+        run = hf_member if trainer == "hf" else lightning_member
+        facts.update(run(port, out, mode, index, kill, steps, go))
+        facts.pop("m").close()
+    except BaseException:  # noqa: BLE001 - reported by the launcher
+        facts["error"] = traceback.format_exc()
+    torch.save(facts, Path(out) / f"member{index}.pt")
+
+
+def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
+           timeout: float = 180, transport: str = "process_group") -> dict[int, dict]:
+    """A coordinator, 3 members (member 2 dies in the forward of step ``kill_at``; ``None``:
+    none does) and, where one dies, a replacement told to join once it is gone; returns
+    what each member saved."""
+    from fastreduce.membership import serve
+
+    server = serve(0, "127.0.0.1")
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode,
+                                                 kill_at if i == 2 else None, None, steps, transport))
+             for i in range(3)}
+    if kill_at is not None:
+        procs[3] = ctx.Process(target=member, args=(trainer, 3, server.port, str(out), mode, None, go, steps,
+                                                               transport))
+    for p in procs.values():
+        p.start()
+    try:
+        if kill_at is not None:
+            procs[2].join(timeout)
+            go.set()
+        for p in procs.values():
+            p.join(timeout)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+    return {i: torch.load(out / f"member{i}.pt", weights_only=False) for i in procs
+            if (out / f"member{i}.pt").exists()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trainer", choices=("hf", "lightning"), default="hf")
+    ap.add_argument("--mode", choices=MODES, default="fused")
+    ap.add_argument("--kill-at", type=int, default=10)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        found = launch(args.trainer, Path(out), args.mode, args.kill_at)
+    for i, f in sorted(found.items()):
+        if "error" in f:
+            raise SystemExit(f"member {i} failed:\n{f['error']}")
+        print(f"member {i}: step {f['global_step']}, world {f['world']}, epoch {f['epoch']}, joined at step "
+              f"{f['joined_at']}, {f['counters']['discarded_steps']} step(s) discarded, "
+              f"parameters {digest(f['params'])}")
+
+
+if __name__ == "__main__":
+    main()

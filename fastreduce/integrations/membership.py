@@ -1,0 +1,436 @@
+"""The trainers under :class:`fastreduce.Membership`: the trainers' own loop goes on when a
+member dies or a replacement joins (issue 49; the loop by hand: ``examples/keep_training.py``).
+
+:class:`~fastreduce.integrations.transformers.FastReduceTrainer` takes
+``fastreduce_membership=``, :class:`~fastreduce.integrations.lightning.FastReduceStrategy`
+``membership=``: a :class:`fastreduce.Membership` not joined yet. Each member is a plain
+process (one per device, not under ``torchrun``, whose agent restarts a host's workers when
+one dies), started with the coordinator's address; a replacement is started the same way
+and joins by itself. The trainer joins when training starts, with the whole training
+state, so that a joiner takes it from a live member.
+
+What the trainer keeps from this module (:class:`TrainerMembership`, one per trainer):
+
+- **The step.** The optimizer the trainer steps is made to step through
+  :meth:`fastreduce.Membership.commit`. The fused modes reduce right after the backward
+  that ends an accumulation window, as outside a Membership (the trainer clips the averaged
+  gradients); a reduction that fails on a lost member is raised again inside the commit,
+  where the Membership discards the step on every member. LocalSGD and DiLoCo sync inside
+  the step, which the Membership redoes over the survivors; the run's last step also syncs
+  every fragment (:meth:`~fastreduce.LocalSGD.sync`), inside the commit, so every member
+  ends with the same parameters.
+- **A discarded step is no step.** The trainer's global step is the Membership's committed
+  step count, its LR schedulers step once per committed step, and no log, checkpoint,
+  evaluation or stop decision is made at a discarded one.
+- **The data** (:class:`MembershipSampler`, installed by the trainer in place of its
+  training sampler): each data epoch is a seeded permutation of the dataset; every member
+  draws, for the step it trains, from the same global position, interleaved by
+  :attr:`Membership.rank` over :attr:`Membership.world` of the current epoch, so a new
+  epoch re-shards at once; a committed step moves the position past what every member
+  drew. A discarded step's samples are drawn again over the survivors (none lost); in
+  LocalSGD and DiLoCo a lost member's inner steps since the last sync are lost with it, and
+  so are the samples it drew for them.
+- **A joiner** is admitted right after a committed step and given the state as the step's
+  optimizer update left it; it then does the rest of that step as the members do (its LR
+  schedulers step once, its global step is the count committed), so its learning rate at
+  each later step equals theirs.
+- **No collective outside a commit.** A collective of the trainer's own (Lightning's
+  ``barrier``, ``broadcast``, ``reduce`` of ``sync_dist`` logging, the evaluation of the
+  ranks' mean parameters) would fail on a lost member outside the vote, or wait forever
+  on a joiner not there yet: under a Membership they are each member's own (logged metrics
+  are the member's own; evaluation and saved models see the member's own parameters).
+
+Refused under a Membership, with a message: ZeRO (its shards must outlive their rank),
+gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
+(the steps per data epoch change with the world), an iterable dataset, data-loader worker
+processes (they draw ahead of the step), a process launched by ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import types
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from .modes import TrainerMode
+
+__all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
+
+log = logging.getLogger(__name__)
+
+_UNSUPPORTED = {
+    "zero": "ZeRO's optimizer state is sharded over the ranks and a shard must outlive its rank",
+    "gossip": "gossip steps each bucket during backward, so there is no point where a step commits",
+}
+
+
+def check_mode(mode: TrainerMode, who: str) -> None:
+    """``ValueError`` for a mode a Membership cannot run."""
+    why = _UNSUPPORTED.get(mode.name)
+    if why is not None:
+        raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
+                         "use 'fused', 'overlap', 'localsgd' or 'diloco'")
+    if mode.config.get("fragment_delay", 0):
+        raise ValueError(f"{who}: DiLoCo's fragment_delay > 0 (a sync in flight across steps) does not run under "
+                         "fastreduce.Membership yet: use fragment_delay=0")
+    if mode.config.get("group") is not None:
+        raise ValueError(f"{who}: a mode's own group= does not run under fastreduce.Membership, whose members "
+                         "form a new default group at each epoch: drop group=")
+
+
+def check_plain_process(who: str) -> None:
+    """``RuntimeError`` where this process was launched by ``torchrun`` (or another launcher
+    that sets ``RANK``/``WORLD_SIZE``): a Membership's members are plain processes."""
+    if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")) or \
+            "TORCHELASTIC_RUN_ID" in os.environ:
+        raise RuntimeError(f"{who}: this process was launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID are "
+                           "set), but a fastreduce.Membership's members are plain processes, each started on its "
+                           "own with the coordinator's address (torchrun's agent restarts every worker of a host "
+                           "when one dies): start it with `python train.py`")
+
+
+# ====================================================================== the data
+
+class MembershipSampler(DistributedSampler):
+    """A training sampler that re-shards at every epoch of a :class:`fastreduce.Membership`.
+
+    The samples form one stream: data epoch ``e`` is a permutation of the dataset (seeded by
+    ``seed + e`` where ``shuffle``, else in order), followed by epoch ``e + 1``'s. Every member
+    draws, for the step it trains, its ``j``-th sample since the last committed step at
+    stream position ``position + j * world + rank`` (the rank and world of the member's
+    current epoch); a committed step moves ``position`` past what every member drew
+    (:meth:`advance`), a discarded step does not, so its samples are drawn again over the
+    survivors. The position travels to a joiner with the state.
+
+    A subclass of ``DistributedSampler``, so that trainers leave it in place; its draws
+    follow the step, so a data loader must not draw ahead of it (no worker processes).
+
+    Args:
+        dataset: a map-style dataset (its length).
+        step_samples: the samples each member draws per step (batch size times gradient
+            accumulation): one pass (``iter``) draws whole steps only.
+        sized: whether ``len()`` answers (the samples per member in a data epoch at
+            ``world_size``, in whole steps; a pass draws that many): Lightning counts its
+            epochs by it. ``False``: a pass never ends (the HF Trainer then runs to
+            ``max_steps``).
+    """
+
+    def __init__(self, dataset: Any, membership: Any, *, step_samples: int, world_size: int,
+                 shuffle: bool = True, seed: int = 0, sized: bool = True):
+        self.dataset, self.membership, self.shuffle, self.seed = dataset, membership, shuffle, seed
+        self.size = len(dataset)
+        if self.size == 0:
+            raise ValueError("MembershipSampler: the training dataset is empty")
+        self.step_samples, self.world_size, self.sized = step_samples, world_size, sized
+        self.drop_last, self.epoch = False, 0  # DistributedSampler's attributes, for those who read them
+        self.position = 0  # stream position of the first sample of the step being drawn
+        self.through = 0  # the last step whose samples moved the position
+        self._drawn = 0  # samples this member drew since the last commit
+        self._world = 1  # the world they were drawn in
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    # DistributedSampler's names, read live
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return self.membership.world if self.membership.epoch is not None else 1
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.membership.rank if self.membership.epoch is not None else 0
+
+    @property
+    def data_epoch(self) -> float:
+        """Data epochs drawn, as a fraction (the trainers' logged ``epoch``)."""
+        return self.position / self.size
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("MembershipSampler(sized=False) has no length: the trainer runs to max_steps")
+        steps = math.ceil(self.size / (self.world_size * self.step_samples))
+        return steps * self.step_samples
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self) if self.sized else None
+        k = 0
+        while n is None or k < n:
+            if self._drawn == 0:
+                self._world = self.num_replicas
+            p = self.position + self._drawn * self._world + self.rank
+            self._drawn += 1
+            k += 1
+            yield self._at(p)
+
+    def _at(self, p: int) -> int:
+        e, i = divmod(p, self.size)
+        if self._perm is None or self._perm[0] != e:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + e)
+                self._perm = (e, torch.randperm(self.size, generator=g))
+            else:
+                self._perm = (e, torch.arange(self.size))
+        return int(self._perm[1][i])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the data epoch follows the stream position, the same on every member."""
+
+    def advance(self, step: int) -> None:
+        """Step ``step`` committed: move the position past what every member drew for it
+        (once per step: a sync redone over the survivors does not move it again)."""
+        if step > self.through:
+            self.position += self._drawn * self._world
+            self.through = step
+        self._drawn = 0
+
+    def redraw(self) -> None:
+        """After a commit: the next step draws afresh (a discarded step's samples again)."""
+        self._drawn = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "through": self.through, "seed": self.seed, "size": self.size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state["size"] != self.size or state["seed"] != self.seed:
+            raise ValueError(f"MembershipSampler: the members' dataset has {state['size']} samples and seed "
+                             f"{state['seed']}, this process's {self.size} and {self.seed}: the same data is needed")
+        self.position, self.through, self._drawn = int(state["position"]), int(state["through"]), 0
+
+
+# ====================================================================== the trainer's side
+
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a guarded LR scheduler -> its TrainerMembership
+
+
+@functools.lru_cache(maxsize=None)
+def _guarded(cls: type) -> type:
+    """``cls`` (an LR scheduler's class) whose ``step`` does nothing after a discarded step."""
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _OWNERS.get(self)
+        if owner is not None and owner.committed is False:
+            return None
+        return super(guarded, self).step(*args, **kwargs)
+
+    guarded = type(cls.__name__, (cls,), {"step": step, "_fastreduce_guarded": True, "__module__": cls.__module__})
+    return guarded
+
+
+class _Booked:
+    """The committed steps whose trainer bookkeeping (LR schedulers) is done, healed with the
+    state: a joiner admitted right after step k (booked k - 1) does step k's itself."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.steps = int(state["steps"])
+
+
+class _Reduced:
+    """A fused mode as the Membership sees it in a trainer: the reduction ran right after
+    backward (before the trainer clipped); :meth:`reduce` raises its error again, if any,
+    inside the commit."""
+
+    def __init__(self, mode: TrainerMode, owner: TrainerMembership):
+        self.trainer_mode, self.owner = mode, owner
+
+    def reduce(self) -> None:
+        err, self.owner.failed = self.owner.failed, None
+        if err is not None:
+            raise err
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer_mode.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer_mode.obj.load_state_dict(state)
+
+    def close(self) -> None:
+        self.trainer_mode.close()
+
+
+class _Local:
+    """LocalSGD or DiLoCo as the Membership sees it: the run's last step communicates too
+    (every fragment synced inside its commit)."""
+
+    def __init__(self, mode: TrainerMode, owner: TrainerMembership):
+        self.trainer_mode, self.obj, self.owner = mode, mode.obj, owner
+
+    @property
+    def steps(self) -> int:
+        return self.obj.steps
+
+    def communicates_at(self, s: int) -> bool:
+        return self.obj.communicates_at(s) or self.owner.pending == self.owner.last_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+    def sync(self) -> None:
+        self.obj.sync()
+
+    def remove(self) -> None:
+        self.trainer_mode.close()
+
+
+class TrainerMembership:
+    """One trainer's side of a :class:`fastreduce.Membership` (see the module doc).
+
+    Args:
+        membership: the :class:`fastreduce.Membership`, not joined yet.
+        mode: the trainer's :class:`~fastreduce.integrations.modes.TrainerMode`.
+        who: the trainer's class name, for messages.
+    """
+
+    def __init__(self, membership: Any, mode: TrainerMode, who: str):
+        from ..membership import Membership
+
+        if not isinstance(membership, Membership):
+            raise TypeError(f"{who}: the membership must be a fastreduce.Membership, got {type(membership).__name__}")
+        if membership.epoch is not None:
+            raise ValueError(f"{who}: the fastreduce.Membership has joined already; the trainer joins it when "
+                             "training starts (with the model, optimizer, LR schedulers and data position)")
+        check_mode(mode, who)
+        self.m, self.mode, self.who = membership, mode, who
+        self.failed: RuntimeError | None = None  # the fused reduction's error, raised again in the commit
+        self.committed: bool | None = None  # whether the last optimizer step was committed
+        self.pending = 0  # the step being committed
+        self.last_step = 0  # the run's last step (max_steps)
+        self.sampler: MembershipSampler | None = None
+        self.booked = _Booked()
+        self.schedulers: list[Any] = []
+        self.joined_at: int | None = None  # the committed step this process joined at
+        self._build_args: tuple[Any, ...] = ()
+
+    # ------------------------------------------------------------------ set-up
+
+    def make_sampler(self, dataset: Any, *, step_samples: int, seed: int, sized: bool,
+                     num_workers: int = 0) -> MembershipSampler:
+        if num_workers:
+            raise ValueError(f"{self.who}: data-loader worker processes (num_workers={num_workers}) draw batches "
+                             "ahead of the step, but under fastreduce.Membership the samples of a step are drawn "
+                             "once the previous step is committed or discarded (so that a new epoch re-shards "
+                             "at once): use 0 workers")
+        if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"{self.who}: an iterable dataset cannot be re-sharded when members come and go under "
+                             "fastreduce.Membership: use a map-style dataset (with __len__ and __getitem__)")
+        self.sampler = MembershipSampler(dataset, self.m, step_samples=step_samples, world_size=self.m.world_size,
+                                         seed=seed, sized=sized)
+        return self.sampler
+
+    def join(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedulers: list[Any], *,
+             last_step: int, scaler: Any = None, max_grad_norm: float = 0.0,
+             on_epoch: Callable[[], None] | None = None) -> int:
+        """Join the job with the trainer's state; every epoch's mode is built over
+        ``model`` and ``optimizer``; the optimizer then steps through the commit. Returns
+        the committed step count (a joiner's is the members')."""
+        if self.sampler is None:
+            raise RuntimeError(f"{self.who}: no MembershipSampler: the trainer did not make its training data loader")
+        if last_step <= 0:
+            raise ValueError(f"{self.who}: under fastreduce.Membership the run's length is its number of committed "
+                             "optimizer steps (the LR schedule is over it, and the steps in a data epoch change "
+                             "with the world): set max_steps")
+        self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
+        self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
+        state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
+        for sched in self.schedulers:
+            self._guard(sched)
+        self.m.join(state, self._build)
+        self.joined_at = self.m.step
+        if self.m.step > self.booked.steps:  # admitted right after a committed step: do the rest of it
+            with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer here
+                warnings.simplefilter("ignore", UserWarning)
+                for sched in self.schedulers:
+                    super(type(sched), sched).step()
+            self.booked.steps = self.m.step
+        self._commit_through(optimizer)
+        return self.m.step
+
+    def _build(self) -> Any:
+        """The mode over this epoch's group (the Membership calls it at every new epoch)."""
+        model, optimizer, scaler, max_grad_norm, on_epoch = self._build_args
+        self.mode.obj = None
+        self.mode.build(model, optimizer, scaler, max_grad_norm)
+        self.mode.start_figures(self.m.step)
+        if on_epoch is not None:
+            on_epoch()
+        return _Local(self.mode, self) if hasattr(self.mode.obj, "communicates_at") else _Reduced(self.mode, self)
+
+    def _commit_through(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step`` commit (a bound method, so that an LR scheduler made later
+        can wrap it as it wraps any optimizer's)."""
+        if getattr(optimizer.step, "_fastreduce_commits", False):
+            return
+        real = optimizer.step
+        owner = self
+
+        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            loss = None
+            if closure is not None:  # Lightning's: training_step, backward (the reduction), clipping
+                with torch.enable_grad():
+                    loss = closure()
+            owner.commit(real)
+            return loss
+
+        # torch's LR schedulers mark the optimizer's step they wrapped; ``real`` is theirs, if any
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        step._fastreduce_commits = True  # type: ignore[attr-defined]
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def _guard(self, sched: Any) -> None:
+        """The trainer's ``sched.step()`` does nothing after a discarded step (the scheduler's
+        class made a subclass that asks first: its ``state_dict``, the whole ``__dict__`` of
+        torch's schedulers, stays free of anything that cannot travel to a joiner)."""
+        _OWNERS[sched] = self
+        if not getattr(type(sched), "_fastreduce_guarded", False):
+            sched.__class__ = _guarded(type(sched))
+
+    # ------------------------------------------------------------------ every step
+
+    def after_backward(self) -> None:
+        """The mode's work after the backward that ends an accumulation window; a failure on
+        a lost member is kept for the commit (the trainer clips and steps first)."""
+        try:
+            self.mode.after_backward()
+        except RuntimeError as err:
+            self.failed = err
+
+    def commit(self, real_step: Callable[[], Any]) -> bool:
+        """The optimizer's step through the Membership: committed on every member or none."""
+        self.pending = self.m.step + 1
+        sampler, pending = self.sampler, self.pending
+
+        def step() -> None:
+            real_step()
+            if isinstance(self.m.mode, _Local) and pending == self.last_step:
+                self.m.mode.sync()  # the run's end: every member's parameters the same
+            sampler.advance(pending)
+
+        try:
+            self.committed = self.m.commit(step)
+        finally:
+            self.failed = None
+            sampler.redraw()
+        if self.committed:
+            self.booked.steps = self.m.step  # the trainer steps its schedulers next
+        return self.committed
+
+    def figures(self) -> dict[str, float]:
+        """The Membership's figures for the trainer's log."""
+        c = self.m.counters
+        return {"fastreduce/world": float(self.m.world), "fastreduce/membership_epoch": float(self.m.epoch.number),
+                "fastreduce/discarded_steps": float(c.discarded_steps), "fastreduce/losses": float(c.losses),
+                "fastreduce/joins": float(c.joins), "fastreduce/resyncs": float(c.resyncs)}

@@ -1,0 +1,140 @@
+"""The HF Trainer and Lightning under fastreduce.Membership (issue 49): training goes on
+when a member dies and a replacement joins, inside the trainers' own loops.
+
+Real processes (spawned, each its own interpreter, not torchrun), a real coordinator (a
+``TCPStore`` server in this test's process), real Gloo groups made again at each epoch.
+Three members train a small MLP (AdamW, clipping, warm-up + cosine LR, accumulation 2)
+through ``FastReduceTrainer(..., fastreduce_membership=m)`` or
+``FastReduceStrategy(mode, membership=m)``; member 2 ``os._exit``\\ s in the forward of step
+11; a replacement, started at once and built, trains when member 2 is gone and is admitted
+mid-run. The members' script is ``examples/keep_training_trainers.py``.
+
+Asserted: every final member reaches the last step (the trainer's global step equals the
+committed steps), every final member's parameters are equal bit for bit (fused modes: at
+every step; LocalSGD / DiLoCo: after the last step's sync), the lr of every step each
+member trained (a discarded one too) is the failure-free schedule's at that step, the
+replacement joined mid-run and the survivors counted the loss, the join and the step
+discarded (none in the local modes: the sync is redone), and the logs went on (the HF
+Trainer's every ``logging_steps``, Lightning's logged metrics with the Membership's figures).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from keep_training_trainers import LOG_EVERY, STEPS, expected_lrs, launch  # noqa: E402
+
+SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one case per trainer
+KILL_AT = 10  # member 2 dies in the forward of the step after the 10th committed one
+
+
+def _need(trainer: str) -> None:
+    if trainer == "hf":
+        pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
+        pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
+    else:
+        pytest.importorskip("lightning", reason="the lightning extra is not installed: "
+                                                "pip install 'fastreduce[lightning]'")
+
+
+def _final(trainer: str, tmp_path: Path, mode: str) -> list[dict]:
+    _need(trainer)
+    found = launch(trainer, tmp_path, mode, KILL_AT, timeout=150)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    assert 2 not in found and set(found) == {0, 1, 3}, sorted(found)  # member 2 died; the others finished
+    return [found[i] for i in (0, 1, 3)]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("trainer, mode", [
+    ("hf", "fused"), ("lightning", "fused"),
+    pytest.param("hf", "overlap", marks=SLOW), pytest.param("lightning", "overlap", marks=SLOW),
+    pytest.param("hf", "diloco", marks=SLOW), pytest.param("lightning", "localsgd", marks=SLOW),
+    pytest.param("hf", "localsgd", marks=SLOW), pytest.param("lightning", "diloco", marks=SLOW)])
+def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: str, mode: str) -> None:
+    final = _final(trainer, tmp_path, mode)
+    local = mode in ("localsgd", "diloco")
+    lrs = expected_lrs(STEPS)
+    for f in final:
+        assert f["global_step"] == STEPS and f["world"] == 3, (f["index"], f["global_step"], f["world"])
+        # the lr of every step it trained (a discarded one too) is the failure-free run's at that step
+        bad = [(s, lr, lrs[s - 1]) for s, lr in f["lrs"] if lr != lrs[s - 1]]
+        assert not bad, (f["index"], bad[:3])
+        trained = sorted({s for s, _ in f["lrs"]})
+        assert trained == list(range(f["joined_at"] + 1, STEPS + 1)), (f["index"], trained)
+    for f in final[:2]:  # the survivors
+        c = f["counters"]
+        assert f["joined_at"] == 0 and c["losses"] == 1 and c["joins"] == 1, c
+        assert c["discarded_steps"] == (0 if local else 1) and c["resyncs"] == (1 if local else 0), c
+    joiner = final[2]
+    assert KILL_AT <= joiner["joined_at"] < STEPS, joiner["joined_at"]
+    assert joiner["counters"]["stalls"][0][0] == "joined", joiner["counters"]
+    for f in final[1:]:  # bit for bit (the local modes: after the last step's sync)
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+    for f in final:  # the logs went on
+        if trainer == "hf":
+            steps = [e["step"] for e in f["logs"]]
+            first = -(-(f["joined_at"] + 1) // LOG_EVERY) * LOG_EVERY  # the first logging step it trained
+            assert steps == list(range(first, STEPS + 1, LOG_EVERY)), (f["index"], steps)
+            last = f["logs"][-1]
+            assert last["fastreduce/world"] == 3 and "learning_rate" in last and last["epoch"] > 0, last
+        else:
+            logged = f["logged"]
+            assert "loss" in logged and logged["fastreduce/world"] == 3, logged
+            assert logged["fastreduce/joins"] == (0 if f is joiner else 1), logged
+
+
+@pytest.mark.timeout(60)
+def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
+    """Checked by each process alone, before it joins: modes a Membership cannot run, a
+    run without max_steps, data-loader workers, a process launched by torchrun."""
+    import os
+
+    from fastreduce.integrations.membership import MembershipSampler, TrainerMembership, check_plain_process
+    from fastreduce.integrations.modes import make_mode
+    from fastreduce.membership import Membership, serve
+
+    server = serve(0, "127.0.0.1")
+    m = Membership(f"127.0.0.1:{server.port}", world_size=2)
+    with pytest.raises(ValueError, match="mode 'zero' does not run under fastreduce.Membership"):
+        TrainerMembership(m, make_mode("zero", {}), "T")
+    with pytest.raises(ValueError, match="mode 'gossip' does not run under fastreduce.Membership"):
+        TrainerMembership(m, make_mode("gossip", {}), "T")
+    with pytest.raises(ValueError, match="fragment_delay > 0"):
+        TrainerMembership(m, make_mode("diloco", {"sync_every": 4, "fragments": 2, "fragment_delay": 1}), "T")
+    with pytest.raises(TypeError, match="must be a fastreduce.Membership"):
+        TrainerMembership(object(), make_mode("fused", {}), "T")
+    glue = TrainerMembership(m, make_mode("fused", {}), "T")
+    with pytest.raises(ValueError, match="use 0 workers"):
+        glue.make_sampler(list(range(8)), step_samples=2, seed=0, sized=True, num_workers=2)
+    with pytest.raises(ValueError, match="set max_steps"):
+        glue.make_sampler(list(range(8)), step_samples=2, seed=0, sized=True)
+        glue.join(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), [],
+                  last_step=0)
+    old = os.environ.get("TORCHELASTIC_RUN_ID")
+    os.environ["TORCHELASTIC_RUN_ID"] = "x"
+    try:
+        with pytest.raises(RuntimeError, match="launched by torchrun"):
+            check_plain_process("T")
+    finally:
+        os.environ.pop("TORCHELASTIC_RUN_ID") if old is None else os.environ.update(TORCHELASTIC_RUN_ID=old)
+    # the sampler: a stream interleaved over the world; a committed step moves it past every member's draws
+    s = MembershipSampler(list(range(10)), m, step_samples=2, world_size=2, shuffle=False)
+    m.epoch = type("E", (), {"world": 2, "members": ("a", "b")})()
+    m.member = "b"
+    it = iter(s)
+    assert [next(it), next(it)] == [1, 3]  # rank 1 of 2 from position 0
+    s.advance(1)
+    assert s.position == 4 and [next(it), next(it)] == [5, 7]
+    s.redraw()  # discarded: drawn again
+    m.epoch = type("E", (), {"world": 3, "members": ("a", "c", "b")})()  # a new epoch: rank 2 of 3
+    it = iter(s)
+    assert [next(it), next(it)] == [6, 9] and len(s) == 6
+    s.advance(2)
+    assert s.position == 10 and s.data_epoch == 1.0
