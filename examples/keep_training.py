@@ -209,7 +209,8 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
            release_after: list[int] | None = None, compiled: bool = False) -> dict[int, dict]:
     """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
     replacements, each told to join once the next dying member's process is gone (of
-    ``release_after``, default: the killed ones in order); returns what each member saved."""
+    ``release_after``, default: the killed ones in order; -1: at once, an extra member);
+    returns what each member saved."""
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
@@ -227,7 +228,8 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
         p.start()
     try:
         for k, i in enumerate((sorted(kills) if release_after is None else release_after)[:joiners]):
-            procs[i].join(120)
+            if i >= 0:  # (-1: an extra process, told to join at once)
+                procs[i].join(120)
             gos[k].set()
         for p in everyone:
             p.join(180)

@@ -212,6 +212,24 @@ def test_a_member_that_leaves_is_out_at_the_next_poll_with_nothing_discarded(tmp
 
 
 @SLOW
+def test_an_extra_process_joins_a_running_job_and_the_world_grows(tmp_path: Path) -> None:
+    """No loss: a fourth process joins the 3 members mid-run (started with them: whichever
+    takes the last ticket is the extra one), is admitted at a poll, takes the state from
+    rank 0 and trains on with them at world 4, bit-identical."""
+    found = launch(tmp_path, "process_group", {}, joiners=1, release_after=[-1])
+    final = [found[i] for i in (0, 1, 2, 3)]
+    for f in final:
+        assert "error" not in f, f["error"]
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 4 and f["epoch"] == 1, (f["world"], f["epoch"])
+        assert all(ok for _, ok, _, _ in f["steps"])
+    late = [f for f in final if f["joined_at"] > 0]  # the last to take a ticket (the extra one, as a rule)
+    assert len(late) == 1 and late[0]["joined_at"] < STEPS, [f["joined_at"] for f in final]
+    assert all(f["counters"]["joins"] == 1 and f["counters"]["losses"] == 0 for f in final if f is not late[0]), \
+        [f["counters"] for f in final]
+    _same(final)
+
+
+@SLOW
 def test_a_member_lost_as_the_next_epoch_forms_is_named_in_seconds_not_the_groups_timeout(tmp_path: Path) -> None:
     """Member 2 dies at step 10; member 1 dies as it enters the epoch that drops member 2,
     before that epoch's group exists. Member 0 (and the replacement, if admitted there)
