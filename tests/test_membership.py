@@ -53,6 +53,7 @@ SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one 
     ("process_group", "mid-step", False), pytest.param("shm", "mid-step", False, marks=SLOW),
     pytest.param("process_group", "in-backward", True, marks=SLOW),
     pytest.param("process_group", "after-reduce", False, marks=SLOW),
+    pytest.param("shm", "after-reduce", False, marks=SLOW),
     pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW),
     pytest.param("shm", "between", False, marks=SLOW)])
 def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
@@ -173,12 +174,13 @@ def test_gossip_goes_on_over_the_survivors_ring(tmp_path: Path, transport: str, 
 
 
 @SLOW
-def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["process_group", "shm"])
+def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: Path, transport: str) -> None:
     """Member 2 dies at step 10; its replacement is admitted, and the member sending it the
     state dies as it starts: the survivor and the joiner form the next epoch, where the
     survivor (the one member holding the state) heals the joiner; they train on to the end,
     bit-identical."""
-    found = launch(tmp_path, "process_group", {0: ("in-heal", 0), 1: ("in-heal", 0), 2: ("mid-step", 10)},
+    found = launch(tmp_path, transport, {0: ("in-heal", 0), 1: ("in-heal", 0), 2: ("mid-step", 10)},
                    release_after=[2])
     final = [f for f in found.values() if "params" in f]
     assert len(final) == 2 and 3 in found and "params" in found[3], {i: f.get("error") for i, f in found.items()}
