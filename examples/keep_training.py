@@ -190,6 +190,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.mode.global_avg()  # the end of training: every rank's parameters := their exact mean
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         st = opt.state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
+        import threading
+        facts["store_threads"] = sum(t.name == "fastreduce-store" for t in threading.enumerate())  # one per epoch: a leak
         facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
                                                     for s in st.values()] or [torch.zeros(0)]),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),

@@ -175,12 +175,20 @@ class StoreCaller:
 
     def _serve(self) -> None:
         while True:
-            fn, args, done, box = self._q.get()
+            item = self._q.get()
+            if item is None:  # closed
+                return
+            fn, args, done, box = item
             try:
                 box.append(fn(*args))
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 box.append(err)
             done.set()
+            del item, fn, args  # not held while waiting for the next: a store's connection would stay open
+
+    def close(self) -> None:
+        """End the thread once the requests queued before are done."""
+        self._q.put(None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> tuple[threading.Event, list[Any]]:
         """Queue ``fn(*args)``; the event is set once its result (or error) is in the list."""
@@ -232,6 +240,7 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone: so is the job
                 break
         _forget(self)
+        self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a read of the store) within the loss window, else :class:`TransportError`."""

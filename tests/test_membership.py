@@ -80,6 +80,8 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
         assert c["losses"] == 1 and c["discarded_steps"] <= 1 and c["joins"] == 1, c
         died = 11 if where == "after-reduce" else 10  # the first step whose reduction lacks it
         assert [s for s, ok, _, _ in f["steps"] if not ok] == [died] * c["discarded_steps"]
+    for f in final:  # the heartbeat of every epoch left ends with it (its store thread and connection too)
+        assert f["store_threads"] == 1, (f["index"], f["store_threads"], f["epoch"])
     joiner = final[2]
     assert 10 <= joiner["joined_at"] < STEPS, joiner["joined_at"]
     assert joiner["counters"]["stalls"][0][0] == "joined"
