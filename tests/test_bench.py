@@ -641,7 +641,8 @@ def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:
     for seed in range(20):
         c = chaos_suite.ChaosConfig(seed=seed)
         kills = chaos_suite.schedule(c, "fused_bf16")
-        assert kills == chaos_suite.schedule(c, "overlap") and sorted(k["kind"] for k in kills) == sorted(chaos_suite.KINDS)
+        assert kills == chaos_suite.schedule(c, "overlap") == chaos_suite.schedule(c, "gossip")
+        assert sorted(k["kind"] for k in kills) == sorted(chaos_suite.KINDS)
         alive = set(range(cfg.members))
         for k, nxt in zip(kills, kills[1:] + [None]):
             assert k["victim"] in alive and k["step"] + cfg.join_after + cfg.sync_every < (nxt["step"] if nxt else cfg.steps)
@@ -650,3 +651,22 @@ def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:
             assert (a["kind"], a["victim"]) == (b["kind"], b["victim"])
             assert b["step"] == a["step"] if a["kind"] != "in-flight" else (b["step"] + 1) % cfg.sync_every == 0
     assert chaos_suite.schedule(cfg, "overlap") != chaos_suite.schedule(chaos_suite.ChaosConfig(seed=1), "overlap")
+
+
+def test_chaos_digests_of_gossip_compare_heals_with_rank_0_and_the_final_averages() -> None:
+    """Gossip's ranks differ by design: its steps are not compared across members (only rank
+    0 records them), a heal is the joiner's digest against rank 0's at that step, and the
+    final members' digests (after global_avg) must be one; the other modes compare every step."""
+    from fastreduce.bench.chaos import _digests
+
+    def rec(digests: dict[str, str], final: str = "f", joined: int = -1, killed: str = "") -> dict:
+        return {"digests": digests, "final_digest": final, "joined_step": joined, "killed": killed}
+
+    kills = [{"replacement": 2}]
+    ok = {0: rec({"5": "a", "6": "b"}), 1: rec({"5": "x"}), 2: rec({"6": "b"}, joined=6)}
+    got = _digests(ok, kills, per_step=False)
+    assert got["equal"] and got["heals"] == [{"replacement": 2, "step": 6, "compared": 2, "equal": True}]
+    assert got["steps_compared"] == 0 and not _digests(ok, kills)["equal"]  # step 5 differs when compared
+    assert not _digests({**ok, 2: rec({"6": "c"}, joined=6)}, kills, per_step=False)["equal"]  # a bad heal
+    assert not _digests({**ok, 1: rec({}, final="g")}, kills, per_step=False)["final_equal"]  # averages differ
+    assert _digests({**ok, 1: rec({}, final="g", killed="between")}, kills, per_step=False)["final_equal"]

@@ -58,8 +58,8 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   ``--params-m`` (1 by default; 10 for the joiner target's model); ``--quick``: 3 members,
   a 0.05M model, 24 steps.
 * ``chaos`` (:mod:`.chaos`): the modes ``fastreduce.Membership`` runs (fused with a bf16
-  wire, overlapped with small buckets, DiLoCo; ZeRO, which it refuses, and gossip are listed
-  as not run) on Gloo and on shared memory: 4 members train a seeded MLP regression to
+  wire, overlapped with small buckets, DiLoCo, gossip over a ring; ZeRO, which it refuses, is
+  listed as not run) on Gloo and on shared memory: 4 members train a seeded MLP regression to
   ``--steps`` (300) committed steps through three seeded kills (mid-step, in flight: inside
   backward or the reduction or the sync, and between steps; ``--seed``), each replaced 20
   steps later. Per mode and transport: the losses, joins, steps discarded and stall per loss,

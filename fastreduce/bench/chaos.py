@@ -2,13 +2,17 @@
 
 Issue 49's chaos run. Per mode under :class:`fastreduce.Membership` (:data:`MODES`:
 the fused reducer with a bf16 wire, the overlapped reducer with an fp32 wire and buckets
-small enough that several are in flight, DiLoCo) and per transport (``FASTREDUCE_TRANSPORT``
+small enough that several are in flight, DiLoCo, gossip over a ring with the overlapped
+mode's buckets and an fp32 wire) and per transport (``FASTREDUCE_TRANSPORT``
 ``process_group``, i.e. Gloo, and ``shm``), ``members`` (4) processes train one seeded MLP
 regression (:func:`.faults.build_model`, AdamW with a cosine learning rate over the committed
 steps, each (step, rank) its own seeded batch, :func:`.faults.batch_for`) to ``steps`` (300)
 committed steps through ``Membership``, with a coordinator
-(:func:`fastreduce.membership.serve`) in the launcher. ZeRO (``Membership`` refuses it) and
-gossip (``Membership`` runs it since 6076894; not here yet) are listed as not run.
+(:func:`fastreduce.membership.serve`) in the launcher. ZeRO (``Membership`` refuses it) is
+listed as not run. Gossip (:class:`fastreduce.DecentralizedDataParallel`) steps inside forward
+and backward, so ``commit()`` runs them; its AdamW and cosine schedule are per bucket
+(``optim_fn``, ``lr_scheduler_fn``: a ``LambdaLR`` over the bucket's own steps, one per
+committed step), kept across epochs in the mode's state.
 
 The kills (:func:`schedule`, drawn from ``seed``, the same steps and victims in every mode):
 one in each third of the run, a member (any one alive then, a healed replacement included)
@@ -18,7 +22,8 @@ one in each third of the run, a member (any one alive then, a healed replacement
 * ``in-flight``: overlapped, inside backward as the first layer's gradient is computed (the
   later layers' buckets in flight); fused, as its reduction begins (its peers in the
   collective); DiLoCo, after its inner step as the sync begins (its peers in the sync; the
-  step moved to the next sync);
+  step moved to the next sync); gossip, as overlapped (the later layers' buckets stepped, their
+  exchanges of this round in flight);
 * ``between``: before the next step's forward.
 
 ``join_after`` (20) committed steps after each kill, a replacement joins: a process started
@@ -26,14 +31,18 @@ with the others (so its imports are done), told to join then; the world returns 
 ``members``. Every process records, per step: its begin and end (wall clock), whether the
 step was committed, the world, the epoch and the training loss; a digest of its parameters
 at every committed step (DiLoCo: at every sync, when the ranks' parameters are one), and a
-replacement's right after its healing. Then, per mode and transport, a failure-free run: the
+replacement's right after its healing; after the last step (gossip: after
+``global_avg()``, every rank's parameters := their exact mean), the final digest. Gossip's ranks
+differ by design: only rank 0 records a digest per step, and a heal is checked against it (a
+joiner takes rank 0's state). Then, per mode and transport, a failure-free run: the
 same members, data and seeds, no kill, the same committed steps.
 
 The figures (:func:`run_chaos_bench`): committed steps of the final members; the losses and
 joins (``Membership.counters``, and per loss from the timeline: the steps discarded, the stall:
 from the end of the last committed step before it to the end of the first committed after it,
 less one median step); every digest of one step equal on every member that recorded it, each
-heal checked at the replacement's first step; the final model's held-out loss (4096 held-out
+heal checked at the replacement's first step, the final digests equal; the final model's
+(gossip: the global average's) held-out loss (4096 held-out
 rows) against the failure-free run's, within ``tolerance_pct`` (1%); the wall time from the
 first step begun to the last committed. Outputs (:func:`write_outputs`): ``chaos.csv`` (a row
 per mode and transport), ``chaos_steps.csv`` (a row per member and step), ``chaos.png`` (loss
@@ -66,14 +75,14 @@ from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _media
 __all__ = ["KINDS", "MODES", "TRANSPORTS", "UNSUPPORTED", "ChaosConfig", "format_text", "quick_config",
            "run_chaos_bench", "schedule", "write_outputs"]
 
-MODES = ("fused_bf16", "overlap", "diloco")
+MODES = ("fused_bf16", "overlap", "diloco", "gossip")
 TRANSPORTS = ("process_group", "shm")
 KINDS = ("mid-step", "in-flight", "between")
-UNSUPPORTED = {"zero": "ZeroOptimizer: not supported under Membership yet (its shards must outlive their rank)",
-               "gossip": "DecentralizedDataParallel: Membership runs it since 6076894, not in this suite yet"}
+UNSUPPORTED = {"zero": "ZeroOptimizer: not supported under Membership yet (its shards must outlive their rank)"}
 IN_FLIGHT = {"fused_bf16": "as its reduction begins, its peers in the collective",
              "overlap": "inside backward, the later layers' buckets in flight",
-             "diloco": "after its inner step, as the sync begins (the next sync step)"}
+             "diloco": "after its inner step, as the sync begins (the next sync step)",
+             "gossip": "inside backward, the later layers' buckets stepped and their exchanges in flight"}
 HELDOUT_SEED = 1000
 """Added to ``seed`` for the held-out rows (the training batches' seeds stay far below it)."""
 
@@ -105,7 +114,7 @@ class ChaosConfig:
     sync_every: int = 10
     """DiLoCo's ``H`` (one fragment; outer SGD, lr 1.0, no momentum)."""
     bucket_mb: float = 0.05
-    """The overlapped mode's bucket size (MB): several buckets in flight."""
+    """The overlapped and gossip modes' bucket size (MB): several buckets in flight."""
     heldout: int = 4096
     """Held-out rows."""
     tolerance_pct: float = 1.0
@@ -181,6 +190,8 @@ class ChaosRecord(Record):
     losses: list[float] = field(default_factory=list)
     at: list[tuple[int, int]] = field(default_factory=list)  # committed steps before and after
     digests: dict[str, str] = field(default_factory=dict)  # committed step -> parameter digest
+    final_digest: str = ""  # after the last step (gossip: after global_avg)
+    lr_steps: list[int] = field(default_factory=list)  # gossip: each bucket's scheduler steps at the end
     joined_step: int = -1
     heldout: float | None = None
     heldout_initial: float | None = None
@@ -197,6 +208,27 @@ class ChaosRecord(Record):
 def _digest(model: nn.Module) -> str:
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:16]
+
+
+def _cosine(cfg: ChaosConfig, step: int) -> float:
+    """The learning rate's factor at ``step`` committed steps (every mode's schedule)."""
+    return 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+
+
+def _gossip(cfg: ChaosConfig, model: nn.Module, scheds: list[Any]) -> Any:
+    """Gossip over a ring, the overlapped mode's buckets: an AdamW and a cosine ``LambdaLR``
+    per bucket, its count the bucket's steps (one per committed step; kept across epochs in
+    the mode's state); each scheduler built is added to ``scheds``."""
+    import fastreduce
+
+    def schedule_of(opt: torch.optim.Optimizer) -> Any:
+        scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda k: _cosine(cfg, k)))
+        return scheds[-1]
+
+    def adamw(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for _, p in named], lr=cfg.lr)
+
+    return fastreduce.DecentralizedDataParallel(model, adamw, schedule_of, topology="ring", bucket_mb=cfg.bucket_mb)
 
 
 def _heldout(cfg: ChaosConfig, model: nn.Module) -> float:
@@ -231,7 +263,11 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             record.save(Path(out) / f"{index}.json")
             return True
 
+        scheds: list[Any] = []  # gossip's, every epoch's
+
         def build() -> Any:
+            if mode == "gossip":
+                return _gossip(cfg, model, scheds)
             if mode == "diloco":
                 return fastreduce.DiLoCo(model, opt, outer, sync_every=cfg.sync_every)
             if mode == "overlap":
@@ -241,7 +277,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             reducer.reduce = lambda *a, **k: os._exit(9) if armed("in-flight") else reduce(*a, **k)  # type: ignore
             return reducer
 
-        if mode == "overlap":  # the first layer's gradient comes last in backward
+        if mode in ("overlap", "gossip"):  # the first layer's gradient comes last in backward
             model[0].weight.register_hook(lambda g: os._exit(9) if armed("in-flight") else g)
         if mode == "diloco":  # before the mode's own hook (registered later): the step done, the sync not begun
             opt.register_step_post_hook(lambda *_: os._exit(9) if armed("in-flight") else None)
@@ -259,24 +295,31 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 os._exit(9)
             t0, before = time.time(), m.step
             shared[0].started(t0)
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * m.step / cfg.steps))
             x, y = batch_for(cfg, m.step, m.rank)  # type: ignore[arg-type]
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if armed("mid-step"):
-                os._exit(9)
-            ok = m.commit(opt.step)
-            opt.zero_grad()
+            if mode == "gossip":  # the mode steps and exchanges inside forward and backward: commit runs them
+                ok, loss = _gossip_step(m, x, y, armed)
+            else:
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr * _cosine(cfg, m.step)
+                train_loss = nn.functional.mse_loss(model(x), y)
+                train_loss.backward()
+                if armed("mid-step"):
+                    os._exit(9)
+                ok, loss = m.commit(opt.step), train_loss.item()
+                opt.zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
             for s in shared[1:]:
                 s.committed(m.step, record.iters[-1][1])
             record.epochs.append(m.epoch.number)
-            record.losses.append(loss.item())
+            record.losses.append(loss)
             record.at.append((before, m.step))
-            if ok and (mode != "diloco" or m.step % cfg.sync_every == 0) and m.step > before:
+            if ok and m.step > before and _one_model(cfg, mode, m):
                 record.digests[str(m.step)] = _digest(model)
             time.sleep(cfg.pace_s)
+        if mode == "gossip":  # every rank's parameters := their exact mean, the model evaluated
+            m.mode.global_avg()
+            record.lr_steps = sorted({s.last_epoch for s in scheds[-m.mode.num_buckets:]})
+        record.final_digest = _digest(model)
         record.heldout = _heldout(cfg, model)
         record.finish(m)
         m.close()
@@ -284,6 +327,30 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
         record.error = traceback.format_exc()
     record.save(Path(out) / f"{index}.json")
     os._exit(0)  # no interpreter teardown: an abandoned group's Gloo threads may linger
+
+
+def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[bool, float]:
+    """One gossip step through ``m.commit``: forward and backward through ``m.mode`` (a new
+    wrapper each epoch); the training loss, NaN where the step failed before it."""
+    box = [math.nan]
+
+    def forward_backward() -> None:
+        loss = nn.functional.mse_loss(m.mode(x), y)
+        loss.backward()
+        box[0] = loss.item()
+        if armed("mid-step"):  # its buckets stepped, their exchanges in flight
+            os._exit(9)
+
+    return m.commit(forward_backward), box[0]
+
+
+def _one_model(cfg: ChaosConfig, mode: str, m: Any) -> bool:
+    """Whether this member records a digest of this committed step: every member where the
+    members hold one model (DiLoCo: at its syncs); gossip's rank 0 alone (its ranks differ by
+    design; a joiner takes rank 0's state)."""
+    if mode == "gossip":
+        return m.rank == 0
+    return mode != "diloco" or m.step % cfg.sync_every == 0
 
 
 def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, Any]], out: Path) -> dict[str, Any]:
@@ -369,14 +436,16 @@ def _losses(records: dict[int, dict[str, Any]], median: float) -> list[dict[str,
     return out
 
 
-def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every step's digests equal across the members that recorded it; each heal: the
-    replacement's digest right after it against every member's at that step."""
+def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], per_step: bool = True) -> dict[str, Any]:
+    """Every step's digests equal across the members that recorded it (``per_step``; gossip:
+    not compared, only its rank 0 records them); each heal: the replacement's digest right
+    after it against every member's at that step (gossip: rank 0's); the final members'
+    final digests (gossip: after ``global_avg``) equal."""
     by_step: dict[str, dict[int, str]] = {}
     for i, r in records.items():
         for step, d in r["digests"].items():
             by_step.setdefault(step, {})[i] = d
-    differ = sorted((int(s) for s, ds in by_step.items() if len(set(ds.values())) > 1))
+    differ = sorted((int(s) for s, ds in by_step.items() if len(set(ds.values())) > 1)) if per_step else []
     heals = []
     for k in kills:
         j = records.get(k["replacement"])
@@ -386,11 +455,13 @@ def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]]) ->
         ds = by_step.get(str(j["joined_step"]), {})
         heals.append({"replacement": k["replacement"], "step": j["joined_step"], "compared": len(ds),
                       "equal": len(ds) > 1 and len(set(ds.values())) == 1})
-    return {"steps_compared": sum(1 for ds in by_step.values() if len(ds) > 1), "steps_differ": differ[:20],
-            "heals": heals, "equal": not differ and all(h["equal"] for h in heals)}
+    final = {r["final_digest"] for r in records.values() if not r["killed"]}
+    return {"steps_compared": sum(1 for ds in by_step.values() if len(ds) > 1) if per_step else 0,
+            "steps_differ": differ[:20], "heals": heals, "final_equal": len(final) == 1,
+            "equal": not differ and all(h["equal"] for h in heals) and len(final) == 1}
 
 
-def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]]) -> dict[str, Any]:
+def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], mode: str = "") -> dict[str, Any]:
     """One run's figures (a chaos run, or the failure-free one with ``kills`` empty)."""
     records = job["records"]
     errors = {i: r["error"] for i, r in records.items() if r and r["error"]}
@@ -414,12 +485,14 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]]) 
     return {"median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
             "final_world": sorted({r["counters"]["world"] for r in final.values()}),
             "losses": max(r["counters"]["losses"] for r in final.values()),
-            "joins": max(r["counters"]["joins"] for r in final.values()),
+            "joins": max(r["counters"]["joins"] for r in final.values()),  # (gossip: survivors healed forward too)
+            "replacements_joined": sum(1 for j in joins if j["joined_step"] >= 0),
             "resyncs": max(r["counters"]["resyncs"] for r in final.values()),
             "discarded_steps": max(r["counters"]["discarded_steps"] for r in final.values()),
             "per_loss": losses, "per_join": joins,
             "max_stall_s": max((e["stall_s"] for e in losses), default=None),
-            "digests": _digests(records, kills),
+            "digests": _digests(records, kills, per_step=mode != "gossip"),
+            "lr_steps": sorted({n for r in final.values() for n in r["lr_steps"]}),
             "heldout": heldout[0], "heldout_equal": len(heldout) == 1,
             "heldout_initial": next(iter(final.values()))["heldout_initial"],
             "wall_s": max(r["iters"][-1][1] for r in final.values()) - first,
@@ -428,8 +501,9 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]]) 
 
 def _timeline(r: dict[str, Any], first: float) -> dict[str, Any]:
     """A member's steps: ``[begin_s, end_s, committed, world, epoch, step, after, loss]``,
-    seconds from the run's first step."""
-    rows = [[round(t0 - first, 4), round(t1 - first, 4), ok, world, e, a, b, round(loss, 6)]
+    seconds from the run's first step (the loss ``None`` where gossip's step failed first)."""
+    rows = [[round(t0 - first, 4), round(t1 - first, 4), ok, world, e, a, b,
+             None if math.isnan(loss) else round(loss, 6)]
             for (t0, t1, ok, world), e, (a, b), loss in zip(r["iters"], r["epochs"], r["at"], r["losses"])]
     return {"joined_step": r["joined_step"], "killed": r["killed"], "steps": rows}
 
@@ -450,7 +524,7 @@ def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
             for name, ks in (("chaos", kills), ("failure_free", [])):
                 with tempfile.TemporaryDirectory(prefix=f"fastreduce-chaos-{mode}-{transport}-") as tmp:
                     try:
-                        run[name] = figures(cfg, run_job(cfg, mode, transport, ks, Path(tmp)), ks)
+                        run[name] = figures(cfg, run_job(cfg, mode, transport, ks, Path(tmp)), ks, mode)
                     except Exception:  # noqa: BLE001 - one run's failure is a row of the report
                         run[name] = {"error": traceback.format_exc()[-4000:]}
             chaos, free = run["chaos"], run["failure_free"]
@@ -475,11 +549,12 @@ def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]
         checks = [("held-out", abs(run["heldout_diff_pct"]), "<=", cfg.tolerance_pct,
                    "|held-out loss - failure-free's| (%)"),
                   ("digests", int(not c["digests"]["equal"] or not c["heldout_equal"]), "<=", 0,
-                   "steps or heals where the members' parameters differ (0: none)"),
+                   "steps, heals or final models where the members' parameters differ (0: none; gossip: "
+                   "heals against rank 0, the final global average)"),
                   ("discarded", max((e["discarded"] for e in c["per_loss"]), default=0), "<=", 1,
                    "steps discarded at one loss (the most)"),
                   ("losses", len(c["per_loss"]), "==", n, "losses seen (one per kill)"),
-                  ("joins", c["joins"], "==", n, "joins (one per kill)"),
+                  ("joins", c["replacements_joined"], "==", n, "replacements joined (one per kill)"),
                   ("steps", min(c["final_steps"]), "==", cfg.steps, "committed steps of the final members")]
         for name, value, op, limit, what in checks:
             ok = value <= limit if op == "<=" else value == limit
@@ -503,7 +578,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             text = (c.get("error") or f.get("error", "")).strip().splitlines()
             rows.append({**row, "error": text[-1] if text else "failed"})
             continue
-        rows.append({**row, "committed_steps": min(c["final_steps"]), "losses": c["losses"], "joins": c["joins"],
+        rows.append({**row, "committed_steps": min(c["final_steps"]), "losses": c["losses"],
+                     "joins": c["replacements_joined"],
                      "discarded_steps": sum(e["discarded"] for e in c["per_loss"]), "resyncs": c["resyncs"],
                      "max_stall_s": c["max_stall_s"], "heldout": c["heldout"], "heldout_failure_free": f["heldout"],
                      "heldout_diff_pct": run["heldout_diff_pct"], "digests_equal": c["digests"]["equal"],
@@ -538,8 +614,11 @@ def format_text(report: dict[str, Any]) -> str:
                      f"{row['heldout']:>10.5f}{row['heldout_failure_free']:>9.5f}{row['heldout_diff_pct']:>+7.2f}%"
                      f"{'yes' if row['digests_equal'] else 'NO':>8}{row['wall_s']:>8.1f}{row['wall_failure_free_s']:>10.1f}")
     lines += ["", "(max stall: s from the end of the last committed step before a loss to the end of the first "
-              "after it, less one median step; discard: steps discarded over all losses; digests: every member's "
-              "parameters equal at every committed step (DiLoCo: at its syncs) and after each heal)", "per loss:"]
+              "after it, less one median step; discard: steps discarded over all losses; joins: replacements admitted (Membership's "
+              "counters.joins also counts gossip's survivors healed a step forward); digests: every member's "
+              "parameters equal at every committed step (DiLoCo: at its syncs), after each heal and at the end; "
+              "gossip, whose ranks differ by design: each joiner's equal to rank 0's after its heal, and every "
+              "member's global average at the end)", "per loss:"]
     for key, run in report["runs"].items():
         ch = run["chaos"]
         if "error" in ch:
@@ -550,6 +629,9 @@ def format_text(report: dict[str, Any]) -> str:
         for k, e in zip(report["schedule"][run["mode"]], ch["per_loss"]):
             lines.append(f"  {key:<24} {k['kind']:<9} step {k['step']:>3}: stall {e['stall_s']:.2f} s (Membership's "
                          f"{_cell(e['membership_stall_s'])}), {e['discarded']} discarded, seen at step {e['at_step']}")
+        if ch["lr_steps"]:
+            lines.append(f"  {key:<24} each bucket's lr scheduler stepped {'/'.join(map(str, ch['lr_steps']))} "
+                         f"times (committed steps: {min(ch['final_steps'])})")
         for j in ch["per_join"]:
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
                          f"{j['first_commit_s']:.2f} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
@@ -587,7 +669,7 @@ def _curve(run: dict[str, Any], every: int = 10) -> tuple[list[float], list[floa
     for mem in run["members"].values():
         for begin, end, ok, w, _, step, after, loss in mem["steps"]:
             world.append((end, w))
-            if ok and after > step:
+            if ok and after > step and loss is not None:
                 by_step.setdefault(step, []).append((end, loss))
     steps = sorted(by_step)
     t = [max(e for e, _ in by_step[s]) for s in steps]
