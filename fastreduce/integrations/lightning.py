@@ -181,9 +181,11 @@ class FastReduceStrategy(DDPStrategy):
         return self._membership
 
     # ------------------------------------------------------------------ under a Membership
-    # Each member is one process of one device; its rank and world are the Membership's
-    # epoch's, and the strategy's collectives are each member's own: outside a commit a
-    # collective would fail on a lost member, or wait on a joiner not there yet.
+    # Each member is one process of one device, and a world of one to Lightning: outside a
+    # commit a collective would fail on a lost member, or wait on a joiner not there yet, so
+    # the strategy's collectives are each member's own, and Lightning's loops, which
+    # broadcast on their own where the world is larger (the SIGTERM flag, every batch),
+    # see a world of one. The global rank is the Membership's (rank 0 writes).
 
     @property
     def global_rank(self) -> int:
@@ -194,10 +196,11 @@ class FastReduceStrategy(DDPStrategy):
 
     @property
     def world_size(self) -> int:
-        glue = self._membership
-        if glue is None:
-            return super().world_size
-        return glue.m.world if glue.m.epoch is not None else 1
+        return super().world_size if self._membership is None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return super().distributed_sampler_kwargs if self._membership is None else {"num_replicas": 1, "rank": 0}
 
     def setup_environment(self) -> None:
         """Under a Membership: the device only; the Membership forms each epoch's process group."""
@@ -458,7 +461,8 @@ class FastReduceStrategy(DDPStrategy):
         """Lightning's file (rank 0), and the mode's whole state in ``<filepath>.fastreduce``
         (every rank: Lightning calls this on all of them)."""
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._mode.obj is not None and "optimizer_states" in checkpoint:  # not a weights-only save
+        if self._mode.obj is not None and "optimizer_states" in checkpoint and self._membership is None:
+            # (not a weights-only save; under a Membership Lightning's file only: the Checkpointer is collective)
             self._checkpointer(os.fspath(filepath) + _SUFFIX).save(int(checkpoint.get("global_step", 0)))
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -264,8 +264,8 @@ class FastReduceMixin:
             super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.fastreduce_mode.obj is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.fastreduce_mode.obj is None or self.fastreduce_membership is not None:  # the Trainer's files only:
+            return super()._save_optimizer_and_scheduler(output_dir)  # the Checkpointer's are collective
         self._fastreduce_checkpointer(output_dir).save(self.state.global_step)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
