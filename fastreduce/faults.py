@@ -455,8 +455,8 @@ _waiter_queue: Any = None
 
 def _waiter() -> Any:
     """The queue of a daemon thread that waits for works without futures, one at a
-    time, and sets each one's event (an abandoned work keeps it, and the queue, for good:
-    the job is over then)."""
+    time, and sets each one's event (an abandoned work keeps it, and its queue, for good:
+    :func:`_abandon_groups` starts the next wait on a new one)."""
     global _waiter_queue
     with _lock:
         if _waiter_queue is None:
@@ -466,7 +466,10 @@ def _waiter() -> Any:
 
             def run() -> None:
                 while True:
-                    fn, done, failed = q.get()
+                    item = q.get()
+                    if item is None:  # replaced (its groups abandoned)
+                        return
+                    fn, done, failed = item
                     try:
                         fn()
                     except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
@@ -524,7 +527,9 @@ def _abandon_groups() -> None:
     process would hang there. So every process group is aborted where the backend can
     (the pending work fails, its thread returns) and, where it cannot, pinned: never
     destroyed, its threads end with the process. The group is of no further use either
-    way: a job that lost a rank restarts (torchrun --max-restarts)."""
+    way: a job that lost a rank restarts (torchrun --max-restarts), or under a Membership
+    goes on in a new group."""
+    global _waiter_queue
     import ctypes
 
     for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
@@ -536,6 +541,10 @@ def _abandon_groups() -> None:
             pg.abort()
         except Exception:  # noqa: BLE001 - not supported by this backend or torch
             pass
+    with _lock:  # its thread may wait for good on an abandoned work: later groups' waits get a new one
+        if _waiter_queue is not None:
+            _waiter_queue.put(None)  # (and it ends, once free)
+        _waiter_queue = None
 
 
 # ---------------------------------------------------------------------- guard

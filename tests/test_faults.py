@@ -398,3 +398,34 @@ def test_rank_lost_error_message_and_pickle() -> None:
                                "its heartbeat stopped. The gradients are lost. Restart from the last checkpoint")
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is fastreduce.RankLostError and str(back) == str(err) and back.ranks == [1, 3]
+
+
+def test_abandoned_groups_leave_their_waiter_thread_and_later_waits_get_a_new_one() -> None:
+    """Gloo's point-to-point works (gossip's exchanges) have no future: one thread waits for
+    them in turn. Abandoned with its group, a wait may block that thread for good; the
+    waits of the groups made after (fastreduce.Membership's next epoch) must not queue
+    behind it (they did: gossip hung on Gloo after its first loss). The old thread ends
+    once free."""
+    import threading
+
+    from fastreduce import faults
+
+    stuck, old = threading.Event(), faults._waiter()
+    first_done: list = [threading.Event(), []]
+    old.put((stuck.wait, *first_done))  # a work on a peer that went silent
+    time.sleep(0.05)
+    faults._abandon_groups()
+    new = faults._waiter()
+    assert new is not old
+    done = threading.Event()
+    new.put((lambda: None, done, []))
+    assert done.wait(5), "a wait of the next group queued behind the abandoned one"
+    threads = [t for t in threading.enumerate() if t.name == "fastreduce-waiter"]
+    assert len(threads) == 2
+    stuck.set()  # the silent peer's work ends after all: that thread ends too
+    assert first_done[0].wait(5)
+    for _ in range(100):
+        if sum(t.name == "fastreduce-waiter" for t in threading.enumerate()) == 1:
+            break
+        time.sleep(0.05)
+    assert sum(t.name == "fastreduce-waiter" for t in threading.enumerate()) == 1
