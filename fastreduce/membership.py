@@ -610,7 +610,7 @@ class Membership:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.step}: the members disagree on the committed steps (a bug: "
                                   "please report it)")
-        self.counters.joins += len(epoch.joined)
+        self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
         self._enter(epoch)
         self.counters.stalls.append((why, time.perf_counter() - start))
 

@@ -477,7 +477,8 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
     for k in kills:
         j = records[k["replacement"]]
         joins.append({"replacement": k["replacement"], "joined_step": j["joined_step"],
-                      "first_commit_s": j["first_commit"] - j["join_start"],
+                      # (none where it was killed before its first commit: a later kill's victim)
+                      "first_commit_s": j["first_commit"] - j["join_start"] if j["first_commit"] else None,
                       "members_stall_s": max(_join_stall(r, j, median) for i, r in records.items() if i != k["replacement"]),
                       "membership_joined_s": next((s for w, s in j["counters"]["stalls"] if w == "joined"), None)})
     first = job["first"]
@@ -485,7 +486,7 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
     return {"median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
             "final_world": sorted({r["counters"]["world"] for r in final.values()}),
             "losses": max(r["counters"]["losses"] for r in final.values()),
-            "joins": max(r["counters"]["joins"] for r in final.values()),  # (gossip: survivors healed forward too)
+            "joins": max(r["counters"]["joins"] for r in final.values()),
             "replacements_joined": sum(1 for j in joins if j["joined_step"] >= 0),
             "resyncs": max(r["counters"]["resyncs"] for r in final.values()),
             "discarded_steps": max(r["counters"]["discarded_steps"] for r in final.values()),
@@ -614,8 +615,7 @@ def format_text(report: dict[str, Any]) -> str:
                      f"{row['heldout']:>10.5f}{row['heldout_failure_free']:>9.5f}{row['heldout_diff_pct']:>+7.2f}%"
                      f"{'yes' if row['digests_equal'] else 'NO':>8}{row['wall_s']:>8.1f}{row['wall_failure_free_s']:>10.1f}")
     lines += ["", "(max stall: s from the end of the last committed step before a loss to the end of the first "
-              "after it, less one median step; discard: steps discarded over all losses; joins: replacements admitted (Membership's "
-              "counters.joins also counts gossip's survivors healed a step forward); digests: every member's "
+              "after it, less one median step; discard: steps discarded over all losses; joins: replacements admitted; digests: every member's "
               "parameters equal at every committed step (DiLoCo: at its syncs), after each heal and at the end; "
               "gossip, whose ranks differ by design: each joiner's equal to rank 0's after its heal, and every "
               "member's global average at the end)", "per loss:"]
@@ -633,8 +633,9 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {key:<24} each bucket's lr scheduler stepped {'/'.join(map(str, ch['lr_steps']))} "
                          f"times (committed steps: {min(ch['final_steps'])})")
         for j in ch["per_join"]:
+            first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
-                         f"{j['first_commit_s']:.2f} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
+                         f"{first} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
     lines.append("not run: " + "; ".join(f"{k} ({v})" for k, v in report["unsupported"].items()))
     if c["quick"]:
         lines.append("(--quick: one kill, one join, a tiny model and 30 steps: proves the suite runs)")
