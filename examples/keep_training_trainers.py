@@ -38,6 +38,7 @@ BATCH = 4
 SAMPLES = 96
 LR, WARMUP = 1e-2, 4
 LOG_EVERY = 4
+EVAL_EVERY = 8  # optimizer steps between evaluations (each member's own, on every sample)
 HEARTBEAT = "0.25"
 LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
 #                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
@@ -131,7 +132,9 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     args = TrainingArguments(output_dir=str(Path(out) / f"hf{index}"), max_steps=steps,
-                             per_device_train_batch_size=BATCH, gradient_accumulation_steps=2, max_grad_norm=1.0, logging_steps=LOG_EVERY,
+                             per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+                             eval_strategy="steps", eval_steps=EVAL_EVERY, per_device_eval_batch_size=16,
+                             label_names=["y"], prediction_loss_only=True, max_grad_norm=1.0, logging_steps=LOG_EVERY,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
 
@@ -141,6 +144,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
             time.sleep(PAUSE)  # a step long enough for the replacement to arrive mid-run
 
     trainer = FastReduceTrainer(model=model, args=args, train_dataset=Samples(as_dict=True),
+                                eval_dataset=Samples(as_dict=True),
                                 optimizers=(opt, schedule(opt, steps)), callbacks=[Record()],
                                 fastreduce_mode=mode, fastreduce_config=SETTINGS[mode],
                                 fastreduce_membership=_membership(port))
@@ -150,7 +154,9 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     trainer.train()
     glue = trainer.fastreduce_membership
     logs = [e for e in trainer.state.log_history if "loss" in e]
-    return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "joined_at": glue.joined_at,
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "evals": evals,
+            "joined_at": glue.joined_at,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m}
 
@@ -177,6 +183,10 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
             self.log("loss", loss)
             return loss
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # each member's own, on every sample
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
+
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=LR)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt, steps), "interval": "step"}}
@@ -189,11 +199,13 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
     strategy = FastReduceStrategy(mode, membership=_membership(port), **SETTINGS[mode])
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, strategy=strategy, accumulate_grad_batches=2,
                          gradient_clip_val=1.0, log_every_n_steps=LOG_EVERY, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                         check_val_every_n_epoch=None, val_check_interval=2 * EVAL_EVERY)  # in batches
     _die_at(module.net, index, kill, lambda: trainer.global_step)
     if go is not None:
         go.wait(120)
-    trainer.fit(module, torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=BATCH, shuffle=True))
+    trainer.fit(module, torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=BATCH, shuffle=True),
+                torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=16))
     glue = strategy.membership
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
     return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged,

@@ -15,7 +15,9 @@ every step; LocalSGD / DiLoCo: after the last step's sync), the lr of every step
 member trained (a discarded one too) is the failure-free schedule's at that step, the
 replacement joined mid-run and the survivors counted the loss, the join and the step
 discarded (none in the local modes: the sync is redone), and the logs went on (the HF
-Trainer's every ``logging_steps``, Lightning's logged metrics with the Membership's figures).
+Trainer's every ``logging_steps``, Lightning's logged metrics with the Membership's figures),
+evaluation too (each member's own, with no collective: every ``eval_steps`` in the HF
+Trainer, Lightning's validation with ``sync_dist=True`` logging).
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: st
             assert steps == list(range(first, STEPS + 1, LOG_EVERY)), (f["index"], steps)
             last = f["logs"][-1]
             assert last["fastreduce/world"] == 3 and "learning_rate" in last and last["epoch"] > 0, last
+            assert [e["step"] for e in f["evals"]] == [s for s in (8, 16, 24) if s > f["joined_at"]], f["evals"]
         else:
             logged = f["logged"]
-            assert "loss" in logged and logged["fastreduce/world"] == 3, logged
+            assert "loss" in logged and "val_loss" in logged and logged["fastreduce/world"] == 3, logged
             assert logged["fastreduce/joins"] == (0 if f is joiner else 1), logged
 
 

@@ -231,16 +231,18 @@ class FastReduceStrategy(DDPStrategy):
         :class:`~fastreduce.integrations.membership.MembershipSampler`."""
         glue = self._membership
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if glue is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or glue.sampler is not None \
-                or not isinstance(dataloader, torch.utils.data.DataLoader):
+        if glue is None or trainer is None or not trainer.training or trainer.state.fn != TrainerFn.FITTING \
+                or not isinstance(dataloader, torch.utils.data.DataLoader):  # validation: each member's own
             return super().process_dataloader(dataloader)
         from lightning.pytorch.trainer.states import RunningStage
         from lightning.pytorch.utilities.data import _update_dataloader
 
-        old = getattr(dataloader.sampler, "seed", None)
-        sampler = glue.make_sampler(dataloader.dataset, step_samples=(dataloader.batch_size or 1)
-                                    * trainer.accumulate_grad_batches, seed=int(old or 0), sized=True,
-                                    num_workers=dataloader.num_workers)
+        sampler = glue.sampler  # a reloaded training loader goes on from the same position
+        if sampler is None:
+            seed = getattr(dataloader.sampler, "seed", None)
+            sampler = glue.make_sampler(dataloader.dataset, step_samples=(dataloader.batch_size or 1)
+                                        * trainer.accumulate_grad_batches, seed=int(seed or 0), sized=True,
+                                        num_workers=dataloader.num_workers)
         return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
     def on_train_start(self) -> None:

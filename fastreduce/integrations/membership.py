@@ -15,13 +15,15 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   :meth:`fastreduce.Membership.commit`. The fused modes reduce right after the backward
   that ends an accumulation window, as outside a Membership (the trainer clips the averaged
   gradients); a reduction that fails on a lost member is raised again inside the commit,
-  where the Membership discards the step on every member. LocalSGD and DiLoCo sync inside
+  where the Membership discards the step on every member (or, where another survivor
+  completed it, heals this member forward to it). LocalSGD and DiLoCo sync inside
   the step, which the Membership redoes over the survivors; the run's last step also syncs
   every fragment (:meth:`~fastreduce.LocalSGD.sync`), inside the commit, so every member
   ends with the same parameters.
 - **A discarded step is no step.** The trainer's global step is the Membership's committed
-  step count, its LR schedulers step once per committed step, and no log, checkpoint,
-  evaluation or stop decision is made at a discarded one.
+  step count and its LR schedulers step once per committed step; the HF Trainer makes no
+  log, checkpoint, evaluation or stop decision at a discarded one (Lightning may log its
+  batch's values under the same step again).
 - **The data** (:class:`MembershipSampler`, installed by the trainer in place of its
   training sampler): each data epoch is a seeded permutation of the dataset; every member
   draws, for the step it trains, from the same global position, interleaved by
@@ -35,10 +37,12 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   schedulers step once, its global step is the count committed), so its learning rate at
   each later step equals theirs.
 - **No collective outside a commit.** A collective of the trainer's own (Lightning's
-  ``barrier``, ``broadcast``, ``reduce`` of ``sync_dist`` logging, the evaluation of the
-  ranks' mean parameters) would fail on a lost member outside the vote, or wait forever
-  on a joiner not there yet: under a Membership they are each member's own (logged metrics
-  are the member's own; evaluation and saved models see the member's own parameters).
+  ``barrier``, ``broadcast``, ``reduce`` of ``sync_dist`` logging, its loop's SIGTERM
+  broadcast, the evaluation of the ranks' mean parameters, the mode's collective
+  checkpoints) would fail on a lost member outside the commit, or wait forever on a joiner
+  not there yet: under a Membership the trainer is a world of one to itself and those are
+  each member's own (logged metrics are the member's own; evaluation and saved models see
+  the member's own parameters; checkpoints are the trainer's own files).
 
 Refused under a Membership, with a message: ZeRO (its shards must outlive their rank),
 gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
