@@ -266,6 +266,10 @@ class FastReduceStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ValueError("FastReduceStrategy: under fastreduce.Membership configure_optimizers returns one "
                              f"optimizer (several param groups are fine), got {len(self.optimizers)}")
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("FastReduceStrategy: under fastreduce.Membership a step is Lightning's automatic "
+                             "optimization step (its global step follows the committed steps); manual optimization "
+                             "is not supported yet")
         step = glue.join(self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs],
                          last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
                          max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
