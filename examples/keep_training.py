@@ -112,7 +112,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     done on every member, its optimizer step not taken), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
-    ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`);
+    ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
+    (not killed: that step takes 3 s more);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
     ``torch.compile(model)``, the way users on Gaudi and CUDA train)."""
@@ -162,6 +163,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 if kill == ("mid-step", m.step):
                     say(f"dies mid-step, at step {m.step}")
                     os._exit(9)
+                if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
+                    time.sleep(3)
 
             epoch = m.epoch.number
             if mode == "gossip":  # the mode steps inside forward and backward: commit runs them

@@ -24,7 +24,8 @@ the caller steps only on ``True``). At most one step is discarded per loss.
 
 **Losses.** A failed reduction (a :class:`~fastreduce.RankLostError`, or the transport's
 error) ends the epoch: every survivor registers for the next epoch, waits until every
-member not known lost has registered (at most ``$FASTREDUCE_LOST_AFTER_S``), and the first
+member not known lost has registered (at most ``$FASTREDUCE_LOST_AFTER_S``, longer for one
+whose heartbeat still beats in the old epoch, up to ``wait_s``), and the first
 proposal written wins (``compare_set``); a member left out of it (registered too late)
 raises :class:`MembershipError`, and may rejoin as a new process.
 
@@ -558,15 +559,25 @@ class Membership:
         old = self._epoch()
         n = old.number + 1
         self._stash_mode(after_loss=why == "loss")
+        beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
         alive = _P + f"e{n}/alive/"
         self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
         expected = [m for m in old.members if m not in lost]
-        deadline = time.monotonic() + (faults.lost_after() if why == "loss" else self.timeout_s)
+        window = faults.lost_after() if why == "loss" else self.timeout_s
+        deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
+        counted: dict[str, int] = {}
         while True:
             present = [m for m in old.members if self._call(self.store.check, [alive + m])]
-            if set(expected) <= set(present) or time.monotonic() > deadline:
+            missing = [m for m in expected if m not in present]
+            if not missing:
                 break
+            if time.monotonic() > deadline:
+                # A survivor still beating in the old epoch (slow to see the loss: a long
+                # forward, a loaded host) is waited for, a window at a time, up to wait_s.
+                if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
+                    break
+                deadline = time.monotonic() + window
             time.sleep(0.005)
         mine, key = self._fingerprint(), _P + f"epoch/{n}"
         # The members holding the job's state at its latest step come first (rank 0 sends
@@ -613,6 +624,16 @@ class Membership:
         self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
         self._enter(epoch)
         self.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
+        """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
+        (``True`` the first time: counted now, to compare a window later)."""
+        first, moved = not counted, False
+        for m in members:
+            n = int(self._call(beats.add, f"{faults._KEY}heartbeat/{old.members.index(m)}", 0))
+            moved |= m in counted and counted[m] != n
+            counted[m] = n
+        return first or moved
 
     def _propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
         """Write ``proposal`` unless another member's for that epoch was first; then admit

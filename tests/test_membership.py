@@ -234,6 +234,21 @@ def test_an_extra_process_joins_a_running_job_and_the_world_grows(tmp_path: Path
 
 
 @SLOW
+def test_a_survivor_slow_to_see_the_loss_is_waited_for_while_it_beats(tmp_path: Path) -> None:
+    """Member 2 dies at step 10 while member 1 is in a 3 s step: member 0 registers for the
+    next epoch at once, and waits past the loss window for member 1, whose heartbeat still
+    beats in the old epoch, instead of leaving it out (the job would have lost a live
+    member); the replacement joins, all three bit-identical."""
+    found = launch(tmp_path, "process_group", {1: ("slow", 10), 2: ("mid-step", 10)}, release_after=[2])
+    final = [found[0], found[1], found[3]]
+    for f in final:
+        assert "error" not in f and "refused" not in f, f.get("error") or f.get("refused")
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+    assert found[0]["counters"]["losses"] == 1 and found[1]["counters"]["losses"] == 1
+    _same(final)
+
+
+@SLOW
 def test_a_member_lost_as_the_next_epoch_forms_is_named_in_seconds_not_the_groups_timeout(tmp_path: Path) -> None:
     """Member 2 dies at step 10; member 1 dies as it enters the epoch that drops member 2,
     before that epoch's group exists. Member 0 (and the replacement, if admitted there)
