@@ -62,7 +62,7 @@ record = $(if $(DURATIONS),FASTREDUCE_DURATIONS=$(abspath $(DURATIONS))/$(1).jso
 test: $(STAMP)
 	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d -t fastreduce-inductor-XXXXXX); \
 	$(call record,default) $(PYTEST) $(PYTEST_ARGS) && \
-	FASTREDUCE_TRANSPORT=process_group $(call record,process_group) $(PYTEST) $(PYTEST_ARGS) $(TRANSPORT_SUITES); \
+	FASTREDUCE_TRANSPORT=process_group FASTREDUCE_TEST_PASS=transports $(call record,process_group) $(PYTEST) $(PYTEST_ARGS) $(TRANSPORT_SUITES); \
 	rc=$$?; rm -rf "$$TORCHINDUCTOR_CACHE_DIR"; exit $$rc
 
 # make test, timed: both passes' durations in .durations/VENV/ and a report of where the
