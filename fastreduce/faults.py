@@ -165,7 +165,8 @@ class StoreCaller:
     in its request far past its own timeout (measured: over 100 s with a 5 s timeout), so
     a thread that must decide in seconds never makes the request itself: it hands it to
     this caller's thread and waits at most ``seconds``. A request still blocked there
-    makes every later one fail at its deadline too (the store is unreachable)."""
+    makes every later one fail at its deadline too (the store is unreachable). Also the
+    thread that waits for collectives without futures (:func:`_waiter`)."""
 
     def __init__(self, name: str):
         import queue
@@ -430,18 +431,17 @@ def wait_watched(work: Any) -> Any:
             return wait()
     except Exception:  # noqa: BLE001 - a work kind that cannot tell
         pass
-    done = threading.Event()
-    failed: list[BaseException] = []
+    done, box = threading.Event(), []
     try:
         work.get_future().add_done_callback(lambda _f: done.set())
         by_thread = False
     except Exception:  # noqa: BLE001 - no future (point-to-point work, a bundle of works)
-        _waiter().put((wait, done, failed))
+        done, box = _waiter().submit(wait)
         by_thread = True  # then waited once, there: Gloo's point-to-point work takes one wait only
     if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
         _watch(beat, done)
-    if failed:
-        raise failed[0]
+    if box and isinstance(box[0], BaseException):
+        raise box[0]
     return True if by_thread else wait()
 
 
@@ -450,34 +450,17 @@ def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist
     wait_watched(dist.all_reduce(t, op=op, group=group, async_op=True))
 
 
-_waiter_queue: Any = None
+_waiter_caller: StoreCaller | None = None
 
 
-def _waiter() -> Any:
-    """The queue of a daemon thread that waits for works without futures, one at a
-    time, and sets each one's event (an abandoned work keeps it, and its queue, for good:
-    :func:`_abandon_groups` starts the next wait on a new one)."""
-    global _waiter_queue
+def _waiter() -> StoreCaller:
+    """A daemon thread that waits for works without futures, one at a time (an abandoned
+    work may keep it for good: :func:`_abandon_groups` starts the next wait on a new one)."""
+    global _waiter_caller
     with _lock:
-        if _waiter_queue is None:
-            import queue
-
-            q: Any = queue.SimpleQueue()
-
-            def run() -> None:
-                while True:
-                    item = q.get()
-                    if item is None:  # replaced (its groups abandoned)
-                        return
-                    fn, done, failed = item
-                    try:
-                        fn()
-                    except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-                        failed.append(err)
-                    done.set()
-            threading.Thread(target=run, name="fastreduce-waiter", daemon=True).start()
-            _waiter_queue = q
-    return _waiter_queue
+        if _waiter_caller is None:
+            _waiter_caller = StoreCaller("fastreduce-waiter")
+        return _waiter_caller
 
 
 def _watch(beat: _Heartbeat, done: threading.Event) -> None:
@@ -529,7 +512,7 @@ def _abandon_groups() -> None:
     destroyed, its threads end with the process. The group is of no further use either
     way: a job that lost a rank restarts (torchrun --max-restarts), or under a Membership
     goes on in a new group."""
-    global _waiter_queue
+    global _waiter_caller
     import ctypes
 
     for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
@@ -542,9 +525,9 @@ def _abandon_groups() -> None:
         except Exception:  # noqa: BLE001 - not supported by this backend or torch
             pass
     with _lock:  # its thread may wait for good on an abandoned work: later groups' waits get a new one
-        if _waiter_queue is not None:
-            _waiter_queue.put(None)  # (and it ends, once free)
-        _waiter_queue = None
+        if _waiter_caller is not None:
+            _waiter_caller.close()  # (it ends once free)
+        _waiter_caller = None
 
 
 # ---------------------------------------------------------------------- guard

@@ -411,14 +411,12 @@ def test_abandoned_groups_leave_their_waiter_thread_and_later_waits_get_a_new_on
     from fastreduce import faults
 
     stuck, old = threading.Event(), faults._waiter()
-    first_done: list = [threading.Event(), []]
-    old.put((stuck.wait, *first_done))  # a work on a peer that went silent
+    first_done = old.submit(stuck.wait)  # a work on a peer that went silent
     time.sleep(0.05)
     faults._abandon_groups()
     new = faults._waiter()
     assert new is not old
-    done = threading.Event()
-    new.put((lambda: None, done, []))
+    done, _ = new.submit(lambda: None)
     assert done.wait(5), "a wait of the next group queued behind the abandoned one"
     threads = [t for t in threading.enumerate() if t.name == "fastreduce-waiter"]
     assert len(threads) == 2
