@@ -337,6 +337,58 @@ def subgroup_case(rank: int, world: int) -> dict | None:
     return {"zero": zero, "ref": refs}
 
 
+MIRROR_STEPS = 6
+
+
+def mirror_case(rank: int, world: int) -> dict:
+    """``redundant=True``: the same run as without it (bit for bit), rank r's copy of rank
+    r - 1's shard equal to it after clipped steps, what the ranks hold joined
+    (:func:`~fastreduce.modes.zero_mirror.reassemble`) equal to ``state_dict()``, loaded
+    into a fresh optimizer equal again, and a shard whose both holders are gone named."""
+    from fastreduce.modes import zero_mirror
+
+    runs = {}
+    for redundant in (False, True):
+        model = odd_model(SEED)
+        opt = zero_opt(model.parameters(), module=model, bucket_mb=SMALL_BUCKET_MB, redundant=redundant)
+        for step in range(MIRROR_STEPS):
+            loss_fn(model, batch_for(model, rank, step)).backward()
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        opt.wait_params()
+        runs[redundant] = params_of(model)
+    mine = [(s.master.clone(), {k: v.clone() for k, v in opt.inner.state[s.master].items()}) for s in opt.shards]
+    mirror = [(m.clone(), {k: v.clone() for k, v in opt.mirror.inner.state[m].items()}) for m in opt.mirror.masters]
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, mine)
+    prev = got[(rank - 1) % world]
+    copies_equal = len(prev) == len(mirror) > 1 and all(
+        torch.equal(a, b) and a_st.keys() == b_st.keys() and all(torch.equal(a_st[k], b_st[k]) for k in a_st)
+        for (a, a_st), (b, b_st) in zip(prev, mirror))
+    whole = zero_mirror.reassemble(zero_mirror.held(opt), torch.device("cpu"))
+    want = opt.state_dict()
+    params = [p for pg in opt.param_groups for p in pg["params"]]
+    joined_equal = all(torch.equal(whole["state"][i][k].view_as(v), v) for i, st in want["state"].items()
+                       for k, v in st.items()) and all(
+        torch.equal(whole["state"][i][zero_mirror.PARAM].view_as(p), p.detach()) for i, p in enumerate(params))
+    fresh_model = odd_model(SEED + 1)
+    fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=True)  # another bucketing
+    zero_mirror.load(fresh, whole)
+    loaded = fresh.state_dict()
+    loaded_equal = all(torch.equal(loaded["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
+    loaded_equal &= all(torch.equal(a, b.detach()) for a, b in zip(params_of(fresh_model).values(), params))
+    held = zero_mirror.held(opt)  # old rank 1 and its neighbour (the holders of chunk 1) both lost
+    held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
+    try:
+        zero_mirror.reassemble(held, torch.device("cpu"))
+        lost = None
+    except zero_mirror.ShardsLost as err:
+        lost = str(err)
+    return {"same_run": all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False]),
+            "copies_equal": copies_equal, "joined_equal": joined_equal, "loaded_equal": loaded_equal, "lost": lost}
+
+
 def parity_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out: dict[str, Any] = {}
@@ -345,6 +397,7 @@ def parity_worker(rank: int, world: int) -> dict:
         out[f"{case.name}/zero"] = guarded(parity_zero, rank, world, case)
     out["memory"] = guarded(memory_case, rank, world)
     out["subgroup"] = guarded(subgroup_case, rank, world)
+    out["mirror"] = guarded(mirror_case, rank, world)
     return out
 
 
@@ -407,6 +460,19 @@ def test_params_match_reference(parity, case: Case) -> None:
     for rank, (ref, zero) in enumerate(zip(refs, zeros)):
         assert_runs_close(zero["params"], ref["params"], f"world {world} rank {rank} {case.name}")
         assert zero["lrs"] == pytest.approx(ref["lrs"], rel=1e-12)
+
+
+def test_redundant_keeps_each_shard_on_the_next_rank_and_the_pieces_join(parity) -> None:
+    """``redundant=True`` (what fastreduce.Membership needs): the run is the same as
+    without it; rank r's copy of rank r - 1's shard equals it (masters and AdamW state,
+    bit for bit, after clipped steps over several buckets); the ranks' pieces join into
+    ``state_dict()`` exactly and load into an optimizer bucketed otherwise; a shard lost
+    with both its holders is named on every rank."""
+    world, results = parity
+    for rank, got in enumerate(per_rank(results, "mirror")):
+        assert got["same_run"] and got["copies_equal"], (world, rank, got)
+        assert got["joined_equal"] and got["loaded_equal"], (world, rank, got)
+        assert got["lost"] is not None and "old rank(s) [1]" in got["lost"], got["lost"]
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.name)

@@ -43,11 +43,11 @@ from ..buckets import make_buckets
 from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
-from ..compiling import graphs_wait, keep_cut, recut, wait_in_graphs
+from ..compiling import graphs_wait, keep_cut, recut, uncut_graphs, wait_in_graphs
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
-from ..hooks import forward_waits, stand_down
+from ..hooks import forward_waits, remove_hooks, stand_down
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, verify_across_ranks
 from ..profiling import span
@@ -55,6 +55,7 @@ from ..optim_kernels import fused_if_possible
 from .zero_shard import make_shards, shard_optimizer
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
 from .zero_grads import ZeroGradients
+from .zero_mirror import ZeroMirror
 from .zero_state import ZeroCheckpointing
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
@@ -98,6 +99,10 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
             With it, too, gradients that ``zero_grad()`` set to ``None`` come back as zeroed
             views of the flat buffer at the next forward in grad mode (:mod:`.zero_grads`),
             so backward allocates none (and ``bucket_mb="auto"`` on one host is one bucket).
+        redundant: also keep rank r - 1's shard on rank r and step it alongside
+            (:mod:`.zero_mirror`): no shard is lost with one rank, what
+            :class:`~fastreduce.Membership` needs to train on after a loss. Costs 4P/N
+            more memory per rank with AdamW and P/N more bytes sent per step; no ``scaler``.
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -132,8 +137,12 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                  accumulate_dtype: torch.dtype | None = None, overlap: bool = True,
                  bucket_mb: float | str | None = None, transport: str | None = None,
                  module: torch.nn.Module | None = None, scaler: Any = None, nonfinite: NonFinite = "ignore",
-                 error_feedback: bool = False, gather_dtype: torch.dtype | None = None, **defaults: Any):
+                 error_feedback: bool = False, gather_dtype: torch.dtype | None = None, redundant: bool = False,
+                 **defaults: Any):
         quant = check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback, gather_dtype)
+        if redundant and scaler is not None:
+            raise ValueError("ZeroOptimizer(redundant=True) takes no GradScaler (the mirror of a shard would need "
+                             "the scaler's verdict too): train in bf16, or without redundant=")
         self.gather_dtype = gather_dtype
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # steps skipped on every rank for inf/NaN (nonfinite="skip")
@@ -163,7 +172,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._module_hooks: list[Any] = []
         self._forward_waits: bool | None = False  # module= given: forward pre-hooks (and compiled code) wait
         self._graph_waits = False  # dynamo's DDP pass puts the waits into compiled code
+        self.redundant = redundant
+        self.mirror: ZeroMirror | None = None
+        self._commit_point: Callable[[], None] | None = None  # fastreduce.Membership's vote, before the shard steps
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
+        self.mirror = ZeroMirror(self) if redundant and self.world_size > 1 else None
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
         self._clip_args: tuple[float, float] | None = None  # this step's clip_grad_norm_, for Join
@@ -242,9 +255,15 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         return len(self.buckets)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (its shard's state and fp32 masters)."""
+        """Bytes of optimizer state this rank holds (its shard's state and fp32 masters;
+        with ``redundant=True`` also its copy of rank r - 1's: masters, state, gradients)."""
         n = sum(t.nbytes for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
-        return n + sum(s.master.nbytes for s in self.shards if s.low)
+        n += sum(s.master.nbytes for s in self.shards if s.low)
+        if self.mirror is not None:
+            n += sum(t.nbytes for st in self.mirror.inner.state.values() for t in st.values() if torch.is_tensor(t))
+            n += sum(m.nbytes for m in self.mirror.masters) + sum(b.nbytes for b in self.mirror.recv.values())
+            n += sum(b.nbytes for b in self.mirror.send.values())
+        return n
 
     @guarded("{cls}.clip_grad_norm_()", "This step's gradients are averaged but not clipped; the "
              "parameters and optimizer state are as before the step.")
@@ -260,6 +279,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._reduce()
         self._unscale_for_scaler()
         grads = [s.master.grad for s in self.shards]
+        mirrored = grads + (self.mirror.grads() if self.mirror is not None else [])  # scaled alike
         norm_type = float(norm_type)
         self._clip_args = (max_norm, norm_type)
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
@@ -269,7 +289,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
             all_reduce_watched(local, op, self.group)
         total = local if inf else local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(mirrored, coef.to(grads[0].dtype))
         return total
 
     @guarded("{cls}.step()", "The step did not complete: its gradients are lost and the parameters "
@@ -291,16 +311,34 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._reduce()
         skip = self._scaled() or self._nonfinite()
         self.last_step_skipped = skip
+        if self._commit_point is not None:  # the last collective is behind: Membership's vote
+            self._commit_point()
         if not skip:
             self._sync_hyperparameters()
             self._drop_template()
             with span("fastreduce::shard_step"):
                 self.inner.step()
+                if self.mirror is not None:
+                    self.mirror.step()
             self._gather()
         self._reduced = False
         self._found = None
         self._last_clip, self._clip_args = self._clip_args, None
         return loss
+
+    def close(self, wait: bool = True) -> None:
+        """Take every hook of this optimizer off the model and its parameters (gradient
+        hooks, forward pre-hooks); it must not be stepped afterwards. ``wait``: the last
+        all-gather is waited for first (``False``: dropped, a peer was lost)."""
+        if wait:
+            self._wait_gathers()
+        self._gathers = []
+        remove_hooks(self._module_hooks + ([self._forward_reattach] if self._forward_reattach is not None else []))
+        self._module_hooks, self._forward_reattach = [], None
+        uncut_graphs(self)
+        self._reattach.remove()
+        if self._schedule is not None:
+            self._schedule.remove()
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""

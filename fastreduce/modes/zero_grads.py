@@ -50,7 +50,7 @@ class ZeroGradients:
     """The gradient half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
 
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
-    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, and
+    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
     ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``.
     """
@@ -183,4 +183,6 @@ class ZeroGradients:
             with span("fastreduce::wait"):
                 for pending in works:
                     complete(pending)
+            if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
+                self.mirror.exchange()
         self._reduced = True

@@ -35,7 +35,8 @@ class ZeroCheckpointing:
     It reads what the optimizer built: ``layout``, ``buckets`` and ``shards`` (one
     :class:`~fastreduce.modes.zero_shard.Shard` per bucket), ``inner`` (the shard's torch
     optimizer), ``param_groups``, ``world_size``, ``rank``, ``group``, ``device``; and calls
-    its ``_wait_gathers()`` and ``_sync_hyperparameters()``.
+    its ``_wait_gathers()`` and ``_sync_hyperparameters()``; after a load, ``mirror.pull()``
+    (``redundant=True``: rank r + 1's copy of the shard).
 
     ``_template``: the shard's optimizer state was made by :meth:`_materialize_state` for
     a checkpoint, before any step: it says "no step yet" (saved as ``fresh``), and the
@@ -159,6 +160,8 @@ class ZeroCheckpointing:
                 c = shard.params.numel() // W
                 m = masters[s]
                 shard.master.copy_(m if m is not None else shard.params[r * c:(r + 1) * c])
+        if self.mirror is not None:  # rank r + 1's copy of this shard, as loaded
+            self.mirror.pull()
 
     def _chunk_of(self, s: int, entries: list[tuple[Any, dict[str, Any]]]) -> tuple[dict[str, Any],
                                                                                    torch.Tensor | None]:
@@ -269,6 +272,8 @@ class ZeroCheckpointing:
             pg.update({k: v for k, v in src.items() if k != "params"})
         self._sync_hyperparameters()
         self._template = bool(state_dict.get("fresh", False))  # saved before any step: stays so
+        if self.mirror is not None:
+            self.mirror.pull()
 
     def _materialize_state(self) -> None:
         """Create the shard's optimizer state where it does not exist yet: one step at
@@ -295,6 +300,8 @@ class ZeroCheckpointing:
         """Before a step: a template state goes, so the step starts from none."""
         if self._template:
             self.inner.state.clear()
+            if self.mirror is not None:  # it pulled the template too
+                self.mirror.inner.state.clear()
             self._template = False
 
 
