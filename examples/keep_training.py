@@ -43,7 +43,7 @@ def make_model(width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
 
 
-MODES = ("fused", "overlap", "localsgd", "diloco", "gossip")
+MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 
 
 def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -55,6 +55,9 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
     if mode == "diloco":
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2)
+    if mode == "zero":  # the mode is the optimizer (``opt`` is not used); each shard also on the next rank
+        return fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model,
+                                        redundant=True, bucket_mb=0.0005)
     if mode == "gossip":  # each bucket's AdamW inside the mode (``opt`` is not used)
         return fastreduce.DecentralizedDataParallel(
             model, lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2), topology="ring")
@@ -109,7 +112,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
     the later layers' buckets in flight with ``overlap``), ``after-reduce`` (its reduction
-    done on every member, its optimizer step not taken), ``flaps`` (its reduction completed
+    done on every member, its optimizer step not taken), ``after-vote`` (ZeRO: the members'
+    vote at that step done, before its shard steps: the survivors step it from their copy), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
@@ -136,12 +140,16 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             go.wait(120)
         started = time.perf_counter()
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
-        m.join({"model": model, "optimizer": opt}, lambda: flapping(build(mode, model, opt), m, kill))
+        m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
+               lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1], before its group exists
             set_up = m._set_up
             m._set_up = lambda e: os._exit(9) if e.number == kill[1] else set_up(e)
+        if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
+            vote = m._vote
+            m._vote = lambda s: (vote(s), os._exit(9)) if s == kill[1] else vote(s)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
@@ -172,8 +180,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             else:
                 forward_backward(net)
                 dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
-                ok = m.commit(lambda: os._exit(9) if dies else opt.step())  # the reduction (or the sync), the step
-            opt.zero_grad()
+                stepper = m.mode if mode == "zero" else opt
+                ok = m.commit(lambda: os._exit(9) if dies else stepper.step())  # the reduction (or the sync), the step
+            (m.mode if mode == "zero" else opt).zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
                 say(f"epoch {m.epoch.number}: rank {m.rank} of {m.world} ({why}"
@@ -192,7 +201,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if mode == "gossip":
             m.mode.global_avg()  # the end of training: every rank's parameters := their exact mean
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        st = opt.state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
+        st = (m.mode if mode == "zero" else opt).state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
         import threading
         facts["store_threads"] = sum(t.name == "fastreduce-store" for t in threading.enumerate())  # one per epoch: a leak
         facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if errors:
         raise SystemExit(errors[0])
     final = [f for f in found.values() if "params" in f]
-    one_model = args.mode in ("fused", "overlap")  # the local modes' ranks keep their own AdamW state
+    one_model = args.mode in ("fused", "overlap", "zero")  # the local modes' ranks keep their own AdamW state
     same = all(torch.equal(f["params"], final[0]["params"]) and (not one_model or torch.equal(f["adam"], final[0]["adam"]))
                for f in final)
     what = "parameters and AdamW state" if one_model else "parameters (after a last sync or global_avg)"

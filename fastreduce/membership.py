@@ -36,6 +36,12 @@ writes the decision (go on, or admit them) and the step of the next poll. A memb
 for ``$FASTREDUCE_LOST_AFTER_S`` during a poll ends the epoch as a failed reduction does.
 LocalSGD and DiLoCo, whose collectives run in the optimizer's step, vote at every sync
 instead: a sync that fails on any member is put back and run again on every survivor.
+ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``: each shard also kept and
+stepped on the next rank) votes at every step, after its reduce-scatter and before any
+shard steps: a loss before the vote completes discards the step; after it, the step stands
+(every shard's averaged gradients were on two members), and the next epoch joins the
+survivors' shards and reshards them over the new world (:mod:`.modes.zero_mirror`); two
+neighbouring ranks lost at once lose a shard: :class:`MembershipError`.
 Gossip, which steps and exchanges inside forward and backward, gives ``commit()`` them (a
 closure): at a loss each survivor drops the exchanges in flight and keeps its own
 parameters and optimizer state (a gossip rank's are its own anyway), and the ring or
@@ -62,16 +68,13 @@ batches are skipped, not re-run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import socket
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
@@ -79,65 +82,16 @@ import torch.distributed as dist
 
 import fastreduce.faults as faults
 
+from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, connect, serve
+from .epochs import EpochChanges, _check_mode, _clone, _kind  # noqa: F401 (_check_mode: imported from here too)
 from .faults import RankLostError
-from .heal import broadcast_state
 from .version import __version__
 
 __all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "connect", "serve"]
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
-"""``host:port`` of the coordinator, where :class:`Membership` is given none."""
-_P = "fastreduce/members/"
 _HEARTBEAT_S = 0.25  # a member's heartbeat period unless $FASTREDUCE_HEARTBEAT_S is set
-
-
-class MembershipError(RuntimeError):
-    """This process cannot be (or stay) a member: refused as a joiner, left out of an
-    epoch, or the coordinator is unreachable. The message says which and what to do."""
-
-
-@dataclass(frozen=True)
-class Epoch:
-    """One membership: ``members`` in rank order, from committed step ``step`` on."""
-
-    number: int
-    members: tuple[str, ...]
-    step: int
-    admitted: int  # joiner tickets handled so far
-    joined: tuple[str, ...] = ()  # members new in this epoch (they receive the state)
-
-    @property
-    def world(self) -> int:
-        return len(self.members)
-
-    def to_json(self) -> str:
-        return json.dumps({"number": self.number, "members": list(self.members), "step": self.step,
-                           "admitted": self.admitted, "joined": list(self.joined)})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Epoch:
-        d = json.loads(text)
-        return cls(d["number"], tuple(d["members"]), d["step"], d["admitted"], tuple(d["joined"]))
-
-
-def connect(coordinator: str, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A client connection to the coordinator at ``host:port``."""
-    host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except Exception as err:  # noqa: BLE001 - torch raises several kinds
-        raise MembershipError(f"fastreduce: cannot reach the coordinator at {coordinator} ({err}); start it "
-                              "first (`fastreduce coordinator --port PORT`) and pass its address") from err
-
-
-def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
-    """The coordinator: a ``TCPStore`` server (``port`` 0: any free one, ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
 
 @dataclass
@@ -152,7 +106,8 @@ class _Counters:
     seconds the step that ended the old one took (detection, agreement, healing)."""
 
 
-class Membership:
+
+class Membership(EpochChanges):
     """This process's membership of a fault-tolerant job (see the module doc).
 
     Args:
@@ -219,7 +174,7 @@ class Membership:
         self._build: Callable[[], Any] | None = None
         self._refused: set[int] = set()  # joiner tickets refused here
         self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
-        self._kept_mode: tuple[dict[str, Any] | None, bool] = (None, False)  # (the mode's state, per rank)
+        self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, _kind of the mode)
 
     # ------------------------------------------------------------------ reading
 
@@ -330,6 +285,8 @@ class Membership:
         kind, s = _kind(self.mode), self.step
         if kind == "local":
             return self._commit_local(step, start)
+        if kind == "zero":
+            return self._commit_zero(step, start)
         try:
             if kind == "gossip":
                 step()  # the step's forward and backward: the mode steps and exchanges inside them
@@ -368,7 +325,7 @@ class Membership:
             return
         self._stash_mode(after_loss=False)  # as the others do (gossip completes its exchanges with them)
         self._leave_group(abandon=False)
-        self._kept_mode = (None, False)
+        self._kept_mode = (None, "")
         self.left = True
         log.info("fastreduce: member %s left the job at step %d", self.member, self.step)
 
@@ -416,6 +373,51 @@ class Membership:
             self._change(who, start)
         return True
 
+    def _commit_zero(self, step: Callable[[], Any], start: float) -> bool:
+        """ZeRO: ``step`` (the user's, calling the mode's ``step()``) reduce-scatters, sends
+        each rank's chunk of the mean to the next (its copy of the shard), then, before any
+        shard steps, the members vote (every step). A loss before the vote completes:
+        nothing stepped anywhere, the step is discarded. After it: the step stands, as
+        every shard's averaged gradients were on two members, and each survivor steps what
+        it holds; the next epoch joins the survivors' shards (:mod:`.modes.zero_mirror`)."""
+        mode, voted = self.mode, []
+
+        def vote() -> None:
+            decision, who = self._vote(self.step)
+            if decision == "abort":
+                raise _Aborted(who)
+            voted.append((decision, who))
+
+        mode._commit_point = vote
+        try:
+            step()
+            mode.wait_params()  # a peer lost during the all-gather fails here, not in the next forward
+        except _Aborted as aborted:
+            self.counters.losses += 1
+            self.counters.discarded_steps += 1
+            self._next_epoch(aborted.members, "loss", start)
+            return False
+        except RuntimeError as err:
+            if not voted:
+                return self._lost_step(self._aborted_by(err), start)
+            lost = self._lost_in(err)
+            if lost is None:
+                raise
+            self.step += 1  # every shard stepped on a survivor: the step stands
+            self.counters.losses += 1
+            self._next_epoch(lost, "loss", start)
+            return True
+        finally:
+            mode._commit_point = None
+        if not voted:
+            raise RuntimeError("commit(step) with a ZeroOptimizer: step must call its step() (membership.commit("
+                               "membership.mode.step)); nothing was committed")
+        self.step += 1
+        if voted[0][0] == "join":
+            self._change(voted[0][1], start)
+        self._timed()
+        return True
+
     def _keep(self) -> dict[str, Any]:
         """What a sync changes, to put back if it fails: the mode's state (parameters,
         anchor, outer optimizer, counters), every object of ``state`` but the model, and
@@ -450,17 +452,25 @@ class Membership:
         (returned); the voter completing the count also sets the next poll's step."""
         epoch = self._epoch()
         key = _P + f"e{epoch.number}/s{s}"
+        value = None
         if self._call(self.store.add, key, 1) == epoch.world:
-            every = 1 if not self._step_s else max(1, min(10_000, int(self.poll_s / self._step_s)))
-            leavers = self._leavers()
-            decision = "join" if self._joiners_waiting() or leavers else "go"
-            self._call(self.store.compare_set, key + "/done", "", f"{decision} {s + every} {','.join(leavers)}")
+            if s >= self._poll_at:  # a poll: joiners, leavers, the next poll's step
+                every = 1 if not self._step_s else max(1, min(10_000, int(self.poll_s / self._step_s)))
+                leavers = self._leavers()
+                decision = "join" if self._joiners_waiting() or leavers else "go"
+                mine = f"{decision} {s + every} {','.join(leavers)}"
+            else:  # ZeRO's vote between polls: go on
+                mine = f"go {self._poll_at} "
+            written = self._call(self.store.compare_set, key + "/done", "", mine)
+            value = mine if (written.decode() if isinstance(written, bytes) else written) == mine else None
             if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
                 old = _P + f"e{epoch.number}/s{self._polled[1]}"
-                for k in (old, old + "/done"):
-                    self._call(self.store.delete_key, k)
+                for k in (old, old + "/done"):  # off the step's path (the next request queues behind)
+                    self._caller.submit(self.store.delete_key, k)
         self._polled = (epoch.number, s)
-        value, silent = self._await_decision(key + "/done")
+        silent: set[str] = set()
+        if value is None:  # (the completing voter knows it: its own was written)
+            value, silent = self._await_decision(key + "/done")
         if value == "abort":
             return value, silent
         decision, at, leavers = value.split(" ")
@@ -550,308 +560,16 @@ class Membership:
         epoch = self._epoch()
         self._call(self.store.compare_set, _P + f"e{epoch.number}/s{self.step}/done", "", "abort")
 
-    # ------------------------------------------------------------------ epochs
-
-    def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
-        """With the other survivors: the next epoch, without ``lost`` and with the
-        joiners waiting; then its group, the state for the joiners and the mode
-        (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
-        old = self._epoch()
-        n = old.number + 1
-        self._stash_mode(after_loss=why == "loss")
-        beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
-        self._leave_group(abandon=why == "loss")
-        alive = _P + f"e{n}/alive/"
-        self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
-        expected = [m for m in old.members if m not in lost]
-        window = faults.lost_after() if why == "loss" else self.timeout_s
-        deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
-        counted: dict[str, int] = {}
-        while True:
-            present = [m for m in old.members if self._call(self.store.check, [alive + m])]
-            missing = [m for m in expected if m not in present]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                # A survivor still beating in the old epoch (slow to see the loss: a long
-                # forward, a loaded host) is waited for, a window at a time, up to wait_s.
-                if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
-                    break
-                deadline = time.monotonic() + window
-            time.sleep(0.005)
-        mine, key = self._fingerprint(), _P + f"epoch/{n}"
-        # The members holding the job's state at its latest step come first (rank 0 sends
-        # it); the survivors one step behind (their reduction failed where these completed
-        # it) and a joiner whose healing failed (its source lost) receive it. Only members
-        # that held the state propose (a joiner's step count is not the job's yet).
-        said = {m: json.loads(self._call(self.store.get, alive + m)) for m in present}
-        healed = [m for m in present if said[m]["healed"]]
-        top = max((said[m]["step"] for m in healed), default=self.step)
-        behind = tuple(m for m in healed if said[m]["step"] != top)
-        healed = [m for m in healed if m not in behind]
-        unhealed = behind + tuple(m for m in present if not said[m]["healed"])
-        deadline = time.monotonic() + self.wait_s
-        while not self._healed:
-            if self._wait(key, 0.25):
-                break
-            if time.monotonic() > deadline:
-                raise MembershipError(f"fastreduce: no member holding the job's state formed epoch {n} within "
-                                      f"{self.wait_s:g} s (the members were lost while this process joined)")
-        while self._healed:  # below min_ranks: wait for joiners (unless another survivor proposed already)
-            tickets = int(self._call(self.store.add, _P + "tickets", 0))
-            checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
-                       if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
-            refusals = {t: self._differs(j["print"], mine) for t, j in checked}
-            joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
-            proposal = Epoch(n, tuple(healed) + unhealed + joiners, top, tickets, unhealed + joiners)
-            if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
-                break
-            if time.monotonic() > deadline:
-                raise RankLostError(sorted(old.members.index(m) for m in set(old.members) - set(present)),
-                                    "Membership", f"{len(present)} member(s) are left, below min_ranks="
-                                    f"{self.min_ranks}, and no process joined within {self.wait_s:g} s",
-                                    "members were lost", old.world)
-            time.sleep(0.05)
-        epoch = self._propose(proposal, refusals) if self._healed else \
-            Epoch.from_json(self._call(self.store.get, key))
-        if self.member not in epoch.members:
-            raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
-                                  "(it registered after the others had formed it); start it again to rejoin")
-        if self._healed and self.member not in epoch.joined and epoch.step != self.step:
-            raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
-                                  f"committed {self.step}: the members disagree on the committed steps (a bug: "
-                                  "please report it)")
-        self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
-        self._enter(epoch)
-        self.counters.stalls.append((why, time.perf_counter() - start))
-
-    def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
-        """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
-        (``True`` the first time: counted now, to compare a window later)."""
-        first, moved = not counted, False
-        for m in members:
-            n = int(self._call(beats.add, f"{faults._KEY}heartbeat/{old.members.index(m)}", 0))
-            moved |= m in counted and counted[m] != n
-            counted[m] = n
-        return first or moved
-
-    def _propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
-        """Write ``proposal`` unless another member's for that epoch was first; then admit
-        the joiners of the epoch written and refuse the tickets it handled with another
-        layout (the rest wait for a later epoch). Returns the epoch written."""
-        key = _P + f"epoch/{proposal.number}"
-        epoch = Epoch.from_json(self._call(self.store.compare_set, key, "", proposal.to_json()))
-        for t, bad in refusals.items():
-            if t > epoch.admitted:
-                continue
-            joined = bad is None and self._ticket(t)["member"] in epoch.joined
-            if joined or bad is not None:
-                self._call(self.store.set, _P + f"admit/{t}", str(epoch.number) if joined else f"refused: {bad}")
-        return epoch
-
-    def _enter(self, epoch: Epoch) -> None:
-        """This epoch's process group; the state from rank 0 where it has joiners; the mode.
-        A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
-        self.epoch = epoch
-        try:
-            self._set_up(epoch)
-        except (RuntimeError, _Missing) as err:
-            lost = err.members if isinstance(err, _Missing) else self._lost_in(err) if dist.is_initialized() else None
-            if lost is None:
-                raise
-            self.counters.losses += 1
-            log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
-                        ", ".join(sorted(lost)) or "a silent member")
-            self._next_epoch(lost, "loss", time.perf_counter())
-            return
-        self._healed = True
-        self._kept_mode = (None, False)
-        self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
-
-    def _set_up(self, epoch: Epoch) -> None:
-        own, per_rank = self._kept_mode
-        self._rendezvous(epoch)
-        store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
-        dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
-                                world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
-        faults.start_heartbeat()  # this epoch's: the vote watches it
-        joining = self.member in epoch.joined
-        fresh = joining and not self._healed  # a new process (a survivor one step behind keeps its mode's state)
-        if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
-            got = self._sync_state(joining, own if per_rank else None)
-            if fresh:  # rank 0's mode state came only if its mode keeps one per rank
-                own, per_rank = got, got is not None
-        if self._build is not None:
-            with _quiet() if own is not None and per_rank else contextlib.nullcontext():
-                self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
-            _check_mode(self.mode)
-            if own is not None and (per_rank or not fresh):
-                self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
-            if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
-                self.mode.set_round(epoch.step)
-
-    def _rendezvous(self, epoch: Epoch) -> None:
-        """Wait until every member of ``epoch`` is entering it, at most a few loss windows
-        (they all read the epoch within milliseconds of each other): a member that died
-        meanwhile is named here (:class:`_Missing`), not after the process group's own
-        rendezvous waited its whole timeout for it."""
-        key = _P + f"e{epoch.number}/ready"
-        self._call(self.store.set, f"{key}/{self.member}", "1")
-        self._call(self.store.add, key, 1)
-        deadline = time.monotonic() + max(5.0, 4 * faults.lost_after())
-        while int(self._call(self.store.add, key, 0)) < epoch.world:
-            if time.monotonic() > deadline:
-                raise _Missing({m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])})
-            time.sleep(0.005)
-
-    def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Rank 0's whole state (and its mode's, ``mode_state``) to every rank, its tensors
-        as one flat broadcast per dtype (:func:`~fastreduce.heal.broadcast_state`); a
-        joiner loads it and gets the mode's state back, to load once its mode is built."""
-        first = next((p for v in self._state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
-        device = torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
-        mine = None
-        if dist.get_rank() == 0:
-            mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()}, "mode": mode_state}
-        got = broadcast_state(mine, device)
-        if not joining or dist.get_rank() == 0:
-            return None
-        for k, obj in self._state.items():
-            obj.load_state_dict(got["state"][k])
-        self.step = int(got["step"])
-        return got["mode"]
-
-    def _stash_mode(self, after_loss: bool) -> None:
-        """Keep the mode's state until the next epoch is entered (a failed entry must not
-        lose it), then take the mode off: after a loss without a collective (gossip's
-        exchanges in flight are dropped), else as it saves it (they are completed)."""
-        if self.mode is None:
-            return
-        kind = _kind(self.mode)
-        save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
-            getattr(self.mode, "state_dict", None)
-        self._kept_mode = (_clone(save()) if save is not None else None, kind in ("local", "gossip"))
-        self._close_mode(drain=not after_loss)
-
-    def _close_mode(self, drain: bool = True) -> None:
-        if _kind(self.mode) == "gossip":
-            self.mode.close(drain=drain)
-        elif (close := getattr(self.mode, "close", None) or getattr(self.mode, "remove", None)) is not None:
-            close()
-        self.mode = None
-
-    def _leave_group(self, abandon: bool) -> None:
-        if dist.is_initialized():
-            if abandon:  # a collective may still wait on a lost peer: never join its thread
-                faults._abandon_groups()
-            dist.destroy_process_group()
-
     def close(self) -> None:
         """Leave: take the mode's hooks off and end this epoch's group."""
         self._close_mode()
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ------------------------------------------------------------------ the coordinator
 
-    def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
-        """A request to the coordinator, answered within ``seconds`` (default: twice the loss
-        window, at least 5 s) or :class:`MembershipError` (a TCPStore request on a silent
-        link would block for minutes)."""
-        try:
-            return self._caller.call(fn, *args, seconds=seconds or max(5.0, 2 * faults.lost_after()))
-        except Exception as err:  # noqa: BLE001 - the store raises several kinds
-            raise self._unreachable(err) from err
-
-    def _wait(self, key: str, seconds: float) -> bool:
-        """Whether ``key`` is set within ``seconds`` (``False``: not yet)."""
-        try:
-            self._caller.call(self.store.wait, [key], timedelta(seconds=seconds),
-                              seconds=seconds + max(5.0, 2 * faults.lost_after()))
-            return True
-        except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
-            if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
-                raise self._unreachable(err) from err
-            return False
-
-    def _vote_connection(self) -> Any:
-        """A connection of its own for the vote's waiting get (the other requests go on
-        the first while it waits), with the epoch's timeout."""
-        if self._waiter is None:
-            try:
-                self._waiter = self.store.clone()
-            except Exception:  # noqa: BLE001 - a store that cannot clone (an older torch): a second client
-                self._waiter = connect(self.where, self.timeout_s) if ":" in self.where else self.store
-            self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
-        return self._waiter
-
-    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
-        if not self._wait(key, timeout_s):
-            raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
-                                  "a step boundary, or the job is not running (wait_s= waits longer)")
-        return self._call(self.store.get, key).decode()
-
-    def _unreachable(self, err: BaseException) -> MembershipError:
-        faults._abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
-        return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
-                               f"{err}): it is the job's single point; this member cannot go on. Restart the "
-                               "coordinator and the job from the last checkpoint")
-
-
-class _Missing(Exception):
-    """Members of an epoch that never came to enter it (lost as it formed)."""
+class _Aborted(Exception):
+    """A ZeRO step's vote ended in ``abort``: a member went silent before every member voted."""
 
     def __init__(self, members: set[str]):
         super().__init__(", ".join(sorted(members)))
         self.members = members
-
-
-def _kind(mode: Any) -> str:
-    """How :meth:`Membership.commit` runs ``mode``: ``local`` (LocalSGD, DiLoCo: their
-    collectives in the optimizer's step), ``gossip`` (steps and exchanges inside forward and
-    backward), ``reduce`` (the fused and overlapped reducers), else ``other``."""
-    if hasattr(mode, "communicates_at"):
-        return "local"
-    if hasattr(mode, "local_state_dict"):
-        return "gossip"
-    return "reduce" if hasattr(mode, "reduce") else "other"
-
-
-def _check_mode(mode: Any) -> None:
-    """Refuse, on every member alike, a mode Membership cannot keep training."""
-    if _kind(mode) == "other":
-        raise TypeError(f"fastreduce.Membership runs the fused, overlapped, gossip, LocalSGD and DiLoCo modes so far, "
-                        f"not {type(mode).__name__} (ZeRO's shards would be lost with their rank: not yet)")
-    if getattr(mode, "fragment_delay", 0):
-        raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
-                         "under fastreduce.Membership yet: use fragment_delay=0")
-    if _kind(mode) == "gossip" and getattr(mode, "_quant", None) is not None:
-        raise ValueError("gossip with a quantized wire keeps a public copy of each neighbour's parameters, which a "
-                         "new membership's topology would not match: under fastreduce.Membership use a float "
-                         "wire_dtype (bfloat16 halves the bytes)")
-
-
-def _clone(state: Any) -> Any:
-    """A deep copy of a ``state_dict``'s tensors (torch's optimizers return their own)."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_clone(v) for v in state]
-    return state
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
-    """Without the modes' warning that the ranks' parameters differed (they do, in a
-    per-rank mode rebuilt mid-run: each rank loads its own right after)."""
-    logger = logging.getLogger("fastreduce")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            yield
-    finally:
-        logger.setLevel(level)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from keep_training import STEPS, launch  # noqa: E402  (examples/keep_training.py: the members' loop)
+from keep_training import STEPS, launch, make_model  # noqa: E402  (examples/keep_training.py: the members' loop)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,6 +138,47 @@ def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode
         assert c["losses"] == 1 and c["resyncs"] == 1 and c["discarded_steps"] == 0, c
     for f in final[1:]:
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+
+
+def adamw_on_the_mean(worlds: list[int]) -> torch.Tensor:
+    """The reference: torch.optim.AdamW on the mean gradient of the members' batches
+    (examples/keep_training.py's), ``worlds[s]`` members at step ``s``; the parameters."""
+    model = make_model(16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s, w in enumerate(worlds):
+        grads = []
+        for r in range(w):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * s + r))
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin())
+            grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(0)
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("where, transport, joiners", [("after-vote", "process_group", 0),
+                                                       pytest.param("mid-step", "shm", 1, marks=SLOW)])
+def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, where: str, transport: str,
+                                                               joiners: int) -> None:
+    """ZeRO (AdamW, ``redundant=True``, a bucket per layer): member 2 dies after the
+    members' vote at step 10, before its shard steps: the step stands, its shard steps on
+    the next rank from the copy kept there, and the survivors' pieces are joined and
+    resharded at 2. Against torch.optim.AdamW on the mean gradient (11 steps of 3 members,
+    then 2): the same run, to float rounding (a discarded step would move it 1.6e-2).
+    Killed mid-step with a replacement: that step discarded, the joiner takes the whole
+    state, every member bit-identical."""
+    found = run(tmp_path, transport, {2: (where, 10)}, joiners=joiners, mode="zero")
+    final = [found[i] for i in (0, 1, *([3] if joiners else []))]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2 + joiners, (f["steps"][-3:], f["world"])
+    for f in final[:2]:
+        assert f["counters"]["losses"] == 1, f["counters"]
+        assert f["counters"]["discarded_steps"] == (where == "mid-step"), f["counters"]
+    _same(final)
+    if not joiners:
+        want = adamw_on_the_mean([3] * 11 + [2] * (STEPS - 11))
+        assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
 @pytest.mark.parametrize("mode", ["diloco"])  # (LocalSGD, the same _load, passed at stop 53)
@@ -353,8 +394,10 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="does not run a mode under torch's Join"):
         m.commit(lambda: None)
     from fastreduce.membership import _check_mode
-    with pytest.raises(TypeError, match="gossip, LocalSGD and DiLoCo modes so far, not SGD"):
+    with pytest.raises(TypeError, match="ZeRO, gossip, LocalSGD and DiLoCo modes, not SGD"):
         _check_mode(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="ZeroOptimizer under fastreduce.Membership needs redundant=True"):
+        _check_mode(types.SimpleNamespace(mirror=None, redundant=False, step=lambda: None))  # as ZeroOptimizer's
 
 
 def _heal_worker(rank: int, world: int) -> dict:

@@ -1,0 +1,124 @@
+"""The coordinator of a :class:`~fastreduce.Membership`: a c10d ``TCPStore`` that no
+member hosts, the epochs written in it, and every request a member makes to it, each
+answered within a bound or :class:`MembershipError` (the job's one documented single point).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+import fastreduce.faults as faults
+
+__all__ = ["COORDINATOR_ENV", "CoordinatorClient", "Epoch", "MembershipError", "connect", "serve"]
+
+COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
+"""``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
+_P = "fastreduce/members/"
+
+
+class MembershipError(RuntimeError):
+    """This process cannot be (or stay) a member: refused as a joiner, left out of an
+    epoch, or the coordinator is unreachable. The message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership: ``members`` in rank order, from committed step ``step`` on."""
+
+    number: int
+    members: tuple[str, ...]
+    step: int
+    admitted: int  # joiner tickets handled so far
+    joined: tuple[str, ...] = ()  # members new in this epoch (they receive the state)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members), "step": self.step,
+                           "admitted": self.admitted, "joined": list(self.joined)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Epoch:
+        d = json.loads(text)
+        return cls(d["number"], tuple(d["members"]), d["step"], d["admitted"], tuple(d["joined"]))
+
+
+def connect(coordinator: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client connection to the coordinator at ``host:port``."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - torch raises several kinds
+        raise MembershipError(f"fastreduce: cannot reach the coordinator at {coordinator} ({err}); start it "
+                              "first (`fastreduce coordinator --port PORT`) and pass its address") from err
+
+
+def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
+    """The coordinator: a ``TCPStore`` server (``port`` 0: any free one, ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+
+class CoordinatorClient:
+    """The coordinator half of :class:`~fastreduce.Membership` (a mixin): its requests.
+
+    It reads ``store`` (a client of the coordinator), ``where`` (its address, in words),
+    ``_caller`` (a :class:`~fastreduce.faults.StoreCaller`), ``timeout_s``, and owns
+    ``_waiter`` (a second connection, for the vote's waiting get).
+    """
+
+    _waiter: Any = None
+
+    def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
+        """A request to the coordinator, answered within ``seconds`` (default: twice the loss
+        window, at least 5 s) or :class:`MembershipError` (a TCPStore request on a silent
+        link would block for minutes)."""
+        try:
+            return self._caller.call(fn, *args, seconds=seconds or max(5.0, 2 * faults.lost_after()))
+        except Exception as err:  # noqa: BLE001 - the store raises several kinds
+            raise self._unreachable(err) from err
+
+    def _wait(self, key: str, seconds: float) -> bool:
+        """Whether ``key`` is set within ``seconds`` (``False``: not yet)."""
+        try:
+            self._caller.call(self.store.wait, [key], timedelta(seconds=seconds),
+                              seconds=seconds + max(5.0, 2 * faults.lost_after()))
+            return True
+        except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
+            if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
+                raise self._unreachable(err) from err
+            return False
+
+    def _vote_connection(self) -> Any:
+        """A connection of its own for the vote's waiting get (the other requests go on
+        the first while it waits), with the epoch's timeout."""
+        if self._waiter is None:
+            try:
+                self._waiter = self.store.clone()
+            except Exception:  # noqa: BLE001 - a store that cannot clone (an older torch): a second client
+                self._waiter = connect(self.where, self.timeout_s) if ":" in self.where else self.store
+            self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
+        return self._waiter
+
+    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
+        if not self._wait(key, timeout_s):
+            raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
+                                  "a step boundary, or the job is not running (wait_s= waits longer)")
+        return self._call(self.store.get, key).decode()
+
+    def _unreachable(self, err: BaseException) -> MembershipError:
+        faults._abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
+        return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
+                               f"{err}): it is the job's single point; this member cannot go on. Restart the "
+                               "coordinator and the job from the last checkpoint")
+
