@@ -625,7 +625,7 @@ def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> N
     assert "chaos suite" in chaos_suite.format_text(report)
 
 
-@pytest.mark.parametrize("argv", [["--chaos-modes", "zero"], ["--chaos-transports", "nccl"], ["--steps", "20"]])
+@pytest.mark.parametrize("argv", [["--chaos-modes", "fsdp"], ["--chaos-transports", "nccl"], ["--steps", "20"]])
 def test_bad_chaos_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--suite", "chaos", *argv]) == 2
     assert "error" in capsys.readouterr().err

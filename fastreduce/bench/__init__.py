@@ -54,7 +54,8 @@ default; the optim suite: ``--optim-ranks``, 2 and 4). ``reduce`` and ``step`` r
   checkpoint-restart (``Checkpointer`` every 20 steps, the whole job relaunched): the stall at
   the loss, the steps discarded, the joiner's first commit (process start and imports apart),
   the members' stall at the join, the wall time to ``--steps`` (300) committed steps and the
-  per-step cost with no failure. Also ``--faults-contenders``, ``--faults-wire``,
+  per-step cost with no failure. Also ``--faults-contenders``, ``--faults-wire``, ``--faults-mode``
+  (``zero``: ``ZeroOptimizer(redundant=True)``, fastreduce's contenders only),
   ``--params-m`` (1 by default; 10 for the joiner target's model); ``--quick``: 3 members,
   a 0.05M model, 24 steps.
 * ``chaos`` (:mod:`.chaos`): the modes ``fastreduce.Membership`` runs (fused with a bf16
@@ -102,6 +103,7 @@ from .convergence import QUICK_WORLD_SIZES as CONVERGENCE_QUICK_WORLD_SIZES
 from .convergence import ConvergenceConfig, quick_config, run_convergence_bench, width_for, write_convergence_chart
 from .convergence import format_text as format_convergence
 from .faults import CONTENDERS as FAULTS_CONTENDERS
+from .faults import MODES as FAULTS_MODES
 from .faults import WIRES as FAULTS_WIRES
 from .faults import FaultsConfig, run_faults_bench
 from .faults import format_text as format_faults
@@ -219,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "chaos suite: committed steps per run (default: 300; 30 with --quick)")
     parser.add_argument("--faults-contenders", default=None, metavar="NAME,NAME",
                         help="faults suite: which to run (default: all: " + ",".join(FAULTS_CONTENDERS) + ")")
+    parser.add_argument("--faults-mode", default="fused", choices=FAULTS_MODES,
+                        help="faults suite: fastreduce's mode under Membership (zero: ZeroOptimizer(redundant=True),"
+                             " fastreduce's contenders only; default: fused)")
     parser.add_argument("--faults-wire", default="fp32", choices=tuple(FAULTS_WIRES),
                         help="faults suite: fastreduce's wire dtype, Membership's and checkpoint-restart's "
                              "(default: fp32, torchft's)")
@@ -417,7 +422,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, StepConfig
 
 def faults_config(args: argparse.Namespace) -> FaultsConfig:
     """The faults suite's settings: ``--quick`` is :func:`~.faults.quick_config`."""
-    given: dict[str, Any] = {"wire": args.faults_wire}
+    given: dict[str, Any] = {"wire": args.faults_wire, "mode": args.faults_mode}
+    if args.faults_mode == "zero" and args.faults_contenders is None:
+        given["contenders"] = ("fastreduce_gloo", "fastreduce_shm")
     if args.faults_contenders is not None:
         names = tuple(n for n in args.faults_contenders.split(",") if n)
         if not names or any(n not in FAULTS_CONTENDERS for n in names):

@@ -3,13 +3,13 @@
 Issue 49's chaos run. Per mode under :class:`fastreduce.Membership` (:data:`MODES`:
 the fused reducer with a bf16 wire, the overlapped reducer with an fp32 wire and buckets
 small enough that several are in flight, DiLoCo, gossip over a ring with the overlapped
-mode's buckets and an fp32 wire) and per transport (``FASTREDUCE_TRANSPORT``
+mode's buckets and an fp32 wire, ZeRO (``ZeroOptimizer(redundant=True)``, AdamW, the
+overlapped mode's buckets reduce-scattered during backward)) and per transport (``FASTREDUCE_TRANSPORT``
 ``process_group``, i.e. Gloo, and ``shm``), ``members`` (4) processes train one seeded MLP
 regression (:func:`.faults.build_model`, AdamW with a cosine learning rate over the committed
 steps, each (step, rank) its own seeded batch, :func:`.faults.batch_for`) to ``steps`` (300)
 committed steps through ``Membership``, with a coordinator
-(:func:`fastreduce.membership.serve`) in the launcher. ZeRO (``Membership`` refuses it) is
-listed as not run. Gossip (:class:`fastreduce.DecentralizedDataParallel`) steps inside forward
+(:func:`fastreduce.membership.serve`) in the launcher. Gossip (:class:`fastreduce.DecentralizedDataParallel`) steps inside forward
 and backward, so ``commit()`` runs them; its AdamW and cosine schedule are per bucket
 (``optim_fn``, ``lr_scheduler_fn``: a ``LambdaLR`` over the bucket's own steps, one per
 committed step), kept across epochs in the mode's state.
@@ -20,7 +20,7 @@ one in each third of the run, a member (any one alive then, a healed replacement
 
 * ``mid-step``: after its backward, before ``commit()``;
 * ``in-flight``: overlapped, inside backward as the first layer's gradient is computed (the
-  later layers' buckets in flight); fused, as its reduction begins (its peers in the
+  later layers' buckets in flight; ZeRO alike, their reduce-scatters); fused, as its reduction begins (its peers in the
   collective); DiLoCo, after its inner step as the sync begins (its peers in the sync; the
   step moved to the next sync); gossip, as overlapped (the later layers' buckets stepped, their
   exchanges of this round in flight);
@@ -72,15 +72,15 @@ from torch import nn
 from .common import machine_info
 from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
 
-__all__ = ["KINDS", "MODES", "TRANSPORTS", "UNSUPPORTED", "ChaosConfig", "format_text", "quick_config",
+__all__ = ["KINDS", "MODES", "TRANSPORTS", "ChaosConfig", "format_text", "quick_config",
            "run_chaos_bench", "schedule", "write_outputs"]
 
-MODES = ("fused_bf16", "overlap", "diloco", "gossip")
+MODES = ("fused_bf16", "overlap", "zero", "diloco", "gossip")
 TRANSPORTS = ("process_group", "shm")
 KINDS = ("mid-step", "in-flight", "between")
-UNSUPPORTED = {"zero": "ZeroOptimizer: not supported under Membership yet (its shards must outlive their rank)"}
 IN_FLIGHT = {"fused_bf16": "as its reduction begins, its peers in the collective",
              "overlap": "inside backward, the later layers' buckets in flight",
+             "zero": "inside backward, the later layers' buckets' reduce-scatters in flight",
              "diloco": "after its inner step, as the sync begins (the next sync step)",
              "gossip": "inside backward, the later layers' buckets stepped and their exchanges in flight"}
 HELDOUT_SEED = 1000
@@ -270,6 +270,9 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 return _gossip(cfg, model, scheds)
             if mode == "diloco":
                 return fastreduce.DiLoCo(model, opt, outer, sync_every=cfg.sync_every)
+            if mode == "zero":
+                return fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=cfg.lr, module=model,
+                                                redundant=True, bucket_mb=cfg.bucket_mb)
             if mode == "overlap":
                 return fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=True, bucket_mb=cfg.bucket_mb)
             reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
@@ -277,7 +280,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             reducer.reduce = lambda *a, **k: os._exit(9) if armed("in-flight") else reduce(*a, **k)  # type: ignore
             return reducer
 
-        if mode in ("overlap", "gossip"):  # the first layer's gradient comes last in backward
+        if mode in ("overlap", "zero", "gossip"):  # the first layer's gradient comes last in backward
             model[0].weight.register_hook(lambda g: os._exit(9) if armed("in-flight") else g)
         if mode == "diloco":  # before the mode's own hook (registered later): the step done, the sync not begun
             opt.register_step_post_hook(lambda *_: os._exit(9) if armed("in-flight") else None)
@@ -286,7 +289,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             shared[go].go.wait(TIMEOUT_S)
         record.join_start = time.time()
         m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}", wait_s=120)
-        m.join({"model": model, "optimizer": opt}, build)
+        m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
         record.joined_step = m.step
         if go is not None:  # healed: the members' parameters after that step
             record.digests[str(m.step)] = _digest(model)
@@ -299,14 +302,15 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             if mode == "gossip":  # the mode steps and exchanges inside forward and backward: commit runs them
                 ok, loss = _gossip_step(m, x, y, armed)
             else:
-                for group in opt.param_groups:
+                stepper = m.mode if mode == "zero" else opt  # ZeRO: the mode is the optimizer
+                for group in stepper.param_groups:
                     group["lr"] = cfg.lr * _cosine(cfg, m.step)
                 train_loss = nn.functional.mse_loss(model(x), y)
                 train_loss.backward()
                 if armed("mid-step"):
                     os._exit(9)
-                ok, loss = m.commit(opt.step), train_loss.item()
-                opt.zero_grad()
+                ok, loss = m.commit(stepper.step), train_loss.item()
+                (m.mode if mode == "zero" else opt).zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
             for s in shared[1:]:
                 s.committed(m.step, record.iters[-1][1])
@@ -517,7 +521,7 @@ def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
     report: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info(),
                               "model_params": sum(p.numel() for p in build_model(cfg.params_m).parameters()),
                               "schedule": {m: schedule(cfg, m) for m in cfg.modes},
-                              "unsupported": UNSUPPORTED, "runs": {}}
+                              "runs": {}}
     for mode in cfg.modes:
         kills = report["schedule"][mode]
         for transport in cfg.transports:
@@ -636,7 +640,6 @@ def format_text(report: dict[str, Any]) -> str:
             first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
                          f"{first} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
-    lines.append("not run: " + "; ".join(f"{k} ({v})" for k, v in report["unsupported"].items()))
     if c["quick"]:
         lines.append("(--quick: one kill, one join, a tiny model and 30 steps: proves the suite runs)")
     if report["targets"]:

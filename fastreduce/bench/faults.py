@@ -1,7 +1,8 @@
 """``fastreduce bench --suite faults``: training that goes on at a loss and a join, side by side.
 
-Issue 49's measurement, for the fused mode (the one :class:`fastreduce.Membership` covers):
-the same model, data and failure schedule under three ways of surviving a lost process.
+Issue 49's measurement, for the fused mode (``--faults-mode zero``: ZeRO, fastreduce's
+contenders only): the same model, data and failure schedule under three ways of surviving a
+lost process.
 
 =======================  ===============================================================
  ``fastreduce_gloo``,     :class:`fastreduce.Membership` + :class:`fastreduce.FusedReducer`
@@ -85,6 +86,9 @@ __all__ = ["CONTENDERS", "FaultsConfig", "build_model", "format_text", "quick_co
 CONTENDERS = ("fastreduce_gloo", "fastreduce_shm", "torchft", "checkpoint_restart")
 TRANSPORTS = {"fastreduce_gloo": "process_group", "fastreduce_shm": "shm"}
 WIRES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ("fused", "zero")
+"""``--faults-mode``: fastreduce's mode under Membership (``zero``: ``ZeroOptimizer(redundant=True)``,
+fastreduce's contenders only: torchft and checkpoint-restart reduce one fused buffer)."""
 DIM = 64
 """The MLP's input and output width; its hidden width is picked for ``params_m``."""
 LR = 1e-3
@@ -110,6 +114,8 @@ class FaultsConfig:
     """Rows per rank and step."""
     wire: str = "fp32"
     """fastreduce's wire dtype (``fp32`` or ``bf16``; torchft's buffer is fp32)."""
+    mode: str = "fused"
+    """fastreduce's mode (:data:`MODES`)."""
     seed: int = 0
     """Draws the step at which the member is lost, and the data."""
     join_after: int = 20
@@ -136,6 +142,11 @@ class FaultsConfig:
             raise ValueError(f"contenders must be among {', '.join(CONTENDERS)}, got {self.contenders!r}")
         if self.wire not in WIRES:
             raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "zero" and set(self.contenders) - set(TRANSPORTS):
+            raise ValueError("the zero mode runs fastreduce's contenders only (torchft and checkpoint-restart "
+                             "reduce one fused buffer): --faults-contenders fastreduce_gloo,fastreduce_shm")
         if self.members < 3:
             raise ValueError(f"members must be at least 3 (two survivors go on), got {self.members}")
         if not self.params_m > 0 or self.batch < 1 or self.rounds < 1 or self.block < 1:
@@ -288,35 +299,49 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
 
         model = build_model(cfg.params_m)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        zero = cfg.mode == "zero"
         shared.ready.wait(TIMEOUT_S)  # the replacement is imported before the members begin
         if joiner:
             shared.go.wait(TIMEOUT_S)
         record.join_start = time.time()
-        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"fused {cfg.wire}",
+        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"{cfg.mode} {cfg.wire}",
                        wait_s=120)
-        m.join({"model": model, "optimizer": opt},
-               lambda: fastreduce.FusedReducer(model, wire_dtype=WIRES[cfg.wire]))
+        if zero:  # the mode is the optimizer, rebuilt at every epoch
+            m.join({"model": model}, lambda: fastreduce.ZeroOptimizer(
+                model.parameters(), torch.optim.AdamW, lr=LR, module=model, redundant=True,
+                wire_dtype=WIRES[cfg.wire]))
+        else:
+            m.join({"model": model, "optimizer": opt},
+                   lambda: fastreduce.FusedReducer(model, wire_dtype=WIRES[cfg.wire]))
+
+        def stepper() -> Any:
+            return m.mode if zero else opt
+
         while m.step < cfg.steps:
             t0 = time.time()
             shared.started(t0)
             _loss(model, cfg, m.step, m.rank)
             if kill == m.step:
                 os._exit(9)
-            ok = m.commit(opt.step)  # the vote, then AdamW's step where it is committed
-            opt.zero_grad()
+            ok = m.commit(stepper().step)  # the reduction, AdamW's step (ZeRO: the vote between them)
+            stepper().zero_grad()
             record.step_done(t0, ok, m.world, shared, m.step)
             time.sleep(cfg.pace_s)
 
-        def without() -> None:
+        def without() -> None:  # the same mode, outside Membership (ZeRO: its copies of the shards kept)
             _loss(model, cfg, m.step, m.rank)
-            m.mode.reduce()
-            opt.step()
-            opt.zero_grad()
+            if zero:
+                m.mode.step()
+                m.mode.wait_params()
+            else:
+                m.mode.reduce()
+                opt.step()
+            stepper().zero_grad()
 
         def with_() -> None:
             _loss(model, cfg, m.step, m.rank)
-            m.commit(opt.step)
-            opt.zero_grad()
+            m.commit(stepper().step)
+            stepper().zero_grad()
 
         _timed_blocks(record, cfg, dist.barrier, without, with_, cfg.block)
         c = m.counters
@@ -760,7 +785,8 @@ def judge(cfg: FaultsConfig, contenders: dict[str, dict[str, Any]]) -> dict[str,
         add(f"{name} joiner", f["joiner_first_commit_s"], "<=", JOINER_S,
             f"joiner's first commit after it starts joining (s, {cfg.params_m:g}M params)")
         add(f"{name} join stall", f["join_stall_s"], "<=", JOIN_STALL_S, "members' stall at the join (s)")
-        add(f"{name} step", f["no_failure"].get("ratio"), "<=", STEP_RATIO, "no-failure step / FusedReducer alone")
+        alone = "ZeroOptimizer(redundant=True)" if cfg.mode == "zero" else "FusedReducer"
+        add(f"{name} step", f["no_failure"].get("ratio"), "<=", STEP_RATIO, f"no-failure step / {alone} alone")
         for anchor in ("torchft", "checkpoint_restart"):
             a = contenders.get(anchor, {})
             if a.get("wall_s") is not None:
@@ -779,7 +805,8 @@ def format_text(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [f"faults suite: {c['members']} members, MLP of {report['model_params'] / 1e6:.2f}M params, AdamW, "
              f"batch {c['batch']}/rank, {c['steps']} committed steps; the last member lost mid-step at step "
-             f"{c['kill_step']}, a replacement joins {c['join_after']} steps later; fastreduce wire {c['wire']}; "
+             f"{c['kill_step']}, a replacement joins {c['join_after']} steps later; fastreduce "
+             f"{c.get('mode', 'fused')}, wire {c['wire']}; "
              f"checkpoint every {c['checkpoint_every']} steps; no-failure cost: median of {c['rounds']} "
              f"rounds of blocks of {c['block']} steps without/with (mean over the ranks, slowest tenth left out)",
              "",

@@ -22,6 +22,9 @@ Every method runs on its own ``deepcopy`` of one seeded model, with AdamW at
                             (then ``opt.wait_params()``: no all-gather may run on into
                             the next method's timed step)
  ``zero_adamw_nooverlap``   the same with ``overlap=False`` (all reduction in ``step()``)
+ ``zero_adamw_redundant``   ``zero_adamw`` with ``redundant=True`` (each shard also kept
+                            and stepped on the next rank: what ``fastreduce.Membership``
+                            needs); its state bytes include that copy and its gradients
  ``fused_adamw``            ``FusedReducer(model, wire_dtype=None)`` (fp32, one fused
                             collective after backward: fastreduce's fastest setting on a
                             CPU box) + ``torch.optim.AdamW(fused=True)``, zeroed with
@@ -107,7 +110,7 @@ MODEL = "many"
 MODELS = (MODEL, "blocks")
 LR = 1e-3
 WEIGHT_DECAY = 0.01
-ZERO_METHODS = ("zero_adamw", "zero_adamw_nooverlap")
+ZERO_METHODS = ("zero_adamw", "zero_adamw_nooverlap", "zero_adamw_redundant")
 DDP_BASELINE = "ddp_adamw"
 """Parameters are checked against it, speed is given relative to it ("vs DDP")."""
 PLAIN = "ddp_adamw"
@@ -222,12 +225,14 @@ def _plain_adamw(params: Any) -> torch.optim.AdamW:
 
 
 def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | None,
-                set_to_none: bool = False) -> OptimMethod:
+                set_to_none: bool = False, redundant: bool = False) -> OptimMethod:
     """``fastreduce.ZeroOptimizer`` (it reduces the gradients itself: no DDP, no reducer)."""
     zero_cls = getattr(fastreduce, "ZeroOptimizer", None)
     if zero_cls is None:
         return _skipped(name, "fastreduce.ZeroOptimizer not available")
     kwargs: dict[str, Any] = {"module": model, "overlap": overlap}
+    if redundant:
+        kwargs["redundant"] = True
     if bucket_mb is not None:
         kwargs["bucket_mb"] = bucket_mb
     opt = zero_cls(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
@@ -289,6 +294,7 @@ def build_methods(base: nn.Module, cfg: OptimConfig) -> list[OptimMethod]:
         zero_method("zero_adamw", twin(), True, cfg.bucket_mb, none),
         *(zero_method(sweep_name(mb), twin(), True, mb, none) for mb in cfg.zero_bucket_mbs),
         zero_method("zero_adamw_nooverlap", twin(), False, cfg.bucket_mb, none),
+        zero_method("zero_adamw_redundant", twin(), True, cfg.bucket_mb, none, redundant=True),
         fused_method("fused_adamw", twin(), none),
         ddp_adamw_method(DDP_BASELINE, twin(), none),
         torch_zero_method("torch_zero_adamw", twin(), none),
