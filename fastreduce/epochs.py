@@ -34,7 +34,7 @@ class EpochChanges(CoordinatorClient):
     """The epoch half of :class:`~fastreduce.Membership` (a mixin).
 
     It reads what the membership holds: ``member``, ``epoch``, ``step``, ``mode``,
-    ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``min_ranks``,
+    ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``_rolled_forward``, ``min_ranks``,
     ``wait_s``, ``backend``, ``timeout_s``; and calls its ``_fingerprint()``,
     ``_differs()`` and ``_ticket()`` (a joiner's checks).
     """
@@ -152,7 +152,7 @@ class EpochChanges(CoordinatorClient):
             self._next_epoch(lost, "loss", time.perf_counter())
             return
         self._healed = True
-        self._kept_mode = (None, "")
+        self._kept_mode, self._rolled_forward = (None, ""), False
         self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
 
     def _set_up(self, epoch: Epoch) -> None:
@@ -169,22 +169,22 @@ class EpochChanges(CoordinatorClient):
             if fresh:  # rank 0's mode state came only if its mode keeps one per rank
                 own, kind = got, sent_kind
         per_rank = kind in ("local", "gossip")
-        whole = None
-        if kind == "zero":  # every member's pieces of the shards, joined on every rank (a joiner's: none)
-            try:
-                whole = zero_mirror.reassemble(None if fresh else own, self._device())
-            except zero_mirror.ShardsLost as err:
-                raise MembershipError(f"fastreduce: {err}: ZeroOptimizer(redundant=True) keeps each shard on two "
-                                      "ranks, so the job cannot go on; restart it from the last checkpoint") from err
-            own = None
+        pieces = None
+        if kind == "zero":  # this member's pieces of the shards (a joiner's: none), resharded once built
+            pieces, own = None if fresh else own, None
         if self._build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
                 self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
             _check_mode(self.mode)
             if own is not None and (per_rank or not fresh):
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
-            if whole is not None:  # the parameters and every shard's state, resharded onto this epoch
-                zero_mirror.load(self.mode, whole)
+            if kind == "zero":  # every shard's state (parameters too, where stale) resharded onto this epoch
+                try:
+                    zero_mirror.reshard(self.mode, pieces)
+                except zero_mirror.ShardsLost as err:
+                    raise MembershipError(f"fastreduce: {err}: ZeroOptimizer(redundant=True) keeps each shard on two "
+                                          "ranks, so the job cannot go on; restart it from the last checkpoint") \
+                        from err
             if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.mode.set_round(epoch.step)
 
@@ -232,7 +232,7 @@ class EpochChanges(CoordinatorClient):
             return
         kind = _kind(self.mode)
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
-            self._kept_mode = (zero_mirror.held(self.mode), kind)
+            self._kept_mode = (zero_mirror.held(self.mode, params_current=not self._rolled_forward), kind)
         else:
             save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
                 getattr(self.mode, "state_dict", None)

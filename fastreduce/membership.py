@@ -175,6 +175,7 @@ class Membership(EpochChanges):
         self._refused: set[int] = set()  # joiner tickets refused here
         self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
         self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, _kind of the mode)
+        self._rolled_forward = False  # a ZeRO step stood after its all-gather failed (until the next epoch)
 
     # ------------------------------------------------------------------ reading
 
@@ -264,6 +265,13 @@ class Membership(EpochChanges):
         forward and backward through :attr:`mode` (``m.commit(lambda:
         loss_fn(m.mode(x), y).backward())``), as the mode steps and exchanges inside them;
         at a loss every survivor keeps its own state and the exchanges in flight are dropped.
+
+        ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``, the mode and the
+        optimizer in one): ``step`` calls the mode's ``step()``
+        (``m.commit(m.mode.step)``), and clipping goes inside it too, as it is collective
+        (``m.commit(lambda: (m.mode.clip_grad_norm_(1.0), m.mode.step()))``): the vote
+        runs between the reduce-scatter (and clipping) and the shards' step; ``False``: a
+        member was lost before it, nothing stepped. The all-gather is waited for here.
 
         LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
         inner step without a collective just runs. At a sync,
@@ -404,6 +412,7 @@ class Membership(EpochChanges):
             if lost is None:
                 raise
             self.step += 1  # every shard stepped on a survivor: the step stands
+            self._rolled_forward = True  # (its all-gather failed: the parameters travel too)
             self.counters.losses += 1
             self._next_epoch(lost, "loss", start)
             return True

@@ -158,6 +158,7 @@ def adamw_on_the_mean(worlds: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("where, transport, joiners", [("after-vote", "process_group", 0),
+                                                       ("mid-step", "process_group", 0),
                                                        pytest.param("mid-step", "shm", 1, marks=SLOW)])
 def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, where: str, transport: str,
                                                                joiners: int) -> None:
@@ -166,8 +167,9 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
     the next rank from the copy kept there, and the survivors' pieces are joined and
     resharded at 2. Against torch.optim.AdamW on the mean gradient (11 steps of 3 members,
     then 2): the same run, to float rounding (a discarded step would move it 1.6e-2).
-    Killed mid-step with a replacement: that step discarded, the joiner takes the whole
-    state, every member bit-identical."""
+    Killed mid-step: that step discarded (10 steps of 3, then 2), each survivor receiving its
+    new shard and copy point to point; with a replacement, the joiner takes its shard and
+    the parameters, every member bit-identical."""
     found = run(tmp_path, transport, {2: (where, 10)}, joiners=joiners, mode="zero")
     final = [found[i] for i in (0, 1, *([3] if joiners else []))]
     for f in final:
@@ -177,7 +179,8 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
         assert f["counters"]["discarded_steps"] == (where == "mid-step"), f["counters"]
     _same(final)
     if not joiners:
-        want = adamw_on_the_mean([3] * 11 + [2] * (STEPS - 11))
+        three = 11 if where == "after-vote" else 10
+        want = adamw_on_the_mean([3] * three + [2] * (STEPS - three))
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 

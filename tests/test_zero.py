@@ -378,6 +378,16 @@ def mirror_case(rank: int, world: int) -> dict:
     loaded = fresh.state_dict()
     loaded_equal = all(torch.equal(loaded["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
     loaded_equal &= all(torch.equal(a, b.detach()) for a, b in zip(params_of(fresh_model).values(), params))
+    other_model = odd_model(SEED + 1)  # point to point, each rank its own pieces, into another bucketing
+    other = zero_opt(other_model.parameters(), module=other_model, redundant=True)
+    other_model.load_state_dict(dict(zip(params_of(other_model), params)))  # (its parameters: current)
+    zero_mirror.reshard(other, zero_mirror.held(opt, params_current=True))
+    moved = other.state_dict()
+    resharded_equal = all(torch.equal(moved["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
+    theirs: list[Any] = [None] * world
+    dist.all_gather_object(theirs, [(s.master.clone(), dict(other.inner.state[s.master])) for s in other.shards])
+    resharded_equal &= all(torch.equal(a, m) and all(torch.equal(st[k], other.mirror.inner.state[m][k]) for k in st)
+                           for (a, st), m in zip(theirs[(rank - 1) % world], other.mirror.masters))
     held = zero_mirror.held(opt)  # old rank 1 and its neighbour (the holders of chunk 1) both lost
     held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
     try:
@@ -386,7 +396,8 @@ def mirror_case(rank: int, world: int) -> dict:
     except zero_mirror.ShardsLost as err:
         lost = str(err)
     return {"same_run": all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False]),
-            "copies_equal": copies_equal, "joined_equal": joined_equal, "loaded_equal": loaded_equal, "lost": lost}
+            "copies_equal": copies_equal, "joined_equal": joined_equal, "loaded_equal": loaded_equal,
+            "resharded_equal": resharded_equal, "lost": lost}
 
 
 def parity_worker(rank: int, world: int) -> dict:
@@ -466,12 +477,13 @@ def test_redundant_keeps_each_shard_on_the_next_rank_and_the_pieces_join(parity)
     """``redundant=True`` (what fastreduce.Membership needs): the run is the same as
     without it; rank r's copy of rank r - 1's shard equals it (masters and AdamW state,
     bit for bit, after clipped steps over several buckets); the ranks' pieces join into
-    ``state_dict()`` exactly and load into an optimizer bucketed otherwise; a shard lost
+    ``state_dict()`` exactly and load into an optimizer bucketed otherwise, or go there
+    point to point (each rank receiving its shard and its copy only); a shard lost
     with both its holders is named on every rank."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "mirror")):
         assert got["same_run"] and got["copies_equal"], (world, rank, got)
-        assert got["joined_equal"] and got["loaded_equal"], (world, rank, got)
+        assert got["joined_equal"] and got["loaded_equal"] and got["resharded_equal"], (world, rank, got)
         assert got["lost"] is not None and "old rank(s) [1]" in got["lost"], got["lost"]
 
 
