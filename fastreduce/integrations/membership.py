@@ -44,7 +44,8 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   each member's own (logged metrics are the member's own; evaluation and saved models see
   the member's own parameters; checkpoints are the trainer's own files).
 
-Refused under a Membership, with a message: ZeRO (its shards must outlive their rank),
+Refused under a Membership, with a message: ZeRO (rebuilt at every epoch, where the trainers
+keep one optimizer and its schedulers; a hand-written loop runs it),
 gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
 (the steps per data epoch change with the world), an iterable dataset, data-loader worker
 processes (they draw ahead of the step), a process launched by ``torchrun``.
@@ -71,7 +72,9 @@ __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_
 log = logging.getLogger(__name__)
 
 _UNSUPPORTED = {
-    "zero": "ZeRO's optimizer state is sharded over the ranks and a shard must outlive its rank",
+    "zero": "under a Membership ZeRO's optimizer is rebuilt at every epoch, and the trainers keep the one they "
+            "made (and its LR schedulers) for the whole run: not yet; a hand-written loop runs ZeroOptimizer("
+            "redundant=True) under fastreduce.Membership (docs/faults.md)",
     "gossip": "gossip steps each bucket during backward, so there is no point where a step commits",
 }
 
