@@ -1,5 +1,5 @@
-"""Stress: 10,000 steps of a small model through the fused and overlapped reducers, at 2
-and 4 ranks, with everything a training loop varies drawn at random each step:
+"""Stress: 10,000 steps of a small model through the fused reducer at 2 ranks and the
+overlapped one at 4, with everything a training loop varies drawn at random each step:
 
 * gradient accumulation: 1 to 3 micro-batches, all but the last under ``no_sync()``;
 * parameters without a gradient: each rank skips a random subset of the model's
@@ -162,8 +162,8 @@ def reference(world: int, steps: int, knobs: Knobs = Knobs()) -> list[list[torch
 _references: dict[int, list] = {}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
+# (fused at 4 ranks and overlapped at 2 passed too, through stop 53: left out for CI's time)
+@pytest.mark.parametrize("overlap, world", [(False, 2), (True, 4)], ids=["fused-2", "overlap-4"])
 def test_ten_thousand_random_steps_match_the_reference(world: int, overlap: bool) -> None:
     outs = run_ranks(stress_worker, world, overlap, STEPS, timeout=850)
     if world not in _references:
