@@ -43,9 +43,10 @@ HEARTBEAT = "0.25"
 LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
 #                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
 PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arrives mid-run
-MODES = ("fused", "overlap", "localsgd", "diloco")
+MODES = ("fused", "overlap", "zero", "localsgd", "diloco")
 SETTINGS: dict[str, dict[str, Any]] = {
     "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
+    "zero": {"bucket_mb": 0.0005},  # (redundant=True: set by the trainer under a Membership)
     "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4, "fragments": 2},
 }
 
@@ -158,7 +159,8 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "evals": evals,
             "joined_at": glue.joined_at,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m}
+            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
+            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
 
 
 # ====================================================================== Lightning
@@ -210,7 +212,8 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
     return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged,
             "joined_at": glue.joined_at, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
-            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m}
+            "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
+            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
 
 
 # ====================================================================== the job on one host

@@ -57,7 +57,8 @@ def _final(trainer: str, tmp_path: Path, mode: str) -> list[dict]:
 @pytest.mark.parametrize("trainer, mode", [
     ("hf", "fused"), ("lightning", "fused"),
     pytest.param("hf", "overlap", marks=SLOW), pytest.param("hf", "localsgd", marks=SLOW),
-    pytest.param("lightning", "diloco", marks=SLOW)])
+    pytest.param("lightning", "diloco", marks=SLOW), pytest.param("hf", "zero", marks=SLOW),
+    pytest.param("lightning", "zero", marks=SLOW)])
 # (each mode in one trainer, for CI's time; the other trainer of each passed at stop 53)
 def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: str, mode: str) -> None:
     final = _final(trainer, tmp_path, mode)
@@ -74,6 +75,8 @@ def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: st
         c = f["counters"]
         assert f["joined_at"] == 0 and c["losses"] == 1 and c["joins"] == 1, c
         assert c["discarded_steps"] == (0 if local else 1) and c["resyncs"] == (1 if local else 0), c
+    if mode == "zero":  # the Membership ran the trainer's ZeroOptimizer, each shard on two ranks
+        assert all(f["mode_class"] == "ZeroOptimizer" and f["redundant"] for f in final), final[0]["mode_class"]
     joiner = final[2]
     assert KILL_AT <= joiner["joined_at"] < STEPS, joiner["joined_at"]
     assert joiner["counters"]["stalls"][0][0] == "joined", joiner["counters"]
@@ -105,8 +108,8 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
 
     server = serve(0, "127.0.0.1")
     m = Membership(f"127.0.0.1:{server.port}", world_size=2)
-    with pytest.raises(ValueError, match="mode 'zero' does not run under fastreduce.Membership"):
-        TrainerMembership(m, make_mode("zero", {}), "T")
+    with pytest.raises(ValueError, match="drop redundant=False"):
+        TrainerMembership(m, make_mode("zero", {"redundant": False}), "T")
     with pytest.raises(ValueError, match="mode 'gossip' does not run under fastreduce.Membership"):
         TrainerMembership(m, make_mode("gossip", {}), "T")
     with pytest.raises(ValueError, match="fragment_delay > 0"):

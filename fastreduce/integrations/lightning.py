@@ -274,6 +274,8 @@ class FastReduceStrategy(DDPStrategy):
                          last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
                          max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
         _set_global_step(trainer, step)
+        if self._mode.name == "zero":  # its global norm (the mode's clip, kept for the commit on a loss)
+            self._patch_clipping()
         if not any(isinstance(c, _Figures) for c in trainer.callbacks):
             trainer.callbacks.append(_Figures())
 

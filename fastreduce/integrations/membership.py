@@ -44,9 +44,14 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   each member's own (logged metrics are the member's own; evaluation and saved models see
   the member's own parameters; checkpoints are the trainer's own files).
 
-Refused under a Membership, with a message: ZeRO (rebuilt at every epoch, where the trainers
-keep one optimizer and its schedulers; a hand-written loop runs it),
-gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
+- **ZeRO** (``redundant=True``, set for the trainer): the optimizer the trainer made stays
+  the one it steps and its LR schedulers drive, holding no state; the mode's
+  :class:`~fastreduce.ZeroOptimizer`, built again at each epoch over the trainer's param
+  groups, takes their hyperparameters and steps inside the commit (its vote between the
+  reduce-scatter and the shards' step). The trainer's norm clipping is ZeRO's global norm;
+  a loss during it is raised again inside the commit, which discards the step.
+
+Refused under a Membership, with a message: gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
 (the steps per data epoch change with the world), an iterable dataset, data-loader worker
 processes (they draw ahead of the step), a process launched by ``torchrun``.
 """
@@ -71,10 +76,9 @@ __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_
 
 log = logging.getLogger(__name__)
 
+_NOT_HYPER = ("params", "foreach", "fused", "differentiable", "capturable")  # a param group's keys not set by schedules
+
 _UNSUPPORTED = {
-    "zero": "under a Membership ZeRO's optimizer is rebuilt at every epoch, and the trainers keep the one they "
-            "made (and its LR schedulers) for the whole run: not yet; a hand-written loop runs ZeroOptimizer("
-            "redundant=True) under fastreduce.Membership (docs/faults.md)",
     "gossip": "gossip steps each bucket during backward, so there is no point where a step commits",
 }
 
@@ -91,6 +95,9 @@ def check_mode(mode: TrainerMode, who: str) -> None:
     if mode.config.get("group") is not None:
         raise ValueError(f"{who}: a mode's own group= does not run under fastreduce.Membership, whose members "
                          "form a new default group at each epoch: drop group=")
+    if mode.name == "zero" and mode.config.get("redundant", True) is not True:
+        raise ValueError(f"{who}: under fastreduce.Membership ZeRO keeps each shard on two ranks (redundant=True, "
+                         "set for you), or a shard would be lost with its rank: drop redundant=False")
 
 
 def check_plain_process(who: str) -> None:
@@ -351,6 +358,8 @@ class TrainerMembership:
                              "with the world): set max_steps")
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
+        if self.mode.name == "zero":
+            self._zero_clipping()
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
         for sched in self.schedulers:
@@ -374,7 +383,38 @@ class TrainerMembership:
         self.mode.start_figures(self.m.step)
         if on_epoch is not None:
             on_epoch()
+        if self.mode.name == "zero":  # the Membership runs the ZeroOptimizer itself (its vote, its shards)
+            return self.mode.obj
         return _Local(self.mode, self) if hasattr(self.mode.obj, "communicates_at") else _Reduced(self.mode, self)
+
+    def _zero_clipping(self) -> None:
+        """ZeRO: ``redundant=True``; the mode's clipping (the trainer's, routed to it) keeps a
+        failure for the commit, where it discards the step, instead of raising in the trainer."""
+        mode = self.mode
+        mode.config["redundant"] = True
+        clip = type(mode).clip_grad_norm_.__get__(mode)
+
+        def clip_grad_norm_(max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+            try:
+                return clip(max_norm, norm_type)
+            except RuntimeError as err:
+                self.failed = err
+                return torch.zeros(())
+
+        mode.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
+
+    def _zero_step(self) -> None:
+        """ZeRO's step in the commit: a failure kept from clipping first (before the vote: the
+        step is discarded); the hyperparameters of the trainer's optimizer (its LR schedulers'),
+        then the mode's step."""
+        err, self.failed = self.failed, None
+        if err is not None:
+            raise err
+        facade = self._build_args[1]
+        zero = self.mode.obj
+        for ours, theirs in zip(zero.param_groups, [g for g in facade.param_groups if g["params"]]):
+            ours.update({k: v for k, v in theirs.items() if k in ours and k not in _NOT_HYPER})
+        zero.step()
 
     def _commit_through(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step`` commit (a bound method, so that an LR scheduler made later
@@ -421,7 +461,10 @@ class TrainerMembership:
         sampler, pending = self.sampler, self.pending
 
         def step() -> None:
-            real_step()
+            if self.mode.name == "zero":
+                self._zero_step()
+            else:
+                real_step()
             if isinstance(self.m.mode, _Local) and pending == self.last_step:
                 self.m.mode.sync()  # the run's end: every member's parameters the same
             sampler.advance(pending)

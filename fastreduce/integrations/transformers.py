@@ -155,7 +155,8 @@ class FastReduceMixin:
                                  "of committed optimizer steps (the LR schedule is over it, and the steps in a data "
                                  "epoch change with the world): set TrainingArguments(max_steps=...)")
             self.add_callback(_membership_callback(self))
-        if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None:
+        if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None and \
+                self.fastreduce_membership is None:  # (under one, the Trainer's optimizer and scheduler stay)
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
                              "drives the one replaced: pass optimizers=(optimizer, None), or "
@@ -384,6 +385,8 @@ def _membership_callback(trainer: Any) -> Any:
                              [trainer.lr_scheduler], last_step=state.max_steps,
                              scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
             state.global_step = trainer._globalstep_last_logged = step  # a joiner's: the members'
+            if mode.name == "zero":  # its global norm (the mode's clip, kept for the commit on a loss)
+                _clip_with(trainer.accelerator, mode)
             if hasattr(trainer, "_initial_global_step"):
                 trainer._initial_global_step = step
             state.epoch = glue.sampler.data_epoch
