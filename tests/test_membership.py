@@ -158,7 +158,7 @@ def adamw_on_the_mean(worlds: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("where, transport, joiners", [("after-vote", "process_group", 0),
-                                                       ("mid-step", "process_group", 0),
+                                                       pytest.param("mid-step", "process_group", 0, marks=SLOW),
                                                        pytest.param("mid-step", "shm", 1, marks=SLOW)])
 def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, where: str, transport: str,
                                                                joiners: int) -> None:
