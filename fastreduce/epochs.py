@@ -34,7 +34,7 @@ class EpochChanges(CoordinatorClient):
     """The epoch half of :class:`~fastreduce.Membership` (a mixin).
 
     It reads what the membership holds: ``member``, ``epoch``, ``step``, ``mode``,
-    ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``_rolled_forward``, ``min_ranks``,
+    ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``min_ranks``,
     ``wait_s``, ``backend``, ``timeout_s``; and calls its ``_fingerprint()``,
     ``_differs()`` and ``_ticket()`` (a joiner's checks).
     """
@@ -152,7 +152,7 @@ class EpochChanges(CoordinatorClient):
             self._next_epoch(lost, "loss", time.perf_counter())
             return
         self._healed = True
-        self._kept_mode, self._rolled_forward = (None, ""), False
+        self._kept_mode = (None, "")
         self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
 
     def _set_up(self, epoch: Epoch) -> None:
@@ -232,7 +232,7 @@ class EpochChanges(CoordinatorClient):
             return
         kind = _kind(self.mode)
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
-            self._kept_mode = (zero_mirror.held(self.mode, params_current=not self._rolled_forward), kind)
+            self._kept_mode = (zero_mirror.held(self.mode), kind)
         else:
             save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
                 getattr(self.mode, "state_dict", None)

@@ -175,7 +175,6 @@ class Membership(EpochChanges):
         self._refused: set[int] = set()  # joiner tickets refused here
         self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
         self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, _kind of the mode)
-        self._rolled_forward = False  # a ZeRO step stood after its all-gather failed (until the next epoch)
 
     # ------------------------------------------------------------------ reading
 
@@ -412,7 +411,6 @@ class Membership(EpochChanges):
             if lost is None:
                 raise
             self.step += 1  # every shard stepped on a survivor: the step stands
-            self._rolled_forward = True  # (its all-gather failed: the parameters travel too)
             self.counters.losses += 1
             self._next_epoch(lost, "loss", start)
             return True

@@ -342,9 +342,10 @@ MIRROR_STEPS = 6
 
 def mirror_case(rank: int, world: int) -> dict:
     """``redundant=True``: the same run as without it (bit for bit), rank r's copy of rank
-    r - 1's shard equal to it after clipped steps, what the ranks hold joined
-    (:func:`~fastreduce.modes.zero_mirror.reassemble`) equal to ``state_dict()``, loaded
-    into a fresh optimizer equal again, and a shard whose both holders are gone named."""
+    r - 1's shard equal to it after clipped steps, what the ranks hold moved
+    (:func:`~fastreduce.modes.zero_mirror.reshard`) into a fresh optimizer of the same
+    bucketing or another equal to ``state_dict()`` (the parameters with it, where they are
+    marked stale), and a shard whose both holders are gone named."""
     from fastreduce.modes import zero_mirror
 
     runs = {}
@@ -366,22 +367,27 @@ def mirror_case(rank: int, world: int) -> dict:
     copies_equal = len(prev) == len(mirror) > 1 and all(
         torch.equal(a, b) and a_st.keys() == b_st.keys() and all(torch.equal(a_st[k], b_st[k]) for k in a_st)
         for (a, a_st), (b, b_st) in zip(prev, mirror))
-    whole = zero_mirror.reassemble(zero_mirror.held(opt), torch.device("cpu"))
     want = opt.state_dict()
     params = [p for pg in opt.param_groups for p in pg["params"]]
-    joined_equal = all(torch.equal(whole["state"][i][k].view_as(v), v) for i, st in want["state"].items()
-                       for k, v in st.items()) and all(
-        torch.equal(whole["state"][i][zero_mirror.PARAM].view_as(p), p.detach()) for i, p in enumerate(params))
-    fresh_model = odd_model(SEED + 1)
-    fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=True)  # another bucketing
-    zero_mirror.load(fresh, whole)
-    loaded = fresh.state_dict()
-    loaded_equal = all(torch.equal(loaded["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
-    loaded_equal &= all(torch.equal(a, b.detach()) for a, b in zip(params_of(fresh_model).values(), params))
+
+    def moved_stale(bucket_mb: float | None) -> bool:
+        """Into a fresh optimizer whose model started elsewhere, the parameters marked stale:
+        its state and its parameters (all-gathered from the masters moved) equal."""
+        fresh_model = odd_model(SEED + 1)
+        fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=True, bucket_mb=bucket_mb)
+        pieces = zero_mirror.held(opt)
+        pieces["stale"] = True
+        zero_mirror.reshard(fresh, pieces)
+        got = fresh.state_dict()
+        return all(torch.equal(got["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items()) \
+            and all(torch.equal(a, b.detach()) for a, b in zip(params_of(fresh_model).values(), params))
+
+    joined_equal = moved_stale(SMALL_BUCKET_MB)  # the same bucketing
+    loaded_equal = moved_stale(None)  # another bucketing
     other_model = odd_model(SEED + 1)  # point to point, each rank its own pieces, into another bucketing
     other = zero_opt(other_model.parameters(), module=other_model, redundant=True)
     other_model.load_state_dict(dict(zip(params_of(other_model), params)))  # (its parameters: current)
-    zero_mirror.reshard(other, zero_mirror.held(opt, params_current=True))
+    zero_mirror.reshard(other, zero_mirror.held(opt))
     moved = other.state_dict()
     resharded_equal = all(torch.equal(moved["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
     theirs: list[Any] = [None] * world
@@ -391,7 +397,7 @@ def mirror_case(rank: int, world: int) -> dict:
     held = zero_mirror.held(opt)  # old rank 1 and its neighbour (the holders of chunk 1) both lost
     held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
     try:
-        zero_mirror.reassemble(held, torch.device("cpu"))
+        zero_mirror.reshard(other, held)
         lost = None
     except zero_mirror.ShardsLost as err:
         lost = str(err)
@@ -476,9 +482,10 @@ def test_params_match_reference(parity, case: Case) -> None:
 def test_redundant_keeps_each_shard_on_the_next_rank_and_the_pieces_join(parity) -> None:
     """``redundant=True`` (what fastreduce.Membership needs): the run is the same as
     without it; rank r's copy of rank r - 1's shard equals it (masters and AdamW state,
-    bit for bit, after clipped steps over several buckets); the ranks' pieces join into
-    ``state_dict()`` exactly and load into an optimizer bucketed otherwise, or go there
-    point to point (each rank receiving its shard and its copy only); a shard lost
+    bit for bit, after clipped steps over several buckets); the ranks' pieces go point to
+    point (each rank receiving its shard and its copy only) into an optimizer bucketed the
+    same or otherwise, equal to ``state_dict()`` (stale parameters mended from the
+    masters); a shard lost
     with both its holders is named on every rank."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "mirror")):

@@ -175,6 +175,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self.redundant = redundant
         self.mirror: ZeroMirror | None = None
         self._commit_point: Callable[[], None] | None = None  # fastreduce.Membership's vote, before the shard steps
+        self.params_stale = False
+        """The shards stepped but their all-gather has not completed: the parameters are
+        partly the last step's (what :func:`.zero_mirror.reshard` mends)."""
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
         self.mirror = ZeroMirror(self) if redundant and self.world_size > 1 else None
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
@@ -316,10 +319,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         if not skip:
             self._sync_hyperparameters()
             self._drop_template()
+            self.params_stale = True  # until every bucket's all-gather has completed
             with span("fastreduce::shard_step"):
                 self.inner.step()
-                if self.mirror is not None:
-                    self.mirror.step()
+                if self.mirror is not None:  # (its hyperparameters synced above)
+                    self.mirror.inner.step()
             self._gather()
         self._reduced = False
         self._found = None
@@ -378,6 +382,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                 c = s.params.numel() // W
                 (s.params if s.send is None else s.send)[r * c:(r + 1) * c].copy_(s.master)
         if W == 1:
+            self.params_stale = False
             return
         # Last bucket first: the buckets are in backward order, so the next forward reads
         # the last one first, and a transport that moves the gathers in launch order (Gloo
@@ -409,13 +414,17 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                     complete(pending)
         if which is None or all(p is None for p in gathers):
             self._gathers = []
+            self.params_stale = False
 
     def _sync_hyperparameters(self) -> None:
-        """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups."""
-        for ours, inner in zip(self.param_groups, self.inner.param_groups):
-            for k, v in ours.items():
-                if k != "params":
-                    inner[k] = v
+        """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups
+        (and to those of the copy of rank r - 1's, ``redundant=True``)."""
+        inners = [self.inner] if self.mirror is None else [self.inner, self.mirror.inner]
+        for inner in inners:
+            for ours, theirs in zip(self.param_groups, inner.param_groups):
+                for k, v in ours.items():
+                    if k != "params":
+                        theirs[k] = v
 
     # ------------------------------------------------------------------ non-finite gradients
 

@@ -65,11 +65,13 @@ def make_shards(layout: GradLayout, flats: list[torch.Tensor], buckets: list[Buc
 
 
 def shard_optimizer(optimizer_class: type[torch.optim.Optimizer], param_groups: list[dict[str, Any]],
-                    shards: list[Shard], defaults: dict[str, Any]) -> torch.optim.Optimizer:
-    """The torch optimizer over the shards' masters, one group per param group, with its
-    hyperparameters."""
+                    shards: list[Shard], defaults: dict[str, Any],
+                    masters: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """The torch optimizer over the shards' masters (or ``masters``, one per shard: a copy
+    of another rank's), one group per param group, with its hyperparameters."""
+    masters = [s.master for s in shards] if masters is None else masters
     groups = []
     for g, pg in enumerate(param_groups):
         hyper = {k: v for k, v in pg.items() if k != "params"}
-        groups.append({**hyper, "params": [s.master for s in shards if s.group == g]})
+        groups.append({**hyper, "params": [m for m, s in zip(masters, shards) if s.group == g]})
     return optimizer_class(groups, **defaults)

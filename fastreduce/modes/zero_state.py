@@ -62,6 +62,25 @@ class ZeroCheckpointing:
             per_group.append(ids)
         return index, per_group
 
+    def _chunk_slots(self, s: int, k: int) -> list[tuple[int, int, int, int, int]]:
+        """Bucket ``s``'s parameters against chunk ``k`` of it: per parameter, ``(index,
+        start, end, at, numel)``: its elements ``[start, end)`` (maybe none) lie at ``at`` in
+        the chunk; ``index`` is torch.optim's."""
+        c = self.layout.segments[s].numel // self.world_size
+        by_slot, out = self._optim_index(), []
+        for i in self.buckets[s].slots:
+            slot = self.layout.slots[i]
+            lo, hi = slot.offset, slot.offset + slot.numel
+            a = min(max(lo, k * c), hi)
+            b = max(min(hi, (k + 1) * c), a)
+            out.append((by_slot[i], a - lo, b - lo, a - k * c, slot.numel))
+        return out
+
+    def _optim_index(self) -> dict[int, int]:
+        """Layout slot -> torch.optim's parameter index."""
+        index, _ = self._index()
+        return {i: k for k, i in index.items()}
+
     def _chunk_states(self) -> list[dict[str, Any]]:
         return [self.inner.state.get(s.master, {}) for s in self.shards]
 
@@ -224,28 +243,19 @@ class ZeroCheckpointing:
         """
         self._wait_gathers()
         self._materialize_state()
-        index, per_group = self._index()
-        by_slot = {i: k for k, i in index.items()}
-        W, r = self.world_size, self.rank
         state: dict[str, dict[str, Any]] = {}
         for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
-            seg = self.layout.segments[s]
-            c = seg.numel // W
             items = dict(chunk_state)
             if shard.low:
                 items[_MASTER] = shard.master
-            for slot_i in self.buckets[s].slots:
-                slot = self.layout.slots[slot_i]
-                lo, hi = slot.offset, slot.offset + slot.numel
-                a = min(max(lo, r * c), hi)
-                b = max(min(hi, (r + 1) * c), a)  # [a, b): my part of the parameter, maybe empty
+            for index, start, end, at, numel in self._chunk_slots(s, self.rank):  # my part of each, maybe empty
                 entry: dict[str, Any] = {}
                 for key, v in items.items():
                     if key in _SCALARS or not torch.is_tensor(v) or v.shape != shard.master.shape:
                         entry[key] = v.clone() if torch.is_tensor(v) else v
                     else:
-                        entry[key] = RangeShard(v[a - r * c:b - r * c], a - lo, slot.numel)
-                state[str(by_slot[slot_i])] = entry
+                        entry[key] = RangeShard(v[at:at + end - start], start, numel)
+                state[str(index)] = entry
         groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
         return {"state": state, "param_groups": groups, "fresh": self._template}
 
