@@ -399,11 +399,8 @@ class Membership(EpochChanges):
         try:
             step()
             mode.wait_params()  # a peer lost during the all-gather fails here, not in the next forward
-        except _Aborted as aborted:
-            self.counters.losses += 1
-            self.counters.discarded_steps += 1
-            self._next_epoch(aborted.members, "loss", start)
-            return False
+        except _Aborted as aborted:  # a member went silent before every member voted: no shard stepped
+            return self._lost_step(aborted.members, start)
         except RuntimeError as err:
             if not voted:
                 return self._lost_step(self._aborted_by(err), start)
