@@ -54,10 +54,15 @@ class EpochChanges(CoordinatorClient):
         window = faults.lost_after() if why == "loss" else self.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
         counted: dict[str, int] = {}
+        mine, key = self._fingerprint(), _P + f"epoch/{n}"
         while True:
             present = [m for m in old.members if self._call(self.store.check, [alive + m])]
             missing = [m for m in expected if m not in present]
             if not missing:
+                break
+            if self._call(self.store.check, [key]):
+                # Formed already, by survivors that knew whom the failure lost (this one's
+                # collective may fail without naming anyone): they waited for this member.
                 break
             if time.monotonic() > deadline:
                 # A survivor still beating in the old epoch (slow to see the loss: a long
@@ -66,7 +71,6 @@ class EpochChanges(CoordinatorClient):
                     break
                 deadline = time.monotonic() + window
             time.sleep(0.005)
-        mine, key = self._fingerprint(), _P + f"epoch/{n}"
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
