@@ -1,20 +1,24 @@
 """``fastreduce bench``: the command runs end to end and reports what it promises.
 
 One ``--quick --json`` run (the default suites, real Gloo ranks) in a subprocess feeds
-most tests here, one ``--suite optim --quick --json`` run the optim suite's. Only the
+most tests here, one ``bench optim --quick --json`` run the optim suite's (the new spelling; the
+old ``--suite optim`` one is checked by parsing alone). Only the
 report's structure and the gradients' (parameters') agreement are checked, never a
 timing: the machine is shared, and the targets are a report, not a contract.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -25,10 +29,11 @@ from fastreduce.bench import compression as compression_suite
 from fastreduce.bench import network as network_suite
 from fastreduce.bench import network_modes
 from fastreduce.bench import optim as optim_suite
+from fastreduce.bench import options as bench_options
 from fastreduce.bench import reduce as reduce_suite
 from fastreduce.bench import step as step_suite
 from fastreduce.bench.report import CSV_FIELDS
-from fastreduce.cli import main
+from fastreduce.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 240.0  # a --quick suite takes 25-35 s here alone, 120 s beside two other suites
@@ -164,7 +169,7 @@ def test_json_file_matches_stdout(quick_run: dict, result: dict) -> None:
 @pytest.fixture(scope="module")
 def optim_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench-optim")
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "optim", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "optim", "--quick", "--json",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().count("\n") == 0
@@ -211,16 +216,120 @@ def test_optim_suite_quick_smoke(optim_run: dict) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--ranks", "1"], ["--bucket-mb", "0"], ["--iters", "0"], ["--threads", "0"],
-                                  ["--optim-ranks", "1"], ["--optim-ranks", "2,x"]])
+                                  ["optim", "--ranks", "1"], ["optim", "--ranks", "2,x"]])
 def test_bad_arguments_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *argv]) == 2
     assert "error" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- the command line, parsed only
+
+# (suite, the new spelling, the old flat one, the config function): the same config from both
+SPELLINGS = [
+    ("optim", ["--ranks", "2,4", "--zero-bucket-mb", "1,4", "--model", "blocks", "--set-to-none"],
+     ["--optim-ranks", "2,4", "--zero-bucket-mb", "1,4", "--optim-model", "blocks", "--set-to-none"],
+     bench_options.configs_from_args),
+    ("decentralized", ["--ranks", "2,3", "--optimizer", "fused", "--iters", "6"],
+     ["--gossip-ranks", "2,3", "--gossip-optimizer", "fused", "--iters", "6"], bench_options.configs_from_args),
+    ("local", ["--ranks", "3", "--quick"], ["--local-ranks", "3", "--quick"], bench_options.configs_from_args),
+    ("step", ["--ranks", "3", "--bucket-mb", "2", "--threads", "1"], ["--ranks", "3", "--bucket-mb", "2",
+                                                                       "--threads", "1"],
+     bench_options.configs_from_args),
+    ("network", ["--rates", "100mbit", "--hosts", "2,4,8,16", "--modes", "zero,ddp"],
+     ["--rates", "100mbit", "--hosts", "2,4,8,16", "--network-modes", "zero,ddp"], bench_options.modes_config),
+    ("network", ["--rates", "1gbit,host", "--iters", "3", "--quick"], ["--rates", "1gbit,host", "--iters", "3",
+                                                                        "--quick"], bench_options.network_config),
+    ("compression", ["--ranks", "3", "--layers", "4", "--powersgd-rank", "2", "--rates", "10mbit"],
+     ["--ranks", "3", "--layers", "4", "--powersgd-rank", "2", "--rates", "10mbit"], bench_options.compression_config),
+    ("convergence", ["--ranks", "2", "--methods", "ddp_fp32", "--steps", "50", "--params-m", "0.5"],
+     ["--convergence-ranks", "2", "--convergence-methods", "ddp_fp32", "--steps", "50", "--params-m", "0.5"],
+     bench_options.convergence_config),
+    ("trainers", ["--rates", "host", "--quick"], ["--rates", "host", "--quick"], bench_options.trainers_config),
+    ("faults", ["--mode", "zero", "--wire", "bf16", "--steps", "100"],
+     ["--faults-mode", "zero", "--faults-wire", "bf16", "--steps", "100"], bench_options.faults_config),
+    ("chaos", ["--modes", "overlap,gossip", "--transports", "shm", "--seed", "3", "--quick"],
+     ["--chaos-modes", "overlap,gossip", "--chaos-transports", "shm", "--seed", "3", "--quick"],
+     bench_options.chaos_config),
+]
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", *argv])
+
+
+@pytest.mark.parametrize(("suite", "new", "old", "config"), SPELLINGS, ids=[s[0] for s in SPELLINGS])
+def test_a_subcommand_parses_into_the_old_spellings_config(suite: str, new: list[str], old: list[str],
+                                                            config: Callable, capsys: pytest.CaptureFixture) -> None:
+    args = _bench_args(suite, *new)
+    assert bench_options.suites_from_args(args) == (suite,)
+    assert capsys.readouterr().err == ""  # the new spelling: no note
+    flat = _bench_args("--suite", suite, *old)
+    assert bench_options.suites_from_args(flat) == (suite,)
+    assert capsys.readouterr().err.count("is deprecated") == 1
+    assert config(args) == config(flat)
+    assert config(args) != config(_bench_args(suite))  # the options were read, not defaulted
+
+
+def test_no_subcommand_runs_reduce_and_step_and_all_runs_every_suite() -> None:
+    assert bench_options.suites_from_args(_bench_args("--quick", "--json")) == ("reduce", "step")
+    assert bench_options.suites_from_args(_bench_args("all", "--quick")) == bench_options.SUITES
+    assert _bench_args("--quick", "chaos").quick and _bench_args("chaos", "--quick").quick  # before or after
+
+
+@pytest.mark.parametrize("suite", [*bench_options.SUITES, "all"])
+def test_a_suites_help_lists_only_its_own_options(suite: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        _bench_args(suite, "--help")
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    listed = set(re.findall(r"^  (--[a-z-]+)", text, flags=re.M)) - {"--help"}
+    own = {bench_options.OPTIONS[dest].inside or bench_options.OPTIONS[dest].flat
+           for dest, *_ in bench_options.SUITE_OPTIONS[suite]}
+    assert listed == own | {"--quick", "--json", "--out"}
+    assert "--suite" not in text and not re.search(r"--(chaos|faults|network|optim|gossip|local|convergence)-", text)
+    assert text.count("(default:") >= len(listed) - 2 - sum(  # every option but --quick, --json and flags
+        bench_options.OPTIONS[d].kwargs.get("action") == "store_true" for d, *_ in bench_options.SUITE_OPTIONS[suite])
+
+
+def test_help_states_each_suites_own_defaults(capsys: pytest.CaptureFixture) -> None:
+    for suite, words in (("chaos", "(default: 0.1; 0.05 with --quick)"), ("faults", "(default: 1; 0.05 with --quick"),
+                         ("local", "(default: 4; 0.25 with --quick)")):
+        with pytest.raises(SystemExit):
+            _bench_args(suite, "--help")
+        assert words in " ".join(capsys.readouterr().out.split()), suite
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["chaos", "--modes", "fsdp"], "--modes takes names among"),
+    (["chaos", "--transports", "nccl"], "--transports takes names among"),
+    (["optim", "--ranks", "1"], "--ranks needs distinct world sizes"),
+    (["decentralized", "--ranks", "x"], "--ranks must be comma-separated"),
+    (["network", "--parts", "growth"], "--parts takes one or more of steps, modes"),
+    (["network", "--modes", "fsdp"], "--modes takes names among"),
+    (["faults", "--contenders", "nope"], "--contenders takes names among"),
+    (["convergence", "--methods", "sgd"], "--methods takes names among"),
+    (["--suite", "chaos", "--chaos-modes", "fsdp"], "--chaos-modes takes names among"),
+    (["--suite", "network", "--network-parts", "growth"], "--network-parts takes one or more of steps, modes"),
+])
+def test_a_bad_value_names_the_option_as_spelled(argv: list[str], words: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+    assert err.count("is deprecated") == (argv[0] == "--suite")  # the old spelling's note, once, before the error
+
+
+def test_an_old_flag_in_a_subcommand_or_the_suite_twice_is_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "chaos", "--chaos-modes", "overlap"])
+    assert e.value.code == 2 and "--chaos-modes" in capsys.readouterr().err
+    assert main(["bench", "--suite", "optim", "chaos"]) == 2
+    assert "give the suite once" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench-local")
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "local", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "local", "--quick", "--json",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().count("\n") == 0
@@ -263,9 +372,9 @@ def test_local_suite_quick_smoke(local_run: dict) -> None:
     assert json.loads((out / "bench.json").read_text()) == result
 
 
-@pytest.mark.parametrize("argv", [["--local-ranks", "1"], ["--local-ranks", "2,x"]])
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--ranks", "2,x"]])
 def test_bad_local_ranks_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "local", *argv]) == 2
+    assert main(["bench", "local", *argv]) == 2
     assert "error" in capsys.readouterr().err
 
 
@@ -276,7 +385,7 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     default bf16 wire) and ZeRO at their defaults each time a few steps, and the two hosts
     end with one model in every method, the overlapped mode having sized its buckets from
     a probe; then every mode trains 8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "network", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     network = json.loads(proc.stdout)["network"]
@@ -295,8 +404,8 @@ def test_network_steps_on_one_host_smoke() -> None:
     """``--rates host``: two ranks on this host (no namespaces needed): every method at its
     defaults, one model on both ranks, the overlapped mode in one bucket on shared
     memory, and the one-host target (overlapped <= fused) reported."""
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "network", "--quick", "--json",
-                           "--rates", "host", "--network-parts", "steps"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "network", "--quick", "--json",
+                           "--rates", "host", "--parts", "steps"], cwd=ROOT, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _steps_part_ok(json.loads(proc.stdout)["network"], "host", "shared memory",
@@ -342,22 +451,22 @@ def _modes_part_ok(report: dict, out: Path) -> None:
 
 @pytest.mark.parametrize("argv", [["--rates", "fast"], ["--rates", "0mbit"], ["--rates", "1gbit,"]])
 def test_bad_rates_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "network", *argv]) == 2
+    assert main(["bench", "network", *argv]) == 2
     assert "rate must look like" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "words"), [(["--hosts", "1"], "at least 2"), (["--hosts", "two"], "host counts"),
-                                             (["--network-parts", "all"], "steps, modes or both")])
+                                             (["--parts", "all"], "--parts takes one or more of steps, modes")])
 def test_bad_network_options_exit_2_before_spawning(argv: list[str], words: str,
                                                     capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "network", *argv]) == 2
+    assert main(["bench", "network", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
 def convergence_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench-convergence")
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "convergence", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "convergence", "--quick", "--json",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().count("\n") == 0
@@ -417,8 +526,8 @@ def test_convergence_suite_quick_smoke(convergence_run: dict, tmp_path: Path) ->
     chart = result["outputs"]
     assert (chart["convergence_png"] and (out / "convergence.png").stat().st_size > 0) or \
         "pip install" in chart["convergence_chart_note"]
-    again = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "convergence", "--quick", "--json",
-                            "--convergence-methods", "ddp_fp32", "--out", str(tmp_path)],
+    again = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "convergence", "--quick", "--json",
+                            "--methods", "ddp_fp32", "--out", str(tmp_path)],
                            cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert again.returncode == 0, again.stderr[-4000:]
     rerun = json.loads(again.stdout)["convergence"]["runs"]["2"]["methods"]
@@ -464,14 +573,14 @@ def test_convergence_data_is_the_stdlib_deterministic_and_held_out_disjoint() ->
         convergence_suite.load_text(10_000)
 
 
-@pytest.mark.parametrize(("argv", "words"), [(["--convergence-ranks", "1"], "--convergence-ranks needs"),
-                                             (["--convergence-methods", "ddp,sgd"], "takes names among"),
+@pytest.mark.parametrize(("argv", "words"), [(["--ranks", "1"], "--ranks needs"),
+                                             (["--methods", "ddp,sgd"], "--methods takes names among"),
                                              (["--powersgd-warmup", "1"], "at least 2"),
                                              (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
                                              (["--steps", "0"], "at least 1")])
 def test_bad_convergence_options_exit_2_before_spawning(argv: list[str], words: str,
                                                         capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "convergence", *argv]) == 2
+    assert main(["bench", "convergence", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
@@ -482,7 +591,7 @@ def test_compression_suite_quick_smoke(tmp_path: Path) -> None:
     hosts at 1 Gbit/s (skipped there where namespaces cannot be made): every method timed,
     every rank ends with one model, the bytes as each method's algorithm says (at the rank
     ``--powersgd-rank`` gives, the hook's and fastreduce's alike)."""
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "compression", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "compression", "--quick", "--json",
                            "--rates", "1gbit", "--powersgd-rank", "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -525,7 +634,7 @@ def test_trainers_suite_quick_smoke(tmp_path: Path) -> None:
     Trainer's own throughput and each optimizer's state bytes beside, the targets reported
     (ZeRO's AdamW state at 2 ranks is half of AdamW's: two fp32 moments of half the elements)."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "trainers", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "trainers", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     trainers = json.loads(proc.stdout)["trainers"]
@@ -547,7 +656,7 @@ def test_faults_suite_quick_smoke(tmp_path: Path) -> None:
     member ends at the same step. torchft is skipped with a note where it does not import."""
     from fastreduce.bench import faults as faults_suite
 
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "faults", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "faults", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["faults"]
@@ -574,11 +683,11 @@ def test_faults_suite_quick_smoke(tmp_path: Path) -> None:
     assert "faults suite" in faults_suite.format_text(report)
 
 
-@pytest.mark.parametrize("argv", [["--faults-contenders", "nope"], ["--faults-contenders", ","],
-                                  ["--steps", "10"], ["--faults-wire", "fp8"]])
+@pytest.mark.parametrize("argv", [["--contenders", "nope"], ["--contenders", ","],
+                                  ["--steps", "10"], ["--wire", "fp8"]])
 def test_bad_faults_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) if argv[0] == "--faults-wire" else contextlib.nullcontext():
-        assert main(["bench", "--suite", "faults", *argv]) == 2
+    with pytest.raises(SystemExit) if argv[0] == "--wire" else contextlib.nullcontext():
+        assert main(["bench", "faults", *argv]) == 2
     assert "error" in capsys.readouterr().err
 
 
@@ -593,7 +702,7 @@ def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> N
     quick tolerance of the failure-free run's, both far below the initial one."""
     from fastreduce.bench import chaos as chaos_suite
 
-    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "--suite", "chaos", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "chaos", "--quick", "--json",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["chaos"]
@@ -625,9 +734,9 @@ def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> N
     assert "chaos suite" in chaos_suite.format_text(report)
 
 
-@pytest.mark.parametrize("argv", [["--chaos-modes", "fsdp"], ["--chaos-transports", "nccl"], ["--steps", "20"]])
+@pytest.mark.parametrize("argv", [["--modes", "fsdp"], ["--transports", "nccl"], ["--steps", "20"]])
 def test_bad_chaos_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "chaos", *argv]) == 2
+    assert main(["bench", "chaos", *argv]) == 2
     assert "error" in capsys.readouterr().err
 
 
