@@ -14,7 +14,8 @@ wins depends on the link, so the mode measures it:
   small one) and the bandwidth ``B`` (bytes all-reduced per second beyond it). About
   5 ms on one host, 60 ms at 100 Mbit/s;
 * **backward** time ``T``: from the first to the last gradient hook of a step;
-* **model** (:func:`choose`): gradients arrive evenly over ``T`` in layout order; a
+* **model** (:func:`fastreduce.plan.choose`, the cost model ``fastreduce plan`` prices
+  the modes with): gradients arrive evenly over ``T`` in layout order; a
   bucket starts when its bytes are in and the one before it is done, and takes
   ``a + size / B``; the cost is what is left after ``T``. Every pair of sizes on a grid
   (first bucket 1 to 4 MB or as the rest; the rest 1 to 128 MB or everything in one)
@@ -44,10 +45,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
+
+from .plan import MB, Link, Sizing, choose
 
 __all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "ZERO_SHM_BUCKET_MB", "AutoSizer", "Link",
            "Sizing", "agree", "check_bucket_mb", "choose", "probe_link", "shared_memory"]
@@ -68,47 +69,12 @@ ZERO_AUTO_RULE = ("one bucket on shared memory with module= (the gradients zero_
 GOSSIP_AUTO_RULE = ("one bucket: a bucket's exchange has a whole step to finish (it is waited for at that "
                     "bucket's step in the next backward) whatever the bucket count, so one bucket hides as much "
                     "and pays one launch, optimizer step and mix")
-MB = 2**20
-_FIRSTS = (1.0, 2.0, 4.0)  # not below DDP's 1 MB first bucket: a launch costs host time too
-_SIZES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
-_NEAR = 0.02  # within 2% of the cheapest: take the fewest buckets
-
-
 def check_bucket_mb(bucket_mb: object) -> None:
     """``bucket_mb`` is ``"auto"``, ``None`` (the same) or a positive number."""
     if bucket_mb is None or bucket_mb == AUTO:
         return
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be a positive number of megabytes or 'auto', got {bucket_mb!r}")
-
-
-@dataclass(frozen=True)
-class Link:
-    """What one all-reduce over the group costs: ``latency_s + bytes / bytes_per_s``."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """The buckets chosen, and why (logged once, kept in the mode's ``stats``)."""
-
-    bucket_mb: float
-    first_bucket_mb: float
-    buckets: int  # as modelled (in bytes; whole parameters make the real count differ)
-    why: str
-    link: Link | None = None
-    backward_s: float | None = None
-    exposed_s: float | None = None  # the model's communication left after backward
-
-    def describe(self) -> str:
-        size = "one bucket" if self.buckets == 1 else \
-            f"buckets of {self.bucket_mb:g} MB, the first {self.first_bucket_mb:g} MB"
-        return f"bucket_mb='auto': {size} ({self.why})"
 
 
 def shared_memory(wire_bytes: int) -> Sizing:
@@ -165,43 +131,6 @@ def agree(link: Link, backward_s: float, group: dist.ProcessGroup | None,
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     lat, inv_bw, back = t.double().cpu().tolist()
     return Link(lat, 1.0 / inv_bw), back
-
-
-def _exposed(wire_bytes: int, backward_s: float, link: Link, first: float, size: float) -> tuple[float, int]:
-    """Communication left after backward, and the bucket count, for these sizes (bytes)."""
-    done, left, end, n = 0.0, float(wire_bytes), 0.0, 0
-    while left > 0:
-        take = min(first if n == 0 else size, left)
-        done += take
-        left -= take
-        ready = backward_s * done / wire_bytes
-        end = max(ready, end) + link.seconds(take)
-        n += 1
-    return max(end - backward_s, 0.0), n
-
-
-def choose(wire_bytes: int, backward_s: float, link: Link) -> Sizing:
-    """The sizes that leave the least communication after a backward of ``backward_s``
-    (see the module doc); deterministic in its (agreed) inputs."""
-    whole = wire_bytes / MB
-    sizes = sorted({s for s in _SIZES if s < whole} | {whole})
-    tried = []
-    for size in sizes:
-        for first in sorted({f for f in _FIRSTS if f < size} | {size}):
-            cost, n = _exposed(wire_bytes, backward_s, link, first * MB, size * MB)
-            tried.append((cost, n, size, first))
-    best = min(c for c, *_ in tried)
-    near = [t for t in tried if t[0] <= best * (1 + _NEAR) + 1e-6]
-    steady = [t for t in near if link.seconds(t[2] * MB) <= backward_s]
-    if steady:  # the fewest buckets, none on the wire longer than a backward
-        cost, n, size, first = min(steady, key=lambda t: (t[1], t[0]))
-    else:  # a slow link: the smallest buckets (then the fewest) among the near-cheapest
-        cost, n, size, first = min(near, key=lambda t: (t[2], t[1], t[0]))
-    comm = link.seconds(wire_bytes)
-    why = (f"link {link.latency_s * 1e3:.2f} ms + {link.bytes_per_s / MB:.0f} MB/s per all-reduce, "
-           f"{whole:.1f} MB of gradients ({comm * 1e3:.0f} ms in one), backward {backward_s * 1e3:.0f} ms: "
-           f"{cost * 1e3:.0f} ms left after it")
-    return Sizing(size, min(first, size), n, why, link, backward_s, cost)
 
 
 class AutoSizer:
