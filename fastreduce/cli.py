@@ -60,6 +60,14 @@ def _info(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=info.run)
 
 
+def _plan(parser: argparse.ArgumentParser) -> None:
+    from . import plan_cli
+
+    parser.description = plan_cli.__doc__.split("\n", 1)[0] if plan_cli.__doc__ else None
+    plan_cli.add_arguments(parser)
+    parser.set_defaults(handler=plan_cli.run)
+
+
 def _coordinator(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Serve the coordinator of a fault-tolerant job (fastreduce.Membership): a c10d "
                           "TCPStore that no member hosts, until interrupted")
@@ -92,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", setup=_info, help="what fastreduce would do on this machine: device, process-group "
                                              "backend, graph capture, transport, each mode's defaults, "
                                              "optional integrations")
+    sub.add_parser("plan", setup=_plan, help="what each data-parallel mode will cost on a cluster (bytes, time on "
+                                             "the wire and exposed, memory) and which to use")
     sub.add_parser("coordinator", setup=_coordinator, help="serve the coordinator of a fault-tolerant job "
                                                            "(fastreduce.Membership)")
     return parser
