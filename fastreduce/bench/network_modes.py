@@ -104,8 +104,10 @@ def _tx_bytes() -> int:
         return 0
 
 
-def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], None], Callable[[], None]]:
-    """``(forward, after_backward, finish)`` of ``name`` on ``model``."""
+def _build(name: str, model: Any, bucket_mb: float | str = 1.0
+           ) -> tuple[Callable[[Any], Any], Callable[[], None], Callable[[], None]]:
+    """``(forward, after_backward, finish)`` of ``name`` on ``model`` (the overlapped and ZeRO
+    modes with buckets of ``bucket_mb``)."""
     import torch
     from torch import nn
 
@@ -124,7 +126,7 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model,
                                         wire_dtype=getattr(torch, wire) if "float" in wire else wire,
                                         error_feedback=quant, gather_dtype=torch.bfloat16 if quant else None,
-                                        bucket_mb=1.0)
+                                        bucket_mb=bucket_mb)
         return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params
     opt = adamw(model.parameters())
     step = lambda: (opt.step(), opt.zero_grad())  # noqa: E731
@@ -136,7 +138,7 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
         dtype = getattr(torch, wire) if "float" in wire else wire  # "int8" is a string, not torch.int8
         reducer = fastreduce.FusedReducer(model, overlap=overlap, wire_dtype=dtype,
                                           error_feedback=wire in ("float8_e4m3fn", "int8"),
-                                          **({"bucket_mb": 1.0} if overlap else {}))
+                                          **({"bucket_mb": bucket_mb} if overlap else {}))
         return model, lambda: (reducer.reduce(), step()), nothing
     if name == "localsgd_H8":
         keep = fastreduce.LocalSGD(model, opt, sync_every=8)
@@ -154,12 +156,12 @@ def _build(name: str, model: Any) -> tuple[Callable[[Any], Any], Callable[[], No
     raise ValueError(f"unknown mode {name!r}; the modes are {', '.join(MODES)}")
 
 
-def _mlp(seed: int) -> Any:
+def _mlp(seed: int, width: int = WIDTH) -> Any:
     import torch
     from torch import nn
 
     torch.manual_seed(seed)
-    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())][:-1])
+    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(width, width), nn.ReLU())][:-1])
 
 
 def worker(cfg: ModesConfig, out: str) -> None:
