@@ -403,8 +403,8 @@ def estimate(mode: Mode, cluster: Cluster, w: Workload) -> Estimate:
         comm = c.reduce_scatter(grads) + c.all_gather(params)
         sent = (c.ring_bytes(grads) + c.ring_bytes(params)) / 2
         sizing = choose(grads, w.backward_s, c.as_link("reduce_scatter"))
-        exposed = (sizing.exposed_s or 0.0) + gathered_exposed(params, w.forward, c.as_link("all_gather"),
-                                                               sizing.bucket_mb * MB)
+        per_bucket = sizing.bucket_mb * MB * w.param_bytes / wire  # the same parameters, gathered in their dtype
+        exposed = (sizing.exposed_s or 0.0) + gathered_exposed(params, w.forward, c.as_link("all_gather"), per_bucket)
         note = sizing.describe().split(" (")[0].replace("bucket_mb='auto': ", "auto: ")
     elif mode.kind == "gossip":
         comm, sent = c.exchange(grads)

@@ -30,8 +30,9 @@ TOKENS, FLOPS = 2048, 1e14
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", required=True, metavar="N",
                         help="the model's parameters: 7e9, 7b, 125m")
-    parser.add_argument("--ranks", type=int, default=None,
-                        help="world size (default: the live group's with --probe; else required)")
+    parser.add_argument("--ranks", default=None, metavar="N[,N...]",
+                        help="world size (default: the live group's with --probe; else required); several, "
+                             "comma-separated: a table of each mode's step against the world size")
     parser.add_argument("--ranks-per-host", type=int, default=None,
                         help="ranks on each host (default: 1; with --probe, LOCAL_WORLD_SIZE)")
     parser.add_argument("--link", default=None, metavar="RATE",
@@ -58,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "diloco, streaming_diloco)")
     parser.add_argument("--probe", action="store_true",
                         help="on a live group (torchrun): measure the link first")
+    parser.add_argument("--chart", default=None, metavar="PNG",
+                        help="with several --ranks: each mode's step against the world size, drawn to PNG "
+                             "(matplotlib, the plot extra)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout and nothing else")
 
 
@@ -80,19 +84,29 @@ def workload(args: argparse.Namespace) -> Workload:
                     grad_bytes=4.0 if args.grad_dtype == "fp32" else 2.0)
 
 
-def cluster(args: argparse.Namespace, probed: Cluster | None = None) -> Cluster:
+def world_sizes(args: argparse.Namespace) -> list[int]:
+    """``--ranks 8,64,1024`` -> ``[8, 64, 1024]`` (``[]``: not given)."""
+    if args.ranks is None:
+        return []
+    try:
+        sizes = [int(r) for r in str(args.ranks).split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--ranks must be world sizes like 1024 or 8,64,1024, got {args.ranks!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"--ranks must be world sizes of at least 1, got {args.ranks!r}")
+    return sizes
+
+
+def cluster(args: argparse.Namespace, probed: Cluster | None = None, ranks: int | None = None) -> Cluster:
     intra = Link.of(args.intra_link, args.intra_latency, args.mtu)
     if probed is not None:
-        ranks = args.ranks or probed.ranks
         per_host = args.ranks_per_host or probed.ranks_per_host
         link = Link.of(args.link, args.latency, args.mtu) if args.link else probed.link
-        return Cluster(ranks, link, per_host, probed.intra if probed.hosts == 1 else intra)
-    if args.ranks is None or args.link is None:
+        return Cluster(ranks or probed.ranks, link, per_host, probed.intra if probed.hosts == 1 else intra)
+    if ranks is None or args.link is None:
         raise ValueError("fastreduce plan needs --ranks and --link (or --probe on a live group)")
-    if args.ranks < 1:
-        raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
     parse_rate(args.link), parse_seconds(args.latency)
-    return Cluster(args.ranks, Link.of(args.link, args.latency, args.mtu), args.ranks_per_host or 1, intra)
+    return Cluster(ranks, Link.of(args.link, args.latency, args.mtu), args.ranks_per_host or 1, intra)
 
 
 def probe(args: argparse.Namespace) -> Cluster:
@@ -102,10 +116,10 @@ def probe(args: argparse.Namespace) -> Cluster:
     import torch.distributed as dist
 
     from .engine import init_distributed
-    from .sizing import agree, probe_link
+    from .sizing import agree, measure_link
 
     device = init_distributed().device
-    measured, _ = agree(probe_link(None, device), 0.0, None, device)
+    measured, _ = agree(measure_link(None, device), 0.0, None, device)
     return Cluster.from_probe(measured, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                               Link.of(args.intra_link, args.intra_latency, args.mtu))
 
@@ -133,10 +147,50 @@ def format_text(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_sweep(plans: list[Plan]) -> str:
+    """Each mode's step (ms) against the world size, one column a size."""
+    first = plans[0]
+    c, w = first.cluster, first.workload
+    lines = [f"fastreduce plan: {w.params / 1e9:g}B parameters, {c.ranks_per_host} ranks a host, link "
+             f"{c.link.bytes_per_s * 8 / 1e9:.3g} Gbit/s payload, {c.link.latency_s * 1e6:.3g} us; compute "
+             f"{w.compute_s * 1e3:.0f} ms a step. Step (ms) at each world size:",
+             f"{'mode':<22}" + "".join(f"{p.cluster.ranks:>10}" for p in plans)]
+    for k, row in enumerate(first.rows):
+        lines.append(f"{row.mode:<22}" + "".join(f"{p.rows[k].step_s * 1e3:>10.0f}" for p in plans))
+    lines.append("recommended: " + "; ".join(f"{p.cluster.ranks}: {p.recommendation['mode']}" for p in plans))
+    return "\n".join(lines)
+
+
+def write_sweep_chart(plans: list[Plan], path: str) -> str | None:
+    """Each mode's predicted step against the world size (log-log); a note instead without matplotlib."""
+    from .bench.report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return "no chart: pip install 'fastreduce[plot]'"
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    ranks = [p.cluster.ranks for p in plans]
+    for k, row in enumerate(plans[0].rows):
+        ax.plot(ranks, [p.rows[k].step_s * 1e3 for p in plans], marker="os^Dv<>p"[k % 8],
+                linestyle="-" if row.exact else "--", label=row.mode)
+    w, c = plans[0].workload, plans[0].cluster
+    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="predicted ms per step",
+           title=f"{w.params / 1e9:g}B params, {c.link.bytes_per_s * 8 / 1e9:.3g} Gbit/s links, "
+                 f"{c.ranks_per_host} ranks a host")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     only = [m for m in args.modes.split(",") if m] if args.modes else None
+    sizes = world_sizes(args)
+    work = workload(args)
     probed = probe(args) if args.probe else None
-    result = plan(cluster(args, probed), workload(args), only)
+    plans = [plan(cluster(args, probed, n), work, only) for n in (sizes or [None])]
     if probed is not None:
         import torch.distributed as dist
 
@@ -145,8 +199,12 @@ def run(args: argparse.Namespace) -> int:
         if rank:
             return 0
     out = getattr(args, "stdout", sys.stdout)
+    note = write_sweep_chart(plans, args.chart) if args.chart else None
+    if note:
+        print(f"fastreduce plan: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**result.to_json(), "probed": probed is not None}), file=out, flush=True)
+        body = plans[0].to_json() if len(plans) == 1 else {"plans": [p.to_json() for p in plans]}
+        print(json.dumps({**body, "probed": probed is not None}), file=out, flush=True)
     else:
-        print(format_text(result), file=out, flush=True)
+        print(format_text(plans[0]) if len(plans) == 1 else format_sweep(plans), file=out, flush=True)
     return 0

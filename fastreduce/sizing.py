@@ -51,7 +51,7 @@ import torch.distributed as dist
 from .plan import MB, Link, Sizing, choose
 
 __all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "ZERO_SHM_BUCKET_MB", "AutoSizer", "Link",
-           "Sizing", "agree", "check_bucket_mb", "choose", "probe_link", "shared_memory"]
+           "Sizing", "agree", "check_bucket_mb", "choose", "measure_link", "probe_link", "shared_memory"]
 
 AUTO = "auto"
 AUTO_RULE = ("one bucket on shared memory, sent after backward as the fused mode's; over a process group, the "
@@ -121,6 +121,22 @@ def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
     # where noise hides the bytes' own time (the big one no slower than twice the small), all of
     # the big one's time is counted as bandwidth: slower than the truth, never absurdly fast
     return Link(latency, nbytes / (t_big - latency if t_big > 2 * latency else t_big))
+
+
+def measure_link(group: dist.ProcessGroup | None, device: torch.device,
+                 sizes: tuple[int, ...] = (4 * 1024, MB, 4 * MB), repeats: int = 3) -> Link:
+    """The group's all-reduce measured with more care than :func:`probe_link` (``fastreduce
+    plan --probe``, the network suite's growth part): the fastest of ``repeats`` all-reduces
+    of each of ``sizes`` bytes, and the line ``latency + bytes / bandwidth`` fitted through
+    them (least squares). Collective; not agreed (:func:`agree` it)."""
+    _timed(group, torch.zeros(1024, device=device), 1)  # the first collective sets up connections
+    points = [(float(n), _timed(group, torch.zeros(n // 4, device=device), repeats)) for n in sizes]
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
+    if slope <= 0:  # noise over the bytes' own time: all of the largest one's time as bandwidth
+        return Link(points[0][1], points[-1][0] / points[-1][1])
+    return Link(max(mean_t - slope * mean_n, 0.0), 1.0 / slope)
 
 
 def agree(link: Link, backward_s: float, group: dist.ProcessGroup | None,

@@ -154,10 +154,16 @@ def test_cli_table_and_json(capfd: pytest.CaptureFixture[str]) -> None:
     rows = {r["mode"]: r for r in out["rows"]}
     assert rows["zero_fp32"]["memory_bytes"] < rows["ddp"]["memory_bytes"] / 2
     assert out["recommendation"]["mode"] in rows
+    assert main(["plan", "--params", "1b", "--ranks", "8,64,1024", "--ranks-per-host", "8", "--link", "1gbit"]) == 0
+    sweep = capfd.readouterr().out
+    assert "1024" in sweep and sweep.count("\n") >= len(P.modes()) + 2
+    assert main(["plan", "--params", "1b", "--ranks", "8,64", "--link", "1gbit", "--json"]) == 0
+    assert [p["cluster"]["ranks"] for p in json.loads(capfd.readouterr().out)["plans"]] == [8, 64]
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--params", "7e9", "--ranks", "8"], "needs --ranks and --link"),
+    (["--params", "7e9", "--ranks", "8,x", "--link", "1gbit"], "world sizes like"),
     (["--params", "7e9", "--ranks", "8", "--link", "fast"], "a link rate"),
     (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--modes", "nope"], "no mode matches"),
     (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--step-ms", "1", "--backward-ms", "5"], "shorter"),
