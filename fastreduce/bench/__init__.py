@@ -88,6 +88,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,42 +126,42 @@ from .step import format_text as format_step
 from .trainers import run_trainers_bench
 from .trainers import format_text as format_trainers
 
-__all__ = ["BenchConfig", "GossipConfig", "LocalConfig", "NETWORK_PARTS", "OptimConfig", "StepConfig", "SUITES",
+__all__ = ["BenchConfig", "GossipConfig", "LocalConfig", "NETWORK_PARTS", "NetworkPart", "OptimConfig", "StepConfig", "SUITES",
            "add_arguments", "run", "run_bench", "run_local_bench", "run_optim_bench", "run_step_bench"]
 
-Note = Callable[[str], None]
+@dataclass(frozen=True, slots=True)
+class NetworkPart:
+    """One part of the network suite (``--parts``)."""
+
+    key: str
+    """Its report's key in ``bench.json``."""
+    help: str
+    """What it runs, for ``--parts``'s help."""
+    config: Callable[[argparse.Namespace], Any]
+    """Its settings from the options (:mod:`.options`); raises ValueError on a bad one."""
+    bench: Callable[[Any], dict[str, Any]]
+    text: Callable[[dict[str, Any]], str]
+    progress: Callable[[Any], str]
+    """The line on stderr as it starts, from its settings."""
 
 
-def _network_steps(args: argparse.Namespace, note: Note) -> tuple[str, dict[str, Any], str]:
-    """The network suite's steps part: (its key in the result, its report, its text)."""
-    cfg = network_config(args)
-    note(f"network suite: 2 ranks at {', '.join(cfg.rates)} (namespace hosts, or this "
-         f"host), {cfg.repeats} x {cfg.iters} steps/method ...")
-    report = run_network_bench(cfg)
-    return "network", report, format_network(report)
-
-
-def _network_modes(args: argparse.Namespace, note: Note) -> tuple[str, dict[str, Any], str]:
-    """The network suite's modes part: every mode on ``--hosts`` hosts at each rate."""
-    cfg = modes_config(args)
-    note(f"network suite, modes: {', '.join(map(str, cfg.hosts))} hosts at "
-         f"{', '.join(cfg.rates)}, {cfg.steps} steps/mode ...")
-    report = run_modes_bench(cfg)
-    return "network_modes", report, format_modes(report)
-
-
-NETWORK_PARTS: dict[str, tuple[Callable[[argparse.Namespace, Note], tuple[str, dict[str, Any], str]], str]] = {
-    "steps": (_network_steps, "every mode at its defaults against DDP's, eager and compiled, on 2 hosts"),
-    "modes": (_network_modes, "every mode's step time, bytes and loss on --hosts hosts"),
+NETWORK_PARTS: dict[str, NetworkPart] = {
+    "steps": NetworkPart("network", "every mode at its defaults against DDP's, eager and compiled, on 2 hosts",
+                         network_config, run_network_bench, format_network,
+                         lambda c: f"network suite: 2 ranks at {', '.join(c.rates)} (namespace hosts, or this "
+                                   f"host), {c.repeats} x {c.iters} steps/method ..."),
+    "modes": NetworkPart("network_modes", "every mode's step time, bytes and loss on --hosts hosts",
+                         modes_config, run_modes_bench, format_modes,
+                         lambda c: f"network suite, modes: {', '.join(map(str, c.hosts))} hosts at "
+                                   f"{', '.join(c.rates)}, {c.steps} steps/mode ..."),
 }
-"""The network suite's parts (``--parts``), in the order they run, and what each runs (its
-help): a part is a line here."""
+"""The network suite's parts, in the order they run: a part is an entry here."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``fastreduce bench``'s arguments (:mod:`.options`): a subcommand per suite, and the
     deprecated flat spelling."""
-    options.add_arguments(parser, {name: what for name, (_, what) in NETWORK_PARTS.items()})
+    options.add_arguments(parser, {name: part.help for name, part in NETWORK_PARTS.items()})
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -201,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
     suites = suites_from_args(args)  # first: the deprecation note comes before any error
     reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
-    network_config(args)  # checked before anything is spawned, like every suite's options
-    modes_config(args)
+    network_cfgs = {name: part.config(args) for name, part in NETWORK_PARTS.items()}  # checked before spawning
     convergence_cfg = convergence_config(args)
     parts = network_parts(args, NETWORK_PARTS)
     faults_cfg = faults_config(args) if "faults" in suites else None
@@ -235,9 +235,11 @@ def run(args: argparse.Namespace) -> int:
             result["local"] = run_local_bench(local_cfg)
             say(format_local(result["local"]) + "\n")
         elif suite == "network":
-            for part in parts:
-                key, result[key], text = NETWORK_PARTS[part][0](args, note)
-                say(text + "\n")
+            for name in parts:
+                part, cfg = NETWORK_PARTS[name], network_cfgs[name]
+                note(part.progress(cfg))
+                result[part.key] = part.bench(cfg)
+                say(part.text(result[part.key]) + "\n")
         elif suite == "compression":
             cfg = compression_config(args)
             hosts = f", 2 namespace hosts at {', '.join(cfg.rates)}" if cfg.rates else ""

@@ -44,7 +44,7 @@ from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
 from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
 from .local import QUICK_LOSS_STEPS, LocalConfig
 from .network import HOST, NetworkConfig
-from .network_modes import ModesConfig
+from .network_modes import MODES, ModesConfig
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes
 from .optim import MODELS as OPTIM_MODELS
 from .reduce import BenchConfig
@@ -272,6 +272,17 @@ def suites_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     return {None: DEFAULT_SUITES, "all": SUITES}.get(chosen, (chosen,))
 
 
+def _names(args: argparse.Namespace, dest: str, known: Iterable[str]) -> tuple[str, ...] | None:
+    """A comma-separated option's names, each among ``known``; None when it was not given."""
+    text = getattr(args, dest)
+    if text is None:
+        return None
+    names = tuple(n for n in text.split(",") if n)
+    if not names or any(n not in known for n in names):
+        raise ValueError(f"{flag(args, dest)} takes names among {', '.join(known)}, got {text!r}")
+    return names
+
+
 def network_parts(args: argparse.Namespace, parts: Iterable[str]) -> list[str]:
     """``--parts``'s names, checked against ``parts`` (the network suite's, in the order they run)."""
     known = list(parts)
@@ -314,13 +325,8 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
         if any(h < 2 for h in hosts):
             raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
     chosen: dict[str, object] = {}
-    if args.network_modes is not None:
-        from .network_modes import MODES
-        names = [m for m in args.network_modes.split(",") if m]
-        unknown = [m for m in names if m not in MODES]
-        if unknown or not names:
-            raise ValueError(f"{flag(args, 'network_modes')} takes names among {', '.join(MODES)}, "
-                             f"got {args.network_modes!r}")
+    names = _names(args, "network_modes", MODES)
+    if names is not None:
         chosen["modes"] = ["ddp"] + [m for m in names if m != "ddp"]
     if args.quick:
         return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64,
@@ -363,13 +369,9 @@ def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
     given: dict[str, object] = {}
     if args.convergence_ranks is not None:
         given["world_sizes"] = list(parse_world_sizes(args.convergence_ranks, flag(args, "convergence_ranks")))
-    if args.convergence_methods is not None:
-        methods = [m for m in args.convergence_methods.split(",") if m]
-        unknown = [m for m in methods if m not in CONVERGENCE_METHODS]
-        if unknown or not methods:
-            raise ValueError(f"{flag(args, 'convergence_methods')} takes names among "
-                             f"{', '.join(CONVERGENCE_METHODS)}, got {args.convergence_methods!r}")
-        given["methods"] = methods
+    methods = _names(args, "convergence_methods", CONVERGENCE_METHODS)
+    if methods is not None:
+        given["methods"] = list(methods)
     if args.rates and [r for r in args.rates.split(",") if r != HOST]:  # 'host': the one-host default
         rates = [r for r in args.rates.split(",") if r != HOST]
         for rate in rates:
@@ -464,11 +466,8 @@ def faults_config(args: argparse.Namespace) -> FaultsConfig:
     given: dict[str, Any] = {"wire": args.faults_wire, "mode": args.faults_mode}
     if args.faults_mode == "zero" and args.faults_contenders is None:
         given["contenders"] = ("fastreduce_gloo", "fastreduce_shm")
-    if args.faults_contenders is not None:
-        names = tuple(n for n in args.faults_contenders.split(",") if n)
-        if not names or any(n not in FAULTS_CONTENDERS for n in names):
-            raise ValueError(f"{flag(args, 'faults_contenders')} takes names among {', '.join(FAULTS_CONTENDERS)}, "
-                             f"got {args.faults_contenders!r}")
+    names = _names(args, "faults_contenders", FAULTS_CONTENDERS)
+    if names is not None:
         given["contenders"] = names
     for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
                        ("block", args.iters)):
@@ -480,13 +479,10 @@ def faults_config(args: argparse.Namespace) -> FaultsConfig:
 def chaos_config(args: argparse.Namespace) -> ChaosConfig:
     """The chaos suite's settings: ``--quick`` is :func:`~.chaos.quick_config`."""
     given: dict[str, Any] = {}
-    for key, names in (("modes", CHAOS_MODES), ("transports", CHAOS_TRANSPORTS)):
-        text = getattr(args, f"chaos_{key}")
-        if text is not None:
-            chosen = tuple(n for n in text.split(",") if n)
-            if not chosen or any(n not in names for n in chosen):
-                raise ValueError(f"{flag(args, f'chaos_{key}')} takes names among {', '.join(names)}, got {text!r}")
-            given[key] = chosen
+    for key, known in (("modes", CHAOS_MODES), ("transports", CHAOS_TRANSPORTS)):
+        names = _names(args, f"chaos_{key}", known)
+        if names is not None:
+            given[key] = names
     for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
                        ("seed", args.seed)):
         if value is not None:
