@@ -27,6 +27,7 @@ from fastreduce.bench import convergence as convergence_suite
 from fastreduce.bench import local as local_suite
 from fastreduce.bench import compression as compression_suite
 from fastreduce.bench import network as network_suite
+from fastreduce.bench import growth as growth_suite
 from fastreduce.bench import network_modes
 from fastreduce.bench import optim as optim_suite
 from fastreduce.bench import options as bench_options
@@ -304,12 +305,13 @@ def test_help_states_each_suites_own_defaults(capsys: pytest.CaptureFixture) -> 
     (["chaos", "--transports", "nccl"], "--transports takes names among"),
     (["optim", "--ranks", "1"], "--ranks needs distinct world sizes"),
     (["decentralized", "--ranks", "x"], "--ranks must be comma-separated"),
-    (["network", "--parts", "growth"], "--parts takes one or more of steps, modes"),
+    (["network", "--parts", "bogus"], "--parts takes one or more of steps, modes, growth"),
+    (["network", "--parts", "growth", "--modes", "fused_fp8"], "the growth part runs"),
     (["network", "--modes", "fsdp"], "--modes takes names among"),
     (["faults", "--contenders", "nope"], "--contenders takes names among"),
     (["convergence", "--methods", "sgd"], "--methods takes names among"),
     (["--suite", "chaos", "--chaos-modes", "fsdp"], "--chaos-modes takes names among"),
-    (["--suite", "network", "--network-parts", "growth"], "--network-parts takes one or more of steps, modes"),
+    (["--suite", "network", "--network-parts", "bogus"], "--network-parts takes one or more of steps, modes"),
 ])
 def test_a_bad_value_names_the_option_as_spelled(argv: list[str], words: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *argv]) == 2
@@ -386,7 +388,8 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     end with one model in every method, the overlapped mode having sized its buckets from
     a probe; then every mode trains 8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "network", "--quick", "--json",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
+                           "--parts", "steps,modes,growth", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     network = json.loads(proc.stdout)["network"]
     if "skipped" in network:
@@ -396,6 +399,7 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     _steps_part_ok(network, "1gbit", "MB/s per all-reduce",
                    ["overlapped <= ddp", "overlapped_bf16 <= ddp", "zero <= ddp"])
     _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
+    _growth_part_ok(json.loads(proc.stdout)["network_growth"])
 
 
 @BENCH_ONLY_DEFAULT_STACK
@@ -423,6 +427,46 @@ def _steps_part_ok(network: dict, rate: str, chose: str, targets: list[str]) -> 
         assert m["ranks_agree"], name
     assert chose in methods["overlapped"]["chose"]
     assert [t["what"] for t in network["targets"]] == targets
+
+
+def _growth_part_ok(report: dict) -> None:
+    """Two hosts at 1 Gbit/s, every priced mode: the bytes each host's interface counted are
+    the plan's formula (payload; a veth counts one set of headers per 64 KB), within 5%."""
+    row = report["table"]["2x1gbit"]
+    assert list(row["modes"]) == list(growth_suite.PLAN_MODES)
+    for name, m in row["modes"].items():
+        assert abs(m["bytes_error"]) < 0.05, (name, m)
+        assert m["ms_per_step"] > 0 and m["predicted_ms"] > 0, (name, m)
+    assert set(report["targets"]) == {"bytes_vs_formula", "step_vs_plan"}
+
+
+def test_growth_summary_sets_each_mode_beside_the_plan() -> None:
+    """The growth part's table from raw jobs (pure Python): medians of the jobs, the formula's
+    payload, the plan's step on the link the group's probe measured."""
+    from fastreduce import plan as P
+
+    link = P.Link(2e-4, 1e8)
+    params, n = 500_000, 4
+    cluster = P.Cluster(n, link)
+
+    def job(scale: float) -> dict:
+        ar = cluster.as_link("all_reduce")
+        modes = {"no_comm": {"ms_per_step": 10.0 * scale, "mb_per_step": 0.0, "mb_per_step_max": 0.0,
+                             "phase_ms": [3.0, 4.0, 2.0]}}
+        for name in growth_suite.PLAN_MODES:
+            modes[name] = {"ms_per_step": 50.0 * scale, "mb_per_step": 3.0, "mb_per_step_max": 3.1,
+                           "phase_ms": [0.0, 0.0, 0.0]}
+        return {"params": params, "probe": {"latency_s": ar.latency_s, "bytes_per_s": ar.bytes_per_s}, "modes": modes}
+
+    report = {"config": {"rates": ["1gbit"], "hosts": [n]}, "jobs": {f"{n}x1gbit": [job(1.0), job(0.5), job(2.0)]}}
+    out = growth_suite.summarize(report)
+    fused = out["table"]["4x1gbit"]["modes"]["fused_fp32"]
+    assert fused["ms_per_step"] == 50.0 and fused["formula_mb"] == pytest.approx(2 * 3 / 4 * params * 4 / 1e6)
+    expect = 10.0 + cluster.all_reduce(params * 4) * 1e3  # no_comm's median step, then the all-reduce
+    assert fused["predicted_ms"] == pytest.approx(expect, rel=1e-6)
+    assert fused["step_error"] == pytest.approx(expect / 50.0 - 1)
+    assert out["targets"]["bytes_vs_formula"]["value"] == pytest.approx(
+        max(abs(m["bytes_error"]) for m in out["table"]["4x1gbit"]["modes"].values()))
 
 
 def _modes_part_ok(report: dict, out: Path) -> None:

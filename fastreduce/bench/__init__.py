@@ -104,6 +104,8 @@ from .faults import format_text as format_faults
 from .faults import run_faults_bench
 from .gossip import GossipConfig, run_gossip_bench
 from .gossip import format_text as format_gossip
+from .growth import format_text as format_growth
+from .growth import run_growth_bench, write_growth_chart
 from .local import LocalConfig, run_local_bench
 from .local import format_text as format_local
 from .network import format_text as format_network
@@ -115,7 +117,7 @@ from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
 from . import options
 from .options import (SUITES, chaos_config, compression_config, configs_from_args,
-                      convergence_config, faults_config, modes_config, network_config, network_parts,
+                      convergence_config, faults_config, growth_config, modes_config, network_config, network_parts,
                       suites_from_args, trainers_config)
 from .reduce import BenchConfig, run_bench
 from .reduce import format_text as format_reduce
@@ -143,6 +145,8 @@ class NetworkPart:
     text: Callable[[dict[str, Any]], str]
     progress: Callable[[Any], str]
     """The line on stderr as it starts, from its settings."""
+    default: bool = True
+    """Runs without ``--parts`` (else only when named)."""
 
 
 NETWORK_PARTS: dict[str, NetworkPart] = {
@@ -154,6 +158,10 @@ NETWORK_PARTS: dict[str, NetworkPart] = {
                          modes_config, run_modes_bench, format_modes,
                          lambda c: f"network suite, modes: {', '.join(map(str, c.hosts))} hosts at "
                                    f"{', '.join(c.rates)}, {c.steps} steps/mode ..."),
+    "growth": NetworkPart("network_growth", "each mode's bytes and step against 2 to 16 hosts beside fastreduce "
+                          "plan's formula and prediction, docs/scale.md; runs only when named", growth_config, run_growth_bench, format_growth,
+                          lambda c: f"network suite, growth: {', '.join(map(str, c.hosts))} hosts at "
+                                    f"{', '.join(c.rates)}, {c.repeats} jobs each ...", default=False),
 }
 """The network suite's parts, in the order they run: a part is an entry here."""
 
@@ -173,6 +181,11 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     if modes is not None and "runs" in modes:
         files["network_png"] = str(out / "network_modes.png")
         files["network_chart_note"] = write_modes_chart(modes, out / "network_modes.png")
+    growth = result.get("network_growth")
+    if growth is not None and "table" in growth:
+        note = write_growth_chart(growth, out / "growth.png")
+        files["growth_png"] = None if note else str(out / "growth.png")
+        files["growth_chart_note"] = note
     step = result.get("step")
     convergence = result.get("convergence")
     if convergence is not None and convergence.get("runs"):
@@ -284,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             result["step"] = run_step_bench(step_cfg)
             say(format_step(result["step"]) + "\n")
     files = write_outputs(out, result)
-    for key in ("chart_note", "network_chart_note", "convergence_chart_note", "chaos_chart_note"):
+    for key in ("chart_note", "network_chart_note", "growth_chart_note", "convergence_chart_note", "chaos_chart_note"):
         if files.get(key):
             note(files[key])
     say("wrote " + ", ".join(v for k, v in files.items() if not k.endswith("chart_note") and v))

@@ -44,6 +44,7 @@ from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
 from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
 from .local import QUICK_LOSS_STEPS, LocalConfig
 from .network import HOST, NetworkConfig
+from .growth import PLAN_MODES, GrowthConfig
 from .network_modes import MODES, ModesConfig
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes
 from .optim import MODELS as OPTIM_MODELS
@@ -121,9 +122,10 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "has it", "plain", inside="--optimizer", kwargs={"choices": ("plain", "fused")}),
     Option("--local-ranks", "the world sizes to run, comma-separated", inside="--ranks", kwargs={"metavar": "N,N"}),
     Option("--rates", "link rates, tc's units, and 'host' (ranks on this host)", kwargs={"metavar": "RATE,RATE"}),
-    Option("--hosts", "modes part: host counts", kwargs={"metavar": "N,N"}),
+    Option("--hosts", "modes and growth parts: host counts", kwargs={"metavar": "N,N"}),
     Option("--network-parts", "the parts to run, comma-separated", inside="--parts", kwargs={"metavar": "PART,PART"}),
-    Option("--network-modes", "modes part: the modes to run (ddp always runs, the reference)", inside="--modes",
+    Option("--network-modes", "modes and growth parts: the modes to run (ddp always runs in the modes part, the "
+           "reference; no_comm in the growth part, the compute)", inside="--modes",
            kwargs={"metavar": "NAME,NAME"}),
     Option("--layers", "GPT-2 blocks of the one-host model", kwargs={"type": int}),
     Option("--convergence-ranks", "the world sizes (with --rates: host counts) to run, comma-separated",
@@ -167,9 +169,10 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
     "local": (("local_ranks", _sizes(LOCAL_WORLD_SIZES)), ("iters", "10; 2 with --quick", "timed blocks per method"),
               ("params_m", f"{LOCAL_PARAMS_M:g}; 0.25 with --quick"), ("batch", f"{LOCAL_BATCH}; 8 with --quick"),
               ("threads", "cores / ranks")),
-    "network": (("network_parts", "all"),
-                ("rates", "1gbit,100mbit,host for the steps part, 10gbit,1gbit,100mbit for the modes part; 1gbit "
-                 "with --quick"), ("hosts", "2,4; 2 with --quick"), ("network_modes", "all"),
+    "network": (("network_parts", "steps,modes (growth: asked for by name)"),
+                ("rates", "1gbit,100mbit,host for the steps part, 10gbit,1gbit,100mbit for the modes part, "
+                 "1gbit,100mbit for the growth part; 1gbit with --quick"), ("hosts", "2,4 for the modes part, 2,4,8,16 for the growth part; 2 with --quick"),
+                ("network_modes", "all"),
                 ("iters", f"{NetworkConfig().iters}; 2 with --quick", "steps part: timed blocks per method"),
                 ("batch", f"{NetworkConfig().batch} for the steps part, {ModesConfig().batch} for the modes part; 64 "
                  "with --quick")),
@@ -283,11 +286,12 @@ def _names(args: argparse.Namespace, dest: str, known: Iterable[str]) -> tuple[s
     return names
 
 
-def network_parts(args: argparse.Namespace, parts: Iterable[str]) -> list[str]:
-    """``--parts``'s names, checked against ``parts`` (the network suite's, in the order they run)."""
+def network_parts(args: argparse.Namespace, parts: Mapping[str, Any]) -> list[str]:
+    """``--parts``'s names, checked against ``parts`` (the network suite's, in the order they run;
+    without ``--parts``, those whose ``default`` is true)."""
     known = list(parts)
     if args.network_parts is None:
-        return known
+        return [p for p in known if parts[p].default]
     chosen = args.network_parts.split(",")
     if not chosen or any(p not in known for p in chosen):
         raise ValueError(f"{flag(args, 'network_parts')} takes one or more of {', '.join(known)}, comma-separated, "
@@ -316,14 +320,7 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
         (["1gbit"] if args.quick else ModesConfig().rates)
     for rate in rates:
         check_rate(rate)
-    hosts = [2] if args.quick and not args.hosts else ModesConfig().hosts
-    if args.hosts:
-        try:
-            hosts = [int(h) for h in args.hosts.split(",")]
-        except ValueError:
-            raise ValueError(f"--hosts must be host counts like 2,4, got {args.hosts!r}") from None
-        if any(h < 2 for h in hosts):
-            raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
+    hosts = _host_counts(args, [2] if args.quick else ModesConfig().hosts)
     chosen: dict[str, object] = {}
     names = _names(args, "network_modes", MODES)
     if names is not None:
@@ -332,6 +329,40 @@ def modes_config(args: argparse.Namespace) -> ModesConfig:
         return ModesConfig(hosts=hosts, rates=rates, steps=8, reach_factor=2, batch=args.batch or 64,
                            job_per_mode=False, **chosen)
     return ModesConfig(hosts=hosts, rates=rates, **({"batch": args.batch} if args.batch else {}), **chosen)
+
+
+def _host_counts(args: argparse.Namespace, default: list[int]) -> list[int]:
+    if not args.hosts:
+        return default
+    try:
+        hosts = [int(h) for h in args.hosts.split(",")]
+    except ValueError:
+        raise ValueError(f"--hosts must be host counts like 2,4, got {args.hosts!r}") from None
+    if any(h < 2 for h in hosts):
+        raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
+    return hosts
+
+
+def growth_config(args: argparse.Namespace) -> GrowthConfig:
+    """The growth part of the network suite: ``--quick`` is 2 hosts at 1 Gbit/s, one job of 8 steps."""
+    from .hosts import check_rate
+    rates = [r for r in args.rates.split(",") if r != HOST] if args.rates else \
+        (["1gbit"] if args.quick else GrowthConfig().rates)
+    for rate in rates:
+        check_rate(rate)
+    given: dict[str, Any] = {"rates": rates, "hosts": _host_counts(args, [2] if args.quick else GrowthConfig().hosts)}
+    names = _names(args, "network_modes", MODES)
+    if names is not None:
+        unpriced = [n for n in names if n not in PLAN_MODES and n != "no_comm"]
+        if unpriced:
+            raise ValueError(f"{flag(args, 'network_modes')}: the growth part runs {', '.join(PLAN_MODES)} (the "
+                             f"modes the plan prices), not {', '.join(unpriced)}")
+        given["modes"] = ["no_comm"] + [n for n in names if n != "no_comm"]
+    if args.batch:
+        given["batch"] = args.batch
+    if args.quick:
+        given.update(steps=8, repeats=1)
+    return GrowthConfig(**given)
 
 
 def _psgd_rank(args: argparse.Namespace) -> int | None:
