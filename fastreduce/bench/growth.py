@@ -15,6 +15,9 @@ job, over ``steps`` steps after ``warmup`` (whole periods of the local modes):
 * ``mb_per_step``: bytes each host's interface sent (the kernel's counter: frames,
   headers and the ACKs of what it received included) / ``steps``, mean over hosts (and
   the largest host's);
+* ``resent_mb_per_step``: TCP segments the host sent again (its namespace's
+  ``RetransSegs``) x 1448 bytes: a full ``tbf`` queue drops, and what is sent again is in
+  ``mb_per_step`` too;
 * ``no_comm``'s forward, backward and optimizer milliseconds, the compute the plan is given.
 
 Each row's figures are the medians of the repeats. Set beside them:
@@ -50,6 +53,8 @@ PLAN_MODES = {"ddp": "ddp", "fused_fp32": "fused_fp32", "fused_bf16": "fused_bf1
               "diloco_H8": "diloco_H8"}
 """Each measured mode (:func:`.network_modes._build`'s name) and its row in :func:`fastreduce.plan.modes`."""
 BYTES_LIMIT, STEP_LIMIT = 0.05, 0.20
+MSS = 1448
+"""Payload bytes of a TCP segment at MTU 1500 (timestamps on): what one retransmission re-sends at most."""
 
 
 @dataclass
@@ -67,6 +72,15 @@ class GrowthConfig:
 
 
 # ============================================================== in each rank
+
+def _retransmitted() -> int:
+    """TCP segments this host (its network namespace) has sent again: ``/proc/net/snmp``'s RetransSegs."""
+    try:
+        lines = [ln.split() for ln in Path("/proc/net/snmp").read_text().splitlines() if ln.startswith("Tcp:")]
+        return int(lines[1][lines[0].index("RetransSegs")])
+    except (OSError, ValueError, IndexError):
+        return 0
+
 
 def worker(cfg: GrowthConfig, out: str) -> None:
     import json
@@ -93,7 +107,7 @@ def worker(cfg: GrowthConfig, out: str) -> None:
         for i, (x, y) in enumerate(data):  # made beforehand: a loader's work is not the step's
             if i == cfg.warmup:
                 dist.barrier()
-                tx0, t0 = _tx_bytes(), time.perf_counter()
+                tx0, re0, t0 = _tx_bytes(), _retransmitted(), time.perf_counter()
             a = time.perf_counter()
             loss = torch.nn.functional.mse_loss(forward(x), y)
             b = time.perf_counter()
@@ -104,13 +118,14 @@ def worker(cfg: GrowthConfig, out: str) -> None:
                 for j, d in enumerate((b - a, c - b, time.perf_counter() - c)):
                     phases[j] += d
         finish()
-        elapsed, tx = time.perf_counter() - t0, _tx_bytes() - tx0
+        elapsed, tx, resent = time.perf_counter() - t0, _tx_bytes() - tx0, _retransmitted() - re0
         per_rank: list[Any] = [None] * world
-        dist.all_gather_object(per_rank, (elapsed, tx, phases))
-        results[name] = {"ms_per_step": max(e for e, _, _ in per_rank) / cfg.steps * 1e3,
-                         "mb_per_step": statistics.mean(t for _, t, _ in per_rank) / cfg.steps / 1e6,
-                         "mb_per_step_max": max(t for _, t, _ in per_rank) / cfg.steps / 1e6,
-                         "phase_ms": [statistics.mean(p[j] for _, _, p in per_rank) / cfg.steps * 1e3
+        dist.all_gather_object(per_rank, (elapsed, tx, phases, resent))
+        results[name] = {"ms_per_step": max(r[0] for r in per_rank) / cfg.steps * 1e3,
+                         "mb_per_step": statistics.mean(r[1] for r in per_rank) / cfg.steps / 1e6,
+                         "mb_per_step_max": max(r[1] for r in per_rank) / cfg.steps / 1e6,
+                         "resent_segments_per_step": statistics.mean(r[3] for r in per_rank) / cfg.steps,
+                         "phase_ms": [statistics.mean(r[2][j] for r in per_rank) / cfg.steps * 1e3
                                       for j in range(3)]}
         del forward, after, finish, model
     if rank == 0:
@@ -190,6 +205,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                     "predicted_ms": e.step_s * 1e3, "step_error": e.step_s * 1e3 / ms - 1,
                     "from_2_hosts_ms": from_two and estimate(by_name[plan_name], from_two, work).step_s * 1e3,
                     "mb_per_step": mb, "mb_per_step_max": med(mode, "mb_per_step_max"), "formula_mb": formula,
+                    "resent_mb_per_step": statistics.median(j["modes"][mode].get("resent_segments_per_step", 0)
+                                                            for j in runs) * MSS / 1e6,
                     "bytes_error": mb / formula - 1 if formula else None}
             rows[f"{n}x{rate}"] = row
     worst_bytes = max((abs(m["bytes_error"]), f"{k} {name}") for k, r in rows.items()
@@ -223,7 +240,9 @@ def format_text(report: dict[str, Any]) -> str:
                 if m:
                     two = f"; 2h {m['from_2_hosts_ms']:.0f}" if m.get("from_2_hosts_ms") else ""
                     cells.append(f"{n}: {m['ms_per_step']:.0f} ({m['predicted_ms']:.0f}, {m['step_error']:+.0%}{two})"
-                                 f" | {m['mb_per_step']:.2f} ({m['formula_mb']:.2f}, {m['bytes_error']:+.1%})")
+                                 f" | {m['mb_per_step']:.2f} ({m['formula_mb']:.2f}, {m['bytes_error']:+.1%}"
+                                 + (f"; resent {m['resent_mb_per_step']:.2f}" if m.get("resent_mb_per_step", 0) >= 0.01
+                                    else "") + ")")
             lines.append(f"    {mode:<12} " + "; ".join(cells))
     lines += target_lines(report["targets"])
     return "\n".join(lines)
