@@ -56,7 +56,7 @@ INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_in
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
-         "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
+         "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
          "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
          "test_shm.py", "test_overlap.py", "test_lightning.py", "test_partition.py::*")
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
