@@ -163,10 +163,10 @@ class Counted:
 def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     """A ``faults._Heartbeat`` over ``store`` for ``rank`` of ``world`` (its thread not
     started), registered in the store as ``_Heartbeat.__init__`` registers a rank. Its
-    ``default`` is ``id(None)``: the default store of a process without a group, so its
-    real ``_run`` loop beats until the store raises."""
+    ``default`` is this process's default store as it is now (none in the bench's client
+    processes), so its real ``_run`` loop beats until the store raises."""
     beat = object.__new__(faults._Heartbeat)
-    beat.default, beat.interval, beat.rank, beat.world = id(None), interval, rank, world
+    beat.default, beat.interval, beat.rank, beat.world = id(faults._default_store()), interval, rank, world
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
     store.set(f"{faults._KEY}host/{rank}", f"bench {os.getpid()}")
     store.add(f"{faults._KEY}heartbeat/{rank}", 1)
@@ -251,8 +251,7 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
         stop, done = threading.Event(), threading.Event()
         timeout = timedelta(seconds=max(5.0, 2 * settings["window_s"]))  # the heartbeat's own connection's
         with connecting:  # one process at a time: see [Note: concurrent connects]
-            conns = [_Stoppable(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout,
-                                              wait_for_workers=False), log, stop, publish=False) for _ in ranks]
+            conns = [_Stoppable(_connect(port, timeout), log, stop, publish=False) for _ in ranks]
             beats = [_heartbeat(c, r, world, settings["heartbeat_s"]) for c, r in zip(conns, ranks)]
             members = [_member(c, r, world, 0.2, 1.0 / step_rate) for c, r in zip(conns, ranks)] \
                 if scenario == "vote" else []
@@ -280,6 +279,7 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
                             "beat_gaps": [_max_gap(c.beats, start, end) for c in conns]}))
     except BaseException as err:  # noqa: BLE001 - back to the parent
         import traceback
+        ready.put(0)  # the parent waits for every process's word before anything else
         results.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
         results.close()
@@ -288,10 +288,25 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
 
 
 # [Note: concurrent connects] On the reference machine (torch 2.13, both of the store's
-# backends), TCPStore clients of several processes connecting at once to one server stall:
-# some connects time out after the client's timeout (5 s) while the others go through;
-# one process at a time they take milliseconds. Not the steady state measured here, so the
-# clients connect one process at a time, before the clock starts.
+# backends) about one connect in 25 to a TCPStore stalls 5 s: c10d looks up the name of
+# the peer's address (``::ffff:127.0.0.1``, not in /etc/hosts) and the sandbox's DNS
+# server never answers ("The hostname of the client socket cannot be retrieved. err=-3");
+# several processes connecting at once then time out. Not the steady state measured here,
+# so the clients connect one process at a time, before the clock starts (1,024 clients:
+# minutes of setup, no CPU).
+
+def _connect(port: int, timeout: timedelta, tries: int = 5) -> Any:
+    """A client of the server at ``port`` on this host, tried again where a connect stalls."""
+    for attempt in range(tries):
+        try:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
+                                  wait_for_workers=False)
+            store.set_timeout(timeout)
+            return store
+        except dist.DistNetworkError:
+            if attempt == tries - 1:
+                raise
+
 
 def _server_proc(ready: Any, go: Any, results: Any) -> None:
     """The store's server, alone in its process: its CPU seconds over the measured window."""
@@ -342,7 +357,7 @@ def run_synthetic(scenario: str, n: int, seconds: float, procs: int = 8, step_ra
         for p in clients:
             p.start()
         for _ in clients:
-            ready.get(timeout=120)
+            ready.get(timeout=600)
         start = time.monotonic() + 0.5
         for q in gos:
             q.put(start)
