@@ -118,8 +118,10 @@ from .optim import format_text as format_optim
 from . import options
 from .options import (SUITES, chaos_config, compression_config, configs_from_args,
                       convergence_config, faults_config, growth_config, modes_config, network_config, network_parts,
-                      suites_from_args, trainers_config)
+                      store_config, suites_from_args, trainers_config)
 from .reduce import BenchConfig, run_bench
+from .store import format_text as format_store
+from .store import run_store_bench
 from .reduce import format_text as format_reduce
 from .report import write_chart, write_csv
 from .step import REFERENCE as STEP_REFERENCE
@@ -279,6 +281,12 @@ def run(args: argparse.Namespace) -> int:
                  f"{c.steps} committed steps, a loss at step {c.kill_step} ...")
             result["faults"] = run_faults_bench(c)
             say(format_faults(result["faults"]) + "\n")
+        elif suite == "store":
+            c = store_config(args)
+            note(f"store suite: {c.real_ranks} real ranks, then {', '.join(map(str, c.clients))} synthetic ones "
+                 f"({', '.join(c.scenarios)}), {c.seconds:g} s each ...")
+            result["store"] = run_store_bench(c)
+            say(format_store(result["store"]) + "\n")
         elif suite == "chaos" and chaos_cfg is not None:
             c = chaos_cfg
             note(f"chaos suite: {', '.join(c.modes)} on {', '.join(c.transports)}; {c.members} members, "

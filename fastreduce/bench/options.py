@@ -50,14 +50,16 @@ from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_wo
 from .optim import MODELS as OPTIM_MODELS
 from .reduce import BenchConfig
 from .step import StepConfig
+from .store import SCENARIOS as STORE_SCENARIOS
+from .store import StoreConfig
 from .trainers import TrainersConfig
 
 __all__ = ["OPTIONS", "SUITES", "SUITE_OPTIONS", "add_arguments", "chaos_config", "compression_config",
            "configs_from_args", "convergence_config", "faults_config", "flag", "modes_config", "network_config",
-           "suites_from_args", "trainers_config"]
+           "store_config", "suites_from_args", "trainers_config"]
 
 SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers",
-          "faults", "chaos")
+          "faults", "chaos", "store")
 DEFAULT_SUITES = ("reduce", "step")
 """What ``fastreduce bench`` alone runs: the other suites are asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
@@ -137,6 +139,12 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "fastreduce's contenders only)", "fused", inside="--mode", kwargs={"choices": FAULTS_MODES}),
     Option("--faults-wire", "fastreduce's wire dtype, Membership's and checkpoint-restart's", "fp32",
            inside="--wire", kwargs={"choices": tuple(FAULTS_WIRES)}),
+    Option("--store-clients", "synthetic ranks on one TCPStore, a run per count", inside="--clients",
+           kwargs={"metavar": "N,N"}),
+    Option("--store-scenarios", "the synthetic runs' scenarios", inside="--scenarios", kwargs={"metavar": "NAME,NAME"}),
+    Option("--store-seconds", "measured seconds per synthetic run", inside="--seconds", kwargs={"type": float}),
+    Option("--store-real-ranks", "ranks of the real run (real heartbeats and watchdogs on Gloo; 0: none)",
+           inside="--real-ranks", kwargs={"type": int}),
     Option("--chaos-modes", "the modes to run", inside="--modes", kwargs={"metavar": "NAME,NAME"}),
     Option("--chaos-transports", "the transports", inside="--transports", kwargs={"metavar": "NAME,NAME"}),
     Option("--seed", "draws the kills (steps, victims, order) and the data", kwargs={"type": int}),
@@ -206,6 +214,10 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
               ("steps", "300; 30 with --quick"), ("seed", "0"),
               ("params_m", "0.1; 0.05 with --quick", "the MLP's size in millions of parameters"),
               ("batch", "64; 32 with --quick")),
+    "store": (("store_clients", "64,256,1024; 16 with --quick"),
+              ("store_scenarios", "all: " + ",".join(STORE_SCENARIOS) + "; beat,watch with --quick"),
+              ("store_seconds", f"{StoreConfig().seconds:g}; 2 with --quick"),
+              ("store_real_ranks", f"{StoreConfig().real_ranks}; 4 with --quick")),
     "all": (("ranks", "2"), ("iters", "each suite's"), ("params_m", "each suite's"), ("batch", "each suite's"),
             ("threads", "cores / ranks")),
 }
@@ -222,6 +234,8 @@ SUITE_HELP = {
     "trainers": "the Hugging Face Trainer in fastreduce's modes against the Trainer with DDP",
     "faults": "training that goes on when a member is lost and a replacement joins, side by side",
     "chaos": "each mode under fastreduce.Membership trains through three seeded kills and joins",
+    "store": "the c10d store's load from the heartbeat, the watchdog and the vote: 64 real ranks, up to 1,024 "
+             "synthetic ones (docs/scale.md)",
     "all": "every suite, each at its defaults",
 }
 
@@ -519,3 +533,23 @@ def chaos_config(args: argparse.Namespace) -> ChaosConfig:
         if value is not None:
             given[key] = value
     return chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
+
+
+def store_config(args: argparse.Namespace) -> StoreConfig:
+    """The store suite's settings: ``--quick`` is 16 synthetic clients and 4 real ranks, 2 s each."""
+    given: dict[str, Any] = {}
+    if args.store_clients is not None:
+        given["clients"] = parse_world_sizes(args.store_clients, flag(args, "store_clients"))
+    scenarios = _names(args, "store_scenarios", STORE_SCENARIOS)
+    if scenarios is not None:
+        given["scenarios"] = scenarios
+    for dest, key in (("store_seconds", "seconds"), ("store_real_ranks", "real_ranks")):
+        if getattr(args, dest) is not None:
+            given[key] = getattr(args, dest)
+    if args.quick:
+        given = {"clients": (16,), "scenarios": ("beat", "watch"), "seconds": 2.0, "real_ranks": 4,
+                 "real_seconds": 3.0, "procs": 2, **given}
+    try:
+        return StoreConfig(**given)
+    except ValueError as e:
+        raise ValueError(f"fastreduce bench store: {e}") from None
