@@ -30,7 +30,8 @@ for this release, with a deprecation note on stderr:
   ``torch.compile``, at 1 Gbit/s, 100 Mbit/s and on this host, three jobs each), and every mode training one task on ``--hosts`` hosts (2 and 4) at 10 Gbit/s,
   1 Gbit/s and 100 Mbit/s (:mod:`.network_modes`: step time, bytes on the wire, the loss
   reached, the time to reach DDP's loss; ``network_modes.png``). ``--rates`` sets both
-  parts' rates.
+  parts' rates. A third part, run only when named (``--parts growth``, :mod:`.growth`):
+  each mode's bytes and step on 2 to 16 hosts beside ``fastreduce plan``'s (``growth.png``).
 * ``compression`` (:mod:`.compression`): ``fastreduce.PowerSGD`` against DDP and DDP + torch's
   ``powerSGD_hook`` (rank 4, error feedback, warm start, one bucket), side by side: on one
   host (``--ranks``, a GPT-2 of ``--layers`` blocks) and on two namespace hosts at each
@@ -73,6 +74,10 @@ for this release, with a deprecation note on stderr:
   against wall time, a panel per mode). Also ``--modes``, ``--transports``,
   ``--params-m`` (0.1), ``--batch`` (64); ``--quick``: 3 members, 30 steps, one kill and one
   join, the overlapped mode on shared memory.
+* ``store`` (:mod:`.store`): the c10d store's load from the heartbeat, the watchdog and the
+  membership vote: 64 real Gloo ranks and up to 1,024 synthetic ones running the library's
+  own loops on counted connections (requests and keys per second, latency, false losses,
+  the server's CPU).
 
 Each prints a table (median, p10, p90; methods interleaved round-robin) and PASS/FAIL
 target lines; the exit code is 0 whatever the targets say (it is a report). The step
