@@ -13,16 +13,18 @@ says what the failed call left behind:
   from it) every ``$FASTREDUCE_HEARTBEAT_S`` seconds (default 1; ``0`` turns it off),
   and registers ``"<host> <pid>"`` once. One small store request per second per rank;
   it stops by itself when the process group is destroyed or the store is gone.
-* **diagnosis** (:func:`diagnose`), only after a collective failed: read every rank's
-  counter, wait until each has moved again or ``$FASTREDUCE_LOST_AFTER_S`` (default 3
-  heartbeats) has passed; the ranks whose counter did not move are lost. If the store
+* **diagnosis** (:func:`diagnose`), only after a collective failed: read the counters
+  this rank watches (:data:`WATCHED_SUCCESSORS`: every rank's in a world of up to 33), wait
+  until each has moved again or ``$FASTREDUCE_LOST_AFTER_S`` (default 3 heartbeats) has
+  passed; the ranks whose counter did not move are lost, and published on
+  ``fastreduce/lost`` for the ranks that do not watch them. If the store
   itself stops answering and it lives in rank 0's process (``init_process_group``
   through ``MASTER_ADDR``, not torchrun's agent store), rank 0 is the lost one. A lost
   rank stays known: a later failing call raises at once.
 * **watchdog** (:func:`wait_watched`): a partition (a host's link down, its process
   alive) fails no Gloo collective before the group's timeout; so the modes' waits on
-  Gloo collectives read the counters while they last, and name a rank silent for
-  ``$FASTREDUCE_LOST_AFTER_S`` at once.
+  Gloo collectives read the watched counters (and ``fastreduce/lost``) while they last,
+  and name a rank silent for ``$FASTREDUCE_LOST_AFTER_S`` at once.
 * **guard** (:func:`guard`, :func:`guarded`): wraps each mode's calls that wait on
   collectives; a transport failure whose diagnosis finds a lost rank is re-raised as a
   :class:`RankLostError` with the mode's statement of what its state now is; any other
@@ -48,14 +50,26 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "RankLostError", "StoreCaller", "TransportError", "all_reduce_watched", "diagnose",
-           "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after", "start_heartbeat", "wait_watched"]
+__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
+           "all_reduce_watched", "diagnose", "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after",
+           "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
 LOST_AFTER_ENV = "FASTREDUCE_LOST_AFTER_S"
 """Seconds a diagnosis waits for a silent rank's heartbeat before calling it lost
 (default 3 heartbeats)."""
+WATCHED_SUCCESSORS = 32
+"""How many ring successors each rank's readers watch (ranks ``r+1 .. r+k`` mod N): the
+watchdog, a Membership vote's wait and the diagnosis read only these counters, plus the
+``fastreduce/lost`` key where the watchers of a lost rank publish it (so every rank still
+learns of a loss within one more read). Reading every counter costs the store 2N keys per
+read per rank: at 1,024 ranks on a Membership's schedule (a read every 0.25 s) ~8M keys/s,
+about 4 cores of a TCPStore server, which is single-threaded: it saturates and calls live
+ranks lost (fastreduce/bench/store.py). With k successors it is k + 1 keys per read. Every
+rank still has k watchers, so a loss is seen unless k + 1 consecutive ranks are lost, and
+even then the first live rank before them sees its lost successor (below). In a world of
+up to k + 1 ranks every rank reads every counter, as before."""
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 RESTART = ("Restart from the last checkpoint (fastreduce.checkpoint); under torchrun, "
            "--max-restarts=N restarts the job by itself.")
@@ -210,6 +224,8 @@ class StoreCaller:
 class _Heartbeat:
     """This process's heartbeat thread and its own connection to the job's store."""
 
+    _known_keys: list[str] | None = None  # the counters' keys known to exist (:meth:`counts`)
+
     def __init__(self, default: Any, interval: float):
         # The default store by id only: holding it would keep rank 0's store server alive
         # after destroy_process_group().
@@ -257,29 +273,66 @@ class _Heartbeat:
             self.lost.setdefault(r, (how, {r: who[r]} if who.get(r) else {}))
         if new and publish:
             try:
-                self.call(self.store.set, f"{_KEY}lost", json.dumps({"by": self.rank, "ranks": new, "how": how,
-                                                                     "who": {str(r): who[r] for r in new if who.get(r)}}))
+                self.call(self._publish, {"by": self.rank, "ranks": new, "how": how,
+                                          "who": {str(r): who[r] for r in new if who.get(r)}})
             except Exception:  # noqa: BLE001 - best effort: the others then look for themselves
                 pass
 
+    def _publish(self, mine: dict[str, Any]) -> None:
+        """Add ``mine`` to the ranks published on ``fastreduce/lost``: the key holds the union
+        of every publisher's (the first one's ``by`` and ``how``), written by compare-and-set,
+        so watchers of different lost ranks publishing at once lose none of them."""
+        key, expected, value = f"{_KEY}lost", "", json.dumps(mine)
+        for _ in range(16):  # each retry: another publisher's record landed in between
+            got = self.store.compare_set(key, expected, value)
+            got = got.decode() if isinstance(got, bytes) else got
+            if got == value:
+                return
+            found = json.loads(got)
+            if set(mine["ranks"]) <= set(found["ranks"]):
+                return
+            expected = got
+            value = json.dumps({**found, "ranks": sorted(set(found["ranks"]) | set(mine["ranks"])),
+                                "who": {**mine["who"], **found["who"]}})
+
     def verdict(self) -> tuple[list[int], str, dict[int, str]] | None:
-        """The ranks another rank found lost and published (:meth:`mark_lost`), if any:
-        ``(ranks, how, who)``."""
+        """The ranks other ranks found lost and published (:meth:`mark_lost`), if any:
+        ``(ranks, how, who)``; ``None`` where only this rank's own finding is there."""
         key = f"{_KEY}lost"
         if not self.store.check([key]):
             return None
         found = json.loads(self.store.get(key))
-        if found["by"] == self.rank:
+        if found["by"] == self.rank and all(r in self.lost for r in found["ranks"]):
             return None
         return (found["ranks"], f"{found['how']}; found by rank {found['by']}",
                 {int(r): w for r, w in found["who"].items()})
 
-    def counts(self) -> list[int]:
-        keys = [f"{_KEY}heartbeat/{r}" for r in range(self.world)]
+    def watched(self) -> list[int]:
+        """The ranks whose counters this rank reads: every rank (its own too) in a world of up
+        to :data:`WATCHED_SUCCESSORS` + 1, else its next :data:`WATCHED_SUCCESSORS` on the ring."""
+        k = WATCHED_SUCCESSORS
+        if self.world <= k + 1:
+            return list(range(self.world))
+        return [(self.rank + i) % self.world for i in range(1, k + 1)]
+
+    def counts(self) -> dict[int, int]:
+        """The watched ranks' heartbeat counters (:meth:`watched`), by rank. Where this rank
+        watches only successors, the keys' ``check`` is made once: a counter exists from its
+        rank's start (``__init__`` adds 1 before anyone can wait on that rank), a missing one
+        is made here (``add(k, 0)``), and none is ever deleted; so after one read every key
+        read exists, and ``multi_get`` (which would wait for a missing key) reads them alone."""
+        ranks = self.watched()
+        keys = [f"{_KEY}heartbeat/{r}" for r in ranks]
         multi_get = getattr(self.store, "multi_get", None)  # one round trip (torch >= 2.5)
+        if multi_get is not None and self._known_keys == keys:
+            return dict(zip(ranks, (int(v) for v in multi_get(keys))))
         if multi_get is not None and self.store.check(keys):
-            return [int(v) for v in multi_get(keys)]
-        return [self.store.add(k, 0) for k in keys]
+            got = [int(v) for v in multi_get(keys)]
+        else:
+            got = [self.store.add(k, 0) for k in keys]
+        if len(ranks) < self.world - 1:  # successors only (a small world reads as it always did)
+            self._known_keys = keys
+        return dict(zip(ranks, got))
 
     def who(self, ranks: list[int]) -> dict[int, str]:
         out = {}
@@ -349,8 +402,9 @@ def note_lost(lost: dict[int, str], how: str) -> None:
 def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]:
     """Which ranks are lost: ``(ranks, how, who)``, ``ranks`` empty when none is (or
     when this process has no heartbeat to tell). Waits up to ``wait`` seconds
-    (default :func:`lost_after`) for every rank's heartbeat to move; returns as soon
-    as all have. Ranks found lost once are answered at once from then on."""
+    (default :func:`lost_after`) for every watched rank's heartbeat to move; returns as
+    soon as all have (in a world of more than :data:`WATCHED_SUCCESSORS` + 1, not before
+    the window: see :func:`_silent`). Ranks found lost once are answered at once from then on."""
     beat = _beat
     if beat is None or beat.default != id(_default_store()):
         return [], "", {}
@@ -367,15 +421,12 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         return found
     wait = lost_after() if wait is None else wait
     me = beat.rank
-    silent = [r for r in range(beat.world) if r != me]
+    silent = [r for r in beat.watched() if r != me]
     start = None
     try:
         before = beat.call(beat.counts)
         start = time.monotonic()
-        while silent and time.monotonic() < start + wait:
-            time.sleep(min(0.25, beat.interval / 2))
-            now = beat.call(beat.counts)
-            silent = [r for r in silent if now[r] == before[r]]
+        found = _silent(beat, before, silent, start, wait)
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
         who = beat.call(beat.who, silent)
     except Exception:  # noqa: BLE001 - the store itself does not answer
@@ -391,9 +442,48 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         else:
             silent = [host]
             how = "the job's c10d store, which its process hosts, stopped answering"
-        who = {}
+        who, found = {}, None
     beat.mark_lost(silent, how, who)
+    if found is not None:  # the others' findings too: every lost rank named (see _silent)
+        beat.mark_lost(*found, publish=False)
+        ranks = sorted(set(silent) | set(found[0]))
+        return ranks, how if silent else found[1], {**found[2], **who}
     return silent, how, who
+
+
+def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float,
+            wait: float) -> tuple[list[int], str, dict[int, str]] | None:
+    """The diagnosis's wait: drops from ``silent`` (in place: what it holds when the store
+    stops answering counts too) the ranks whose counters (``before``) moved within ``wait``
+    seconds of ``start``; returns the ranks other ranks published lost meanwhile
+    (:meth:`_Heartbeat.verdict`; ``None`` in a world every rank reads whole: there it is not read).
+
+    [Note: watching successors] Where this rank watches only its next k ranks, a lost rank
+    elsewhere is seen by its own k watchers, which publish it on ``fastreduce/lost`` (a
+    union: :meth:`_Heartbeat._publish`). Some live rank always sees a loss: from any lost
+    rank, walk back the ring to the first live rank; its successor is lost and watched by
+    it. So this rank waits its whole window (every rank's diagnosis began at the same
+    failure, so the watchers' windows end with its own), then names its own silent
+    successors together with every rank published by then; with none of either, it reads
+    ``fastreduce/lost`` one more window (a watcher whose diagnosis began later) before it
+    calls the failure no loss. Ranks lost at once are named together: each one's watchers
+    publish it at the end of their window, and a rank whose k successors are all lost
+    names them itself and learns of the others from the key, read at the end of its own
+    window. The verdict comes before any survivor exits (a survivor raises only once its
+    own window ended or it read the verdict), so an exited survivor is never silent for a
+    window before this rank has read it."""
+    sparse = len(beat.watched()) < beat.world - 1
+    found = None
+    while silent or sparse:
+        now_s = time.monotonic()
+        if now_s >= start + wait and (not sparse or silent or found is not None or now_s >= start + 2 * wait):
+            break
+        time.sleep(min(0.25, beat.interval / 2))
+        now = beat.call(beat.counts)
+        silent[:] = [r for r in silent if now[r] == before[r]]
+        if sparse:
+            found = beat.call(beat.verdict) or found
+    return found
 
 
 # ---------------------------------------------------------------------- watchdog
@@ -404,8 +494,9 @@ def wait_watched(work: Any) -> Any:
 
     A dead process fails the collective by itself (its sockets close); a partition (a
     link or a host down, every process alive) does not: Gloo waits out the group's
-    timeout. So once a wait has lasted a heartbeat, it reads every rank's heartbeat
-    counter each heartbeat; a rank whose counter has not moved for
+    timeout. So once a wait has lasted a heartbeat, it reads the heartbeat counters of
+    the ranks it watches (:data:`WATCHED_SUCCESSORS`) and the ranks published lost each
+    heartbeat; a rank whose counter has not moved for
     ``$FASTREDUCE_LOST_AFTER_S`` is lost, and the wait raises :class:`TransportError`
     naming it, leaving the collective abandoned (the guard of the calling mode turns it
     into a :class:`RankLostError`; the process can exit, or torchrun restart it). A
@@ -487,7 +578,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {found[0]} were found lost by another rank during a "
                                  "collective; the collective is abandoned")
-        for r, c in enumerate(counts):
+        for r, c in counts.items():
             if r != beat.rank and (r not in seen or seen[r][0] != c):
                 seen[r] = (c, now)
         silent = sorted(r for r, (_, since) in seen.items() if now - since >= window)

@@ -526,8 +526,9 @@ class Membership(EpochChanges):
                 continue
             now = time.monotonic()
             try:
-                counts = beat.call(beat.counts)
-                for r, c in enumerate(counts):
+                counts = beat.call(beat.counts)  # the watched members' (faults.WATCHED_SUCCESSORS): a
+                # member lost elsewhere is seen by its own watchers, whose "abort" wakes this get
+                for r, c in counts.items():
                     if r not in seen or seen[r][0] != c:
                         seen[r] = (c, now)
                 silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
