@@ -315,9 +315,14 @@ def test_mean_within_the_wires_bound_of_fp64(world: int, mode: str, wire: str) -
 @pytest.mark.parametrize("world", SIZES)
 @pytest.mark.parametrize("name", ZERO_CASES)
 def test_zero_matches_torch_optim_on_the_mean(world: int, name: str) -> None:
+    """test_zero's tolerance (rtol 1e-5, atol 1e-6 at 2-3 ranks) with atol times N / 16: AdamW's
+    first step is lr g / (|g| + eps), so an element of the mean gradient as small as the two
+    sides' summation difference (N 2^-24 S) moves by a share of lr that grows with N (measured:
+    1.7e-6 at 64 ranks, lr 1e-2, one element of 3076)."""
     runs = outs(world, ("zero", name))
+    atol = zero_t.ATOL * max(1.0, world / 16)
     for rank, r in enumerate(runs):
-        zero_t.assert_runs_close(r["zero"]["params"], r["ref"]["params"], f"N={world} rank {rank} {name}")
+        zero_t.assert_runs_close(r["zero"]["params"], r["ref"]["params"], f"N={world} rank {rank} {name}", atol=atol)
     report(world, f"zero {name} max |param - AdamW ref|", max(max_diff_runs(r["zero"]["params"], r["ref"]["params"])
                                                               for r in runs))
     zero_t.assert_identical_on_ranks([r["zero"]["params"] for r in runs], f"N={world} {name}")
