@@ -69,6 +69,7 @@ class GrowthConfig:
     repeats: int = 3
     timeout: float = 900.0  # per job
     rotate: int = 0     # set by the runner: the modes' order starts this far in
+    one_host: int = 64  # ranks of the one-host collectives' check (0: none)
 
 
 # ============================================================== in each rank
@@ -136,6 +137,57 @@ def worker(cfg: GrowthConfig, out: str) -> None:
     dist.destroy_process_group()
 
 
+COLLECTIVE_MB = (16, 64)
+"""The one-host check's collectives: all-reduce, reduce-scatter and all-gather of these
+sizes, beyond the probe's 4 MB."""
+
+
+def collectives_worker(rank: int, world: int) -> dict[str, Any] | None:
+    """One rank of the one-host check (:func:`fastreduce.launch.run_ranks`, Gloo on this host):
+    the group's all-reduce probed as ``fastreduce plan --probe`` does, then each collective of
+    :data:`COLLECTIVE_MB` as the modes send it on a process group (the fused mode's
+    ``all_reduce``, ZeRO's reduce-scatter and all-gather through :class:`~fastreduce.comm.Comm`)
+    timed: the fastest of three, each after a barrier; rank 0's figures."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import complete, get_comm
+    from ..sizing import measure_link
+
+    cpu = torch.device("cpu")
+    link = measure_link(None, cpu)
+    comm = get_comm(None, cpu, "process_group")
+    out: dict[str, Any] = {"probe": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}, "times": {}}
+    for mb in COLLECTIVE_MB:
+        buf = torch.zeros(mb * 2**20 // 4 // world * world)
+        for name, call in (("all_reduce", lambda: dist.all_reduce(buf)),
+                           ("reduce_scatter", lambda: complete(comm.reduce_scatter(buf))),
+                           ("all_gather", lambda: complete(comm.all_gather(buf)))):
+            times = []
+            for _ in range(3):
+                dist.barrier()
+                t = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t)
+            out["times"][f"{name}_{mb}"] = min(times)
+    return out if rank == 0 else None
+
+
+def one_host_table(raw: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """Each collective measured beside the plan's, the cluster solved from the group's probe."""
+    from ..plan import Cluster, Link
+
+    probe = Link(raw["probe"]["latency_s"], raw["probe"]["bytes_per_s"])
+    cluster = Cluster.from_probe(probe, ranks, ranks, probe)
+    rows = {}
+    for key, seconds in raw["times"].items():
+        name, mb = key.rsplit("_", 1)
+        nbytes = int(mb) * 2**20
+        predicted = getattr(cluster, name)(nbytes)
+        rows[key] = {"ms": seconds * 1e3, "predicted_ms": predicted * 1e3, "error": predicted / seconds - 1}
+    return {"ranks": ranks, "probe": raw["probe"], "rows": rows}
+
+
 # ============================================================== the runner
 
 def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
@@ -159,7 +211,13 @@ def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
                 spec = {**asdict(cfg), "rotate": rep}
                 jobs.setdefault(f"{n}x{rate}", []).append(
                     run_on_hosts(n, rate, "fastreduce.bench.growth", spec, cfg.timeout))
-    report = {"config": asdict(cfg), "jobs": jobs, "seconds": round(time.monotonic() - started, 1)}
+    if cfg.one_host:
+        from ..launch import run_ranks
+
+        raw = run_ranks(collectives_worker, cfg.one_host, timeout=cfg.timeout, threads=1)[0]
+        one_host = one_host_table(raw, cfg.one_host)
+    report = {"config": asdict(cfg), "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
+              **({"one_host": one_host} if cfg.one_host else {})}
     report.update(summarize(report))
     return report
 
@@ -217,6 +275,12 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                              "limit": BYTES_LIMIT, "op": "<=", "pass": worst_bytes[0] <= BYTES_LIMIT},
         "step_vs_plan": {"what": f"largest |predicted / measured - 1| ({worst_step[1]})", "value": worst_step[0],
                          "limit": STEP_LIMIT, "op": "<=", "pass": worst_step[0] <= STEP_LIMIT}}
+    one = report.get("one_host")
+    if one:
+        worst = max((abs(r["error"]), k) for k, r in one["rows"].items())
+        targets["one_host_collectives"] = {"what": f"{one['ranks']} ranks on one host: largest |predicted / measured "
+                                                   f"- 1| ({worst[1]})", "value": worst[0], "limit": STEP_LIMIT,
+                                           "op": "<=", "pass": worst[0] <= STEP_LIMIT}
     return {"table": rows, "targets": targets}
 
 
@@ -244,6 +308,11 @@ def format_text(report: dict[str, Any]) -> str:
                                  + (f"; resent {m['resent_mb_per_step']:.2f}" if m.get("resent_mb_per_step", 0) >= 0.01
                                     else "") + ")")
             lines.append(f"    {mode:<12} " + "; ".join(cells))
+    one = report.get("one_host")
+    if one:
+        lines.append(f"  one host, {one['ranks']} Gloo ranks: measured ms (plan's from the group's probe, error): "
+                     + "; ".join(f"{k} {r['ms']:.0f} ({r['predicted_ms']:.0f}, {r['error']:+.0%})"
+                                 for k, r in one["rows"].items()))
     lines += target_lines(report["targets"])
     return "\n".join(lines)
 
