@@ -408,6 +408,11 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
     beat = _beat
     if beat is None or beat.default != id(_default_store()):
         return [], "", {}
+    return _diagnose(beat, lost_after() if wait is None else wait)
+
+
+def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, str]]:
+    """:func:`diagnose` by ``beat``'s rank."""
     if beat.lost:
         ranks = sorted(beat.lost)
         who = {r: w for r in ranks for w in beat.lost[r][1].values()}
@@ -419,9 +424,8 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
     if found is not None:
         beat.mark_lost(*found, publish=False)
         return found
-    wait = lost_after() if wait is None else wait
-    me = beat.rank
-    silent = [r for r in beat.watched() if r != me]
+    me, watched = beat.rank, beat.watched()
+    silent = [r for r in watched if r != me]
     start = None
     try:
         before = beat.call(beat.counts)
@@ -442,8 +446,14 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
         else:
             silent = [host]
             how = "the job's c10d store, which its process hosts, stopped answering"
-        who, found = {}, None
+        who, found, start = {}, None, None
     beat.mark_lost(silent, how, who)
+    if start is not None and (silent or found) and len(watched) < beat.world - 1:
+        time.sleep(beat.interval)  # a heartbeat more: the other watchers' findings, published at the
+        try:  # end of their windows as this rank's at the end of its own (see _silent)
+            found = beat.call(beat.verdict) or found
+        except Exception:  # noqa: BLE001 - the store stopped answering: what is known is told
+            pass
     if found is not None:  # the others' findings too: every lost rank named (see _silent)
         beat.mark_lost(*found, publish=False)
         ranks = sorted(set(silent) | set(found[0]))
@@ -463,13 +473,15 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
     union: :meth:`_Heartbeat._publish`). Some live rank always sees a loss: from any lost
     rank, walk back the ring to the first live rank; its successor is lost and watched by
     it. So this rank waits its whole window (every rank's diagnosis began at the same
-    failure, so the watchers' windows end with its own), then names its own silent
-    successors together with every rank published by then; with none of either, it reads
-    ``fastreduce/lost`` one more window (a watcher whose diagnosis began later) before it
-    calls the failure no loss. Ranks lost at once are named together: each one's watchers
-    publish it at the end of their window, and a rank whose k successors are all lost
-    names them itself and learns of the others from the key, read at the end of its own
-    window. The verdict comes before any survivor exits (a survivor raises only once its
+    failure, so the watchers' windows end with its own, give or take the failure's
+    spread), publishes its own silent successors, and a heartbeat later (:func:`_diagnose`)
+    names them together with every rank published by then; with none of either at the window's end, it reads
+    ``fastreduce/lost`` up to one more window (a watcher whose diagnosis began later)
+    before it calls the failure no loss. Ranks lost at once are named together: each one's
+    watchers publish it at the end of their window, and a rank whose k successors are all
+    lost names them itself and learns of the others from the key, read a heartbeat after
+    the end of its own window (a watcher whose diagnosis began later than that is not
+    waited for: this rank names the ranks known by then). The verdict comes before any survivor exits (a survivor raises only once its
     own window ended or it read the verdict), so an exited survivor is never silent for a
     window before this rank has read it."""
     sparse = len(beat.watched()) < beat.world - 1
