@@ -101,3 +101,109 @@ def test_config_is_checked() -> None:
         bench.StoreConfig(scenarios=("nope",))
     with pytest.raises(ValueError):
         bench.StoreConfig(real_ranks=1)
+
+
+def _watch_until_lost(beat: object, out: dict, done: threading.Event) -> None:
+    try:
+        faults._watch(beat, done)
+    except faults.TransportError as err:
+        out[beat.rank] = (time.monotonic(), sorted(beat.lost), str(err))
+
+
+def test_at_a_large_world_each_rank_reads_its_successors_and_a_stopped_rank_is_named_by_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 simulated ranks watching k = 8 successors (faults.WATCHED_SUCCESSORS): each watchdog
+    read carries k counters (their check made once) and the published verdict's key, k + 1
+    keys a tick; a rank whose heartbeat stops is named, by its k watchers from its counter
+    and by the others from the verdict, on every rank. Its last beat lands at most a tick
+    before the stop, a watcher sees it within a tick, calls it silent a window later (to a
+    tick) and the others read the verdict within a tick more: window + 3 ticks after the stop
+    (plus slack for this loaded host)."""
+    n, k, beat_s, window, victim = 64, 8, 0.25, 1.0, 37
+    monkeypatch.setattr(faults, "WATCHED_SUCCESSORS", k)
+    monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    stop, stop_victim, done = threading.Event(), threading.Event(), threading.Event()
+    logs: list[list] = [[] for _ in range(n)]
+    beats = [bench._heartbeat(bench._Stoppable(client.clone(), logs[r], stop_victim if r == victim else stop, True),
+                              r, n, beat_s) for r in range(n)]
+    out: dict[int, tuple] = {}
+    try:
+        for b in beats:
+            threading.Thread(target=b._run, daemon=True).start()
+        for b in beats:
+            threading.Thread(target=_watch_until_lost, args=(b, out, done), daemon=True).start()
+        time.sleep(beat_s + 6 * beat_s)  # the watchdogs' first read after a beat, then a few ticks
+        for r in range(n):
+            if r == victim:
+                continue
+            reads = [(m, keys) for m, keys, *_ in logs[r] if m in ("check", "multi_get")]
+            gets = [keys for m, keys in reads if m == "multi_get"]
+            checks = [keys for m, keys in reads if m == "check"]
+            assert len(gets) >= 3 and set(gets) == {k}, (r, reads)
+            assert checks[0] == k and set(checks[1:]) == {1}, (r, reads)  # counters' check once, then the verdict's
+            assert abs(len(checks) - 1 - len(gets)) <= 1, (r, reads)  # so k + 1 keys a tick (the last may be half-logged)
+        assert not out, out  # no live rank named while every rank beat
+        stopped = time.monotonic()
+        stop_victim.set()
+        bound = window + 3 * beat_s + 0.5
+        while len(out) < n - 1 and time.monotonic() < stopped + bound + 5:
+            time.sleep(0.05)
+    finally:
+        done.set()
+        stop.set()
+        stop_victim.set()
+    named = {r: o for r, o in out.items() if r != victim}
+    assert sorted(named) == [r for r in range(n) if r != victim], sorted(set(range(n)) - set(named))
+    watchers = {(victim - i) % n for i in range(1, k + 1)}
+    for r, (at, lost, message) in named.items():
+        assert lost == [victim], (r, lost, message)
+        assert at - stopped <= bound, (r, round(at - stopped, 2), message)
+        assert r in watchers or "found lost by another rank" in message, (r, message)
+    assert sum("found lost by another rank" in m for _, _, m in named.values()) >= n - 1 - k  # the others: by the verdict
+
+
+def test_at_a_large_world_a_diagnosis_names_every_rank_lost_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 simulated ranks watching k = 8 successors; ranks 10-17 (all of rank 9's watched
+    ranks) and 40 stop beating at once, and every live rank diagnoses (as after a failed
+    collective): each names all nine, its own silent successors with those their watchers
+    published on fastreduce/lost (rank 9 learns of 40 there; rank 1, which watches none of
+    them, of all nine)."""
+    n, k, beat_s, window = 64, 8, 0.25, 1.0
+    lost = [*range(10, 18), 40]
+    monkeypatch.setattr(faults, "WATCHED_SUCCESSORS", k)
+    monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    stop, stop_lost = threading.Event(), threading.Event()
+    beats = [bench._heartbeat(bench._Stoppable(client.clone(), [], stop_lost if r in lost else stop, True),
+                              r, n, beat_s) for r in range(n)]
+    out: dict[int, tuple] = {}
+    failed = threading.Barrier(n - len(lost))  # every survivor diagnoses the same failure
+
+    def diagnose(b: object) -> None:
+        failed.wait()
+        out[b.rank] = faults._diagnose(b, window)
+
+    try:
+        for b in beats:
+            threading.Thread(target=b._run, daemon=True).start()
+        time.sleep(3 * beat_s)
+        stop_lost.set()
+        time.sleep(beat_s)  # a beat already on its way lands
+        started = time.monotonic()
+        threads = [threading.Thread(target=diagnose, args=(b,), daemon=True) for b in beats if b.rank not in lost]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4 * window + 5)
+    finally:
+        stop.set()
+    took = time.monotonic() - started
+    assert sorted(out) == [r for r in range(n) if r not in lost], sorted(out)
+    for r, (ranks, how, _) in out.items():
+        assert ranks == lost, (r, ranks, how)
+    assert took < 2 * window + 2, took
