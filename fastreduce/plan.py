@@ -5,9 +5,12 @@ behind ``fastreduce plan`` and ``bucket_mb="auto"``. Pure Python: no torch at im
 ``bandwidth`` is what one host can send per second as payload: a rate in bits per second
 (``--link 100gbit``) carries ``(MTU - 52) / (MTU + 14)`` of it as payload over TCP on
 Ethernet (:data:`TCP_PAYLOAD`; 0.956 at MTU 1500); measured (``--probe``,
-:meth:`Cluster.from_probe`), it is what the group's all-reduce moved. Bytes are counted as
-payload: an interface with segmentation offload (a veth; most NICs' counters) counts one
-set of headers per 64 KB, 0.3% over the payload on the namespace hosts measured.
+:meth:`Cluster.from_probe`), it is what the group's all-reduce moved. The plan's bytes
+are payload; on the wire each 1448 bytes of it travel in a 1514-byte frame
+(:func:`on_the_wire`). An interface's counter reads the wire's bytes where the packets are
+cut to the MTU before it, and fewer where they are not (segmentation offload: one set of
+headers per 64 KB; 0.3% over the payload on the namespace hosts at 1 Gbit/s, where
+``tbf`` passes them whole, and the wire's bytes at 100 Mbit/s, where it cuts them).
 
 **The collectives** (:class:`Cluster`), ``N`` ranks on ``H = N / R`` hosts of ``R`` ranks:
 a hierarchical ring (the bandwidth-optimal algorithm of the collectives' papers: NCCL's and
@@ -59,7 +62,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = ["DDP_BUCKET_MB", "DDP_FIRST_BUCKET_MB", "MB", "TCP_PAYLOAD", "WIRE_BYTES", "Cluster", "Estimate",
            "Link", "Mode", "Plan", "Sizing", "Workload", "bucketed_exposed", "choose", "estimate",
-           "gathered_exposed", "modes", "parse_bytes", "parse_rate", "parse_seconds", "plan",
+           "gathered_exposed", "modes", "on_the_wire", "parse_bytes", "parse_rate", "parse_seconds", "plan",
            "recommend"]
 
 MB = 2**20
@@ -128,6 +131,11 @@ class Link:
     def of(cls, rate: str, latency: str = "20us", mtu: int = MTU) -> "Link":
         """A link given as users state it: its rate (bits per second) and latency."""
         return cls(parse_seconds(latency), parse_rate(rate) / 8 * TCP_PAYLOAD(mtu))
+
+
+def on_the_wire(payload: float, mtu: int = MTU) -> float:
+    """Bytes on an Ethernet link for ``payload`` bytes sent over TCP: every frame's headers too."""
+    return payload / TCP_PAYLOAD(mtu)
 
 
 @dataclass(frozen=True)

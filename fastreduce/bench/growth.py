@@ -22,8 +22,13 @@ job, over ``steps`` steps after ``warmup`` (whole periods of the local modes):
 
 Each row's figures are the medians of the repeats. Set beside them:
 
-* ``formula_mb``: :func:`fastreduce.plan.estimate`'s payload bytes per rank and step (a
-  veth counts one set of headers per 64 KB sent: segmentation offload);
+* ``formula_mb``: :func:`fastreduce.plan.estimate`'s payload bytes per rank and step on
+  the wire (:func:`fastreduce.plan.on_the_wire`: in 1514-byte frames of 1448 bytes of
+  payload; ``payload_mb`` without them). The veth's counter reads the wire's bytes where
+  ``tbf`` cuts the packets to the MTU before counting (100 Mbit/s: its bucket is smaller
+  than a 64 KB packet) and about the payload where it passes them whole (1 Gbit/s:
+  segmentation offload, one set of headers per 64 KB), so at 1 Gbit/s it reads about 4%
+  under the wire;
 * ``predicted_ms``: the plan's step for that mode as ``fastreduce plan --probe`` would give
   it on that group: the host link solved from the group's all-reduce measured at the job's
   start (:func:`fastreduce.sizing.measure_link`, the median over the jobs), the compute
@@ -225,7 +230,7 @@ def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     """The table (medians of the jobs, the formula's bytes, the plan's step) and the targets,
     from the jobs' raw figures: pure Python, so it can be redone from a saved ``bench.json``."""
-    from ..plan import Cluster, Link, Workload, estimate, modes
+    from ..plan import Cluster, Link, Workload, estimate, modes, on_the_wire
 
     cfg = report["config"]
     jobs = report["jobs"]
@@ -257,12 +262,13 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                     continue
                 e = estimate(by_name[plan_name], cluster, work)
                 ms, mb = med(mode, "ms_per_step"), med(mode, "mb_per_step")
-                formula = e.bytes_per_step / 1e6
+                formula = on_the_wire(e.bytes_per_step) / 1e6
                 row["modes"][mode] = {
                     "ms_per_step": ms, "ms_runs": [j["modes"][mode]["ms_per_step"] for j in runs],
                     "predicted_ms": e.step_s * 1e3, "step_error": e.step_s * 1e3 / ms - 1,
                     "from_2_hosts_ms": from_two and estimate(by_name[plan_name], from_two, work).step_s * 1e3,
                     "mb_per_step": mb, "mb_per_step_max": med(mode, "mb_per_step_max"), "formula_mb": formula,
+                    "payload_mb": e.bytes_per_step / 1e6,
                     "resent_mb_per_step": statistics.median(j["modes"][mode].get("resent_segments_per_step", 0)
                                                             for j in runs) * MSS / 1e6,
                     "bytes_error": mb / formula - 1 if formula else None}
