@@ -136,7 +136,8 @@ def measure_link(group: dist.ProcessGroup | None, device: torch.device,
     slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
     if slope <= 0:  # noise over the bytes' own time: all of the largest one's time as bandwidth
         return Link(points[0][1], points[-1][0] / points[-1][1])
-    return Link(max(mean_t - slope * mean_n, 0.0), 1.0 / slope)
+    intercept = mean_t - slope * mean_n  # below zero in noise: then the smallest message's time, all latency
+    return Link(intercept if intercept > 0 else points[0][1], 1.0 / slope)
 
 
 def agree(link: Link, backward_s: float, group: dist.ProcessGroup | None,
