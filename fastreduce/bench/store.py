@@ -142,10 +142,10 @@ class Counted:
             return fn
 
         def request(*args: Any) -> Any:
-            if name == "set" and args[0] == _LOST_KEY:
-                self.verdicts.append((time.monotonic(), args[1]))
+            if name in ("set", "compare_set") and args[0] == _LOST_KEY:  # set: (key, value); compare_set: (key,
+                self.verdicts.append((time.monotonic(), args[-1]))     # expected, value), the value on success
                 if not self.publish:
-                    return None
+                    return args[-1] if name == "compare_set" else None
             keys = len(args[0]) if name in ("check", "multi_get", "wait") else 1
             t0 = time.monotonic()
             try:
