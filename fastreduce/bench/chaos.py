@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite chaos``: each mode trains through three losses and three joins.
+"""``fastreduce bench chaos``: each mode trains through three losses and three joins.
 
 Issue 49's chaos run. Per mode under :class:`fastreduce.Membership` (:data:`MODES`:
 the fused reducer with a bf16 wire, the overlapped reducer with an fp32 wire and buckets

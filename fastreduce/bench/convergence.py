@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite convergence``: a real language model trained with each
+"""``fastreduce bench convergence``: a real language model trained with each
 data-parallel method on the same data and seeds; held-out loss against steps and wall time.
 
 Every compression claim is a claim about loss (DESIGN.md, invariant 10), so this suite

@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite faults``: training that goes on at a loss and a join, side by side.
+"""``fastreduce bench faults``: training that goes on at a loss and a join, side by side.
 
 Issue 49's measurement, for the fused mode (``--faults-mode zero``: ZeRO, fastreduce's
 contenders only): the same model, data and failure schedule under three ways of surviving a

@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite decentralized``: gossip training steps against the reducers and decent-dp.
+"""``fastreduce bench decentralized``: gossip training steps against the reducers and decent-dp.
 
 Real Gloo ranks time whole training steps (forward + backward + the mode's update:
 AdamW in every method, as users write it, ``torch.optim.AdamW(params, lr)``; with

@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite local``: local-update training (LocalSGD, DiLoCo) against DDP.
+"""``fastreduce bench local``: local-update training (LocalSGD, DiLoCo) against DDP.
 
 Two parts, both on real Gloo ranks at each world size of ``--local-ranks`` (default 2):
 

@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite optim``: whole training steps with the AdamW step, ZeRO against the rest.
+"""``fastreduce bench optim``: whole training steps with the AdamW step, ZeRO against the rest.
 
 What is measured
 ----------------

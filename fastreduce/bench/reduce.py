@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite reduce``: what the reduction call costs, next to what it cannot avoid.
+"""``fastreduce bench reduce``: what the reduction call costs, next to what it cannot avoid.
 
 What is measured
 ----------------

@@ -1,4 +1,4 @@
-"""``fastreduce bench --suite step``: whole training steps, fastreduce against DDP and the loops.
+"""``fastreduce bench step``: whole training steps, fastreduce against DDP and the loops.
 
 What is measured
 ----------------

@@ -33,7 +33,7 @@ def shared_memory_buckets(wire_bytes: int, views: bool = False) -> Sizing:
     of the flat buffer before each forward (:mod:`.zero_grads`), so backward accumulates into
     it whatever the zeroing and allocates no gradient, and one bucket pays one reduce-scatter
     and one all-gather. 2 ranks, 48 x (Linear 512 + LayerNorm) (50 MB), AdamW, ms per step,
-    medians of three interleaved runs (``fastreduce bench --suite optim --optim-model blocks
+    medians of three interleaved runs (``fastreduce bench optim --model blocks
     --zero-bucket-mb 1,2,8,64 [--set-to-none]``): with ``zero_grad()`` one bucket 53.7, 2 MB
     58.8, 8 MB 57.7; zeroed in place 52.2, 57.7, 54.4.
 
