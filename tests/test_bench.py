@@ -439,11 +439,13 @@ def _steps_part_ok(network: dict, rate: str, chose: str, targets: list[str]) -> 
 
 def _growth_part_ok(report: dict) -> None:
     """Two hosts at 1 Gbit/s, every priced mode: the bytes each host's interface counted are
-    the plan's formula (on the wire), within 5% (the veth counts 64 KB packets there: 4% under)."""
+    the plan's formula: between its payload and the same on the wire (the veth counts 64 KB
+    packets there, one set of headers each), within 2%."""
     row = report["table"]["2x1gbit"]
     assert list(row["modes"]) == list(growth_suite.PLAN_MODES)
-    for name, m in row["modes"].items():
-        assert abs(m["bytes_error"]) < 0.05, (name, m)
+    assert "one_host" not in report  # --quick: not the 64-rank check
+    for name, m in row["modes"].items():  # between the payload and the wire (the veth counts 64 KB packets here)
+        assert 0.98 * m["payload_mb"] <= m["mb_per_step"] <= 1.02 * m["formula_mb"], (name, m)
         assert m["ms_per_step"] > 0 and m["predicted_ms"] > 0, (name, m)
     assert set(report["targets"]) == {"bytes_vs_formula", "step_vs_plan"}
 
