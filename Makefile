@@ -60,7 +60,8 @@ record = $(if $(DURATIONS),FASTREDUCE_DURATIONS=$(abspath $(DURATIONS))/$(1).jso
 
 # One inductor cache for both passes: the transport pass loads what the first compiled.
 # The 16-rank scale group (tests/test_scale.py) runs alone after the first pass: its 16 ranks
-# (about 7 GB) beside the other workers' compiles ran this 24 GiB machine out of memory.
+# (about 7 GB) never meet the other workers' compiles on this 24 GiB machine (out of memory, the
+# kernel kills an xdist worker and the group it held hangs the run; docs/testing.md).
 test: $(STAMP)
 	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d -t fastreduce-inductor-XXXXXX); \
 	$(call record,default) $(PYTEST) $(PYTEST_ARGS) --ignore=tests/test_scale.py && \
