@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -90,18 +92,24 @@ def _sync(device: torch.device) -> None:
         torch.hpu.synchronize()  # type: ignore[attr-defined]
 
 
-def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> float:
-    """Fewest seconds of ``repeats`` all-reduces of ``buf``, each started after a barrier
-    (the least disturbed: a busy host only adds time)."""
+def fastest(call: Callable[[], object], group: dist.ProcessGroup | None, device: torch.device,
+            repeats: int) -> float:
+    """Fewest seconds of ``repeats`` runs of the collective ``call``, each started after a
+    barrier (the least disturbed: a busy host only adds time)."""
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
-        _sync(buf.device)
+        _sync(device)
         t = time.perf_counter()
-        dist.all_reduce(buf, group=group)
-        _sync(buf.device)
+        call()
+        _sync(device)
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> float:
+    """:func:`fastest` of ``repeats`` all-reduces of ``buf``."""
+    return fastest(lambda: dist.all_reduce(buf, group=group), group, buf.device, repeats)
 
 
 def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:

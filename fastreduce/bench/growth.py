@@ -157,7 +157,7 @@ def collectives_worker(rank: int, world: int) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from ..comm import complete, get_comm
-    from ..sizing import measure_link
+    from ..sizing import fastest, measure_link
 
     cpu = torch.device("cpu")
     link = measure_link(None, cpu)
@@ -168,13 +168,7 @@ def collectives_worker(rank: int, world: int) -> dict[str, Any] | None:
         for name, call in (("all_reduce", lambda: dist.all_reduce(buf)),
                            ("reduce_scatter", lambda: complete(comm.reduce_scatter(buf))),
                            ("all_gather", lambda: complete(comm.all_gather(buf)))):
-            times = []
-            for _ in range(3):
-                dist.barrier()
-                t = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t)
-            out["times"][f"{name}_{mb}"] = min(times)
+            out["times"][f"{name}_{mb}"] = fastest(call, None, cpu, 3)
     return out if rank == 0 else None
 
 
