@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from .plan import Cluster, Link, Plan, Workload, parse_bytes, parse_rate, parse_seconds, plan
+from .plan import Cluster, Link, Plan, Workload, parse_bytes, plan
 
 __all__ = ["add_arguments", "format_text", "run"]
 
@@ -105,7 +105,6 @@ def cluster(args: argparse.Namespace, probed: Cluster | None = None, ranks: int 
         return Cluster(ranks or probed.ranks, link, per_host, probed.intra if probed.hosts == 1 else intra)
     if ranks is None or args.link is None:
         raise ValueError("fastreduce plan needs --ranks and --link (or --probe on a live group)")
-    parse_rate(args.link), parse_seconds(args.latency)
     return Cluster(ranks, Link.of(args.link, args.latency, args.mtu), args.ranks_per_host or 1, intra)
 
 
