@@ -111,7 +111,8 @@ def worker(cfg: GrowthConfig, out: str) -> None:
         data = [torch.randn(2, cfg.batch, cfg.width, generator=gen) for _ in range(cfg.warmup + cfg.steps)]
         phases = [0.0, 0.0, 0.0]
         for i, (x, y) in enumerate(data):  # made beforehand: a loader's work is not the step's
-            if i == cfg.warmup:
+            if i == cfg.warmup:  # nothing in flight, on either side of the window: an exchange
+                finish()         # done on one rank may be queued on its link still
                 dist.barrier()
                 tx0, re0, t0 = _tx_bytes(), _retransmitted(), time.perf_counter()
             a = time.perf_counter()
@@ -124,7 +125,9 @@ def worker(cfg: GrowthConfig, out: str) -> None:
                 for j, d in enumerate((b - a, c - b, time.perf_counter() - c)):
                     phases[j] += d
         finish()
-        elapsed, tx, resent = time.perf_counter() - t0, _tx_bytes() - tx0, _retransmitted() - re0
+        elapsed = time.perf_counter() - t0
+        dist.barrier()  # every rank's receives done: every send is off this host's link
+        tx, resent = _tx_bytes() - tx0, _retransmitted() - re0
         per_rank: list[Any] = [None] * world
         dist.all_gather_object(per_rank, (elapsed, tx, phases, resent))
         results[name] = {"ms_per_step": max(r[0] for r in per_rank) / cfg.steps * 1e3,
