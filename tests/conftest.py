@@ -78,6 +78,16 @@ def pytest_start_longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: _start_rank(item.nodeid.split("tests/", 1)[-1].split("@", 1)[0]))
 
 
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Under ``--dist loadgroup``, each test's group is in the node id a worker collected
+    (xdist's own hook puts it there): how xdist keeps a file on one worker. Where a pytest
+    and xdist pair drops it (pytest 9.2 with xdist 3.8), every worker would start the
+    module fixtures again, the run silently the slower for it: stop instead."""
+    if node.config.getvalue("dist") == "loadgroup" and not all("@" in i for i in ids):
+        pytest.exit(f"pytest-xdist's --dist loadgroup did not group the tests (pytest {pytest.__version__} with this "
+                    "pytest-xdist: the group is no longer in the node id); install pytest<9.2 (pyproject.toml)", 4)
+
+
 def quick_patterns() -> list[str]:
     return [p for patterns in QUICK.values() for p in patterns]
 
