@@ -11,13 +11,15 @@ says what the failed call left behind:
   every process adds 1 to ``fastreduce/heartbeat/<global rank>`` in the job's c10d store
   (the one ``init_process_group`` rendezvoused through; a connection of its own, cloned
   from it) every ``$FASTREDUCE_HEARTBEAT_S`` seconds (default 1; ``0`` turns it off),
-  and registers ``"<host> <pid>"`` once. One small store request per second per rank;
+  and registers ``"<host> <pid> <namespaces> <start>"`` once. One small store request per second per rank;
   it stops by itself when the process group is destroyed or the store is gone.
 * **diagnosis** (:func:`diagnose`), only after a collective failed: read the counters
   this rank watches (:data:`WATCHED_SUCCESSORS`: every rank's in a world of up to 33), wait
   until each has moved again or ``$FASTREDUCE_LOST_AFTER_S`` (default 3 heartbeats) has
   passed; the ranks whose counter did not move are lost, and published on
-  ``fastreduce/lost`` for the ranks that do not watch them. If the store
+  ``fastreduce/lost`` for the ranks that do not watch them. A silent rank whose process
+  this one can see running (the same host and namespaces) is given :data:`LOCAL_GRACE`
+  windows: many ranks on few cores are slow to beat, not lost. If the store
   itself stops answering and it lives in rank 0's process (``init_process_group``
   through ``MASTER_ADDR``, not torchrun's agent store), rank 0 is the lost one. A lost
   rank stays known: a later failing call raises at once.
@@ -50,7 +52,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_ENV", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
+__all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
            "all_reduce_watched", "diagnose", "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after",
            "start_heartbeat", "wait_watched"]
 
@@ -70,6 +72,12 @@ ranks lost (fastreduce/bench/store.py). With k successors it is k + 1 keys per r
 rank still has k watchers, so a loss is seen unless k + 1 consecutive ranks are lost, and
 even then the first live rank before them sees its lost successor (below). In a world of
 up to k + 1 ranks every rank reads every counter, as before."""
+LOCAL_GRACE = 10
+"""A silent rank whose process runs on this host (same host name, network and pid
+namespaces; neither stopped nor a zombie: :func:`_running_here`) is waited for this many
+loss windows before it is called lost: there a late heartbeat is a process starved of its
+share of the cores (64 ranks on 2 cores took more than 3 s), not a lost one; a process that
+dies or stops meanwhile is called lost at the next read."""
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 RESTART = ("Restart from the last checkpoint (fastreduce.checkpoint); under torchrun, "
            "--max-restarts=N restarts the job by itself.")
@@ -241,7 +249,7 @@ class _Heartbeat:
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
-        store.set(f"{_KEY}host/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        store.set(f"{_KEY}host/{self.rank}", _identity())
         store.add(f"{_KEY}heartbeat/{self.rank}", 1)
         self.thread = threading.Thread(target=self._run, name="fastreduce-heartbeat", daemon=True)
         self.thread.start()
@@ -334,17 +342,73 @@ class _Heartbeat:
             self._known_keys = keys
         return dict(zip(ranks, got))
 
-    def who(self, ranks: list[int]) -> dict[int, str]:
+    def records(self, ranks: list[int]) -> dict[int, str]:
+        """The ranks' registrations (:func:`_identity`), where the store has them."""
         out = {}
         for r in ranks:
             key = f"{_KEY}host/{r}"
             try:
                 if self.store.check([key]):
-                    host, pid = self.store.get(key).decode().split()
-                    out[r] = f"pid {pid} on host {host}"
+                    out[r] = self.store.get(key).decode()
             except Exception:  # noqa: BLE001 - best effort
                 pass
         return out
+
+    def who(self, ranks: list[int]) -> dict[int, str]:
+        return {r: "pid {1} on host {0}".format(*rec.split()) for r, rec in self.records(ranks).items()}
+
+    def silent(self, seen: dict[int, tuple[int, float]], window: float, records: dict[int, str]) -> list[int]:
+        """A watcher's read (the watchdog's, a Membership vote's): ``seen`` (rank -> its
+        counter and when it last moved) updated from the counters now; the ranks silent for
+        ``window`` (:data:`LOCAL_GRACE` windows where their process runs here)."""
+        now, counts = time.monotonic(), self.call(self.counts)
+        for r, c in counts.items():
+            if r != self.rank and (r not in seen or seen[r][0] != c):
+                seen[r] = (c, now)
+        silent = [r for r, (_, since) in seen.items() if now - since >= window]
+        slow = self.slow_here(silent, records) if silent else []
+        return sorted(r for r in silent if r not in slow or now - seen[r][1] >= LOCAL_GRACE * window)
+
+    def slow_here(self, ranks: list[int], records: dict[int, str]) -> list[int]:
+        """Of ``ranks``, those running on this host (:data:`LOCAL_GRACE`); ``records`` caches
+        their registrations, read on first need."""
+        missing = [r for r in ranks if r not in records]
+        if missing:
+            records.update({r: "" for r in missing})
+            records.update(self.call(self.records, missing))
+        return [r for r in ranks if _running_here(records[r])]
+
+
+def _identity() -> str:
+    """This process as its peers find it: ``"<host> <pid> <network ns> <pid ns> <start>"``
+    (the namespaces' inodes, the start time in clock ticks since boot; ``-`` where unknown)."""
+    def read(what: Callable[[], Any]) -> str:
+        try:
+            return str(what())
+        except (OSError, IndexError, ValueError):
+            return "-"
+    ns = [read(lambda k=k: os.stat(f"/proc/self/ns/{k}").st_ino) for k in ("net", "pid")]
+    return " ".join([socket.gethostname(), str(os.getpid()), *ns, read(lambda: _stat(os.getpid())[19])])
+
+
+def _stat(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat``'s fields from the state on (the name, which may hold spaces, cut off)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _running_here(record: str) -> bool:
+    """Whether the process ``record`` (:func:`_identity`) names is one this process can see
+    run: the same host, network and pid namespaces, that pid started then, and neither
+    stopped nor a zombie."""
+    fields, mine = record.split(), _identity().split()
+    if len(fields) != 5 or "-" in fields or [fields[0], *fields[2:4]] != [mine[0], *mine[2:4]]:
+        return False
+    try:
+        now = _stat(fields[1])
+    except (OSError, IndexError):
+        return False
+    return now[0] not in ("T", "t", "Z", "X") and now[19] == fields[4]
 
 
 _lock = threading.Lock()
@@ -431,6 +495,7 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
         before = beat.call(beat.counts)
         start = time.monotonic()
         found = _silent(beat, before, silent, start, wait)
+        _grace(beat, before, silent, start, wait)
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
         who = beat.call(beat.who, silent)
     except Exception:  # noqa: BLE001 - the store itself does not answer
@@ -496,6 +561,19 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
         if sparse:
             found = beat.call(beat.verdict) or found
     return found
+
+
+def _grace(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float, wait: float) -> None:
+    """After the window: the ``silent`` ranks running on this host (:data:`LOCAL_GRACE`) are
+    waited for up to that many windows from ``start``; dropped (in place) once their counter
+    moves, called lost at once where their process dies or stops meanwhile."""
+    records: dict[int, str] = {}
+    here = beat.slow_here(silent, records)
+    while here and time.monotonic() < start + LOCAL_GRACE * wait:
+        time.sleep(min(0.25, beat.interval / 2))
+        now = beat.call(beat.counts)
+        silent[:] = [r for r in silent if now[r] == before[r]]
+        here = beat.slow_here([r for r in here if r in silent], records)
 
 
 # ---------------------------------------------------------------------- watchdog
@@ -570,11 +648,12 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
     """Until ``done``: raise if a rank's heartbeat stops for the window, or the store does."""
     window = lost_after()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it was last seen to move)
+    records: dict[int, str] = {}  # the silent ranks' registrations, read once (:meth:`_Heartbeat.slow_here`)
     unanswered = None  # since when the store has not answered
     while not done.wait(min(beat.interval, 1.0)):
         now = time.monotonic()
         try:
-            counts = beat.call(beat.counts)
+            silent = beat.silent(seen, window, records)
             found = beat.call(beat.verdict)
         except Exception as err:  # noqa: BLE001 - the store does not answer
             unanswered = unanswered or now
@@ -590,10 +669,6 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {found[0]} were found lost by another rank during a "
                                  "collective; the collective is abandoned")
-        for r, c in counts.items():
-            if r != beat.rank and (r not in seen or seen[r][0] != c):
-                seen[r] = (c, now)
-        silent = sorted(r for r, (_, since) in seen.items() if now - since >= window)
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")

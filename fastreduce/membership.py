@@ -520,18 +520,14 @@ class Membership(EpochChanges):
         # through the heartbeat's connection and, if a member goes silent, writes "abort".
         finished, box = self._caller.submit(self._vote_connection().get, done)
         seen: dict[int, tuple[int, float]] = {}
+        records: dict[int, str] = {}
         silent: set[str] = set()
         while not finished.wait(slice_s):
             if beat is None or silent:
                 continue
-            now = time.monotonic()
-            try:
-                counts = beat.call(beat.counts)  # the watched members' (faults.WATCHED_SUCCESSORS): a
-                # member lost elsewhere is seen by its own watchers, whose "abort" wakes this get
-                for r, c in counts.items():
-                    if r not in seen or seen[r][0] != c:
-                        seen[r] = (c, now)
-                silent = {epoch.members[r] for r, (_, since) in seen.items() if now - since >= window}
+            try:  # the watched members' (faults.WATCHED_SUCCESSORS): a member lost elsewhere
+                # is seen by its own watchers, whose "abort" wakes this get
+                silent = {epoch.members[r] for r in beat.silent(seen, window, records)}
                 if silent:
                     beat.call(self.store.compare_set, done, "", "abort")  # the waiting get returns it too
             except faults.TransportError as err:

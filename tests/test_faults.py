@@ -17,6 +17,7 @@ import os
 import queue as queue_mod
 import re
 import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -233,9 +234,30 @@ def case_stuck(rank: int, world: int, victim: int) -> dict:
     return _lost(reducer.reduce)
 
 
+def case_starved(rank: int, world: int, victim: int) -> dict:
+    """The victim beats every 4 s (a heartbeat thread starved of the cores, as 64 ranks on 2
+    cores were) against the survivors' 1.5 s window, and reaches the reduce 6 s late: its
+    process runs on this host, so the watchdog gives it faults.LOCAL_GRACE windows (15 s),
+    and the reduce completes, the mean of both ranks' gradients, no rank named."""
+    model = _model()
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32)
+    _backward(model, rank, 0)
+    reducer.reduce()  # the first reduce's setup (its own collectives) done
+    model.zero_grad()
+    _backward(model, rank, 1)
+    if rank == victim:
+        time.sleep(6)
+    out = _lost(reducer.reduce)
+    out["grads"] = _clone(p.grad for p in model.parameters())
+    if rank == victim:
+        time.sleep(60)  # killed by the parent once the others have reported
+    return out
+
+
 CASES = {f.__name__[len("case_"):]: f for f in (case_fused, case_fused_fp32, case_overlap,
                                                  case_overlap_fp32_accumulate, case_zero,
-                                                 case_decentralized, case_local_sgd, case_diloco, case_stuck)}
+                                                 case_decentralized, case_local_sgd, case_diloco, case_stuck,
+                                                 case_starved)}
 
 
 def _worker(case: str, rank: int, world: int, victim: int, port: int, transport: str, pg_timeout: float,
@@ -245,6 +267,8 @@ def _worker(case: str, rank: int, world: int, victim: int, port: int, transport:
                       FASTREDUCE_TRANSPORT="shm" if transport == SHM_GLOO_BARRIERS else transport)
     if transport == SHM_GLOO_BARRIERS:  # the barriers of machines other than x86-64
         fastreduce.comm.shm.FLAG_BARRIERS = False
+    if case == "starved":
+        os.environ.update(FASTREDUCE_LOST_AFTER_S="1.5", **({"FASTREDUCE_HEARTBEAT_S": "4"} if rank == victim else {}))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
@@ -332,7 +356,7 @@ WHERE = {"fused": "FusedReducer.reduce()", "fused_fp32": "FusedReducer.reduce()"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("case", [c for c in CASES if c != "stuck"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("stuck", "starved")])
 def test_survivors_name_the_dead_rank(case: str, transport: str) -> None:
     world = 3 if case == "zero" else 2  # two survivors must agree on the lost rank
     reports = run_kill(case, transport, world)
@@ -373,6 +397,52 @@ def test_a_late_rank_is_not_called_lost(transport: str) -> None:
     assert "ranks" not in out, out["message"]
     assert "timed out" in out["other"].lower() or "did not reach" in out["other"], out["other"]
     assert 3.0 <= out["elapsed"] < 3.0 + 10.0
+
+
+def test_a_starved_rank_on_this_host_is_not_called_lost() -> None:
+    """A rank on the same host whose heartbeat is late (starved, not dead) past the window:
+    the watchdog waits faults.LOCAL_GRACE windows for a process it sees running, the
+    collective completes with the right mean; before, it was named lost after 1.5 s."""
+    reports = run_kill("starved", "process_group", pg_timeout=PG_TIMEOUT, dies=False)
+    out = reports[0]
+    assert out.get("other") == "no error was raised", out.get("message", out)
+    assert 5.0 < out["elapsed"] < 12.0, out["elapsed"]  # it waited for the late rank
+    model = _model()
+    mean = []
+    for r in range(2):
+        model.zero_grad()
+        _backward(model, r, 1)
+        mean.append(_clone(p.grad for p in model.parameters()))
+    for got, a, b in zip(out["grads"], *mean):
+        torch.testing.assert_close(got, (a + b) / 2)
+
+
+def test_a_process_is_running_here_until_it_stops_or_dies() -> None:
+    """The watchdog's check of a silent peer on this host (faults._running_here): a live child
+    is running; stopped (SIGSTOP), a zombie, reaped, another process at that pid, or a record
+    from another host or namespace, it is not."""
+    from fastreduce import faults
+    mine = faults._identity().split()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        record = " ".join([mine[0], str(child.pid), *mine[2:4], faults._stat(child.pid)[19]])
+        assert faults._running_here(record)
+        assert not faults._running_here(record.replace(mine[0], mine[0] + "-elsewhere", 1))
+        assert not faults._running_here(" ".join(record.split()[:4] + ["1"]))  # the pid reused
+        assert not faults._running_here(f"{mine[0]} {child.pid}")  # an older record: no namespaces
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert not faults._running_here(record)
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        assert faults._running_here(record)
+        child.kill()
+        time.sleep(0.2)
+        assert not faults._running_here(record)  # a zombie
+    finally:
+        child.kill()
+        child.wait()
+    assert not faults._running_here(record)
 
 
 # ============================================================== in one process
