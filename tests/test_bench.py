@@ -27,6 +27,7 @@ from fastreduce.bench import convergence as convergence_suite
 from fastreduce.bench import local as local_suite
 from fastreduce.bench import compression as compression_suite
 from fastreduce.bench import network as network_suite
+from fastreduce.bench import defaults as defaults_suite
 from fastreduce.bench import growth as growth_suite
 from fastreduce.bench import network_modes
 from fastreduce.bench import optim as optim_suite
@@ -249,6 +250,8 @@ SPELLINGS = [
     ("network", ["--parts", "growth", "--hosts", "2,16", "--modes", "zero,gossip_bf16"],
      ["--network-parts", "growth", "--hosts", "2,16", "--network-modes", "zero,gossip_bf16"],
      bench_options.growth_config),
+    ("network", ["--parts", "defaults", "--rates", "100mbit", "--iters", "2"],
+     ["--network-parts", "defaults", "--rates", "100mbit", "--iters", "2"], bench_options.defaults_config),
     ("store", ["--clients", "64,1024", "--scenarios", "vote", "--seconds", "3", "--real-ranks", "0"],
      ["--store-clients", "64,1024", "--store-scenarios", "vote", "--store-seconds", "3", "--store-real-ranks", "0"],
      bench_options.store_config),
@@ -396,7 +399,7 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
     end with one model in every method, the overlapped mode having sized its buckets from
     a probe; then every mode trains 8 steps of the modes part (skipped, with a note, where namespaces cannot be made)."""
     proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "network", "--quick", "--json",
-                           "--parts", "steps,modes,growth", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                           "--parts", "steps,modes,growth,defaults", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=2 * RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     network = json.loads(proc.stdout)["network"]
@@ -408,6 +411,7 @@ def test_network_suite_quick_smoke(tmp_path: Path) -> None:
                    ["overlapped <= ddp", "overlapped_bf16 <= ddp", "zero <= ddp"])
     _modes_part_ok(json.loads(proc.stdout)["network_modes"], tmp_path)
     _growth_part_ok(json.loads(proc.stdout)["network_growth"])
+    _defaults_part_ok(json.loads(proc.stdout)["network_defaults"])
 
 
 @BENCH_ONLY_DEFAULT_STACK
@@ -435,6 +439,35 @@ def _steps_part_ok(network: dict, rate: str, chose: str, targets: list[str]) -> 
         assert m["ranks_agree"], name
     assert chose in methods["overlapped"]["chose"]
     assert [t["what"] for t in network["targets"]] == targets
+
+
+def _defaults_part_ok(report: dict) -> None:
+    """One untuned model at 1 Gbit/s: DDP, the overlapped mode (both wires) and ZeRO at their
+    defaults and by hand at one bucket, the two hosts ending with one model in each, every
+    target reported (the "auto" choice named)."""
+    row = report["table"]["mlp_wide"]["1gbit"]
+    assert list(row) == ["ddp", "overlapped", "overlapped_bf16", "zero", "overlapped@one", "zero@one"]
+    for name, m in row.items():
+        assert m["median_ms"] > 0 and m["ranks_agree"], (name, m)
+    assert "bucket_mb='auto'" in row["overlapped"]["chose"] and "bucket_mb='auto'" in row["zero"]["chose"]
+    assert [t["what"] for t in report["targets"]] == [
+        "overlapped <= ddp", "overlapped_bf16 <= ddp", "zero <= ddp", "overlapped <= best bucket_mb",
+        "zero <= best bucket_mb"]
+
+
+def test_defaults_targets_are_the_medians_of_the_jobs_ratios() -> None:
+    """Each target's ratio is the median over the jobs of that job's ratio, the best bucket_mb
+    the fastest hand-set one of that job."""
+    cfg = defaults_suite.DefaultsConfig(grid=["1", "one"])
+    jobs = [{"m": {"methods": {"ddp": {"median_ms": d}, "overlapped": {"median_ms": o},
+                               "overlapped_bf16": {"median_ms": 50.0}, "zero": {"median_ms": z},
+                               "overlapped@1": {"median_ms": o1}, "overlapped@one": {"median_ms": 80.0},
+                               "zero@1": {"median_ms": 70.0}, "zero@one": {"median_ms": 90.0}}}}
+            for d, o, z, o1 in [(100.0, 90.0, 60.0, 85.0), (100.0, 110.0, 80.0, 100.0), (200.0, 90.0, 70.0, 90.0)]]
+    got = {t["what"]: t for t in defaults_suite._targets(cfg, jobs, "m", "1gbit")}
+    assert got["overlapped <= ddp"]["ratios"] == [0.9, 1.1, 0.45] and got["overlapped <= ddp"]["ratio"] == 0.9
+    assert got["overlapped <= best bucket_mb"]["ratios"] == pytest.approx([90 / 80, 110 / 80, 90 / 80])
+    assert got["zero <= best bucket_mb"]["ratio"] == pytest.approx(1.0) and got["zero <= best bucket_mb"]["limit"] == 1.05
 
 
 def _growth_part_ok(report: dict) -> None:

@@ -31,7 +31,10 @@ for this release, with a deprecation note on stderr:
   1 Gbit/s and 100 Mbit/s (:mod:`.network_modes`: step time, bytes on the wire, the loss
   reached, the time to reach DDP's loss; ``network_modes.png``). ``--rates`` sets both
   parts' rates. A third part, run only when named (``--parts growth``, :mod:`.growth`):
-  each mode's bytes and step on 2 to 16 hosts beside ``fastreduce plan``'s (``growth.png``).
+  each mode's bytes and step on 2 to 16 hosts beside ``fastreduce plan``'s (``growth.png``). A
+  fourth, also only when named (``--parts defaults``, :mod:`.defaults`): the overlapped mode's
+  and ZeRO's ``bucket_mb="auto"`` on four untuned model shapes against DDP and their best
+  hand-set ``bucket_mb``.
 * ``compression`` (:mod:`.compression`): ``fastreduce.PowerSGD`` against DDP and DDP + torch's
   ``powerSGD_hook`` (rank 4, error feedback, warm start, one bucket), side by side: on one
   host (``--ranks``, a GPT-2 of ``--layers`` blocks) and on two namespace hosts at each
@@ -105,6 +108,8 @@ from .compression import format_text as format_compression
 from .compression import run_compression_bench
 from .convergence import format_text as format_convergence
 from .convergence import run_convergence_bench, write_convergence_chart
+from .defaults import format_text as format_defaults
+from .defaults import run_defaults_bench
 from .faults import format_text as format_faults
 from .faults import run_faults_bench
 from .gossip import GossipConfig, run_gossip_bench
@@ -121,8 +126,8 @@ from .optim import OptimConfig, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
 from . import options
-from .options import (SUITES, chaos_config, compression_config, configs_from_args,
-                      convergence_config, faults_config, growth_config, modes_config, network_config, network_parts,
+from .options import (SUITES, chaos_config, compression_config, configs_from_args, convergence_config,
+                      defaults_config, faults_config, growth_config, modes_config, network_config, network_parts,
                       store_config, suites_from_args, trainers_config)
 from .reduce import BenchConfig, run_bench
 from .store import format_text as format_store
@@ -169,6 +174,10 @@ NETWORK_PARTS: dict[str, NetworkPart] = {
                           "plan's formula and prediction, docs/scale.md; runs only when named", growth_config, run_growth_bench, format_growth,
                           lambda c: f"network suite, growth: {', '.join(map(str, c.hosts))} hosts at "
                                     f"{', '.join(c.rates)}, {c.repeats} jobs each ...", default=False),
+    "defaults": NetworkPart("network_defaults", "bucket_mb=\"auto\" on untuned model shapes against DDP and the best "
+                            "hand-set bucket_mb; runs only when named", defaults_config, run_defaults_bench,
+                            format_defaults, lambda c: f"network suite, defaults: {', '.join(c.models)} at "
+                                                       f"{', '.join(c.rates)}, {c.repeats} jobs each ...", default=False),
 }
 """The network suite's parts, in the order they run: a part is an entry here."""
 

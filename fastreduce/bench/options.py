@@ -44,6 +44,7 @@ from .local import DEFAULT_PARAMS_M as LOCAL_PARAMS_M
 from .local import DEFAULT_WORLD_SIZES as LOCAL_WORLD_SIZES
 from .local import QUICK_LOSS_STEPS, LocalConfig
 from .network import HOST, NetworkConfig
+from .defaults import DefaultsConfig
 from .growth import PLAN_MODES, GrowthConfig
 from .network_modes import MODES, ModesConfig
 from .optim import DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES, OptimConfig, parse_world_sizes
@@ -177,11 +178,12 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
     "local": (("local_ranks", _sizes(LOCAL_WORLD_SIZES)), ("iters", "10; 2 with --quick", "timed blocks per method"),
               ("params_m", f"{LOCAL_PARAMS_M:g}; 0.25 with --quick"), ("batch", f"{LOCAL_BATCH}; 8 with --quick"),
               ("threads", "cores / ranks")),
-    "network": (("network_parts", "steps,modes (growth: asked for by name)"),
+    "network": (("network_parts", "steps,modes (growth, defaults: asked for by name)"),
                 ("rates", "1gbit,100mbit,host for the steps part, 10gbit,1gbit,100mbit for the modes part, "
-                 "1gbit,100mbit for the growth part; 1gbit with --quick"), ("hosts", "2,4 for the modes part, 2,4,8,16 for the growth part; 2 with --quick"),
+                 "1gbit,100mbit for the growth and defaults parts; 1gbit with --quick"), ("hosts", "2,4 for the modes part, 2,4,8,16 for the growth part; 2 with --quick"),
                 ("network_modes", "all"),
-                ("iters", f"{NetworkConfig().iters}; 2 with --quick", "steps part: timed blocks per method"),
+                ("iters", f"{NetworkConfig().iters} for the steps part, {DefaultsConfig().iters} for the defaults "
+                 "part; 2 and 1 with --quick", "timed blocks per method"),
                 ("batch", f"{NetworkConfig().batch} for the steps part, {ModesConfig().batch} for the modes part; 64 "
                  "with --quick")),
     "compression": (("ranks", "2", "Gloo ranks on one host"),
@@ -355,6 +357,19 @@ def _host_counts(args: argparse.Namespace, default: list[int]) -> list[int]:
     if any(h < 2 for h in hosts):
         raise ValueError(f"--hosts: every count must be at least 2, got {args.hosts!r}")
     return hosts
+
+
+def defaults_config(args: argparse.Namespace) -> DefaultsConfig:
+    """The defaults part of the network suite: ``--quick`` is one model at 1 Gbit/s, one
+    hand-set bucket_mb (one bucket), one job."""
+    from .hosts import check_rate
+    rates = [r for r in args.rates.split(",") if r != HOST] if args.rates else \
+        (["1gbit"] if args.quick else DefaultsConfig().rates)
+    for rate in rates:
+        check_rate(rate)
+    if args.quick:
+        return DefaultsConfig(rates=rates, models=["mlp_wide"], grid=["one"], iters=args.iters or 1, repeats=1)
+    return DefaultsConfig(rates=rates, **({"iters": args.iters} if args.iters else {}))
 
 
 def growth_config(args: argparse.Namespace) -> GrowthConfig:
