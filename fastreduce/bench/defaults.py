@@ -30,6 +30,7 @@ overlapped and ZeRO steps at ``"auto"`` within 5% of their best ``bucket_mb``'s.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,6 +160,7 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
     rank = dist.get_rank()
     result: dict[str, Any] = {}
     for model_name in cfg.models:
+        began = time.monotonic()
         _, batch = _model(model_name)
         x = batch(torch.Generator().manual_seed(rank))
         methods, chose, models = [], [], []
@@ -184,6 +186,8 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
                                  "ranks_agree": len({s[m.name] for _, s in per_rank}) == 1}
                         for m, what in zip(methods, chose)}}
         del methods, models
+        if rank == 0:
+            print(f"defaults: {model_name} timed in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     if rank == 0:
         import json
         Path(out).write_text(json.dumps(result))
