@@ -228,7 +228,22 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report)."""
+    """The ``bench`` subcommand: returns 0 whether targets pass or fail (it is a report).
+    SIGTERM (``kill``, ``timeout``) ends it as Ctrl-C would, through every ``finally``: the
+    namespace hosts it made are deleted and their processes killed (Python's default for
+    SIGTERM ends the process at once and leaves them behind)."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run(args: argparse.Namespace) -> int:
     suites = suites_from_args(args)  # first: the deprecation note comes before any error
     reduce_cfg, step_cfg, optim_cfg, gossip_cfg, local_cfg = configs_from_args(args)
     network_cfgs = {name: part.config(args) for name, part in NETWORK_PARTS.items()}  # checked before spawning
