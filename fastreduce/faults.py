@@ -343,7 +343,15 @@ class _Heartbeat:
         return dict(zip(ranks, got))
 
     def records(self, ranks: list[int]) -> dict[int, str]:
-        """The ranks' registrations (:func:`_identity`), where the store has them."""
+        """The ranks' registrations (:func:`_identity`), where the store has them: two
+        requests where every one is there (``multi_get``, torch >= 2.5), else two a rank."""
+        keys = [f"{_KEY}host/{r}" for r in ranks]
+        multi_get = getattr(self.store, "multi_get", None)
+        try:
+            if multi_get is not None and keys and self.store.check(keys):
+                return {r: v.decode() for r, v in zip(ranks, multi_get(keys))}
+        except Exception:  # noqa: BLE001 - best effort: one by one below
+            pass
         out = {}
         for r in ranks:
             key = f"{_KEY}host/{r}"
@@ -353,9 +361,6 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         return out
-
-    def who(self, ranks: list[int]) -> dict[int, str]:
-        return {r: "pid {1} on host {0}".format(*rec.split()) for r, rec in self.records(ranks).items()}
 
     def silent(self, seen: dict[int, tuple[int, float]], window: float, records: dict[int, str]) -> list[int]:
         """A watcher's read (the watchdog's, a Membership vote's): ``seen`` (rank -> its
@@ -377,6 +382,11 @@ class _Heartbeat:
             records.update({r: "" for r in missing})
             records.update(self.call(self.records, missing))
         return [r for r in ranks if _running_here(records[r])]
+
+
+def _who(records: dict[int, str]) -> dict[int, str]:
+    """``"pid P on host H"`` of each rank's registration (:func:`_identity`), where it has one."""
+    return {r: "pid {1} on host {0}".format(*rec.split()) for r, rec in records.items() if len(rec.split()) >= 2}
 
 
 def _identity() -> str:
@@ -495,9 +505,10 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
         before = beat.call(beat.counts)
         start = time.monotonic()
         found = _silent(beat, before, silent, start, wait)
-        _grace(beat, before, silent, start, wait)
+        records: dict[int, str] = {}  # the silent ranks' registrations, read once for both uses
+        _grace(beat, before, silent, start, wait, records)
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
-        who = beat.call(beat.who, silent)
+        who = _who({r: records[r] for r in silent})
     except Exception:  # noqa: BLE001 - the store itself does not answer
         # [Note: the store dies mid-diagnosis] The store's host (rank 0) may have exited
         # because it raised this very error first: ranks silent for two heartbeats while
@@ -563,11 +574,12 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
     return found
 
 
-def _grace(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float, wait: float) -> None:
+def _grace(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float, wait: float,
+           records: dict[int, str]) -> None:
     """After the window: the ``silent`` ranks running on this host (:data:`LOCAL_GRACE`) are
     waited for up to that many windows from ``start``; dropped (in place) once their counter
-    moves, called lost at once where their process dies or stops meanwhile."""
-    records: dict[int, str] = {}
+    moves, called lost at once where their process dies or stops meanwhile. ``records``: the
+    silent ranks' registrations, read here (:meth:`_Heartbeat.slow_here`)."""
     here = beat.slow_here(silent, records)
     while here and time.monotonic() < start + LOCAL_GRACE * wait:
         time.sleep(min(0.25, beat.interval / 2))
@@ -672,7 +684,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")
-            beat.mark_lost(silent, how, beat.call(beat.who, silent))
+            beat.mark_lost(silent, how, _who({r: records[r] for r in silent}))
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")
