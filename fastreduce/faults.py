@@ -249,7 +249,8 @@ class _Heartbeat:
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
-        store.set(f"{_KEY}host/{self.rank}", _identity())
+        self.me = _identity()  # what _running_here compares a peer's registration with
+        store.set(f"{_KEY}host/{self.rank}", self.me)
         store.add(f"{_KEY}heartbeat/{self.rank}", 1)
         self.thread = threading.Thread(target=self._run, name="fastreduce-heartbeat", daemon=True)
         self.thread.start()
@@ -374,14 +375,19 @@ class _Heartbeat:
         slow = self.slow_here(silent, records) if silent else []
         return sorted(r for r in silent if r not in slow or now - seen[r][1] >= LOCAL_GRACE * window)
 
-    def slow_here(self, ranks: list[int], records: dict[int, str]) -> list[int]:
-        """Of ``ranks``, those running on this host (:data:`LOCAL_GRACE`); ``records`` caches
-        their registrations, read on first need."""
+    def registered(self, ranks: list[int], records: dict[int, str]) -> dict[int, str]:
+        """``ranks``' registrations from the cache ``records``, those not in it read first
+        (``""`` where the store has none)."""
         missing = [r for r in ranks if r not in records]
         if missing:
             records.update({r: "" for r in missing})
             records.update(self.call(self.records, missing))
-        return [r for r in ranks if _running_here(records[r])]
+        return {r: records[r] for r in ranks}
+
+    def slow_here(self, ranks: list[int], records: dict[int, str]) -> list[int]:
+        """Of ``ranks``, those running on this host (:data:`LOCAL_GRACE`); ``records``: the
+        registrations' cache (:meth:`registered`)."""
+        return [r for r, rec in self.registered(ranks, records).items() if _running_here(rec, self.me)]
 
 
 def _who(records: dict[int, str]) -> dict[int, str]:
@@ -407,11 +413,11 @@ def _stat(pid: int | str) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
-def _running_here(record: str) -> bool:
-    """Whether the process ``record`` (:func:`_identity`) names is one this process can see
-    run: the same host, network and pid namespaces, that pid started then, and neither
-    stopped nor a zombie."""
-    fields, mine = record.split(), _identity().split()
+def _running_here(record: str, me: str | None = None) -> bool:
+    """Whether the process ``record`` (:func:`_identity`) names is one this process (``me``:
+    its own registration, read here if not given) can see run: the same host, network and
+    pid namespaces, that pid started then, and neither stopped nor a zombie."""
+    fields, mine = record.split(), (me or _identity()).split()
     if len(fields) != 5 or "-" in fields or [fields[0], *fields[2:4]] != [mine[0], *mine[2:4]]:
         return False
     try:
@@ -504,11 +510,10 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
     try:
         before = beat.call(beat.counts)
         start = time.monotonic()
-        found = _silent(beat, before, silent, start, wait)
-        records: dict[int, str] = {}  # the silent ranks' registrations, read once for both uses
-        _grace(beat, before, silent, start, wait, records)
+        records: dict[int, str] = {}  # the silent ranks' registrations, read once (the grace, the message)
+        found = _silent(beat, before, silent, start, wait, records)
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
-        who = _who({r: records[r] for r in silent})
+        who = _who(beat.registered(silent, records))
     except Exception:  # noqa: BLE001 - the store itself does not answer
         # [Note: the store dies mid-diagnosis] The store's host (rank 0) may have exited
         # because it raised this very error first: ranks silent for two heartbeats while
@@ -538,10 +543,11 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
 
 
 def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float,
-            wait: float) -> tuple[list[int], str, dict[int, str]] | None:
+            wait: float, records: dict[int, str]) -> tuple[list[int], str, dict[int, str]] | None:
     """The diagnosis's wait: drops from ``silent`` (in place: what it holds when the store
     stops answering counts too) the ranks whose counters (``before``) moved within ``wait``
-    seconds of ``start``; returns the ranks other ranks published lost meanwhile
+    seconds of ``start`` (or, for ranks whose process runs on this host, within
+    :data:`LOCAL_GRACE` times that; ``records`` caches their registrations); returns the ranks other ranks published lost meanwhile
     (:meth:`_Heartbeat.verdict`; ``None`` in a world every rank reads whole: there it is not read).
 
     [Note: watching successors] Where this rank watches only its next k ranks, a lost rank
@@ -564,7 +570,8 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
     found = None
     while silent or sparse:
         now_s = time.monotonic()
-        if now_s >= start + wait and (not sparse or silent or found is not None or now_s >= start + 2 * wait):
+        if now_s >= start + wait and (not sparse or silent or found is not None or now_s >= start + 2 * wait) \
+                and not (silent and now_s < start + LOCAL_GRACE * wait and beat.slow_here(silent, records)):
             break
         time.sleep(min(0.25, beat.interval / 2))
         now = beat.call(beat.counts)
@@ -572,20 +579,6 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
         if sparse:
             found = beat.call(beat.verdict) or found
     return found
-
-
-def _grace(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float, wait: float,
-           records: dict[int, str]) -> None:
-    """After the window: the ``silent`` ranks running on this host (:data:`LOCAL_GRACE`) are
-    waited for up to that many windows from ``start``; dropped (in place) once their counter
-    moves, called lost at once where their process dies or stops meanwhile. ``records``: the
-    silent ranks' registrations, read here (:meth:`_Heartbeat.slow_here`)."""
-    here = beat.slow_here(silent, records)
-    while here and time.monotonic() < start + LOCAL_GRACE * wait:
-        time.sleep(min(0.25, beat.interval / 2))
-        now = beat.call(beat.counts)
-        silent[:] = [r for r in silent if now[r] == before[r]]
-        here = beat.slow_here([r for r in here if r in silent], records)
 
 
 # ---------------------------------------------------------------------- watchdog
@@ -684,7 +677,7 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")
-            beat.mark_lost(silent, how, _who({r: records[r] for r in silent}))
+            beat.mark_lost(silent, how, _who(beat.registered(silent, records)))
             _abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")

@@ -168,7 +168,8 @@ def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     beat = object.__new__(faults._Heartbeat)
     beat.default, beat.interval, beat.rank, beat.world = id(faults._default_store()), interval, rank, world
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
-    store.set(f"{faults._KEY}host/{rank}", f"bench {os.getpid()}")
+    beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (faults._running_here)
+    store.set(f"{faults._KEY}host/{rank}", beat.me)
     store.add(f"{faults._KEY}heartbeat/{rank}", 1)
     return beat
 
