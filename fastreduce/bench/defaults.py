@@ -30,7 +30,6 @@ overlapped and ZeRO steps at ``"auto"`` within 5% of their best ``bucket_mb``'s.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,29 +116,12 @@ def _bucket_mb(x: str) -> float:
 
 
 def _method(name: str, model_name: str) -> tuple[Any, Callable[[], None], Callable[[], None], Callable[[], str]]:
-    """``(model, what follows backward, what ends a block, what it chose)`` of ``name``."""
-    import torch
-    from torch import nn
+    """``(model to call, what follows backward, what ends a block, what it chose)`` of ``name``
+    (``mode@X``: ``bucket_mb=X``), built as every network part builds its modes."""
+    from .network_modes import _build
 
-    import fastreduce
-
-    model, _ = _model(model_name)
     mode, _, x = name.partition("@")
-    bucket_mb: Any = _bucket_mb(x) if x else "auto"
-    if mode == "ddp":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        return ddp, lambda: (opt.step(), opt.zero_grad()), lambda: None, lambda: "25 MB buckets, 1 MB first"
-    if mode == "zero":
-        zopt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model,
-                                        bucket_mb=bucket_mb)
-        return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params, \
-            lambda: f"{zopt.num_buckets} bucket(s)" + (f"; {zopt.sizing.describe()}" if zopt.sizing else "")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wire = {} if mode == "overlapped_bf16" else {"wire_dtype": torch.float32}
-    reducer = fastreduce.FusedReducer(model, overlap=True, bucket_mb=bucket_mb, **wire)
-    return model, lambda: (reducer.reduce(), opt.step(), opt.zero_grad()), lambda: None, \
-        lambda: reducer.stats.sizing.describe() if reducer.stats.sizing else f"{bucket_mb} MB buckets"
+    return _build(mode, _model(model_name)[0], bucket_mb=_bucket_mb(x) if x else "auto")
 
 
 def methods_of(cfg: DefaultsConfig) -> list[str]:
@@ -160,7 +142,6 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
     rank = dist.get_rank()
     result: dict[str, Any] = {}
     for model_name in cfg.models:
-        began = time.monotonic()
         _, batch = _model(model_name)
         x = batch(torch.Generator().manual_seed(rank))
         methods, chose, models = [], [], []
@@ -186,8 +167,6 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
                                  "ranks_agree": len({s[m.name] for _, s in per_rank}) == 1}
                         for m, what in zip(methods, chose)}}
         del methods, models
-        if rank == 0:
-            print(f"defaults: {model_name} timed in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     if rank == 0:
         import json
         Path(out).write_text(json.dumps(result))
@@ -197,21 +176,16 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
 # ============================================================== the runner
 
 def _targets(cfg: DefaultsConfig, runs: list[dict[str, Any]], model: str, rate: str) -> list[dict[str, Any]]:
-    def ratio(what: str, ref: Callable[[dict[str, Any]], float]) -> list[float]:
-        return [j[model]["methods"][what]["median_ms"] / ref(j[model]["methods"]) for j in runs]
-
-    def best(mode: str) -> Callable[[dict[str, Any]], float]:
-        return lambda ms: min(ms[f"{mode}@{x}"]["median_ms"] for x in cfg.grid)
-
+    """Each target's ratio per job (the method's step over DDP's, or over the fastest of the
+    mode's hand-set ``bucket_mb`` in that job) and their median."""
     out = []
-    for what, ref, how, limit in [("overlapped", "ddp", "ddp", DEFAULT_LIMIT),
-                                  ("overlapped_bf16", "ddp", "ddp", DEFAULT_LIMIT),
-                                  ("zero", "ddp", "ddp", DEFAULT_LIMIT),
-                                  ("overlapped", "best bucket_mb", best("overlapped"), BEST_LIMIT),
-                                  ("zero", "best bucket_mb", best("zero"), BEST_LIMIT)]:
-        ratios = ratio(what, how if callable(how) else (lambda ms, ref=ref: ms[ref]["median_ms"]))
+    for what, ref in [("overlapped", "ddp"), ("overlapped_bf16", "ddp"), ("zero", "ddp"),
+                      ("overlapped", "best bucket_mb"), ("zero", "best bucket_mb")]:
+        names = ["ddp"] if ref == "ddp" else [f"{what}@{x}" for x in cfg.grid]
+        ratios = [j[model]["methods"][what]["median_ms"] / min(j[model]["methods"][n]["median_ms"] for n in names)
+                  for j in runs]
         out.append({"model": model, "rate": rate, "what": f"{what} <= {ref}", "ratio": statistics.median(ratios),
-                    "ratios": ratios, "limit": limit})
+                    "ratios": ratios, "limit": DEFAULT_LIMIT if ref == "ddp" else BEST_LIMIT})
     return out
 
 

@@ -106,7 +106,7 @@ def worker(cfg: GrowthConfig, out: str) -> None:
     results: dict[str, Any] = {}
     for name in cfg.modes[k:] + cfg.modes[:k]:
         model = _mlp(0, cfg.width)
-        forward, after, finish = _build(name, model, bucket_mb="auto")
+        forward, after, finish, _ = _build(name, model, bucket_mb="auto")
         gen = torch.Generator().manual_seed(1000 * rank + 7)
         data = [torch.randn(2, cfg.batch, cfg.width, generator=gen) for _ in range(cfg.warmup + cfg.steps)]
         phases = [0.0, 0.0, 0.0]

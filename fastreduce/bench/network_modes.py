@@ -105,9 +105,9 @@ def _tx_bytes() -> int:
 
 
 def _build(name: str, model: Any, bucket_mb: float | str = 1.0
-           ) -> tuple[Callable[[Any], Any], Callable[[], None], Callable[[], None]]:
-    """``(forward, after_backward, finish)`` of ``name`` on ``model`` (the overlapped and ZeRO
-    modes with buckets of ``bucket_mb``)."""
+           ) -> tuple[Callable[[Any], Any], Callable[[], None], Callable[[], None], Callable[[], str]]:
+    """``(forward, after_backward, finish, what it chose)`` of ``name`` on ``model`` (the
+    overlapped and ZeRO modes with buckets of ``bucket_mb``; what they chose: their buckets)."""
     import torch
     from torch import nn
 
@@ -115,11 +115,12 @@ def _build(name: str, model: Any, bucket_mb: float | str = 1.0
 
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
     nothing = lambda: None  # noqa: E731
+    none_chosen = lambda: ""  # noqa: E731 - a mode without buckets to choose
     if name.startswith("gossip"):
         wire = torch.bfloat16 if name.endswith("bf16") else torch.float32
         net = fastreduce.DecentralizedDataParallel(model, lambda named: adamw([p for _, p in named]),
                                                    topology="one-peer-exp", wire_dtype=wire)
-        return net, nothing, net.wait_exchanges
+        return net, nothing, net.wait_exchanges, none_chosen
     if name.startswith("zero"):
         wire = WIRES[name.split("_")[1] if "_" in name else "fp32"]
         quant = wire in ("float8_e4m3fn", "int8")  # with error feedback, the parameters gathered in bf16
@@ -127,11 +128,13 @@ def _build(name: str, model: Any, bucket_mb: float | str = 1.0
                                         wire_dtype=getattr(torch, wire) if "float" in wire else wire,
                                         error_feedback=quant, gather_dtype=torch.bfloat16 if quant else None,
                                         bucket_mb=bucket_mb)
-        return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params
+        return model, lambda: (zopt.step(), zopt.zero_grad()), zopt.wait_params, \
+            lambda: f"{zopt.num_buckets} bucket(s)" + (f"; {zopt.sizing.describe()}" if zopt.sizing else "")
     opt = adamw(model.parameters())
     step = lambda: (opt.step(), opt.zero_grad())  # noqa: E731
     if name == "ddp":
-        return nn.parallel.DistributedDataParallel(model), step, nothing
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, step, nothing, lambda: f"{ddp.bucket_bytes_cap / 2**20:g} MB buckets"
     if name.startswith(("fused", "overlapped")):
         overlap = name.startswith("overlapped")
         wire = WIRES["fp32" if name == "overlapped" else name.rsplit("_", 1)[1]]
@@ -139,10 +142,11 @@ def _build(name: str, model: Any, bucket_mb: float | str = 1.0
         reducer = fastreduce.FusedReducer(model, overlap=overlap, wire_dtype=dtype,
                                           error_feedback=wire in ("float8_e4m3fn", "int8"),
                                           **({"bucket_mb": bucket_mb} if overlap else {}))
-        return model, lambda: (reducer.reduce(), step()), nothing
+        return model, lambda: (reducer.reduce(), step()), nothing, \
+            lambda: reducer.stats.sizing.describe() if reducer.stats.sizing else f"{bucket_mb} MB buckets"
     if name == "localsgd_H8":
         keep = fastreduce.LocalSGD(model, opt, sync_every=8)
-        return model, step, lambda: keep is not None
+        return model, step, lambda: keep is not None, none_chosen
     if "diloco" in name:
         outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
         h = int(name.rsplit("_H", 1)[1].split("_")[0])
@@ -150,9 +154,9 @@ def _build(name: str, model: Any, bucket_mb: float | str = 1.0
         quant = {"wire_dtype": "int4", "error_feedback": True} if name.endswith("_int4") else {}
         keep = fastreduce.DiLoCo(model, opt, outer, sync_every=h, fragments=4 if streaming else 1,
                                  fragment_delay=h // 4 - 1 if streaming else 0, **quant)
-        return model, step, lambda: keep is not None
+        return model, step, lambda: keep is not None, none_chosen
     if name == "no_comm":
-        return model, step, nothing
+        return model, step, nothing, none_chosen
     raise ValueError(f"unknown mode {name!r}; the modes are {', '.join(MODES)}")
 
 
@@ -204,7 +208,7 @@ def worker(cfg: ModesConfig, out: str) -> None:
     results: dict[str, Any] = {}
     for name in cfg.modes:
         model = _mlp(0)
-        forward, after, finish = _build(name, model)
+        forward, after, finish, _ = _build(name, model)
         gen = torch.Generator().manual_seed(1000 * rank + 7)  # the same stream for every mode
         limit = cfg.steps * (cfg.reach_factor if name in LOCAL and target is not None else 1)
         times, losses, paused = [], [], 0.0
