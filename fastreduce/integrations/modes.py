@@ -145,6 +145,7 @@ class TrainerMode:
         if not self.per_rank or self.obj is None:
             yield
             return
+        self.settle()  # nothing in flight may read the parameters while they hold the mean
         group = self.config.get("group")
         tensors = [p.detach() for p in model.parameters() if p.requires_grad]
         tensors += [b.detach() for b in model.buffers() if b.is_floating_point()]
@@ -159,6 +160,11 @@ class TrainerMode:
         finally:
             with torch.no_grad():
                 _unflatten_into(tensors, own)
+
+    def settle(self) -> None:
+        """Wait for the mode's work in flight that reads the parameters' own storage (a
+        peer may read it after this rank wrote something else there); its result stays
+        due where it was. Nothing for a mode whose transfers read buffers of their own."""
 
     def evaluating(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around an evaluation: :meth:`averaged` (``eval_params="mean"``), or each rank's own
@@ -404,6 +410,9 @@ class Gossip(TrainerMode):
         """Clipped already, per bucket, in backward: the norm before clipping, over the buckets."""
         norms = [n for n in getattr(self.obj, "grad_norms", ()) if n is not None]
         return torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
+
+    def settle(self) -> None:
+        self.obj.wait_exchanges()  # a bucket's exchange sends its parameter block itself
 
     def checkpointer(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpointer:
         # the trainer saves its scheduler; the lr it set is in the steered groups, kept per rank
