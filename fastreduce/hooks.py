@@ -34,8 +34,10 @@ __all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_wait
            "optional_before_forward", "remove_hooks", "stand_down"]
 
 log = logging.getLogger("fastreduce")
-_BREAK_KEEPS_FRAME = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 10)
-"""Whether dynamo compiles the rest of a frame whose forward pre-hook broke its graph."""
+_BREAK_KEEPS_FRAME = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 13)
+"""Whether dynamo compiles the rest of a frame whose forward pre-hook broke its graph: seen
+on torch 2.13; not on 2.9 (the Gaudi 1.23 stack) nor 2.11 (an H200), where the whole
+forward ran uncompiled; 2.12 not run, taken as the older."""
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -83,7 +85,7 @@ def before_forward(module: torch.nn.Module, fn: Callable[[torch.nn.Module, Any],
 def optional_before_forward(module: torch.nn.Module, fn: Callable[[], None]) -> Any:
     """:func:`before_forward` for a hook the mode can do without (``needed=False``):
     ``fn()`` before each eager forward; where dynamo traces the forward, a graph break
-    into ``fn`` on torch 2.10 and later, and nothing on torch 2.9 and older, which run a
+    into ``fn`` on torch 2.13 and later, and nothing on older ones (2.9, 2.11), which run a
     frame whose pre-hook broke its graph eagerly for good (the whole forward left
     uncompiled to save what the hook saves)."""
     run = eager(fn)
