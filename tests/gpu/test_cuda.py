@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 import fastreduce
 import fastreduce.modes.topology
-import fastreduce.modes.zero_shard
+import fastreduce.optim_kernels
 from fastreduce.launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -88,7 +88,7 @@ def zero_worker(rank: int, world: int, dtype_name: str, with_module: bool) -> di
     opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                    bucket_mb=0.05, module=model if with_module else None)
     # the reference steps with the kernel ZeroOptimizer picks at two ranks (fused on CUDA)
-    kernel = fastreduce.modes.zero_shard.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
+    kernel = fastreduce.optim_kernels.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **kernel)
     norms = []
     for step in range(8):

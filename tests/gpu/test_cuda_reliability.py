@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import fastreduce
-import fastreduce.modes.zero_shard
+import fastreduce.optim_kernels
 from fastreduce.launch import run_ranks
 from fastreduce.modes.zero_state import RangeShard
 
@@ -136,7 +136,7 @@ def case_nonfinite(rank: int, kind: str, mode: str, ref_group: Any) -> dict:
     if kind == "zero":
         opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model,
                                        wire_dtype=torch.float32, bucket_mb=0.002, nonfinite=mode)
-        kernel = fastreduce.modes.zero_shard.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
+        kernel = fastreduce.optim_kernels.fused_if_possible(torch.optim.AdamW, list(ref.parameters()), {})
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, **kernel)  # the kernel ZeRO steps with
     elif kind == "local":
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
