@@ -77,7 +77,10 @@ LOCAL_GRACE = 10
 namespaces; neither stopped nor a zombie: :func:`_running_here`) is waited for this many
 loss windows before it is called lost: there a late heartbeat is a process starved of its
 share of the cores (64 ranks on 2 cores took more than 3 s), not a lost one; a process that
-dies or stops meanwhile is called lost at the next read."""
+dies or stops meanwhile is called lost at the next read. The same goes for the store: one
+served at an address of this host's network namespace (:func:`_served_here`) is given this
+many windows to answer a read (a Membership of 64 members on 2 cores: 39 of them stopped
+after its 1 s), since no link between can be cut; elsewhere, one window."""
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 RESTART = ("Restart from the last checkpoint (fastreduce.checkpoint); under torchrun, "
            "--max-restarts=N restarts the job by itself.")
@@ -245,6 +248,7 @@ class _Heartbeat:
         except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
             store = default
         self.store = store
+        self.store_windows = LOCAL_GRACE if _served_here(store) else 1  # a read's deadline, in loss windows
         self.caller = StoreCaller("fastreduce-store")  # the watchdog's and diagnosis's reads, bounded
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
@@ -269,8 +273,9 @@ class _Heartbeat:
         self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` (a read of the store) within the loss window, else :class:`TransportError`."""
-        return self.caller.call(fn, *args, seconds=max(lost_after(), 1.0))
+        """``fn(*args)`` (a read of the store) within the loss window (:data:`LOCAL_GRACE` of
+        them where the store is served on this host), else :class:`TransportError`."""
+        return self.caller.call(fn, *args, seconds=max(lost_after(), 1.0) * self.store_windows)
 
     def mark_lost(self, ranks: Any, how: str, who: dict[int, str], publish: bool = True) -> None:
         """Remember ``ranks`` as lost (the first word on a rank stays) and, found here
@@ -425,6 +430,29 @@ def _running_here(record: str, me: str | None = None) -> bool:
     except (OSError, IndexError):
         return False
     return now[0] not in ("T", "t", "Z", "X") and now[19] == fields[4]
+
+
+def _served_here(store: Any) -> bool:
+    """Whether ``store`` (a ``TCPStore``, or a ``PrefixStore`` over one) is served at an
+    address of this process's own network namespace: one this process could bind."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host = getattr(store, "host", None)
+    if not host:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 _lock = threading.Lock()

@@ -261,7 +261,7 @@ CASES = {f.__name__[len("case_"):]: f for f in (case_fused, case_fused_fp32, cas
 
 
 def _worker(case: str, rank: int, world: int, victim: int, port: int, transport: str, pg_timeout: float,
-            death_file: str, results: Any) -> None:
+            death_file: str, results: Any, reported: Any) -> None:
     os.environ.update(**{DEATH_FILE: death_file}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), FASTREDUCE_HEARTBEAT_S="0.5",
                       FASTREDUCE_TRANSPORT="shm" if transport == SHM_GLOO_BARRIERS else transport)
@@ -280,6 +280,9 @@ def _worker(case: str, rank: int, world: int, victim: int, port: int, transport:
     finally:
         results.close()
         results.join_thread()
+        # A survivor that left at once would look lost to one still waiting on it (at 64
+        # ranks on 2 cores, ZeRO's case named one beside the victim): all stay till all reported.
+        reported.wait(SPAWN_DEADLINE)
         os._exit(0)  # no teardown: the group is broken
 
 
@@ -292,10 +295,10 @@ def run_kill(case: str, transport: str, world: int = 2, victim: int = 1, pg_time
     fd, death_file = tempfile.mkstemp(prefix="fastreduce-death-")
     os.close(fd)
     ctx = rank_context(__name__)  # forked from a server that imported torch once (launch.py)
-    results = ctx.Queue()
+    results, reported = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(case, r, world, victim, port, transport, pg_timeout, death_file, results),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(case, r, world, victim, port, transport, pg_timeout, death_file, results,
+                                               reported), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -312,6 +315,7 @@ def run_kill(case: str, transport: str, world: int = 2, victim: int = 1, pg_time
                 pytest.fail(f"the victim rank {victim} reported instead of dying")
             got[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
+        reported.set()
         for p in procs:
             p.join(timeout=5.0 if dies else 0.1)
             if p.is_alive():
@@ -443,6 +447,21 @@ def test_a_process_is_running_here_until_it_stops_or_dies() -> None:
         child.kill()
         child.wait()
     assert not faults._running_here(record)
+
+
+def test_a_store_is_served_here_where_its_address_is_this_hosts() -> None:
+    """faults._served_here, which gives a store on this host LOCAL_GRACE windows to answer:
+    a real TCPStore on loopback, and a PrefixStore over it, are; an address no interface of
+    this network namespace has (TEST-NET-1), a name that does not resolve, or no address, not."""
+    from types import SimpleNamespace
+
+    from fastreduce import faults
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
+    assert faults._served_here(store) and faults._served_here(dist.PrefixStore("p/", store))
+    assert faults._served_here(dist.PrefixStore("q/", dist.PrefixStore("p/", store.clone())))
+    assert not faults._served_here(SimpleNamespace(host="192.0.2.1"))
+    assert not faults._served_here(SimpleNamespace(host="no-such-host.invalid"))
+    assert not faults._served_here(SimpleNamespace(host=None)) and not faults._served_here(object())
 
 
 # ============================================================== in one process

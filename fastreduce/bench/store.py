@@ -169,6 +169,7 @@ def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     beat.default, beat.interval, beat.rank, beat.world = id(faults._default_store()), interval, rank, world
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
     beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (faults._running_here)
+    beat.store_windows = 1  # a read's deadline as on a host other than the store's (faults._served_here)
     store.set(f"{faults._KEY}host/{rank}", beat.me)
     store.add(f"{faults._KEY}heartbeat/{rank}", 1)
     return beat
