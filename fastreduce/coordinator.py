@@ -78,13 +78,23 @@ class CoordinatorClient:
     """
 
     _waiter: Any = None
+    _here: bool | None = None  # whether the coordinator is served on this host (faults._served_here)
+
+    def _deadline(self) -> float:
+        """How long a request may take: twice the loss window, at least 5 s, and
+        ``faults.LOCAL_GRACE`` times that where the coordinator is served at an address of
+        this host's network namespace (no link between to cut: a slow answer is a starved
+        server; 9 of 64 members joining at once on 2 cores waited past 5 s)."""
+        if self._here is None:
+            self._here = faults._served_here(self.store)
+        return max(5.0, 2 * faults.lost_after()) * (faults.LOCAL_GRACE if self._here else 1)
 
     def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
-        """A request to the coordinator, answered within ``seconds`` (default: twice the loss
-        window, at least 5 s) or :class:`MembershipError` (a TCPStore request on a silent
+        """A request to the coordinator, answered within ``seconds`` (default:
+        :meth:`_deadline`) or :class:`MembershipError` (a TCPStore request on a silent
         link would block for minutes)."""
         try:
-            return self._caller.call(fn, *args, seconds=seconds or max(5.0, 2 * faults.lost_after()))
+            return self._caller.call(fn, *args, seconds=seconds or self._deadline())
         except Exception as err:  # noqa: BLE001 - the store raises several kinds
             raise self._unreachable(err) from err
 
@@ -92,7 +102,7 @@ class CoordinatorClient:
         """Whether ``key`` is set within ``seconds`` (``False``: not yet)."""
         try:
             self._caller.call(self.store.wait, [key], timedelta(seconds=seconds),
-                              seconds=seconds + max(5.0, 2 * faults.lost_after()))
+                              seconds=seconds + self._deadline())
             return True
         except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
             if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():

@@ -148,6 +148,7 @@ def test_membership_shrinks_and_grows_at_64(tmp_path: Path) -> None:
     found = launch_members(tmp_path)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
+        assert "refused" not in f, f"member {i} could not join: {f['refused']}"
     assert not set(KILLS) & set(found), "a killed member saved"
     final = [f for i, f in sorted(found.items())]
     assert len(final) == BIG

@@ -184,6 +184,7 @@ def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> 
     m._step_s, m._refused, m._state, m.tag = step_s, set(), {}, ""
     m.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())
     m.member = str(rank)
+    m._here = False  # its requests' deadlines as on a host other than the coordinator's
     return m
 
 
