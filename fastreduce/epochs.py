@@ -50,23 +50,29 @@ class EpochChanges(CoordinatorClient):
         self._leave_group(abandon=why == "loss")
         alive = _P + f"e{n}/alive/"
         self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
+        self._call(self.store.add, alive[:-1], 1)  # how many have announced themselves
         expected = [m for m in old.members if m not in lost]
         window = faults.lost_after() if why == "loss" else self.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
         counted: dict[str, int] = {}
         mine, key = self._fingerprint(), _P + f"epoch/{n}"
+        # Each tick reads the count (and whether the epoch was formed), not every member's key:
+        # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
-            present = [m for m in old.members if self._call(self.store.check, [alive + m])]
-            missing = [m for m in expected if m not in present]
-            if not missing:
+            if int(self._call(self.store.add, alive[:-1], 0)) >= len(expected) and \
+                    self._call(self.store.check, [alive + m for m in expected]):
+                present = [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
                 break
             if self._call(self.store.check, [key]):
                 # Formed already, by survivors that knew whom the failure lost (this one's
                 # collective may fail without naming anyone): they waited for this member.
+                present = self._present(old, alive)
                 break
             if time.monotonic() > deadline:
                 # A survivor still beating in the old epoch (slow to see the loss: a long
                 # forward, a loaded host) is waited for, a window at a time, up to wait_s.
+                present = self._present(old, alive)
+                missing = [m for m in expected if m not in present]
                 if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
                     break
                 deadline = time.monotonic() + window
@@ -75,7 +81,7 @@ class EpochChanges(CoordinatorClient):
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
         # that held the state propose (a joiner's step count is not the job's yet).
-        said = {m: json.loads(self._call(self.store.get, alive + m)) for m in present}
+        said = dict(zip(present, map(json.loads, self._read([alive + m for m in present]))))
         healed = [m for m in present if said[m]["healed"]]
         top = max((said[m]["step"] for m in healed), default=self.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
@@ -115,6 +121,18 @@ class EpochChanges(CoordinatorClient):
         self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
         self._enter(epoch)
         self.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _present(self, old: Epoch, alive: str) -> list[str]:
+        """The members of ``old`` that announced themselves for the next epoch (a request each)."""
+        return [m for m in old.members if self._call(self.store.check, [alive + m])]
+
+    def _read(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys`` (all set): one request where the store has ``multi_get``
+        (torch >= 2.5), else one a key."""
+        multi_get = getattr(self.store, "multi_get", None)
+        if multi_get is not None:
+            return self._call(multi_get, keys)
+        return [self._call(self.store.get, k) for k in keys]
 
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted

@@ -645,6 +645,11 @@ def wait_watched(work: Any) -> Any:
             return wait()
     except Exception:  # noqa: BLE001 - a work kind that cannot tell
         pass
+    if beat.lost:  # a rank of this group is known lost: raise at once, not after a watchdog tick (its
+        # neighbours' processes may live on, their sockets open: at 64 ranks the wait took a second)
+        _abandon_groups()
+        raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
+                             "collective; it is abandoned")
     done, box = threading.Event(), []
     try:
         work.get_future().add_done_callback(lambda _f: done.set())
