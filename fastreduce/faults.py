@@ -242,13 +242,13 @@ class _Heartbeat:
         # after destroy_process_group().
         self.default, self.interval = id(default), interval
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store_windows = LOCAL_GRACE if _served_here(default) else 1  # a read's deadline, in loss windows
         try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
-            store = default.clone()
-            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after())))
+            store = default.clone()  # its own timeout past the reads' deadline (the deadline decides)
+            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
         except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
             store = default
         self.store = store
-        self.store_windows = LOCAL_GRACE if _served_here(store) else 1  # a read's deadline, in loss windows
         self.caller = StoreCaller("fastreduce-store")  # the watchdog's and diagnosis's reads, bounded
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
