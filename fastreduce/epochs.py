@@ -48,9 +48,9 @@ class EpochChanges(CoordinatorClient):
         self._stash_mode(after_loss=why == "loss")
         beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
-        alive = _P + f"e{n}/alive/"
+        announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
         self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
-        self._call(self.store.add, alive[:-1], 1)  # how many have announced themselves
+        self._call(self.store.add, announced, 1)
         expected = [m for m in old.members if m not in lost]
         window = faults.lost_after() if why == "loss" else self.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
@@ -59,7 +59,7 @@ class EpochChanges(CoordinatorClient):
         # Each tick reads the count (and whether the epoch was formed), not every member's key:
         # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
-            if int(self._call(self.store.add, alive[:-1], 0)) >= len(expected) and \
+            if int(self._call(self.store.add, announced, 0)) >= len(expected) and \
                     self._call(self.store.check, [alive + m for m in expected]):
                 present = [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
                 break
@@ -81,7 +81,8 @@ class EpochChanges(CoordinatorClient):
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
         # that held the state propose (a joiner's step count is not the job's yet).
-        said = dict(zip(present, map(json.loads, self._read([alive + m for m in present]))))
+        words = self._call(faults.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
+        said = dict(zip(present, map(json.loads, words)))
         healed = [m for m in present if said[m]["healed"]]
         top = max((said[m]["step"] for m in healed), default=self.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
@@ -125,14 +126,6 @@ class EpochChanges(CoordinatorClient):
     def _present(self, old: Epoch, alive: str) -> list[str]:
         """The members of ``old`` that announced themselves for the next epoch (a request each)."""
         return [m for m in old.members if self._call(self.store.check, [alive + m])]
-
-    def _read(self, keys: list[str]) -> list[bytes]:
-        """The values of ``keys`` (all set): one request where the store has ``multi_get``
-        (torch >= 2.5), else one a key."""
-        multi_get = getattr(self.store, "multi_get", None)
-        if multi_get is not None:
-            return self._call(multi_get, keys)
-        return [self._call(self.store.get, k) for k in keys]
 
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted

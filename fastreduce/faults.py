@@ -183,6 +183,13 @@ def _default_store() -> Any:
         return None
 
 
+def read_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, every one of which is set (a missing one would be waited
+    for): one request where the store has ``multi_get`` (torch >= 2.5), else one a key."""
+    multi_get = getattr(store, "multi_get", None)
+    return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
+
+
 class StoreCaller:
     """Store requests with a deadline, made on a thread of their own.
 
@@ -352,10 +359,9 @@ class _Heartbeat:
         """The ranks' registrations (:func:`_identity`), where the store has them: two
         requests where every one is there (``multi_get``, torch >= 2.5), else two a rank."""
         keys = [f"{_KEY}host/{r}" for r in ranks]
-        multi_get = getattr(self.store, "multi_get", None)
         try:
-            if multi_get is not None and keys and self.store.check(keys):
-                return {r: v.decode() for r, v in zip(ranks, multi_get(keys))}
+            if keys and self.store.check(keys):
+                return {r: v.decode() for r, v in zip(ranks, read_all(self.store, keys))}
         except Exception:  # noqa: BLE001 - best effort: one by one below
             pass
         out = {}
