@@ -45,6 +45,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
@@ -245,9 +246,11 @@ class _Heartbeat:
     _known_keys: list[str] | None = None  # the counters' keys known to exist (:meth:`counts`)
 
     def __init__(self, default: Any, interval: float):
-        # The default store by id only: holding it would keep rank 0's store server alive
-        # after destroy_process_group().
-        self.default, self.interval = id(default), interval
+        # The default store by a weak reference: holding it would keep rank 0's store server
+        # alive after destroy_process_group(); and an id can come back as a later group's
+        # store at the same address (a Membership's next epoch then went on with the last
+        # epoch's heartbeat, its lost ranks and its counters, and named a live member lost).
+        self.default, self.interval = weakref.ref(default), interval
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store_windows = LOCAL_GRACE if _served_here(default) else 1  # a read's deadline, in loss windows
         try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
@@ -270,7 +273,7 @@ class _Heartbeat:
         key = f"{_KEY}heartbeat/{self.rank}"
         while True:
             time.sleep(self.interval)
-            if id(_default_store()) != self.default:  # destroyed, or another job's group
+            if not self.current():  # destroyed, or another group's
                 break
             try:
                 self.store.add(key, 1)
@@ -278,6 +281,11 @@ class _Heartbeat:
                 break
         _forget(self)
         self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
+
+    def current(self) -> bool:
+        """Whether this heartbeat's group is still this process's default group."""
+        store = self.default()
+        return store is not None and store is _default_store()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a read of the store) within the loss window (:data:`LOCAL_GRACE` of
@@ -468,7 +476,7 @@ _beat: _Heartbeat | None = None
 def _forget(beat: _Heartbeat) -> None:
     global _beat
     with _lock:
-        if _beat is beat and id(_default_store()) != beat.default:
+        if _beat is beat and not beat.current():
             _beat = None
 
 
@@ -481,13 +489,13 @@ def start_heartbeat() -> None:
         return
     default = _default_store()
     beat = _beat
-    if default is None or (beat is not None and beat.default == id(default)):
+    if default is None or (beat is not None and beat.current()):
         return
     interval = heartbeat_interval()
     if interval <= 0:
         return
     with _lock:
-        if _beat is None or _beat.default != id(default):
+        if _beat is None or not _beat.current():
             try:
                 _beat = _Heartbeat(default, interval)
             except Exception:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
@@ -520,7 +528,7 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
     soon as all have (in a world of more than :data:`WATCHED_SUCCESSORS` + 1, not before
     the window: see :func:`_silent`). Ranks found lost once are answered at once from then on."""
     beat = _beat
-    if beat is None or beat.default != id(_default_store()):
+    if beat is None or not beat.current():
         return [], "", {}
     return _diagnose(beat, lost_after() if wait is None else wait)
 
@@ -644,18 +652,13 @@ def wait_watched(work: Any) -> Any:
         return work.wait()
     wait = getattr(work, "wait_unwatched", None) or work.wait
     beat = _beat
-    if beat is None or not beat.host_waits or beat.default != id(_default_store()):
+    if beat is None or not beat.host_waits or not beat.current():
         return wait()
     try:
         if work.is_completed():
             return wait()
     except Exception:  # noqa: BLE001 - a work kind that cannot tell
         pass
-    if beat.lost:  # a rank of this group is known lost: raise at once, not after a watchdog tick (its
-        # neighbours' processes may live on, their sockets open: at 64 ranks the wait took a second)
-        _abandon_groups()
-        raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
-                             "collective; it is abandoned")
     done, box = threading.Event(), []
     try:
         work.get_future().add_done_callback(lambda _f: done.set())

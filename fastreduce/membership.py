@@ -512,7 +512,7 @@ class Membership(EpochChanges):
         heartbeat stops for ``$FASTREDUCE_LOST_AFTER_S`` first."""
         epoch = self._epoch()
         beat, window = faults._beat, faults.lost_after()
-        if beat is not None and beat.default != id(faults._default_store()):
+        if beat is not None and not beat.current():
             beat = None  # an earlier epoch's
         slice_s = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
         # One request waits for the decision (a get on a connection of its own, no timeout

@@ -162,11 +162,12 @@ class Counted:
 
 def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     """A ``faults._Heartbeat`` over ``store`` for ``rank`` of ``world`` (its thread not
-    started), registered in the store as ``_Heartbeat.__init__`` registers a rank. Its
-    ``default`` is this process's default store as it is now (none in the bench's client
+    started), registered in the store as ``_Heartbeat.__init__`` registers a rank. It counts
+    as current whatever this process's default group (none in the bench's client
     processes), so its real ``_run`` loop beats until the store raises."""
     beat = object.__new__(faults._Heartbeat)
-    beat.default, beat.interval, beat.rank, beat.world = id(faults._default_store()), interval, rank, world
+    beat.interval, beat.rank, beat.world = interval, rank, world
+    beat.current = lambda: True
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
     beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (faults._running_here)
     beat.store_windows = 1  # a read's deadline as on a host other than the store's (faults._served_here)
