@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
-           "all_reduce_watched", "diagnose", "group_timeout", "guard", "guarded", "heartbeat_interval", "lost_after",
-           "start_heartbeat", "wait_watched"]
+           "all_reduce_watched", "diagnose", "group_timeout", "group_token", "guard", "guarded", "heartbeat_interval",
+           "lost_after", "note_lost", "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -514,10 +514,24 @@ def _store_host_rank() -> int | None:
     return 0
 
 
-def note_lost(lost: dict[int, str], how: str) -> None:
-    """Remember ranks found lost another way (the shared-memory transport's pid check)."""
+def group_token() -> Any:
+    """This process's default group as its heartbeat knows it (a weak reference to the
+    group's store; ``None`` without a group): what a transport built for the group hands
+    back to :func:`note_lost`."""
+    store = _default_store()
+    return weakref.ref(store) if store is not None else None
+
+
+def note_lost(lost: dict[int, str], how: str, group: Any) -> None:
+    """Remember ranks found lost another way (the shared-memory transport's pid check) by
+    the transport built for ``group`` (its :func:`group_token`), if that group is still
+    this process's default one. A Membership's earlier epoch's transport may still wait
+    on its segment after the next epoch's heartbeat started; its ranks are that group's,
+    and noted here they named a live member of the new group lost (gossip, the chaos kill
+    matrix: a second "loss" four steps after the real one)."""
     beat = _beat
-    if beat is not None:
+    store = group() if group is not None else None
+    if beat is not None and store is not None and store is beat.default() and beat.current():
         beat.mark_lost(lost, how, lost)
 
 
@@ -659,6 +673,11 @@ def wait_watched(work: Any) -> Any:
             return wait()
     except Exception:  # noqa: BLE001 - a work kind that cannot tell
         pass
+    if beat.lost:  # a rank of this group is known lost: raise at once, not after a watchdog tick (its
+        # neighbours' processes may live on, their sockets open: at 64 ranks the wait took a second)
+        _abandon_groups()
+        raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
+                             "collective; it is abandoned")
     done, box = threading.Event(), []
     try:
         work.get_future().add_done_callback(lambda _f: done.set())

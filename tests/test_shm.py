@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from datetime import timedelta
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -743,6 +744,41 @@ def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
 
 
 # ============================================================== who is named lost
+
+def _earlier_groups_barrier(rank: int, world: int, port: int) -> dict:
+    """A barrier of this group (its rank 1's process exited) fails after the next group
+    (a Membership's next epoch, on a store of its own) started its heartbeat."""
+    from fastreduce import faults
+
+    faults.start_heartbeat()
+    header = _header([os.getpid(), _dead_pid()])  # this rank's own segment: its rank 1 is gone
+    old = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=30.0)
+    dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    faults.start_heartbeat()
+    try:
+        old()
+        raised = None
+    except fastreduce.RankLostError as err:
+        raised = err.ranks
+    lost = sorted(faults._beat.lost)
+    t = torch.ones(1)
+    faults.all_reduce_watched(t)  # a known loss of this group would abandon it at once
+    return {"raised": raised, "lost": lost, "sum": t.item()}
+
+
+def test_a_loss_in_an_earlier_groups_segment_is_not_noted_in_the_next_groups_heartbeat() -> None:
+    """The earlier group's barrier names its own lost rank, and only to its caller: the next
+    group's heartbeat knows of no loss (it did, and gossip under a Membership named a live
+    member lost, since rank 1 of the old group is a live rank of the new one), and the
+    next group's collective runs."""
+    from fastreduce.launch import free_port
+
+    for out in run_ranks(_earlier_groups_barrier, 2, free_port(), timeout=SPAWN_TIMEOUT):
+        assert out == {"raised": [1], "lost": [], "sum": 2.0}, out
+
+
 
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])

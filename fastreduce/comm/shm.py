@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..faults import RankLostError, TransportError, group_timeout, note_lost
+from ..faults import RankLostError, TransportError, group_timeout, group_token, note_lost
 from ..profiling import span
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "sum_order", "weighted_sum"]
@@ -254,6 +254,7 @@ class _FlagBarrier:
         self.ranks = list(ranks) if ranks is not None else list(range(world))  # global ranks
         self.failed = False
         self.lost: RankLostError | None = None
+        self.group = group_token()  # whose heartbeat a loss found here is noted in (:func:`note_lost`)
 
     def __call__(self) -> None:
         if self.failed:  # stays failed: never let the others pass on a broken result
@@ -308,7 +309,7 @@ class _FlagBarrier:
             if len(self.ranks) < 64:  # this rank's word for the others (see the class docstring)
                 self.verdicts[self.rank] = sum(1 << k for k in lost)
             how = "its process exited (seen by the shared-memory transport)"
-            note_lost(gone, how)
+            note_lost(gone, how, self.group)
             world = dist.get_world_size() if dist.is_initialized() else None
             self.lost = RankLostError(list(gone), how=how, world=world, who=gone)
             self.fail()
