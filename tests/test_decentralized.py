@@ -387,12 +387,37 @@ def case_averaged_in_flight(rank: int, world: int) -> dict:
     return out
 
 
+def case_load_in_flight(rank: int, world: int) -> dict:
+    """A checkpoint of step 1 loaded right after step 2's backward, its exchange in flight:
+    the run from there is the same whether that exchange was quick or (on shared memory)
+    started by rank 1's worker a second late, after the load (whose late mix would then
+    land in the loaded state)."""
+    import copy
+
+    out = {}
+    for stall in (False, True):
+        model = MODELS["odd"](SEED + 100 * rank)
+        net = make_ddp(model, "ring", momentum=0.9)
+        for k in range(5):
+            if stall and k == 2 and rank == 1 and net.comm.shms:
+                net.comm.shms[0].channel.jobs.put(_Stall(1.0))
+            out_loss(net(*batch_for(model, rank, k))).backward()
+            if k == 1:
+                saved = copy.deepcopy(net.state_dict())
+            if k == 2:
+                net.load_state_dict(saved)
+        net.close()
+        out[stall] = params_of(model)
+    return out
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
         res["unknown_topology"] = guarded(case_unknown_topology, rank, world)
         res["zero_grad"] = guarded(case_zero_grad, rank, world)
         res["averaged_in_flight"] = guarded(case_averaged_in_flight, rank, world)
+        res["load_in_flight"] = guarded(case_load_in_flight, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
     for case in TRAJ_CASES.get(world, []):
         res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
@@ -625,6 +650,13 @@ def test_an_evaluation_on_the_mean_waits_for_the_exchange_in_flight(worlds) -> N
     reading the parameter block would have sent the mean: 1% off in the Trainer's gradient
     norms five steps on)."""
     for rank, o in enumerate(ok(worlds(2), "averaged_in_flight")):
+        for n, p in o[False].items():
+            assert torch.equal(o[True][n], p), (rank, n, float((o[True][n] - p).abs().max()))
+
+
+def test_a_load_waits_for_the_exchange_in_flight(worlds) -> None:
+    """load_state_dict mid-run, an exchange in flight: bit for bit the run where it was done."""
+    for rank, o in enumerate(ok(worlds(2), "load_in_flight")):
         for n, p in o[False].items():
             assert torch.equal(o[True][n], p), (rank, n, float((o[True][n] - p).abs().max()))
 

@@ -36,7 +36,7 @@ class GossipState:
     def _saved(self, in_flight: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.module.state_dict(), "round": self._round, "built": self._built}
         if self._built:
-            out["buckets"] = [[self._names[i] for i in b.slots] for b in self._buckets]
+            out["buckets"] = self._saved_buckets()
             out["optimizers"] = [o.state_dict() for o in self._optims]
             out["schedulers"] = [s.state_dict() if s is not None else None for s in self._scheds]
             out["mixed"] = [m.clone() for m in self._mixed]
@@ -47,6 +47,10 @@ class GossipState:
             out["scaler"] = self.scaler.state_dict()
         return out
 
+    def _saved_buckets(self) -> list[list[str]]:
+        """The parameters' names, bucket by bucket."""
+        return [[self._names[i] for i in b.slots] for b in self._buckets]
+
     def set_round(self, round_: int) -> None:
         """The round of the next exchange (its mixing matrix): every rank must hold the
         same one. A new membership (:class:`fastreduce.Membership`) sets it on every
@@ -54,17 +58,25 @@ class GossipState:
         self._round = int(round_)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Resume from :meth:`state_dict` (same world size, model and wire)."""
+        """Resume from :meth:`state_dict` (same world size, model and wire). Mid-run it first
+        finishes the step in progress and waits for the exchanges in flight, as
+        :meth:`state_dict` does (collective then: every rank loads at the same point): an
+        exchange still reading this rank's parameter block, or writing its mix, would
+        otherwise mix the loaded state with the old one."""
         if state_dict.get("built") and ("public_copies" in state_dict) != (self._quant is not None):
             raise ValueError("this state was saved with a quantized wire's public copies and this mode has no "
                              "quantized wire, or the other way round: resume with the same wire_dtype; nothing "
                              "was loaded")
+        self._drain()
         self.module.load_state_dict(state_dict["model"], strict=strict)
         self._round = int(state_dict["round"])
         if state_dict.get("built"):
             index = {n: k for k, (n, _) in enumerate(self._named)}
             order = [index[n] for names in state_dict["buckets"] for n in names]
-            self._build(order, [len(names) for names in state_dict["buckets"]])
+            if not (self._built and self._saved_buckets() == state_dict["buckets"]):  # else its blocks serve
+                if self._built:  # laid out otherwise: its gradient hooks off first (they would fire twice)
+                    self._schedule.remove()
+                self._build(order, [len(names) for names in state_dict["buckets"]])
             for o, s in zip(self._optims, state_dict["optimizers"]):
                 o.load_state_dict(s)
             for sch, s in zip(self._scheds, state_dict["schedulers"]):
