@@ -29,6 +29,18 @@ __all__ = ["EpochChanges"]
 
 log = logging.getLogger("fastreduce.membership")
 
+POLLS_PER_S = 4000.0
+"""How many times a second the members of an epoch poll the coordinator together while they
+gather for the next one (:meth:`EpochChanges._gather`) or enter it (``_rendezvous``): a member
+polls every ``max(5 ms, members / POLLS_PER_S)``. At a fixed 5 ms, 1,024 members made 400k
+requests a second to the one-threaded store, and their client threads on this 2-core machine
+could not finish one formation in 8 s (``fastreduce bench store --scenarios form``)."""
+
+
+def _poll_s(members: int) -> float:
+    """Seconds between two polls of one member of an epoch of ``members``."""
+    return max(0.005, members / POLLS_PER_S)
+
 
 class EpochChanges(CoordinatorClient):
     """The epoch half of :class:`~fastreduce.Membership` (a mixin).
@@ -48,35 +60,8 @@ class EpochChanges(CoordinatorClient):
         self._stash_mode(after_loss=why == "loss")
         beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
-        announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
-        self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
-        self._call(self.store.add, announced, 1)
-        expected = [m for m in old.members if m not in lost]
-        window = faults.lost_after() if why == "loss" else self.timeout_s
-        deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
-        counted: dict[str, int] = {}
-        mine, key = self._fingerprint(), _P + f"epoch/{n}"
-        # Each tick reads the count (and whether the epoch was formed), not every member's key:
-        # two requests a member, where a check per member made N^2 a tick at N members.
-        while True:
-            if int(self._call(self.store.add, announced, 0)) >= len(expected) and \
-                    self._call(self.store.check, [alive + m for m in expected]):
-                present = [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
-                break
-            if self._call(self.store.check, [key]):
-                # Formed already, by survivors that knew whom the failure lost (this one's
-                # collective may fail without naming anyone): they waited for this member.
-                present = self._present(old, alive)
-                break
-            if time.monotonic() > deadline:
-                # A survivor still beating in the old epoch (slow to see the loss: a long
-                # forward, a loaded host) is waited for, a window at a time, up to wait_s.
-                present = self._present(old, alive)
-                missing = [m for m in expected if m not in present]
-                if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
-                    break
-                deadline = time.monotonic() + window
-            time.sleep(0.005)
+        present = self._gather(old, lost, why, beats)
+        alive, mine, key = _P + f"e{n}/alive/", self._fingerprint(), _P + f"epoch/{n}"
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
@@ -122,6 +107,41 @@ class EpochChanges(CoordinatorClient):
         self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
         self._enter(epoch)
         self.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> list[str]:
+        """Announce this member for the epoch after ``old`` and wait for the other
+        survivors' announcements: the members of ``old`` present (every one not ``lost``;
+        fewer where the epoch was formed by others meanwhile, or a survivor stayed silent
+        past the window and ``wait_s``). ``beats``: the old epoch's store, whose heartbeats
+        tell a slow survivor from a lost one."""
+        n = old.number + 1
+        announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
+        self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
+        self._call(self.store.add, announced, 1)
+        expected = [m for m in old.members if m not in lost]
+        window = faults.lost_after() if why == "loss" else self.timeout_s
+        deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
+        counted: dict[str, int] = {}
+        key = _P + f"epoch/{n}"
+        # Each tick reads the count (and whether the epoch was formed), not every member's key:
+        # two requests a member, where a check per member made N^2 a tick at N members.
+        while True:
+            if int(self._call(self.store.add, announced, 0)) >= len(expected) and \
+                    self._call(self.store.check, [alive + m for m in expected]):
+                return [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
+            if self._call(self.store.check, [key]):
+                # Formed already, by survivors that knew whom the failure lost (this one's
+                # collective may fail without naming anyone): they waited for this member.
+                return self._present(old, alive)
+            if time.monotonic() > deadline:
+                # A survivor still beating in the old epoch (slow to see the loss: a long
+                # forward, a loaded host) is waited for, a window at a time, up to wait_s.
+                present = self._present(old, alive)
+                missing = [m for m in expected if m not in present]
+                if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
+                    return present
+                deadline = time.monotonic() + window
+            time.sleep(_poll_s(old.world))
 
     def _present(self, old: Epoch, alive: str) -> list[str]:
         """The members of ``old`` that announced themselves for the next epoch (a request each)."""
@@ -215,7 +235,7 @@ class EpochChanges(CoordinatorClient):
         while int(self._call(self.store.add, key, 0)) < epoch.world:
             if time.monotonic() > deadline:
                 raise _Missing({m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])})
-            time.sleep(0.005)
+            time.sleep(_poll_s(epoch.world))
 
     def _device(self) -> torch.device:
         """Where the state travels: the model's device (Gloo: the CPU)."""
