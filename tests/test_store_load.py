@@ -106,6 +106,17 @@ def test_synthetic_vote_runs_the_real_vote() -> None:
     assert {"compare_set", "get"} <= set(r["latency_ms"])  # the decision written once, waited for by the others
 
 
+def test_synthetic_formation_runs_the_real_gathering() -> None:
+    """The ``form`` scenario: the members' real gathering for a next epoch, over and over;
+    every survivor found each time, each epoch timed on every member."""
+    n = 6
+    r = bench.run_synthetic("form", n, 1.5, procs=2)
+    assert not r["vote_errors"], r["vote_errors"]
+    assert r["formations"] >= 3 and r["form_ms"]["n"] == n * r["formations"], r
+    assert 0 <= r["form_ms"]["p50"] <= r["form_ms"]["max"] < 2000
+    assert {"set", "add", "check"} <= set(r["latency_ms"])  # the announcement, the count, the keys
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         bench.StoreConfig(scenarios=("nope",))

@@ -18,7 +18,8 @@ sees, replaying the library's own code, never a copy of its request pattern:
   per scenario (:data:`SCENARIOS`) also the real watchdog loop (``faults._watch``: the
   reads of every counter and of the published verdict, with the real loss decision) or
   the real per-step vote (``Membership._vote``: the step's counter, the decision written
-  by the voter that completes it, the others' waiting get).
+  by the voter that completes it, the others' waiting get), or the real gathering of the
+  survivors for a next epoch (``EpochChanges._gather``).
 
 Counting: a request is one call of a store method on a :class:`Counted` connection (one
 round trip of c10d's protocol; ``check`` and ``multi_get`` carry ``n`` keys each, counted
@@ -63,13 +64,17 @@ from .common import machine_info, percentile
 __all__ = ["SCENARIOS", "Counted", "StoreConfig", "format_text", "run_real", "run_store_bench", "run_synthetic",
            "scenario_settings"]
 
-SCENARIOS = ("beat", "watch", "member_watch", "vote")
+SCENARIOS = ("beat", "watch", "member_watch", "vote", "form")
 """``beat``: the heartbeat alone at the default period (a job whose collectives finish within
 a heartbeat: its steady state). ``watch``: the heartbeat and every rank's watchdog (every
 rank waiting in a collective longer than a heartbeat: a slow step, or a loss being found).
 ``member_watch``: the same at a Membership's heartbeat period (its vote's wait reads the
 counters at this cadence too). ``vote``: a Membership's heartbeat and its per-step vote at
-``step_rate`` steps per second."""
+``step_rate`` steps per second. ``form``: a Membership's heartbeat and, over and over, the
+real gathering of the survivors for its next epoch after a loss (``EpochChanges._gather``:
+each member announces itself and polls until every survivor has), each member starting
+within 0.1 s of the others (as they see a loss); a formation's time: per member, from the
+last survivor's announcement until it knew every survivor had announced."""
 REQUESTS = frozenset({"add", "set", "get", "check", "multi_get", "multi_set", "compare_set", "delete_key",
                       "wait", "num_keys"})
 """The store methods that are requests to the server (the rest are local: ``clone``, ``set_timeout``)."""
@@ -112,7 +117,7 @@ def scenario_settings(scenario: str) -> dict[str, float]:
     with no environment setting) or a Membership's (its ``_HEARTBEAT_S``)."""
     saved = {k: os.environ.pop(k, None) for k in (faults.HEARTBEAT_ENV, faults.LOST_AFTER_ENV)}
     try:
-        if scenario in ("member_watch", "vote"):
+        if scenario in ("member_watch", "vote", "form"):
             os.environ[faults.HEARTBEAT_ENV] = str(membership._HEARTBEAT_S)
         return {"heartbeat_s": faults.heartbeat_interval(), "window_s": faults.lost_after()}
     finally:
@@ -186,7 +191,29 @@ def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> 
     m.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())
     m.member = str(rank)
     m._here = False  # its requests' deadlines as on a host other than the coordinator's
+    m.step, m._healed, m.wait_s = 0, True, 600.0
     return m
+
+
+def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event, out: dict[str, list]) -> None:
+    """Epoch after epoch, the real gathering of the survivors (``EpochChanges._gather``) of
+    an epoch of ``world`` + 1 members whose last was lost; every survivor must be found."""
+    lost, k = {str(world)}, 0
+    members = tuple(str(r) for r in range(world + 1))
+    time.sleep(max(0.0, start - time.monotonic()))
+    while not done.is_set():
+        time.sleep(random.uniform(0.0, 0.1))  # the survivors see the loss within a spread
+        t0 = time.monotonic()  # (one clock for every process of this host)
+        try:
+            present = m._gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)
+        except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
+            if not done.is_set():
+                out["vote_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
+            return
+        out["forms"].append((k, t0, time.monotonic()))
+        if len(present) != world:
+            out["vote_errors"].append(f"epoch {k + 1}: {len(present)} of {world} survivors found")
+        k += 1
 
 
 class _Stopped(RuntimeError):
@@ -251,15 +278,15 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
         os.environ[faults.HEARTBEAT_ENV] = str(settings["heartbeat_s"])
         os.environ[faults.LOST_AFTER_ENV] = str(settings["window_s"])
         log: list[tuple[str, int, float, float]] = []
-        out: dict[str, list] = {"false_losses": [], "votes": [], "vote_errors": []}
+        out: dict[str, list] = {"false_losses": [], "votes": [], "vote_errors": [], "forms": []}
         stop, done = threading.Event(), threading.Event()
         timeout = timedelta(seconds=max(5.0, 2 * settings["window_s"]))  # the heartbeat's own connection's
         with connecting:  # one process at a time: see [Note: concurrent connects]
             conns = [_Stoppable(_connect(port, timeout), log, stop, publish=False) for _ in ranks]
             beats = [_heartbeat(c, r, world, settings["heartbeat_s"]) for c, r in zip(conns, ranks)]
             members = [_member(c, r, world, 0.2, 1.0 / step_rate) for c, r in zip(conns, ranks)] \
-                if scenario == "vote" else []
-            for m in members:
+                if scenario in ("vote", "form") else []
+            for m in members if scenario == "vote" else ():
                 m._vote_connection()  # its second connection, made before the clock starts
         ready.put(len(ranks))
         start = go.get()
@@ -269,8 +296,10 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
             threads.append(threading.Timer(random.uniform(0, b.interval), b._run))
         if scenario in ("watch", "member_watch"):
             threads += [threading.Thread(target=_watcher, args=(b, done, out)) for b in beats]
-        for m in members:
-            threads.append(threading.Thread(target=_voter, args=(m, start, step_rate, done, out)))
+        for m, c in zip(members, conns):
+            threads.append(threading.Thread(target=_voter, args=(m, start, step_rate, done, out))
+                           if scenario == "vote" else
+                           threading.Thread(target=_former, args=(m, world, c, start, done, out)))
         for t in threads:
             t.daemon = True
             t.start()
@@ -381,7 +410,8 @@ def run_synthetic(scenario: str, n: int, seconds: float, procs: int = 8, step_ra
     errors = [g for kind, g in got if kind == "error"]
     if errors:
         raise RuntimeError("a client process failed:\n" + errors[0])
-    merged: dict[str, Any] = {"log": [], "false_losses": [], "votes": [], "vote_errors": [], "beat_gaps": []}
+    merged: dict[str, Any] = {"log": [], "false_losses": [], "votes": [], "vote_errors": [], "beat_gaps": [],
+                              "forms": []}
     for _, g in got:
         for k in merged:
             merged[k] += g[k]
@@ -391,7 +421,8 @@ def run_synthetic(scenario: str, n: int, seconds: float, procs: int = 8, step_ra
 
 def summarize(got: dict[str, Any], seconds: float, n: int) -> dict[str, Any]:
     """Requests and keys per second, latency by method, the longest gap between a client's
-    beats, false losses and (``vote``) the vote's time, from the clients' records."""
+    beats, false losses and (``vote``, ``form``) the vote's or a formation's time, from the
+    clients' records."""
     log = got["log"]
     by: dict[str, list[float]] = {}
     for name, _, _, dt in log:
@@ -411,6 +442,13 @@ def summarize(got: dict[str, Any], seconds: float, n: int) -> dict[str, Any]:
     if got["votes"]:
         out["vote_ms"] = _dist(got["votes"])
         out["votes_per_client_s"] = round(len(got["votes"]) / n / seconds, 2)
+    if got.get("forms"):  # per member, from the last survivor's announcement until it knew (whole epochs)
+        epochs: dict[int, list[tuple[float, float]]] = {}
+        for k, t0, t1 in got["forms"]:
+            epochs.setdefault(k, []).append((t0, t1))
+        whole = [e for e in epochs.values() if len(e) == n]
+        out["form_ms"] = _dist([t1 - max(t0 for t0, _ in e) for e in whole for _, t1 in e])
+        out["formations"] = len(whole)
     return out
 
 
@@ -486,20 +524,21 @@ def format_text(result: dict[str, Any]) -> str:
              f"processes for {c['seconds']:g} s each; vote at {c['step_rate']:g} steps/s",
              "",
              f"{'scenario':<14}{'n':>6}{'beat s':>7}{'win s':>6}{'req/s':>9}{'keys/s':>10}{'all p50/p99/max ms':>22}"
-             f"{'read p50/p99/max ms':>22}{'gap s':>7}{'lost':>6}{'srv cpu':>8}{'vote p50/p99 ms':>17}"]
+             f"{'read p50/p99/max ms':>22}{'gap s':>7}{'lost':>6}{'srv cpu':>8}{'vote/form p50/p99 ms':>22}"]
     for r in result["runs"]:
         lat = r["latency_ms"]
         read = lat.get("multi_get", {})
-        vote = r.get("vote_ms", {})
+        vote = r.get("vote_ms") or r.get("form_ms", {})
         lines.append(f"{r['scenario']:<14}{r['clients']:>6}{r['heartbeat_s']:>7g}{r['window_s']:>6g}"
                      f"{r['requests_per_s']:>9.0f}{r['keys_per_s']:>10.0f}{_three(r['all_ms']):>22}"
                      f"{_three(read):>22}{r.get('beat_gap_max_s', float('nan')):>7.2f}{r['false_losses']:>6}"
                      f"{_cell(r.get('server_cpu')):>8}"
-                     f"{_two(vote):>17}")
+                     f"{_two(vote):>22}")
     lines += ["", "(req/s: requests reaching the store, counted on each client connection; keys/s: keys they carry; "
               "read: the watchdog's multi_get of every counter; gap s: the longest time between two beats of one "
               "client landing; lost: false losses (the real watchdog naming a live rank, or the store silent for "
-              "its window); srv cpu: the server process's CPU seconds per second)"]
+              "its window); srv cpu: the server process's CPU seconds per second; form: one member's gathering "
+              "of the survivors for a next epoch, from its announcement)"]
     for r in result["runs"]:
         for e in r["false_loss_examples"] + r["vote_errors"]:
             lines.append(f"{r['scenario']} {r['clients']}: {e}")
