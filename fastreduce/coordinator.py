@@ -21,6 +21,11 @@ COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 _P = "fastreduce/members/"
 
 
+def _epoch_key(number: int) -> str:
+    """The coordinator's key of epoch ``number`` (its :class:`Epoch` as JSON, once formed)."""
+    return _P + f"epoch/{number}"
+
+
 class MembershipError(RuntimeError):
     """This process cannot be (or stay) a member: refused as a joiner, left out of an
     epoch, or the coordinator is unreachable. The message says which and what to do."""

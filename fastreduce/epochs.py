@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fastreduce.faults as faults
 
-from .coordinator import _P, CoordinatorClient, Epoch, MembershipError
+from .coordinator import _P, CoordinatorClient, Epoch, MembershipError, _epoch_key
 from .faults import RankLostError
 from .heal import broadcast_state
 from .modes import zero_mirror
@@ -60,14 +60,12 @@ class EpochChanges(CoordinatorClient):
         self._stash_mode(after_loss=why == "loss")
         beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
-        present = self._gather(old, lost, why, beats)
-        alive, mine, key = _P + f"e{n}/alive/", self._fingerprint(), _P + f"epoch/{n}"
+        said = self._gather(old, lost, why, beats)
+        present, mine, key = list(said), self._fingerprint(), _epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
         # that held the state propose (a joiner's step count is not the job's yet).
-        words = self._call(faults.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
-        said = dict(zip(present, map(json.loads, words)))
         healed = [m for m in present if said[m]["healed"]]
         top = max((said[m]["step"] for m in healed), default=self.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
@@ -108,11 +106,12 @@ class EpochChanges(CoordinatorClient):
         self._enter(epoch)
         self.counters.stalls.append((why, time.perf_counter() - start))
 
-    def _gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> list[str]:
+    def _gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> dict[str, dict[str, Any]]:
         """Announce this member for the epoch after ``old`` and wait for the other
-        survivors' announcements: the members of ``old`` present (every one not ``lost``;
+        survivors' announcements: those of the members of ``old`` present (its step and
+        whether it holds the job's state), in ``old``'s order: every member not ``lost``;
         fewer where the epoch was formed by others meanwhile, or a survivor stayed silent
-        past the window and ``wait_s``). ``beats``: the old epoch's store, whose heartbeats
+        past the window and ``wait_s``. ``beats``: the old epoch's store, whose heartbeats
         tell a slow survivor from a lost one."""
         n = old.number + 1
         announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
@@ -122,26 +121,30 @@ class EpochChanges(CoordinatorClient):
         window = faults.lost_after() if why == "loss" else self.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
         counted: dict[str, int] = {}
-        key = _P + f"epoch/{n}"
+        key = _epoch_key(n)
         # Each tick reads the count (and whether the epoch was formed), not every member's key:
         # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
             if int(self._call(self.store.add, announced, 0)) >= len(expected) and \
                     self._call(self.store.check, [alive + m for m in expected]):
-                return [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
+                present = [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
+                break
             if self._call(self.store.check, [key]):
                 # Formed already, by survivors that knew whom the failure lost (this one's
                 # collective may fail without naming anyone): they waited for this member.
-                return self._present(old, alive)
+                present = self._present(old, alive)
+                break
             if time.monotonic() > deadline:
                 # A survivor still beating in the old epoch (slow to see the loss: a long
                 # forward, a loaded host) is waited for, a window at a time, up to wait_s.
                 present = self._present(old, alive)
                 missing = [m for m in expected if m not in present]
                 if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
-                    return present
+                    break
                 deadline = time.monotonic() + window
             time.sleep(_poll_s(old.world))
+        words = self._call(faults.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
+        return dict(zip(present, map(json.loads, words)))
 
     def _present(self, old: Epoch, alive: str) -> list[str]:
         """The members of ``old`` that announced themselves for the next epoch (a request each)."""
@@ -161,7 +164,7 @@ class EpochChanges(CoordinatorClient):
         """Write ``proposal`` unless another member's for that epoch was first; then admit
         the joiners of the epoch written and refuse the tickets it handled with another
         layout (the rest wait for a later epoch). Returns the epoch written."""
-        key = _P + f"epoch/{proposal.number}"
+        key = _epoch_key(proposal.number)
         epoch = Epoch.from_json(self._call(self.store.compare_set, key, "", proposal.to_json()))
         for t, bad in refusals.items():
             if t > epoch.admitted:

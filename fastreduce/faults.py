@@ -250,7 +250,7 @@ class _Heartbeat:
         # alive after destroy_process_group(); and an id can come back as a later group's
         # store at the same address (a Membership's next epoch then went on with the last
         # epoch's heartbeat, its lost ranks and its counters, and named a live member lost).
-        self.default, self.interval = weakref.ref(default), interval
+        self.default, self.interval = weakref.ref(default), interval  # (a group_token of its group)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store_windows = LOCAL_GRACE if _served_here(default) else 1  # a read's deadline, in loss windows
         try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
@@ -284,8 +284,7 @@ class _Heartbeat:
 
     def current(self) -> bool:
         """Whether this heartbeat's group is still this process's default group."""
-        store = self.default()
-        return store is not None and store is _default_store()
+        return _is_current(self.default)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a read of the store) within the loss window (:data:`LOCAL_GRACE` of
@@ -522,6 +521,12 @@ def group_token() -> Any:
     return weakref.ref(store) if store is not None else None
 
 
+def _is_current(token: Any) -> bool:
+    """Whether the group of ``token`` (:func:`group_token`) is still this process's default one."""
+    store = token() if token is not None else None
+    return store is not None and store is _default_store()
+
+
 def note_lost(lost: dict[int, str], how: str, group: Any) -> None:
     """Remember ranks found lost another way (the shared-memory transport's pid check) by
     the transport built for ``group`` (its :func:`group_token`), if that group is still
@@ -530,8 +535,7 @@ def note_lost(lost: dict[int, str], how: str, group: Any) -> None:
     and noted here they named a live member of the new group lost (gossip, the chaos kill
     matrix: a second "loss" four steps after the real one)."""
     beat = _beat
-    store = group() if group is not None else None
-    if beat is not None and store is not None and store is beat.default() and beat.current():
+    if beat is not None and beat.current() and _is_current(group):  # both the default group's: the same
         beat.mark_lost(lost, how, lost)
 
 

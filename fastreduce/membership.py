@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 import fastreduce.faults as faults
 
-from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, connect, serve
+from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, _epoch_key, connect, serve
 from .epochs import EpochChanges, _check_mode, _clone, _kind  # noqa: F401 (_check_mode: imported from here too)
 from .faults import RankLostError
 from .version import __version__
@@ -211,7 +211,7 @@ class Membership(EpochChanges):
         answer = self._await_key(_P + f"admit/{ticket}", self.wait_s, "admission")
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
-        epoch = Epoch.from_json(self._call(self.store.get, _P + f"epoch/{int(answer)}"))
+        epoch = Epoch.from_json(self._call(self.store.get, _epoch_key(int(answer))))
         start = time.perf_counter()
         self._enter(epoch)
         self.counters.stalls.append(("joined", time.perf_counter() - start))

@@ -72,7 +72,8 @@ rank waiting in a collective longer than a heartbeat: a slow step, or a loss bei
 counters at this cadence too). ``vote``: a Membership's heartbeat and its per-step vote at
 ``step_rate`` steps per second. ``form``: a Membership's heartbeat and, over and over, the
 real gathering of the survivors for its next epoch after a loss (``EpochChanges._gather``:
-each member announces itself and polls until every survivor has), each member starting
+each member announces itself, polls until every survivor has, and reads their
+announcements), each member starting
 within 0.1 s of the others (as they see a loss); a formation's time: per member, from the
 last survivor's announcement until it knew every survivor had announced."""
 REQUESTS = frozenset({"add", "set", "get", "check", "multi_get", "multi_set", "compare_set", "delete_key",
@@ -205,7 +206,7 @@ def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event,
         time.sleep(random.uniform(0.0, 0.1))  # the survivors see the loss within a spread
         t0 = time.monotonic()  # (one clock for every process of this host)
         try:
-            present = m._gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)
+            present = m._gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
         except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
             if not done.is_set():
                 out["vote_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
