@@ -42,7 +42,9 @@ after the compute it overlaps:
 * ``zero``: the reduce-scatter overlapped with backward as ``overlapped``'s buckets, the
   all-gather of the updated parameters with the next forward (:func:`gathered_exposed`),
   the optimizer stepping ``1/N`` of the parameters;
-* ``gossip``: the exchange has a whole step to finish;
+* ``gossip``: a bucket's exchange has the next forward and backward to finish; its
+  optimizer step is not cover, since it runs between one exchange's end and the next's
+  launch (the mix applied, then the step, then the new parameters sent);
 * ``localsgd`` / ``diloco``: a blocking all-reduce every ``H`` steps (fp32 parameters for
   LocalSGD, the pseudo-gradients on DiLoCo's wire), ``1/H`` of it per step; streaming
   DiLoCo's ``F`` fragments each have ``delay`` steps of compute to hide in.
@@ -416,7 +418,7 @@ def estimate(mode: Mode, cluster: Cluster, w: Workload) -> Estimate:
         note = sizing.describe().split(" (")[0].replace("bucket_mb='auto': ", "auto: ")
     elif mode.kind == "gossip":
         comm, sent = c.exchange(grads)
-        exposed = max(0.0, comm - w.compute_s)
+        exposed = max(0.0, comm - w.forward - w.backward_s)  # the optimizer waits for the exchange
         note = "one-peer-exp: one peer a round"
     else:
         nbytes = w.params * (w.param_bytes if mode.kind == "localsgd" else wire)
