@@ -481,6 +481,9 @@ def _growth_part_ok(report: dict) -> None:
         assert 0.98 * m["payload_mb"] <= m["mb_per_step"] <= 1.02 * m["formula_mb"], (name, m)
         assert m["ms_per_step"] > 0 and m["predicted_ms"] > 0, (name, m)
     assert set(report["targets"]) == {"bytes_vs_formula", "step_vs_plan"}
+    bed = report["testbed"]["2x1gbit"]  # the bridge alone: both links carry their rate (payload under 1 Gbit/s)
+    assert all(800 < mbit < 1000 for mbit in bed["mbit_per_link"]), bed
+    assert 0 < row["testbed_cpu_busy"] == bed["cpu_busy"] <= 1
 
 
 def test_growth_summary_sets_each_mode_beside_the_plan() -> None:
@@ -501,8 +504,10 @@ def test_growth_summary_sets_each_mode_beside_the_plan() -> None:
                            "phase_ms": [0.0, 0.0, 0.0]}
         return {"params": params, "probe": {"latency_s": ar.latency_s, "bytes_per_s": ar.bytes_per_s}, "modes": modes}
 
-    report = {"config": {"rates": ["1gbit"], "hosts": [n]}, "jobs": {f"{n}x1gbit": [job(1.0), job(0.5), job(2.0)]}}
+    report = {"config": {"rates": ["1gbit"], "hosts": [n]}, "jobs": {f"{n}x1gbit": [job(1.0), job(0.5), job(2.0)]},
+              "testbed": {f"{n}x1gbit": {"mbit_per_link": [950.0] * n, "cpu_busy": 0.25}}}
     out = growth_suite.summarize(report)
+    assert out["table"]["4x1gbit"]["testbed_cpu_busy"] == 0.25
     fused = out["table"]["4x1gbit"]["modes"]["fused_fp32"]
     payload = 2 * 3 / 4 * params * 4 / 1e6
     assert fused["ms_per_step"] == 50.0 and fused["payload_mb"] == pytest.approx(payload)

@@ -39,6 +39,12 @@ Each row's figures are the medians of the repeats. Set beside them:
   latency the 16-host group measured per hop is about ten times the 2-host group's, which
   real hosts, each with its own cores, do not show.
 
+Before the jobs, each (hosts, rate)'s testbed on its own (:func:`.hosts.ring_traffic`:
+every host sending to the next at the rate, no rank running): ``testbed_cpu_busy``, the
+share of this machine's CPU the kernel takes to move that traffic. The hosts share the
+machine's cores, so where that share is large the step measured is this machine's CPU,
+not the link (real hosts each move their own link's packets on their own cores).
+
 Targets (issue 50): bytes within 5% of the formula and the predicted step within 20% of
 the measured one, at every point.
 """
@@ -195,7 +201,7 @@ def one_host_table(raw: dict[str, Any], ranks: int) -> dict[str, Any]:
 def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
     """Every (hosts, rate), ``repeats`` times interleaved; ``{"skipped": why}`` where hosts
     cannot be made here."""
-    from .hosts import can_make_hosts, check_rate
+    from .hosts import can_make_hosts, check_rate, namespace_hosts, ring_traffic
     from .network import run_on_hosts
 
     why = can_make_hosts()
@@ -206,6 +212,11 @@ def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
     for rate in cfg.rates:
         check_rate(rate)
     started = time.monotonic()
+    testbed = {}  # the kernel's share of this machine moving a ring's traffic, before any rank runs
+    for n in cfg.hosts:
+        for rate in cfg.rates:
+            with namespace_hosts(n, rate) as hosts:
+                testbed[f"{n}x{rate}"] = ring_traffic(hosts, rate)
     jobs: dict[str, list[Any]] = {}
     for rep in range(cfg.repeats):
         for n in cfg.hosts:
@@ -218,7 +229,7 @@ def run_growth_bench(cfg: GrowthConfig) -> dict[str, Any]:
 
         raw = run_ranks(collectives_worker, cfg.one_host, timeout=cfg.timeout, threads=1)[0]
         one_host = one_host_table(raw, cfg.one_host)
-    report = {"config": asdict(cfg), "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
+    report = {"config": asdict(cfg), "jobs": jobs, "testbed": testbed, "seconds": round(time.monotonic() - started, 1),
               **({"one_host": one_host} if cfg.one_host else {})}
     report.update(summarize(report))
     return report
@@ -252,7 +263,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             work = Workload(params=runs[0]["params"], backward_s=bwd, forward_s=step - bwd - opt, optimizer_s=opt)
             cluster = Cluster.from_probe(probed(runs), n, 1, never)
             from_two = Cluster(n, link2) if link2 else None
-            row: dict[str, Any] = {"no_comm_ms": step * 1e3, "link": {
+            bed = report.get("testbed", {}).get(f"{n}x{rate}")
+            row: dict[str, Any] = {"no_comm_ms": step * 1e3, "testbed_cpu_busy": bed and bed["cpu_busy"], "link": {
                 "latency_ms": cluster.link.latency_s * 1e3, "mb_per_s": cluster.link.bytes_per_s / 1e6}, "modes": {}}
             for mode, plan_name in PLAN_MODES.items():
                 if mode not in runs[0]["modes"]:
@@ -311,6 +323,10 @@ def format_text(report: dict[str, Any]) -> str:
                                  + (f"; resent {m['resent_mb_per_step']:.2f}" if m.get("resent_mb_per_step", 0) >= 0.01
                                     else "") + ")")
             lines.append(f"    {mode:<12} " + "; ".join(cells))
+        busy = [(n, report["table"].get(f"{n}x{rate}", {}).get("testbed_cpu_busy")) for n in cfg["hosts"]]
+        if any(b is not None for _, b in busy):
+            lines.append("    the bridge alone (every host sending to the next at the rate, no rank running): "
+                         + ", ".join(f"{n} hosts {b:.0%}" for n, b in busy if b is not None) + " of this machine's CPU")
     one = report.get("one_host")
     if one:
         lines.append(f"  one host, {one['ranks']} Gloo ranks: measured ms (plan's from the group's probe, error): "

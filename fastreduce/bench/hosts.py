@@ -6,6 +6,10 @@ namespace by a veth pair, and a ``tbf`` qdisc on both ends of each pair limits w
 host sends and what it receives to ``rate`` (this kernel has no ``netem``: no added
 latency). Processes are started in a host with :meth:`Host.command`.
 
+The hosts share this machine's cores, and so does the kernel's work of moving their
+packets (veth, bridge, ``tbf``), which on real hosts each host's own cores do:
+:func:`ring_traffic` measures what that takes.
+
 Needs root and iproute2; :func:`can_make_hosts` says why not where they are missing.
 """
 
@@ -17,11 +21,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["Host", "can_make_hosts", "check_rate", "kill_all_in", "namespace_hosts"]
+__all__ = ["Host", "can_make_hosts", "check_rate", "kill_all_in", "namespace_hosts", "ring_traffic"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +157,77 @@ def namespace_hosts(n: int, rate: str | None = None, tag: str | None = None) -> 
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if made_bridge:
             subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+# ============================================================== the testbed's own cost
+
+PORT = 5201
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) jiffies of this machine since boot (``/proc/stat``; idle and iowait are not busy)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def ring_traffic(hosts: list[Host], rate: str, seconds: float = 4.0) -> dict[str, object]:
+    """Every host sends ``seconds`` of its link's ``rate`` to the next at once (a ring's
+    pattern: each link busy both ways), one TCP stream each, nothing else running: each
+    link's payload in Mbit/s and the share of this machine's CPU busy over the middle half
+    of the streams. That CPU is the kernel moving the packets through veth, the bridge and
+    ``tbf`` (the streams copy 1 MB at a time): on real hosts each host's own cores do it,
+    for its own link only."""
+    nbytes = int(check_rate(rate) / 8 * seconds)
+    me = [sys.executable, __file__]  # the file alone: no torch to import in 2 x hosts processes
+    recvs = [subprocess.Popen(["ip", "netns", "exec", h.ns, *me, "recv", h.addr], stdout=subprocess.PIPE, text=True)
+             for h in hosts]
+    sends = [subprocess.Popen(["ip", "netns", "exec", h.ns, *me, "send", hosts[(i + 1) % len(hosts)].addr, str(nbytes)])
+             for i, h in enumerate(hosts)]
+    try:
+        time.sleep(seconds / 4)
+        busy0, all0 = _cpu_ticks()
+        time.sleep(seconds / 2)
+        busy1, all1 = _cpu_ticks()
+        for p in sends:
+            if p.wait(timeout=60 + 4 * seconds):
+                raise RuntimeError(f"ring_traffic: a sender exited with {p.returncode}")
+        rates = [float(p.communicate(timeout=30)[0]) * 8 / 1e6 for p in recvs]
+    finally:
+        for p in sends + recvs:
+            p.kill()
+    return {"mbit_per_link": rates, "cpu_busy": (busy1 - busy0) / max(all1 - all0, 1)}
+
+
+def _stream(role: str, addr: str, nbytes: int = 0) -> None:
+    """One end of a :func:`ring_traffic` stream: ``recv`` prints the payload bytes per second
+    it took in (from its first byte), ``send`` sends ``nbytes`` (once the receiver listens)."""
+    import socket
+
+    if role == "recv":
+        with socket.create_server((addr, PORT)) as server:
+            conn, _ = server.accept()
+        view, got, first = memoryview(bytearray(1 << 20)), 0, 0.0
+        with conn:
+            while k := conn.recv_into(view):
+                first = first or time.perf_counter()
+                got += k
+        print(got / (time.perf_counter() - first))
+        return
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((addr, PORT), timeout=60)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    chunk = bytes(1 << 20)
+    with conn:
+        for _ in range(max(1, nbytes >> 20)):
+            conn.sendall(chunk)
+
+
+if __name__ == "__main__":
+    _stream(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
