@@ -101,7 +101,7 @@ def test_synthetic_watch_figures_are_sane() -> None:
 
 def test_synthetic_vote_runs_the_real_vote() -> None:
     r = bench.run_synthetic("vote", 4, 1.5, procs=2, step_rate=5.0)
-    assert not r["vote_errors"], r["vote_errors"]
+    assert not r["membership_errors"], r["membership_errors"]
     assert r["vote_ms"]["n"] >= 4 * 3  # every member voted at (nearly) every step
     assert {"compare_set", "get"} <= set(r["latency_ms"])  # the decision written once, waited for by the others
 
@@ -111,7 +111,7 @@ def test_synthetic_formation_runs_the_real_gathering() -> None:
     every survivor found each time, each epoch timed on every member."""
     n = 6
     r = bench.run_synthetic("form", n, 1.5, procs=2)
-    assert not r["vote_errors"], r["vote_errors"]
+    assert not r["membership_errors"], r["membership_errors"]
     assert r["formations"] >= 3 and r["form_ms"]["n"] == n * r["formations"], r
     assert 0 <= r["form_ms"]["p50"] <= r["form_ms"]["max"] < 2000
     assert {"set", "add", "check"} <= set(r["latency_ms"])  # the announcement, the count, the keys

@@ -209,11 +209,11 @@ def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event,
             present = m._gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
         except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
             if not done.is_set():
-                out["vote_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
+                out["membership_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
             return
         out["forms"].append((k, t0, time.monotonic()))
         if len(present) != world:
-            out["vote_errors"].append(f"epoch {k + 1}: {len(present)} of {world} survivors found")
+            out["membership_errors"].append(f"epoch {k + 1}: {len(present)} of {world} survivors found")
         k += 1
 
 
@@ -262,11 +262,11 @@ def _voter(m: Any, start: float, rate: float, done: threading.Event, out: dict[s
                 decision, _ = m._vote(s)
             except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
                 if not done.is_set():
-                    out["vote_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
+                    out["membership_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
                 return
             out["votes"].append(time.perf_counter() - t0)
             if decision != "go":
-                out["vote_errors"].append(f"decision {decision!r} at step {s}")
+                out["membership_errors"].append(f"decision {decision!r} at step {s}")
         s += 1
 
 
@@ -279,7 +279,7 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
         os.environ[faults.HEARTBEAT_ENV] = str(settings["heartbeat_s"])
         os.environ[faults.LOST_AFTER_ENV] = str(settings["window_s"])
         log: list[tuple[str, int, float, float]] = []
-        out: dict[str, list] = {"false_losses": [], "votes": [], "vote_errors": [], "forms": []}
+        out: dict[str, list] = {"false_losses": [], "votes": [], "membership_errors": [], "forms": []}
         stop, done = threading.Event(), threading.Event()
         timeout = timedelta(seconds=max(5.0, 2 * settings["window_s"]))  # the heartbeat's own connection's
         with connecting:  # one process at a time: see [Note: concurrent connects]
@@ -411,7 +411,7 @@ def run_synthetic(scenario: str, n: int, seconds: float, procs: int = 8, step_ra
     errors = [g for kind, g in got if kind == "error"]
     if errors:
         raise RuntimeError("a client process failed:\n" + errors[0])
-    merged: dict[str, Any] = {"log": [], "false_losses": [], "votes": [], "vote_errors": [], "beat_gaps": [],
+    merged: dict[str, Any] = {"log": [], "false_losses": [], "votes": [], "membership_errors": [], "beat_gaps": [],
                               "forms": []}
     for _, g in got:
         for k in merged:
@@ -436,7 +436,7 @@ def summarize(got: dict[str, Any], seconds: float, n: int) -> dict[str, Any]:
         "all_ms": _dist([dt for *_, dt in log]),
         "false_losses": len(got["false_losses"]),
         "false_loss_examples": sorted({e for *_, e in got["false_losses"]})[:3],
-        "vote_errors": got["vote_errors"][:3],
+        "membership_errors": got["membership_errors"][:3],
     }
     if gaps:
         out["beat_gap_max_s"] = round(max(gaps), 3)
@@ -491,7 +491,7 @@ def _real_rank(rank: int, world: int, seconds: float) -> dict[str, Any]:
             lost.append((time.monotonic(), rank, str(err)[:160]))
     end = time.monotonic()
     return {"log": [e for e in log if t0 <= e[2] < end], "beat_gaps": [_max_gap(beat.store.beats, t0, end)],
-            "false_losses": lost, "votes": [], "vote_errors": [], "seconds": end - t0}
+            "false_losses": lost, "votes": [], "membership_errors": [], "seconds": end - t0}
 
 
 def run_real(ranks: int, seconds: float) -> dict[str, Any]:
@@ -501,7 +501,7 @@ def run_real(ranks: int, seconds: float) -> dict[str, Any]:
     got = run_ranks(_real_rank, ranks, seconds, timeout=seconds + 180.0, threads=1)
     took = time.monotonic() - t0
     merged: dict[str, Any] = {k: [x for g in got for x in g[k]]
-                              for k in ("log", "beat_gaps", "false_losses", "votes", "vote_errors")}
+                              for k in ("log", "beat_gaps", "false_losses", "votes", "membership_errors")}
     span = min(g["seconds"] for g in got)
     return {"scenario": "real watch", "clients": ranks, **settings, **summarize(merged, span, ranks),
             "wall_s": round(took, 1)}
@@ -541,7 +541,7 @@ def format_text(result: dict[str, Any]) -> str:
               "its window); srv cpu: the server process's CPU seconds per second; form: one member's gathering "
               "of the survivors for a next epoch, from its announcement)"]
     for r in result["runs"]:
-        for e in r["false_loss_examples"] + r["vote_errors"]:
+        for e in r["false_loss_examples"] + r["membership_errors"]:
             lines.append(f"{r['scenario']} {r['clients']}: {e}")
     return "\n".join(lines)
 
