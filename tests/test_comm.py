@@ -275,14 +275,15 @@ def test_point_to_point_posts_every_receive_before_any_send(results) -> None:
     """Gloo holds a send until the receiver's note that its receive is posted, and the
     note queues behind whatever the receiver has already sent: receives posted among or
     after sends stalled ZeRO's phases over a 100 Mbit/s link by up to 55%
-    (``exchange_ops``' docstring). Messages go whole, to the peers in rank order."""
+    (``exchange_ops``' docstring). Messages go whole, in ring order: the k-th receive from
+    rank - k, the k-th send to rank + k (in rank order every rank sent to the lowest first)."""
     _, per_rank = results
     world = len(per_rank)
     for rank, r in enumerate(per_rank):
         kinds = [k for k, _, _ in r["p2p_order"]]
-        peers = [j for j in range(world) if j != rank]
-        whole = [(j, 10) for j in peers]
-        assert kinds == ["irecv"] * len(whole) + ["isend"] * len(whole)
-        assert [(p, n) for _, p, n in r["p2p_order"]] == whole + whole
+        froms = [((rank - k) % world, 10) for k in range(1, world)]
+        tos = [((rank + k) % world, 10) for k in range(1, world)]
+        assert kinds == ["irecv"] * len(froms) + ["isend"] * len(tos)
+        assert [(p, n) for _, p, n in r["p2p_order"]] == froms + tos
         for j, (got, want) in r["p2p_got"].items():
             assert_close(got, want, rtol=0, atol=0)
