@@ -168,7 +168,7 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
     peers = [j for j in range(world) if j != rank]
     sends = {j: torch.arange(10.0) + 100 * rank + j for j in peers}
     recvs = {j: torch.full((10,), float("nan")) for j in peers}
-    ops = exchange_ops(sends, recvs, None, lambda j: j)
+    ops = exchange_ops(sends, recvs, None, lambda j: j, rank, world)
     out["p2p_order"] = [(op.op.__name__, op.peer, op.tensor.numel()) for op in ops]
     for work in dist.batch_isend_irecv(ops):
         work.wait()

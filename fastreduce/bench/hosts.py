@@ -180,9 +180,8 @@ def ring_traffic(hosts: list[Host], rate: str, seconds: float = 4.0) -> dict[str
     for its own link only."""
     nbytes = int(check_rate(rate) / 8 * seconds)
     me = [sys.executable, __file__]  # the file alone: no torch to import in 2 x hosts processes
-    recvs = [subprocess.Popen(["ip", "netns", "exec", h.ns, *me, "recv", h.addr], stdout=subprocess.PIPE, text=True)
-             for h in hosts]
-    sends = [subprocess.Popen(["ip", "netns", "exec", h.ns, *me, "send", hosts[(i + 1) % len(hosts)].addr, str(nbytes)])
+    recvs = [subprocess.Popen(h.command([*me, "recv", h.addr]), stdout=subprocess.PIPE, text=True) for h in hosts]
+    sends = [subprocess.Popen(h.command([*me, "send", hosts[(i + 1) % len(hosts)].addr, str(nbytes)]))
              for i, h in enumerate(hosts)]
     try:
         time.sleep(seconds / 4)

@@ -153,10 +153,10 @@ summed and sent on, so the ring's W - 1 steps overlap piece by piece."""
 
 
 def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
-                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int]) -> list[Any]:
-    """Point-to-point ops sending ``sends[j]`` to group rank ``j`` and receiving
-    ``recvs[j]`` from it (each as long as what the other side sends), every receive
-    posted before any send.
+                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int], me: int, world: int) -> list[Any]:
+    """Point-to-point ops of group rank ``me`` (of ``world``) sending ``sends[j]`` to group
+    rank ``j`` and receiving ``recvs[j]`` from it (each as long as what the other side
+    sends), every receive posted before any send.
 
     Gloo's sender holds a message until the receiver's "ready to receive" note for it
     has arrived, and that note travels on the same connection as the receiver's own
@@ -172,13 +172,12 @@ def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
 
     In ring order: this rank's k-th send goes to rank ``me + k`` and its k-th receive
     comes from ``me - k``, so each round of first, second, ... messages is a permutation:
-every rank's incoming link takes one sender's data. In
-    rank order every rank sent to the lowest rank first, and that rank's incoming link
-    carried the others' messages at once. All-to-alls of 1.06 MB bf16 on namespace hosts,
+    every rank's incoming link takes one sender's data. In rank order every rank sent to
+    the lowest rank first, and that rank's incoming link carried the others' messages at
+    once. All-to-alls of 1.06 MB bf16 on namespace hosts,
     each rank waiting on its works directly, medians of 27 (the slowest rank's): 8 hosts at
     1 Gbit/s, 11.3 ms in rank order against 8.5 in ring order; 4 hosts, 5.8 and 5.1; 8
     hosts at 100 Mbit/s, 106.3 and 97.2 (the wire's floor: 77.6)."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
     posts = [(dist.irecv, recvs, lambda j: (me - j) % world), (dist.isend, sends, lambda j: (j - me) % world)]
     return [dist.P2POp(kind, t, global_rank(j), group) for kind, tensors, order in posts
             for j in sorted(tensors, key=order) if (t := tensors[j]) is not None and t.numel()]

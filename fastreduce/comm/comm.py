@@ -245,7 +245,7 @@ class Comm:
         it (each as long as what ``j`` sends; Gloo moves host memory only), every
         receive posted before any send (:func:`~.collectives.exchange_ops`). Returns the
         work to wait on (once)."""
-        ops = exchange_ops(sends, recvs, self.group, self._global)
+        ops = exchange_ops(sends, recvs, self.group, self._global, self.rank, self.world)
         return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
 
     def all_gather(self, buf: torch.Tensor) -> Pending:
