@@ -49,6 +49,14 @@ after the compute it overlaps:
   LocalSGD, the pseudo-gradients on DiLoCo's wire), ``1/H`` of it per step; streaming
   DiLoCo's ``F`` fragments each have ``delay`` steps of compute to hide in.
 
+Every bucketed sum above is in closed form (a run of equal buckets contributes at its two
+ends only), so a plan costs the same at a million parameters and at a quadrillion.
+
+**The settings' ranges** (:data:`LIMITS`, checked by :class:`Link`, :class:`Cluster`,
+:class:`Workload` and ``fastreduce plan`` alike): 1 to 1e15 parameters, 1 to 1,000,000 ranks,
+1 to 1,024 ranks a host, links of 1 Mbit/s to 100 Tbit/s, latencies of 0 to 1 s, an MTU of
+68 (IPv4's smallest) to 65,536 bytes (a loopback's), compute times above 0 and at most a day.
+
 Communication is assumed to take no compute from the step (true of accelerators with
 their own DMA; on CPU ranks the collective's reduction runs on the cores the backward
 runs on). Nothing here is fitted from a benchmark's results: the inputs are the link (a
@@ -58,12 +66,13 @@ rate, or measured: ``fastreduce plan --probe``), the model's size and one step's
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-__all__ = ["DDP_BUCKET_MB", "DDP_FIRST_BUCKET_MB", "MB", "TCP_PAYLOAD", "WIRE_BYTES", "Cluster", "Estimate",
-           "Link", "Mode", "Plan", "Sizing", "Workload", "bucketed_exposed", "choose", "estimate",
+__all__ = ["DDP_BUCKET_MB", "DDP_FIRST_BUCKET_MB", "LIMITS", "MB", "TCP_PAYLOAD", "WIRE_BYTES", "Bounds", "Cluster",
+           "Estimate", "Link", "Mode", "Plan", "Sizing", "Workload", "bucketed_exposed", "choose", "estimate",
            "gathered_exposed", "modes", "on_the_wire", "parse_bytes", "parse_rate", "parse_seconds", "plan",
            "recommend"]
 
@@ -80,8 +89,45 @@ ETHERNET, IP_TCP = 14, 52
 """Bytes of frame header (Ethernet) and of IP + TCP header (with timestamps, Linux's default)."""
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """A setting's physical range, both ends included (``above``: the low end excluded)."""
+
+    what: str
+    lo: float
+    hi: float
+    text: str  # the range as a user reads it
+    whole: bool = False
+    above: bool = False
+
+    def check(self, value: object, shown: object = None) -> float:
+        """``value``, or a ValueError naming the setting, the value (as ``shown``) and the range."""
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and \
+            (value > self.lo if self.above else value >= self.lo) and value <= self.hi and \
+            (not self.whole or float(value).is_integer())
+        if not ok:
+            raise ValueError(f"{self.what} must be {self.text}, got {value if shown is None else shown!r}")
+        return value  # type: ignore[return-value]
+
+
+LIMITS = {
+    "params": Bounds("the parameter count", 1, 1e15, "1 to 1e15"),
+    "ranks": Bounds("the world size", 1, 1_000_000, "a whole number of ranks from 1 to 1,000,000", whole=True),
+    "ranks_per_host": Bounds("the ranks (GPUs) per host", 1, 1024, "a whole number from 1 to 1,024", whole=True),
+    "rate": Bounds("a link's rate", 1e6, 1e14, "1mbit to 100tbit (1 Mbit/s to 100 Tbit/s)"),
+    "latency": Bounds("a link's latency", 0.0, 1.0, "0 to 1s"),
+    "mtu": Bounds("the MTU", 68, 65536, "a whole number of bytes from 68 (IPv4's smallest) to 65536 (a loopback's)",
+                  whole=True),
+    "backward_s": Bounds("the backward's time", 0.0, 86400.0, "above 0 and at most a day (86400 s)", above=True),
+    "seconds": Bounds("a compute time", 0.0, 86400.0, "0 to a day (86400 s)"),
+    "value_bytes": Bounds("the bytes of a value", 0.5, 8.0, "0.5 (int4) to 8 (fp64)"),
+}
+"""Each setting's physical range: what ``fastreduce plan`` and the classes here accept."""
+
+
 def TCP_PAYLOAD(mtu: int = MTU) -> float:  # noqa: N802 (a constant of the MTU)
     """The share of an Ethernet link's bytes that is TCP payload at this MTU."""
+    LIMITS["mtu"].check(mtu)
     return (mtu - IP_TCP) / (mtu + ETHERNET)
 
 
@@ -124,15 +170,25 @@ class Link:
     cost over a whole group, as ``bucket_mb="auto"`` probes it (:func:`choose`)."""
 
     latency_s: float
-    bytes_per_s: float
+    bytes_per_s: float  # may be infinite: a link that costs only its latency
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.latency_s, numbers.Real) and 0 <= self.latency_s < math.inf):
+            raise ValueError(f"a link's latency must be finite and at least 0 seconds, got {self.latency_s!r}")
+        if not (isinstance(self.bytes_per_s, numbers.Real) and self.bytes_per_s > 0):
+            raise ValueError(f"a link's bandwidth must be above 0 bytes per second, got {self.bytes_per_s!r}")
 
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
 
     @classmethod
-    def of(cls, rate: str, latency: str = "20us", mtu: int = MTU) -> "Link":
-        """A link given as users state it: its rate (bits per second) and latency."""
-        return cls(parse_seconds(latency), parse_rate(rate) / 8 * TCP_PAYLOAD(mtu))
+    def of(cls, rate: str | float, latency: str | float = "20us", mtu: int | None = MTU) -> "Link":
+        """A link given as users state it: its rate (``"100gbit"``, or bits per second) and
+        latency (``"20us"``, or seconds), in :data:`LIMITS`; TCP over Ethernet at ``mtu``
+        (``None``: all of the rate is payload, as within a host)."""
+        bits = LIMITS["rate"].check(parse_rate(rate) if isinstance(rate, str) else rate, rate)
+        lat = LIMITS["latency"].check(parse_seconds(latency) if isinstance(latency, str) else latency, latency)
+        return cls(lat, bits / 8 * (1.0 if mtu is None else TCP_PAYLOAD(mtu)))
 
 
 def on_the_wire(payload: float, mtu: int = MTU) -> float:
@@ -150,10 +206,12 @@ class Cluster:
     intra: Link = field(default_factory=lambda: Link(5e-6, 1e12 / 8))  # 1 Tbit/s: NVLink / Gaudi's on-board links
 
     def __post_init__(self) -> None:
-        if self.ranks < 1 or self.ranks_per_host < 1:
-            raise ValueError(f"ranks and ranks_per_host must be at least 1, got {self.ranks}, {self.ranks_per_host}")
+        LIMITS["ranks"].check(self.ranks)
+        LIMITS["ranks_per_host"].check(self.ranks_per_host)
         if self.ranks % self.ranks_per_host:
             raise ValueError(f"ranks_per_host ({self.ranks_per_host}) must divide ranks ({self.ranks})")
+        if not (isinstance(self.link, Link) and isinstance(self.intra, Link)):
+            raise ValueError(f"link and intra must be Links, got {self.link!r}, {self.intra!r}")
 
     @property
     def hosts(self) -> int:
@@ -251,35 +309,54 @@ _SIZES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 _NEAR = 0.02  # within 2% of the cheapest: take the fewest buckets
 
 
-def _cuts(nbytes: float, first: float, size: float) -> list[float]:
-    out, left = [], float(nbytes)
-    while left > 0:
-        out.append(min(first if not out else size, left))
-        left -= out[-1]
-    return out
+def _layout(nbytes: float, first: float, size: float) -> tuple[float, int, float]:
+    """``nbytes`` cut into a bucket of ``first`` bytes, then buckets of ``size``, the last of
+    what is left: (the first bucket's bytes, how many buckets follow it, the last one's bytes).
+    The ones between the first and the last hold ``size`` each."""
+    head = min(first, nbytes)
+    rest = nbytes - head
+    if rest <= nbytes * 1e-12:  # the first holds it all (to rounding)
+        return nbytes, 0, 0.0
+    after = max(1, math.ceil(rest / size * (1 - 1e-12)))
+    return head, after, max(rest - (after - 1) * size, 0.0)
 
 
 def bucketed_exposed(nbytes: float, backward_s: float, link: Link, first: float, size: float) -> tuple[float, int]:
     """Communication left after a backward of ``backward_s`` when ``nbytes`` of gradients,
     arriving evenly over it, go in buckets (``first`` bytes, then ``size``), each collective
-    started when its bucket is full and the one before it is done; and the bucket count."""
-    done, end = 0.0, 0.0
-    cuts = _cuts(nbytes, first, size)
-    for take in cuts:
-        done += take
-        end = max(backward_s * done / nbytes, end) + link.seconds(take)
-    return max(end - backward_s, 0.0), len(cuts)
+    started when its bucket is full and the one before it is done; and the bucket count.
+
+    The last collective ends at the latest, over the buckets, of one's being full plus the
+    wire times of it and every one after it (a queue served in order); over the run of
+    equal buckets that sum is linear in the bucket's place, so only the run's two ends, the
+    first bucket and the last need counting: no loop over the buckets."""
+    if nbytes <= 0:
+        return 0.0, 0
+    head, after, last = _layout(nbytes, first, size)
+    if after == 0:
+        return link.seconds(nbytes), 1
+    full, wire, t = link.seconds(size), link.seconds(last), backward_s / nbytes
+    ends = [t * head + link.seconds(head) + (after - 1) * full + wire, backward_s + wire]
+    if after > 1:  # the equal buckets: from the first of them, and from the last
+        ends += [t * (head + size) + (after - 1) * full + wire, t * (nbytes - last) + full + wire]
+    return max(max(ends) - backward_s, 0.0), 1 + after
 
 
 def gathered_exposed(nbytes: float, forward_s: float, link: Link, size: float) -> float:
     """The next forward's wait for ZeRO's all-gathers: every bucket's started at once, first
-    layers first, back to back; the forward needs bucket k when it has run through the bytes before it."""
-    done, end, wait = 0.0, 0.0, 0.0
-    for take in _cuts(nbytes, size, size):
-        end += link.seconds(take)
-        wait = max(wait, end - forward_s * done / nbytes)
-        done += take
-    return max(wait, 0.0)
+    layers first, back to back; the forward needs bucket k when it has run through the bytes
+    before it. As in :func:`bucketed_exposed`, the wait is largest at the first bucket, the
+    last, or an end of the run of equal ones between them."""
+    if nbytes <= 0:
+        return 0.0
+    head, after, last = _layout(nbytes, size, size)
+    first, full, t = link.seconds(head), link.seconds(size), forward_s / nbytes
+    waits = [first]
+    if after:
+        waits.append(first + (after - 1) * full + link.seconds(last) - t * (nbytes - last))
+    if after > 1:
+        waits += [first + full - t * head, first + (after - 1) * full - t * (head + (after - 2) * size)]
+    return max(max(waits), 0.0)
 
 
 def choose(wire_bytes: float, backward_s: float, link: Link) -> Sizing:
@@ -355,6 +432,15 @@ class Workload:
     grad_bytes: float = 4.0         # what DDP's buckets and the fp32 wires carry per value
     param_bytes: float = 4.0
 
+    def __post_init__(self) -> None:
+        LIMITS["params"].check(self.params)
+        LIMITS["backward_s"].check(self.backward_s)
+        for name in ("forward_s", "optimizer_s"):
+            if getattr(self, name) is not None:
+                LIMITS["seconds"].check(getattr(self, name))
+        LIMITS["value_bytes"].check(self.grad_bytes)
+        LIMITS["value_bytes"].check(self.param_bytes)
+
     @property
     def forward(self) -> float:
         return self.backward_s / 2 if self.forward_s is None else self.forward_s
@@ -366,13 +452,16 @@ class Workload:
 
 @dataclass
 class Estimate:
-    """One mode's row: bytes a rank sends on its host's link per step (payload; averaged
-    over H for the local modes), seconds on the wire and exposed per step, the step, memory."""
+    """One mode's row, per step (the local modes' averaged over their H steps): the payload
+    bytes one rank sends on its host's link (``bytes_per_step``: its share) and that the host
+    sends on it in all (``host_bytes_per_step``: the ranks of a host together), seconds on the
+    wire and exposed, the step; and the memory of one rank."""
 
     mode: str
     wire: str
     exact: bool
     bytes_per_step: float
+    host_bytes_per_step: float
     comm_s: float
     exposed_s: float
     step_s: float
@@ -428,7 +517,7 @@ def estimate(mode: Mode, cluster: Cluster, w: Workload) -> Estimate:
         note = f"a sync every {mode.every} steps" + (f", {mode.fragments} fragments, delay {mode.delay}"
                                                      if mode.fragments > 1 else "")
     compute = w.compute_s - (w.optimizer_s * (1 - 1 / c.ranks) if mode.kind == "zero" else 0.0)
-    return Estimate(mode.name, mode.wire, mode.exact, sent, comm, exposed, compute + exposed,
+    return Estimate(mode.name, mode.wire, mode.exact, sent, sent * c.ranks_per_host, comm, exposed, compute + exposed,
                     _memory(mode, w, c.ranks), note)
 
 

@@ -52,8 +52,9 @@ import torch.distributed as dist
 
 from .plan import MB, Link, Sizing, choose
 
-__all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "ZERO_AUTO_RULE", "ZERO_SHM_BUCKET_MB", "AutoSizer", "Link",
-           "Sizing", "agree", "check_bucket_mb", "choose", "measure_link", "probe_link", "shared_memory"]
+__all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "GOSSIP_AUTO_WHY", "ZERO_AUTO_RULE", "ZERO_SHM_BUCKET_MB",
+           "AutoSizer", "Link", "Sizing", "agree", "check_bucket_mb", "choose", "measure_link", "probe_link",
+           "shared_memory"]
 
 AUTO = "auto"
 AUTO_RULE = ("one bucket on shared memory, sent after backward as the fused mode's; over a process group, the "
@@ -68,9 +69,10 @@ ZERO_AUTO_RULE = ("one bucket on shared memory with module= (the gradients zero_
                   "bucket, not page-faulted in again each step); over a process group as the "
                   "overlapped mode's, chosen when the optimizer is built, the backward taken to be as long as "
                   "the gradients' communication; not refreshed")
-GOSSIP_AUTO_RULE = ("one bucket: a bucket's exchange has a whole step to finish (it is waited for at that "
-                    "bucket's step in the next backward) whatever the bucket count, so one bucket hides as much "
-                    "and pays one launch, optimizer step and mix")
+GOSSIP_AUTO_WHY = ("a bucket's exchange has a whole step to finish, whatever the bucket count: it is waited for "
+                   "only at that bucket's step in the next backward; so one bucket hides as much as several and "
+                   "pays for one launch, one optimizer step and one mix")
+GOSSIP_AUTO_RULE = "one bucket: " + GOSSIP_AUTO_WHY
 def check_bucket_mb(bucket_mb: object) -> None:
     """``bucket_mb`` is ``"auto"``, ``None`` (the same) or a positive number."""
     if bucket_mb is None or bucket_mb == AUTO:
