@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -75,15 +74,25 @@ def die_as_source(flag: Path, m: Any) -> None:
     per job (``flag``): a test of a joiner's source lost while it heals."""
     import torch.distributed as dist
 
-    send = dist.broadcast_object_list
+    sync_state = m._sync_state
 
-    def dying(objects: list, src: int = 0, group: Any = None, device: Any = None) -> None:
-        if dist.get_rank() == src and m.epoch is not None and m.epoch.number > 0 and not flag.exists():
+    def dying(epoch: Any, *rest: Any) -> Any:
+        if dist.get_rank() == 0 and epoch.number > 0 and not flag.exists():
             flag.touch()
             os._exit(9)
-        send(objects, src=src, group=group, device=device)
+        return sync_state(epoch, *rest)
 
-    dist.broadcast_object_list = dying
+    m._sync_state = dying
+
+
+def die_joining(m: Any, where: str) -> None:
+    """Make this replacement exit as it is admitted (``admitted``: before it enters its first
+    epoch, the members waiting for it there) or as its healing begins (``healing``: the
+    member sending it the state)."""
+    if where == "admitted":
+        m._enter = lambda epoch: os._exit(9)
+        return
+    m._sync_state = lambda *args: os._exit(9)  # (only a joiner receives the state: its first call)
 
 
 def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
@@ -105,9 +114,19 @@ def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
     return mode
 
 
+HOLD_STEPS = 20
+"""In its last steps a member slows to half a second a step (each still committed, so that a
+replacement is admitted at its boundary) until :func:`launch` has released every replacement
+(``released``), then waits a second for the last one's ticket to reach the coordinator: on a
+loaded machine the members could otherwise finish the run before the last replacement asks to
+join (it would wait its ``wait_s`` for an admission that no step boundary gives). A member that
+stopped stepping instead would keep an earlier replacement from being admitted, and so from
+reaching the point where it is killed and the next one released."""
+
+
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False) -> None:
+           compiled: bool = False, released: Any = None) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -116,11 +135,16 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     vote at that step done, before its shard steps: the survivors step it from their copy), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
+    ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
+    a replacement's ``admitted`` (as it is admitted, before it enters its first epoch),
+    ``healing`` (as its healing begins, the member sending it the state), ``first-step``
+    (after its first backward, before its first commit),
     ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
     (not killed: that step takes 3 s more);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
-    ``torch.compile(model)``, the way users on Gaudi and CUDA train)."""
+    ``torch.compile(model)``, the way users on Gaudi and CUDA train); ``released``: an event
+    :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -133,13 +157,17 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
     def say(text: str) -> None:
         if verbose:
-            print(f"[member {index} {time.strftime('%H:%M:%S')}] {text}", flush=True)
+            # the line and its newline in one write: members print at once (unbuffered, print
+            # writes them apart and two members' lines run together)
+            print(f"[member {index} {time.strftime('%H:%M:%S')}] {text}\n", end="", flush=True)
 
     try:
         if go is not None:
             go.wait(120)
         started = time.perf_counter()
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
+        if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
+            die_joining(m, kill[0])
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
                lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
@@ -147,6 +175,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1], before its group exists
             set_up = m._set_up
             m._set_up = lambda e: os._exit(9) if e.number == kill[1] else set_up(e)
+        if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
+            set_up = m._set_up
+            m._set_up = lambda e: (time.sleep(8) if e.number == kill[1] else None, set_up(e))[1]
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
             vote = m._vote
             m._vote = lambda s: (vote(s), os._exit(9)) if s == kill[1] else vote(s)
@@ -157,6 +188,12 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
             f"in {facts['joined_s']:.2f} s")
         while m.step < steps and not m.left:
+            if released is not None and m.step >= steps - HOLD_STEPS:
+                if released.is_set():
+                    time.sleep(1.0)
+                    released = None
+                else:
+                    time.sleep(0.5)
             if kill == ("leaves", m.step):  # asks to leave: out at the members' next poll
                 say(f"asks to leave at step {m.step}")
                 m.leave()
@@ -168,7 +205,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
             def forward_backward(net: nn.Module) -> None:
                 nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
-                if kill == ("mid-step", m.step):
+                if kill == ("mid-step", m.step) or (kill is not None and kill[0] == "first-step"):
                     say(f"dies mid-step, at step {m.step}")
                     os._exit(9)
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
@@ -220,31 +257,34 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
-           release_after: list[int] | None = None, compiled: bool = False) -> dict[int, dict]:
-    """A coordinator, 3 members (``kills``: index -> (where, step)) and ``joiners``
-    replacements, each told to join once the next dying member's process is gone (of
-    ``release_after``, default: the killed ones in order; -1: at once, an extra member);
-    returns what each member saved."""
+           release_after: list[int] | None = None, compiled: bool = False, members: int = 3) -> dict[int, dict]:
+    """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
+    are numbered after them) and ``joiners`` replacements, each told to join once the next
+    dying member's process is gone (of ``release_after``, default: the killed ones in order;
+    -1: at once, an extra member); returns what each member saved."""
+    from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
-    ctx = mp.get_context("spawn")
+    # forked from a server that imported torch, fastreduce and dynamo (an optimizer's first use imports it) once
+    ctx = rank_context("keep_training", "torch._dynamo")
+    released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
+    settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
+                "released": released}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
-                            kwargs={"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled})
-             for i in range(3)}
+                            kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]
-    late = {3 + k: ctx.Process(target=member, args=(3 + k, server.port, str(out), transport, None, gos[k]),
-                               kwargs={"width": joiner_width, "steps": steps, "verbose": verbose,
-                                       "mode": mode, "compiled": compiled})
-            for k in range(joiners)}
+    late = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), gos[i - members]),
+                           kwargs={**settings, "width": joiner_width}) for i in range(members, members + joiners)}
     everyone = [*late.values(), *procs.values()]
     for p in everyone:
         p.start()
     try:
         for k, i in enumerate((sorted(kills) if release_after is None else release_after)[:joiners]):
             if i >= 0:  # (-1: an extra process, told to join at once)
-                procs[i].join(120)
+                {**procs, **late}[i].join(120)
             gos[k].set()
+        released.set()
         for p in everyone:
             p.join(180)
     finally:

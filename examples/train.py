@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -66,6 +65,12 @@ def make_model(dim: int, hidden: int, classes: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(hidden, classes))
 
 
+def say(line: str) -> None:
+    """Print ``line`` whole: the text and its newline in one write, flushed (unbuffered,
+    print writes them apart, and another process's line can land between)."""
+    print(line + "\n", end="", flush=True)
+
+
 def params_in_sync(model: nn.Module) -> bool:
     """True when every rank holds exactly rank 0's parameters."""
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
@@ -79,17 +84,12 @@ def params_in_sync(model: nn.Module) -> bool:
 def leave(in_sync: bool = True) -> None:
     """End a checked run on every rank (every example ends here): wait for the peers, so
     nobody tears its connections down while one still uses them; fail if the ranks'
-    parameters diverged; then exit without interpreter teardown: once in a loaded CI run a
-    rank aborted there ("terminate called without an active exception", a C++ thread of
-    the torch runtime destroyed unjoined) after the work was done and checked;
-    fastreduce.launch.run_ranks leaves its ranks the same way."""
+    parameters diverged. The process then exits as any does: what fastreduce runs in the
+    background stops at exit (fastreduce.shutdown())."""
     dist.barrier()
     dist.destroy_process_group()
     if not in_sync:
         raise SystemExit("parameters diverged across ranks")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main() -> None:
@@ -156,12 +156,14 @@ def main() -> None:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             if info.rank == 0:
-                print(f"step {step:4d}  loss {avg.item() / info.world_size:.4f}", flush=True)
+                say(f"step {step:4d}  loss {avg.item() / info.world_size:.4f}")
     elapsed = time.perf_counter() - t0
 
     if gossip:
-        print(f"rank {info.rank}: consensus distance before the global average "
-              f"{net.consensus_distance():.2e}", flush=True)
+        spread = net.consensus_distance()  # a collective: the same number on every rank
+        if info.rank == 0:
+            say(f"before the global average the ranks' parameters were {spread:.2e} apart "
+                "(relative distance from their mean)")
         net.global_avg()  # every rank: the exact mean of the ranks' parameters
     if local is not None:
         local.sync()  # LocalSGD: the mean now; DiLoCo: an outer step of every fragment now
@@ -171,10 +173,10 @@ def main() -> None:
     if zero:
         opt.wait_params()  # read outside forward: wait for the last all-gather
     in_sync = params_in_sync(model)
-    if info.rank == 0:
-        print(f"{info.world_size} ranks on {info.device} ({info.backend}), {args.mode}, wire {args.wire}: "
-              f"{args.steps} steps in {elapsed:.1f}s, train accuracy {acc.item() / info.world_size:.1%}, "
-              f"parameters identical on all ranks: {in_sync}")
+    if info.rank == 0:  # one summary line, printed whole
+        say(f"{info.world_size} ranks on {info.device} ({info.backend}), {args.mode} mode, {args.wire} wire: "
+            f"{args.steps} steps in {elapsed:.1f} s, train accuracy {acc.item() / info.world_size:.1%}; "
+            f"parameters identical on all ranks: {in_sync}")
     leave(in_sync)
 
 

@@ -1,0 +1,90 @@
+"""What fastreduce runs in the background stops, in order, and starts again (fastreduce.lifecycle).
+
+A :class:`~fastreduce.lifecycle.Worker` runs its jobs in order, finishes the queued ones at
+``stop()`` and starts again on the next; ``fastreduce.shutdown()`` on a real 2-rank Gloo group
+leaves no ``fastreduce-*`` thread alive after a fused reduction, and the next reduction (threads
+started again) equals ``dist.all_reduce``'s mean; a rank whose heartbeat rests after its
+``shutdown()`` is not called lost by a rank waiting on it in a watched collective for longer
+than the loss window, and its counter says so.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from fastreduce import lifecycle
+from fastreduce.launch import run_ranks
+
+
+def test_a_worker_runs_in_order_finishes_its_queue_at_stop_and_starts_again() -> None:
+    done: list[int] = []
+    w = lifecycle.Worker("fastreduce-test")
+    for k in range(5):
+        w.put(lambda k=k: (time.sleep(0.01), done.append(k)))
+    assert "fastreduce-test" in lifecycle.running()
+    assert w.stop(5.0) and done == [0, 1, 2, 3, 4]  # the queued jobs ran before it ended
+    assert not w.alive and "fastreduce-test" not in lifecycle.running()
+    w.put(lambda: (_ for _ in ()).throw(ValueError("a job's own error")))  # logged; the worker goes on
+    w.put(lambda: done.append(5))
+    assert lifecycle.shutdown() == [] and done[-1] == 5 and not w.alive
+
+
+def _threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("fastreduce-") and t.is_alive())
+
+
+def _shutdown_and_again(rank: int, world: int) -> dict:
+    import fastreduce
+    from fastreduce.faults import _KEY, _default_store
+
+    model = torch.nn.Linear(64, 8)
+    torch.manual_seed(rank)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32)
+    out = {}
+    for k in range(2):  # the second time after a shutdown: everything started again
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        reducer.reduce()
+        expect = [g.clone() for g in grads]
+        for e in expect:
+            dist.all_reduce(e)
+            e.div_(world)
+        out[f"equal{k}"] = all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expect))
+        out[f"running{k}"] = _threads()
+        out[f"stuck{k}"] = fastreduce.shutdown()
+        out[f"after{k}"] = _threads()
+    # a rank at rest is not lost: rank 1 rests for three loss windows before it joins rank 0's
+    # watched all-reduce (no grace for a same-host process: FASTREDUCE_LOST_AFTER_S is 0.3 and
+    # LOCAL_GRACE windows are 3 s, so it is past them)
+    from fastreduce.faults import start_heartbeat, all_reduce_watched
+    start_heartbeat()
+    dist.barrier()
+    if rank == 1:
+        fastreduce.shutdown()
+        out["counter"] = int(_default_store().add(f"{_KEY}heartbeat/1", 0))
+        time.sleep(3.6)
+    t = torch.ones(1)
+    all_reduce_watched(t)
+    out["sum"] = t.item()
+    return out
+
+
+def test_shutdown_stops_every_thread_and_the_next_use_starts_them_again() -> None:
+    os.environ.update(FASTREDUCE_HEARTBEAT_S="0.1", FASTREDUCE_LOST_AFTER_S="0.3")
+    try:
+        results = run_ranks(_shutdown_and_again, 2, timeout=120)
+    finally:
+        del os.environ["FASTREDUCE_HEARTBEAT_S"], os.environ["FASTREDUCE_LOST_AFTER_S"]
+    for rank, r in enumerate(results):
+        for k in range(2):
+            assert r[f"equal{k}"], (rank, k)
+            assert "fastreduce-heartbeat" in r[f"running{k}"], r  # it ran, and stopped:
+            assert r[f"stuck{k}"] == [] and r[f"after{k}"] == [], r
+        assert r["sum"] == 2.0, r  # rank 1 rested past the window: not lost, the collective went on
+    assert results[1]["counter"] >= lifecycle.RESTING
