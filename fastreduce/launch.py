@@ -114,11 +114,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, ports: Any, args
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        # Leave without running interpreter teardown: Gloo's threads may still be
-        # shutting down, and a crash there must not turn a pass into a failure.
         results.close()
-        results.join_thread()
-        os._exit(0)
+        results.join_thread()  # then the process ends as any does (fastreduce.shutdown() at exit)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,

@@ -1,0 +1,76 @@
+"""Whether a c10d store's server can be reached, found out before c10d is asked to connect.
+
+A ``TCPStore`` client whose server is not there retries until its timeout (30 s for the
+coordinator, the process group's 10 minutes for ``MASTER_ADDR``) and, on the way, its C++
+side writes a warning and a C++ backtrace per try to the process's stderr, which no Python
+setting of the call can silence (``TORCH_CPP_LOG_LEVEL`` is read once, for the whole
+process). So fastreduce first opens a plain TCP connection to ``host:port`` itself,
+again and again until a short deadline (a server started a second after its clients is
+still found), and raises its own one-line error where nothing answers: c10d is only
+handed an address where something listens. The probe's connection is closed unused; a
+``TCPStore`` server takes that quietly.
+
+The deadline: ``connect_timeout_s=`` where the caller takes one, else
+``$FASTREDUCE_CONNECT_TIMEOUT_S``, else 5 s.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+__all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "connect_timeout", "wait_for_listener"]
+
+CONNECT_TIMEOUT_ENV = "FASTREDUCE_CONNECT_TIMEOUT_S"
+"""Seconds to keep trying to reach a store's server (the coordinator, ``MASTER_ADDR``)."""
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+_FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.05, 0.5  # between tries, doubling
+
+
+def connect_timeout(seconds: float | None = None) -> float:
+    """The seconds to keep trying: ``seconds``, else ``$FASTREDUCE_CONNECT_TIMEOUT_S``, else 5."""
+    if seconds is None:
+        text = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_CONNECT_TIMEOUT_S
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError(f"${CONNECT_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+        where = f"${CONNECT_TIMEOUT_ENV}"
+    else:
+        where = "connect_timeout_s"
+    if not seconds > 0:
+        raise ValueError(f"{where} must be > 0 seconds, got {seconds}")
+    return float(seconds)
+
+
+def _try_once(host: str, port: int, seconds: float) -> str | None:
+    """``None`` where a TCP connection to ``host:port`` opens within ``seconds``; else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            return None
+    except socket.gaierror as err:
+        return f"the host name {host!r} does not resolve: {err.strerror or err}"
+    except ConnectionRefusedError:
+        return "connection refused: nothing listens at that port"
+    except TimeoutError:
+        return "no answer (a firewall, or a host that is down)"
+    except OSError as err:
+        return err.strerror or str(err)
+
+
+def wait_for_listener(host: str, port: int, seconds: float) -> str | None:
+    """``None`` as soon as something accepts a TCP connection at ``host:port``, trying
+    until ``seconds`` have passed (a refused try is tried again after a short pause);
+    else why the last try failed, in words."""
+    deadline = time.monotonic() + seconds
+    pause = _FIRST_PAUSE_S
+    while True:
+        why = _try_once(host, port, max(deadline - time.monotonic(), 0.01))
+        left = deadline - time.monotonic()
+        if why is None or left <= 0:
+            return why
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LONGEST_PAUSE_S)
