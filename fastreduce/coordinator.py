@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.reach as reach
 
 __all__ = ["COORDINATOR_ENV", "CoordinatorClient", "Epoch", "MembershipError", "connect", "serve"]
 
@@ -55,17 +56,29 @@ class Epoch:
         return cls(d["number"], tuple(d["members"]), d["step"], d["admitted"], tuple(d["joined"]))
 
 
-def connect(coordinator: str, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A client connection to the coordinator at ``host:port``."""
+def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: float | None = None) -> dist.TCPStore:
+    """A client connection to the coordinator at ``host:port``, each request bounded by
+    ``timeout_s``. The coordinator is waited for up to ``connect_timeout_s`` (default
+    ``$FASTREDUCE_CONNECT_TIMEOUT_S``, else 5 s; one started a moment after its members is
+    found), then :class:`MembershipError` naming it, with nothing of c10d's on stderr."""
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
+    waited = reach.connect_timeout(connect_timeout_s)
+    why = reach.wait_for_listener(host.strip("[]"), int(port), waited)
+    if why is not None:
+        raise MembershipError(_not_reached(coordinator, port, f"{why}; tried for {waited:g} s"))
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
     except Exception as err:  # noqa: BLE001 - torch raises several kinds
-        raise MembershipError(f"fastreduce: cannot reach the coordinator at {coordinator} ({err}); start it "
-                              "first (`fastreduce coordinator --port PORT`) and pass its address") from err
+        raise MembershipError(_not_reached(coordinator, port, str(err))) from err
+
+
+def _not_reached(coordinator: str, port: str, why: str) -> str:
+    return (f"fastreduce: cannot reach the coordinator at {coordinator} ({why}); start it first: "
+            f"`fastreduce coordinator --port {port}` on that host, and pass its address (a slow network: "
+            f"${reach.CONNECT_TIMEOUT_ENV}=SECONDS waits longer)")
 
 
 def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:

@@ -22,8 +22,9 @@ import fastreduce.faults as faults
 
 from .coordinator import _P, CoordinatorClient, Epoch, MembershipError, _epoch_key
 from .faults import RankLostError
-from .heal import broadcast_state
+from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
+from .presence import Watch, pulses
 
 __all__ = ["EpochChanges"]
 
@@ -47,9 +48,11 @@ class EpochChanges(CoordinatorClient):
 
     It reads what the membership holds: ``member``, ``epoch``, ``step``, ``mode``,
     ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``min_ranks``,
-    ``wait_s``, ``backend``, ``timeout_s``; and calls its ``_fingerprint()``,
-    ``_differs()`` and ``_ticket()`` (a joiner's checks).
+    ``wait_s``, ``backend``, ``timeout_s``, ``_pulse`` (its :class:`~fastreduce.presence.Pulse`);
+    and calls its ``_fingerprint()``, ``_differs()`` and ``_ticket()`` (a joiner's checks).
     """
+
+    _first_step_of: int | None = None  # the epoch whose members all reached its first step
 
     def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
@@ -57,6 +60,7 @@ class EpochChanges(CoordinatorClient):
         (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
         old = self._epoch()
         n = old.number + 1
+        self._pulse.up()  # alive to the others until this member has entered the next epoch
         self._stash_mode(after_loss=why == "loss")
         beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
@@ -78,8 +82,12 @@ class EpochChanges(CoordinatorClient):
             if time.monotonic() > deadline:
                 raise MembershipError(f"fastreduce: no member holding the job's state formed epoch {n} within "
                                       f"{self.wait_s:g} s (the members were lost while this process joined)")
+        # A local-update mode's sync failed: the survivors run it again over this epoch, and a
+        # joiner taking rank 0's parameters now (its own inner steps since the last sync) would
+        # count them twice in it; it is admitted right after the sync instead, at its vote.
+        redo = why == "loss" and self._kept_mode[1] == "local" and len(present) >= self.min_ranks
         while self._healed:  # below min_ranks: wait for joiners (unless another survivor proposed already)
-            tickets = int(self._call(self.store.add, _P + "tickets", 0))
+            tickets = old.admitted if redo else int(self._call(self.store.add, _P + "tickets", 0))
             checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
                        if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
@@ -153,11 +161,16 @@ class EpochChanges(CoordinatorClient):
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
         (``True`` the first time: counted now, to compare a window later)."""
-        first, moved = not counted, False
-        for m in members:
-            n = int(self._call(beats.add, f"{faults._KEY}heartbeat/{old.members.index(m)}", 0))
-            moved |= m in counted and counted[m] != n
-            counted[m] = n
+        return self._moved({m: int(self._call(beats.add, f"{faults._KEY}heartbeat/{old.members.index(m)}", 0))
+                            for m in members}, counted)
+
+    @staticmethod
+    def _moved(now: dict[str, int], counted: dict[str, int]) -> bool:
+        """Whether a count read ``now`` (a heartbeat's, a pulse's) moved since ``counted``
+        (``True`` the first time: counted now, to compare a window later)."""
+        first = not counted
+        moved = any(m in counted and counted[m] != n for m, n in now.items())
+        counted.update(now)
         return first or moved
 
     def _propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
@@ -184,6 +197,7 @@ class EpochChanges(CoordinatorClient):
             lost = err.members if isinstance(err, _Missing) else self._lost_in(err) if dist.is_initialized() else None
             if lost is None:
                 raise
+            self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
             self.counters.losses += 1
             log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
                         ", ".join(sorted(lost)) or "a silent member")
@@ -196,16 +210,17 @@ class EpochChanges(CoordinatorClient):
     def _set_up(self, epoch: Epoch) -> None:
         own, kind = self._kept_mode
         self._rendezvous(epoch)
-        store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
-        dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
-                                world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
+        self._init_group(epoch)
         faults.start_heartbeat()  # this epoch's: the vote watches it
         joining = self.member in epoch.joined
         fresh = joining and not self._healed  # a new process (a survivor one step behind keeps its mode's state)
         if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
-            got, sent_kind = self._sync_state(joining, own if kind in ("local", "gossip") else None, kind)
+            got, sent_kind = self._sync_state(epoch, own if kind in ("local", "gossip") else None, kind)
             if fresh:  # rank 0's mode state came only if its mode keeps one per rank
                 own, kind = got, sent_kind
+        lost = self._meet(epoch, "built")  # (the mode's construction runs collectives: every member alive and here)
+        if lost is not None:
+            raise _Missing(lost)
         per_rank = kind in ("local", "gossip")
         pieces = None
         if kind == "zero":  # this member's pieces of the shards (a joiner's: none), resharded once built
@@ -223,39 +238,167 @@ class EpochChanges(CoordinatorClient):
                     raise MembershipError(f"fastreduce: {err}: ZeroOptimizer(redundant=True) keeps each shard on two "
                                           "ranks, so the job cannot go on; restart it from the last checkpoint") \
                         from err
+            self._hold_launches(True)
             if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.mode.set_round(epoch.step)
 
+    def _entry_bound(self) -> float:
+        """How long the members of a new epoch wait for each other to enter it: they all read
+        it within milliseconds of each other, so a few loss windows."""
+        return max(5.0, 4 * faults.lost_after())
+
+    def _init_group(self, epoch: Epoch) -> None:
+        """The epoch's default group (its own store prefix). Its timeout stays ``timeout_s``
+        from the start: Gloo's point-to-point waits keep the timeout the group was made with
+        (``ProcessGroup.set_timeout`` reaches only its collectives), so a group made with a
+        short one and raised after failed the state's transfer to a joiner on a loaded host."""
+        store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
+        dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
+                                world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
+
+    def _watch(self, epoch: Epoch) -> Watch:
+        """A view of the pulses of the members of ``epoch`` this member watches: every other
+        member, or in a world past ``faults.WATCHED_SUCCESSORS`` + 1 its next successors in
+        rank order (a loss found by its own watchers is published: :meth:`_publish_lost`)."""
+        me, k = epoch.members.index(self.member), faults.WATCHED_SUCCESSORS
+        if epoch.world <= k + 1:
+            members = [m for m in epoch.members if m != self.member]
+        else:
+            members = [epoch.members[(me + i) % epoch.world] for i in range(1, k + 1)]
+        return Watch(self.store, self._call, members)
+
+    def _publish_lost(self, epoch: Epoch, lost: set[str]) -> None:
+        """Tell the members of ``epoch`` still entering it (or waiting at its first step)
+        whom this member found lost, and abort its first step (the first word stays). Not
+        through the epoch's heartbeat: a member still in its first backward would raise
+        there, out of the mode's hooks and the commit (ZeRO's buckets launch in backward);
+        it learns of the loss at its own first step."""
+        if lost:
+            self._call(self.store.compare_set, _P + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
+        self._call(self.store.compare_set, _P + f"e{epoch.number}/s{epoch.step}/done", "", "abort")
+
+    def _published_lost(self, epoch: Epoch) -> set[str] | None:
+        """The members another member of ``epoch`` found lost as it was entered, if one did."""
+        key = _P + f"e{epoch.number}/lost"
+        if not self._call(self.store.check, [key]):
+            return None
+        return set(json.loads(self._call(self.store.get, key)))
+
+    def _meet(self, epoch: Epoch, point: str) -> set[str] | None:
+        """Wait until every member of ``epoch`` has come to ``point`` too, watching their
+        pulses: the members lost meanwhile (published for the others), or ``None`` once all
+        are there.
+
+        Why: the collectives a mode runs as it is built and at its first use of a group (the
+        layout check of every mode, the shared-memory transport's set-up, ZeRO's resharding;
+        the fused reducers' at their first ``reduce()``) are plain ones, which Gloo cannot
+        interrupt and fails only on the members exchanging with the lost one directly: a
+        member waiting in one on a live peer that gave up (in a ring all-gather, the
+        neighbour whose receive from a dead joiner failed) would wait for the group's
+        timeout, its heartbeat beating, and be left out of the next epoch. So the members
+        meet before each: once all are here, they run them within milliseconds of each
+        other."""
+        if epoch.world == 1:
+            return None
+        key, aborted = _P + f"e{epoch.number}/{point}", _P + f"e{epoch.number}/s{epoch.step}/done"
+        self._call(self.store.add, key, 1)
+        watch = self._watch(epoch)
+        while int(self._call(self.store.add, key, 0)) < epoch.world:
+            lost = watch.lost()
+            if lost:
+                self._publish_lost(epoch, lost)
+                return lost
+            if self._call(self.store.check, [aborted]):  # another member found a loss first
+                return self._published_lost(epoch) or watch.exited()
+            time.sleep(_poll_s(epoch.world))
+        return None
+
+    def _reach_first_step(self) -> set[str] | None:
+        """Before the mode's first collective in this epoch (:meth:`_meet`): the members lost
+        before every member came to its first step (a joiner that died in its first forward
+        or backward), or ``None``; from then on the epoch's heartbeat watches them
+        (:func:`fastreduce.faults.wait_watched`), and this member's pulse stops."""
+        epoch = self._epoch()
+        if self._first_step_of == epoch.number:
+            return None
+        self._first_step_of = epoch.number
+        lost = self._meet(epoch, "first")
+        if lost is None:
+            self._pulse.down()
+            self._hold_launches(False)
+        return lost
+
+    def _hold_launches(self, hold: bool) -> None:
+        """ZeRO launches its buckets' reduce-scatters from backward hooks, before the commit:
+        in an epoch's first step they wait for :meth:`step` (``hold``), so that the members
+        meet first (:meth:`_reach_first_step`). A launch to a member already dead fails at
+        once, inside the user's backward, out of the commit's reach (a joiner that died
+        after its own first backward, the others still in theirs)."""
+        schedule = getattr(self.mode, "_schedule", None) if _kind(self.mode) == "zero" else None
+        if schedule is None:
+            return
+        schedule.sync = not hold and self.mode.overlap
+        schedule.late = schedule.late or hold  # (launched at step() on purpose: no note of it in the log)
+
     def _rendezvous(self, epoch: Epoch) -> None:
-        """Wait until every member of ``epoch`` is entering it, at most a few loss windows
-        (they all read the epoch within milliseconds of each other): a member that died
-        meanwhile is named here (:class:`_Missing`), not after the process group's own
-        rendezvous waited its whole timeout for it."""
-        key = _P + f"e{epoch.number}/ready"
+        """Wait until every member of ``epoch`` is entering it, watching their pulses: a
+        member that died meanwhile (a joiner as it was admitted) is named here within the
+        loss window (:class:`_Missing`), not after the process group's own rendezvous waited
+        its whole timeout for it. One that is alive but has not come within
+        :meth:`_entry_bound` (they all read the epoch within milliseconds of each other on
+        an idle host) is waited for while its pulse moves, up to ``wait_s``.
+
+        The members agree on the outcome: the first to decide writes it (every member here,
+        or whom it found lost) and all follow that word. A member that gave up alone would
+        leave the others waiting in the group's rendezvous for it, up to the group's timeout."""
+        key, word = _P + f"e{epoch.number}/ready", _P + f"e{epoch.number}/entry"
         self._call(self.store.set, f"{key}/{self.member}", "1")
         self._call(self.store.add, key, 1)
-        deadline = time.monotonic() + max(5.0, 4 * faults.lost_after())
-        while int(self._call(self.store.add, key, 0)) < epoch.world:
-            if time.monotonic() > deadline:
-                raise _Missing({m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])})
-            time.sleep(_poll_s(epoch.world))
+        bound, start = self._entry_bound(), time.monotonic()
+        deadline, last = start + bound, start + self.wait_s
+        watch, counted, lost = self._watch(epoch), {}, set()
+        while not lost and int(self._call(self.store.add, key, 0)) < epoch.world:
+            lost = watch.lost() or self._published_lost(epoch) or set()
+            if not lost and time.monotonic() > deadline:
+                lost = {m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])}
+                if lost and time.monotonic() < last and \
+                        self._moved(pulses(self.store, self._call, sorted(lost)), counted):
+                    log.warning("fastreduce: %s not in epoch %d after %.1f s, alive (its pulse moves): waiting for "
+                                "it, up to wait_s", ", ".join(sorted(lost)), epoch.number, time.monotonic() - start)
+                    lost, deadline = set(), time.monotonic() + bound  # alive, slow to come: a loaded host
+                elif not lost:
+                    break  # every member came meanwhile
+            if not lost:
+                time.sleep(_poll_s(epoch.world))
+        said = self._call(self.store.compare_set, word, "", json.dumps(sorted(lost)) if lost else "go")
+        if said not in (b"go", "go"):  # (bytes from a TCPStore)
+            raise _Missing(set(json.loads(said)))
 
     def _device(self) -> torch.device:
         """Where the state travels: the model's device (Gloo: the CPU)."""
         first = next((p for v in self._state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
         return torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
 
-    def _sync_state(self, joining: bool, mode_state: dict[str, Any] | None, kind: str) -> tuple[Any, str]:
+    def _sync_state(self, epoch: Epoch, mode_state: dict[str, Any] | None, kind: str) -> tuple[Any, str]:
         """Rank 0's whole state (and its mode's, ``mode_state``, and the mode's kind) to
-        every rank, its tensors as one flat broadcast per dtype
-        (:func:`~fastreduce.heal.broadcast_state`); a joiner loads it and gets the mode's
-        state and kind back, to load once its mode is built."""
+        the members of ``epoch`` that join it, its tensors as one flat block per dtype: a
+        broadcast where every other rank joins (the first epoch), else point to point to
+        each (:mod:`fastreduce.heal`), the other members going on to build the mode. A
+        joiner loads it and gets the mode's state and kind back, to load once its mode is
+        built."""
+        rank, device = dist.get_rank(), self._device()
+        to = [r for r in map(epoch.members.index, epoch.joined) if r != 0]
         mine = None
-        if dist.get_rank() == 0:
+        if rank == 0:
             mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()},
                     "mode": mode_state, "kind": kind}
-        got = broadcast_state(mine, self._device())
-        if not joining or dist.get_rank() == 0:
+        if len(to) == epoch.world - 1:
+            got = broadcast_state(mine, device)
+        elif rank == 0:
+            send_state(mine, device, to)
+        elif rank in to:
+            got = recv_state(device, 0)
+        if rank not in to:
             return None, kind
         for k, obj in self._state.items():
             obj.load_state_dict(got["state"][k])

@@ -53,9 +53,11 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from .lifecycle import RESTING, Worker, disown, own
+
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
-           "all_reduce_watched", "diagnose", "group_timeout", "group_token", "guard", "guarded", "heartbeat_interval",
-           "lost_after", "note_lost", "start_heartbeat", "wait_watched"]
+           "all_reduce_watched", "diagnose", "exited_here", "group_timeout", "group_token", "guard", "guarded",
+           "heartbeat_interval", "lost_after", "note_lost", "start_heartbeat", "wait_watched"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -191,8 +193,8 @@ def read_all(store: Any, keys: list[str]) -> list[bytes]:
     return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
 
 
-class StoreCaller:
-    """Store requests with a deadline, made on a thread of their own.
+class StoreCaller(Worker):
+    """Store requests with a deadline, made on a thread of their own (a :class:`~.lifecycle.Worker`).
 
     A ``TCPStore`` client whose link went silent (a partition: no reset, no error) blocks
     in its request far past its own timeout (measured: over 100 s with a 5 s timeout), so
@@ -201,33 +203,22 @@ class StoreCaller:
     makes every later one fail at its deadline too (the store is unreachable). Also the
     thread that waits for collectives without futures (:func:`_waiter`)."""
 
-    def __init__(self, name: str):
-        import queue
+    def close(self) -> None:
+        """End the thread once the requests queued before are done (not waited for)."""
+        self.stop(timeout=0)
 
-        self._q: Any = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+    def submit(self, fn: Callable[..., Any], *args: Any) -> tuple[threading.Event, list[Any]]:
+        """Queue ``fn(*args)``; the event is set once its result (or error) is in the list."""
+        done, box = threading.Event(), []
 
-    def _serve(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:  # closed
-                return
-            fn, args, done, box = item
+        def run() -> None:
             try:
                 box.append(fn(*args))
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 box.append(err)
             done.set()
-            del item, fn, args  # not held while waiting for the next: a store's connection would stay open
 
-    def close(self) -> None:
-        """End the thread once the requests queued before are done."""
-        self._q.put(None)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> tuple[threading.Event, list[Any]]:
-        """Queue ``fn(*args)``; the event is set once its result (or error) is in the list."""
-        done, box = threading.Event(), []
-        self._q.put((fn, args, done, box))
+        self.put(run)
         return done, box
 
     def call(self, fn: Callable[..., Any], *args: Any, seconds: float) -> Any:
@@ -244,6 +235,7 @@ class _Heartbeat:
     """This process's heartbeat thread and its own connection to the job's store."""
 
     _known_keys: list[str] | None = None  # the counters' keys known to exist (:meth:`counts`)
+    rests = True  # lifecycle.shutdown() tells its stop() whether this rank rests or leaves
 
     def __init__(self, default: Any, interval: float):
         # The default store by a weak reference: holding it would keep rank 0's store server
@@ -265,22 +257,47 @@ class _Heartbeat:
         self.host_waits = dist.get_backend() == "gloo"
         self.me = _identity()  # what _running_here compares a peer's registration with
         store.set(f"{_KEY}host/{self.rank}", self.me)
-        store.add(f"{_KEY}heartbeat/{self.rank}", 1)
-        self.thread = threading.Thread(target=self._run, name="fastreduce-heartbeat", daemon=True)
+        if store.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
+            store.add(self.key, -RESTING)
+        self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
+        own(self)
+
+    @property
+    def key(self) -> str:
+        return f"{_KEY}heartbeat/{self.rank}"
 
     def _run(self) -> None:
-        key = f"{_KEY}heartbeat/{self.rank}"
-        while True:
-            time.sleep(self.interval)
+        while not self._stopping.wait(self.interval):
             if not self.current():  # destroyed, or another group's
                 break
             try:
-                self.store.add(key, 1)
+                self.store.add(self.key, 1)
             except Exception:  # noqa: BLE001 - the store is gone: so is the job
                 break
         _forget(self)
+        disown(self)
         self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
+
+    def stop(self, timeout: float | None = None, rest: bool = True) -> bool:
+        """Stop beating (:func:`~.lifecycle.shutdown`); ``rest``: the counter rests
+        (:data:`~.lifecycle.RESTING`), so no watcher calls this rank lost for its silence
+        (mid-run); without it (the process is leaving) its silence reads as a loss, as a crash's would."""
+        global _beat
+        self._stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        with _lock:
+            if _beat is self:
+                _beat = None
+        if rest and self.current():
+            try:
+                self.caller.call(self.store.add, self.key, RESTING, seconds=max(lost_after(), 1.0))
+            except Exception:  # noqa: BLE001 - the store is gone: no one is left to watch
+                pass
+        self.caller.stop(timeout)
+        return not self.thread.is_alive()
 
     def current(self) -> bool:
         """Whether this heartbeat's group is still this process's default group."""
@@ -387,7 +404,7 @@ class _Heartbeat:
         ``window`` (:data:`LOCAL_GRACE` windows where their process runs here)."""
         now, counts = time.monotonic(), self.call(self.counts)
         for r, c in counts.items():
-            if r != self.rank and (r not in seen or seen[r][0] != c):
+            if r != self.rank and (r not in seen or seen[r][0] != c or c >= RESTING):  # at rest: not silent
                 seen[r] = (c, now)
         silent = [r for r, (_, since) in seen.items() if now - since >= window]
         slow = self.slow_here(silent, records) if silent else []
@@ -401,6 +418,11 @@ class _Heartbeat:
             records.update({r: "" for r in missing})
             records.update(self.call(self.records, missing))
         return {r: records[r] for r in ranks}
+
+    def exited(self, ranks: list[int], records: dict[int, str]) -> list[int]:
+        """Of ``ranks``, those whose process ran on this host and has exited (seen at once, no
+        window waited: a crash, an OOM kill); ``records``: the registrations' cache."""
+        return [r for r, rec in self.registered(ranks, records).items() if rec and exited_here(rec, self.me)]
 
     def slow_here(self, ranks: list[int], records: dict[int, str]) -> list[int]:
         """Of ``ranks``, those running on this host (:data:`LOCAL_GRACE`); ``records``: the
@@ -443,6 +465,21 @@ def _running_here(record: str, me: str | None = None) -> bool:
     except (OSError, IndexError):
         return False
     return now[0] not in ("T", "t", "Z", "X") and now[19] == fields[4]
+
+
+def exited_here(record: str, me: str) -> bool:
+    """Whether the process ``record`` (:func:`_identity`) names ran in
+    this host's network and pid namespaces (``me``: this process's record) and has exited
+    since: no such pid, another process under it, or a zombie. ``False`` where it cannot
+    tell (another host, an unreadable record)."""
+    fields, mine = record.split(), me.split()
+    if len(fields) != 5 or "-" in fields or [fields[0], *fields[2:4]] != [mine[0], *mine[2:4]]:
+        return False
+    try:
+        now = _stat(fields[1])
+    except (OSError, IndexError):
+        return True  # no such process
+    return now[0] in ("Z", "X") or now[19] != fields[4]
 
 
 def _served_here(store: Any) -> bool:
@@ -635,7 +672,7 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
             break
         time.sleep(min(0.25, beat.interval / 2))
         now = beat.call(beat.counts)
-        silent[:] = [r for r in silent if now[r] == before[r]]
+        silent[:] = [r for r in silent if now[r] == before[r] and now[r] < RESTING]  # at rest: not lost
         if sparse:
             found = beat.call(beat.verdict) or found
     return found

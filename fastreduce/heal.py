@@ -1,4 +1,4 @@
-"""Healing a joiner: a nested state (``state_dict``\\ s) from one rank to every rank of a group.
+"""Healing a joiner: a nested state (``state_dict``\\ s) from one rank to others.
 
 What :class:`~fastreduce.membership.Membership` sends a process that joins a running job:
 the model's and optimizer's ``state_dict``, the mode's, the step count. Pickled whole
@@ -6,16 +6,28 @@ the model's and optimizer's ``state_dict``, the mode's, the step count. Pickled 
 copied four times and sent as bytes; here only the state's skeleton (its keys, the small
 values, and each tensor's place) is pickled, and the tensors travel as one flat
 ``broadcast`` per dtype, straight out of a ``torch.cat`` and back through views.
+
+To every rank of the group (:func:`broadcast_state`, where every rank but the sender
+receives: a job's first epoch) or point to point to the ranks that need it
+(:func:`send_state`, :func:`recv_state`: joiners among members that hold it already, who
+then take no part). Every transfer is waited through :func:`fastreduce.faults.wait_watched`:
+a rank lost while the state travels (the joiner, or the member sending it) is named by the
+heartbeat within the loss window. Unwatched, only the ranks exchanging with it directly
+would fail, and a rank waiting on a live peer that gave up (the sender, whose send to the
+dead joiner failed first) would wait for the group's timeout.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_state"]
+import fastreduce.faults as faults
+
+__all__ = ["broadcast_state", "recv_state", "send_state"]
 
 
 class _Slot:
@@ -58,6 +70,62 @@ def _fill(skeleton: Any, blocks: dict[torch.dtype, torch.Tensor]) -> Any:
     return skeleton
 
 
+def _broadcast(t: torch.Tensor, src: int) -> None:
+    faults.wait_watched(dist.broadcast(t, src=src, async_op=True))
+
+
+def _broadcast_object(obj: Any, src: int, device: torch.device) -> Any:
+    """``obj`` (meaningful on ``src``) pickled, its length then its bytes broadcast."""
+    mine = dist.get_rank() == src
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    _broadcast(size, src)
+    if mine:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _broadcast(buf, src)
+    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def _pack(state: Any, device: torch.device) -> list[torch.Tensor]:
+    """``state`` as tensors to send in order: the skeleton's length and pickled bytes, then
+    one flat block per dtype (the empty ones left out)."""
+    tensors: dict[torch.dtype, list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    skeleton = _strip(state, tensors, sizes)
+    data = pickle.dumps((skeleton, sizes))
+    out = [torch.tensor([len(data)], dtype=torch.int64, device=device),
+           torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)]
+    return out + [torch.cat(tensors[d]).to(device) for d in sorted(sizes, key=str) if sizes[d]]
+
+
+def send_state(state: Any, device: torch.device, dsts: list[int]) -> None:
+    """``state`` (as :func:`broadcast_state` takes it) to each rank of ``dsts`` of the
+    default group in turn, point to point; each takes it with :func:`recv_state`."""
+    pieces = _pack(state, device)
+    for dst in dsts:
+        for work in [dist.isend(t, dst) for t in pieces]:
+            faults.wait_watched(work)
+
+
+def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    faults.wait_watched(dist.irecv(t, src))
+    return t
+
+
+def recv_state(device: torch.device, src: int = 0) -> Any:
+    """The state :func:`send_state` sends from ``src``; its tensors are views of the
+    received blocks."""
+    size = _recv(torch.zeros(1, dtype=torch.int64, device=device), src)
+    raw = _recv(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src)
+    skeleton, sizes = pickle.loads(raw.cpu().numpy().tobytes())
+    blocks = {d: torch.empty(sizes[d], dtype=d, device=device) for d in sorted(sizes, key=str)}
+    for work in [dist.irecv(b, src) for b in blocks.values() if b.numel()]:  # (the order they were sent in)
+        faults.wait_watched(work)
+    return _fill(skeleton, blocks)
+
+
 def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
     """``state`` (nested dicts, lists and tensors; meaningful on ``src`` only) on every rank
     of the default group: the skeleton pickled, the tensors as one flat broadcast per
@@ -65,11 +133,8 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
     ``state`` itself; elsewhere the tensors are views of the received blocks."""
     tensors: dict[torch.dtype, list[torch.Tensor]] = {}
     sizes: dict[torch.dtype, int] = {}
-    head: list[Any] = [None]
-    if dist.get_rank() == src:
-        head[0] = (_strip(state, tensors, sizes), sizes)
-    dist.broadcast_object_list(head, src=src)
-    skeleton, sizes = head[0]
+    head = (_strip(state, tensors, sizes), sizes) if dist.get_rank() == src else None
+    skeleton, sizes = _broadcast_object(head, src, device)
     blocks = {}
     for dtype in sorted(sizes, key=str):  # the same order on every rank
         if dist.get_rank() == src:
@@ -77,6 +142,6 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
         else:
             block = torch.empty(sizes[dtype], dtype=dtype, device=device)
         if sizes[dtype]:
-            dist.broadcast(block, src=src)
+            _broadcast(block, src)
         blocks[dtype] = block
     return state if dist.get_rank() == src else _fill(skeleton, blocks)

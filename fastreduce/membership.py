@@ -1,4 +1,4 @@
-"""Members come and go; training goes on (DESIGN, invariant 11).
+"""Members come and go; training goes on (docs/design.md, invariant 11).
 
 A job's processes (its *members*) agree through a **coordinator** on numbered **epochs**:
 who is in, in rank order, and at which committed step the epoch began. The coordinator
@@ -85,6 +85,8 @@ import fastreduce.faults as faults
 from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, _epoch_key, connect, serve
 from .epochs import EpochChanges, _check_mode, _clone, _kind  # noqa: F401 (_check_mode: imported from here too)
 from .faults import RankLostError
+from .lifecycle import shutdown
+from .presence import EXIT_CHECK_S, Pulse, Watch
 from .version import __version__
 
 __all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "connect", "serve"]
@@ -156,6 +158,8 @@ class Membership(EpochChanges):
         os.environ.setdefault(faults.HEARTBEAT_ENV, str(_HEARTBEAT_S))
         self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
         self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
+        self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._pulse = Pulse(self.store, self.member, self._call)  # alive to the others while it has no epoch heartbeat
         self._waiter: Any = None  # a connection for the vote's waiting get
         self.world_size, self.min_ranks, self.backend, self.tag = world_size, min_ranks, backend, tag
         self.timeout_s, self.wait_s, self.poll_s = timeout_s, wait_s, poll_s
@@ -165,7 +169,6 @@ class Membership(EpochChanges):
         self.left = False  # this member left the job (leave())
         self._step_s: float | None = None  # a running mean of the seconds between commits
         self._last_commit: float | None = None
-        self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.epoch: Epoch | None = None
         self.step = 0  # committed steps
         self.mode: Any = None  # the mode object of this epoch
@@ -201,6 +204,7 @@ class Membership(EpochChanges):
         group (again at each new epoch). Returns the epoch joined."""
         self._state, self._build = dict(state), build
         mine = self._fingerprint()
+        self._pulse.up()  # from the ticket on: admitted, it is watched before its group exists
         ticket = self._call(self.store.add, _P + "tickets", 1)
         self._call(self.store.set, _P + f"ticket/{ticket}", json.dumps({"member": self.member, "print": mine}))
         if ticket == self.world_size:  # the last of the first members lays out epoch 0
@@ -292,6 +296,9 @@ class Membership(EpochChanges):
         kind, s = _kind(self.mode), self.step
         if kind == "local":
             return self._commit_local(step, start)
+        lost = self._reach_first_step()  # (a new epoch's first step: every member alive and here)
+        if lost is not None:
+            return self._lost_step(lost, start)
         if kind == "zero":
             return self._commit_zero(step, start)
         try:
@@ -332,6 +339,7 @@ class Membership(EpochChanges):
             return
         self._stash_mode(after_loss=False)  # as the others do (gossip completes its exchanges with them)
         self._leave_group(abandon=False)
+        self._pulse.down()
         self._kept_mode = (None, "")
         self.left = True
         log.info("fastreduce: member %s left the job at step %d", self.member, self.step)
@@ -366,6 +374,10 @@ class Membership(EpochChanges):
             return True
         kept = self._keep()
         while True:
+            lost = self._reach_first_step()  # (a new epoch's first sync: every member alive and here)
+            if lost is not None:
+                self._again(kept, lost, start)
+                continue
             try:
                 step()
             except RuntimeError as err:
@@ -509,12 +521,15 @@ class Membership(EpochChanges):
 
     def _await_decision(self, done: str) -> tuple[str, set[str]]:
         """The vote's decision; ``"abort"`` (and the silent members) where a member's
-        heartbeat stops for ``$FASTREDUCE_LOST_AFTER_S`` first."""
+        heartbeat stops for ``$FASTREDUCE_LOST_AFTER_S`` first, or its process ran on this
+        host and has exited (looked at every :data:`~fastreduce.presence.EXIT_CHECK_S`: a
+        member that died after the step's collectives, before its vote)."""
         epoch = self._epoch()
         beat, window = faults._beat, faults.lost_after()
         if beat is not None and not beat.current():
             beat = None  # an earlier epoch's
-        slice_s = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
+        every = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
+        slice_s = EXIT_CHECK_S if beat is not None else every
         # One request waits for the decision (a get on a connection of its own, no timeout
         # of its own to print every slice); meanwhile this thread watches the heartbeats
         # through the heartbeat's connection and, if a member goes silent, writes "abort".
@@ -522,12 +537,16 @@ class Membership(EpochChanges):
         seen: dict[int, tuple[int, float]] = {}
         records: dict[int, str] = {}
         silent: set[str] = set()
+        read_at = 0.0
         while not finished.wait(slice_s):
             if beat is None or silent:
                 continue
             try:  # the watched members' (faults.WATCHED_SUCCESSORS): a member lost elsewhere
                 # is seen by its own watchers, whose "abort" wakes this get
-                silent = {epoch.members[r] for r in beat.silent(seen, window, records)}
+                if time.monotonic() - read_at >= every:
+                    read_at = time.monotonic()
+                    silent = {epoch.members[r] for r in beat.silent(seen, window, records)}
+                silent = silent or {epoch.members[r] for r in beat.exited(sorted(seen), records)}
                 if silent:
                     beat.call(self.store.compare_set, done, "", "abort")  # the waiting get returns it too
             except faults.TransportError as err:
@@ -538,12 +557,17 @@ class Membership(EpochChanges):
         return value, silent if value == "abort" else set()
 
     def _lost_in(self, err: RuntimeError) -> set[str] | None:
-        """The members a failed reduction lost, or ``None`` if it was no loss."""
+        """The members a failed collective lost, or ``None`` if it was no loss. A member
+        whose process ran on this host and has exited is named at once (a joiner that died
+        as it was healed), without the diagnosis's window."""
         epoch = self._epoch()
         if isinstance(err, RankLostError):
             return {epoch.members[r] for r in err.ranks if r < epoch.world}
         if not faults.is_transport_failure(err):
             return None
+        exited = Watch(self.store, self._call, [m for m in epoch.members if m != self.member]).exited()
+        if exited:
+            return exited
         ranks, _, _ = faults.diagnose()
         return {epoch.members[r] for r in ranks}
 
@@ -562,8 +586,12 @@ class Membership(EpochChanges):
         self._call(self.store.compare_set, _P + f"e{epoch.number}/s{self.step}/done", "", "abort")
 
     def close(self) -> None:
-        """Leave: take the mode's hooks off and end this epoch's group."""
+        """Leave: take the mode's hooks off, stop fastreduce's background threads
+        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the
+        transport's workers) and then end this epoch's group."""
         self._close_mode()
+        self._pulse.stop()
+        shutdown(rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():
             dist.destroy_process_group()
 

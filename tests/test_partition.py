@@ -101,8 +101,7 @@ ok = all(bool((p.grad == 1.5).all()) for p in model.parameters())
 if os.environ["PARTITION_HOST"] == "A":
     open(sys.argv[1], "w").write(f"{took} {int(ok)}")
 dist.barrier()
-sys.stdout.flush()
-os._exit(0)
+dist.destroy_process_group()
 """
 
 

@@ -1,5 +1,5 @@
-"""Stress: 10,000 steps of a small model through the fused reducer at 2 ranks and the
-overlapped one at 4, with everything a training loop varies drawn at random each step:
+"""Stress: thousands of steps of a small model through the fused reducer at 2 ranks and the
+overlapped one at 4 (2,000 in ``make test``; ``make test-stress`` runs 10,000), with everything a training loop varies drawn at random each step:
 
 * gradient accumulation: 1 to 3 micro-batches, all but the last under ``no_sync()``;
 * parameters without a gradient: each rank skips a random subset of the model's
@@ -11,12 +11,14 @@ overlapped one at 4, with everything a training loop varies drawn at random each
 The reference is computed in the test process without fastreduce or a process group:
 every rank's micro-batches run on one model and their gradients are averaged by hand
 (zero for a rank that has none, ``None`` where no rank has one, a zeroed gradient
-still present). Every 1,000 of the 10,000 SGD-with-momentum steps the parameters must
-agree to 1e-5 (fp32 wire). Marked ``slow``; ``make test`` runs it.
+still present). At every tenth of the SGD-with-momentum steps the parameters must agree
+to 1e-5 (fp32 wire). Marked ``slow``; ``make test`` runs it (``FASTREDUCE_STRESS_STEPS``
+sets the count).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -29,7 +31,7 @@ from fastreduce.launch import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 10_000
+STEPS = int(os.environ.get("FASTREDUCE_STRESS_STEPS", "2000"))  # make test-stress: 10,000
 TOL = 1e-5
 BRANCHES = 3
 LR = 0.02
@@ -84,7 +86,7 @@ class Knobs:
     windows: tuple[int, ...] = (1, 1, 2, 3)  # micro-batches per step
     styles: tuple[str, ...] = ("none", "zeros", "reducer")  # how gradients are zeroed
     use: float = 0.7  # chance that a rank runs a branch in a micro-batch
-    mark: int = 1000  # compare every this many steps
+    mark: int = max(1, STEPS // 10)  # compare every this many steps
 
 
 def loss(model: nn.Module, use: list[int], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,7 @@ _references: dict[int, list] = {}
 
 # (fused at 4 ranks and overlapped at 2 passed too, through stop 53: left out for CI's time)
 @pytest.mark.parametrize("overlap, world", [(False, 2), (True, 4)], ids=["fused-2", "overlap-4"])
-def test_ten_thousand_random_steps_match_the_reference(world: int, overlap: bool) -> None:
+def test_thousands_of_random_steps_match_the_reference(world: int, overlap: bool) -> None:
     outs = run_ranks(stress_worker, world, overlap, STEPS, timeout=850)
     if world not in _references:
         _references[world] = reference(world, STEPS)

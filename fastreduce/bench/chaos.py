@@ -78,6 +78,10 @@ __all__ = ["KINDS", "MODES", "TRANSPORTS", "ChaosConfig", "format_text", "quick_
 MODES = ("fused_bf16", "overlap", "zero", "diloco", "gossip")
 TRANSPORTS = ("process_group", "shm")
 KINDS = ("mid-step", "in-flight", "between")
+JOINER_POINTS = ("admitted", "healing", "first-step")
+"""Where a replacement dies as it joins (:mod:`.joiner_kills`): as the members admit it (before
+it enters the epoch formed for it), as its healing begins (the members sending it the state),
+after its first backward (the members at their first step of the epoch with it)."""
 IN_FLIGHT = {"fused_bf16": "as its reduction begins, its peers in the collective",
              "overlap": "inside backward, the later layers' buckets in flight",
              "zero": "inside backward, the later layers' buckets' reduce-scatters in flight",
@@ -123,6 +127,9 @@ class ChaosConfig:
     """``FASTREDUCE_HEARTBEAT_S``."""
     pace_s: float = 0.0
     """A pause after each step (not timed), so that ``--quick``'s replacement arrives in time."""
+    joiner_runs: int = 0
+    """``--joiner-runs N``: instead of the chaos run, :mod:`.joiner_kills`: a replacement killed at
+    each point of its joining, ``N`` jobs per mode, transport and point."""
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -132,6 +139,8 @@ class ChaosConfig:
                              f"{self.modes!r} and {self.transports!r}")
         if not self.kinds or any(k not in KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds):
             raise ValueError(f"kinds: distinct kinds among {', '.join(KINDS)}, got {self.kinds!r}")
+        if self.joiner_runs < 0:
+            raise ValueError(f"joiner_runs must be >= 0 (0: the chaos run), got {self.joiner_runs}")
         if self.members < 3:
             raise ValueError(f"members must be at least 3 (two survivors go on), got {self.members}")
         if not self.params_m > 0 or self.batch < 1 or self.join_after < 1 or self.sync_every < 1:
@@ -289,6 +298,8 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             shared[go].go.wait(TIMEOUT_S)
         record.join_start = time.time()
         m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}", wait_s=120)
+        if kill is not None and kill["kind"] in ("admitted", "healing"):
+            _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
         record.joined_step = m.step
         if go is not None:  # healed: the members' parameters after that step
@@ -307,7 +318,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                     group["lr"] = cfg.lr * _cosine(cfg, m.step)
                 train_loss = nn.functional.mse_loss(model(x), y)
                 train_loss.backward()
-                if armed("mid-step"):
+                if armed("mid-step") or armed("first-step"):
                     os._exit(9)
                 ok, loss = m.commit(stepper.step), train_loss.item()
                 (m.mode if mode == "zero" else opt).zero_grad()
@@ -330,7 +341,20 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
     except BaseException:  # noqa: BLE001 - reported by the launcher
         record.error = traceback.format_exc()
     record.save(Path(out) / f"{index}.json")
-    os._exit(0)  # no interpreter teardown: an abandoned group's Gloo threads may linger
+
+
+def _die_joining(m: Any, kind: str, record: ChaosRecord, path: Path) -> None:
+    """Make this replacement exit as it is admitted (``admitted``) or as its healing begins
+    (``healing``), its record saved first."""
+    def die(*_: Any) -> None:
+        record.killed = kind
+        record.save(path)
+        os._exit(9)
+
+    if kind == "admitted":
+        m._enter = die
+    else:
+        m._sync_state = die  # (only a joiner receives the state: its first call)
 
 
 def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[bool, float]:
@@ -342,7 +366,7 @@ def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[
         loss = nn.functional.mse_loss(m.mode(x), y)
         loss.backward()
         box[0] = loss.item()
-        if armed("mid-step"):  # its buckets stepped, their exchanges in flight
+        if armed("mid-step") or armed("first-step"):  # its buckets stepped, their exchanges in flight
             os._exit(9)
 
     return m.commit(forward_backward), box[0]
@@ -368,13 +392,7 @@ def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, A
     env = _env(FASTREDUCE_HEARTBEAT_S=str(cfg.heartbeat_s), FASTREDUCE_TRANSPORT=transport)
     server = serve(0, "127.0.0.1")
     victims = {k["victim"]: k for k in kills}
-    procs = []
-    for i in range(n):
-        go = i - cfg.members if i >= cfg.members else None
-        p = ctx.Process(target=member, args=(i, cfg, mode, server.port, str(out), env, time.time(), victims.get(i),
-                                             go, shared), daemon=True)
-        p.start()
-        procs.append(p)
+    procs = start_members(ctx, n, cfg, mode, server.port, out, env, victims, shared)
     try:
         _watch(procs, out, set(victims), time.time() + TIMEOUT_S)
     finally:
@@ -513,8 +531,23 @@ def _timeline(r: dict[str, Any], first: float) -> dict[str, Any]:
     return {"joined_step": r["joined_step"], "killed": r["killed"], "steps": rows}
 
 
+def start_members(ctx: Any, n: int, cfg: ChaosConfig, mode: str, port: int, out: Any, env: dict[str, str],
+                  kills: dict[int, Any], shared: list) -> list:
+    """The job's ``n`` member processes, started: the first ``cfg.members`` join at once, the
+    others are replacements told when to join through ``shared``; ``kills``: index -> its kill."""
+    procs = []
+    for i in range(n):
+        go = i - cfg.members if i >= cfg.members else None
+        p = ctx.Process(target=member, args=(i, cfg, mode, port, str(out), env, time.time(), kills.get(i), go, shared),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
 def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
-    """Every mode and transport: the chaos run and the failure-free one; the report (JSON-able)."""
+    """Every mode and transport: the chaos run and the failure-free one; the report (JSON-able).
+    (With ``joiner_runs`` the suite runs :mod:`.joiner_kills` instead: :mod:`fastreduce.bench` picks.)"""
     import tempfile
 
     t0 = time.perf_counter()

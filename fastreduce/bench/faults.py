@@ -352,7 +352,6 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
     except BaseException:  # noqa: BLE001 - reported by the launcher
         record.error = traceback.format_exc()
     record.save(Path(out) / f"{name}-{index}.json")
-    os._exit(0)  # no interpreter teardown: an abandoned group's Gloo threads may linger
 
 
 # ---------------------------------------------------------------- torchft
@@ -513,7 +512,6 @@ def restart_rank(rank: int, cfg: FaultsConfig, port: int, attempt: int, out: str
     except BaseException:  # noqa: BLE001 - reported by the launcher
         record.error = traceback.format_exc()
     record.save(Path(out) / f"{name}.json")
-    os._exit(0)
 
 
 # ---------------------------------------------------------------- the launchers

@@ -174,6 +174,7 @@ def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     beat = object.__new__(faults._Heartbeat)
     beat.interval, beat.rank, beat.world = interval, rank, world
     beat.current = lambda: True
+    beat.name, beat._stopping = "bench-heartbeat", threading.Event()  # as __init__ sets them
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
     beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (faults._running_here)
     beat.store_windows = 1  # a read's deadline as on a host other than the store's (faults._served_here)
@@ -318,7 +319,6 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
     finally:
         results.close()
         results.join_thread()
-        os._exit(0)
 
 
 # [Note: concurrent connects] On the reference machine (torch 2.13, both of the store's
@@ -357,7 +357,6 @@ def _server_proc(ready: Any, go: Any, results: Any) -> None:
     finally:
         results.close()
         results.join_thread()
-        os._exit(0)
 
 
 def _cpu() -> float:

@@ -41,7 +41,6 @@ import logging
 import mmap
 import os
 import platform
-import queue
 import shutil
 import socket
 import struct
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..faults import RankLostError, TransportError, group_timeout, group_token, note_lost
+from ..lifecycle import Worker
 from ..profiling import span
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "sum_order", "weighted_sum"]
@@ -69,6 +69,10 @@ FLAG_BARRIERS = platform.machine().lower() in ("x86_64", "amd64")
 """Barriers through the segment (x86-64: total store order), else through Gloo."""
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
 _PIECE = 1 << 16  # the sums' piece (elements): its sources and result stay in a core's L2
+EXITED_CHECK_S = 0.05
+"""How often a rank waiting at a shared-memory barrier looks whether another has exited (a
+read of ``/proc/<pid>/stat`` per rank): a lost peer fails the wait within this, wherever in
+its wait the waiter was when the peer died."""
 
 
 def _set_event() -> threading.Event:
@@ -226,8 +230,8 @@ class _FlagBarrier:
     """A barrier through the segment itself: each rank stores how many barriers it has
     reached in a cache line of its own and polls the others'. Microseconds when the
     ranks arrive together, against a Gloo round trip per barrier; while it waits it
-    yields the core, then sleeps, so a rank still in backward keeps its CPU. A long
-    wait checks about once a second whether a rank has exited (its pid, stored next to
+    yields the core, then sleeps, so a rank still in backward keeps its CPU. A wait
+    checks every :data:`EXITED_CHECK_S` whether a rank has exited (its pid, stored next to
     its count) and raises :class:`~fastreduce.faults.RankLostError` then, naming it by
     its global rank (``ranks``), rather than at the timeout (the process group's).
     Once failed it stays failed: every later barrier raises at once.
@@ -267,6 +271,7 @@ class _FlagBarrier:
         if int(flags.min()) >= count:
             return
         deadline = time.monotonic() + self.timeout
+        check_at = time.monotonic() + EXITED_CHECK_S
         for spin in itertools.count():
             least = int(flags.min())
             if least >= count:
@@ -280,8 +285,9 @@ class _FlagBarrier:
                 os.sched_yield()
                 continue
             time.sleep(5e-5 if spin < 2000 else 1e-3)
-            if spin % 1000 == 0:  # about once a second once waiting is long
+            if time.monotonic() >= check_at:  # (a peer may die at any point of a long wait: checked on time)
                 self._check(deadline)
+                check_at = time.monotonic() + EXITED_CHECK_S
 
     def fail(self) -> None:
         """Tell the other ranks this rank's job failed: their wait raises, not hangs."""
@@ -346,34 +352,35 @@ class _Channel:
         # they never meet the user's collectives.
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.sync = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        self.jobs: queue.SimpleQueue[ShmWork] = queue.SimpleQueue()
+        self.worker = Worker("fastreduce-shm")  # stopped by lifecycle.shutdown(), started again by a job
         self.tick = torch.zeros(1, dtype=torch.int32)
-        threading.Thread(target=self._serve, name="fastreduce-shm", daemon=True).start()
 
     def barrier(self) -> None:
         dist.all_reduce(self.tick, group=self.sync)
 
-    def _serve(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                # Ranges show in a profile taken with profile_all_threads=True.
-                if job.before is not None:
-                    with span("fastreduce::pack"):
-                        job.before()
-                with span("fastreduce::shm_average"):
-                    job.barrier()  # A: every rank packed
-                    job.reduce()
-                    job.barrier()  # B: every chunk averaged and pushed
-                if job.after is not None:
-                    with span("fastreduce::unpack"):
-                        job.after()
-            except BaseException as err:  # noqa: BLE001 - handed to wait()
-                job.error = err
-                fail = getattr(job.barrier, "fail", None)
-                if fail is not None:
-                    fail()
-            job.done.set()
+    def put(self, job: ShmWork) -> None:
+        self.worker.put(lambda: self._run(job))
+
+    @staticmethod
+    def _run(job: ShmWork) -> None:
+        try:
+            # Ranges show in a profile taken with profile_all_threads=True.
+            if job.before is not None:
+                with span("fastreduce::pack"):
+                    job.before()
+            with span("fastreduce::shm_average"):
+                job.barrier()  # A: every rank packed
+                job.reduce()
+                job.barrier()  # B: every chunk averaged and pushed
+            if job.after is not None:
+                with span("fastreduce::unpack"):
+                    job.after()
+        except BaseException as err:  # noqa: BLE001 - handed to wait()
+            job.error = err
+            fail = getattr(job.barrier, "fail", None)
+            if fail is not None:
+                fail()
+        job.done.set()
 
 
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -536,7 +543,7 @@ class ShmAllReduce:
                 all(0 <= j < self.world for j in share) and out is not None else None
             work.share, work.outs = (share, tuple(outs)) if outs else ((), ())
         self.started += 1
-        self.channel.jobs.put(work)
+        self.channel.put(work)
         return work
 
     def everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:

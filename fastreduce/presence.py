@@ -1,0 +1,173 @@
+"""A :class:`~fastreduce.Membership` member's sign of life while it enters an epoch.
+
+An epoch's heartbeat (:mod:`.faults`) starts once its process group exists, and only a
+collective waited through :func:`~fastreduce.faults.wait_watched` is watched by it. Between
+two groups there is neither: a joiner waiting for admission or entering its first epoch, a
+survivor gathering for the next one, every member building the mode over the new group and
+running its first step there (a mode's first use of a group checks the layout and sets up
+its buffers with plain collectives, which Gloo cannot interrupt). A member that dies there
+used to be seen by no one: the others waited in a collective on a live peer that had given
+up on it, for the group's timeout.
+
+So a member shows it lives at the coordinator from the moment it takes a ticket or leaves
+an epoch until it has entered the next one and every member of that epoch has reached its
+first step (:meth:`Pulse.up`, :meth:`Pulse.down`): a thread of its own, on a connection of
+its own, adds 1 to ``pulse/<member>`` every heartbeat, and ``who/<member>`` names its
+process (host, pid, namespaces, start time: :func:`fastreduce.faults._identity`). A
+:class:`Watch` reads them while its member waits for the others (to enter the epoch, or to
+reach its first step): a member whose process ran on this host and has exited is lost at
+once (a crash, an OOM kill: what the shared-memory transport sees through pids), one whose
+pulse stood still for ``$FASTREDUCE_LOST_AFTER_S`` is lost (:data:`~fastreduce.faults.LOCAL_GRACE`
+windows where its process still runs here: a starved process, not a lost one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import fastreduce.faults as faults
+
+from .coordinator import _P
+from .faults import exited_here
+from .lifecycle import disown, own
+
+__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "exited_here", "pulses"]
+
+EXIT_CHECK_S = 0.02
+"""How often a waiting member looks whether a watched member's process on this host has
+exited (a read of ``/proc/<pid>/stat`` each)."""
+
+
+def _pulse_key(member: str) -> str:
+    return _P + f"pulse/{member}"
+
+
+def _who_key(member: str) -> str:
+    return _P + f"who/{member}"
+
+
+class Pulse:
+    """This member's sign of life at the coordinator (see the module doc): beating between
+    :meth:`up` and :meth:`down`, on a thread and a connection that live only that long.
+    ``call``: the member's requests to the coordinator, each within a deadline."""
+
+    def __init__(self, store: Any, member: str, call: Callable[..., Any]):
+        self.store, self.member, self.call = store, member, call
+        self.name = "fastreduce-pulse"
+        self._lock = threading.Lock()
+        self._stopping: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._said = False  # who/<member> written
+
+    def up(self) -> None:
+        """Beat from now on (idempotent): the first beat and the record are written before
+        this returns, so a reader never finds this member without them."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            if not self._said:
+                self.call(self.store.set, _who_key(self.member), faults._identity())
+                self._said = True
+            self.call(self.store.add, _pulse_key(self.member), 1)
+            self._stopping = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._stopping,), name=self.name, daemon=True)
+            self._thread.start()
+            own(self)
+
+    def down(self) -> None:
+        """Stop beating (the epoch's heartbeat shows this member alive from here on)."""
+        self.stop(timeout=0)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            thread, stopping = self._thread, self._stopping
+            self._thread = self._stopping = None
+        disown(self)
+        if thread is None or stopping is None:
+            return True
+        stopping.set()
+        if timeout != 0 and thread is not threading.current_thread():
+            thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run(self, stopping: threading.Event) -> None:
+        try:  # a connection of its own: the member's requests (a long wait for admission) never delay a beat
+            store = self.store.clone()
+            store.set_timeout(timedelta(seconds=max(5.0, 2 * faults.lost_after())))
+        except Exception:  # noqa: BLE001 - an older torch: the member's own connection, from this thread alone
+            store = None
+        interval = faults.heartbeat_interval() or 0.25
+        key = _pulse_key(self.member)
+        while not stopping.wait(interval):
+            try:
+                (store or self.store).add(key, 1)
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the member's own requests say so
+                break
+        disown(self)
+
+
+class Watch:
+    """One wait's view of other members' pulses (:class:`Pulse`): :meth:`lost` names those
+    that stopped. ``call`` makes a request to the coordinator within a deadline (a
+    :class:`~fastreduce.coordinator.CoordinatorClient`'s ``_call``)."""
+
+    def __init__(self, store: Any, call: Callable[..., Any], members: list[str]):
+        self.store, self.call, self.members = store, call, list(members)
+        self.me = faults._identity()
+        self.window = faults.lost_after()
+        self.every = min(faults.heartbeat_interval() or 0.25, 0.25)  # between two reads of the pulses
+        self.seen: dict[str, tuple[int, float]] = {}  # member -> (pulse, when it last moved)
+        self.records: dict[str, str] = {}  # member -> its process's record ("" where none yet)
+        self.read_at = self.looked_at = 0.0
+
+    def exited(self) -> set[str]:
+        """The watched members whose process ran on this host and has exited."""
+        self._records()
+        self.looked_at = time.monotonic()
+        return {m for m, rec in self.records.items() if rec and exited_here(rec, self.me)}
+
+    def lost(self) -> set[str]:
+        """The watched members whose process exited on this host (looked at every
+        :data:`EXIT_CHECK_S`) or whose pulse stood still for the loss window (read at most
+        every heartbeat)."""
+        now = time.monotonic()
+        gone = self.exited() if now - self.looked_at >= EXIT_CHECK_S else set()
+        if now - self.read_at < self.every:
+            return gone
+        self.read_at = now
+        pulses = self._pulses()
+        for m, n in pulses.items():
+            if m not in self.seen or self.seen[m][0] != n:
+                self.seen[m] = (n, now)
+        for m, (_, since) in self.seen.items():
+            quiet = now - since
+            if quiet >= self.window and (quiet >= faults.LOCAL_GRACE * self.window
+                                         or not faults._running_here(self.records.get(m, ""), self.me)):
+                gone.add(m)
+        return gone
+
+    def _records(self) -> None:
+        missing = [m for m in self.members if not self.records.get(m)]
+        if not missing:
+            return
+        keys = [_who_key(m) for m in missing]
+        if self.call(self.store.check, keys):
+            self.records.update(zip(missing, (v.decode() for v in self.call(faults.read_all, self.store, keys))))
+        else:  # (a member that never beat: its pulse reads 0 below and stands still)
+            for m, k in zip(missing, keys):
+                if self.call(self.store.check, [k]):
+                    self.records[m] = self.call(self.store.get, k).decode()
+
+    def _pulses(self) -> dict[str, int]:
+        return pulses(self.store, self.call, self.members)
+
+
+def pulses(store: Any, call: Callable[..., Any], members: list[str]) -> dict[str, int]:
+    """Each member's pulse count (0 where it never beat): one request where all have beaten."""
+    keys = [_pulse_key(m) for m in members]
+    if keys and call(store.check, keys):
+        return dict(zip(members, (int(v) for v in call(faults.read_all, store, keys))))
+    return {m: int(call(store.add, k, 0)) for m, k in zip(members, keys)}
