@@ -81,6 +81,57 @@ def test_arguments_split_between_fastreduce_and_ddp() -> None:
         FastReduceStrategy(find_unused_parameters=True, unused_grads="error")
 
 
+_NAMES_SCRIPT = """
+import sys
+if sys.argv[1] == "fastreduce first":
+    import fastreduce
+    assert not any(m == "lightning" or m.startswith("lightning.") for m in sys.modules), "fastreduce imported lightning"
+    import lightning as L
+else:
+    import lightning as L
+    import fastreduce
+import torch
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, strategy="fastreduce_zero", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Net(), data)
+print("strategy", type(trainer.strategy).__name__, type(trainer.strategy.mode.obj).__name__, trainer.global_step)
+import pytorch_lightning  # the standalone package: its Trainer cannot run the strategy, and says what can
+try:
+    pytorch_lightning.Trainer(accelerator="cpu", devices=1, strategy="fastreduce_zero")
+except TypeError as exc:
+    print("pytorch_lightning:", exc)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("order", ["fastreduce first", "lightning first"])
+def test_strategy_names_known_to_a_script_that_imports_lightning_and_fastreduce(tmp_path: Path, order: str) -> None:
+    """``Trainer(strategy="fastreduce_zero")`` in a script that imports only ``lightning`` and
+    ``fastreduce``, in either order (no ``fastreduce.integrations.lightning``): it fits in that
+    mode (one rank); ``pytorch_lightning``'s Trainer, which cannot run it, says what to use."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("pytorch_lightning")
+    script = tmp_path / "names.py"
+    script.write_text(_NAMES_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), order], check=False, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                                       "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "strategy FastReduceStrategy ZeroOptimizer 2" in proc.stdout, proc.stdout[-3000:]
+    assert "build the Trainer from lightning.pytorch" in proc.stdout, proc.stdout[-3000:]
+
+
 # ---------------------------------------------------------------------- on real ranks
 
 @pytest.mark.timeout(200)
@@ -333,9 +384,6 @@ def _worker(out: str, compile_runs: bool) -> None:
         Path(out).write_text(json.dumps(runs, indent=1))
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # done and written; skip interpreter teardown, as examples/train.py does
 
 
 if __name__ == "__main__":

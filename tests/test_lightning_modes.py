@@ -37,9 +37,9 @@ MODES = {  # name: settings of the strategy and of the reference loop's mode
     "diloco": {"sync_every": 4, "fragments": 2},
     "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
 }
-FIGURE = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
-          "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs",
-          "gossip": "fastreduce/rounds"}
+FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fastreduce/comm_share")  # every mode's
+COUNT = {"fused": "fastreduce/reductions", "overlap": "fastreduce/reductions", "zero": "fastreduce/buckets",
+         "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs", "gossip": "fastreduce/rounds"}
 OPTIMIZER = {"zero": "ZeroOptimizer", "gossip": "_Steered"}  # what Lightning steps, where not the AdamW
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,9 +68,9 @@ def test_modes_by_name_and_their_settings_checked_at_construction() -> None:
     with pytest.raises(TypeError, match="unexpected"):
         FastReduceStrategy("zero", sync_evry=4)
     with pytest.raises(ValueError, match="find_unused_parameters"):
-        FastReduceStrategy("localsgd", find_unused_parameters=True)
+        FastReduceStrategy("localsgd", sync_every=4, find_unused_parameters=True)
     with pytest.raises(TypeError, match="outer_optimizer"):
-        FastReduceStrategy("diloco", outer_optimizer=3)
+        FastReduceStrategy("diloco", sync_every=4, outer_optimizer=3)
     assert FastReduceStrategy("gossip", eval_params="own").mode.eval_params == "own"
     with pytest.raises(ValueError, match="mode 'overlap' keeps the same parameters on every rank"):
         FastReduceStrategy("overlap", eval_params="own")
@@ -138,23 +138,66 @@ def test_per_rank_modes_checkpoint_the_mean(runs: dict, mode: str) -> None:
     _close(ranks[0]["checkpoint_state"], mean, 1e-7)
 
 
+def figures_are_the_stats(rows: list[dict], at: list[tuple[int, int, float]]) -> None:
+    """Each row's ``fastreduce/bytes_per_step`` and ``wait_seconds_per_step`` are the mode's
+    ``stats`` (``at``: ``(step, bytes, seconds waited)`` when training began and at each log)
+    at that log less at the one before, over the steps between, as Lightning logs a float (in
+    float32); ``comm_share`` is a share. Every mode moves bytes and waits in every window."""
+    def logged(v: float) -> float:
+        return float(torch.tensor(v, dtype=torch.float32))
+
+    assert len(rows) == len(at) - 1 > 0, (rows, at)
+    for row, (s0, b0, w0), (s1, b1, w1) in zip(rows, at, at[1:]):
+        assert float(row["fastreduce/bytes_per_step"]) == logged((b1 - b0) / (s1 - s0)) > 0, (row, at)
+        assert float(row["fastreduce/wait_seconds_per_step"]) == logged((w1 - w0) / (s1 - s0)) > 0, (row, at)
+        assert 0 < float(row["fastreduce/comm_share"]) < 1, row
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_logged_metrics_hold_the_mode_figures(runs: dict, mode: str) -> None:
     """Every ``log_every_n_steps`` (5) the mode's figures go to the logger: the CSV rows at steps
-    5, 10, 15, 20, ``trainer.logged_metrics`` and ``callback_metrics`` hold them."""
+    5, 10, 15, 20, ``trainer.logged_metrics`` and ``callback_metrics`` hold them, under the same
+    keys in every mode, each what the mode's own ``stats`` say at that step (as Lightning logs
+    a float: in float32)."""
     rank = runs[f"{mode}_lightning"][0]
-    key = FIGURE[mode]
-    assert key in rank["logged_metrics"] and key in rank["callback_metrics"]
-    rows = [r for r in rank["csv"] if r.get(key) not in (None, "")]
+    for key in (*FIGURES, COUNT[mode]):
+        assert key in rank["logged_metrics"] and key in rank["callback_metrics"], key
+    rows = [r for r in rank["csv"] if r.get(FIGURES[0]) not in (None, "")]
     assert [int(r["step"]) for r in rows] == [4, 9, 14, 19], rows  # Lightning's step: batches stepped before
+    assert all(r.get(COUNT[mode]) not in (None, "") for r in rows), rows
+    figures_are_the_stats(rows, rank["wire_at_logs"])
     if mode in ("fused", "overlap"):
         assert float(rows[-1]["fastreduce/reductions"]) == STEPS == rank["counters"]["reductions"]
-        assert float(rows[-1]["fastreduce/bytes_per_step"]) == rank["counters"]["bytes"] / STEPS
     if mode in ("localsgd", "diloco"):
         assert float(rows[-1]["fastreduce/syncs"]) == rank["counters"]["syncs"] > 0
     if mode == "gossip":  # one round a step, the last one's logged after it
         assert float(rows[-1]["fastreduce/rounds"]) == rank["counters"]["rounds"] == STEPS
+
+
+SNIPPETS = ["zero", "overlap", "gossip", "localsgd", "diloco"]  # docs/trainers.md's order
+
+
+@pytest.mark.timeout(60)
+def test_the_trainers_page_has_a_lightning_block_per_mode() -> None:
+    """docs/trainers.md shows each mode's Lightning block, assuming only a user's names."""
+    from mode_snippets import mode_blocks
+
+    assert list(mode_blocks("lightning")) == SNIPPETS
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", SNIPPETS)
+def test_the_trainers_page_lightning_blocks_run(runs: dict, mode: str) -> None:
+    """Each mode's Lightning block, run verbatim on 2 ranks (ranks starting from different
+    weights): Lightning fits an epoch in that mode, one optimizer step a batch, and training
+    moves rank 0's start; the ranks' parameters are the same where the mode keeps them so."""
+    for rank in runs[f"snippet_lightning_{mode}"]:
+        assert rank["strategy"] == "FastReduceStrategy" and rank["mode"] == mode, rank
+        assert rank["global_step"] == rank["batches"] > 0, rank
+        assert rank["started_different"] and rank["moved_from_rank0_start"], rank
+        if mode in ("zero", "overlap"):
+            assert rank["params_identical_across_ranks"], rank
 
 
 # ============================================================== the torchrun worker
@@ -198,9 +241,15 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
         return [{"params": decay, "weight_decay": WD},
                 {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
+    def wire(obj) -> tuple[int, float]:
+        """The mode object's ``stats``: bytes handed to its collectives, seconds waited on them."""
+        st = obj.stats
+        return (st.bytes_reduced if isinstance(obj, FusedReducer) else st.wire_bytes), st.wait_seconds
+
     class Net(LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            self.wire_at_logs: list[tuple] = []  # (step, *wire(mode object)) at the start, then at each log
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                                      nn.Linear(16, 1))
@@ -214,6 +263,14 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
 
         def training_step(self, batch, batch_idx):
             return self.loss(batch)
+
+        def on_train_start(self) -> None:  # the mode is built by now
+            self.wire_at_logs.append((self.trainer.global_step, *wire(self.trainer.strategy.mode.obj)))
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # after every callback's: the figures'
+            step = self.trainer.global_step
+            if step % 5 == 0 and step > self.wire_at_logs[-1][0]:
+                self.wire_at_logs.append((step, *wire(self.trainer.strategy.mode.obj)))
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(groups(self), lr=LR)
@@ -265,8 +322,8 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
                  "scheduler_drives_it": all(c.scheduler.optimizer is opt for c in strategy.lr_scheduler_configs),
                  "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
                  "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-                 "counters": ({"reductions": obj.stats.calls, "bytes": obj.stats.bytes_reduced}
-                              if isinstance(obj, FusedReducer) else
+                 "wire_at_logs": model.wire_at_logs,
+                 "counters": ({"reductions": obj.stats.calls} if isinstance(obj, FusedReducer) else
                               {"syncs": obj.syncs} if isinstance(obj, (LocalSGD, DiLoCo)) else
                               {"rounds": obj.step} if isinstance(obj, DecentralizedDataParallel) else {})}
         dist.barrier()
@@ -333,10 +390,25 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
         settle(opt)
         save(run, {"start": start, "params": flat(model), "lrs": lrs, "grad_norms": norms})
 
+    def snippet_runs() -> None:
+        """docs/trainers.md's Lightning block of each mode, verbatim."""
+        from mode_snippets import mode_blocks, run_block, users_script
+        from test_readme import common_facts, prelude_lightning
+
+        with users_script(out / "snippets"):
+            for mode, (first, text) in mode_blocks("lightning").items():
+                names, ctx = prelude_lightning()
+                trainer = run_block(first, text, names)["trainer"]
+                save(f"snippet_lightning_{mode}", {
+                    **common_facts(names["model"], ctx["start"]), "strategy": type(trainer.strategy).__name__,
+                    "mode": trainer.strategy.mode.name, "global_step": trainer.global_step,
+                    "batches": names["model"].batches})
+
     for mode, config in MODES.items():
         lightning_run(f"{mode}_lightning", mode, config)
         lightning_run(f"{mode}_resumed", mode, config, resume=True)
         loop_run(f"{mode}_loop", mode, config)
+    snippet_runs()
     leave()
 
 

@@ -43,6 +43,7 @@ MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's 
     "diloco": {"sync_every": 4, "fragments": 2},
     "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
 }
+FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fastreduce/comm_share")  # every mode's
 MIXED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with bf16=True (autocast)
 COMPILED = ["zero", "localsgd", "diloco"]  # also trained with torch_compile=True (gossip refuses it)
 
@@ -114,8 +115,8 @@ def test_compiled_trainer_equals_the_eager_one(runs: dict, mode: str) -> None:
 @pytest.mark.timeout(600)
 def test_epochs_early_stopping_and_save_total_limit(runs: dict) -> None:
     """DiLoCo trained for epochs: early stopping ends it before the last of 2 epochs'
-    steps, ``save_total_limit=1`` leaves the best checkpoint and the last one, each with
-    the mode's state, and ``load_best_model_at_end`` leaves every rank on the best model
+    steps, ``save_total_limit=1`` leaves the best checkpoint (and the last one, where
+    transformers keeps it), each with the mode's state, and ``load_best_model_at_end`` leaves every rank on the best model
     (the ranks' mean saved there): the same parameters on every rank."""
     ranks = runs["diloco_epochs"]
     full = 2 * STEPS  # the steps of 2 epochs
@@ -193,28 +194,70 @@ def test_a_mode_that_cannot_evaluate_as_asked_fails_when_the_trainer_is_built(
     from fastreduce.integrations.transformers import FastReduceTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    config = {"sync_every": 4} if mode == "diloco" else None  # (a setting it needs)
     with pytest.raises(ValueError, match=re.escape(says)):
-        FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_mode=mode,
+        FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_mode=mode, fastreduce_config=config,
                           fastreduce_eval_params=eval_params)
+
+
+def figures_are_the_stats(logs: list[dict], at: list[tuple[int, int, float]]) -> None:
+    """Each log's ``fastreduce/bytes_per_step`` and ``wait_seconds_per_step`` are the mode's
+    ``stats`` (``at``: ``(step, bytes, seconds waited)`` when training began and at each log)
+    at that log less at the one before, over the steps between; ``comm_share`` is a share.
+    Every mode moves bytes and waits in every window."""
+    assert len(logs) == len(at) - 1 > 0, (logs, at)
+    for log, (s0, b0, w0), (s1, b1, w1) in zip(logs, at, at[1:]):
+        assert log["fastreduce/bytes_per_step"] == (b1 - b0) / (s1 - s0) > 0, (log, at)
+        assert log["fastreduce/wait_seconds_per_step"] == (w1 - w0) / (s1 - s0) > 0, (log, at)
+        assert 0 < log["fastreduce/comm_share"] < 1, log
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_log_holds_the_mode_figures(runs: dict, mode: str) -> None:
-    """Every training log of ``log_history`` holds the mode's figures, as its own counters say."""
+    """Every training log of ``log_history`` holds the mode's figures under the same keys in
+    every mode, each what the mode's own ``stats`` say at that log; and its own counts."""
     rank = runs[f"{mode}_trainer"][0]
     logs = [h for h in rank["log_history"] if "loss" in h]
     assert len(logs) == STEPS // 5
-    keys = {"fused": "fastreduce/bytes_per_step", "overlap": "fastreduce/wait_seconds_per_step",
-            "zero": "fastreduce/buckets", "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs",
-            "gossip": "fastreduce/rounds"}
-    assert all(keys[mode] in h for h in logs), logs[0]
+    figures_are_the_stats(logs, rank["wire_at_logs"])
+    counts = {"fused": "fastreduce/reductions", "overlap": "fastreduce/reductions", "zero": "fastreduce/buckets",
+              "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs", "gossip": "fastreduce/rounds"}
+    assert all(counts[mode] in h for h in logs), logs[0]
     if mode in ("fused", "overlap"):
         assert logs[-1]["fastreduce/reductions"] == STEPS == rank["counters"]["reductions"]
-        assert logs[-1]["fastreduce/bytes_per_step"] == rank["counters"]["bytes"] / STEPS
-        assert 0 <= logs[-1]["fastreduce/comm_share"] < 1
     if mode in ("localsgd", "diloco"):
         assert logs[-1]["fastreduce/syncs"] == rank["counters"]["syncs"] > 0
+
+
+SNIPPETS = ["zero", "overlap", "gossip", "localsgd", "diloco"]  # docs/trainers.md's order
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("trainer", ["hf_trainer", "accelerate"])
+def test_the_trainers_page_has_a_block_per_mode(trainer: str) -> None:
+    """docs/trainers.md shows each mode's block for the trainer, assuming only a user's names."""
+    from mode_snippets import mode_blocks
+
+    assert list(mode_blocks(trainer)) == SNIPPETS
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", SNIPPETS)
+def test_the_trainers_page_blocks_run(runs: dict, mode: str) -> None:
+    """Each mode's blocks for the HF Trainer and Accelerate, run verbatim on 2 ranks (ranks
+    starting from different weights): the Trainer trains its steps in that mode and logs the
+    mode's figures; the Accelerate loop ends with every rank on the same parameters, rank 0's
+    start moved by training (each block ends with the mode's own last sync)."""
+    for rank in runs[f"snippet_hf_trainer_{mode}"]:
+        assert rank["mode"] == mode and rank["steps"][0] == rank["steps"][1] > 0, rank
+        assert rank["started_different"] and rank["moved_from_rank0_start"], rank
+        assert rank["logs"] > 0 and rank["figures"], rank
+        if mode in ("zero", "overlap"):
+            assert rank["params_identical_across_ranks"], rank
+    for rank in runs[f"snippet_accelerate_{mode}"]:
+        assert rank["steps"] > 0 and rank["started_different"], rank
+        assert rank["params_identical_across_ranks"] and rank["moved_from_rank0_start"], rank
 
 
 @pytest.mark.timeout(600)
@@ -238,7 +281,7 @@ def test_zero_resumes_on_three_ranks(runs: dict) -> None:
     ("localsgd", {"bucket_mb": 1}, TypeError, "mode 'localsgd' (LocalSGD) does not take the setting 'bucket_mb'"),
     ("fused", {"overlap": True}, TypeError, "does not take the setting 'overlap'"),
     ("fused", {"wire_dtype": torch.int8}, ValueError, "wire_dtype"),
-    ("diloco", {"outer_optimizer": 0.7}, TypeError, "outer_optimizer must be a torch optimizer"),
+    ("diloco", {"sync_every": 4, "outer_optimizer": 0.7}, TypeError, "outer_optimizer must be a torch optimizer"),
 ])
 def test_bad_settings_fail_when_the_trainer_is_built(tmp_path: Path, mode: str, config: dict, error: type,
                                                       says: str) -> None:
@@ -369,9 +412,23 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             eval_strategy="steps", eval_steps=SAVE,
             seed=0, dataloader_num_workers=0, per_device_eval_batch_size=16)
 
+    def wire(obj) -> tuple[int, float]:
+        """The mode object's ``stats``: bytes handed to its collectives, seconds waited on them."""
+        st = obj.stats
+        return (st.bytes_reduced if isinstance(obj, FusedReducer) else st.wire_bytes), st.wait_seconds
+
     class Record(TrainerCallback):
         def __init__(self, trainer, mode: str | None):
             self.trainer, self.mode, self.lrs, self.facts = trainer, mode, [], {}
+            self.wire_at_logs: list[tuple] = []  # (step, *wire(mode object)) at the start, then at each training log
+
+        def on_train_begin(self, args, state, control, **kw):
+            if self.mode is not None:  # the mode is built by now
+                self.wire_at_logs.append((state.global_step, *wire(self.trainer.fastreduce_mode.obj)))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if self.mode is not None and "loss" in (logs or {}):  # right after the figures were read
+                self.wire_at_logs.append((state.global_step, *wire(self.trainer.fastreduce_mode.obj)))
 
         def on_optimizer_step(self, args, state, control, **kw):
             self.lrs.append(self.trainer.optimizer.param_groups[0]["lr"])
@@ -426,9 +483,9 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
                  "log_history": trainer.state.log_history, "resumed_at": SAVE if resume else None}
         if mode is not None and not resume:
             m = trainer.fastreduce_mode.obj
-            facts["counters"] = ({"reductions": m.stats.calls, "bytes": m.stats.bytes_reduced}
-                                 if isinstance(m, FusedReducer) else
+            facts["counters"] = ({"reductions": m.stats.calls} if isinstance(m, FusedReducer) else
                                  {"syncs": m.syncs} if isinstance(m, (LocalSGD, DiLoCo)) else {})
+            facts["wire_at_logs"] = rec.wire_at_logs
             if mode in ("localsgd", "diloco", "gossip"):
                 saved = Tiny.from_pretrained(str(ckpt))  # the checkpoint's model files, as a user loads them
                 facts["saved_model"] = flat(saved)
@@ -522,10 +579,32 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
                           fastreduce_mode="diloco", fastreduce_config=MODES["diloco"],
                           callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=0.05)])
         trainer.train()
+        torch.distributed.barrier()  # rank 0 removes the last checkpoint at the end of train() when it is not the
+        # best (save_total_limit=1): the other rank lists the folders after that
         folders = sorted(p.name for p in (out / "diloco_epochs").glob("checkpoint-*"))
         save("diloco_epochs", {"params": flat(model), "folders": folders, "epoch": trainer.state.epoch,
                                "steps": trainer.state.global_step, "best": trainer.state.best_model_checkpoint,
                                "has_state": [(out / "diloco_epochs" / f / "fastreduce").is_dir() for f in folders]})
+
+    def snippet_runs(out: Path) -> None:
+        """docs/trainers.md's block of each mode for the HF Trainer and for Accelerate, verbatim."""
+        from mode_snippets import mode_blocks, run_block, users_script
+        from test_readme import common_facts, prelude_accelerate, prelude_hf_trainer
+
+        with users_script(out / "snippets"):
+            for mode, (first, text) in mode_blocks("hf_trainer").items():
+                names, ctx = prelude_hf_trainer()
+                trainer = run_block(first, text, names)["trainer"]
+                logs = [h for h in trainer.state.log_history if "loss" in h]
+                save(f"snippet_hf_trainer_{mode}", {
+                    **common_facts(names["model"], ctx["start"]), "mode": trainer.fastreduce_mode.name,
+                    "steps": (trainer.state.global_step, trainer.args.max_steps),
+                    "logs": len(logs), "figures": all(k in h for h in logs for k in FIGURES)})
+            for mode, (first, text) in mode_blocks("accelerate").items():
+                names, ctx = prelude_accelerate()
+                ns = run_block(first, text, names)
+                save(f"snippet_accelerate_{mode}", {**common_facts(ns["model"], ctx["start"]), "steps":
+                                                    len(ns["loader"]) // names["accelerator"].gradient_accumulation_steps})
 
     if what == "train":
         for mode, config in MODES.items():
@@ -559,6 +638,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
         for mode in MIXED:  # the Trainer's bf16 autocast
             trainer_run(f"{mode}_bf16", mode, MODES[mode], bf16=True)
             loop_run(f"{mode}_bf16_loop", mode, MODES[mode], bf16=True)
+        snippet_runs(out)  # (after bf16: accelerate < 1.14 runs them in bf16 too, which they do not mind)
     elif what == "reshard":  # 3 ranks: the 2-rank ZeRO checkpoint, loaded and trained one step on
         model = fresh()
         trainer = Ordered(model=model, args=arguments("zero_reshard", steps=SAVE + 1), train_dataset=train_data, eval_dataset=eval_data,

@@ -8,8 +8,9 @@
     trainer.fit(module, datamodule)
 
 (or ``strategy="fastreduce"``, ``"fastreduce_overlap"``, ``"fastreduce_zero"``,
-``"fastreduce_localsgd"``, ``"fastreduce_diloco"``, ``"fastreduce_gossip"`` once this
-module is imported). ``FastReduceStrategy(mode=...)`` runs any mode of
+``"fastreduce_localsgd"``, ``"fastreduce_diloco"``, ``"fastreduce_gossip"``, the mode with its
+default settings, once ``fastreduce`` is imported, before or after ``lightning``:
+:mod:`.lightning_names`). ``FastReduceStrategy(mode=...)`` runs any mode of
 :mod:`fastreduce.integrations.modes` (``fused``, ``overlap``, ``zero``, ``localsgd``,
 ``diloco``, ``gossip``) over the LightningModule and the optimizer of
 ``configure_optimizers``. The strategy is Lightning's
@@ -52,6 +53,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 
 from ..comm import broadcast_from_rank0
 from ..compat import preserve_version_counters
+from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer, ReducerConfig
 from .membership import TrainerMembership, check_plain_process
 from .modes import MODES, TrainerMode, make_mode
@@ -449,11 +451,14 @@ class FastReduceStrategy(DDPStrategy):
         super().on_validation_end()
 
     def teardown(self) -> None:
-        """Take the mode's hooks off; the mode object and its counters stay readable."""
+        """Take the mode's hooks off (the mode object and its counters stay readable) and
+        stop fastreduce's background threads (:func:`fastreduce.shutdown`; the next use
+        starts them again)."""
         if self._validating is not None:
             self.on_validation_end()
         self._release()
         super().teardown()
+        shutdown()
 
     # ------------------------------------------------------------------ checkpoints
 

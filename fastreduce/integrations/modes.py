@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Checkpointer
+from ..modes.comm_stats import CommStats
 from ..modes.diloco import DiLoCo
 from ..modes.fused import FusedReducer, ReducerConfig
 from ..modes.gossip import DecentralizedDataParallel
@@ -101,13 +102,27 @@ class TrainerMode:
         return [n for n, p in sig.parameters.items()
                 if n not in cls.fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
+    supplied: ClassVar[tuple[str, ...]] = ()
+    """Settings the mode's class requires that the adapter fills when not given (DiLoCo's outer optimizer)."""
+
     @classmethod
     def check(cls, config: dict[str, Any]) -> None:
-        """``TypeError`` for a setting the mode does not take (with the ones it does)."""
+        """``TypeError`` for a setting the mode does not take (with the ones it does), or a
+        setting it needs that is missing (a mode chosen by name alone, e.g. Lightning's
+        ``strategy="fastreduce_localsgd"``, must fail when the trainer is built, not at its
+        first step)."""
         bad = sorted(set(config) - set(cls.settings()))
         if bad:
             raise TypeError(f"fastreduce mode {cls.name!r} ({cls.cls.__name__}) does not take the setting "
                             f"{bad[0]!r}; its settings: {', '.join(cls.settings())}")
+        params = inspect.signature(cls.cls).parameters
+        missing = [n for n in cls.settings() if n in params and params[n].default is inspect.Parameter.empty
+                   and n not in config and n not in cls.supplied]
+        if missing:
+            raise TypeError(f"fastreduce mode {cls.name!r} ({cls.cls.__name__}) needs the setting {missing[0]!r}: "
+                            f"pass it with the mode (HF Trainer: fastreduce_config={{{missing[0]!r}: ...}}; "
+                            f"Lightning: FastReduceStrategy({cls.name!r}, {missing[0]}=...); the strategy name alone "
+                            "cannot carry it)")
 
     # ------------------------------------------------------------------ build
 
@@ -185,7 +200,12 @@ class TrainerMode:
 
     def figures(self, steps: int) -> dict[str, float]:
         """What the trainer's log shows, over the optimizer steps since the last call
-        (``steps``: the trainer's step count now)."""
+        (``steps``: the trainer's step count now), under the same keys in every mode:
+        ``fastreduce/bytes_per_step`` (the bytes handed to the mode's collectives, its
+        ``stats``' ``wire_bytes`` or ``bytes_reduced``, per step), ``fastreduce/wait_seconds_per_step``
+        (the seconds it waited on them, per step) and ``fastreduce/comm_share`` (those seconds
+        over the wall time since the last call); then the mode's own counts as they stand
+        (``syncs``, ``rounds``, ``buckets``, ``skipped_steps``, ...)."""
         now = time.perf_counter()
         since, then = self._last
         self._last = (now, steps)
@@ -260,6 +280,11 @@ class Overlap(Fused):
     overlap = True
 
 
+def _wire(stats: CommStats) -> dict[str, float]:
+    """A mode's :class:`~fastreduce.modes.comm_stats.CommStats` as :meth:`TrainerMode._counts` names them."""
+    return {"bytes": stats.wire_bytes, "wait_seconds": stats.wait_seconds}
+
+
 def rebuild_args(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """What makes ``optimizer`` again: its constructor's keyword arguments (the defaults it
     takes, less kernel choices left unchosen) and, per param group, the hyperparameters in
@@ -296,7 +321,7 @@ class Zero(TrainerMode):
         return Checkpointer(directory, model, self.obj, keep=1)  # the optimizer is the mode
 
     def _counts(self):
-        return {"buckets": self.obj.num_buckets, "skipped_steps": self.obj.skipped_steps}
+        return {"buckets": self.obj.num_buckets, "skipped_steps": self.obj.skipped_steps, **_wire(self.obj.stats)}
 
     def finish(self) -> None:
         self.obj.wait_params()
@@ -313,8 +338,8 @@ class Local(TrainerMode):
 
     def _counts(self):
         m = self.obj
-        return {"syncs": m.syncs, "bytes": m.syncs * m.bytes_per_sync, "skipped_steps": m.skipped_steps,
-                "skipped_syncs": m.skipped_syncs}
+        return {"syncs": m.syncs, "skipped_steps": m.skipped_steps, "skipped_syncs": m.skipped_syncs,
+                **_wire(m.stats)}
 
     def close(self) -> None:
         if self.obj is not None:
@@ -324,6 +349,7 @@ class Local(TrainerMode):
 class Diloco(Local):
     name, cls = "diloco", DiLoCo
     fixed = ("model", "inner_optimizer")
+    supplied = ("outer_optimizer",)  # the paper's Nesterov SGD (lr 0.7, momentum 0.9) when not given
 
     @classmethod
     def check(cls, config: dict[str, Any]) -> None:
@@ -419,7 +445,8 @@ class Gossip(TrainerMode):
         return Checkpointer(directory, self.obj, None, mode=self.obj, keep=1, extras={"steered": optimizer})
 
     def _counts(self):
-        return {"rounds": self.obj.step, "skipped_steps": self.obj.skipped_steps, "buckets": self.obj.num_buckets}
+        return {"rounds": self.obj.step, "skipped_steps": self.obj.skipped_steps, "buckets": self.obj.num_buckets,
+                **_wire(self.obj.stats)}
 
     def finish(self) -> None:
         self.obj.global_avg()

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
+from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
 from .membership import TrainerMembership, check_plain_process
 from .modes import TrainerMode, make_mode
@@ -193,6 +194,15 @@ class FastReduceMixin:
             broadcast_parameters(inner, mode.config.get("group"))
             self._fastreduce_build()
         return prepared if mode.obj is None else mode.module_to_call(prepared)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train()``; once it returns, fastreduce's background threads stop
+        (:func:`fastreduce.shutdown`: the communication in flight finished first), so a
+        ``dist.destroy_process_group()`` or the interpreter's exit after it meets none of
+        them. Whatever runs next (``evaluate()``, another ``train()``) starts them again."""
+        result = super().train(*args, **kwargs)
+        shutdown()
+        return result
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         """The Trainer's optimizer; then the mode, where the model is prepared already."""

@@ -33,6 +33,7 @@ from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
+from ..layout import counted, wire_word
 from .local import (BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, optimizer_params, require_distributed,
                     trainable)
 
@@ -182,9 +183,9 @@ class DiLoCo(LocalUpdates):
                                       for j, home in zip(segs, homes) for s in self.layout.segments[j].slots])
         self._apply_at = [((k + 1) * H // F) % H for k in range(F)]
         if self.rank == 0:
-            log.info("fastreduce: DiLoCo: %s; %d fragment(s) every %d inner steps (delay %d, alpha %g), "
-                     "wire %s, anchor on %s, %d ranks", self.layout.describe(), F, H, tau, self.fragment_alpha,
-                     compression or wire_dtype, self._anchor[0].device, self.world_size)
+            log.info("fastreduce: DiLoCo: %s; %s every %d inner steps (delay %d, alpha %g), "
+                     "%s wire, anchor on %s, %d ranks", self.layout.describe(), counted(F, "fragment"), H, tau,
+                     self.fragment_alpha, wire_word(compression or wire_dtype), self._anchor[0].device, self.world_size)
         self._guard_steps()
 
     # ------------------------------------------------------------------ public

@@ -53,9 +53,10 @@ from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite
                      one_device, start_from_rank0)
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
-from ..layout import GradLayout, bucket_runs, verify_model
+from ..layout import GradLayout, bucket_runs, counted, verify_model
 from ..optim_kernels import prefer_fused
-from ..sizing import AUTO, GOSSIP_AUTO_RULE, Sizing, check_bucket_mb
+from ..sizing import AUTO, GOSSIP_AUTO_WHY, Sizing, check_bucket_mb
+from .comm_stats import CommStats
 from .gossip_state import _DONE, GossipState
 from .topology import Topology, make_topology
 
@@ -139,6 +140,8 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         eager_methods(DecentralizedDataParallel, "_before_forward")
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # bucket steps skipped on this rank for inf/NaN gradients
+        self.stats = CommStats()
+        """Bytes this rank's exchanges were handed (each block sent, once), seconds waited on them."""
         self._nonfinite_error: NonFiniteGradError | None = None  # raised at the end of the backward
         if buffers not in ("mix", "local"):
             raise ValueError(f"buffers must be 'mix' or 'local', got {buffers!r}")
@@ -367,7 +370,10 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
             self._buffer_blocks = (TensorBlock(bufs, self.comm.buffer), TensorBlock(bufs, private))
         send, out = self._buffer_blocks
         send.load()
-        complete(self.comm.mix(send.flat, out.flat, self.topology.mixing(self._round)))
+        pending = self.comm.mix(send.flat, out.flat, self.topology.mixing(self._round))
+        self.stats.wire_bytes += send.flat.nbytes
+        with self.stats.waiting():
+            complete(pending)
         out.store()
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
@@ -382,7 +388,7 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
                 numel = sum(p.numel() for _, p in named)
                 segments = bucket_runs(named, [0] * len(named), numel)
                 mb = numel * named[0][1].element_size() / 2**20
-                self.sizing = Sizing(mb, mb, 1, GOSSIP_AUTO_RULE)
+                self.sizing = Sizing(mb, mb, 1, GOSSIP_AUTO_WHY)
             else:
                 wire = torch.uint8 if self._quant else self.wire_dtype or named[0][1].dtype
                 segments = bucket_runs(named, [0] * len(named), int(self.bucket_mb * 2**20) // wire.itemsize)
@@ -425,9 +431,9 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         self._schedule.sync = not self._accumulating
         self._built = True
         if self.rank == 0:
-            log.info("fastreduce: DecentralizedDataParallel: %s in %d buckets%s, topology %s (period %d), "
-                     "%d ranks%s", layout.describe(), len(self._buckets),
-                     "" if self.sizing is None else f" ({self.sizing.describe()})", self.topology.name,
+            log.info("fastreduce: DecentralizedDataParallel: %s, in %s%s; topology %s (period %d), "
+                     "%d ranks%s", layout.describe(), counted(len(self._buckets), "bucket"),
+                     "" if self.sizing is None else f"; {self.sizing.describe()}", self.topology.name,
                      self.topology.period, self.world_size,
                      ", optimizers on torch's fused kernel (optim_fn chose none)" if any(fused) else "")
 
@@ -457,7 +463,8 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         flat, mixed = self._flats[b], self._mixed[b]
         pending = self._exchanges[b]
         if pending is not None:
-            complete(pending)
+            with self.stats.waiting():
+                complete(pending)
             flat, mixed = self._swap(b)
         if not self._join_joined:  # a joined rank (Join) mixes but does not step
             self._step_optimizer(b)
@@ -465,10 +472,12 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         if self._qmix is not None:
             row, col, _, _ = self.comm.rows_of(matrix)  # read once per matrix, not per bucket and step
             self._exchanges[b] = self._qmix[b].start(flat, mixed, row, col)
+            self.stats.wire_bytes += self._qmix[b].wire_bytes
             return _DONE
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)
         self._exchanges[b] = self.comm.mix(send, mixed, matrix, pack)
+        self.stats.wire_bytes += send.nbytes
         return _DONE
 
     def _swap(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,7 +547,8 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
             return
         for b, pending in enumerate(self._exchanges):
             if pending is not None and pending is not _DONE:
-                complete(pending)
+                with self.stats.waiting():
+                    complete(pending)
                 self._exchanges[b] = _DONE
 
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -44,6 +44,7 @@ from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_
 from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
+from .comm_stats import CommStats
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
            "require_distributed", "trainable"]
@@ -136,6 +137,8 @@ class LocalUpdates(JoinableMode):
         self.wire_dtype = wire_dtype
         self.steps = 0
         self.syncs = 0
+        self.stats = CommStats()
+        """Bytes this rank's averages were handed (as encoded for the wire), seconds waited on them."""
         # One segment per (fragment, dtype), fragments in model order: a fragment is a run
         # of segments, and in the wire buffer one contiguous slice.
         segments = [[k for k in frag if named[k][1].dtype == d]
@@ -268,8 +271,10 @@ class LocalUpdates(JoinableMode):
             plan = comm.plan(b.dtype, None, b)
             pack = (lambda b=b: b.div_(comm.world)) if plan.prescale else None
             pendings.append(comm.all_reduce(b, plan, pack))
-        for p in pendings:
-            complete(p)
+            self.stats.wire_bytes += b.nbytes
+        with self.stats.waiting():
+            for p in pendings:
+                complete(p)
 
     def _average_buffers(self, comm: Comm) -> None:
         bufs = self._float_buffers
@@ -308,13 +313,16 @@ class LocalUpdates(JoinableMode):
                 sparse.encode(wire)
             work, _ = self.comm.all_gather(sparse.gathered)
             self._in_flight[k] = (work, lambda: sparse.decode(wire))
+            self.stats.wire_bytes += sparse.gathered.nbytes
             return
         if self._quant_means:
             self._in_flight[k] = self._quant_means[k].start()
+            self.stats.wire_bytes += self._quant_means[k].wire_bytes
             return
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
+        self.stats.wire_bytes += wire.nbytes
 
     def _advance(self, k: int) -> None:
         """Fragment ``k``'s all-reduce, if in flight in two phases (a bf16 wire summed in
@@ -325,7 +333,8 @@ class LocalUpdates(JoinableMode):
     def _land(self, k: int, mix: bool = True) -> None:
         """Wait for fragment ``k``'s average and apply it (:meth:`_apply`), unless
         ``nonfinite`` finds inf/NaN in it (:meth:`_average_finite`)."""
-        complete(self._in_flight.pop(k))
+        with self.stats.waiting():
+            complete(self._in_flight.pop(k))
         if not self._average_finite(k):
             return
         self._apply(k, mix)
@@ -429,7 +438,8 @@ class LocalUpdates(JoinableMode):
     def _drain(self) -> None:
         """Wait for the fragment on the wire, if any (it stays due at its step)."""
         for k, pending in list(self._in_flight.items()):
-            complete(pending)
+            with self.stats.waiting():
+                complete(pending)
             self._in_flight[k] = (None, None)
 
     def _state(self) -> dict[str, Any]:

@@ -222,7 +222,11 @@ class LocalSGD(LocalUpdates):
 
     def _before_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self._reducer is not None and self.steps < self.warmup_steps:
+            st = self._reducer.stats
+            sent, waited = st.bytes_reduced, st.wait_seconds
             finite = self._reducer.reduce()  # nonfinite="raise": raises here, on every rank
+            self.stats.wire_bytes += st.bytes_reduced - sent  # the warm-up's average, in this mode's counters
+            self.stats.wait_seconds += st.wait_seconds - waited
             if self.nonfinite != "ignore":
                 self._warm_verdict = finite  # the same on every rank: skip (or not) alike
             self._reducer._scale_grads(self._reducer._built, self._join_factor())  # under Join

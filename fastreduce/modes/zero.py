@@ -49,9 +49,10 @@ from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
 from ..join import JoinableMode
-from ..layout import GradLayout, bucket_runs, verify_across_ranks
+from ..layout import GradLayout, bucket_runs, counted, verify_across_ranks, wire_word
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
+from .comm_stats import CommStats
 from .zero_shard import make_shards, shard_optimizer
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
 from .zero_grads import ZeroGradients
@@ -147,6 +148,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self.nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps = 0  # steps skipped on every rank for inf/NaN (nonfinite="skip")
         self.last_step_skipped = False  # the last step() was skipped (nonfinite="skip", or the scaler's inf)
+        self.stats = CommStats()
+        """Bytes this rank's reduce-scatters and all-gathers were handed, seconds waited on them."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
@@ -246,9 +249,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                 module, bucket_of, self._wait_gathers, "ZeroOptimizer", "the parameter all-gather",
                 lambda: setattr(self, "_forward_waits", None), self._graph_waits)
         if self.rank == 0:
-            log.info("fastreduce: ZeroOptimizer(%s): %s in %d buckets, wire %s, %d ranks, "
+            log.info("fastreduce: ZeroOptimizer(%s): %s in %s, %s wire, %d ranks, "
                      "%.1f MB of optimizer shard per rank", self.optimizer_class.__name__, layout.describe(),
-                     len(self.buckets), wire, self.world_size,
+                     counted(len(self.buckets), "bucket"), wire_word(wire), self.world_size,
                      sum(s.master.numel() for s in self.shards) * 4 / 2**20)
 
     # ------------------------------------------------------------------ public
@@ -395,6 +398,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
             else:  # in gather_dtype, then into the parameters (every chunk: this rank's rounded too)
                 gathers[b] = (self.comm.all_gather(s.send)[0], partial(s.params.copy_, s.send))
         self._gathers = gathers
+        self.stats.wire_bytes += sum((s.params if s.send is None else s.send).nbytes for s in self.shards)
         if self._graph_waits and not graphs_wait():  # dynamo's DDP pass turned off: what it compiles
             self._graph_waits, self._forward_waits = False, None  # now would not wait; step() waits from now on
         if not self._forward_waits:
@@ -406,7 +410,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         gathers = self._gathers
         if not gathers:
             return
-        with span("fastreduce::wait"):
+        with span("fastreduce::wait"), self.stats.waiting():
             for b in (range(len(gathers)) if which is None else which):
                 pending = gathers[b]
                 if pending is not None:

@@ -50,7 +50,7 @@ class ZeroGradients:
     """The gradient half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
 
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
-    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, and
+    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, ``stats``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
     ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``.
     """
@@ -180,9 +180,13 @@ class ZeroGradients:
                     s.out.copy_(b.wire)
         else:
             _, works = self._schedule.finish(quiet=not self.overlap)
-            with span("fastreduce::wait"):
+            with span("fastreduce::wait"), self.stats.waiting():
                 for pending in works:
                     complete(pending)
-            if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
-                self.mirror.exchange()
+                if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
+                    self.mirror.exchange()
+            self.stats.wire_bytes += self.quantized.wire_bytes if self.quantized is not None else \
+                sum(b.wire.nbytes for b in self.buckets)
+            if self.mirror is not None:
+                self.stats.wire_bytes += sum(r.nbytes for r in self.mirror.recv.values())
         self._reduced = True
