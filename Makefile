@@ -19,7 +19,7 @@ STACK_GOAL ?= test
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
-.PHONY: install demo test test-quick test-durations test-mutations test-scale test-gpu bench lint clean
+.PHONY: install demo test test-quick test-stack test-durations test-mutations test-scale test-stress test-gpu bench lint clean
 
 install: $(STAMP)
 
@@ -62,13 +62,17 @@ record = $(if $(DURATIONS),FASTREDUCE_DURATIONS=$(abspath $(DURATIONS))/$(1).jso
 # The 16-rank scale group (tests/test_scale.py) runs alone after the first pass: its 16 ranks
 # (about 7 GB) never meet the other workers' compiles on this 24 GiB machine (out of memory, the
 # kernel kills an xdist worker and the group it held hangs the run; docs/testing.md).
+# A recipe's lines between these two get an inductor cache of their own, removed at the end.
+WITH_CACHE := export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d -t fastreduce-inductor-XXXXXX);
+END_CACHE := rc=$$?; rm -rf "$$TORCHINDUCTOR_CACHE_DIR"; exit $$rc
+
 test: $(STAMP)
-	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d -t fastreduce-inductor-XXXXXX); \
+	$(WITH_CACHE) \
 	$(call record,default) $(PYTEST) $(PYTEST_ARGS) --ignore=tests/test_scale.py && \
 	{ $(call record,scale) $(BIN)/python -m pytest -q -p no:randomly tests/test_scale.py $(PYTEST_ARGS); \
 	  s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ]; } && \
 	FASTREDUCE_TRANSPORT=process_group FASTREDUCE_TEST_PASS=transports $(call record,process_group) $(PYTEST) $(PYTEST_ARGS) $(TRANSPORT_SUITES); \
-	rc=$$?; rm -rf "$$TORCHINDUCTOR_CACHE_DIR"; exit $$rc
+	$(END_CACHE)
 
 # make test, timed: both passes' durations in .durations/VENV/ and a report of where the
 # time goes (make stack-NAME STACK_GOAL=test-durations for a stack).
@@ -83,12 +87,30 @@ test-durations: $(STAMP)
 test-mutations: $(STAMP)
 	$(BIN)/python tests/mutations.py
 
-# For development, under a minute here (40 s): every mode once against its reference (tests
-# marked quick: fused, overlapped, all_reduce_gradients, ZeRO, gossip, LocalSGD, DiLoCo,
-# Join, checkpoints, both transports' collectives) and the checks that start no process.
-# The full suite (make test) is what CI runs.
+# For development, about 45 s on a quiet 2-core machine (docs/testing.md, "The quick tier"):
+# every mode once against its reference on 2 ranks (fused, overlapped, all_reduce_gradients,
+# ZeRO, gossip, LocalSGD, DiLoCo, PowerSGD), Join, checkpoints, a lost rank named, a Membership
+# replacing a member, both transports' collectives, and the checks that start no process
+# (QUICK in tests/conftest.py). The full suite (make test) is what CI runs.
 test-quick: $(STAMP)
 	$(PYTEST) -m quick $(PYTEST_ARGS)
+
+# The stress test at full length: 10,000 random steps per group (make test runs 2,000).
+test-stress: $(STAMP)
+	FASTREDUCE_STRESS_STEPS=10000 $(BIN)/python -m pytest -q -p no:randomly tests/test_stress.py $(PYTEST_ARGS)
+
+# On a second stack (CI: Gaudi 1.23's Python 3.10, torch 2.9 and transformers 4.55), what its
+# versions change: the quick tier (every mode once against its reference, both transports, Join,
+# checkpoints, a lost rank, a Membership) and the suites of the integrations and the compat
+# helpers (the HF Trainer, Accelerate, Lightning, optimum-habana; compiled runs among them), their
+# slow variants left out. make test runs the whole suite on any stack (docs/testing.md).
+STACK_SUITES := tests/test_transformers.py tests/test_lightning.py tests/test_lightning_modes.py \
+	tests/test_trainer_modes.py tests/test_optimum_habana.py tests/test_compat.py
+test-stack: $(STAMP)
+	$(WITH_CACHE) \
+	$(call record,quick) $(PYTEST) -m quick $(PYTEST_ARGS) && \
+	$(call record,integrations) $(PYTEST) -m 'not slow' $(PYTEST_ARGS) $(STACK_SUITES); \
+	$(END_CACHE)
 
 # The scale tier (docs/testing.md): every mode in one group of 16, 32 and 64 ranks on one host
 # (tests/test_scale.py), on shared memory and again on the process group; every mode over 16

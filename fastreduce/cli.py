@@ -10,12 +10,40 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from typing import IO, Any, Callable, Iterator
 
 from . import __version__
 
 __all__ = ["main"]
+
+
+DESCRIPTIONS = {
+    "bench": "Time gradient reduction, alone and inside whole training steps, against the bare "
+             "collective, per-parameter loops and DDP, on Gloo ranks this command starts. Without a "
+             "suite it runs 'reduce' and 'step'; 'fastreduce bench SUITE --help' shows a suite's options.",
+    "info": "Say what fastreduce would do on this machine, without starting a process group: torch, "
+            "the device and process-group backend, graph capture, the transport, each mode's "
+            "defaults and which optional integrations import.",
+    "coordinator": "Serve the coordinator of a fault-tolerant job (fastreduce.Membership) until "
+                   "stopped with Ctrl-C. Start one per job, then give every member "
+                   "FASTREDUCE_COORDINATOR=HOST:PORT.",
+}
+"""Each subcommand's description in its ``--help``: plain text, as a terminal shows it."""
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`x`, :func:`~a.b` -> x, a.b
+_PREFIX = re.compile(r"^fastreduce [a-z]+: *")  # a module docstring's "fastreduce plan: " opening
+
+
+def plain(docstring: str) -> str:
+    """The first sentence-paragraph of an rst docstring as plain text: roles and ``literals``
+    reduced to their text, the ``fastreduce NAME:`` opening dropped (the usage line names
+    the command), the first letter capitalised."""
+    first = docstring.strip().split("\n\n", 1)[0]
+    text = " ".join(_ROLE.sub(r"\1", first).replace("``", "").split())
+    text = _PREFIX.sub("", text)
+    return text[:1].upper() + text[1:]
 
 
 class _Subcommand(argparse.ArgumentParser):
@@ -47,7 +75,7 @@ class _Subcommand(argparse.ArgumentParser):
 def _bench(parser: argparse.ArgumentParser) -> None:
     from . import bench
 
-    parser.description = bench.__doc__.split("\n", 1)[0] if bench.__doc__ else None
+    parser.description = DESCRIPTIONS["bench"]
     bench.add_arguments(parser)
     parser.set_defaults(handler=bench.run)
 
@@ -55,7 +83,7 @@ def _bench(parser: argparse.ArgumentParser) -> None:
 def _info(parser: argparse.ArgumentParser) -> None:
     from . import info
 
-    parser.description = info.__doc__.split("\n", 1)[0] if info.__doc__ else None
+    parser.description = DESCRIPTIONS["info"]
     info.add_arguments(parser)
     parser.set_defaults(handler=info.run)
 
@@ -63,36 +91,41 @@ def _info(parser: argparse.ArgumentParser) -> None:
 def _plan(parser: argparse.ArgumentParser) -> None:
     from . import plan_cli
 
-    parser.description = plan_cli.__doc__.split("\n", 1)[0] if plan_cli.__doc__ else None
+    parser.description = plain(plan_cli.__doc__ or "")
     plan_cli.add_arguments(parser)
     parser.set_defaults(handler=plan_cli.run)
 
 
 def _coordinator(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Serve the coordinator of a fault-tolerant job (fastreduce.Membership): a c10d "
-                          "TCPStore that no member hosts, until interrupted")
+    parser.description = DESCRIPTIONS["coordinator"]
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
     parser.add_argument("--port", type=int, default=29400, help="port (default 29400; 0: any free one)")
     parser.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import time
+    import signal
+    import threading
 
     from .membership import serve
 
     store = serve(args.port, args.host)
     print(f"fastreduce coordinator: serving on {args.host}:{store.port}; give the members "
           f"FASTREDUCE_COORDINATOR=<this host>:{store.port}; Ctrl-C stops it", file=args.stdout, flush=True)
+    stop = threading.Event()  # Ctrl-C, or SIGTERM (how Kubernetes, Slurm and kill stop it): exit 0
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
+        while not stop.wait(3600):
+            pass
     except KeyboardInterrupt:
-        return 0
+        pass
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastreduce", description="fastreduce tools")
+    parser = argparse.ArgumentParser(
+        prog="fastreduce", description="Tools for fastreduce, data-parallel gradient reduction for PyTorch.",
+        epilog="'fastreduce COMMAND --help' shows a command's options.")
     parser.add_argument("--version", action="version", version=f"fastreduce {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Subcommand)
     sub.add_parser("bench", setup=_bench, help="time gradient reduction, alone and in whole training steps, "

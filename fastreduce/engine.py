@@ -6,11 +6,13 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from .backends import detect_device
+from .reach import CONNECT_TIMEOUT_ENV, connect_timeout, wait_for_listener
 
 __all__ = ["DistInfo", "GroupSnapshot", "init_distributed"]
 
@@ -26,7 +28,8 @@ class DistInfo:
     backend: str
 
 
-def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)) -> DistInfo:
+def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10),
+                     connect_timeout_s: float | None = None) -> DistInfo:
     """Join the default process group as torchrun describes it, on the best device here.
 
     The device is an HPU (process-group backend ``hccl``) when ``habana_frameworks``
@@ -35,6 +38,13 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta = timedel
     ``FASTREDUCE_DEVICE`` the device. Without torchrun's variables (``RANK``,
     ``WORLD_SIZE``) it starts a world of one on 127.0.0.1. Calling it again returns the
     same answer without re-initializing.
+
+    A rank that connects to the job's store (every rank but 0, and rank 0 too under
+    torchrun, whose agent hosts it) first waits up to ``connect_timeout_s`` (default
+    ``$FASTREDUCE_CONNECT_TIMEOUT_S``, else 5 s) for something to listen at
+    ``MASTER_ADDR:MASTER_PORT``, then raises ``torch.distributed.DistNetworkError`` (a
+    ``RuntimeError``) naming the address and what should be serving it, with nothing of
+    c10d's on stderr. ``timeout`` bounds the rest (every rank arriving, each collective).
 
     Example::
 
@@ -64,9 +74,35 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta = timedel
             from .backends.hpu import import_hccl
 
             import_hccl()
+        _reach_master(env, connect_timeout_s)
         dist.init_process_group(backend, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                                 timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+def _reach_master(env: Mapping[str, str], connect_timeout_s: float | None) -> None:
+    """Raise ``DistNetworkError`` where this rank would connect to ``MASTER_ADDR:MASTER_PORT``
+    and nothing listens there within the connect timeout (c10d would retry for the group's
+    whole timeout, a C++ backtrace on stderr at each try)."""
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    addr, port, rank = env.get("MASTER_ADDR"), env.get("MASTER_PORT", ""), env["RANK"]
+    if not addr or not port.isdigit() or (int(rank) == 0 and not agent):
+        return  # rank 0 hosts the store itself; torch names a missing variable
+    waited = connect_timeout(connect_timeout_s)
+    why = wait_for_listener(addr.strip("[]"), int(port), waited)
+    if why is None:
+        return
+    if agent:
+        what = ("torchrun's agent serves it there, up before its workers start: check that the agent runs and "
+                "this host reaches it; after a restart, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    else:
+        what = ("rank 0's process serves it: start the process with RANK=0 and the same MASTER_PORT on the host "
+                "that MASTER_ADDR names (an address of that host which this one reaches), or launch every rank "
+                "with torchrun")
+    raise dist.DistNetworkError(
+        f"fastreduce: rank {rank} of {env['WORLD_SIZE']} cannot reach the job's store at MASTER_ADDR:MASTER_PORT = "
+        f"{addr}:{port} ({why}; tried for {waited:g} s): {what} (a slow start or network: "
+        f"${CONNECT_TIMEOUT_ENV}=SECONDS or connect_timeout_s= waits longer)")
 
 
 class GroupSnapshot:

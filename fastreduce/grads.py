@@ -133,7 +133,7 @@ def check_grads(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     """The one device of ``named`` (:func:`one_device`), each gradient there checked
     (:func:`check_grad`): what a mode checks at its first call before it talks to another
     rank or to the store, so that every rank raises it, however soon another left
-    (DESIGN invariant 11)."""
+    (docs/design.md, invariant 11)."""
     device = one_device(named)
     for name, p in named:
         check_grad(name, p, device)

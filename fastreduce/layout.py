@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "verify_across_ranks",
-           "verify_model"]
+__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "counted", "verify_across_ranks",
+           "verify_model", "wire_word"]
 
 ALIGN = 32
 """Every parameter's offset in its segment is a multiple of this many elements."""
@@ -103,9 +103,26 @@ class GradLayout:
         return len(self.slots)
 
     def describe(self) -> str:
-        parts = ", ".join(f"{len(s.slots)} {str(s.dtype).removeprefix('torch.')}" for s in self.segments)
+        """``20 float32 grads, 72,328 elements``; with several dtypes ``20 grads (7 bfloat16,
+        13 float32), ...``: counted per dtype, however many segments (buckets, fragments) hold them."""
+        per: dict[str, int] = {}
+        for seg in self.segments:
+            name = str(seg.dtype).removeprefix("torch.")
+            per[name] = per.get(name, 0) + len(seg.slots)
         n = sum(s.numel for s in self.slots)
-        return f"{len(self.slots)} grads ({parts}), {n:,} elements"
+        what = f"{len(self.slots)} {next(iter(per))} grads" if len(per) == 1 else \
+            f"{len(self.slots)} grads ({', '.join(f'{k} {d}' for d, k in per.items())})"
+        return f"{what}, {n:,} elements"
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 bucket``, ``3 buckets``: a count as the logs say it."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def wire_word(wire: object) -> str:
+    """A wire as the logs say it: ``bfloat16`` for ``torch.bfloat16``, a codec as it prints."""
+    return str(wire).removeprefix("torch.")
 
 
 def verify_across_ranks(layout: GradLayout, group: dist.ProcessGroup | None, device: torch.device,

@@ -1,9 +1,11 @@
 """The quick tier (``make test-quick``, ``pytest -m quick``): every mode once against its
-reference on 2 ranks, both transports' collectives, checkpoints, Join, and the checks
-that start no process; under a minute on a 2-core machine, where the full suite (what
-CI runs) takes about 11 (docs/testing.md). The tier is this list of node-id patterns (relative to tests/,
-``*`` a wildcard), so it is read in one place. ``tests/test_imports.py`` checks that it
-names a test of every mode, and ``-m quick`` refuses to run while a pattern matches no test.
+reference on 2 ranks, Join, checkpoints, a lost rank named, a ``Membership`` replacing a
+member, both transports' collectives, and the checks that start no process; about 45 s on a
+quiet 2-core machine, where the full suite (what CI runs) takes about 20 minutes
+(docs/testing.md, "The quick tier"). The tier is this list of node-id patterns (relative to
+tests/, ``*`` a wildcard), so it is read in one place. ``tests/test_imports.py`` checks that
+it names a test of every mode, and ``-m quick`` refuses to run while a pattern matches no
+test; under ``-m quick`` only the files it names are collected.
 """
 
 from __future__ import annotations
@@ -16,28 +18,32 @@ from typing import Any
 import pytest
 
 QUICK: dict[str, tuple[str, ...]] = {
-    "fused": ("test_fused.py::test_grads_match_ddp[world2-*", "test_fused.py::test_training_matches_ddp*"),
-    "overlap": ("test_overlap.py::test_grads_match_ddp[world2-*", "test_overlap.py::test_training_matches_ddp*"),
-    "functional": ("test_join.py::test_functional_all_reduce_gradients_under_join[*-2]",),
-    "zero": ("test_zero.py::test_params_match_reference[world2-*",),
+    # A rank group costs the same whichever of its tests are selected (a module fixture runs
+    # every case of its world size), so the tier is a few groups that check the most each:
+    # test_join's 2 ranks on shared memory check the overlapped reducer, ZeRO and full-rank
+    # PowerSGD against DDP's Join and their reference loops; test_fused's, all_reduce_gradients
+    # too; test_local's, LocalSGD and DiLoCo. make test runs the rest: each mode's own suite
+    # (training runs, both transports, 3 and 4 ranks), quantized wires, and the
+    # integrations' imports (transformers, Lightning: seconds each).
+    "fused": ("test_fused.py::test_grads_match_ddp[world2-object-*",),
+    "functional": ("test_fused.py::test_grads_match_ddp[world2-function-*",),
+    "overlap": ("test_join.py::test_reducer_matches_ddp_join[*-overlap-shm-2]",),
+    "zero": ("test_join.py::test_zero_matches_reference[*-shm-2]",),
     "gossip": ("test_decentralized.py::test_mean_over_ranks_follows_sgd_on_the_mean_gradient[world2-*",),
     "gossip_state": ("test_decentralized.py::test_state_dict_resume_in_new_processes_continues_the_run[2]",),
     "localsgd": ("test_local.py::test_sync_every_1_matches_torch_ddp",
                  "test_local.py::test_periodic_averaging_matches_reference_loop[odd-*"),
-    "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations*",),
-    "compressed": ("test_powersgd.py::test_full_rank_is_the_exact_mean_like_ddp[world2-fused-shm-*",
-                   "test_powersgd.py::test_grads_match_algorithm_1[fused-shm-rank=4-bf16]"),
-    "quantized": ("test_quantized_wire.py::test_grads_equal_the_reference_bit_for_bit[world2-int8-*",
-                  "test_quantized_overlap.py::test_grads_equal_the_reference_bit_for_bit[world2-int8-*",
-                  "test_quantized_zero.py::test_matches_the_reference_bit_for_bit[2ranks-int8-*",
-                  "test_quantized_gossip.py::test_error_feedback_reaches_consensus[world4]",
-                  "test_quantized_local.py::test_diloco_equals_the_reference_bit_for_bit[world2-int4-*"),
-    "join": ("test_join.py::test_reducer_matches_ddp_join[*-2]",),
+    "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations[F*",),
+    "compressed": ("test_join.py::test_full_rank_powersgd_matches_ddp_join[*-shm-2]",),
+    "join": ("test_join.py::*-shm-2]",),
     "checkpoint": ("test_elastic.py::test_resume_equals_uninterrupted*",),
     "comm": ("test_comm.py::*w2*",),
-    "faults": ("test_faults.py::test_survivors_name_the_dead_rank[fused-*",),
-    "membership": ("test_membership.py::test_a_lost_member_is_replaced_and_training_goes_on[process_group-mid-step*",),
-    "static": ("test_imports.py::*", "test_docs.py::*", "test_topology.py::*", "test_buckets.py::*"),
+    "faults": ("test_faults.py::test_survivors_name_the_dead_rank[fused-process_group]",),
+    "membership": ("test_membership.py::test_a_lost_member_is_replaced_and_training_goes_on[shm-mid-step-False]",),
+    "static": ("test_imports.py::test_module_imports[fastreduce.modes*", "test_imports.py::test_public_names_resolve",
+               "test_imports.py::test_the_device_tests_name_what_exists", "test_imports.py::test_*circle*",
+               "test_imports.py::test_modes_are_thin", "test_imports.py::test_quick_tier_runs_every_mode",
+               "test_docs.py::*", "test_topology.py::*", "test_buckets.py::*"),
 }
 """Per mode or concern, the node ids (patterns) of its quick tests."""
 
@@ -52,7 +58,7 @@ QUICK: dict[str, tuple[str, ...]] = {
 INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_info.py", "test_readme.py",
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
                "test_optimum_habana.py", "test_membership.py", "test_membership_partition.py",
-               "test_trainers_membership.py", "test_store_load.py")
+               "test_trainers_membership.py", "test_store_load.py", "test_exits.py")
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
@@ -91,6 +97,16 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 def quick_patterns() -> list[str]:
     return [p for patterns in QUICK.values() for p in patterns]
+
+
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """Under ``-m quick`` only the files the tier names are collected (and imported): every
+    xdist worker collects what it is given, and the others' imports (transformers,
+    Lightning, the bench) cost seconds each for no test."""
+    name = collection_path.name
+    if config.getoption("markexpr") != "quick" or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    return True if name not in {p.split("::", 1)[0] for p in quick_patterns()} else None
 
 
 def matches(node: str, pattern: str) -> bool:

@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 KINDS: list[tuple[str, str]] = [
-    ("10,000-step stress run", r"test_stress\.py"),
+    ("the stress run (2,000 random steps)", r"test_stress\.py"),
     ("network namespaces (slow links, partitions, two hosts)", r"test_partition\.py|test_multihost\.py"),
     ("bench smoke runs (fastreduce bench --quick)", r"test_bench\.py"),
     ("torch.compile (inductor / aot_eager compiles)", r"test_compile\.py|compile"),

@@ -44,12 +44,9 @@ def load_runs(out: Path) -> dict[str, list[dict]]:
 
 
 def leave() -> None:
-    """End a worker: wait for the peers, then exit without interpreter teardown (a Gloo
-    thread may still be releasing the last collective's tensors, as in examples/train.py)."""
+    """End a worker: wait for the peers, so none tears its connections down while another
+    still uses them, and end the group; the process then exits as any does."""
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

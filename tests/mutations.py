@@ -65,8 +65,8 @@ The mutants, and why each is a bug users would suffer:
 8. ``shm_sum_order_rank_order`` (comm/shm.py, the shared-memory plan): at 3 or more
    ranks the shared-memory transport sums each chunk in rank order 0..N-1 instead of
    :func:`~fastreduce.comm.shm.sum_order`, so its results differ in the last bits from
-   the process group's: runs stop being reproducible across transports (DESIGN.md,
-   "the same bits on every transport").
+   the process group's: runs stop being reproducible across transports (docs/design.md,
+   invariant 10: the same bits on every transport).
 9. ``sum_order_reversed`` (comm/shm.py, ``sum_order`` itself): every transport that
    follows ``sum_order`` sums in reversed order, while the Gloo ring reduce-scatter
    (ZeRO's, at 3 or more ranks) keeps the ring's order: bits differ by transport again.

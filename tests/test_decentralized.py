@@ -377,7 +377,7 @@ def case_averaged_in_flight(rank: int, world: int) -> dict:
         net = mode.module_to_call(model)
         for k in range(4):
             if evaluate and k == 2 and rank == 1 and net.comm.shms:
-                net.comm.shms[0].channel.jobs.put(_Stall(1.0))
+                net.comm.shms[0].channel.put(_Stall(1.0))
             out_loss(net(*batch_for(model, rank, k))).backward()
             if evaluate and k == 2:
                 with mode.averaged(model):
@@ -400,7 +400,7 @@ def case_load_in_flight(rank: int, world: int) -> dict:
         net = make_ddp(model, "ring", momentum=0.9)
         for k in range(5):
             if stall and k == 2 and rank == 1 and net.comm.shms:
-                net.comm.shms[0].channel.jobs.put(_Stall(1.0))
+                net.comm.shms[0].channel.put(_Stall(1.0))
             out_loss(net(*batch_for(model, rank, k))).backward()
             if k == 1:
                 saved = copy.deepcopy(net.state_dict())
@@ -901,7 +901,7 @@ def test_defaults_one_bucket_and_torchs_fused_kernel() -> None:
     loop; the gradients stay allocated (zeroed in place) between steps."""
     for rank, o in enumerate(run_ranks(defaults_worker, 2, timeout=SPAWN_TIMEOUT)):
         assert o["plain"]["buckets"] == o["loop"]["buckets"] == 1 and o["plain-small"]["buckets"] > 1
-        assert o["plain"]["sizing"].startswith("bucket_mb='auto': one bucket (one bucket: a bucket's exchange")
+        assert o["plain"]["sizing"].startswith("bucket_mb='auto': one bucket (a bucket's exchange")
         assert o["plain-small"]["sizing"] is None
         assert set(o["plain"]["fused"]) == set(o["plain-small"]["fused"]) == {True}
         assert o["loop"]["fused"] == [None]

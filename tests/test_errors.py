@@ -418,11 +418,10 @@ def lone_worker(rank: int, port: int, ready: Any, go: Any, results: Any) -> None
     finally:
         results.close()
         results.join_thread()
-        os._exit(0)
 
 
 def test_a_check_a_rank_can_do_alone_raises_on_every_rank_with_none_waiting_on_another() -> None:
-    """DESIGN invariant 11: a local error raises on every rank before any rank waits on another.
+    """docs/design.md, invariant 11: a local error raises on every rank before any rank waits on another.
     Rank 0 (the store's host) raises the sparse gradient of all_reduce_gradients and exits; rank
     1, only then, still raises it, at once, and every other mistake a rank can see alone too
     (before, it hung in the heartbeat's store clone, or failed in a collective with rank 0)."""

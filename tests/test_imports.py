@@ -155,7 +155,7 @@ def test_no_import_circle() -> None:
 
 
 def test_modes_are_thin() -> None:
-    """One concern per mode module, and no transport or device code in any (DESIGN: modes
+    """One concern per mode module, and no transport or device code in any (docs/design.md: modes
     stand on the comm and backends layers and pick neither)."""
     graph = import_graph()
     modes = sorted(PACKAGE.joinpath("modes").glob("*.py"))
@@ -178,6 +178,6 @@ def test_quick_tier_runs_every_mode() -> None:
     modes = {p.stem for p in PACKAGE.joinpath("modes").glob("*.py")}
     # pieces of gossip, ZeRO, the local modes, the reducer
     parts = {"__init__", "topology", "zero_shard", "zero_state", "zero_config", "zero_grads", "zero_mirror", "local",
-             "fused_state", "fused_config"}
+             "fused_state", "fused_config", "comm_stats"}
     missing = sorted(modes - parts - set(QUICK))
     assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"

@@ -439,23 +439,26 @@ def test_grads_match_algorithm_1(ref_run: list[dict], case: Case) -> None:
 
 
 CHAINED_STEPS = 5
+CHAINED_TOL = 5e-5  # the first CHAINED_STEPS: fp32 drift reached 1.2e-5 of the scale by step 3 on an AMD EPYC
 DRIFT_TOL = 2e-4
 
 
 @pytest.mark.parametrize("case", ref_ids(), ids=lambda c: c.id)
 def test_grads_follow_algorithm_1_from_the_start(ref_run: list[dict], case: Case) -> None:
     """2. the reference run on its own from the first step (initial_q, zero residuals, its
-    own warm start): within 1e-5 for the first 5 reductions and DRIFT_TOL after. The warm
+    own warm start): within CHAINED_TOL for the first 5 reductions and DRIFT_TOL after. The warm
     start carries each step's rounding into the next power iteration, where P's small
     columns amplify it: on this model a plain fp32 transcription of the same algorithm
     (``Reference(..., dtype=torch.float32)``) drifts from the float64 one by up to 6.4e-5
     of the scale by step 9 (rank 4: a.weight; rank 2: d.weight 1.3e-5 at step 7); so
-    1e-5 over all 10 steps is beyond any fp32 implementation, while a wrong step (a
-    missing mean, a stale or unaveraged Q, another rank's residual) is off by 1e-2 or more."""
+    1e-5 over all 10 steps is beyond any fp32 implementation. How early the drift shows depends
+    on the CPU's kernels (the same code was within 1e-5 for 5 steps on one host, 1.2e-5 by step 3
+    on an AMD EPYC), hence 5e-5 for the first 5; a wrong step (a missing mean, a stale or
+    unaveraged Q, another rank's residual) is off by 1e-2 or more."""
     for rank, res in enumerate(ref_run):
         out = unwrap(res[case.id])
         for step, rec in enumerate(out["steps"]):
-            tol = TOL if step < CHAINED_STEPS else DRIFT_TOL
+            tol = CHAINED_TOL if step < CHAINED_STEPS else DRIFT_TOL
             for name, want in rec["chained"].items():
                 got = rec["got"][name]
                 if got.dtype != torch.float32:
@@ -782,6 +785,6 @@ def compiled_case(rank: int, world: int, overlap: bool) -> dict:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
 def test_compiled_model_gives_the_same_parameters(overlap: bool) -> None:
-    """DESIGN invariant 7: compiled or not, the same result (here bit for bit)."""
+    """docs/design.md, invariant 7: compiled or not, the same result (here bit for bit)."""
     for r in run_ranks(compiled_case, 2, overlap, timeout=300):
         assert torch.equal(r[False], r[True])

@@ -54,7 +54,7 @@ the first step learns the order) the two are checked to be equal.
 * ``stats.bytes_reduced`` grows by sum over buckets of W (m + 4 m / 256) per call.
 * ``torch.compile(model, backend="aot_eager")``, 5 AdamW steps through the overlapped
   int8 wire with error feedback: plain and compiled, every step's reduced gradients equal
-  the reference over that run's own buckets, and the ranks agree; and DESIGN invariant 7:
+  the reference over that run's own buckets, and the ranks agree; and docs/design.md, invariant 7:
   the compiled run's parameters are the plain run's, bit for bit. (Compiled whole, the
   backward is one node whose gradients arrive in another order; a quantized mean depends
   on what is rounded together, so the quantized overlapped mode lays its buckets out in
@@ -584,7 +584,7 @@ def test_compiled_model_matches_the_reference_bit_for_bit() -> None:
 
 
 def test_compiled_model_gives_the_same_parameters() -> None:
-    """DESIGN invariant 7: 5 AdamW steps, overlapped int8 wire with error feedback:
+    """docs/design.md, invariant 7: 5 AdamW steps, overlapped int8 wire with error feedback:
     compiled (aot_eager) or not, bit-identical parameters on every rank."""
     for rank, out in enumerate(per_rank(run(2), ("compiled",))):
         a, b = out[False]["params"], out[True]["params"]

@@ -698,7 +698,7 @@ def compiled_case(rank: int, world: int, backend: str) -> dict:
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_model_gives_the_same_parameters(backend: str) -> None:
-    """DESIGN invariant 7 with a quantized wire: compiled or not, the same parameters (aot_eager:
+    """docs/design.md, invariant 7 with a quantized wire: compiled or not, the same parameters (aot_eager:
     bit for bit; inductor's fused kernels round the gradients differently: within 1e-5)."""
     for r in run_ranks(compiled_case, 2, backend, timeout=300):
         if backend == "aot_eager":

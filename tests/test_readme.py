@@ -1,11 +1,14 @@
-"""The README's quick start and each integration's snippet (docs/trainers.md), run verbatim.
+"""Every ```` ```python ```` block of the README, and each integration's snippet
+(docs/trainers.md), run verbatim; and the commands' ``--help`` in plain text.
 
-The snippets are read at test time from the pages that show them: the first
-```` ```python ```` block under "## Quick start" of ``README.md`` (the quick start), and
-every ```` ```python ```` block of ``docs/trainers.md`` ("In the trainers you already
+The snippets are read at test time from the pages that show them: every block of
+``README.md``, named by the heading above it (``README_BLOCKS``: the call after backward,
+the overlapped mode with accumulation, the Hugging Face and Lightning trainers, the
+``Membership``), and every block of ``docs/trainers.md`` ("In the trainers you already
 use"), each named by the bold title above it (Hugging Face ``Trainer``, Accelerate,
-Lightning, optimum-habana). An edit that breaks one fails here; a new block on the
-trainers page without a harness below fails too.
+Lightning, optimum-habana; its "Each mode, ready to copy" blocks run in the mode tests,
+tests/mode_snippets.py). An edit that breaks one fails here; a new block on either page
+without a harness below fails too.
 
 Each runnable snippet's text, exactly as on its page, is executed (``exec`` of the
 block compiled under that file's path and its own line numbers, so a traceback points
@@ -21,8 +24,13 @@ name of a block (symtable) is in its ``ASSUMED`` set. After the snippet, a
 ``postlude_*`` function checks what it should have done: every rank ends with
 bit-identical parameters that training moved away from rank 0's initial ones (the
 integrations start every rank from *different* weights, so rank 0's must have been
-broadcast), the reducer ran as often as there were optimizer steps, and for the quick
-start the last gradients are the ranks' mean of the accumulated local gradients.
+broadcast), the reducer ran as often as there were optimizer steps; the call after
+backward ends where the same optimizer on the ranks' fp32 mean gradient ends (within
+the bf16 wire's rounding), the overlapped example's last gradients are the ranks' mean
+of the accumulated local gradients, and the trainers' ``"zero"`` runs train with the
+sharded optimizer. The ``Membership`` block runs in 4 plain processes (this file again,
+``membership``) joined through a coordinator the test serves: every member reaches the
+last step with the same parameters, those of SGD on the members' mean gradient.
 
 Not run here, and why:
 
@@ -38,8 +46,8 @@ Not run here, and why:
   ``GaudiTrainingArguments``, ``GaudiTrainer.__init__`` takes the snippet's keywords,
   and ``distribution_strategy`` offers ``"fast_ddp"``. tests/test_optimum_habana.py
   runs the trainer's ``fast_ddp`` statements on real ranks.
-- The three-line illustration at the README's top (``loss.backward()`` ...), repeated
-  on docs/fused.md, is not one of these blocks and is not run.
+- The three-line illustration on docs/fused.md (``loss.backward()`` ...) is not one of
+  these blocks and is not run.
 """
 
 from __future__ import annotations
@@ -51,7 +59,6 @@ import os
 import re
 import signal
 import subprocess
-import symtable
 import sys
 import time
 from pathlib import Path
@@ -59,94 +66,12 @@ from typing import Any, Callable
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-TRAINERS_PAGE = ROOT / "docs" / "trainers.md"
-EXAMPLES = ROOT / "examples"
-WORLD = 2
-QUICKSTART = "## Quick start"  # README.md: the first ```python block under this heading
-TITLES = {  # bold title above a block of TRAINERS_PAGE -> the snippet's name here
-    "**Hugging Face": "hf_trainer", "**Accelerate": "accelerate", "**Lightning": "lightning",
-    "**optimum-habana": "optimum_habana",
-}
-# The names each snippet uses without defining them: what a user's script has already.
-ASSUMED: dict[str, set[str]] = {
-    "quickstart": {"Net", "batches", "loss_fn", "opt", "x0", "y0", "x1", "y1"},
-    "hf_trainer": {"model", "training_args", "ds"},
-    "accelerate": {"accelerator", "model", "optimizer", "loader"},
-    "lightning": {"model", "train_loader"},
-    "optimum_habana": {"model", "gaudi_config", "ds", "GaudiTrainer", "GaudiTrainingArguments"},
-}
-RUNNABLE = ("quickstart", "hf_trainer", "accelerate", "lightning")
+from readme_members import MEMBER_STEPS, MEMBERS, membership_reference_error
+from readme_pages import (ASSUMED, EXAMPLES, MODE_BLOCKS, README, README_BLOCKS, ROOT, TITLES,  # noqa: F401
+                          TRAINERS_PAGE, WORLD, blocks, free_names, relative, shown, snippets)
+
 HF_REASON = "the hf extra (transformers, accelerate) is not installed: pip install 'fastreduce[hf]'"
 LIGHTNING_REASON = "the lightning extra is not installed: pip install 'fastreduce[lightning]'"
-
-
-# ============================================================== reading the pages
-
-def blocks(page: Path) -> list[tuple[str, str, int, str]]:
-    """Every ```python block of ``page``: ``(heading above, bold title above, first line's
-    number, text)``. Headings and titles inside other code blocks do not count."""
-    lines = page.read_text().splitlines()
-    found: list[tuple[str, str, int, str]] = []
-    heading, title, i = "", "", 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("```"):
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            if line.strip() == "```python":
-                found.append((heading, title, i + 2, "\n".join(lines[i + 1:end]) + "\n"))
-            i = end
-        elif re.match(r"#{1,6} ", line):
-            heading, title = line.strip(), ""
-        elif line.startswith("**"):
-            title = line
-        i += 1
-    return found
-
-
-def snippets(readme: Path = README, trainers: Path = TRAINERS_PAGE) -> dict[str, tuple[Path, int, str]]:
-    """``{name: (the page it is on, its first line's number there, the block's text)}``."""
-    found: dict[str, tuple[Path, int, str]] = {}
-    quick = [b for b in blocks(readme) if b[0] == QUICKSTART]
-    assert quick, f"no ```python block under {QUICKSTART!r} in {readme}"
-    found["quickstart"] = (readme, *quick[0][2:])
-    where = relative(trainers)
-    for _, title, first, text in blocks(trainers):
-        name = next((n for prefix, n in TITLES.items() if title.startswith(prefix)), None)
-        assert name is not None, f"{where}:{first}: a ```python block ({title!r}) has no harness here"
-        assert name not in found, f"{where}:{first}: a second block for {name}"
-        found[name] = (trainers, first, text)
-    missing = set(TITLES.values()) - set(found)
-    assert not missing, f"no ```python block found in {where} for {sorted(missing)}"
-    return found
-
-
-def relative(path: Path) -> Path:
-    """``path`` from the repository's root (as given, if outside it)."""
-    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-
-
-def shown(path: Path, first: int) -> str:
-    """``README.md:42``, ``docs/trainers.md:17``: where a block is, as a reader finds it."""
-    return f"{relative(path)}:{first}"
-
-
-def free_names(text: str) -> set[str]:
-    """Names the block reads but neither assigns, imports nor gets from builtins."""
-    top = symtable.symtable(text, "<snippet>", "exec")
-    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
-    used: set[str] = set()
-
-    def walk(table: symtable.SymbolTable) -> None:
-        for s in table.get_symbols():
-            if s.is_referenced() and (table is top or s.is_global()):
-                used.add(s.get_name())
-        for child in table.get_children():
-            walk(child)
-
-    walk(top)
-    return used - bound - set(dir(builtins))
 
 
 # ============================================================== static checks (no ranks)
@@ -218,6 +143,28 @@ def test_optimum_habana_snippet_statically() -> None:
     assert "fast_ddp" in ast.literal_eval(next(k.value for k in field.value.keywords if k.arg == "metadata"))["choices"]
 
 
+@pytest.mark.timeout(60)
+def test_command_help_is_plain_text() -> None:
+    """Every ``fastreduce ... --help`` the README's commands lead to (the top level, each
+    subcommand, each bench suite) reads as plain text: no rst roles (``:mod:`x```) or
+    double-backquoted literals, which a terminal shows raw."""
+    import argparse
+
+    from fastreduce.cli import build_parser
+
+    def helps(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, str]]:
+        out = [(name, parser.format_help())]  # (a subcommand's arguments are added here, on first use)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    out += helps(subparser, f"{name} {sub}")
+        return out
+
+    raw = [(name, line.strip()) for name, text in helps(build_parser(), "fastreduce") for line in text.splitlines()
+           if "``" in line or re.search(r":[a-z]+:`", line)]
+    assert not raw, "rst markup in --help:\n" + "\n".join(f"{name} --help: {line}" for name, line in raw)
+
+
 # ============================================================== the snippets on 2 ranks
 
 def torchrun(name: str, cwd: Path, timeout: float) -> str:
@@ -261,9 +208,22 @@ def check_overlapped(facts: dict) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_call(tmp_path: Path) -> None:
+    """The README's first example, ``all_reduce_gradients`` after each backward: one
+    reduction per step, and the parameters those of the same optimizer stepped on the
+    ranks' mean gradient (computed here in fp32 from every rank's batches; the bf16 wire
+    keeps them within 5% of how far training moved them, where a rank's own gradient or a
+    sum instead of the mean moves them by about as much again)."""
+    facts = run_snippet("call", tmp_path)
+    check_common(facts)
+    assert facts["reduces"] == facts["batches"] > 0, facts
+    assert facts["err_vs_reference"] <= 0.05 * facts["moved"], facts
+
+
+@pytest.mark.timeout(120)
 def test_quickstart(tmp_path: Path) -> None:
-    """The API quick start: both drop-in calls, the overlapped object form's loop, and
-    gradient accumulation under ``no_sync()``."""
+    """The README's mode example: the overlapped reducer's loop, and gradient
+    accumulation under ``no_sync()``."""
     facts = run_snippet("quickstart", tmp_path)
     check_common(facts)
     assert facts["reduces"] == facts["batches"] + 1, facts      # one per loop step, one after no_sync
@@ -271,6 +231,61 @@ def test_quickstart(tmp_path: Path) -> None:
     assert facts["grads_identical_across_ranks"], facts
     # the final reduce averaged the two accumulated micro-batches of every rank (bf16 wire)
     assert facts["grad_err_vs_mean"] <= 2e-2 * facts["grad_scale"], facts
+
+
+@pytest.mark.timeout(120)
+def test_readme_hf_trainer_zero(tmp_path: Path) -> None:
+    """The README's Hugging Face block: ``fastreduce_mode="zero"`` trains with the sharded
+    optimizer, every rank from rank 0's weights to the same parameters."""
+    pytest.importorskip("transformers", reason=HF_REASON)
+    pytest.importorskip("accelerate", reason=HF_REASON)
+    facts = run_snippet("readme_hf", tmp_path)
+    check_common(facts)
+    assert facts["started_different"], facts
+    assert facts["mode"] == "ZeroOptimizer" and facts["global_step"] == facts["max_steps"], facts
+
+
+@pytest.mark.timeout(120)
+def test_readme_lightning_zero(tmp_path: Path) -> None:
+    """The README's Lightning block: ``strategy="fastreduce_zero"`` is known once
+    fastreduce is imported and trains with the sharded optimizer."""
+    pytest.importorskip("lightning", reason=LIGHTNING_REASON)
+    facts = run_snippet("readme_lightning", tmp_path)
+    check_common(facts)
+    assert facts["started_different"], facts
+    assert facts["optimizer"] == "ZeroOptimizer" and facts["global_step"] == facts["batches"] > 0, facts
+
+
+@pytest.mark.timeout(240)
+def test_membership(tmp_path: Path) -> None:
+    """The README's ``Membership`` block, verbatim, in 4 plain processes (not torchrun)
+    joined through a coordinator served here: every member reaches the last step with the
+    same parameters, those of SGD on the 4 members' mean gradient (fp32 here; the bf16
+    wire within 5% of how far training moved them)."""
+    from fastreduce.membership import serve
+
+    store = serve(0, "127.0.0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
+               FASTREDUCE_COORDINATOR=f"127.0.0.1:{store.port}")
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("readme_members.py")), str(tmp_path), str(i)],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for i in range(MEMBERS)]
+    outs, deadline = [], time.monotonic() + 200
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("the Membership snippet's members did not finish in 200 s:\n" +
+                    "\n".join((p.communicate()[0] or "")[-3000:] for p in procs))
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"member {i} failed (exit {p.returncode}):\n{out[-6000:]}"
+    facts = [json.loads((tmp_path / f"member{i}.json").read_text()) for i in range(MEMBERS)]
+    assert sorted(f["rank"] for f in facts) == list(range(MEMBERS)) and {f["step"] for f in facts} == {MEMBER_STEPS}
+    assert all(f["params"] == facts[0]["params"] for f in facts), "members ended with different parameters"
+    err, moved = membership_reference_error(facts[0]["params"])
+    assert err <= 0.05 * moved, (err, moved)
 
 
 @pytest.mark.timeout(120)
@@ -359,10 +374,58 @@ def prelude_quickstart() -> tuple[dict, dict]:
     mine = [(x[i:i + 4], y[i:i + 4]) for i in range(RANK * 4, len(x), WORLD * 4)]  # this rank's shard, 5 batches
     (x0, y0), (x1, y1) = mine[3], mine[4]
     ns = {"Net": lambda: net,                                    # Net().to(device) is this model
-          "opt": torch.optim.SGD(net.parameters(), lr=0.1),      # an optimizer over its parameters
           "batches": mine[:3], "loss_fn": nn.CrossEntropyLoss(),
           "x0": x0, "y0": y0, "x1": x1, "y1": y1}
     return ns, {"start": flat_params(net), "make_model": make_model}
+
+
+def shards(world: int = WORLD, batches: int = 3) -> list[list[tuple[Any, Any]]]:
+    """Every rank's batches of 4 (rank ``r``: ``shards()[r]``), from the example's data."""
+    from train import make_data
+
+    x, y = make_data(world * 4 * batches, 16, 4)
+    return [[(x[i:i + 4], y[i:i + 4]) for i in range(r * 4, len(x), world * 4)] for r in range(world)]
+
+
+def prelude_call() -> tuple[dict, dict]:
+    import torch
+    import torch.nn as nn
+    from train import make_model
+
+    torch.manual_seed(0)
+    net = make_model(dim=16, hidden=32, classes=4, depth=1)
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    ns = {"Net": lambda: net, "batches": shards()[RANK], "loss_fn": nn.CrossEntropyLoss()}
+    return ns, {"start": flat_params(net), "start_state": start, "make_model": make_model}
+
+
+def postlude_call(ns: dict, ctx: dict) -> dict:
+    """The same optimizer, from the same start, stepped on the fp32 mean of every rank's
+    gradient: how far the snippet's parameters are from it, and how far training moved."""
+    import torch
+
+    import fastreduce
+
+    model, opt = ns["model"], ns["opt"]
+    ref = ctx["make_model"](dim=16, hidden=32, classes=4, depth=1)
+    ref.load_state_dict(ctx["start_state"])
+    ref_opt = type(opt)(ref.parameters(), **opt.defaults)
+    for step in range(len(ns["batches"])):
+        grads = []
+        for rank_batches in shards():
+            ref.zero_grad()
+            x, y = rank_batches[step]
+            ns["loss_fn"](ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *gs in zip(ref.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(0)
+        ref_opt.step()
+    want = flat_params(ref)
+    facts = common_facts(model, ctx["start"])
+    facts.update(reduces=fastreduce.gradient_reducer(model).stats.calls, batches=len(ns["batches"]),
+                 err_vs_reference=(flat_params(model) - want).abs().max().item(),
+                 moved=(want - ctx["start"]).abs().max().item())
+    return facts
 
 
 def postlude_quickstart(ns: dict, ctx: dict) -> dict:
@@ -413,6 +476,30 @@ def postlude_hf_trainer(ns: dict, ctx: dict) -> dict:
     facts.update(wrapped=type(trainer.model_wrapped).__name__, global_step=trainer.state.global_step,
                  max_steps=trainer.args.max_steps, reduces=reducer.stats.calls,
                  launched_in_backward=reducer.stats.launched_in_backward, sizing=reducer.stats.sizing.describe())
+    return facts
+
+
+def prelude_readme_hf() -> tuple[dict, dict]:
+    return prelude_hf_trainer()
+
+
+def postlude_readme_hf(ns: dict, ctx: dict) -> dict:
+    trainer = ns["trainer"]
+    facts = common_facts(ns["model"], ctx["start"])
+    facts.update(mode=type(trainer.fastreduce_mode.obj).__name__, global_step=trainer.state.global_step,
+                 max_steps=trainer.args.max_steps)
+    return facts
+
+
+def prelude_readme_lightning() -> tuple[dict, dict]:
+    return prelude_lightning()
+
+
+def postlude_readme_lightning(ns: dict, ctx: dict) -> dict:
+    model, trainer = ns["model"], ns["trainer"]
+    facts = common_facts(model, ctx["start"])
+    facts.update(optimizer=type(trainer.optimizers[0]).__name__, global_step=trainer.global_step,
+                 batches=model.batches)
     return facts
 
 
@@ -494,9 +581,6 @@ def worker(name: str, out: Path) -> None:
         print(f"snippet {name} ({shown(path, first)}): {facts}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, as the examples do
 
 
 if __name__ == "__main__":

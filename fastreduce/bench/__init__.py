@@ -77,6 +77,9 @@ for this release, with a deprecation note on stderr:
   against wall time, a panel per mode). Also ``--modes``, ``--transports``,
   ``--params-m`` (0.1), ``--batch`` (64); ``--quick``: 3 members, 30 steps, one kill and one
   join, the overlapped mode on shared memory.
+* ``exits`` (:mod:`.exits`): the scripts users write (the HF Trainer and Lightning in every
+  mode under ``torchrun``, a ``Membership`` job with a member killed and replaced) launched
+  again and again: every exit code 0.
 * ``store`` (:mod:`.store`): the c10d store's load from the heartbeat, the watchdog and the
   membership vote: 64 real Gloo ranks and up to 1,024 synthetic ones running the library's
   own loops on counted connections (requests and keys per second, latency, false losses,
@@ -103,6 +106,9 @@ from typing import Any, Callable
 from .chaos import format_text as format_chaos
 from .chaos import run_chaos_bench
 from .chaos import write_outputs as write_chaos_outputs
+from .joiner_kills import format_text as format_joiner_kills
+from .joiner_kills import run_joiner_kills
+from .joiner_kills import write_outputs as write_joiner_kills_outputs
 from .common import machine_info
 from .compression import format_text as format_compression
 from .compression import run_compression_bench
@@ -126,8 +132,10 @@ from .optim import OptimConfig, run_optim_bench
 from .optim import csv_rows as optim_csv_rows
 from .optim import format_text as format_optim
 from . import options
+from .exits import format_text as format_exits
+from .exits import run_exits_bench
 from .options import (SUITES, chaos_config, compression_config, configs_from_args, convergence_config,
-                      defaults_config, faults_config, growth_config, modes_config, network_config, network_parts,
+                      defaults_config, exits_config, faults_config, growth_config, modes_config, network_config, network_parts,
                       store_config, suites_from_args, trainers_config)
 from .reduce import BenchConfig, run_bench
 from .store import format_text as format_store
@@ -215,8 +223,10 @@ def write_outputs(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         note = write_chart(out / "step.png", rows, chart_title(step), reference=STEP_REFERENCE)
         files["png"] = None if note else str(out / "step.png")
         files["chart_note"] = note
-    if result.get("chaos") is not None:
-        files.update(write_chaos_outputs(result["chaos"], out))
+    chaos = result.get("chaos")
+    if chaos is not None:  # the chaos run, or (--joiner-runs) the joiner-kill scenario
+        joiner = chaos.get("scenario") == "joiner_kills"
+        files.update((write_joiner_kills_outputs if joiner else write_chaos_outputs)(chaos, out))
     optim = result.get("optim")
     if optim is not None:
         rows = optim_csv_rows(optim)
@@ -251,6 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     parts = network_parts(args, NETWORK_PARTS)
     faults_cfg = faults_config(args) if "faults" in suites else None
     chaos_cfg = chaos_config(args) if "chaos" in suites else None
+    exits_cfg = exits_config(args) if "exits" in suites else None
     out = Path(args.out)
 
     def note(text: str) -> None:  # progress and notes: stderr, so stdout stays the report
@@ -321,8 +332,15 @@ def _run(args: argparse.Namespace) -> int:
             note(f"chaos suite: {', '.join(c.modes)} on {', '.join(c.transports)}; {c.members} members, "
                  f"{c.params_m:g}M params, {c.steps} committed steps, {len(c.kinds)} kills, each run and a "
                  "failure-free one ...")
-            result["chaos"] = run_chaos_bench(c)
-            say(format_chaos(result["chaos"]) + "\n")
+            joiner = bool(c.joiner_runs)  # --joiner-runs: replacements killed as they join, instead
+            result["chaos"] = run_joiner_kills(c) if joiner else run_chaos_bench(c)
+            say((format_joiner_kills if joiner else format_chaos)(result["chaos"]) + "\n")
+        elif suite == "exits" and exits_cfg is not None:
+            c = exits_cfg
+            note(f"exits suite: {', '.join(c.modes)}; {c.hf} HF Trainer and {c.lightning} Lightning launches a mode, "
+                 f"{c.membership} membership jobs ...")
+            result["exits"] = run_exits_bench(c)
+            say(format_exits(result["exits"]) + "\n")
         elif suite == "optim":
             note(f"optim suite: {', '.join(map(str, optim_cfg.world_sizes))} ranks, "
                  f"{optim_cfg.params_m:g}M params, batch {optim_cfg.batch}, {optim_cfg.iters} steps/method ...")

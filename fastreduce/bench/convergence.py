@@ -1,7 +1,7 @@
 """``fastreduce bench convergence``: a real language model trained with each
 data-parallel method on the same data and seeds; held-out loss against steps and wall time.
 
-Every compression claim is a claim about loss (DESIGN.md, invariant 10), so this suite
+Every compression claim is a claim about loss (docs/design.md, invariant 10), so this suite
 trains before it times. Each method of :data:`METHODS` (a registry: a name and a builder,
 so a new method is one entry) trains the same model from the same initial weights on the
 same batches for ``--steps`` steps (300), one method after another in one launch per
@@ -49,7 +49,7 @@ the steps by default; torch's hook needs at least 2):
   this fastreduce has no ``PowerSGD``.
 * ``diloco_h32``: ``fastreduce.DiLoCo(model, adamw, outer, sync_every=32)``, default bf16
   wire, the outer optimizer the network suite's (:mod:`.network_modes`): Nesterov SGD,
-  lr 0.7, momentum 0.5 (DESIGN.md: the paper's momentum 0.9 diverged on short runs).
+  lr 0.7, momentum 0.5 (the paper's momentum 0.9 diverged on short runs).
 * ``diloco_h32_fp32`` / ``diloco_h32_int4``: the same with an fp32 wire, or an int4 one
   (two values a byte, one fp32 scale per 256) with error feedback.
 * ``gossip_fp32`` / ``gossip_fp8``: ``fastreduce.DecentralizedDataParallel`` on

@@ -328,17 +328,12 @@ def format_text(report: dict[str, Any]) -> str:
 
 def worker_main(config: Callable[..., Any], worker: Callable[[Any, str], None]) -> None:
     """A suite module's ``__main__`` under :func:`launch_on`: ``--worker SPEC OUT`` runs
-    ``worker(config(**SPEC), OUT)``, then exits without finalizing: a Gloo worker thread
-    may still be releasing the last collective's tensors, and doing so while the
-    interpreter finalizes aborts the process (std::terminate in AsyncAllgatherWork's
-    destructor, seen with torch 2.13 under load)."""
+    ``worker(config(**SPEC), OUT)``; the process then exits as any does (what fastreduce
+    runs in the background stops at exit: :func:`fastreduce.shutdown`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), required=True)
     a = parser.parse_args()
     worker(config(**json.loads(a.worker[0])), a.worker[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -53,14 +53,16 @@ from .reduce import BenchConfig
 from .step import StepConfig
 from .store import SCENARIOS as STORE_SCENARIOS
 from .store import StoreConfig
+from .exits import MODES as EXITS_MODES
+from .exits import ExitsConfig
 from .trainers import TrainersConfig
 
 __all__ = ["OPTIONS", "SUITES", "SUITE_OPTIONS", "add_arguments", "chaos_config", "compression_config",
-           "configs_from_args", "convergence_config", "faults_config", "flag", "modes_config", "network_config",
-           "store_config", "suites_from_args", "trainers_config"]
+           "configs_from_args", "convergence_config", "exits_config", "faults_config", "flag", "modes_config",
+           "network_config", "store_config", "suites_from_args", "trainers_config"]
 
 SUITES = ("reduce", "step", "optim", "decentralized", "local", "network", "compression", "convergence", "trainers",
-          "faults", "chaos", "store")
+          "faults", "chaos", "store", "exits")
 DEFAULT_SUITES = ("reduce", "step")
 """What ``fastreduce bench`` alone runs: the other suites are asked for by name or ``all``."""
 DEFAULT_OUT = "bench-results"
@@ -147,7 +149,16 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--store-real-ranks", "ranks of the real run (real heartbeats and watchdogs on Gloo; 0: none)",
            inside="--real-ranks", kwargs={"type": int}),
     Option("--chaos-modes", "the modes to run", inside="--modes", kwargs={"metavar": "NAME,NAME"}),
+    Option("--exits-modes", "the modes to launch", inside="--modes", kwargs={"metavar": "NAME,NAME"}),
+    Option("--exits-hf", "launches per mode of the HF Trainer script", inside="--hf", kwargs={"type": int, "metavar": "N"}),
+    Option("--exits-lightning", "launches per mode of the Lightning script", inside="--lightning",
+           kwargs={"type": int, "metavar": "N"}),
+    Option("--exits-membership", "membership jobs (a member killed and replaced in each)", inside="--membership",
+           kwargs={"type": int, "metavar": "N"}),
     Option("--chaos-transports", "the transports", inside="--transports", kwargs={"metavar": "NAME,NAME"}),
+    Option("--chaos-joiner-runs", "instead of the chaos run: a replacement killed as it is admitted, as it is "
+           "healed and in its first step, N jobs per mode, transport and point", inside="--joiner-runs",
+           kwargs={"type": int, "metavar": "N"}),
     Option("--seed", "draws the kills (steps, victims, order) and the data", kwargs={"type": int}),
     Option("--eval-every", "steps between held-out evaluations", kwargs={"type": int}),
     Option("--train-mb", "MiB of stdlib source to train on (the next MiB is held out)", kwargs={"type": float}),
@@ -215,11 +226,13 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
               ("chaos_transports", ",".join(CHAOS_TRANSPORTS) + "; shm with --quick"),
               ("steps", "300; 30 with --quick"), ("seed", "0"),
               ("params_m", "0.1; 0.05 with --quick", "the MLP's size in millions of parameters"),
-              ("batch", "64; 32 with --quick")),
+              ("batch", "64; 32 with --quick"), ("chaos_joiner_runs", "0: the chaos run")),
     "store": (("store_clients", "64,256,1024; 16 with --quick"),
               ("store_scenarios", "all: " + ",".join(STORE_SCENARIOS) + "; beat,watch with --quick"),
               ("store_seconds", f"{StoreConfig().seconds:g}; 2 with --quick"),
               ("store_real_ranks", f"{StoreConfig().real_ranks}; 4 with --quick")),
+    "exits": (("exits_modes", "all: " + ",".join(EXITS_MODES)), ("exits_hf", "50; 2 with --quick"),
+              ("exits_lightning", "20; 2 with --quick"), ("exits_membership", "20; 1 with --quick")),
     "all": (("ranks", "2"), ("iters", "each suite's"), ("params_m", "each suite's"), ("batch", "each suite's"),
             ("threads", "cores / ranks")),
 }
@@ -238,6 +251,8 @@ SUITE_HELP = {
     "chaos": "each mode under fastreduce.Membership trains through three seeded kills and joins",
     "store": "the c10d store's load from the heartbeat, the watchdog and the vote: 64 real ranks, up to 1,024 "
              "synthetic ones (docs/scale.md)",
+    "exits": "users' scripts in every mode (HF Trainer, Lightning, a Membership job) launched again and again: "
+             "every exit code 0",
     "all": "every suite, each at its defaults",
 }
 
@@ -457,6 +472,20 @@ def convergence_config(args: argparse.Namespace) -> ConvergenceConfig:
     return cfg
 
 
+def exits_config(args: argparse.Namespace) -> ExitsConfig:
+    """The exits suite's settings: ``--quick`` is 2 launches a mode per trainer and one membership job."""
+    modes = tuple(args.exits_modes.split(",")) if getattr(args, "exits_modes", None) else EXITS_MODES
+    unknown = sorted(set(modes) - set(EXITS_MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(EXITS_MODES)}")
+    quick = dict(hf=2, lightning=2, membership=1) if args.quick else {}
+    given = {k: getattr(args, f"exits_{k}", None) for k in ("hf", "lightning", "membership")}
+    for k, v in given.items():
+        if v is not None and v < 0:
+            raise ValueError(f"--{k} must be 0 or more, got {v}")
+    return ExitsConfig(modes=modes, **{**quick, **{k: v for k, v in given.items() if v is not None}})
+
+
 def trainers_config(args: argparse.Namespace) -> TrainersConfig:
     """The trainers suite's settings: ``--quick`` is one job on this host."""
     rates = args.rates.split(",") if args.rates else ([HOST] if args.quick else TrainersConfig().rates)
@@ -544,7 +573,7 @@ def chaos_config(args: argparse.Namespace) -> ChaosConfig:
         if names is not None:
             given[key] = names
     for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
-                       ("seed", args.seed)):
+                       ("seed", args.seed), ("joiner_runs", getattr(args, "chaos_joiner_runs", None))):
         if value is not None:
             given[key] = value
     return chaos_quick_config(**given) if args.quick else ChaosConfig(**given)

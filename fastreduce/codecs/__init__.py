@@ -1,4 +1,4 @@
-"""Codecs: wire formats between the flat buffer and the comm layer (DESIGN.md, "Compression").
+"""Codecs: wire formats between the flat buffer and the comm layer (docs/design.md, "Compression").
 
 A codec turns a group of gradients into the buffers a mode sends and back, and keeps
 what it must carry between steps (residuals, warm starts). It knows neither modes nor

@@ -21,8 +21,6 @@ plan that carries one sends every launch there.
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import weakref
 from collections import deque
 from typing import Any, Callable, Iterator, Protocol
@@ -32,6 +30,7 @@ import torch.distributed as dist
 
 from ..compat import gloo_has_avg
 from ..faults import wait_watched
+from ..lifecycle import Worker
 from ..profiling import span
 from .shm import ShmAllReduce, sum_order
 
@@ -231,7 +230,7 @@ class RingReduceScatter:
                        for a in range(0, n, self.step)] for s in range(w - 1)]
         first = rows[(r - 1) % w]  # step 0 sends my own row
         self.sends = [dist.isend(first[a:a + self.step], self.next, group, self.tag0) for a in range(0, n, self.step)]
-        jobs.put(self)
+        jobs.put(self.run)
 
     def run(self) -> None:
         """The steps after the first (on the ring thread)."""
@@ -279,21 +278,15 @@ class RingReduceScatter:
 _ring_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _ring_of(group: dist.ProcessGroup | None) -> tuple[queue.SimpleQueue, Iterator[int]]:
-    """``group``'s ring thread's jobs (the thread started on first use; a daemon: it never
-    holds a process back from exiting), and its count of launches (the same on every
+def _ring_of(group: dist.ProcessGroup | None) -> tuple[Worker, Iterator[int]]:
+    """``group``'s ring thread (a :class:`~fastreduce.lifecycle.Worker`: started on first
+    use, stopped by ``fastreduce.shutdown()``), and its count of launches (the same on every
     rank: they launch in the same order)."""
     pg = group or dist.group.WORLD
     ring = _ring_queues.get(pg)
     if ring is None:
-        ring = _ring_queues[pg] = (queue.SimpleQueue(), itertools.count())
-        threading.Thread(target=_serve_ring, args=(ring[0],), name="fastreduce-ring", daemon=True).start()
+        ring = _ring_queues[pg] = (Worker("fastreduce-ring"), itertools.count())
     return ring
-
-
-def _serve_ring(jobs: queue.SimpleQueue) -> None:
-    while True:
-        jobs.get().run()
 
 
 def gather_by_exchange(backend: str, world: int) -> bool:

@@ -415,6 +415,6 @@ def get_comm(group: dist.ProcessGroup | None, device: torch.device, transport: s
     comm = per_pg.get(key)
     if comm is None:
         comm = per_pg[key] = Comm(group, key[0], key[1])
-    # After the transport's checks (a rank raises them alone, DESIGN invariant 11): the first touch of the store.
+    # After the transport's checks (a rank raises them alone, docs/design.md, invariant 11): the first touch of the store.
     start_heartbeat()  # so that a rank lost later can be named (fastreduce.faults)
     return comm

@@ -1,6 +1,6 @@
 """QuantMean: a flat fp32 buffer := the mean over ranks, through a quantized wire.
 
-A quantized value is never summed in its own format (DESIGN.md, "Compression"). With
+A quantized value is never summed in its own format (docs/design.md, "Compression"). With
 the buffer cut into W chunks (chunk r owned by rank r), each a whole number of the
 codec's blocks::
 
