@@ -680,6 +680,19 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
 
 # ---------------------------------------------------------------------- watchdog
 
+# [Note: no Python callback on a collective's future]
+# A callable added to a torch future (``add_done_callback``, ``then``) is held by the future
+# in a C++ guard whose destructor takes the GIL. A Gloo work's future is let go by the Gloo
+# thread that ran the work, just after it completes. On a busy host that thread can be
+# descheduled right there, and let go only after the main thread has left ``main()`` and
+# Python has begun to finalize: taking the GIL then ends the thread by unwinding through that
+# destructor, and the C++ runtime aborts the process ("terminate called without an active
+# exception", SIGABRT): a run that trained, saved and printed exits -6, and torchrun calls it
+# failed. (Shown deterministically by a rank that adds a callback to an async all-reduce and
+# exits before its peer joins it: SIGABRT every time; without the callback, exit 0.) So a wait
+# is made on fastreduce's waiter thread (joined at exit by :func:`.lifecycle.shutdown`), and
+# no callback is added to a future fastreduce does not complete itself.
+
 def wait_watched(work: Any) -> Any:
     """``work.wait()`` for a process group's collective, watched for ranks that go silent
     (a bundle of works, e.g. point-to-point pieces, waits through its ``wait_unwatched``).
@@ -696,8 +709,11 @@ def wait_watched(work: Any) -> Any:
     a thread of its own, on a store connection of its own). If the store itself stops
     answering for as long, this host is the one cut off, and the wait raises saying so.
 
-    The wait is on the work's future where it has one, else (Gloo's point-to-point
-    work has none) on a waiter thread that calls ``wait()``. A work made of works that
+    The wait for completion is made on a waiter thread of fastreduce's (:func:`_waiter`),
+    never by a Python callback on the work's future (see [Note: no Python callback on a
+    collective's future]); where the work has a future, this thread then calls ``wait()``
+    itself (it orders the caller's streams); Gloo's point-to-point work, which has none and
+    takes one ``wait()`` only, is waited for there alone. A work made of works that
     it waits for through here itself (``watches_itself``, :class:`~.comm.Fp32Accumulate`)
     is waited on directly: on the waiter thread its own waits would queue behind it.
     Only where the host waits inside the collective (a Gloo default group): NCCL's and
@@ -719,13 +735,11 @@ def wait_watched(work: Any) -> Any:
         _abandon_groups()
         raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
                              "collective; it is abandoned")
-    done, box = threading.Event(), []
     try:
-        work.get_future().add_done_callback(lambda _f: done.set())
-        by_thread = False
+        completion, by_thread = work.get_future().wait, False
     except Exception:  # noqa: BLE001 - no future (point-to-point work, a bundle of works)
-        done, box = _waiter().submit(wait)
-        by_thread = True  # then waited once, there: Gloo's point-to-point work takes one wait only
+        completion, by_thread = wait, True  # waited once, there: Gloo's point-to-point work takes one wait only
+    done, box = _waiter().submit(completion)
     if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
         _watch(beat, done)
     if box and isinstance(box[0], BaseException):

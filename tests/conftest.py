@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+# Every process a test starts prints every thread's Python stack if it aborts (which thread was
+# where: an abort at exit named nothing else in CI's log).
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 QUICK: dict[str, tuple[str, ...]] = {
     # A rank group costs the same whichever of its tests are selected (a module fixture runs
     # every case of its world size), so the tier is a few groups that check the most each:

@@ -5,7 +5,8 @@ A :class:`~fastreduce.lifecycle.Worker` runs its jobs in order, finishes the que
 leaves no ``fastreduce-*`` thread alive after a fused reduction, and the next reduction (threads
 started again) equals ``dist.all_reduce``'s mean; a rank whose heartbeat rests after its
 ``shutdown()`` is not called lost by a rank waiting on it in a watched collective for longer
-than the loss window, and its counter says so.
+than the loss window, and its counter says so; a watched wait adds no Python callback to a
+real Gloo work's future.
 """
 
 from __future__ import annotations
@@ -72,7 +73,49 @@ def _shutdown_and_again(rank: int, world: int) -> dict:
     t = torch.ones(1)
     all_reduce_watched(t)
     out["sum"] = t.item()
+    # a watched wait adds no Python callback to the work's future (Gloo's thread would let it go,
+    # taking the GIL, as Python finalizes: SIGABRT at exit); rank 1 comes late, so it is watched
+    from fastreduce.faults import wait_watched
+    t = torch.ones(1)
+    if rank == 1:
+        time.sleep(0.5)
+        dist.all_reduce(t)
+    else:
+        work = _Recording(dist.all_reduce(t, async_op=True))
+        wait_watched(work)
+        out["callbacks"] = len(work.callbacks)
+    out["sum_watched"] = t.item()
     return out
+
+
+class _Recording:
+    """A real Gloo work that records the callbacks added to its future (none may be: [Note: no
+    Python callback on a collective's future] in fastreduce/faults.py); they still run."""
+
+    def __init__(self, work):
+        self.work, self.callbacks = work, []
+
+    def wait(self):
+        return self.work.wait()
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def get_future(self):
+        future, callbacks = self.work.get_future(), self.callbacks
+
+        class Future:
+            wait = future.wait
+
+            def add_done_callback(self, fn):
+                callbacks.append(fn)
+                return future.add_done_callback(fn)
+
+            def then(self, fn):
+                callbacks.append(fn)
+                return future.then(fn)
+
+        return Future()
 
 
 def test_shutdown_stops_every_thread_and_the_next_use_starts_them_again() -> None:
@@ -87,4 +130,6 @@ def test_shutdown_stops_every_thread_and_the_next_use_starts_them_again() -> Non
             assert "fastreduce-heartbeat" in r[f"running{k}"], r  # it ran, and stopped:
             assert r[f"stuck{k}"] == [] and r[f"after{k}"] == [], r
         assert r["sum"] == 2.0, r  # rank 1 rested past the window: not lost, the collective went on
+        assert r["sum_watched"] == 2.0, r
     assert results[1]["counter"] >= lifecycle.RESTING
+    assert results[0]["callbacks"] == 0, results[0]
