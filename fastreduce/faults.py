@@ -689,9 +689,10 @@ def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: 
 # destructor, and the C++ runtime aborts the process ("terminate called without an active
 # exception", SIGABRT): a run that trained, saved and printed exits -6, and torchrun calls it
 # failed. (Shown deterministically by a rank that adds a callback to an async all-reduce and
-# exits before its peer joins it: SIGABRT every time; without the callback, exit 0.) So a wait
-# is made on fastreduce's waiter thread (joined at exit by :func:`.lifecycle.shutdown`), and
-# no callback is added to a future fastreduce does not complete itself.
+# exits before its peer joins it: SIGABRT every time; without the callback, exit 0.) So a
+# collective is waited for in timed slices on the caller's thread (:class:`_Timed`), other works
+# on fastreduce's waiter thread (joined at exit by :func:`.lifecycle.shutdown`), and no callback
+# is added to a future fastreduce does not complete itself.
 
 def wait_watched(work: Any) -> Any:
     """``work.wait()`` for a process group's collective, watched for ranks that go silent
@@ -709,11 +710,11 @@ def wait_watched(work: Any) -> Any:
     a thread of its own, on a store connection of its own). If the store itself stops
     answering for as long, this host is the one cut off, and the wait raises saying so.
 
-    The wait for completion is made on a waiter thread of fastreduce's (:func:`_waiter`),
-    never by a Python callback on the work's future (see [Note: no Python callback on a
-    collective's future]); where the work has a future, this thread then calls ``wait()``
-    itself (it orders the caller's streams); Gloo's point-to-point work, which has none and
-    takes one ``wait()`` only, is waited for there alone. A work made of works that
+    A backend's collective is waited for on this thread, a heartbeat at a time
+    (``work.wait(timeout)``: a slice that runs out leaves the work pending), never through a
+    Python callback on its future (see [Note: no Python callback on a collective's future]).
+    Gloo's point-to-point work, which has no future and takes one ``wait()`` only, and a
+    work of fastreduce's own are waited for on a waiter thread (:func:`_waiter`). A work made of works that
     it waits for through here itself (``watches_itself``, :class:`~.comm.Fp32Accumulate`)
     is waited on directly: on the waiter thread its own waits would queue behind it.
     Only where the host waits inside the collective (a Gloo default group): NCCL's and
@@ -735,16 +736,47 @@ def wait_watched(work: Any) -> Any:
         _abandon_groups()
         raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
                              "collective; it is abandoned")
-    try:
-        completion, by_thread = work.get_future().wait, False
-    except Exception:  # noqa: BLE001 - no future (point-to-point work, a bundle of works)
-        completion, by_thread = wait, True  # waited once, there: Gloo's point-to-point work takes one wait only
-    done, box = _waiter().submit(completion)
-    if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
+    if _is_collective(work, wait):  # waited here, a heartbeat at a time
+        done = _Timed(work)
+        if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
+            _watch(beat, done)
+        return True
+    done, box = _waiter().submit(wait)  # waited once, there: Gloo's point-to-point work takes one wait only
+    if not done.wait(beat.interval):
         _watch(beat, done)
-    if box and isinstance(box[0], BaseException):
+    if isinstance(box[0], BaseException):
         raise box[0]
-    return True if by_thread else wait()
+    return True
+
+
+def _is_collective(work: Any, wait: Callable[[], Any]) -> bool:
+    """Whether ``work`` is a backend's collective (it has a future; Gloo's point-to-point
+    work has none), whose ``wait`` takes a timeout and may be called again after one."""
+    if not isinstance(work, dist.Work) or wait != work.wait:
+        return False
+    try:
+        work.get_future()
+    except Exception:  # noqa: BLE001 - no future: point-to-point
+        return False
+    return True
+
+
+class _Timed:
+    """A backend's collective waited for in slices (what :func:`_watch` takes as ``done``)."""
+
+    def __init__(self, work: Any):
+        self.work = work
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the work is done within ``seconds``; its own error, if it failed."""
+        try:
+            self.work.wait(timedelta(seconds=seconds))
+            return True
+        except Exception:  # noqa: BLE001 - timed out, or failed: completed tells which
+            if not self.work.is_completed():
+                return False
+        self.work.wait()  # done: its result, or its error
+        return True
 
 
 def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:

@@ -88,15 +88,17 @@ def _shutdown_and_again(rank: int, world: int) -> dict:
     return out
 
 
-class _Recording:
-    """A real Gloo work that records the callbacks added to its future (none may be: [Note: no
-    Python callback on a collective's future] in fastreduce/faults.py); they still run."""
+class _Recording(dist.Work):
+    """A real Gloo collective, waited for through this wrapper, that records the callbacks
+    added to its future (none may be: [Note: no Python callback on a collective's future] in
+    fastreduce/faults.py); they would still run."""
 
-    def __init__(self, work):
+    def __init__(self, work: dist.Work):
+        super().__init__()
         self.work, self.callbacks = work, []
 
-    def wait(self):
-        return self.work.wait()
+    def wait(self, timeout=None):
+        return self.work.wait() if timeout is None else self.work.wait(timeout)
 
     def is_completed(self):
         return self.work.is_completed()
