@@ -7,7 +7,7 @@
 On one host this starts everything itself: a coordinator (``fastreduce.membership.serve``),
 ``--members`` processes that train a small MLP with AdamW through the fused reducer (fp32
 wire), and one replacement process, started at once (so its imports are done) and told to
-join when the member it replaces has died. Member 2 ``os._exit``\\ s at step ``--kill-at``,
+join when the member it replaces has died. Member 2 dies (SIGKILL to itself) at step ``--kill-at``,
 ``--where`` ``mid-step`` (after its backward, before the reduction) or ``between`` steps.
 Each member prints one line per new epoch: the survivors discard the step in flight and go
 on without it, the replacement is admitted at their next step and takes the whole state
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -69,30 +70,30 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
 
 
+def die() -> None:
+    """Crash as the OS crashes a process: SIGKILL to itself (no teardown, no flush; what
+    ``kill -9`` from outside does too)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def die_as_source(flag: Path, m: Any) -> None:
-    """Make this process exit as it starts sending a joiner the state (after epoch 0), once
+    """Make this process die as it starts sending a joiner the state (after epoch 0), once
     per job (``flag``): a test of a joiner's source lost while it heals."""
     import torch.distributed as dist
 
-    sync_state = m._sync_state
-
-    def dying(epoch: Any, *rest: Any) -> Any:
+    def dying(epoch: Any) -> None:
         if dist.get_rank() == 0 and epoch.number > 0 and not flag.exists():
             flag.touch()
-            os._exit(9)
-        return sync_state(epoch, *rest)
+            die()
 
-    m._sync_state = dying
+    m.at("sync_state", dying)
 
 
 def die_joining(m: Any, where: str) -> None:
-    """Make this replacement exit as it is admitted (``admitted``: before it enters its first
+    """Make this replacement die as it is admitted (``admitted``: before it enters its first
     epoch, the members waiting for it there) or as its healing begins (``healing``: the
-    member sending it the state)."""
-    if where == "admitted":
-        m._enter = lambda epoch: os._exit(9)
-        return
-    m._sync_state = lambda *args: os._exit(9)  # (only a joiner receives the state: its first call)
+    member sending it the state; only a joiner receives it: its first pass there)."""
+    m.at("enter" if where == "admitted" else "sync_state", lambda _epoch: die())
 
 
 def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
@@ -173,16 +174,13 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1], before its group exists
-            set_up = m._set_up
-            m._set_up = lambda e: os._exit(9) if e.number == kill[1] else set_up(e)
+            m.at("set_up", lambda e: die() if e.number == kill[1] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
-            set_up = m._set_up
-            m._set_up = lambda e: (time.sleep(8) if e.number == kill[1] else None, set_up(e))[1]
+            m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
-            vote = m._vote
-            m._vote = lambda s: (vote(s), os._exit(9)) if s == kill[1] else vote(s)
+            m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":
-            model[0].weight.register_hook(lambda g: os._exit(9) if m.step == kill[1] else g)
+            model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
         (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
@@ -199,7 +197,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 m.leave()
             if kill == ("between", m.step):
                 say(f"dies between steps, at step {m.step}")
-                os._exit(9)
+                die()
             g = torch.Generator().manual_seed(1000 * m.step + m.rank)  # this rank's shard of the step's batch
             x = torch.randn(16, 8, generator=g)
 
@@ -207,7 +205,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
                 if kill == ("mid-step", m.step) or (kill is not None and kill[0] == "first-step"):
                     say(f"dies mid-step, at step {m.step}")
-                    os._exit(9)
+                    die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
 
@@ -218,7 +216,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 forward_backward(net)
                 dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
                 stepper = m.mode if mode == "zero" else opt
-                ok = m.commit(lambda: os._exit(9) if dies else stepper.step())  # the reduction (or the sync), the step
+                ok = m.commit(lambda: die() if dies else stepper.step())  # the reduction (or the sync), the step
             (m.mode if mode == "zero" else opt).zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)

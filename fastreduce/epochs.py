@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,10 @@ def _poll_s(members: int) -> float:
     return max(0.005, members / POLLS_PER_S)
 
 
+FAULT_POINTS = ("enter", "set_up", "sync_state", "voted")
+"""Where :meth:`EpochChanges.at` calls its callables."""
+
+
 class EpochChanges(CoordinatorClient):
     """The epoch half of :class:`~fastreduce.Membership` (a mixin).
 
@@ -53,6 +57,24 @@ class EpochChanges(CoordinatorClient):
     """
 
     _first_step_of: int | None = None  # the epoch whose members all reached its first step
+    _points: dict[str, list[Callable[[Any], Any]]]  # fault points' callables (:meth:`at`), set by the membership
+
+    def at(self, point: str, fn: Callable[[Any], Any]) -> None:
+        """Call ``fn`` at ``point`` of this member's life, every time it passes there: for
+        fault drills and chaos runs (a process that kills itself there, or stalls), the one way
+        in: nothing of a member is replaced from outside. The points, and what ``fn`` is given:
+
+        * ``"enter"``: an epoch about to be entered (a joiner's first: as it is admitted);
+        * ``"set_up"``: an epoch whose group is about to be made (after the entry is agreed on);
+        * ``"sync_state"``: an epoch whose joiners are about to get the state (rank 0 sends it);
+        * ``"voted"``: the step index whose vote just completed (before anything steps)."""
+        if point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {point!r}; choose one of {', '.join(FAULT_POINTS)}")
+        self._points.setdefault(point, []).append(fn)
+
+    def _at(self, point: str, arg: Any) -> None:
+        for fn in self._points.get(point, ()):
+            fn(arg)
 
     def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
@@ -190,6 +212,7 @@ class EpochChanges(CoordinatorClient):
     def _enter(self, epoch: Epoch) -> None:
         """This epoch's process group; the state from rank 0 where it has joiners; the mode.
         A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
+        self._at("enter", epoch)
         self.epoch = epoch
         try:
             self._set_up(epoch)
@@ -208,6 +231,7 @@ class EpochChanges(CoordinatorClient):
         self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
 
     def _set_up(self, epoch: Epoch) -> None:
+        self._at("set_up", epoch)
         own, kind = self._kept_mode
         self._rendezvous(epoch)
         self._init_group(epoch)
@@ -386,6 +410,7 @@ class EpochChanges(CoordinatorClient):
         each (:mod:`fastreduce.heal`), the other members going on to build the mode. A
         joiner loads it and gets the mode's state and kind back, to load once its mode is
         built."""
+        self._at("sync_state", epoch)
         rank, device = dist.get_rank(), self._device()
         to = [r for r in map(epoch.members.index, epoch.joined) if r != 0]
         mine = None

@@ -176,6 +176,7 @@ class Membership(EpochChanges):
         self._state: dict[str, Any] = {}
         self._build: Callable[[], Any] | None = None
         self._refused: set[int] = set()  # joiner tickets refused here
+        self._points = {}  # fault points' callables (at())
         self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
         self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, _kind of the mode)
 
@@ -487,6 +488,7 @@ class Membership(EpochChanges):
         silent: set[str] = set()
         if value is None:  # (the completing voter knows it: its own was written)
             value, silent = self._await_decision(key + "/done")
+        self._at("voted", s)
         if value == "abort":
             return value, silent
         decision, at, leavers = value.split(" ")

@@ -5,7 +5,7 @@ the coordinator-lost test's spawned), a real coordinator (a ``TCPStore``
 server in this test's process), real Gloo groups made again at each epoch, both
 transports (``FASTREDUCE_TRANSPORT``: Gloo's collectives, or shared memory). Each member
 trains a small MLP with AdamW in the fused mode (fp32 wire), one seeded batch per
-(step, rank), and records every step it commits. Faults are real: a member ``os._exit``\\ s
+(step, rank), and records every step it commits. Faults are real: a member SIGKILLs itself
 mid-step (after its backward, before the reduction) or between steps, a replacement as it
 is admitted, healed or in its first step; a replacement process, started beforehand and
 waiting with torch imported, joins when told. The

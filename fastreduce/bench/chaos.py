@@ -58,6 +58,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import random
 import statistics
 import time
@@ -344,17 +345,14 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
 
 
 def _die_joining(m: Any, kind: str, record: ChaosRecord, path: Path) -> None:
-    """Make this replacement exit as it is admitted (``admitted``) or as its healing begins
-    (``healing``), its record saved first."""
-    def die(*_: Any) -> None:
+    """Make this replacement die (SIGKILL to itself) as it is admitted (``admitted``) or as
+    its healing begins (``healing``: only a joiner receives the state), its record saved first."""
+    def die(_epoch: Any) -> None:
         record.killed = kind
         record.save(path)
-        os._exit(9)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    if kind == "admitted":
-        m._enter = die
-    else:
-        m._sync_state = die  # (only a joiner receives the state: its first call)
+    m.at("enter" if kind == "admitted" else "sync_state", die)
 
 
 def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[bool, float]:
@@ -397,11 +395,21 @@ def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, A
         _watch(procs, out, set(victims), time.time() + TIMEOUT_S)
     finally:
         _wait(procs, time.time())
-    records = {}
-    for i in range(n):
+    return {"records": records_of(out, n), "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+
+
+def records_of(out: Path, n: int) -> dict[int, dict[str, Any] | None]:
+    """The ``n`` processes' records in ``out`` (``None``: one that wrote none)."""
+    return {i: json.loads(f.read_text()) if (f := out / f"{i}.json").exists() else None for i in range(n)}
+
+
+def failed(procs: list[Any], out: Path, victims: set[int]) -> bool:
+    """Whether a process that is no victim has ended without its record or with an error in it."""
+    for i, p in enumerate(procs):
         f = out / f"{i}.json"
-        records[i] = json.loads(f.read_text()) if f.exists() else None
-    return {"records": records, "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+        if p.exitcode is not None and i not in victims and (not f.exists() or json.loads(f.read_text())["error"]):
+            return True
+    return False
 
 
 def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float) -> None:
@@ -409,10 +417,8 @@ def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float) -> N
     record or with an error in it (the others, waiting for a step or a signal that will
     never come, are then given 5 s and killed), or the deadline."""
     while time.time() < deadline and any(p.is_alive() for p in procs):
-        for i, p in enumerate(procs):
-            f = out / f"{i}.json"
-            if p.exitcode is not None and i not in victims and (not f.exists() or json.loads(f.read_text())["error"]):
-                deadline = min(deadline, time.time() + 5)
+        if failed(procs, out, victims):
+            deadline = min(deadline, time.time() + 5)
         time.sleep(0.2)
 
 
