@@ -24,14 +24,13 @@ the end. Per cell: the worst over its jobs. Targets: the worst stall at most 2 s
 from __future__ import annotations
 
 import csv
-import json
 import time
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from .chaos import JOINER_POINTS, ChaosConfig, _digests, start_members
+from .chaos import JOINER_POINTS, ChaosConfig, _digests, failed, records_of, start_members
 from .common import machine_info
 from .faults import TIMEOUT_S, Shared, _env, _median_step, _wait
 
@@ -68,11 +67,7 @@ def run_job(cfg: ChaosConfig, mode: str, transport: str, point: str, out: Path) 
         _tell(procs, shared, [last, cfg.members], told, out, set(kills), time.time() + TIMEOUT_S)
     finally:
         _wait(procs, time.time())
-    records = {}
-    for i in range(n):
-        f = out / f"{i}.json"
-        records[i] = json.loads(f.read_text()) if f.exists() else None
-    return {"records": records, "told": told, "codes": [p.exitcode for p in procs]}
+    return {"records": records_of(out, n), "told": told, "codes": [p.exitcode for p in procs]}
 
 
 def _tell(procs: list[Any], shared: list[Shared], dying: list[int], told: list[float], out: Path,
@@ -88,10 +83,8 @@ def _tell(procs: list[Any], shared: list[Shared], dying: list[int], told: list[f
                 shared[k].go.set()
                 told.append(time.time())
                 since = None
-        for i, p in enumerate(procs):
-            f = out / f"{i}.json"
-            if p.exitcode is not None and i not in victims and (not f.exists() or json.loads(f.read_text())["error"]):
-                deadline = min(deadline, time.time() + 5)
+        if failed(procs, out, victims):
+            deadline = min(deadline, time.time() + 5)
         time.sleep(0.02)
 
 
