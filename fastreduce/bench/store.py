@@ -186,14 +186,10 @@ def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
 def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> Any:
     """A ``Membership`` of epoch 0 of ``world`` members (``rank``'s), between its steps:
     enough of one for its real ``_vote``."""
-    m = object.__new__(membership.Membership)
-    m.store, m.where, m._caller, m._waiter = store, "the bench's store", faults.StoreCaller("bench-vote"), None
-    m.timeout_s, m.poll_s, m._poll_at, m._polled, m._leaves_seen = 600.0, poll_s, 0, None, 0
-    m._step_s, m._refused, m._state, m.tag = step_s, set(), {}, ""
-    m.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())
-    m.member = str(rank)
-    m._here = False  # its requests' deadlines as on a host other than the coordinator's
-    m.step, m._healed, m.wait_s = 0, True, 600.0
+    m = membership.Membership(store, world_size=world, member=str(rank), poll_s=poll_s,
+                              timeout_s=600.0, wait_s=600.0)  # built as a member is: nothing of it left out
+    m.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())  # then as after join()
+    m._step_s, m._healed = step_s, True  # the step time the vote's deadlines scale with; the state held
     return m
 
 
