@@ -8,7 +8,7 @@ On one host this starts a coordinator (``fastreduce.membership.serve``), 3 membe
 and one replacement, each a plain process (not ``torchrun``) running the same training
 script: a small MLP regression with AdamW, gradient clipping and a warm-up + cosine LR
 schedule, through ``FastReduceTrainer(..., fastreduce_membership=m)`` or
-``FastReduceStrategy(mode, membership=m)``. Member 2 ``os._exit``\\ s in the forward of step
+``FastReduceStrategy(mode, membership=m)``. Member 2 dies (SIGKILL to itself) in the forward of step
 ``--kill-at``; the survivors discard that step and go on; the replacement, started at once
 and told to join when member 2 is gone, is admitted and takes the whole state from a live
 member. Each member prints its end: the step count, its parameters' digest (the same on all).
@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -107,9 +108,11 @@ def _membership(port: int) -> Any:
 
 
 def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
-    """Member ``index`` exits in the forward of step ``kill`` (``step()``: the trainer's count)."""
+    """Member ``index`` dies in the forward of step ``kill`` (``step()``: the trainer's count)
+    as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does)."""
     if kill is not None:
-        module.register_forward_pre_hook(lambda *_: os._exit(9) if step() == kill else None)
+        module.register_forward_pre_hook(
+            lambda *_: os.kill(os.getpid(), signal.SIGKILL) if step() == kill else None)
 
 
 # ====================================================================== Hugging Face

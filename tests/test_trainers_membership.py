@@ -5,7 +5,7 @@ Real processes (spawned, each its own interpreter, not torchrun), a real coordin
 ``TCPStore`` server in this test's process), real Gloo groups made again at each epoch.
 Three members train a small MLP (AdamW, clipping, warm-up + cosine LR, accumulation 2)
 through ``FastReduceTrainer(..., fastreduce_membership=m)`` or
-``FastReduceStrategy(mode, membership=m)``; member 2 ``os._exit``\\ s in the forward of step
+``FastReduceStrategy(mode, membership=m)``; member 2 dies (SIGKILL to itself) in the forward of step
 11; a replacement, started at once and built, trains when member 2 is gone and is admitted
 mid-run. The members' script is ``examples/keep_training_trainers.py``.
 

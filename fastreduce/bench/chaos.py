@@ -16,7 +16,7 @@ committed step), kept across epochs in the mode's state.
 
 The kills (:func:`schedule`, drawn from ``seed``, the same steps and victims in every mode):
 one in each third of the run, a member (any one alive then, a healed replacement included)
-``os._exit``\\ s at a point of each kind, in a seeded order:
+dies (SIGKILL to itself: :func:`.common.crash`) at a point of each kind, in a seeded order:
 
 * ``mid-step``: after its backward, before ``commit()``;
 * ``in-flight``: overlapped, inside backward as the first layer's gradient is computed (the
@@ -58,7 +58,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import random
 import statistics
 import time
@@ -70,7 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import machine_info
+from .common import crash, machine_info
 from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
 
 __all__ = ["KINDS", "MODES", "TRANSPORTS", "ChaosConfig", "format_text", "quick_config",
@@ -287,13 +286,13 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 return fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=True, bucket_mb=cfg.bucket_mb)
             reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16)
             reduce = reducer.reduce
-            reducer.reduce = lambda *a, **k: os._exit(9) if armed("in-flight") else reduce(*a, **k)  # type: ignore
+            reducer.reduce = lambda *a, **k: crash() if armed("in-flight") else reduce(*a, **k)  # type: ignore
             return reducer
 
         if mode in ("overlap", "zero", "gossip"):  # the first layer's gradient comes last in backward
-            model[0].weight.register_hook(lambda g: os._exit(9) if armed("in-flight") else g)
+            model[0].weight.register_hook(lambda g: crash() if armed("in-flight") else g)
         if mode == "diloco":  # before the mode's own hook (registered later): the step done, the sync not begun
-            opt.register_step_post_hook(lambda *_: os._exit(9) if armed("in-flight") else None)
+            opt.register_step_post_hook(lambda *_: crash() if armed("in-flight") else None)
         shared[0].ready.wait(TIMEOUT_S)  # every process imported and built before the first step
         if go is not None:
             shared[go].go.wait(TIMEOUT_S)
@@ -307,7 +306,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             record.digests[str(m.step)] = _digest(model)
         while m.step < cfg.steps:
             if armed("between"):
-                os._exit(9)
+                crash()
             t0, before = time.time(), m.step
             shared[0].started(t0)
             x, y = batch_for(cfg, m.step, m.rank)  # type: ignore[arg-type]
@@ -320,7 +319,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 train_loss = nn.functional.mse_loss(model(x), y)
                 train_loss.backward()
                 if armed("mid-step") or armed("first-step"):
-                    os._exit(9)
+                    crash()
                 ok, loss = m.commit(stepper.step), train_loss.item()
                 (m.mode if mode == "zero" else opt).zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
@@ -350,7 +349,7 @@ def _die_joining(m: Any, kind: str, record: ChaosRecord, path: Path) -> None:
     def die(_epoch: Any) -> None:
         record.killed = kind
         record.save(path)
-        os.kill(os.getpid(), signal.SIGKILL)
+        crash()
 
     m.at("enter" if kind == "admitted" else "sync_state", die)
 
@@ -365,7 +364,7 @@ def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[
         loss.backward()
         box[0] = loss.item()
         if armed("mid-step") or armed("first-step"):  # its buckets stepped, their exchanges in flight
-            os._exit(9)
+            crash()
 
     return m.commit(forward_backward), box[0]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,13 +23,21 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEAD_SIZE", "VOCAB", "Method", "byte_gpt2",
+__all__ = ["HEAD_SIZE", "VOCAB", "Method", "byte_gpt2", "crash",
            "machine_info", "ohabana_loop", "percentile", "slowest_rank", "summary_ms",
            "time_call", "time_round_robin"]
 
 
 def _noop() -> None:
     pass
+
+
+def crash() -> Any:
+    """Die as the OS kills a process (what ``kill -9`` from outside does): SIGKILL to this
+    process, no teardown, no flush, no exit code of its own choosing. The fault benches'
+    injected crashes; it never returns (typed ``Any`` to sit in a hook's expression)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL was sent to this process")
 
 
 @dataclass

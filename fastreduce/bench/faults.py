@@ -27,7 +27,7 @@ lost process.
 The schedule (:class:`FaultsConfig`): ``members`` (4) processes train a ``params_m``-million
 parameter MLP (1M by default; ``--params-m 10`` for the joiner target's model) with AdamW on
 seeded batches (each rank its own, drawn from the step and the rank) to ``steps`` (300)
-committed steps. The last member ``os._exit``\\ s mid-step (after its backward, before the
+committed steps. The last member dies (SIGKILL to itself) mid-step (after its backward, before the
 reduction) at a step drawn from ``seed``; ``join_after`` (20) committed steps later a
 replacement joins: a process started with the others (spawned fresh, so its process start and
 imports are measured, and reported apart), waiting until it is told to join. Under
@@ -79,7 +79,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from .common import machine_info
+from .common import crash, machine_info
 
 __all__ = ["CONTENDERS", "FaultsConfig", "build_model", "format_text", "quick_config", "run_faults_bench"]
 
@@ -322,7 +322,7 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
             shared.started(t0)
             _loss(model, cfg, m.step, m.rank)
             if kill == m.step:
-                os._exit(9)
+                crash()
             ok = m.commit(stepper().step)  # the reduction, AdamW's step (ZeRO: the vote between them)
             stepper().zero_grad()
             record.step_done(t0, ok, m.world, shared, m.step)
@@ -407,7 +407,7 @@ def torchft_member(index: int, cfg: FaultsConfig, where: tuple[str, int], out: s
             manager.start_quorum()
             _loss(model, cfg, manager.current_step(), data_rank)
             if kill_at == manager.current_step():
-                os._exit(9)
+                crash()
             torch._foreach_copy_(views, [p.grad for p in params])
             manager.allreduce(flat).wait()
             torch._foreach_copy_([p.grad for p in params], views)
@@ -484,7 +484,7 @@ def restart_rank(rank: int, cfg: FaultsConfig, port: int, attempt: int, out: str
             shared.started(t0)
             _loss(model, cfg, step, rank)
             if kill == step:
-                os._exit(9)
+                crash()
             reducer.reduce()
             opt.step()
             opt.zero_grad()
