@@ -446,12 +446,7 @@ class EpochChanges(CoordinatorClient):
         self._close_mode(drain=not after_loss)
 
     def _close_mode(self, drain: bool = True) -> None:
-        if _kind(self.mode) == "gossip":
-            self.mode.close(drain=drain)
-        elif _kind(self.mode) == "zero":
-            self.mode.close(wait=drain)
-        elif (close := getattr(self.mode, "close", None) or getattr(self.mode, "remove", None)) is not None:
-            close()
+        self.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)
         self.mode = None
 
     def _leave_group(self, abandon: bool) -> None:

@@ -408,10 +408,10 @@ class Membership(EpochChanges):
                 raise _Aborted(who)
             voted.append((decision, who))
 
-        mode._commit_point = vote
         try:
-            step()
-            mode.wait_params()  # a peer lost during the all-gather fails here, not in the next forward
+            with mode.commit_point(vote):
+                step()
+                mode.wait_params()  # a peer lost during the all-gather fails here, not in the next forward
         except _Aborted as aborted:  # a member went silent before every member voted: no shard stepped
             return self._lost_step(aborted.members, start)
         except RuntimeError as err:
@@ -424,8 +424,6 @@ class Membership(EpochChanges):
             self.counters.losses += 1
             self._next_epoch(lost, "loss", start)
             return True
-        finally:
-            mode._commit_point = None
         if not voted:
             raise RuntimeError("commit(step) with a ZeroOptimizer: step must call its step() (membership.commit("
                                "membership.mode.step)); nothing was committed")

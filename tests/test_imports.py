@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pkgutil
 from pathlib import Path
 
@@ -169,6 +170,20 @@ def test_modes_are_thin() -> None:
         assert not low_level, f"{name} imports transport or device modules {sorted(low_level)}"
         text = path.read_text()
         assert "habana_frameworks" not in text and "torch.cuda." not in text, f"{name} holds device code"
+
+
+def test_every_mode_closes_alike() -> None:
+    """Every mode closes with one ``close(drain=True)`` (docs/design.md, "The modes and what
+    they share"): what Membership and the trainers call, with no branch per mode; and the
+    trainers' side of each mode takes the same."""
+    from fastreduce.integrations.modes import MODES
+
+    classes = {m.cls for m in MODES.values()} | set(MODES.values())
+    assert len(classes) >= 10
+    for cls in classes:
+        params = inspect.signature(cls.close).parameters
+        assert list(params) == ["self", "drain"] and params["drain"].default is True, \
+            f"{cls.__name__}.close{inspect.signature(cls.close)}: every mode's is close(self, drain=True)"
 
 
 def test_quick_tier_runs_every_mode() -> None:

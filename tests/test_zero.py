@@ -731,6 +731,53 @@ def closure_case(rank: int, world: int, group: Any) -> dict:
     return {"zero": zero, "ref": refs, "zero_losses": zero_losses, "ref_losses": ref_losses}
 
 
+def commit_point_case(rank: int, world: int, group: Any) -> dict:
+    """``with opt.commit_point(fn)``: fn runs once a step, after the reduce-scatter and before
+    any shard steps; a raise there changes nothing and the next step is whole (against the
+    reference: the raised step's gradients are not applied)."""
+    model = odd_model(SEED)
+    ref = copy.deepcopy(model)
+    opt = zero_opt(model.parameters(), bucket_mb=SMALL_BUCKET_MB)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HPARAMS["adamw"])
+    seen: list[dict] = []
+
+    class Refused(Exception):
+        pass
+
+    def refuse() -> None:
+        raise Refused
+
+    out: dict[str, Any] = {"nested": ""}
+    for step in range(3):
+        loss_fn(model, batch_for(model, rank, step)).backward()
+        if step == 1:  # refused: nothing stepped; the reference skips this step too
+            before, state = params_of(model), copy.deepcopy(opt.state_dict())
+            with opt.commit_point(refuse):
+                try:
+                    opt.step()
+                except Refused:
+                    out["raised"] = True
+            out["unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            after = opt.state_dict()
+            out["state_unchanged"] = all(torch.equal(state["state"][i][k], after["state"][i][k])
+                                         for i in state["state"] for k in state["state"][i])
+        else:
+            with opt.commit_point(lambda: seen.append(params_of(model))):
+                try:
+                    with opt.commit_point(lambda: None):
+                        pass
+                except RuntimeError as err:
+                    out["nested"] = str(err)
+                opt.step()
+            loss_fn(ref, batch_for(ref, rank, step)).backward()
+            average_grads(ref, world, group)
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out.update(seen=len(seen), ref=params_of(ref), zero=params_of(model))
+    return out
+
+
 def api_case(rank: int, world: int) -> dict:
     model = odd_model(SEED)
     params = list(model.parameters())
@@ -775,6 +822,7 @@ def misc_worker(rank: int, world: int) -> dict:
     for name in SCALER_CASES:
         out[f"scaler-{name}"] = guarded(scaler_case, rank, world, name, ref_group)
     out["closure"] = guarded(closure_case, rank, world, ref_group)
+    out["commit_point"] = guarded(commit_point_case, rank, world, ref_group)
     out["api"] = guarded(api_case, rank, world)
     return out
 
@@ -875,6 +923,14 @@ def test_step_with_closure(misc) -> None:
     for rank, out in enumerate(outs):
         assert out["zero_losses"] == pytest.approx(out["ref_losses"], rel=1e-5, abs=1e-7)
         assert_runs_close(out["zero"], out["ref"], f"rank {rank}")
+
+
+def test_commit_point_runs_before_the_shards_step_and_a_raise_there_changes_nothing(misc) -> None:
+    for rank, out in enumerate(per_rank(misc, "commit_point")):
+        assert out["seen"] == 2, "the commit point ran once a step"
+        assert out["raised"] and out["unchanged"] and out["state_unchanged"], f"rank {rank}"
+        assert "do not nest" in out["nested"]
+        assert_params_close(out["zero"], out["ref"], f"rank {rank}, the steps around a refused one")
 
 
 @pytest.mark.parametrize("opt_name", list(OPT_CLASSES))

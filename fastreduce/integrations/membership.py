@@ -268,8 +268,8 @@ class _Reduced:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer_mode.obj.load_state_dict(state)
 
-    def close(self) -> None:
-        self.trainer_mode.close()
+    def close(self, drain: bool = True) -> None:
+        self.trainer_mode.close(drain)
 
 
 class _Local:
@@ -295,8 +295,8 @@ class _Local:
     def sync(self) -> None:
         self.obj.sync()
 
-    def remove(self) -> None:
-        self.trainer_mode.close()
+    def close(self, drain: bool = True) -> None:
+        self.trainer_mode.close(drain)
 
 
 class TrainerMembership:

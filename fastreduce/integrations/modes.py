@@ -233,8 +233,9 @@ class TrainerMode:
         if self.per_rank:
             self.obj.sync()
 
-    def close(self) -> None:
-        """Take the mode's hooks off the model and optimizer."""
+    def close(self, drain: bool = True) -> None:
+        """Take the mode's hooks off the model and optimizer (``drain``: as the modes'
+        ``close(drain)``: ``False`` drops what is in flight, a peer was lost)."""
 
 
 class Fused(TrainerMode):
@@ -270,9 +271,9 @@ class Fused(TrainerMode):
             out["buckets"] = st.sizing.buckets
         return out
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         if self.obj is not None:
-            self.obj.close()
+            self.obj.close(drain)
 
 
 class Overlap(Fused):
@@ -341,9 +342,9 @@ class Local(TrainerMode):
         return {"syncs": m.syncs, "skipped_steps": m.skipped_steps, "skipped_syncs": m.skipped_syncs,
                 **_wire(m.stats)}
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         if self.obj is not None:
-            self.obj.remove()
+            self.obj.close(drain)
 
 
 class Diloco(Local):
@@ -451,9 +452,9 @@ class Gossip(TrainerMode):
     def finish(self) -> None:
         self.obj.global_avg()
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         if self.obj is not None:
-            self.obj.close()
+            self.obj.close(drain)
 
 
 MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco, Gossip)}

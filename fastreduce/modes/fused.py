@@ -316,10 +316,13 @@ class FusedReducer(ReducerState, JoinableMode):
         if self._built is not None and torch.is_grad_enabled():
             self._built.reattach.before_forward()
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         """Take every hook of this reducer off the model and its parameters (forward
         pre-hook, gradient hooks, the order recorder); :attr:`stats` stay readable. The
-        reducer must not be used afterwards."""
+        reducer must not be used afterwards. ``drain`` is every mode's (``close(drain)``):
+        here nothing is left to wait for, as :meth:`reduce` waits for every reduction
+        it launches, and the ones a backward launched that no ``reduce()`` waited for end
+        with their group, on their own."""
         remove_hooks([self._forward_hook])
         uncut_graphs(self)
         if self._built is not None:

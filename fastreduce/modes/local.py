@@ -245,11 +245,21 @@ class LocalUpdates(JoinableMode):
     def _after_step(self, s: int) -> None:
         raise NotImplementedError
 
-    def remove(self) -> None:
-        """Take the step hooks off: the optimizer steps without syncing from here on."""
+    def close(self, drain: bool = True) -> None:
+        """Take the step hooks off: the optimizer steps without syncing from here on, and
+        the mode must not be used afterwards. ``drain``: a fragment's sync in flight
+        (DiLoCo's ``fragment_delay > 0``) is waited for first (``False``: dropped, a peer
+        was lost)."""
+        if drain:
+            self._drain()
         remove_hooks(self._hooks + self._join_hook + self._nonfinite_hooks)
         self._hooks, self._join_hook = [], []
         self._nonfinite_hooks = []
+
+    def remove(self) -> None:
+        """The step hooks off, a sync in flight dropped: ``close(drain=False)``, under the
+        name it had before every mode closed alike."""
+        self.close(drain=False)
 
     def _join_shadow(self) -> None:
         """A joined rank's inner step under Join: no update of its own, the step's

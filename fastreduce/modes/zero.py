@@ -33,8 +33,9 @@ import bisect
 import itertools
 import logging
 import math
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -177,7 +178,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._graph_waits = False  # dynamo's DDP pass puts the waits into compiled code
         self.redundant = redundant
         self.mirror: ZeroMirror | None = None
-        self._commit_point: Callable[[], None] | None = None  # fastreduce.Membership's vote, before the shard steps
+        self._commit_point: Callable[[], None] | None = None  # commit_point(): e.g. Membership's vote
         self.params_stale = False
         """The shards stepped but their all-gather has not completed: the parameters are
         partly the last step's (what :func:`.zero_mirror.reshard` mends)."""
@@ -317,8 +318,12 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._reduce()
         skip = self._scaled() or self._nonfinite()
         self.last_step_skipped = skip
-        if self._commit_point is not None:  # the last collective is behind: Membership's vote
-            self._commit_point()
+        if self._commit_point is not None:  # the last collective is behind (commit_point())
+            try:
+                self._commit_point()
+            except BaseException:
+                self._reduced, self._found, self._clip_args = False, None, None  # the next step reduces its own
+                raise
         if not skip:
             self._sync_hyperparameters()
             self._drop_template()
@@ -333,11 +338,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._last_clip, self._clip_args = self._clip_args, None
         return loss
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, drain: bool = True) -> None:
         """Take every hook of this optimizer off the model and its parameters (gradient
-        hooks, forward pre-hooks); it must not be stepped afterwards. ``wait``: the last
+        hooks, forward pre-hooks); it must not be stepped afterwards. ``drain``: the last
         all-gather is waited for first (``False``: dropped, a peer was lost)."""
-        if wait:
+        if drain:
             self._wait_gathers()
         self._gathers = []
         remove_hooks(self._module_hooks + ([self._forward_reattach] if self._forward_reattach is not None else []))
@@ -346,6 +351,23 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._reattach.remove()
         if self._schedule is not None:
             self._schedule.remove()
+
+    @contextmanager
+    def commit_point(self, fn: Callable[[], None]) -> Iterator[None]:
+        """Within this block, each :meth:`step` calls ``fn()`` once every gradient
+        collective of the step is behind it and before any shard steps (even one that is
+        then skipped for a non-finite gradient). What ``fn`` raises ends the step there:
+        nothing stepped on this rank, the parameters and optimizer state as before, the
+        step's gradients spent (the next backward's are reduced at the next step). :class:`~fastreduce.Membership`
+        votes here (with ``redundant=True`` every shard's averaged gradients are then on two
+        ranks, so a step voted for stands through a loss)."""
+        if self._commit_point is not None:
+            raise RuntimeError("ZeroOptimizer.commit_point() is already in use: blocks do not nest")
+        self._commit_point = fn
+        try:
+            yield
+        finally:
+            self._commit_point = None
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
