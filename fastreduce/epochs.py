@@ -2,7 +2,7 @@
 survivors (and joiners) agree on it through the coordinator, each enters it (a new default
 process group on a fresh store prefix, the joiners healed from rank 0, the mode built again
 with each member's own state, ZeRO's shards joined and resharded), and what each mode keeps
-across it (:func:`_kind`).
+across it (by how its steps commit: :func:`.modes.contract.commit_style`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .coordinator import _P, CoordinatorClient, Epoch, MembershipError, _epoch_k
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
+from .modes.contract import commit_style
 from .presence import Watch, pulses
 
 __all__ = ["EpochChanges"]
@@ -263,7 +264,7 @@ class EpochChanges(CoordinatorClient):
                                           "ranks, so the job cannot go on; restart it from the last checkpoint") \
                         from err
             self._hold_launches(True)
-            if _kind(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
+            if commit_style(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.mode.set_round(epoch.step)
 
     def _entry_bound(self) -> float:
@@ -358,7 +359,7 @@ class EpochChanges(CoordinatorClient):
         meet first (:meth:`_reach_first_step`). A launch to a member already dead fails at
         once, inside the user's backward, out of the commit's reach (a joiner that died
         after its own first backward, the others still in theirs)."""
-        schedule = getattr(self.mode, "_schedule", None) if _kind(self.mode) == "zero" else None
+        schedule = getattr(self.mode, "_schedule", None) if commit_style(self.mode) == "zero" else None
         if schedule is None:
             return
         schedule.sync = not hold and self.mode.overlap
@@ -436,7 +437,7 @@ class EpochChanges(CoordinatorClient):
         exchanges in flight are dropped), else as it saves it (they are completed)."""
         if self.mode is None:
             return
-        kind = _kind(self.mode)
+        kind = commit_style(self.mode)
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
             self._kept_mode = (zero_mirror.held(self.mode), kind)
         else:
@@ -465,33 +466,19 @@ class _Missing(Exception):
         self.members = members
 
 
-def _kind(mode: Any) -> str:
-    """How :meth:`Membership.commit` runs ``mode``: ``local`` (LocalSGD, DiLoCo: their
-    collectives in the optimizer's step), ``zero`` (:class:`~fastreduce.ZeroOptimizer`: a vote
-    before its shards step), ``gossip`` (steps and exchanges inside forward and
-    backward), ``reduce`` (the fused and overlapped reducers), else ``other``."""
-    if hasattr(mode, "communicates_at"):
-        return "local"
-    if hasattr(mode, "mirror"):
-        return "zero"
-    if hasattr(mode, "local_state_dict"):
-        return "gossip"
-    return "reduce" if hasattr(mode, "reduce") else "other"
-
-
 def _check_mode(mode: Any) -> None:
     """Refuse, on every member alike, a mode Membership cannot keep training."""
-    if _kind(mode) == "other":
+    if not commit_style(mode):
         raise TypeError(f"fastreduce.Membership runs the fused, overlapped, ZeRO, gossip, LocalSGD and DiLoCo modes, "
                         f"not {type(mode).__name__}")
-    if _kind(mode) == "zero" and not mode.redundant:
+    if commit_style(mode) == "zero" and not mode.redundant:
         raise ValueError("ZeroOptimizer under fastreduce.Membership needs redundant=True: each rank's optimizer shard "
                          "is then also kept on the next rank, so it is not lost with its rank (4P/N more memory "
                          "per rank with AdamW)")
     if getattr(mode, "fragment_delay", 0):
         raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
                          "under fastreduce.Membership yet: use fragment_delay=0")
-    if _kind(mode) == "gossip" and getattr(mode, "_quant", None) is not None:
+    if commit_style(mode) == "gossip" and getattr(mode, "_quant", None) is not None:
         raise ValueError("gossip with a quantized wire keeps a public copy of each neighbour's parameters, which a "
                          "new membership's topology would not match: under fastreduce.Membership use a float "
                          "wire_dtype (bfloat16 halves the bytes)")

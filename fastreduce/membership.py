@@ -83,9 +83,10 @@ import torch.distributed as dist
 import fastreduce.faults as faults
 
 from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, _epoch_key, connect, serve
-from .epochs import EpochChanges, _check_mode, _clone, _kind  # noqa: F401 (_check_mode: imported from here too)
+from .epochs import EpochChanges, _check_mode, _clone  # noqa: F401 (_check_mode: imported from here too)
 from .faults import RankLostError
 from .lifecycle import shutdown
+from .modes.contract import commit_style
 from .presence import EXIT_CHECK_S, Pulse, Watch
 from .version import __version__
 
@@ -178,7 +179,7 @@ class Membership(EpochChanges):
         self._refused: set[int] = set()  # joiner tickets refused here
         self._points = {}  # fault points' callables (at())
         self._healed = False  # whether this process holds the job's state (a member's, or a joiner's once sent)
-        self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, _kind of the mode)
+        self._kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
 
     # ------------------------------------------------------------------ reading
 
@@ -294,7 +295,7 @@ class Membership(EpochChanges):
                                "members re-shard the data at every epoch, so each has a batch at every step; a "
                                "member out of data calls membership.leave() and is out at the next poll")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
-        kind, s = _kind(self.mode), self.step
+        kind, s = commit_style(self.mode), self.step
         if kind == "local":
             return self._commit_local(step, start)
         lost = self._reach_first_step()  # (a new epoch's first step: every member alive and here)

@@ -38,6 +38,8 @@ QUICK: dict[str, tuple[str, ...]] = {
     "localsgd": ("test_local.py::test_sync_every_1_matches_torch_ddp",
                  "test_local.py::test_periodic_averaging_matches_reference_loop[odd-*"),
     "diloco": ("test_local.py::test_diloco_matches_reference_from_the_equations[F*",),
+    "fused_join": ("test_join.py::test_reducer_matches_ddp_join[*-fused-shm-2]",),
+    "contract": ("test_imports.py::test_every_mode_declares_the_contract",),
     "compressed": ("test_join.py::test_full_rank_powersgd_matches_ddp_join[*-shm-2]",),
     "join": ("test_join.py::*-shm-2]",),
     "checkpoint": ("test_elastic.py::test_resume_equals_uninterrupted*",),

@@ -10,6 +10,7 @@ import pkgutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import fastreduce
 
@@ -172,13 +173,18 @@ def test_modes_are_thin() -> None:
         assert "habana_frameworks" not in text and "torch.cuda." not in text, f"{name} holds device code"
 
 
-def test_every_mode_closes_alike() -> None:
-    """Every mode closes with one ``close(drain=True)`` (docs/design.md, "The modes and what
-    they share"): what Membership and the trainers call, with no branch per mode; and the
-    trainers' side of each mode takes the same."""
+def test_every_mode_declares_the_contract() -> None:
+    """Every mode declares how its steps commit (``commit_style``, :mod:`fastreduce.modes.contract`)
+    and closes with one ``close(drain=True)`` (docs/design.md, "The modes and what they
+    share"): what Membership and the trainers ask, with no branch per mode; the trainers'
+    side of each mode closes alike."""
     from fastreduce.integrations.modes import MODES
+    from fastreduce.modes.contract import COMMIT_STYLES, commit_style
 
-    classes = {m.cls for m in MODES.values()} | set(MODES.values())
+    modes = {m.cls for m in MODES.values()}
+    assert {cls.commit_style for cls in modes} == set(COMMIT_STYLES), "a commit style no mode has, or a mode without"
+    assert commit_style(torch.nn.Linear(1, 1)) == "" and commit_style(fastreduce.FusedReducer) == ""
+    classes = modes | set(MODES.values())
     assert len(classes) >= 10
     for cls in classes:
         params = inspect.signature(cls.close).parameters

@@ -420,7 +420,7 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     with pytest.raises(TypeError, match="ZeRO, gossip, LocalSGD and DiLoCo modes, not SGD"):
         _check_mode(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
     with pytest.raises(ValueError, match="ZeroOptimizer under fastreduce.Membership needs redundant=True"):
-        _check_mode(types.SimpleNamespace(mirror=None, redundant=False, step=lambda: None))  # as ZeroOptimizer's
+        _check_mode(type("Zero", (), {"commit_style": "zero", "redundant": False})())  # as ZeroOptimizer(redundant=False)
 
 
 def _heal_worker(rank: int, world: int) -> dict:

@@ -57,7 +57,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import random
 import statistics
 import time

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils.data import DistributedSampler
 
+from ..modes.contract import commit_style
 from .modes import TrainerMode
 
 __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
@@ -254,6 +255,8 @@ class _Reduced:
     backward (before the trainer clipped); :meth:`reduce` raises its error again, if any,
     inside the commit."""
 
+    commit_style = "reduce"
+
     def __init__(self, mode: TrainerMode, owner: TrainerMembership):
         self.trainer_mode, self.owner = mode, owner
 
@@ -275,6 +278,8 @@ class _Reduced:
 class _Local:
     """LocalSGD or DiLoCo as the Membership sees it: the run's last step communicates too
     (every fragment synced inside its commit)."""
+
+    commit_style = "local"
 
     def __init__(self, mode: TrainerMode, owner: TrainerMembership):
         self.trainer_mode, self.obj, self.owner = mode, mode.obj, owner
@@ -383,9 +388,10 @@ class TrainerMembership:
         self.mode.start_figures(self.m.step)
         if on_epoch is not None:
             on_epoch()
-        if self.mode.name == "zero":  # the Membership runs the ZeroOptimizer itself (its vote, its shards)
+        style = commit_style(self.mode.obj)
+        if style == "zero":  # the Membership runs the ZeroOptimizer itself (its vote, its shards)
             return self.mode.obj
-        return _Local(self.mode, self) if hasattr(self.mode.obj, "communicates_at") else _Reduced(self.mode, self)
+        return _Local(self.mode, self) if style == "local" else _Reduced(self.mode, self)
 
     def _zero_clipping(self) -> None:
         """ZeRO: ``redundant=True``; the mode's clipping (the trainer's, routed to it) keeps a

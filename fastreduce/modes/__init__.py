@@ -9,6 +9,7 @@ transport or holds device code. The public names are re-exported by :mod:`fastre
 ============== ================================================================
  fused          one averaging all-reduce of every gradient after backward
  overlap        buckets in backward order, each all-reduced from a gradient hook
+ fused_join     (the fused reducer under torch's Join: uneven inputs)
  functional     ``all_reduce_gradients``: the fused reducer kept on the model
  zero           reduce-scatter per bucket, 1/N optimizer step, all-gather
  zero_shard     (what one ZeRO rank holds: its chunks, fp32 masters, the shard's optimizer)
@@ -18,5 +19,6 @@ transport or holds device code. The public names are re-exported by :mod:`fastre
  local          (the local-update mechanism shared by LocalSGD and DiLoCo)
  localsgd       local steps, parameters averaged every H steps
  diloco         local steps, an outer optimizer step on the averaged delta
+ contract       (what every mode declares: how its steps commit, how it closes)
 ============== ================================================================
 """

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..backends import Backend, select_backend
 from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
 from ..buffer import FusedBuffer, attached
-from ..comm import Comm, MeanPlan, Pending, complete, get_comm, wants_shm
+from ..comm import Comm, MeanPlan, Pending, get_comm, wants_shm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..compiling import ModeCut, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
@@ -45,12 +45,12 @@ from ..faults import guarded, wait_watched
 from ..hooks import optional_before_forward, remove_hooks
 from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, attach_used, check_grads, first_nonfinite,
                      missing_message, nonfinite_error)
-from ..join import JoinableMode, sync_from_last_joiner
 from ..layout import GradLayout, verify_across_ranks
 from ..profiling import span
 from ..sizing import AUTO, AutoSizer, Sizing
 from .compressed import Compressed
 from .fused_config import ReducerConfig, UnusedGrads
+from .fused_join import FusedJoin
 from .fused_state import ReducerState
 from .overlap import bucket_segments, overlap_schedule
 
@@ -101,7 +101,7 @@ class _Built:
     reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
 
 
-class FusedReducer(ReducerState, JoinableMode):
+class FusedReducer(ReducerState, FusedJoin):
     """Averages a model's gradients across a process group with fused collectives.
 
     Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
@@ -129,6 +129,8 @@ class FusedReducer(ReducerState, JoinableMode):
         ...         opt.step()
         ...         reducer.zero_grad()               # grads stay views: no copy next step
     """
+
+    commit_style = "reduce"  # under a Membership (modes/contract.py)
     _cut: ModeCut | None = None  # overlap: the compiled graphs' cut (see _cut_graphs)
 
     def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None, **config: Any):
@@ -507,52 +509,6 @@ class FusedReducer(ReducerState, JoinableMode):
             st.collectives += path.end_step()
             st.compressed += compressed
         st.bytes_reduced += path.nbytes if compressed else getattr(built.plan, "wire_bytes", built.buffer.nbytes)
-
-    # ------------------------------------------------------------------ uneven inputs (Join)
-
-    @staticmethod
-    def _scale_grads(built: _Built, factor: float) -> None:
-        """Averaged over the group with joined ranks' zeros in it: x world / active."""
-        if factor != 1.0:
-            torch._foreach_mul_(built.buffer.flats, factor)
-
-    def _join_check(self) -> None:
-        """Joinables communicate in the order listed, an overlapped reducer from backward: not as the fused step."""
-        if self.config.overlap and self._built is not None and self._built.schedule is None:
-            self.rebuild()  # (the next reduce() builds its schedule: see _build)
-
-    @torch.no_grad()
-    def _join_shadow(self) -> None:
-        """A joined rank's reduce(): the same collectives on a zeroed wire buffer (its
-        gradients are zeros from here on); nothing else (its optimizer does not step)."""
-        built = self._built
-        if built is None:
-            raise RuntimeError("a rank joined before its first reduce(): under Join every rank must "
-                               "reduce at least once (the first step learns the layout on every rank)")
-        built.buffer.wire.zero_()
-        built.buffer.zero_()
-        path = built.compressed
-        if path is not None and path.compressing:  # the active ranks' collectives, on zeros
-            works = path.shadow()
-        elif built.schedule is not None:
-            works = [built.schedule.launch(b, True) for b in range(len(built.schedule.buckets))]
-        elif isinstance(built.plan, QuantMean):
-            works = [built.plan.start()]
-        else:
-            works = [built.comm.all_reduce(built.buffer.wire, built.plan)]
-        if built.flags is not None:
-            built.flags.zero_()
-            works.append((dist.all_reduce(built.flags, group=self.group, async_op=True), None))
-        for pending in works:
-            complete(pending)
-        if path is not None:
-            path.end_shadow()
-
-    def _join_finish(self, is_last_joiner: bool) -> None:
-        """Joined ranks did not step: every rank takes a last joiner's parameters and
-        buffers (as DDP does), so all end alike."""
-        sync_from_last_joiner([t.data for t in self.model.parameters()] + list(self.model.buffers()),
-                              self.group, is_last_joiner)
 
     def _raise_unfrozen(self, built: _Built) -> None:
         names = {id(p): n for n, p in self.model.named_parameters()}

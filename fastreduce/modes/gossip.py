@@ -131,6 +131,8 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         >>> ddp.global_avg()                    # exact average of parameters and buffers, to evaluate
     """
 
+    commit_style = "gossip"  # under a Membership (modes/contract.py)
+
     def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: SchedulerFn | None = None,
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
                  group: dist.ProcessGroup | None = None, bucket_mb: float | str | None = AUTO,

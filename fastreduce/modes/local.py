@@ -117,6 +117,8 @@ class LocalUpdates(JoinableMode):
     an averaged pseudo-gradient is applied.
     """
 
+    commit_style = "local"  # under a Membership (modes/contract.py)
+
     _delta: bool  # average the change since the last sync (through ``anchor``)
     _averages_params = True  # under Join a sync is a mean over the active ranks, whatever the divisor asked
 

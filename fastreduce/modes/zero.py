@@ -132,6 +132,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() itself, see _scaled()
+    commit_style = "zero"  # under a Membership (modes/contract.py)
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
