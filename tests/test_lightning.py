@@ -176,12 +176,14 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("compile") / "result.json"
     t0 = time.perf_counter()
-    _torchrun(str(Path(__file__).resolve()), str(out), "compile", timeout=240)
+    # (a bound for a hang: 4 compiles of 2 ranks took 100 s in the default stack's loaded first pass,
+    # past 240 s on the Gaudi stack beside the exits bench's launches)
+    _torchrun(str(Path(__file__).resolve()), str(out), "compile", timeout=420)
     print(f"torchrun compile run: {time.perf_counter() - t0:.1f}s")
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(270)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("run", list(COMPILED))
 def test_compiled_module_matches_eager(compiled: dict, run: str) -> None:
     """A compiled LightningModule fitted with FastReduceStrategy ends where the same module
@@ -206,7 +208,7 @@ def test_compiled_module_matches_eager(compiled: dict, run: str) -> None:
     assert fr["loss_decreased"]
 
 
-@pytest.mark.timeout(270)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("run", list(COMPILED))
 def test_compiled_module_really_compiled(compiled: dict, run: str) -> None:
     """Lightning unwrapped the ``torch.compile``-d module and trained it compiled (its graphs
