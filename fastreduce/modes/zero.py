@@ -317,26 +317,23 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         if self._forward_waits is None:  # outside any compiled frame: the hooks come off
             self._forward_waits = stand_down(self._module_hooks)
         self._reduce()
-        skip = self._scaled() or self._nonfinite()
-        self.last_step_skipped = skip
-        if self._commit_point is not None:  # the last collective is behind (commit_point())
-            try:
+        try:
+            skip = self._scaled() or self._nonfinite()
+            self.last_step_skipped = skip
+            if self._commit_point is not None:  # the last collective is behind (commit_point())
                 self._commit_point()
-            except BaseException:
-                self._reduced, self._found, self._clip_args = False, None, None  # the next step reduces its own
-                raise
-        if not skip:
-            self._sync_hyperparameters()
-            self._drop_template()
-            self.params_stale = True  # until every bucket's all-gather has completed
-            with span("fastreduce::shard_step"):
-                self.inner.step()
-                if self.mirror is not None:  # (its hyperparameters synced above)
-                    self.mirror.inner.step()
-            self._gather()
-        self._reduced = False
-        self._found = None
-        self._last_clip, self._clip_args = self._clip_args, None
+            if not skip:
+                self._sync_hyperparameters()
+                self._drop_template()
+                self.params_stale = True  # until every bucket's all-gather has completed
+                with span("fastreduce::shard_step"):
+                    self.inner.step()
+                    if self.mirror is not None:  # (its hyperparameters synced above)
+                        self.mirror.inner.step()
+                self._gather()
+            self._last_clip = self._clip_args  # a joined rank repeats a step's clip only if it completed
+        finally:  # done or raised, this step's gradients are spent: the next step reduces its own
+            self._reduced, self._found, self._clip_args = False, None, None
         return loss
 
     def close(self, drain: bool = True) -> None:
@@ -472,7 +469,6 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
             log.warning("fastreduce: ZeroOptimizer: the averaged gradients hold inf or NaN; this step is "
                         "skipped on every rank (nonfinite='skip')")
             return True
-        self._reduced = False  # the next step reduces afresh
         name = self._first_nonfinite()
         raise nonfinite_error("the averaged gradients", name, "some rank's gradient was not finite, or "
                               "overflowed the wire dtype; nothing was stepped: the parameters and optimizer "
