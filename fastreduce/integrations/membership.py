@@ -250,39 +250,42 @@ class _Booked:
         self.steps = int(state["steps"])
 
 
-class _Reduced:
-    """A fused mode as the Membership sees it in a trainer: the reduction ran right after
-    backward (before the trainer clipped); :meth:`reduce` raises its error again, if any,
-    inside the commit."""
+class _Seen:
+    """A trainer's mode as the Membership sees it: the mode's own state, closed through the
+    trainer's side of it (:meth:`TrainerMode.close`)."""
 
-    commit_style = "reduce"
+    commit_style = ""  # each kind's own (modes/contract.py)
 
     def __init__(self, mode: TrainerMode, owner: TrainerMembership):
-        self.trainer_mode, self.owner = mode, owner
+        self.trainer_mode, self.obj, self.owner = mode, mode.obj, owner
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+    def close(self, drain: bool = True) -> None:
+        self.trainer_mode.close(drain)
+
+
+class _Reduced(_Seen):
+    """A fused mode: the reduction ran right after backward (before the trainer clipped);
+    :meth:`reduce` raises its error again, if any, inside the commit."""
+
+    commit_style = "reduce"
 
     def reduce(self) -> None:
         err, self.owner.failed = self.owner.failed, None
         if err is not None:
             raise err
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer_mode.obj.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer_mode.obj.load_state_dict(state)
-
-    def close(self, drain: bool = True) -> None:
-        self.trainer_mode.close(drain)
-
-
-class _Local:
-    """LocalSGD or DiLoCo as the Membership sees it: the run's last step communicates too
-    (every fragment synced inside its commit)."""
+class _Local(_Seen):
+    """LocalSGD or DiLoCo: the run's last step communicates too (every fragment synced inside
+    its commit)."""
 
     commit_style = "local"
-
-    def __init__(self, mode: TrainerMode, owner: TrainerMembership):
-        self.trainer_mode, self.obj, self.owner = mode, mode.obj, owner
 
     @property
     def steps(self) -> int:
@@ -291,17 +294,8 @@ class _Local:
     def communicates_at(self, s: int) -> bool:
         return self.obj.communicates_at(s) or self.owner.pending == self.owner.last_step
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.obj.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state)
-
     def sync(self) -> None:
         self.obj.sync()
-
-    def close(self, drain: bool = True) -> None:
-        self.trainer_mode.close(drain)
 
 
 class TrainerMembership:
