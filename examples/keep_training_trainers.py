@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
-import signal
 import tempfile
 import time
 import traceback
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from keep_training import die  # this folder's: SIGKILL to itself
 
 STEPS = 24
 BATCH = 4
@@ -111,8 +112,7 @@ def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
     """Member ``index`` dies in the forward of step ``kill`` (``step()``: the trainer's count)
     as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does)."""
     if kill is not None:
-        module.register_forward_pre_hook(
-            lambda *_: os.kill(os.getpid(), signal.SIGKILL) if step() == kill else None)
+        module.register_forward_pre_hook(lambda *_: die() if step() == kill else None)
 
 
 # ====================================================================== Hugging Face

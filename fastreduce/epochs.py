@@ -468,17 +468,18 @@ class _Missing(Exception):
 
 def _check_mode(mode: Any) -> None:
     """Refuse, on every member alike, a mode Membership cannot keep training."""
-    if not commit_style(mode):
+    style = commit_style(mode)
+    if not style:
         raise TypeError(f"fastreduce.Membership runs the fused, overlapped, ZeRO, gossip, LocalSGD and DiLoCo modes, "
                         f"not {type(mode).__name__}")
-    if commit_style(mode) == "zero" and not mode.redundant:
+    if style == "zero" and not mode.redundant:
         raise ValueError("ZeroOptimizer under fastreduce.Membership needs redundant=True: each rank's optimizer shard "
                          "is then also kept on the next rank, so it is not lost with its rank (4P/N more memory "
                          "per rank with AdamW)")
     if getattr(mode, "fragment_delay", 0):
         raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
                          "under fastreduce.Membership yet: use fragment_delay=0")
-    if commit_style(mode) == "gossip" and getattr(mode, "_quant", None) is not None:
+    if style == "gossip" and getattr(mode, "_quant", None) is not None:
         raise ValueError("gossip with a quantized wire keeps a public copy of each neighbour's parameters, which a "
                          "new membership's topology would not match: under fastreduce.Membership use a float "
                          "wire_dtype (bfloat16 halves the bytes)")
