@@ -340,6 +340,12 @@ def subgroup_case(rank: int, world: int) -> dict | None:
 MIRROR_STEPS = 6
 
 
+def flat_state(inner: Any, b: int) -> dict[str, torch.Tensor]:
+    """Chunk ``b``'s optimizer state, laid out flat, and its pieces' scalars (``table``)."""
+    flats, table = inner.pack(b)
+    return {**flats, "table": table}
+
+
 def mirror_case(rank: int, world: int) -> dict:
     """``redundant=True``: the same run as without it (bit for bit), rank r's copy of rank
     r - 1's shard equal to it after clipped steps, what the ranks hold moved
@@ -359,8 +365,8 @@ def mirror_case(rank: int, world: int) -> dict:
             opt.zero_grad()
         opt.wait_params()
         runs[redundant] = params_of(model)
-    mine = [(s.master.clone(), {k: v.clone() for k, v in opt.inner.state[s.master].items()}) for s in opt.shards]
-    mirror = [(m.clone(), {k: v.clone() for k, v in opt.mirror.inner.state[m].items()}) for m in opt.mirror.masters]
+    mine = [(s.master.clone(), flat_state(opt.inner, b)) for b, s in enumerate(opt.shards)]
+    mirror = [(m.clone(), flat_state(opt.mirror.inner, b)) for b, m in enumerate(opt.mirror.masters)]
     got: list[Any] = [None] * world
     dist.all_gather_object(got, mine)
     prev = got[(rank - 1) % world]
@@ -391,9 +397,9 @@ def mirror_case(rank: int, world: int) -> dict:
     moved = other.state_dict()
     resharded_equal = all(torch.equal(moved["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
     theirs: list[Any] = [None] * world
-    dist.all_gather_object(theirs, [(s.master.clone(), dict(other.inner.state[s.master])) for s in other.shards])
-    resharded_equal &= all(torch.equal(a, m) and all(torch.equal(st[k], other.mirror.inner.state[m][k]) for k in st)
-                           for (a, st), m in zip(theirs[(rank - 1) % world], other.mirror.masters))
+    dist.all_gather_object(theirs, [(s.master.clone(), flat_state(other.inner, b)) for b, s in enumerate(other.shards)])
+    resharded_equal &= all(torch.equal(a, m) and all(torch.equal(st[k], v) for k, v in flat_state(other.mirror.inner, b).items())
+                           for b, ((a, st), m) in enumerate(zip(theirs[(rank - 1) % world], other.mirror.masters)))
     held = zero_mirror.held(opt)  # old rank 1 and its neighbour (the holders of chunk 1) both lost
     held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
     try:
@@ -406,6 +412,85 @@ def mirror_case(rank: int, world: int) -> dict:
             "resharded_equal": resharded_equal, "lost": lost}
 
 
+class ExpertsModel(nn.Module):
+    """A mixture-of-experts layer whose router is the step: expert 2 gets no token on 2
+    steps of 3 (on every rank), and on one step of 6 only on rank 1; expert 3 none before
+    step 5 (its state made at its first gradient), then on every other step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 10)
+        self.experts = nn.ModuleList(nn.Linear(10, 10) for _ in range(4))
+        self.out = nn.Linear(10, 1)
+
+    @staticmethod
+    def routed(step: int, rank: int) -> list[int]:
+        out = [0, 1]
+        if step % 3 == 0 and (step % 6 == 0 or rank == 1):
+            out.append(2)
+        if step >= 5 and step % 2:
+            out.append(3)
+        return out
+
+    def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(sum(self.experts[e](h) for e in self.routed(step, rank)))
+
+
+MOE_STEPS = 20
+MOE_WIRES = {"fp32": None, "fp32-redundant": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def moe_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+    return nn.functional.mse_loss(model(x, step, rank), y)
+
+
+def moe_case(rank: int, world: int) -> dict:
+    """ZeroOptimizer over :class:`ExpertsModel` (AdamW, weight_decay=0.1) against
+    ``torch.optim.AdamW`` on the mean gradient (every rank's batch run here; a parameter
+    no rank's backward reached has no gradient, one reached on some rank the mean with
+    zeros): per wire, the parameters after every step and the final state dicts; and
+    whether expert 2's parameters and moments were untouched at each step it had no
+    gradient anywhere, as torch leaves them."""
+    torch.manual_seed(SEED)
+    ref = ExpertsModel()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    refs = []
+    for step in range(MOE_STEPS):
+        for r in range(world):
+            (moe_loss(ref, step, r) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        refs.append(params_of(ref))
+    out: dict[str, Any] = {"ref": refs, "ref_state": ref_opt.state_dict()}
+    for wire, dtype in MOE_WIRES.items():
+        torch.manual_seed(SEED)
+        model = ExpertsModel()
+        opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                       module=model, wire_dtype=dtype, redundant=wire.endswith("redundant"),
+                                       bucket_mb=SMALL_BUCKET_MB)
+        expert2 = [i for i, (n, _) in enumerate(model.named_parameters()) if n.startswith("experts.2.")]
+        runs, untouched, before = [], [], None
+        for step in range(MOE_STEPS):
+            moe_loss(model, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.wait_params()
+            runs.append(params_of(model))
+            if dtype is not None:
+                sd = opt.state_dict()["state"]
+                now = {i: {k: v.clone() for k, v in sd[i].items()} for i in expert2 if i in sd}
+                if not any(2 in ExpertsModel.routed(step, r) for r in range(world)):
+                    untouched.append(now.keys() == before.keys() and all(
+                        torch.equal(now[i][k], before[i][k]) for i in now for k in now[i]))
+                before = now
+        out[wire] = {"runs": runs, "state": opt.state_dict(), "untouched": untouched}
+        opt.close()
+    return out
+
+
 def parity_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out: dict[str, Any] = {}
@@ -415,6 +500,7 @@ def parity_worker(rank: int, world: int) -> dict:
     out["memory"] = guarded(memory_case, rank, world)
     out["subgroup"] = guarded(subgroup_case, rank, world)
     out["mirror"] = guarded(mirror_case, rank, world)
+    out["moe"] = guarded(moe_case, rank, world)
     return out
 
 
@@ -492,6 +578,32 @@ def test_redundant_keeps_each_shard_on_the_next_rank_and_the_pieces_join(parity)
         assert got["same_run"] and got["copies_equal"], (world, rank, got)
         assert got["joined_equal"] and got["loaded_equal"] and got["resharded_equal"], (world, rank, got)
         assert got["lost"] is not None and "old rank(s) [1]" in got["lost"], got["lost"]
+
+
+@pytest.mark.parametrize("wire", MOE_WIRES)
+def test_parameters_without_gradient_are_skipped_as_torch_optim_skips_them(parity, wire: str) -> None:
+    """A mixture of experts whose router skips an expert on every rank at some steps:
+    ZeroOptimizer steps it as torch.optim.AdamW(weight_decay=0.1) does on the mean
+    gradient: not at all where no rank gave it a gradient (no decay, no moment update, its
+    step count held), and an expert first routed at step 5 starts its state there. fp32
+    wire (plain and redundant=True): every parameter after each of 20 steps and the final
+    state (moments, step counts) within 1e-6. bf16 and fp8 wires (rounded gradients):
+    the skipped expert's parameters and moments bit-identical to the step before, at
+    every step it had no gradient, and every step count torch's."""
+    world, results = parity
+    for rank, got in enumerate(per_rank(results, "moe")):
+        ref_state = got["ref_state"]["state"]
+        mine = got[wire]
+        assert mine["state"]["state"].keys() == ref_state.keys()
+        for i, st in ref_state.items():
+            assert float(mine["state"]["state"][i]["step"]) == float(st["step"]), (wire, rank, i)
+        if MOE_WIRES[wire] is None:
+            assert_runs_close(mine["runs"], got["ref"], f"{wire} world {world} rank {rank}", rtol=0, atol=1e-6)
+            for i, st in ref_state.items():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert_close(mine["state"]["state"][i][k], st[k], rtol=0, atol=1e-6)
+        else:
+            assert len(mine["untouched"]) == 13 and all(mine["untouched"]), (wire, rank, mine["untouched"])
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.name)

@@ -5,8 +5,11 @@ Communication pattern, per step (N ranks, rank r)::
     backward:  grad of p ready -> hook: pending[bucket] -= 1; bucket complete ->
                reduce-scatter it: chunk r of its mean lands in rank r's shard grad
     step():    launch the buckets left, wait for all; (GradScaler: unscale the shard,
-               one MAX all-reduce of the inf flag); the wrapped torch optimizer steps
-               on the shard (fp32 master weights for bf16/fp16 params); copy the shard
+               one MAX all-reduce of the inf flag); which parameters some rank's
+               backward reached (a byte each, MAX; in clip_grad_norm_'s all-reduce where
+               it ran); the wrapped torch optimizer steps the shard's pieces of those
+               (fp32 master weights for bf16/fp16 params), as torch.optim skips a
+               parameter without a gradient; copy the shard
                back into the parameters; all-gather every bucket of parameters, async,
                the last bucket (the first layers, read first by the next forward) first
     forward:   (``module=`` given) a pre-hook waits for the buckets of the module's
@@ -22,14 +25,14 @@ buffer per dtype, gradients views of the communication layer's wire buffer (see
 :class:`~fastreduce.buffer.FusedBuffer`): a reduce-scatter and an all-gather move the
 bytes of one all-reduce, and the optimizer touches 1/N of the elements.
 
-What a rank holds is in :mod:`.zero_shard`, the gradients' buckets and hooks in
-:mod:`.zero_grads`, the checkpoints (torch.optim's format, DCP
-ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md: the peers' designs.
+What a rank holds is in :mod:`.zero_shard`, the torch optimizer over its pieces of the
+parameters in :mod:`.zero_pieces`, inf/NaN and a GradScaler in :mod:`.zero_finite`, the
+gradients' buckets and hooks in :mod:`.zero_grads`, the checkpoints (torch.optim's format,
+DCP ranges that load onto any world size) in :mod:`.zero_state`; docs/zero.md: the peers' designs.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import math
@@ -47,15 +50,17 @@ from ..comm import Pending, complete, get_comm
 from ..compiling import graphs_wait, keep_cut, recut, uncut_graphs, wait_in_graphs
 from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
-from ..grads import FiniteCheck, NonFinite, agree_first, check_grad, check_nonfinite, nonfinite_error, one_device
+from ..grads import FiniteCheck, NonFinite, check_grad, check_nonfinite, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
 from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, counted, verify_across_ranks, wire_word
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
 from .comm_stats import CommStats
-from .zero_shard import make_shards, shard_optimizer
+from .zero_pieces import ShardOptimizer
+from .zero_shard import make_shards
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
+from .zero_finite import ZeroFinite
 from .zero_grads import ZeroGradients
 from .zero_mirror import ZeroMirror
 from .zero_state import ZeroCheckpointing
@@ -65,11 +70,14 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
 log = logging.getLogger(__name__)
 
 
-class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, JoinableMode):
+class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Optimizer, JoinableMode):
     """A torch optimizer whose state, step and master weights are sharded across ranks.
 
     It averages the gradients itself (no DDP): build it over the model's parameters,
-    then per step ``loss.backward(); opt.step(); opt.zero_grad()``.
+    then per step ``loss.backward(); opt.step(); opt.zero_grad()``. It steps as
+    ``optimizer_class`` steps the whole model on the mean gradient: a parameter that no
+    rank's backward reached this step (``grad`` ``None`` everywhere: an expert given no
+    token) is skipped, with its state.
 
     Args:
         params: tensors or param-group dicts, as for any torch optimizer.
@@ -162,6 +170,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self._ready = False
         super().__init__(params, dict(probe.defaults))
         self._ready = True
+        self._shadowing = False  # a joined rank's step (Join): it used no parameter
+        self._used_mask: torch.Tensor | None = None  # this step's parameters with a gradient on some rank
         self.optimizer_class = optimizer_class
         self._kwargs = defaults
         self.group = group
@@ -242,7 +252,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         self.shards = make_shards(layout, flats, self.buckets, [group_of[m[0]] for m in segments], self.rank,
                                   self.world_size, separate_out=self.scaler is not None,
                                   gather=self.gather_dtype if self.world_size > 1 else None, alloc=comm.buffer)
-        self.inner = shard_optimizer(self.optimizer_class, self.param_groups, self.shards, self._kwargs)
+        self.inner = ShardOptimizer(self.optimizer_class, self.param_groups, [s.group for s in self.shards],
+                                    [s.master for s in self.shards],
+                                    [self._chunk_pieces(s, self.rank) for s in range(len(self.shards))], self._kwargs)
         self._build_grads(accumulate_dtype, quant, error_feedback)
         if module is not None:  # its forward waits for the gathers, compiled or not
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -293,7 +305,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
         inf = norm_type == float("inf")
         local, op = (norms.max(), dist.ReduceOp.MAX) if inf else (norms.pow(norm_type).sum(), dist.ReduceOp.SUM)
-        if self.world_size > 1:
+        if self.world_size > 1 and self._used_mask is None:  # which parameters had a gradient: in the same message
+            both = torch.cat([local.reshape(1), self._local_used().float()])
+            all_reduce_watched(both, op, self.group)
+            local, self._used_mask = both[0], both[1:] > 0
+        elif self.world_size > 1:
             all_reduce_watched(local, op, self.group)
         total = local if inf else local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -320,6 +336,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
         try:
             skip = self._scaled() or self._nonfinite()
             self.last_step_skipped = skip
+            used = None if skip else self._used()
             if self._commit_point is not None:  # the last collective is behind (commit_point())
                 self._commit_point()
             if not skip:
@@ -327,13 +344,13 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                 self._drop_template()
                 self.params_stale = True  # until every bucket's all-gather has completed
                 with span("fastreduce::shard_step"):
-                    self.inner.step()
+                    self.inner.step(used)
                     if self.mirror is not None:  # (its hyperparameters synced above)
-                        self.mirror.inner.step()
+                        self.mirror.inner.step(used)
                 self._gather()
             self._last_clip = self._clip_args  # a joined rank repeats a step's clip only if it completed
         finally:  # done or raised, this step's gradients are spent: the next step reduces its own
-            self._reduced, self._found, self._clip_args = False, None, None
+            self._reduced, self._found, self._clip_args, self._used_mask = False, None, None, None
         return loss
 
     def close(self, drain: bool = True) -> None:
@@ -382,14 +399,18 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
     def _join_shadow(self) -> None:
         """A joined rank's step: zero gradients into the reduce-scatter, its shard stepped
         with the average (and clipped if its last step was), the all-gather; as torch's
-        ZeroRedundancyOptimizer does under Join."""
+        ZeroRedundancyOptimizer does under Join. It uses no parameter itself."""
         with torch.no_grad():
             for p, v in zip(self.layout.params, self.buffer.views):
                 p.grad = v
             self.buffer.zero_()
-        if self._last_clip is not None:
-            self.clip_grad_norm_(*self._last_clip)
-        self.step()
+        self._shadowing = True
+        try:
+            if self._last_clip is not None:
+                self.clip_grad_norm_(*self._last_clip)
+            self.step()
+        finally:
+            self._shadowing = False
         self._wait_gathers()
 
     def _join_finish(self, is_last_joiner: bool) -> None:
@@ -440,6 +461,24 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
             self._gathers = []
             self.params_stale = False
 
+    def _local_used(self) -> torch.Tensor:
+        """Which parameters (layout order) this rank's backward gave a gradient this step."""
+        return torch.tensor([not self._shadowing and p.grad is not None for p in self.layout.params],
+                            dtype=torch.bool, device=self.device)
+
+    def _used(self) -> list[bool] | None:
+        """Which parameters (layout order) some rank's backward gave a gradient this step
+        (``None``: all): learnt with :meth:`clip_grad_norm_`'s all-reduce where it ran,
+        else by a MAX all-reduce of a byte per parameter. The others are not stepped, as
+        torch.optim skips a parameter whose ``grad`` is ``None``."""
+        used = self._used_mask
+        if used is None:
+            used = self._local_used().to(torch.uint8)
+            if self.world_size > 1:
+                with span("fastreduce::used"):
+                    all_reduce_watched(used, dist.ReduceOp.MAX, self.group)
+        return None if bool(used.all()) else used.bool().tolist()
+
     def _sync_hyperparameters(self) -> None:
         """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups
         (and to those of the copy of rank r - 1's, ``redundant=True``)."""
@@ -449,88 +488,3 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, torch.optim.Optimizer, Joi
                 for k, v in ours.items():
                     if k != "params":
                         theirs[k] = v
-
-    # ------------------------------------------------------------------ non-finite gradients
-
-    def _nonfinite(self) -> bool:
-        """``nonfinite``: True if this step must be skipped (the same on every rank).
-
-        One fused check of this rank's shard of the averaged gradients (every bucket's
-        chunk, one kernel per dtype), then a one-element MAX all-reduce of the flag: a
-        rank sees only its shard, and an inf/NaN in any rank's gradient reaches only the
-        chunk of the rank that owns it."""
-        if self.nonfinite == "ignore" or self._found is not None:  # a scaler decided already
-            return False
-        with span("fastreduce::nonfinite_check"):
-            if not self._shard_flag().item():
-                return False
-        if self.nonfinite == "skip":
-            self.skipped_steps += 1
-            log.warning("fastreduce: ZeroOptimizer: the averaged gradients hold inf or NaN; this step is "
-                        "skipped on every rank (nonfinite='skip')")
-            return True
-        name = self._first_nonfinite()
-        raise nonfinite_error("the averaged gradients", name, "some rank's gradient was not finite, or "
-                              "overflowed the wire dtype; nothing was stepped: the parameters and optimizer "
-                              "state are as before this step.")
-
-    def _shard_flag(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """1.0 on every rank if any rank's shard of the averaged gradients holds inf/NaN:
-        one fused check of this rank's shard (unscaling it by ``inv_scale`` in the same
-        kernel, for a GradScaler), then a one-element MAX all-reduce. The flag is the
-        check's persistent tensor: valid until the next check."""
-        flag = self._check.flag([s.master.grad for s in self.shards], inv_scale)
-        if self.world_size > 1:
-            all_reduce_watched(flag, dist.ReduceOp.MAX, self.group)
-        return flag
-
-    def _first_nonfinite(self) -> str | None:
-        """The first parameter (layout order) holding inf/NaN in any rank's shard: this
-        rank's first, then :func:`~fastreduce.grads.agree_first` (the error path only)."""
-        W, r = self.world_size, self.rank
-        mine = None
-        for s, b in zip(self.shards, self.buckets):
-            bad = (~torch.isfinite(s.master.grad)).nonzero()
-            if bad.numel():
-                at = r * (s.params.numel() // W) + int(bad[0, 0])  # offset in the bucket's segment
-                offsets = [self.layout.slots[i].offset for i in b.slots]
-                mine = b.slots[max(bisect.bisect_right(offsets, at) - 1, 0)]
-                break
-        i = agree_first(mine, len(self.layout), self.group, self.device)
-        return None if i is None else self.layout.names[i]
-
-    # ------------------------------------------------------------------ GradScaler
-
-    def _unscale_for_scaler(self) -> None:
-        """Under a scaler: unscale the shard once per step and note whether any rank's
-        shard holds an inf/NaN (one MAX all-reduce)."""
-        scaler = self.scaler
-        if scaler is None or self._found is not None or not scaler.is_enabled():
-            return
-        scale = scaler._scale
-        if scale is None:  # the scaler has not scaled a loss yet
-            return
-        self._found = self._shard_flag(scale.double().reciprocal().float().to(self.device))
-
-    def _scaled(self) -> bool:
-        """Handle a GradScaler driving this step; True if the step must be skipped."""
-        driven = getattr(self, "found_inf", None) is not None
-        if not driven:
-            return False
-        if self.scaler is None:
-            raise RuntimeError("a GradScaler is stepping this ZeroOptimizer but was not given to it: "
-                               "pass scaler=your_scaler to ZeroOptimizer, so that an inf on any "
-                               "rank's shard skips the step on every rank")
-        if getattr(self, "grad_scale", None) is None and self._found is None:
-            raise RuntimeError("scaler.unscale_(optimizer) unscales the full local gradients while "
-                               "ZeroOptimizer reduces them; do not call it: opt.clip_grad_norm_() "
-                               "unscales the averaged shard itself when a scaler is given")
-        self._unscale_for_scaler()
-        found = self._found
-        assert found is not None
-        # GradScaler.update() reads the inf flags it recorded from this rank's local
-        # gradients; every rank must see the same verdict, or the scales drift apart.
-        state = self.scaler._per_optimizer_states[id(self)]
-        for flag in state["found_inf_per_device"].values():
-            flag.copy_(found.reshape(flag.shape).to(flag.device))
-        return bool(found.item())

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import complete
-from .zero_shard import shard_optimizer
-from .zero_state import _MASTER, _SCALARS
+from .zero_pieces import ShardOptimizer
+from .zero_state import _MASTER
 
 __all__ = ["ShardsLost", "ZeroMirror", "held", "reshard"]
 
@@ -61,7 +61,8 @@ class ZeroMirror:
             d = s.master.grad.dtype
             m.grad = self.recv[d][at[d]:at[d] + m.numel()]
             at[d] += m.numel()
-        self.inner = shard_optimizer(opt.optimizer_class, opt.param_groups, opt.shards, opt._kwargs, self.masters)
+        self.inner = ShardOptimizer(opt.optimizer_class, opt.param_groups, [s.group for s in opt.shards], self.masters,
+                                    [opt._chunk_pieces(s, self.k) for s in range(len(opt.shards))], opt._kwargs)
 
     def exchange(self) -> None:
         """My chunk of the averaged gradients to rank r + 1, rank r - 1's into the mirror's."""
@@ -76,57 +77,49 @@ class ZeroMirror:
     @torch.no_grad()
     def pull(self) -> None:
         """Rank r - 1's shard as it is now (after a load): its masters and optimizer
-        state, sent from there (collective)."""
-        opt = self.opt
-        mine = {"masters": [s.master for s in opt.shards], "state": opt.inner.state_dict()["state"]}
-        theirs = {"masters": [torch.empty_like(m) for m in self.masters],
-                  "state": {i: {k: torch.empty_like(v) if torch.is_tensor(v) else v for k, v in st.items()}
-                            for i, st in mine["state"].items()}}
-        sends = [t.contiguous() for t in _tensors(mine)]
-        recvs = _tensors(theirs)
-        for a, b in zip(sends, recvs):
-            complete((opt.comm.send_recv({self.next: a}, {self.prev: b}), None))
-        for m, got in zip(self.masters, theirs["masters"]):
-            m.copy_(got)
-        self.inner.load_state_dict({"state": theirs["state"], "param_groups": opt.inner.state_dict()["param_groups"]})
+        state, sent from there (collective): per bucket the master, the state laid out
+        flat (:meth:`~fastreduce.modes.zero_pieces.ShardOptimizer.pack`) and its pieces' scalars."""
+        opt, inner = self.opt, self.opt.inner
+        for s, shard in enumerate(opt.shards):
+            flats, table = inner.pack(s)
+            sends = [shard.master] + [flats[k] for k in inner.keys] + [table]
+            got = {k: torch.empty_like(self.masters[s]) for k in inner.keys}
+            recvs = [self.masters[s]] + [got[k] for k in inner.keys] + \
+                [torch.empty(len(self.inner.pieces[s]), table.shape[1], dtype=table.dtype)]
+            for a, b in zip(sends, recvs):
+                complete((opt.comm.send_recv({self.next: a.contiguous()}, {self.prev: b}), None))
+            self.inner.unpack(s, got, recvs[-1])
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(tree):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
-    if isinstance(tree, list):
-        return [t for v in tree for t in _tensors(v)]
-    return []
-
-
-def _holdings(opt: Any) -> list[tuple[str, int, int, torch.Tensor, Any]]:
-    """What rank ``opt.rank`` holds, per bucket ``s``: ``(which, s, k, master, inner)``:
-    its chunk ``k`` (``own``) and, with a mirror, rank r - 1's (``mirror``)."""
-    out = [("own", s, opt.rank, shard.master, opt.inner) for s, shard in enumerate(opt.shards)]
+def _holdings(opt: Any) -> list[tuple[str, int, int, Any]]:
+    """What rank ``opt.rank`` holds, per bucket ``s``: ``(which, s, k, inner)``: its chunk
+    ``k`` (``own``) and, with a mirror, rank r - 1's (``mirror``); ``inner``: the
+    :class:`~fastreduce.modes.zero_pieces.ShardOptimizer` that holds it (its master ``inner.masters[s]``)."""
+    out = [("own", s, opt.rank, opt.inner) for s in range(len(opt.shards))]
     if opt.mirror is not None:
-        out += [("mirror", s, opt.mirror.k, m, opt.mirror.inner) for s, m in enumerate(opt.mirror.masters)]
+        out += [("mirror", s, opt.mirror.k, opt.mirror.inner) for s in range(len(opt.shards))]
     return out
 
 
 @torch.no_grad()
 def held(opt: Any) -> dict[str, Any]:
     """What this rank holds of the job's ZeRO state, as copies that outlive ``opt`` and its
-    group: per chunk it holds (its own, and with ``redundant=True`` rank r - 1's), its
-    master weights and optimizer state, per parameter (torch.optim's index) as the range of
-    its elements in that chunk; whether the parameters are stale
-    (:attr:`~fastreduce.ZeroOptimizer.params_stale`); the hyperparameters."""
+    group: per chunk it holds (its own, and with ``redundant=True`` rank r - 1's), per
+    parameter piece (torch.optim's index, the range of its elements in that chunk) its
+    master weights and optimizer state (zeros and no scalars where it has none yet);
+    whether the parameters are stale (:attr:`~fastreduce.ZeroOptimizer.params_stale`); the
+    hyperparameters."""
     chunks: dict[str, Any] = {}
-    for which, s, k, master, inner in _holdings(opt):
-        state = {} if opt._template and which == "own" else inner.state.get(master, {})
-        items = {**{key: v for key, v in state.items() if torch.is_tensor(v) and key not in _SCALARS},
-                 _MASTER: master}
-        pieces = [(index, start, end - start, {key: v[at:at + end - start].clone() for key, v in items.items()})
-                  for index, start, end, at, _ in opt._chunk_slots(s, k) if end > start]
-        chunks[f"{s}/{k}"] = {"dtype": master.dtype, "keys": sorted(items), "pieces": pieces,
-                              "scalars": {key: v.clone() if torch.is_tensor(v) else v for key, v in state.items()
-                                          if key in _SCALARS}}
+    for _, s, k, inner in _holdings(opt):
+        master = inner.masters[s]
+        pieces = []
+        for j, p in enumerate(inner.pieces[s]):
+            st = {} if p.index in opt._template else inner.state_of(s, j)
+            tensors = {key: st[key].clone() if st else master.new_zeros(p.n) for key in inner.keys}
+            tensors[_MASTER] = master[p.at:p.at + p.n].clone()
+            scalars = {key: v.clone() if torch.is_tensor(v) else v for key, v in st.items() if key not in inner.keys}
+            pieces.append((p.index, p.start, p.n, tensors, scalars if st else None))
+        chunks[f"{s}/{k}"] = {"dtype": master.dtype, "keys": sorted([*inner.keys, _MASTER]), "pieces": pieces}
     return {"world": opt.world_size, "buckets": len(opt.shards), "chunks": chunks, "stale": opt.params_stale,
             "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups]}
 
@@ -140,11 +133,11 @@ def _moves(opt: Any, d: int, pieces: dict[int, list[tuple[int, int, str]]]) -> l
     out = []
     for which, k in [("own", d)] + ([("mirror", (d - 1) % W)] if opt.redundant and W > 1 else []):
         for s in range(len(opt.shards)):
-            for index, start, end, at, _ in opt._chunk_slots(s, k):
-                for off, n, chunk in pieces.get(index, ()):
-                    x, y = max(start, off), min(end, off + n)
+            for p in opt._chunk_pieces(s, k):
+                for off, n, chunk in pieces.get(p.index, ()):
+                    x, y = max(p.start, off), min(p.start + p.n, off + n)
                     if x < y:
-                        out.append((which, s, at + x - start, index, x, y - x, chunk))
+                        out.append((which, s, p.at + x - p.start, p.index, x, y - x, chunk))
     return out
 
 
@@ -159,8 +152,8 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     head = None if mine is None else {
         **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")},
-        "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"], "scalars": h["scalars"],
-                       "pieces": [(i, o, n) for i, o, n, _ in h["pieces"]]} for c, h in mine["chunks"].items()}}
+        "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"],
+                       "pieces": [(i, o, n, sc) for i, o, n, _, sc in h["pieces"]]} for c, h in mine["chunks"].items()}}
     heads: list[Any] = [None] * world
     dist.all_gather_object(heads, head)
     holders = [h for h in heads if h is not None]
@@ -180,20 +173,19 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     if any(h["keys"] != keys for h in chunks.values()):
         raise RuntimeError(f"fastreduce: the ZeRO shards hold different optimizer state keys "
                            f"({sorted({tuple(h['keys']) for h in chunks.values()})}): a bug, please report it")
-    scalars = chunks[min(chunks)]["scalars"]
-    for _, _, _, master, inner in _holdings(opt):  # every state tensor, to be filled in place
-        st = inner.state[master]
-        st.clear()
-        on_device = inner.defaults.get("fused") or inner.defaults.get("capturable")  # torch's rule for "step"
-        for k, v in scalars.items():
-            st[k] = (v.clone().to(master.device) if on_device else v.clone()) if torch.is_tensor(v) else v
-        st.update({k: torch.zeros_like(master) for k in keys if k != _MASTER})
-    targets = {(which, s): (master, inner.state[master]) for which, s, _, master, inner in _holdings(opt)}
+    scalars = {i: sc for h in chunks.values() for i, _, _, sc in h["pieces"]}  # per parameter; None: no state yet
+    targets = {}  # (which, s, index) -> (piece, its master's range, its state: filled in place)
+    for which, s, _, inner in _holdings(opt):
+        for p, v in zip(inner.pieces[s], inner.views[s]):
+            st = {k: torch.zeros_like(v) for k in keys if k != _MASTER}
+            st.update({k: inner.scalar(k, float(x)) for k, x in (scalars.get(p.index) or {}).items()})
+            inner.state[v] = st
+            targets[(which, s, p.index)] = (p, v, st)
     pieces: dict[int, dict[int, list[tuple[int, int, str]]]] = {r: {} for r in range(world)}
     for chunk, r in sorted(source.items()):
-        for i, o, n in chunks[chunk]["pieces"]:
+        for i, o, n, _ in chunks[chunk]["pieces"]:
             pieces[r].setdefault(i, []).append((o, n, chunk))
-    mine_at = {} if mine is None else {(c, i, o): t for c, h in mine["chunks"].items() for i, o, _, t in h["pieces"]}
+    mine_at = {} if mine is None else {(c, i, o): t for c, h in mine["chunks"].items() for i, o, _, t, _ in h["pieces"]}
 
     def held_range(chunk: str, index: int, x: int, n: int) -> dict[str, torch.Tensor]:
         o, _ = next((o, m) for o, m, c in pieces[rank][index] if c == chunk and o <= x < o + m)
@@ -223,12 +215,15 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     for peer in range(world):
         for dtype, moves in arriving[peer].items():
             buf, at_ = recvs[dtype][peer], 0
-            for which, s, at, _, _, n, _ in moves:
-                master, st = targets[(which, s)]
+            for which, s, at, i, _, n, _ in moves:
+                p, v, st = targets[(which, s, i)]
                 for k in keys:
-                    (master if k == _MASTER else st[k])[at:at + n].copy_(buf[at_:at_ + n])
+                    (v if k == _MASTER else st[k])[at - p.at:at - p.at + n].copy_(buf[at_:at_ + n])
                     at_ += n
-    opt._template = False
+    unstepped = {i for i, sc in scalars.items() if sc is None}
+    for inner in {id(h[3]): h[3] for h in _holdings(opt)}.values():  # what had no state yet has none
+        inner.drop(unstepped)
+    opt._template = frozenset()
     for pg, src in zip(opt.param_groups, first["param_groups"]):
         pg.update(src)
     opt._sync_hyperparameters()

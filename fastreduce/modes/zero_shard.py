@@ -1,7 +1,6 @@
 """What one rank of a :class:`~fastreduce.ZeroOptimizer` holds: its chunk of every
-bucket (:class:`Shard`), the fp32 masters of bf16/fp16 chunks, and the torch optimizer
-that steps those chunks (:func:`shard_optimizer`, with a fused kernel where the device
-has one: :func:`~fastreduce.optim_kernels.fused_if_possible`).
+bucket (:class:`Shard`) and the fp32 masters of bf16/fp16 chunks (the torch optimizer
+that steps them, a view per parameter piece, is :mod:`.zero_pieces`).
 
 Every bucket of the flat parameter buffer is padded to split into N equal chunks;
 rank r's chunk r is a view of the parameters (fp32), or an fp32 copy of it (bf16/fp16:
@@ -20,7 +19,7 @@ import torch
 from ..buckets import Bucket
 from ..layout import GradLayout
 
-__all__ = ["Shard", "make_shards", "shard_optimizer"]
+__all__ = ["Shard", "make_shards"]
 
 
 @dataclass(slots=True, eq=False)
@@ -62,16 +61,3 @@ def make_shards(layout: GradLayout, flats: list[torch.Tensor], buckets: list[Buc
         master.grad = bucket.wire[rank * c:(rank + 1) * c] if out is None else out
         shards.append(Shard(groups[s], s, flat, master, out, alloc(seg.numel, gather) if narrow else None))
     return shards
-
-
-def shard_optimizer(optimizer_class: type[torch.optim.Optimizer], param_groups: list[dict[str, Any]],
-                    shards: list[Shard], defaults: dict[str, Any],
-                    masters: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
-    """The torch optimizer over the shards' masters (or ``masters``, one per shard: a copy
-    of another rank's), one group per param group, with its hyperparameters."""
-    masters = [s.master for s in shards] if masters is None else masters
-    groups = []
-    for g, pg in enumerate(param_groups):
-        hyper = {k: v for k, v in pg.items() if k != "params"}
-        groups.append({**hyper, "params": [m for m, s in zip(masters, shards) if s.group == g]})
-    return optimizer_class(groups, **defaults)

@@ -20,32 +20,38 @@ from typing import Any
 
 import torch
 
+import torch.distributed as dist
+
 from ..buffer import _view
 from ..comm import all_gather_flat
+from .zero_pieces import Piece, chunk_pieces
 
 __all__ = ["RangeShard", "ZeroCheckpointing"]
 
 _MASTER = "fastreduce_master"  # fp32 master weights of low-precision params, in state dicts
-_SCALARS = frozenset({"step", "mu_product", "eta", "mu"})  # per-parameter scalars of torch optimizers
 
 
 class ZeroCheckpointing:
     """The state-dict half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
 
     It reads what the optimizer built: ``layout``, ``buckets`` and ``shards`` (one
-    :class:`~fastreduce.modes.zero_shard.Shard` per bucket), ``inner`` (the shard's torch
-    optimizer), ``param_groups``, ``world_size``, ``rank``, ``group``, ``device``; and calls
-    its ``_wait_gathers()`` and ``_sync_hyperparameters()``; after a load, ``mirror.pull()``
+    :class:`~fastreduce.modes.zero_shard.Shard` per bucket), ``inner`` (the
+    :class:`~fastreduce.modes.zero_pieces.ShardOptimizer` of the shard's pieces),
+    ``param_groups``, ``world_size``, ``rank``, ``group``, ``device``; and calls its
+    ``_wait_gathers()`` and ``_sync_hyperparameters()``; after a load, ``mirror.pull()``
     (``redundant=True``: rank r + 1's copy of the shard).
 
-    ``_template``: the shard's optimizer state was made by :meth:`_materialize_state` for
-    a checkpoint, before any step: it says "no step yet" (saved as ``fresh``), and the
-    next :meth:`step` drops it, so a save or load before the first step changes nothing
-    (an AdamW stepped once at lr=0 counts a step: its first real update would be 0.74x
-    as large; Rprop's step sizes would start at 0).
+    Each parameter has a state of its own (torch.optim's), on the ranks that hold a piece
+    of it, or none while it has never been stepped (as torch.optim has none for it).
+
+    ``_template``: the torch.optim indices of parameters whose state was made by
+    :meth:`_materialize_state` for a checkpoint, before their first step: it says "no step
+    yet" (saved as ``fresh``), and the next :meth:`step` drops it, so a save or load before
+    a parameter's first step changes nothing for it (an AdamW stepped once at lr=0 counts
+    a step: its first real update would be 0.74x as large; Rprop's step sizes would start at 0).
     """
 
-    _template = False
+    _template: frozenset[int] = frozenset()
 
     def _index(self) -> tuple[dict[int, int], list[int]]:
         """torch.optim's parameter index -> layout slot; per group, its indices."""
@@ -62,27 +68,33 @@ class ZeroCheckpointing:
             per_group.append(ids)
         return index, per_group
 
-    def _chunk_slots(self, s: int, k: int) -> list[tuple[int, int, int, int, int]]:
-        """Bucket ``s``'s parameters against chunk ``k`` of it: per parameter, ``(index,
-        start, end, at, numel)``: its elements ``[start, end)`` (maybe none) lie at ``at`` in
-        the chunk; ``index`` is torch.optim's."""
-        c = self.layout.segments[s].numel // self.world_size
-        by_slot, out = self._optim_index(), []
-        for i in self.buckets[s].slots:
-            slot = self.layout.slots[i]
-            lo, hi = slot.offset, slot.offset + slot.numel
-            a = min(max(lo, k * c), hi)
-            b = max(min(hi, (k + 1) * c), a)
-            out.append((by_slot[i], a - lo, b - lo, a - k * c, slot.numel))
-        return out
+    def _chunk_pieces(self, s: int, k: int) -> list[Piece]:
+        """Chunk ``k`` of bucket ``s``: the pieces of its parameters it holds."""
+        return chunk_pieces(self.layout, self.buckets[s].slots, self._optim_index(), s, k, self.world_size)
 
     def _optim_index(self) -> dict[int, int]:
         """Layout slot -> torch.optim's parameter index."""
         index, _ = self._index()
         return {i: k for k, i in index.items()}
 
-    def _chunk_states(self) -> list[dict[str, Any]]:
-        return [self.inner.state.get(s.master, {}) for s in self.shards]
+    def _agreed_scalars(self) -> dict[int, dict[str, Any]]:
+        """Per layout slot of a parameter with state on some rank (templates apart): its
+        scalars (``step``, ...), the same on every rank (one MAX all-reduce of a row per
+        parameter: the ranks holding a piece of it agree, the others learn it)."""
+        inner = self.inner
+        table = torch.full((len(self.layout), 1 + len(inner.scalar_keys)), float("-inf"), dtype=torch.float32)
+        for s in range(len(self.shards)):
+            rows = inner.table(s)
+            for j, p in enumerate(inner.pieces[s]):
+                if rows[j, 0] and p.index not in self._template:
+                    table[p.slot] = rows[j].nan_to_num(nan=float("-inf"))
+        if self.world_size > 1:
+            table = table.to(self.device)
+            dist.all_reduce(table, dist.ReduceOp.MAX, group=self.group)
+            table = table.cpu()
+        return {i: {k: inner.scalar(k, float(row[c])) for c, k in enumerate(inner.scalar_keys, 1)
+                    if row[c] > float("-inf")}
+                for i, row in enumerate(table) if row[0] > 0}
 
     def wire_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residual of a quantized wire (a copy; empty without
@@ -105,33 +117,28 @@ class ZeroCheckpointing:
 
         Loads into a plain optimizer of the same class over the same parameters; for
         bf16/fp16 parameters each state also holds the fp32 master (``fastreduce_master``).
-        For big models prefer :meth:`sharded_state_dict`, which gathers nothing.
+        A parameter never stepped has no state, as in torch.optim. For big models prefer
+        :meth:`sharded_state_dict`, which gathers nothing.
         """
         self._wait_gathers()
         index, per_group = self._index()
-        slots_of_seg = [b.slots for b in self.buckets]
-        layout = self.layout
-        state: dict[int, dict[str, Any]] = {}
         by_slot = {i: k for k, i in index.items()}
-        chunk_states = [{} for _ in self.shards] if self._template else self._chunk_states()
-        for s, (shard, chunk_state) in enumerate(zip(self.shards, chunk_states)):
-            seg = layout.segments[s]
-            fulls: dict[str, torch.Tensor] = {}
-            items = {k: v for k, v in chunk_state.items()}
+        scalars = self._agreed_scalars()
+        state: dict[int, dict[str, Any]] = {}
+        for s, shard in enumerate(self.shards):
+            seg = self.layout.segments[s]
+            flats, _ = self.inner.pack(s) if scalars else ({}, None)  # no state anywhere: none gathered
             if shard.low:
-                items[_MASTER] = shard.master
-            for key, v in items.items():
-                if key not in _SCALARS and torch.is_tensor(v) and v.shape == shard.master.shape:
-                    fulls[key] = self._all_gather_state(v, seg.numel)
-            for i in slots_of_seg[s]:
-                slot = layout.slots[i]
+                flats[_MASTER] = shard.master
+            fulls = {key: self._all_gather_state(v, seg.numel) for key, v in flats.items()}
+            for i in self.buckets[s].slots:
                 st: dict[str, Any] = {}
-                for key, v in items.items():
-                    if key in fulls:
-                        st[key] = _view(fulls[key], slot).clone()
-                    else:
-                        st[key] = v.clone() if torch.is_tensor(v) else v
-                if chunk_state or shard.low:
+                if i in scalars:
+                    st.update(scalars[i])
+                    st.update({key: _view(fulls[key], self.layout.slots[i]).clone() for key in self.inner.keys})
+                if shard.low:
+                    st[_MASTER] = _view(fulls[_MASTER], self.layout.slots[i]).clone()
+                if st:
                     state[by_slot[i]] = st
         groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": ids}
                   for pg, ids in zip(self.param_groups, per_group)]
@@ -153,58 +160,32 @@ class ZeroCheckpointing:
         self._wait_gathers()
         index, per_group = self._index()
         self._check_loadable(state_dict, index, per_group)
-        by_slot = {i: k for k, i in index.items()}
-        chunks, masters = {}, {}
-        for s, idx in enumerate(b.slots for b in self.buckets):
-            entries = [(self.layout.slots[i], state_dict["state"].get(by_slot[i], {})) for i in idx]
-            chunk_state, masters[s] = self._chunk_of(s, entries)
-            if chunk_state:
-                chunks[s] = chunk_state
-        # The shard's optimizer numbers its tensors group by group, in shard order.
-        order = [s for g in range(len(self.param_groups)) for s, sh in enumerate(self.shards) if sh.group == g]
-        position = {s: k for k, s in enumerate(order)}
-        groups, k = [], 0
-        for g, src in enumerate(state_dict["param_groups"]):
-            n = sum(sh.group == g for sh in self.shards)
-            groups.append({**{a: b for a, b in src.items() if a != "params"}, "params": list(range(k, k + n))})
-            k += n
-        self.inner.load_state_dict({"state": {position[s]: st for s, st in chunks.items()},
-                                    "param_groups": groups})
-        self._template = False
+        saved = state_dict["state"]
+        inner = self.inner
+        for s, shard in enumerate(self.shards):
+            for j, (p, v) in enumerate(zip(inner.pieces[s], inner.views[s])):
+                entry = saved.get(p.index, {})
+                st: dict[str, Any] = {}
+                for key, value in entry.items():
+                    if key == _MASTER:
+                        shard.master[p.at:p.at + p.n].copy_(value.reshape(-1)[p.start:p.start + p.n])
+                    elif torch.is_tensor(value) and value.dim() > 0:
+                        st[key] = value.reshape(-1)[p.start:p.start + p.n].to(v.device, v.dtype, copy=True)
+                    else:
+                        st[key] = inner.scalar(key, float(value)) if key in inner.scalar_keys else value
+                if st:
+                    inner.state[v] = st
+                else:
+                    inner.state.pop(v, None)
+            if shard.low and not any(_MASTER in saved.get(p.index, {}) for p in inner.pieces[s]):
+                c = shard.params.numel() // self.world_size  # no masters saved: from the parameters
+                shard.master.copy_(shard.params[self.rank * c:(self.rank + 1) * c])
+        self._template = frozenset()
         for pg, src in zip(self.param_groups, state_dict["param_groups"]):
             pg.update({a: b for a, b in src.items() if a != "params"})
-        W, r = self.world_size, self.rank
-        for s, shard in enumerate(self.shards):  # masters: loaded, else from the params
-            if shard.low:
-                c = shard.params.numel() // W
-                m = masters[s]
-                shard.master.copy_(m if m is not None else shard.params[r * c:(r + 1) * c])
+        self._sync_hyperparameters()
         if self.mirror is not None:  # rank r + 1's copy of this shard, as loaded
             self.mirror.pull()
-
-    def _chunk_of(self, s: int, entries: list[tuple[Any, dict[str, Any]]]) -> tuple[dict[str, Any],
-                                                                                   torch.Tensor | None]:
-        """This rank's chunk of bucket ``s``'s state, from per-parameter ``(slot, state)``
-        entries; and its fp32 masters if the entries carry them."""
-        seg, W, r = self.layout.segments[s], self.world_size, self.rank
-        c = seg.numel // W
-        chunk_state: dict[str, Any] = {}
-        master = None
-        for key in sorted({k for _, st in entries for k in st}):
-            shaped = [(slot, st[key]) for slot, st in entries if key in st]
-            if key in _SCALARS or not all(torch.is_tensor(v) and v.shape == slot.param.shape for slot, v in shaped):
-                if key != _MASTER:  # a scalar (step): the same for every parameter of a bucket
-                    v = shaped[0][1]
-                    chunk_state[key] = v.clone() if torch.is_tensor(v) else v
-                continue
-            full = torch.zeros(seg.numel, dtype=shaped[0][1].dtype, device=self.device)
-            for slot, v in shaped:
-                _view(full, slot).copy_(v)
-            if key == _MASTER:
-                master = full[r * c:(r + 1) * c].float()
-            else:
-                chunk_state[key] = full[r * c:(r + 1) * c].clone()
-        return chunk_state, master
 
     def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
@@ -218,11 +199,10 @@ class ZeroCheckpointing:
                 continue
             p = self.layout.params[index[k]]
             for key, v in st.items():
-                if key not in _SCALARS and torch.is_tensor(v) and v.shape != p.shape:
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
                     raise ValueError(f"state {key!r} of parameter {k} has shape {tuple(v.shape)}, the "
                                      f"parameter {self.layout.names[index[k]]!r} {tuple(p.shape)}: the "
                                      "checkpoint is from another model")
-
 
     @torch.no_grad()
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -232,10 +212,10 @@ class ZeroCheckpointing:
         parameter's elements (flattened in memory order) holding a view of this rank's range
         of the state, so ``dcp.save`` writes each range once, from its owner, and
         ``dcp.load`` fills it in place on any world size; scalars (``step``) and the
-        hyperparameters are saved once. Collective. A fresh optimizer's state is first
-        made by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
-        so that a template exists to load into; ``fresh`` then says that no step was
-        taken, and the next :meth:`step` starts from no state, as a new optimizer would::
+        hyperparameters are saved once. Collective. A parameter not stepped yet first gets
+        a state by one step at lr=0 (as ``torch.distributed.checkpoint.state_dict`` does),
+        so that a template exists to load into; ``fresh`` then lists those parameters, and
+        the next :meth:`step` starts them from no state, as a new optimizer would::
 
             sd = opt.sharded_state_dict()
             torch.distributed.checkpoint.load(sd, checkpoint_id=path)
@@ -243,21 +223,42 @@ class ZeroCheckpointing:
         """
         self._wait_gathers()
         self._materialize_state()
+        fresh = self._template
+        self._template = frozenset()  # (for the scalars' agreement: every parameter has a state now)
+        try:
+            scalars = self._agreed_scalars()
+        finally:
+            self._template = fresh
+        fresh = self._agreed_fresh()
+        inner, by_slot = self.inner, self._optim_index()
         state: dict[str, dict[str, Any]] = {}
-        for s, (shard, chunk_state) in enumerate(zip(self.shards, self._chunk_states())):
-            items = dict(chunk_state)
-            if shard.low:
-                items[_MASTER] = shard.master
-            for index, start, end, at, numel in self._chunk_slots(s, self.rank):  # my part of each, maybe empty
-                entry: dict[str, Any] = {}
-                for key, v in items.items():
-                    if key in _SCALARS or not torch.is_tensor(v) or v.shape != shard.master.shape:
-                        entry[key] = v.clone() if torch.is_tensor(v) else v
-                    else:
-                        entry[key] = RangeShard(v[at:at + end - start], start, numel)
-                state[str(index)] = entry
+        for s, shard in enumerate(self.shards):
+            held = {p.slot: j for j, p in enumerate(inner.pieces[s])}
+            for i in self.buckets[s].slots:
+                slot = self.layout.slots[i]
+                j = held.get(i)
+                p = None if j is None else inner.pieces[s][j]
+                st = {} if j is None else inner.state_of(s, j)
+                entry: dict[str, Any] = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(i, {}).items()}
+                ranges = {key: st[key] if p is not None else shard.master.new_empty(0) for key in inner.keys}
+                if shard.low:
+                    ranges[_MASTER] = shard.master[p.at:p.at + p.n] if p is not None else shard.master.new_empty(0)
+                for key, v in ranges.items():
+                    entry[key] = RangeShard(v, 0 if p is None else p.start, slot.numel)
+                state[str(by_slot[i])] = entry
         groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
-        return {"state": state, "param_groups": groups, "fresh": self._template}
+        return {"state": state, "param_groups": groups, "fresh": fresh}
+
+    def _agreed_fresh(self) -> list[int]:
+        """The torch.optim indices of :attr:`_template`, over every rank."""
+        flags = torch.zeros(len(self.layout), dtype=torch.float32, device=self.device)
+        index, _ = self._index()
+        for k in self._template:
+            flags[index[k]] = 1
+        if self.world_size > 1:
+            dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+        by_slot = self._optim_index()
+        return sorted(by_slot[i] for i in flags.nonzero().flatten().tolist())
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -268,51 +269,36 @@ class ZeroCheckpointing:
             raise ValueError("not a ZeroOptimizer.sharded_state_dict() of this optimizer (its "
                              "param groups differ); build the dict with sharded_state_dict() and "
                              "fill it with torch.distributed.checkpoint.load")
-        index, _ = self._index()
-        by_slot = {i: k for k, i in index.items()}
-        for s, chunk_state in enumerate(self._chunk_states()):
-            first = state_dict["state"][str(by_slot[self.buckets[s].slots[0]])]
-            for key, v in first.items():
-                if key in chunk_state and not isinstance(v, RangeShard):
-                    if torch.is_tensor(v) and torch.is_tensor(chunk_state[key]):
-                        chunk_state[key].copy_(v)
-                    else:
-                        chunk_state[key] = v
+        inner = self.inner
+        for s in range(len(self.shards)):
+            for j, p in enumerate(inner.pieces[s]):
+                st = inner.state_of(s, j)
+                for key, v in state_dict["state"][str(p.index)].items():
+                    if key in st and not isinstance(v, RangeShard):
+                        if torch.is_tensor(v) and torch.is_tensor(st[key]):
+                            st[key].copy_(v)
+                        else:
+                            st[key] = v
         for pg, src in zip(self.param_groups, groups):
             pg.update({k: v for k, v in src.items() if k != "params"})
         self._sync_hyperparameters()
-        self._template = bool(state_dict.get("fresh", False))  # saved before any step: stays so
+        fresh = state_dict.get("fresh", False)  # a bool: saved before fastreduce kept it per parameter
+        self._template = frozenset(self._index()[0]) if fresh is True else frozenset(fresh or ())
         if self.mirror is not None:
             self.mirror.pull()
 
     def _materialize_state(self) -> None:
-        """Create the shard's optimizer state where it does not exist yet: one step at
-        lr=0 on zero gradients (the gradients are restored); a template (``_template``)."""
-        if all(s.master in self.inner.state and self.inner.state[s.master] for s in self.shards):
-            return
-        grads = [s.master.grad for s in self.shards]
-        saved = [g.clone() for g in grads]
-        lrs = [g["lr"] for g in self.inner.param_groups]
-        try:
-            for g in grads:
-                g.zero_()
-            for g in self.inner.param_groups:
-                g["lr"] = 0.0
-            self.inner.step()
-        finally:
-            for g, lr in zip(self.inner.param_groups, lrs):
-                g["lr"] = lr
-            for g, v in zip(grads, saved):
-                g.copy_(v)
-        self._template = True
+        """Give every parameter without state one: a step at lr=0 of those alone, on zero
+        gradients; they join :attr:`_template`."""
+        self._template = self._template | self.inner.materialize()
 
     def _drop_template(self) -> None:
-        """Before a step: a template state goes, so the step starts from none."""
+        """Before a step: template states go, so those parameters start from none."""
         if self._template:
-            self.inner.state.clear()
-            if self.mirror is not None:  # it pulled the template too
-                self.mirror.inner.state.clear()
-            self._template = False
+            self.inner.drop(self._template)
+            if self.mirror is not None:  # it pulled the templates too
+                self.mirror.inner.drop(self._template)
+            self._template = frozenset()
 
 
 class RangeShard(torch.Tensor):
