@@ -479,6 +479,8 @@ def moe_case(rank: int, world: int) -> dict:
             opt.zero_grad()
             opt.wait_params()
             runs.append(params_of(model))
+            if step == 3 and wire == "fp32-redundant":  # expert 3 not stepped yet: it has no state
+                out["unstepped"] = moe_moved(opt, model)
             if dtype is not None:
                 sd = opt.state_dict()["state"]
                 now = {i: {k: v.clone() for k, v in sd[i].items()} for i in expert2 if i in sd}
@@ -489,6 +491,46 @@ def moe_case(rank: int, world: int) -> dict:
         out[wire] = {"runs": runs, "state": opt.state_dict(), "untouched": untouched}
         opt.close()
     return out
+
+
+def moe_moved(opt: fastreduce.ZeroOptimizer, model: nn.Module) -> dict:
+    """``opt``'s state (expert 3 never stepped) moved into optimizers of other buckets:
+    through :func:`~fastreduce.modes.zero_mirror.reshard` (a Membership's new epoch) and
+    through ``torch.distributed.checkpoint`` on disk; each one's ``state_dict()`` against
+    ``opt``'s (which has no state for expert 3, as torch.optim has none)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from fastreduce.modes import zero_mirror
+
+    want = opt.state_dict()["state"]
+    expert3 = {i for i, (n, _) in enumerate(model.named_parameters()) if n.startswith("experts.3.")}
+
+    def same(got: dict) -> bool:
+        return got.keys() == want.keys() and all(
+            got[i].keys() == st.keys() and all(torch.equal(got[i][k], v) for k, v in st.items())
+            for i, st in want.items())
+
+    def other() -> fastreduce.ZeroOptimizer:  # over a copy of the model: one bucket, another layout than opt's
+        return fastreduce.ZeroOptimizer(copy.deepcopy(model).parameters(), torch.optim.AdamW, lr=1e-2,
+                                        weight_decay=0.1, redundant=True)
+    resharded = other()
+    zero_mirror.reshard(resharded, zero_mirror.held(opt))
+    box = [tempfile.mkdtemp(prefix="fastreduce-moe-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=box[0])  # expert 3's state a template (fresh)
+    loaded = other()
+    sd = loaded.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=box[0])
+    loaded.load_sharded_state_dict(sd)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0])
+    got = {"resharded": same(resharded.state_dict()["state"]), "loaded": same(loaded.state_dict()["state"])}
+    resharded.close()
+    loaded.close()
+    return {"expert3_unstepped": not expert3 & want.keys(), **got, "fresh": sorted(sd["fresh"]) == sorted(expert3)}
 
 
 def parity_worker(rank: int, world: int) -> dict:
@@ -589,7 +631,9 @@ def test_parameters_without_gradient_are_skipped_as_torch_optim_skips_them(parit
     wire (plain and redundant=True): every parameter after each of 20 steps and the final
     state (moments, step counts) within 1e-6. bf16 and fp8 wires (rounded gradients):
     the skipped expert's parameters and moments bit-identical to the step before, at
-    every step it had no gradient, and every step count torch's."""
+    every step it had no gradient, and every step count torch's. After step 3 (expert 3
+    without state) the state moves into other bucketings, by a Membership's reshard and by
+    DCP on disk (the save making expert 3 a template that the next step drops), unchanged."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "moe")):
         ref_state = got["ref_state"]["state"]
@@ -597,6 +641,7 @@ def test_parameters_without_gradient_are_skipped_as_torch_optim_skips_them(parit
         assert mine["state"]["state"].keys() == ref_state.keys()
         for i, st in ref_state.items():
             assert float(mine["state"]["state"][i]["step"]) == float(st["step"]), (wire, rank, i)
+        assert got["unstepped"] == {"expert3_unstepped": True, "resharded": True, "loaded": True, "fresh": True}
         if MOE_WIRES[wire] is None:
             assert_runs_close(mine["runs"], got["ref"], f"{wire} world {world} rank {rank}", rtol=0, atol=1e-6)
             for i, st in ref_state.items():
