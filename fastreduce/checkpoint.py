@@ -49,12 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .modes.diloco import DiLoCo
+from .modes.contract import commit_style, mode_name, optimizer_role, state_scope
 from .modes.functional import functional_state, load_functional_state
-from .modes.fused import FusedReducer
-from .modes.gossip import DecentralizedDataParallel
-from .modes.localsgd import LocalSGD
-from .modes.zero import ZeroOptimizer
 
 __all__ = ["Checkpointer", "CheckpointDamagedError", "CheckpointMismatchError"]
 
@@ -64,8 +60,6 @@ MARKER = "fastreduce.json"
 """The commit marker in a checkpoint folder: written last, it holds the fingerprint."""
 FORMAT = 1
 _STEP_DIR = re.compile(r"step-(\d+)$")
-PER_RANK_MODES = ("gossip", "local", "diloco")
-"""Modes whose parameters differ across ranks: saved per rank, resumed on as many ranks."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -124,10 +118,10 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, mode: Any = None, *, keep: int = 2,
                  extras: dict[str, Any] | None = None):
-        if isinstance(model, DecentralizedDataParallel):
+        if commit_style(model):  # a mode that wraps the module (gossip's DecentralizedDataParallel)
             if mode not in (None, model):
-                raise ValueError("model is a DecentralizedDataParallel: pass mode=None (or the same object)")
-            mode, model = model, model.module
+                raise ValueError(f"model is a {type(model).__name__}: pass mode=None (or the same object)")
+            mode, model = model, model.trained_module
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -138,30 +132,30 @@ class Checkpointer:
         for name, obj in extras.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"extras[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
-        if isinstance(mode, FusedReducer):
-            kind = "overlap" if mode.config.overlap else "fused"
-        elif isinstance(mode, DecentralizedDataParallel):
-            kind = "gossip"
-            if optimizer is not None:
-                raise ValueError("DecentralizedDataParallel steps its own per-bucket optimizers (saved with "
-                                 "the mode): pass optimizer=None")
-        elif isinstance(mode, (LocalSGD, DiLoCo)):
-            kind = "local" if isinstance(mode, LocalSGD) else "diloco"
+        # What is saved, and how, is what the mode declares (modes/contract.py): its scope and
+        # whose optimizer it steps. No mode: all_reduce_gradients (or nothing), or a ZeroOptimizer.
+        the_mode = mode if mode is not None else optimizer if commit_style(optimizer) else None
+        if mode is not None and (not commit_style(mode) or optimizer_role(mode) == "self"):
+            raise TypeError(f"mode must be a FusedReducer, DecentralizedDataParallel, LocalSGD, DiLoCo or None, "
+                            f"got {type(mode).__name__}" + (" (a ZeroOptimizer is a mode of its own: pass it as "
+                                                             "optimizer with mode=None)" if commit_style(mode) else ""))
+        if commit_style(optimizer) and the_mode is not optimizer:
+            raise ValueError(f"a {type(optimizer).__name__} is a mode of its own: pass it as optimizer with mode=None")
+        kind, scope = ("fused", "replicated") if the_mode is None else (mode_name(the_mode), state_scope(the_mode))
+        role = "user" if the_mode is None else optimizer_role(the_mode)
+        if role == "own" and optimizer is not None:
+            raise ValueError(f"{type(mode).__name__} steps its own per-bucket optimizers (saved with the mode): "
+                             "pass optimizer=None")
+        if role == "inner":
             if optimizer is None:
                 optimizer = mode.optimizer
             elif optimizer is not mode.optimizer:
                 raise ValueError(f"optimizer is not the inner optimizer the {type(mode).__name__} was built with")
-        elif mode is None:
-            kind = "zero" if isinstance(optimizer, ZeroOptimizer) else "fused"  # all_reduce_gradients, or none
-        else:
-            raise TypeError(f"mode must be a FusedReducer, DecentralizedDataParallel, LocalSGD, DiLoCo or None, "
-                            f"got {type(mode).__name__}")
-        if mode is not None and (mode.module if kind == "gossip" else mode.model) is not model:
+        if mode is not None and mode.trained_module is not model:
             raise ValueError(f"the {type(mode).__name__} was built over another module than model")
-        if isinstance(optimizer, ZeroOptimizer) and kind != "zero":
-            raise ValueError("a ZeroOptimizer is a mode of its own: pass it as optimizer with mode=None")
         self.directory = os.fspath(directory)
         self.model, self.optimizer, self.mode, self.kind = model, optimizer, mode, kind
+        self.scope, self.role = scope, role
         self.keep, self.extras = keep, extras
 
     # ------------------------------------------------------------------ public
@@ -248,7 +242,7 @@ class Checkpointer:
     def _fingerprint(self) -> dict[str, Any]:
         opt = self.optimizer
         name = None if opt is None else type(opt).__name__
-        if self.kind == "zero":
+        if self.scope == "sharded":
             name = f"ZeroOptimizer({opt.optimizer_class.__name__})"  # type: ignore[union-attr]
         tensors = [["param", n, list(p.shape), str(p.dtype)] for n, p in self.model.named_parameters()]
         tensors += [["buffer", n, list(b.shape), str(b.dtype)] for n, b in self.model.named_buffers()]
@@ -259,10 +253,10 @@ class Checkpointer:
         """The DCP state dict to save (collective: the modes drain what is in flight)."""
         state: dict[str, Any] = {}
         mine: dict[str, Any] = {"rng": _rng_state(), "extras": {k: o.state_dict() for k, o in self.extras.items()}}
-        per_rank = self.kind in PER_RANK_MODES
+        per_rank = self.scope == "per_rank"
         if not per_rank:
             state["model"] = self.model.state_dict()
-        if self.kind == "zero":
+        if self.scope == "sharded":
             state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
             mine["wire"] = self.optimizer.wire_state_dict()  # type: ignore[union-attr]
         elif self.optimizer is not None:
@@ -270,11 +264,11 @@ class Checkpointer:
                 mine["optimizer"] = self.optimizer.state_dict()
             else:
                 state.update(_pack(self.optimizer.state_dict(), "optimizer"))
-        if self.kind in ("local", "diloco"):
+        if per_rank and self.role != "own":  # (a mode that steps its own optimizers saves the model too)
             mine["model"] = self.model.state_dict()
         if self.mode is not None:
             mine["mode"] = self.mode.state_dict()
-        elif self.kind == "fused":
+        elif self.scope == "replicated":  # all_reduce_gradients: its reducers' residuals live on the model
             mine["mode"] = functional_state(self.model)
         state.update(_pack(mine, f"rank{_rank()}"))
         return state
@@ -311,7 +305,7 @@ class Checkpointer:
             why = f"its optimizer is {saved['optimizer']}, this job's is {mine['optimizer']}"
         elif saved["extras"] != mine["extras"]:
             why = f"its extras are {saved['extras']}, this job's are {mine['extras']}"
-        elif saved["world_size"] != mine["world_size"] and self.kind in PER_RANK_MODES:
+        elif saved["world_size"] != mine["world_size"] and self.scope == "per_rank":
             why = (f"it holds the per-rank state of {saved['world_size']} ranks (mode {self.kind}: every rank's "
                    f"parameters differ) and this job has {mine['world_size']}; resume it on "
                    f"{saved['world_size']} ranks")
@@ -327,7 +321,7 @@ class Checkpointer:
         same_world = saved["world_size"] == world
         src = rank if rank < saved["world_size"] else 0  # a rank that did not exist: rank 0's extras
         metadata = dcp.FileSystemReader(path).read_metadata()
-        per_rank = self.kind in PER_RANK_MODES
+        per_rank = self.scope == "per_rank"
         # Everything is read into staging tensors, and set only once every rank has read
         # all of it: a load that fails leaves the job as it was.
         state: dict[str, Any] = {}
@@ -336,7 +330,7 @@ class Checkpointer:
             live = self.model.state_dict()
             state["model"] = OrderedDict((k, v.detach().clone()) for k, v in live.items())
             state["model"]._metadata = getattr(live, "_metadata", None)  # type: ignore[attr-defined]
-        if self.kind == "zero":
+        if self.scope == "sharded":
             state["optimizer"] = _staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
             if "optimizer.fresh" not in metadata.state_dict_metadata:  # saved before fastreduce kept it
                 del state["optimizer"]["fresh"]
@@ -359,7 +353,7 @@ class Checkpointer:
             self.model.load_state_dict(state["model"])
         for live, staged in ranges:
             live.copy_(staged)
-        if self.kind == "zero":
+        if self.scope == "sharded":
             self.optimizer.load_sharded_state_dict(state["optimizer"])  # type: ignore[union-attr]
         elif self.optimizer is not None and not per_rank:
             self.optimizer.load_state_dict(_unpack(state, "optimizer"))
@@ -373,11 +367,11 @@ class Checkpointer:
         if src == rank:
             _set_rng_state(mine["rng"])
         if same_world or per_rank:
-            if self.kind == "zero":
+            if self.scope == "sharded":
                 self.optimizer.load_wire_state_dict(mine.get("wire", {}))  # type: ignore[union-attr]
             if self.mode is not None:
                 self.mode.load_state_dict(mine["mode"])
-            elif self.kind == "fused":
+            elif self.scope == "replicated":
                 load_functional_state(self.model, mine["mode"])
         elif rank == 0 and (mine.get("mode", {}).get("residuals") or mine.get("wire") or world > saved["world_size"]):
             log.warning("fastreduce: checkpoint %s was saved at %d ranks, this job has %d: error-feedback "

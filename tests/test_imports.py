@@ -174,16 +174,25 @@ def test_modes_are_thin() -> None:
 
 
 def test_every_mode_declares_the_contract() -> None:
-    """Every mode declares how its steps commit (``commit_style``, :mod:`fastreduce.modes.contract`)
+    """Every mode declares how its steps commit (``commit_style``, :mod:`fastreduce.modes.contract`),
+    where its state lives, whose optimizer it steps, its name, what a Membership needs of it,
     and closes with one ``close(drain=True)`` (docs/design.md, "The modes and what they
     share"): what Membership and the trainers ask, with no branch per mode; the trainers'
     side of each mode closes alike."""
     from fastreduce.integrations.modes import MODES
-    from fastreduce.modes.contract import COMMIT_STYLES, commit_style
+    from fastreduce.modes.contract import (COMMIT_STYLES, OPTIMIZER_ROLES, STATE_SCOPES, commit_style,
+                                           membership_settings, optimizer_role, state_scope)
 
     modes = {m.cls for m in MODES.values()}
     assert {cls.commit_style for cls in modes} == set(COMMIT_STYLES), "a commit style no mode has, or a mode without"
-    assert commit_style(torch.nn.Linear(1, 1)) == "" and commit_style(fastreduce.FusedReducer) == ""
+    assert {state_scope(cls) for cls in modes} == set(STATE_SCOPES)
+    assert {optimizer_role(cls) for cls in modes} == set(OPTIMIZER_ROLES)
+    for cls in modes:  # its name: fixed, or (the reducer's fused / overlap) read from its settings
+        assert isinstance(getattr(cls, "mode_name", None), (str, property)), cls
+        assert isinstance(membership_settings(cls), dict)
+    assert commit_style(torch.nn.Linear(1, 1)) == "" and commit_style(fastreduce.FusedReducer) == "reduce"
+    with pytest.raises(TypeError, match="Linear is not a fastreduce mode"):
+        state_scope(torch.nn.Linear(1, 1))
     classes = modes | set(MODES.values())
     assert len(classes) >= 10
     for cls in classes:
@@ -199,6 +208,6 @@ def test_quick_tier_runs_every_mode() -> None:
     modes = {p.stem for p in PACKAGE.joinpath("modes").glob("*.py")}
     # pieces of gossip, ZeRO, the local modes, the reducer
     parts = {"__init__", "topology", "zero_shard", "zero_state", "zero_config", "zero_grads", "zero_mirror", "zero_pieces",
-             "zero_finite", "local", "fused_state", "fused_config", "comm_stats"}
+             "zero_finite", "local", "fused_state", "fused_config", "comm_stats", "gossip_average"}
     missing = sorted(modes - parts - set(QUICK))
     assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"

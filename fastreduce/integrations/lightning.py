@@ -56,6 +56,7 @@ from ..compat import preserve_version_counters
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer, ReducerConfig
 from .membership import TrainerMembership, check_plain_process
+from ..modes.contract import commit_style, optimizer_role
 from .modes import MODES, TrainerMode, make_mode
 
 __all__ = ["FastReduceStrategy"]
@@ -276,7 +277,7 @@ class FastReduceStrategy(DDPStrategy):
                          last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
                          max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
         _set_global_step(trainer, step)
-        if self._mode.name == "zero":  # its global norm (the mode's clip, kept for the commit on a loss)
+        if self._mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
             self._patch_clipping()
         if not any(isinstance(c, _Figures) for c in trainer.callbacks):
             trainer.callbacks.append(_Figures())
@@ -295,7 +296,7 @@ class FastReduceStrategy(DDPStrategy):
     @property
     def reducer_config(self) -> ReducerConfig | None:
         """The fused modes' reducer settings (validated at construction); ``None`` in the other modes."""
-        if not issubclass(self._mode.cls, FusedReducer):
+        if commit_style(self._mode.cls) != "reduce":
             return None
         return ReducerConfig(**{k: v for k, v in self._mode.config.items() if k != "group"})
 
@@ -304,7 +305,7 @@ class FastReduceStrategy(DDPStrategy):
         """The :class:`fastreduce.FusedReducer` of the current (or last) ``fit`` in the fused
         modes; ``None`` before, and in the other modes."""
         obj = self._mode.obj
-        return obj if isinstance(obj, FusedReducer) else None
+        return obj if commit_style(obj) == "reduce" else None
 
     # ------------------------------------------------------------------ setup: no DDP wrapper
 
@@ -341,14 +342,13 @@ class FastReduceStrategy(DDPStrategy):
             self._membership.sampler = None
             return
         optimizers = list(self.optimizers)
-        if len(optimizers) > 1 and not issubclass(mode.cls, FusedReducer):  # the fused modes take none
+        if len(optimizers) > 1 and optimizer_role(mode.cls) != "user":  # the fused modes step the user's
             raise ValueError(f"FastReduceStrategy: fastreduce mode {mode.name!r} is built over one optimizer, and "
                              f"configure_optimizers returned {len(optimizers)}: return one (several param "
                              "groups are fine), or use mode='fused' or 'overlap'")
         configured = optimizers[0] if optimizers else None
         clip = trainer.gradient_clip_val or 0.0
-        if clip and trainer.gradient_clip_algorithm not in (None, "norm") and type(mode).clip_grad_norm_ is not \
-                TrainerMode.clip_grad_norm_:
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm") and mode.clips:
             raise ValueError(_by_norm_only(mode))
         built = mode.build(self.model, configured, getattr(self.precision_plugin, "scaler", None), float(clip))
         if built is not configured:
@@ -534,7 +534,7 @@ class FastReduceStrategy(DDPStrategy):
         global norm); clipping by value is refused there."""
         self._unpatch_clipping()
         mode, plugin = self._mode, self.precision_plugin
-        if type(mode).clip_grad_norm_ is TrainerMode.clip_grad_norm_:
+        if not mode.clips:
             return
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:

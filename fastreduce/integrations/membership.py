@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils.data import DistributedSampler
 
-from ..modes.contract import commit_style
+from ..modes.contract import commit_style, membership_settings
 from .modes import TrainerMode
 
 __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
@@ -79,14 +79,14 @@ log = logging.getLogger(__name__)
 
 _NOT_HYPER = ("params", "foreach", "fused", "differentiable", "capturable")  # a param group's keys not set by schedules
 
-_UNSUPPORTED = {
+_UNSUPPORTED = {  # by commit style (modes/contract.py)
     "gossip": "gossip steps each bucket during backward, so there is no point where a step commits",
 }
 
 
 def check_mode(mode: TrainerMode, who: str) -> None:
     """``ValueError`` for a mode a Membership cannot run."""
-    why = _UNSUPPORTED.get(mode.name)
+    why = _UNSUPPORTED.get(commit_style(mode.cls))
     if why is not None:
         raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
                          "use 'fused', 'overlap', 'localsgd' or 'diloco'")
@@ -96,9 +96,10 @@ def check_mode(mode: TrainerMode, who: str) -> None:
     if mode.config.get("group") is not None:
         raise ValueError(f"{who}: a mode's own group= does not run under fastreduce.Membership, whose members "
                          "form a new default group at each epoch: drop group=")
-    if mode.name == "zero" and mode.config.get("redundant", True) is not True:
-        raise ValueError(f"{who}: under fastreduce.Membership ZeRO keeps each shard on two ranks (redundant=True, "
-                         "set for you), or a shard would be lost with its rank: drop redundant=False")
+    for key, value in membership_settings(mode.cls).items():  # (ZeRO: redundant=True, or a shard dies with its rank)
+        if mode.config.get(key, value) != value:
+            raise ValueError(f"{who}: under fastreduce.Membership fastreduce mode {mode.name!r} runs with "
+                             f"{key}={value!r} (set for you): drop {key}={mode.config[key]!r}")
 
 
 def check_plain_process(who: str) -> None:
@@ -357,8 +358,9 @@ class TrainerMembership:
                              "with the world): set max_steps")
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
-        if self.mode.name == "zero":
-            self._zero_clipping()
+        self.mode.config.update(membership_settings(self.mode.cls))
+        if self.mode.clips:
+            self._route_clipping()
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
         for sched in self.schedulers:
@@ -387,11 +389,10 @@ class TrainerMembership:
             return self.mode.obj
         return _Local(self.mode, self) if style == "local" else _Reduced(self.mode, self)
 
-    def _zero_clipping(self) -> None:
-        """ZeRO: ``redundant=True``; the mode's clipping (the trainer's, routed to it) keeps a
-        failure for the commit, where it discards the step, instead of raising in the trainer."""
+    def _route_clipping(self) -> None:
+        """The mode's clipping (the trainer's, routed to it: ZeRO's) keeps a failure for the
+        commit, where it discards the step, instead of raising in the trainer."""
         mode = self.mode
-        mode.config["redundant"] = True
         clip = type(mode).clip_grad_norm_.__get__(mode)
 
         def clip_grad_norm_(max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -461,7 +462,7 @@ class TrainerMembership:
         sampler, pending = self.sampler, self.pending
 
         def step() -> None:
-            if self.mode.name == "zero":
+            if commit_style(self.mode.obj) == "zero":
                 self._zero_step()
             else:
                 real_step()

@@ -79,6 +79,9 @@ class TrainerMode:
     fixed: ClassVar[tuple[str, ...]] = ()
     """Its arguments the trainer fills (model, optimizer, ...): not settings."""
     per_rank: ClassVar[bool] = False
+    clips: ClassVar[bool] = False
+    """The mode clips the gradients its own way (:meth:`clip_grad_norm_`: ZeRO's global norm
+    over the shards, gossip's per rank): the trainers route their clipping to it."""
 
     def __init__(self, config: Mapping[str, Any], eval_params: str = "mean"):
         self.config = dict(config)
@@ -302,6 +305,7 @@ def rebuild_args(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list
 
 class Zero(TrainerMode):
     name, cls = "zero", ZeroOptimizer
+    clips = True
     fixed = ("params", "optimizer_class", "module", "scaler")
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
@@ -397,6 +401,7 @@ class Gossip(TrainerMode):
 
     name, cls = "gossip", DecentralizedDataParallel
     fixed = ("model", "optim_fn", "lr_scheduler_fn", "scaler")
+    clips = True
     per_rank = True
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):

@@ -52,6 +52,7 @@ from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
 from .membership import TrainerMembership, check_plain_process
+from ..modes.contract import commit_style, optimizer_role
 from .modes import TrainerMode, make_mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,8 +157,8 @@ class FastReduceMixin:
                                  "of committed optimizer steps (the LR schedule is over it, and the steps in a data "
                                  "epoch change with the world): set TrainingArguments(max_steps=...)")
             self.add_callback(_membership_callback(self))
-        if self.fastreduce_mode.name == "zero" and getattr(self, "lr_scheduler", None) is not None and \
-                self.fastreduce_membership is None:  # (under one, the Trainer's optimizer and scheduler stay)
+        if optimizer_role(self.fastreduce_mode.cls) == "self" and getattr(self, "lr_scheduler", None) is not None \
+                and self.fastreduce_membership is None:  # (under one, the Trainer's optimizer and scheduler stay)
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
                              "drives the one replaced: pass optimizers=(optimizer, None), or "
@@ -169,7 +170,7 @@ class FastReduceMixin:
         ``train()`` starts on more than one rank, and in the other modes); its ``stats``
         count the reductions."""
         obj = self.fastreduce_mode.obj
-        return obj if isinstance(obj, FusedReducer) else None
+        return obj if commit_style(obj) == "reduce" else None
 
     # ------------------------------------------------------------------ Trainer hooks
 
@@ -326,7 +327,7 @@ class FastReduceMixin:
                 self.lr_scheduler = None
                 self.create_scheduler(num_training_steps=self._fastreduce_steps, optimizer=built)
         mode.start_figures(self.state.global_step)
-        if type(mode).clip_grad_norm_ is not TrainerMode.clip_grad_norm_:
+        if mode.clips:
             _clip_with(self.accelerator, mode)
         group = mode.config.get("group")
         if dist.get_rank(group) == 0:
@@ -395,7 +396,7 @@ def _membership_callback(trainer: Any) -> Any:
                              [trainer.lr_scheduler], last_step=state.max_steps,
                              scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
             state.global_step = trainer._globalstep_last_logged = step  # a joiner's: the members'
-            if mode.name == "zero":  # its global norm (the mode's clip, kept for the commit on a loss)
+            if mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
                 _clip_with(trainer.accelerator, mode)
             if hasattr(trainer, "_initial_global_step"):
                 trainer._initial_global_step = step

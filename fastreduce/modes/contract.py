@@ -2,22 +2,30 @@
 (:class:`~fastreduce.Membership`, the trainers, checkpoints) asks it instead of guessing
 from which attributes the mode happens to have.
 
-Two parts of it hold for every mode today:
+What every mode declares today:
 
+* **its name** (``mode_name``: ``fused``, ``overlap``, ``zero``, ``gossip``, ``local``,
+  ``diloco``; what a checkpoint records) and **the module it trains** (``trained_module``);
 * **how a step commits** under a Membership: the class attribute ``commit_style``, one of
   :data:`COMMIT_STYLES` (read through :func:`commit_style`);
+* **where its state lives** (``state_scope``, one of :data:`STATE_SCOPES`) and **whose
+  optimizer it steps** (``optimizer_role``, one of :data:`OPTIMIZER_ROLES`): what a
+  checkpoint saves, once or per rank, and onto which world sizes it loads;
+* **the settings a Membership needs of it** (``membership_settings``, e.g. ZeRO's
+  ``redundant=True``: a shard must outlive its rank);
 * **how a mode closes**: ``close(drain=True)``, its hooks off the model, what is in flight
   waited for (``drain=False``: dropped, a peer was lost).
 
-The rest of what the consumers need (a mode's state per rank, its figures, its settings)
-is still read in several places; docs/design.md, "The modes and what they share".
+The rest of what the consumers need (its figures, its settings) is still read in several
+places; docs/design.md, "The modes and what they share".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMMIT_STYLES", "commit_style"]
+__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "STATE_SCOPES", "commit_style", "membership_settings", "mode_name",
+           "optimizer_role", "state_scope"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -32,8 +40,65 @@ COMMIT_STYLES: dict[str, str] = {
 """Every way a mode's step commits, with what it means."""
 
 
+def _class(mode: Any) -> type:
+    return mode if isinstance(mode, type) else type(mode)
+
+
 def commit_style(mode: Any) -> str:
-    """How a step of ``mode`` commits (a key of :data:`COMMIT_STYLES`), as its class declares
-    it (``commit_style``); ``""`` for an object that declares none: not a mode."""
-    style = getattr(type(mode), "commit_style", "")
+    """How a step of ``mode`` (a mode, or its class) commits (a key of :data:`COMMIT_STYLES`),
+    as its class declares it (``commit_style``); ``""`` for one that declares none: not a mode."""
+    style = getattr(_class(mode), "commit_style", "")
     return style if style in COMMIT_STYLES else ""
+
+
+STATE_SCOPES: dict[str, str] = {
+    "replicated": "the same on every rank after each step (the fused and overlapped reducers): saved once, "
+                  "loads onto any world size",
+    "sharded": "each rank holds a shard (ZeroOptimizer): saved as each rank's ranges, loads onto any world size",
+    "per_rank": "each rank's own, the models differing between syncs (gossip, LocalSGD, DiLoCo): saved per "
+                "rank, loads onto the world size it was saved at",
+}
+"""Where a mode's state lives."""
+
+OPTIMIZER_ROLES: dict[str, str] = {
+    "user": "it steps nothing itself: the user's torch optimizer, given beside it, steps (the reducers)",
+    "self": "it is the optimizer (ZeroOptimizer)",
+    "inner": "it wraps the torch optimizer it was built with, its .optimizer (LocalSGD, DiLoCo)",
+    "own": "it steps optimizers of its own, kept in its state with the model's (gossip)",
+}
+"""Whose optimizer a mode steps."""
+
+
+def _declared(mode: Any, what: str, allowed: dict[str, str]) -> str:
+    value = getattr(_class(mode), what, "") if commit_style(mode) else ""
+    if value not in allowed:
+        raise TypeError(f"{type(mode).__name__} is not a fastreduce mode (it declares no {what}: one of "
+                        f"{sorted(allowed)})")
+    return value
+
+
+def state_scope(mode: Any) -> str:
+    """Where ``mode``'s state (a mode's, or its class's) lives: a key of :data:`STATE_SCOPES`
+    (``TypeError``: not a mode)."""
+    return _declared(mode, "state_scope", STATE_SCOPES)
+
+
+def optimizer_role(mode: Any) -> str:
+    """Whose optimizer ``mode`` (a mode, or its class) steps: a key of :data:`OPTIMIZER_ROLES`
+    (``TypeError``: not a mode)."""
+    return _declared(mode, "optimizer_role", OPTIMIZER_ROLES)
+
+
+def mode_name(mode: Any) -> str:
+    """``mode``'s name, as checkpoints record it (``TypeError``: not a mode)."""
+    if not commit_style(mode):
+        raise TypeError(f"{type(mode).__name__} is not a fastreduce mode")
+    return str(mode.mode_name)
+
+
+def membership_settings(mode: Any) -> dict[str, Any]:
+    """The settings ``mode`` (a mode, or its class) must have under a Membership, as its class
+    declares them (``membership_settings``; none declared: none needed)."""
+    if not commit_style(mode):
+        raise TypeError(f"{_class(mode).__name__} is not a fastreduce mode")
+    return dict(getattr(_class(mode), "membership_settings", {}))

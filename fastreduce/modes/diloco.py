@@ -101,6 +101,7 @@ class DiLoCo(LocalUpdates):
         ...     inner.zero_grad()
     """
 
+    mode_name = "diloco"  # (modes/contract.py)
     _averages_params = False  # pseudo-gradients: divide_by_initial_world_size applies
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,

@@ -131,7 +131,18 @@ class FusedReducer(ReducerState, FusedJoin):
     """
 
     commit_style = "reduce"  # under a Membership (modes/contract.py)
+    state_scope = "replicated"
+    optimizer_role = "user"
     _cut: ModeCut | None = None  # overlap: the compiled graphs' cut (see _cut_graphs)
+
+    @property
+    def mode_name(self) -> str:
+        """``overlap`` or ``fused`` (modes/contract.py)."""
+        return "overlap" if self.config.overlap else "fused"
+
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.model
 
     def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None, **config: Any):
         if not isinstance(model, torch.nn.Module):

@@ -57,6 +57,7 @@ from ..layout import GradLayout, bucket_runs, counted, verify_model
 from ..optim_kernels import prefer_fused
 from ..sizing import AUTO, GOSSIP_AUTO_WHY, Sizing, check_bucket_mb
 from .comm_stats import CommStats
+from .gossip_average import GossipAverage
 from .gossip_state import _DONE, GossipState
 from .topology import Topology, make_topology
 
@@ -68,7 +69,7 @@ OptimFn = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
 
-class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
+class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableMode):
     """Gossip data parallelism over a time-varying topology (see the module doc).
 
     Args:
@@ -132,6 +133,9 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
     """
 
     commit_style = "gossip"  # under a Membership (modes/contract.py)
+    state_scope = "per_rank"
+    optimizer_role = "own"
+    mode_name = "gossip"
 
     def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: SchedulerFn | None = None,
                  topology: str | Topology = "complete", scaler: Any = None, grad_clip_norm: float = 0.0, *,
@@ -252,42 +256,6 @@ class DecentralizedDataParallel(GossipState, nn.Module, JoinableMode):
         if self._built:
             self._schedule.remove()
         uncut_graphs(self)
-
-    @torch.no_grad()
-    def global_avg(self) -> None:
-        """Every rank's parameters and float buffers := their exact mean over ranks
-        (e.g. to evaluate); :meth:`revert_global_avg` puts this rank's own back."""
-        self._drain()
-        self._saved = ([t.clone() for t in self._state_tensors()],
-                       [m.clone() for m in self._mixed] if self._built else [])
-        for t in self._state_tensors():
-            dist.all_reduce(t, group=self.group)
-            t.div_(self.world_size)
-        for b, flat in enumerate(self._flats if self._built else ()):
-            self._mixed[b].copy_(flat)  # the pending mix is now the average itself
-
-    @torch.no_grad()
-    def revert_global_avg(self) -> None:
-        """Undo the last :meth:`global_avg` on this rank."""
-        saved = getattr(self, "_saved", None)
-        if saved is None:
-            raise RuntimeError("revert_global_avg() needs a global_avg() before it")
-        tensors, mixed = saved
-        for t, s in zip(self._state_tensors() + (self._mixed if self._built else []), tensors + mixed):
-            t.copy_(s)
-        self._saved = None
-
-    @torch.no_grad()
-    def consensus_distance(self) -> float:
-        """Mean over ranks of ``||x_r - mean|| / ||mean||`` over all trainable parameters:
-        0 when every rank holds the same parameters. The same number on every rank."""
-        x = torch.cat([p.detach().reshape(-1).double() for _, p in self._named])
-        mean = x.clone()
-        dist.all_reduce(mean, group=self.group)
-        mean.div_(self.world_size)
-        d = torch.stack([(x - mean).norm() / mean.norm().clamp_min(1e-30)])
-        dist.all_reduce(d, group=self.group)
-        return float(d.item() / self.world_size)
 
     # ------------------------------------------------------------------ build
 

@@ -20,6 +20,11 @@ class GossipState:
     """The checkpoint half of :class:`~fastreduce.DecentralizedDataParallel` (a mixin: it
     reads the mode's module, buckets, optimizers, schedulers and blocks)."""
 
+    @property
+    def trained_module(self) -> Any:
+        """The module the mode wraps (modes/contract.py)."""
+        return self.module
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Everything to resume (collective): the model, every bucket's optimizer and
         scheduler, the round, the bucket order, and the exchange in flight (drained:

@@ -118,6 +118,13 @@ class LocalUpdates(JoinableMode):
     """
 
     commit_style = "local"  # under a Membership (modes/contract.py)
+    state_scope = "per_rank"
+    optimizer_role = "inner"
+
+    @property
+    def trained_module(self) -> nn.Module:
+        """The model it trains (modes/contract.py)."""
+        return self.model
 
     _delta: bool  # average the change since the last sync (through ``anchor``)
     _averages_params = True  # under Join a sync is a mean over the active ranks, whatever the divisor asked

@@ -132,6 +132,8 @@ class LocalSGD(LocalUpdates):
         ...     opt.zero_grad()
     """
 
+    mode_name = "local"  # (modes/contract.py)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int, *,
                  warmup_steps: int = 0, group: dist.ProcessGroup | None = None,
                  hierarchy: dict[int, int] | None = None, wire_dtype: torch.dtype | None = None,

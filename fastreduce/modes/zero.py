@@ -6,7 +6,7 @@ Communication pattern, per step (N ranks, rank r)::
                reduce-scatter it: chunk r of its mean lands in rank r's shard grad
     step():    launch the buckets left, wait for all; (GradScaler: unscale the shard,
                one MAX all-reduce of the inf flag); which parameters some rank's
-               backward reached (a byte each, MAX; in clip_grad_norm_'s all-reduce where
+               backward reached (a flag each, MAX; in clip_grad_norm_'s all-reduce where
                it ran); the wrapped torch optimizer steps the shard's pieces of those
                (fp32 master weights for bf16/fp16 params), as torch.optim skips a
                parameter without a gradient; copy the shard
@@ -141,6 +141,10 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
 
     _step_supports_amp_scaling = True  # GradScaler calls step() itself, see _scaled()
     commit_style = "zero"  # under a Membership (modes/contract.py)
+    state_scope = "sharded"
+    optimizer_role = "self"
+    mode_name = "zero"
+    membership_settings = {"redundant": True}  # no shard may be lost with its rank
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
@@ -469,11 +473,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
     def _used(self) -> list[bool] | None:
         """Which parameters (layout order) some rank's backward gave a gradient this step
         (``None``: all): learnt with :meth:`clip_grad_norm_`'s all-reduce where it ran,
-        else by a MAX all-reduce of a byte per parameter. The others are not stepped, as
+        else by a MAX all-reduce of a flag per parameter. The others are not stepped, as
         torch.optim skips a parameter whose ``grad`` is ``None``."""
         used = self._used_mask
         if used is None:
-            used = self._local_used().to(torch.uint8)
+            used = self._local_used().float()  # (float32: every backend's MAX takes it)
             if self.world_size > 1:
                 with span("fastreduce::used"):
                     all_reduce_watched(used, dist.ReduceOp.MAX, self.group)
