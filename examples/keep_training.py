@@ -169,14 +169,14 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
         if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
             die_joining(m, kill[0])
+        if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1] (0: the first), before its group exists
+            m.at("set_up", lambda e: die() if e.number == kill[1] else None)
+        if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
+            m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
                lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
-        if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1], before its group exists
-            m.at("set_up", lambda e: die() if e.number == kill[1] else None)
-        if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
-            m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
             m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":

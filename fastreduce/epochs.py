@@ -58,6 +58,7 @@ class EpochChanges(CoordinatorClient):
     """
 
     _first_step_of: int | None = None  # the epoch whose members all reached its first step
+    _founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
     _points: dict[str, list[Callable[[Any], Any]]]  # fault points' callables (:meth:`at`), set by the membership
 
     def at(self, point: str, fn: Callable[[Any], Any]) -> None:
@@ -94,12 +95,19 @@ class EpochChanges(CoordinatorClient):
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
         # that held the state propose (a joiner's step count is not the job's yet).
         healed = [m for m in present if said[m]["healed"]]
+        # Nobody holds a committed state: epoch 0 failed as it formed (a first member lost in
+        # its set-up), so the job is still at its start, which every first member holds: they
+        # found it again, each taking the first one's state as at epoch 0.
+        founding = not healed
+        if founding:
+            healed = [m for m in present if said[m].get("founder")]
+        holds = self.member in healed
         top = max((said[m]["step"] for m in healed), default=self.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
         healed = [m for m in healed if m not in behind]
-        unhealed = behind + tuple(m for m in present if not said[m]["healed"])
+        unhealed = behind + tuple(m for m in present if m not in healed and m not in behind)
         deadline = time.monotonic() + self.wait_s
-        while not self._healed:
+        while not holds:
             if self._wait(key, 0.25):
                 break
             if time.monotonic() > deadline:
@@ -109,13 +117,14 @@ class EpochChanges(CoordinatorClient):
         # joiner taking rank 0's parameters now (its own inner steps since the last sync) would
         # count them twice in it; it is admitted right after the sync instead, at its vote.
         redo = why == "loss" and self._kept_mode[1] == "local" and len(present) >= self.min_ranks
-        while self._healed:  # below min_ranks: wait for joiners (unless another survivor proposed already)
+        while holds:  # below min_ranks: wait for joiners (unless another survivor proposed already)
             tickets = old.admitted if redo else int(self._call(self.store.add, _P + "tickets", 0))
             checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
                        if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
             joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
-            proposal = Epoch(n, tuple(healed) + unhealed + joiners, top, tickets, unhealed + joiners)
+            members = tuple(healed) + unhealed + joiners
+            proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners)
             if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
@@ -124,7 +133,7 @@ class EpochChanges(CoordinatorClient):
                                     f"{self.min_ranks}, and no process joined within {self.wait_s:g} s",
                                     "members were lost", old.world)
             time.sleep(0.05)
-        epoch = self._propose(proposal, refusals) if self._healed else \
+        epoch = self._propose(proposal, refusals) if holds else \
             Epoch.from_json(self._call(self.store.get, key))
         if self.member not in epoch.members:
             raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
@@ -146,7 +155,8 @@ class EpochChanges(CoordinatorClient):
         tell a slow survivor from a lost one."""
         n = old.number + 1
         announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
-        self._call(self.store.set, alive + self.member, json.dumps({"step": self.step, "healed": self._healed}))
+        self._call(self.store.set, alive + self.member,
+                   json.dumps({"step": self.step, "healed": self._healed, "founder": self._founder}))
         self._call(self.store.add, announced, 1)
         expected = [m for m in old.members if m not in lost]
         window = faults.lost_after() if why == "loss" else self.timeout_s

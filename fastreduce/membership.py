@@ -218,6 +218,7 @@ class Membership(EpochChanges):
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
         epoch = Epoch.from_json(self._call(self.store.get, _epoch_key(int(answer))))
+        self._founder = epoch.number == 0
         start = time.perf_counter()
         self._enter(epoch)
         self.counters.stalls.append(("joined", time.perf_counter() - start))

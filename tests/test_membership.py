@@ -310,6 +310,23 @@ def test_a_member_lost_as_the_next_epoch_forms_is_named_in_seconds_not_the_group
     _same(final)
 
 
+@pytest.mark.parametrize("mode", ["fused", pytest.param("zero", marks=SLOW)])
+def test_a_first_member_lost_as_the_job_forms_leaves_the_others_to_found_it_again(tmp_path: Path, mode: str) -> None:
+    """Member 2 dies as it enters epoch 0, before its group exists: nobody holds a committed
+    state yet, so members 0 and 1 (who hold the job's start) found it again as epoch 1,
+    rank 0's state sent to the other as at epoch 0, and train on; the replacement joins them
+    (it used to be 60 s of waiting for a member holding the state, then every process refused)."""
+    found = launch(tmp_path, "process_group", {2: ("in-enter", 0)}, release_after=[2], mode=mode)
+    assert 2 not in found or "params" not in found[2], found[2]
+    final = [found[0], found[1], found[3]]
+    for f in final:
+        assert "error" not in f and "refused" not in f, f.get("error") or f.get("refused")
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+        assert [s for s, ok, _, _ in f["steps"] if ok] == list(range(f["joined_at"] + 1, STEPS + 1))
+    assert found[0]["counters"]["losses"] == 1 and found[0]["joined_at"] == 0, found[0]["counters"]
+    _same(final)
+
+
 @SLOW
 def test_a_member_slow_to_enter_the_next_epoch_is_waited_for_while_its_pulse_beats(tmp_path: Path) -> None:
     """Member 2 dies at step 10; member 1 enters the epoch that drops it 8 s late (a starved
