@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .torch_internals import unsafe_preserve_version_counter
+
 __all__ = ["version_of", "gloo_has_avg", "preserve_version_counters", "prepare_model_without_ddp"]
 
 
@@ -76,8 +78,8 @@ def preserve_version_counters(tensors: Iterable[torch.Tensor]) -> Iterator[None]
     tensors = tuple(tensors)
     with contextlib.ExitStack() as stack:
         if version_of("torch") >= (2, 7):
-            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensors))
+            stack.enter_context(unsafe_preserve_version_counter(tensors))
         else:
             for tensor in tensors:
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+                stack.enter_context(unsafe_preserve_version_counter(tensor))
         yield

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from .buckets import default_bucket_mb
 from .hooks import forget_compiled_code
+from .torch_internals import ddp_first_bucket_bytes
 
 __all__ = ["compile_backend", "cut_graphs", "graphs_wait", "keep_cut", "recut", "uncut_graphs", "wait_in_graphs"]
 
@@ -189,7 +190,7 @@ def _reads_params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 def _first_cap(cap: int) -> int:
     """The first piece's size for pieces of ``cap``: DDP's 1 MB where smaller, and none
     for a frame to wait in, not to cut (``_WHOLE``)."""
-    return cap if cap >= _WHOLE else min(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
+    return cap if cap >= _WHOLE else min(cap, ddp_first_bucket_bytes())
 
 
 def _use_splitter(ours: bool) -> None:
@@ -240,7 +241,7 @@ class _Cut:
         if not (self.owners and torch.is_grad_enabled()):
             return _WHOLE  # one piece, with its waits
         # at least DDP's first piece (1 MB), which DDPOptimizer requires of the others
-        return max(min(size for size, _ in self.owners.values()), dist._DEFAULT_FIRST_BUCKET_BYTES)
+        return max(min(size for size, _ in self.owners.values()), ddp_first_bucket_bytes())
 
     def cap_for(self, gm: torch.fx.GraphModule) -> int:
         """The piece size for ``gm``: the smallest of the modes whose parameters it reads
@@ -248,7 +249,7 @@ class _Cut:
         a loss function)."""
         ids = {id(p) for n in gm.graph.nodes if (p := _param_of(gm, n)) is not None}
         sizes = [size for size, params in self.owners.values() if params & ids]
-        return max(min(sizes), dist._DEFAULT_FIRST_BUCKET_BYTES) if sizes else _WHOLE
+        return max(min(sizes), ddp_first_bucket_bytes()) if sizes else _WHOLE
 
     def __bool__(self) -> bool:
         # Forwards that train run with grad on; an evaluation forward or an optimizer's

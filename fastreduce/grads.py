@@ -25,6 +25,7 @@ from .comm import broadcast_from_rank0
 from .faults import all_reduce_watched
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
+from .torch_internals import at_backward_end
 
 __all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first",
            "attach_used", "check_grad", "check_grads", "check_nonfinite", "first_nonfinite", "missing_message",
@@ -261,7 +262,7 @@ class Reattach:
         self.written[i] = True
         if self.fresh and not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+            at_backward_end(self.settle)
 
     def settle(self, done: bool = False) -> None:
         """Re-attached gradients that no backward wrote become ``None`` again; ``done``

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
-import torch
-from torch.autograd import profiler as _autograd_profiler
 from torch.profiler import record_function
+
+from .torch_internals import profiler_enabled
 
 __all__ = ["profiling", "span"]
 
@@ -21,7 +21,7 @@ _NULL = nullcontext()
 def profiling() -> bool:
     """Is a profiler recording: on this thread, or anywhere in the process (a profile
     taken with ``profile_all_threads=True`` also records fastreduce's worker thread)?"""
-    return torch._C._autograd._profiler_enabled() or getattr(_autograd_profiler, "_is_profiler_enabled", False)
+    return profiler_enabled()
 
 
 def span(name: str) -> AbstractContextManager:

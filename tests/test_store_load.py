@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_heartbeat as faults_heartbeat
 from fastreduce.bench import store as bench
 from fastreduce.launch import run_ranks
 
@@ -161,7 +162,7 @@ def test_at_a_large_world_each_rank_reads_its_successors_and_a_stopped_rank_is_n
     tick) and the others read the verdict within a tick more: window + 3 ticks after the stop
     (plus slack for this loaded host)."""
     n, k, beat_s, window, victim = 64, 8, 0.25, 1.0, 37
-    monkeypatch.setattr(faults, "WATCHED_SUCCESSORS", k)
+    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where _Heartbeat.watched() reads it
     monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
@@ -215,7 +216,7 @@ def test_at_a_large_world_a_diagnosis_names_every_rank_lost_at_once(monkeypatch:
     them, of all nine)."""
     n, k, beat_s, window = 64, 8, 0.25, 1.0
     lost = [*range(10, 18), 40]
-    monkeypatch.setattr(faults, "WATCHED_SUCCESSORS", k)
+    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where _Heartbeat.watched() reads it
     monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..buffer import _view
 from ..comm import all_gather_flat
+from ..torch_internals import disabled_torch_function, make_wrapper_subclass
 from .zero_pieces import Piece, chunk_pieces
 
 __all__ = ["RangeShard", "ZeroCheckpointing"]
@@ -315,11 +316,11 @@ class RangeShard(torch.Tensor):
     def __new__(cls, local: torch.Tensor, offset: int, numel: int) -> RangeShard:
         if local.dim() != 1 or not 0 <= offset <= offset + local.numel() <= numel:
             raise ValueError(f"a range of {local.numel()} elements at {offset} does not fit in {numel}")
-        t = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
+        t = make_wrapper_subclass(cls, (numel,), local.dtype, local.device)
         t.local, t.offset = local, offset
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

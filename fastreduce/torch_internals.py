@@ -1,0 +1,118 @@
+"""Every use of torch's private internals in fastreduce, behind public functions.
+
+What torch does not expose (the default group's store and its registry of groups, a
+backend's timeout, the profiler's state, a few hooks of tensor subclasses) is read here and
+nowhere else, so a torch release that moves one is mended in one place. Tested on torch
+2.13; the project supports torch 2.6, 2.7 and 2.9 as well (``make stack-floor`` runs the
+tests on 2.6, ``make stack-gaudi-1.23`` on 2.9). Where a torch lacks one, the function says
+what it answers instead.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import profiler as _autograd_profiler
+
+__all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "ddp_first_bucket_bytes", "default_store",
+           "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass", "profiler_enabled",
+           "store_base", "unsafe_preserve_version_counter"]
+
+DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
+
+
+# ---------------------------------------------------------------------- process groups
+
+def default_store() -> Any:
+    """The default group's c10d store, or ``None`` (not initialized, or destroyed)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - not initialized, or destroyed
+        return None
+
+
+def store_base(store: Any) -> Any:
+    """The store under ``store``'s prefixes (a ``PrefixStore``'s innermost one), or ``None``
+    where it has none to tell."""
+    return getattr(store, "_underlying_non_prefix_store", None)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> float:
+    """The process group's collective timeout in seconds (what ``init_process_group`` or
+    ``new_group`` got as ``timeout``), or torch's default of 1800 s where this torch does
+    not expose it."""
+    pg = group or dist.group.WORLD
+    for device in ("cpu", "cuda", "hpu"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend here, or an older torch
+            continue
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    timeout = getattr(getattr(pg, "options", None), "_timeout", None)
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return DEFAULT_TIMEOUT_S
+
+
+_pinned: list[Any] = []
+
+
+def abandon_groups() -> None:
+    """Every process group of this process aborted where the backend can (the pending work
+    fails, its thread returns) and pinned: never destroyed, its threads end with the
+    process (:func:`fastreduce.faults_watchdog._abandon_groups` says why)."""
+    import ctypes
+
+    for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
+        if any(p is pg for p in _pinned):
+            continue
+        _pinned.append(pg)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # outlives the interpreter's teardown
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - not supported by this backend or torch
+            pass
+
+
+def ddp_first_bucket_bytes() -> int:
+    """The size of DDP's first bucket (1 MB), which dynamo's ``DDPOptimizer`` requires of the others."""
+    return dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+# ---------------------------------------------------------------------- autograd and tensors
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def at_backward_end(fn: Any) -> None:
+    """Call ``fn()`` once the backward running now ends (on its thread)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler records on this thread, or anywhere in the process (one taken
+    with ``profile_all_threads=True``; a torch without it: this thread only)."""
+    return torch._C._autograd._profiler_enabled() or getattr(_autograd_profiler, "_is_profiler_enabled", False)
+
+
+def unsafe_preserve_version_counter(tensors: Any) -> AbstractContextManager:
+    """``torch.autograd._unsafe_preserve_version_counter(tensors)``: a tuple of tensors on
+    torch 2.7 and newer, one tensor on 2.6 (:func:`fastreduce.compat.preserve_version_counters`)."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+disabled_torch_function = torch._C._disabled_torch_function_impl
+"""The ``__torch_function__`` of a tensor subclass that has none of its own: torch's functions
+reach its ``__torch_dispatch__`` directly."""
+
+
+def make_wrapper_subclass(cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+    """A tensor of subclass ``cls`` with ``shape``, ``dtype`` and ``device`` and no storage of its own."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
