@@ -37,12 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 from contextlib import contextmanager
-from functools import wraps
 from typing import Any, Iterator
-from weakref import ref
 
 import torch
 import torch.distributed as dist
@@ -55,6 +51,9 @@ from ..comm import broadcast_from_rank0
 from ..compat import preserve_version_counters
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer, ReducerConfig
+from .lightning_checkpoints import CheckpointMixin
+from .lightning_membership import MembershipMixin, _set_global_step
+from .lightning_optimizers import OptimizerMixin, _by_norm_only
 from .membership import TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import MODES, TrainerMode, make_mode
@@ -64,7 +63,6 @@ __all__ = ["FastReduceStrategy"]
 log = logging.getLogger(__name__)
 
 _SETTINGS = frozenset(s for m in MODES.values() for s in m.settings()) | {"overlap"}  # every mode's
-_SUFFIX = ".fastreduce"  # the mode's state, beside a Lightning checkpoint file
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's buffer broadcast buckets
 _DDP_ARGS = frozenset({"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
                        "precision_plugin", "process_group_backend", "timeout", "start_method"})
@@ -83,7 +81,7 @@ _DDP_ONLY = {
 }
 
 
-class FastReduceStrategy(DDPStrategy):
+class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPStrategy):
     """Lightning's ``DDPStrategy`` with a fastreduce mode in place of DDP.
 
     Args:
@@ -179,116 +177,6 @@ class FastReduceStrategy(DDPStrategy):
         self._clip_patched: Any = None  # the precision plugin whose clipping is the mode's
 
     @property
-    def membership(self) -> TrainerMembership | None:
-        """This strategy's side of ``membership=`` (:mod:`fastreduce.integrations.membership`)."""
-        return self._membership
-
-    # ------------------------------------------------------------------ under a Membership
-    # Each member is one process of one device, and a world of one to Lightning: outside a
-    # commit a collective would fail on a lost member, or wait on a joiner not there yet, so
-    # the strategy's collectives are each member's own, and Lightning's loops, which
-    # broadcast on their own where the world is larger (the SIGTERM flag, every batch),
-    # see a world of one. The global rank is the Membership's (rank 0 writes).
-
-    @property
-    def global_rank(self) -> int:
-        glue = self._membership
-        if glue is None:
-            return super().global_rank
-        return glue.m.rank if glue.m.epoch is not None else 0
-
-    @property
-    def world_size(self) -> int:
-        return super().world_size if self._membership is None else 1
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return super().distributed_sampler_kwargs if self._membership is None else {"num_replicas": 1, "rank": 0}
-
-    def setup_environment(self) -> None:
-        """Under a Membership: the device only; the Membership forms each epoch's process group."""
-        if self._membership is None:
-            return super().setup_environment()
-        super(DDPStrategy, self).setup_environment()
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._membership is None:
-            super().barrier(*args, **kwargs)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._membership is not None else super().broadcast(obj, src)
-
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor if self._membership is not None else super().reduce(tensor, *args, **kwargs)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if self._membership is not None:
-            return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision if self._membership is not None else super().reduce_boolean_decision(decision, all)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        """Under a Membership, the training loader draws from a
-        :class:`~fastreduce.integrations.membership.MembershipSampler`."""
-        glue = self._membership
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if glue is None or trainer is None or not trainer.training or trainer.state.fn != TrainerFn.FITTING \
-                or not isinstance(dataloader, torch.utils.data.DataLoader):  # validation: each member's own
-            return super().process_dataloader(dataloader)
-        from lightning.pytorch.trainer.states import RunningStage
-        from lightning.pytorch.utilities.data import _update_dataloader
-
-        sampler = glue.sampler  # a reloaded training loader goes on from the same position
-        if sampler is None:
-            seed = getattr(dataloader.sampler, "seed", None)
-            sampler = glue.make_sampler(dataloader.dataset, step_samples=(dataloader.batch_size or 1)
-                                        * trainer.accumulate_grad_batches, seed=int(seed or 0), sized=True,
-                                        num_workers=dataloader.num_workers)
-        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
-
-    def on_train_start(self) -> None:
-        """Under a Membership: join it (a joiner takes the model, optimizer, LR schedulers,
-        data position and step count from a live member)."""
-        super().on_train_start()
-        glue = self._membership
-        if glue is None:
-            return
-        trainer = self.lightning_module.trainer
-        if trainer.max_steps is None or trainer.max_steps <= 0 or trainer.max_epochs not in (None, -1):
-            raise ValueError("FastReduceStrategy: under fastreduce.Membership the run's length is its number of "
-                             "committed optimizer steps (the steps in an epoch change with the world): pass "
-                             "Trainer(max_steps=...) and no max_epochs")
-        bad = [c for c in self.lr_scheduler_configs if c.interval != "step" or c.frequency != 1 or
-               c.reduce_on_plateau]
-        if bad:
-            raise ValueError("FastReduceStrategy: under fastreduce.Membership an LR scheduler steps once per committed "
-                             "step (interval='step', frequency=1; not ReduceLROnPlateau), so that a joiner's equals "
-                             "the members'")
-        if len(self.optimizers) != 1:
-            raise ValueError("FastReduceStrategy: under fastreduce.Membership configure_optimizers returns one "
-                             f"optimizer (several param groups are fine), got {len(self.optimizers)}")
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError("FastReduceStrategy: under fastreduce.Membership a step is Lightning's automatic "
-                             "optimization step (its global step follows the committed steps); manual optimization "
-                             "is not supported yet")
-        step = glue.join(self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs],
-                         last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
-                         max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
-        _set_global_step(trainer, step)
-        if self._mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
-            self._patch_clipping()
-        if not any(isinstance(c, _Figures) for c in trainer.callbacks):
-            trainer.callbacks.append(_Figures())
-
-    def _on_new_epoch(self) -> None:
-        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    @property
     def mode(self) -> TrainerMode:
         """The mode: its settings from construction, the mode object (``mode.obj``) once ``fit`` starts."""
         return self._mode
@@ -357,8 +245,7 @@ class FastReduceStrategy(DDPStrategy):
         self.model = mode.module_to_call(self.model)  # gossip: its wrapper, through which every forward goes
         mode.start_figures(trainer.global_step)
         self._patch_clipping()
-        if not any(isinstance(c, _Figures) for c in trainer.callbacks):
-            trainer.callbacks.append(_Figures())
+        self._log_figures(trainer)
         if self.global_rank == 0:
             log.info("fastreduce: FastReduceStrategy trains %s without DDP on %d ranks in mode %r",
                      type(self.model).__name__, _world(), mode.name)
@@ -460,98 +347,7 @@ class FastReduceStrategy(DDPStrategy):
         super().teardown()
         shutdown()
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state (collective in per-rank modes: the ranks' exact mean)."""
-        if self._mode.obj is None or not self._mode.per_rank or self._membership is not None:
-            return super().lightning_module_state_dict()
-        assert self.lightning_module is not None
-        with self._mode.averaged(self.lightning_module):
-            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Lightning's file (rank 0), and the mode's whole state in ``<filepath>.fastreduce``
-        (every rank: Lightning calls this on all of them)."""
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._mode.obj is not None and "optimizer_states" in checkpoint and self._membership is None:
-            # (not a weights-only save; under a Membership Lightning's file only: the Checkpointer is collective)
-            self._checkpointer(os.fspath(filepath) + _SUFFIX).save(int(checkpoint.get("global_step", 0)))
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove the file and its ``.fastreduce`` folder (``ModelCheckpoint(save_top_k=...)``)."""
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            shutil.rmtree(os.fspath(filepath) + _SUFFIX, ignore_errors=True)
-
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._resume_from = os.fspath(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Resume the mode's whole state (model, optimizer, mode, random generators) from
-        the ``.fastreduce`` folder beside the checkpoint being resumed; Lightning's own
-        file restores the loops and LR schedulers."""
-        if self._mode.obj is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        folder = (self._resume_from or "") + _SUFFIX
-        if not os.path.isdir(folder):
-            raise ValueError(f"FastReduceStrategy: {self._resume_from} has no fastreduce state beside it "
-                             f"({folder}): it was not saved by a FastReduceStrategy in a fastreduce mode; "
-                             "resume it with the strategy that saved it")
-        self._checkpointer(folder).load_latest()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._mode.start_figures(int(checkpoint.get("global_step", 0)) if trainer is None else trainer.global_step)
-
     # ------------------------------------------------------------------ helpers
-
-    def _checkpointer(self, folder: str) -> Any:
-        optimizer = self.optimizers[0] if self.optimizers else None
-        return self._mode.checkpointer(folder, self.lightning_module, optimizer)
-
-    def _repoint_schedulers(self, old: torch.optim.Optimizer | None, new: torch.optim.Optimizer) -> None:
-        """The LR schedulers of ``configure_optimizers`` drove ``old``: make them drive ``new``
-        (the mode's twin, same param groups in the same order and hyperparameters)."""
-        for config in self.lr_scheduler_configs:
-            sched = config.scheduler
-            if getattr(sched, "optimizer", None) is not old:
-                continue
-            if len(new.param_groups) != len(old.param_groups):  # type: ignore[union-attr]
-                raise ValueError(f"FastReduceStrategy: fastreduce mode {self._mode.name!r} replaces the optimizer, "
-                                 f"and the new one has {len(new.param_groups)} param groups where the configured "
-                                 f"one has {len(old.param_groups)} (an empty group?), so the LR scheduler "  # type: ignore[union-attr]
-                                 f"{type(sched).__name__} cannot drive it: drop the empty param groups")
-            for theirs, ours in zip(old.param_groups, new.param_groups):  # type: ignore[union-attr]
-                for key in ("lr", "initial_lr"):  # as the scheduler set them
-                    if key in theirs:
-                        ours[key] = theirs[key]
-            sched.optimizer = new
-            _track_step(sched, new)
-
-    def _patch_clipping(self) -> None:
-        """Route Lightning's norm clipping (``precision_plugin.clip_grad_by_norm``) to the
-        mode's ``clip_grad_norm_`` where the mode holds the gradients its own way (ZeRO's
-        global norm); clipping by value is refused there."""
-        self._unpatch_clipping()
-        mode, plugin = self._mode, self.precision_plugin
-        if not mode.clips:
-            return
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            mode.clip_grad_norm_(float(clip_val), 2.0)
-
-        def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-            raise ValueError(_by_norm_only(mode))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
-        self._clip_patched = plugin
-
-    def _unpatch_clipping(self) -> None:
-        plugin, self._clip_patched = self._clip_patched, None
-        if plugin is not None:
-            for name in ("clip_grad_by_norm", "clip_grad_by_value"):
-                plugin.__dict__.pop(name, None)
 
     def _before_forward(self, syncing: bool) -> None:
         """DDP's buffer rule: broadcast now if the previous forward synced; note this one."""
@@ -580,6 +376,11 @@ class FastReduceStrategy(DDPStrategy):
             self.model = self.lightning_module
         self._mode.close()
 
+    def _log_figures(self, trainer: Any) -> None:
+        """Log the mode's figures (:class:`_Figures`), one callback per trainer."""
+        if not any(isinstance(c, _Figures) for c in trainer.callbacks):
+            trainer.callbacks.append(_Figures())
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``strategy="fastreduce"`` (the fused mode, default settings) and
@@ -593,12 +394,6 @@ class FastReduceStrategy(DDPStrategy):
             if name != "fused":
                 strategy_registry.register(f"fastreduce_{name}", cls, description=f"fastreduce mode {name!r} "
                                            "in place of DDP", override=True, mode=name)
-
-
-def _by_norm_only(mode: TrainerMode) -> str:
-    return (f"FastReduceStrategy: fastreduce mode {mode.name!r} clips the averaged gradients its own way (zero: "
-            "their global norm over the shards; gossip: each bucket's norm in backward), by norm only: use "
-            "gradient_clip_algorithm='norm'")
 
 
 class _Figures(Callback):
@@ -625,39 +420,8 @@ class _Figures(Callback):
             pl_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
-def _set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
-    """Make Lightning's global step (its optimizer-step count) ``step``, the Membership's
-    committed steps, and its loggers' step with it (``stepping``: in a batch that Lightning
-    counts as stepped once it ends)."""
-    loop = trainer.fit_loop.epoch_loop
-    tracker = loop.automatic_optimization.optim_progress.optimizer.step
-    delta = tracker.total.completed - step
-    for t in (tracker.total, tracker.current):
-        t.ready -= delta
-        t.completed -= delta
-    loop._batches_that_stepped = step - 1 if stepping else step
-
-
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _track_step(sched: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` as torch's LR schedulers do when built over it, so the
-    scheduler's first ``step()`` does not warn that the optimizer was replaced."""
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
-        return
-    opt_ref, func = ref(optimizer), step.__func__
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return func.__get__(opt, opt.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 FastReduceStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,87 @@
+"""The configured optimizer under a mode of the Lightning strategy: its LR schedulers re-pointed
+at the mode's optimizer where the mode replaces it (ZeRO), and Lightning's clipping routed to
+the mode's where the mode holds the gradients its own way."""
+
+from __future__ import annotations
+
+from functools import wraps
+from typing import Any
+from weakref import ref
+
+import torch
+
+from .modes import TrainerMode
+
+__all__ = ["OptimizerMixin"]
+
+
+class OptimizerMixin:
+    """``FastReduceStrategy``'s optimizer and clipping helpers (before ``DDPStrategy`` in its bases)."""
+
+    def _repoint_schedulers(self, old: torch.optim.Optimizer | None, new: torch.optim.Optimizer) -> None:
+        """The LR schedulers of ``configure_optimizers`` drove ``old``: make them drive ``new``
+        (the mode's twin, same param groups in the same order and hyperparameters)."""
+        for config in self.lr_scheduler_configs:
+            sched = config.scheduler
+            if getattr(sched, "optimizer", None) is not old:
+                continue
+            if len(new.param_groups) != len(old.param_groups):  # type: ignore[union-attr]
+                raise ValueError(f"FastReduceStrategy: fastreduce mode {self._mode.name!r} replaces the optimizer, "
+                                 f"and the new one has {len(new.param_groups)} param groups where the configured "
+                                 f"one has {len(old.param_groups)} (an empty group?), so the LR scheduler "  # type: ignore[union-attr]
+                                 f"{type(sched).__name__} cannot drive it: drop the empty param groups")
+            for theirs, ours in zip(old.param_groups, new.param_groups):  # type: ignore[union-attr]
+                for key in ("lr", "initial_lr"):  # as the scheduler set them
+                    if key in theirs:
+                        ours[key] = theirs[key]
+            sched.optimizer = new
+            _track_step(sched, new)
+
+    def _patch_clipping(self) -> None:
+        """Route Lightning's norm clipping (``precision_plugin.clip_grad_by_norm``) to the
+        mode's ``clip_grad_norm_`` where the mode holds the gradients its own way (ZeRO's
+        global norm); clipping by value is refused there."""
+        self._unpatch_clipping()
+        mode, plugin = self._mode, self.precision_plugin
+        if not mode.clips:
+            return
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            mode.clip_grad_norm_(float(clip_val), 2.0)
+
+        def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+            raise ValueError(_by_norm_only(mode))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+        self._clip_patched = plugin
+
+    def _unpatch_clipping(self) -> None:
+        plugin, self._clip_patched = self._clip_patched, None
+        if plugin is not None:
+            for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+                plugin.__dict__.pop(name, None)
+
+
+def _by_norm_only(mode: TrainerMode) -> str:
+    return (f"FastReduceStrategy: fastreduce mode {mode.name!r} clips the averaged gradients its own way (zero: "
+            "their global norm over the shards; gossip: each bucket's norm in backward), by norm only: use "
+            "gradient_clip_algorithm='norm'")
+
+
+def _track_step(sched: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as torch's LR schedulers do when built over it, so the
+    scheduler's first ``step()`` does not warn that the optimizer was replaced."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+        return
+    opt_ref, func = ref(optimizer), step.__func__
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
