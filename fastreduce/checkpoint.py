@@ -29,6 +29,10 @@ needs no template of it: the tensors' sizes come from DCP's metadata.
 A ZeRO optimizer's state is saved as its ranges (:meth:`~fastreduce.ZeroOptimizer.sharded_state_dict`,
 :class:`~fastreduce.modes.zero_state.RangeShard`): each range written once by its owner,
 read back on any world size.
+
+The pieces: :mod:`.checkpoint_folders` (the folder, its marker, damage), :mod:`.checkpoint_ranks`
+(rank 0 deciding for all), :mod:`.checkpoint_state` (per-rank trees, ZeRO's ranges, random
+generators); this module saves and loads them.
 """
 
 from __future__ import annotations
@@ -36,30 +40,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
-import random
-import re
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_folders import _STEP_DIR, FORMAT, MARKER, _complete, _first_difference, _fresh_folder, _inspect
+from .checkpoint_ranks import _every_ranks, _on_rank0, _rank, _world
+from .checkpoint_state import _pack, _rng_state, _set_rng_state, _staged_ranges, _template, _unpack
+from .checkpoint_state import _TensorAt  # noqa: F401 - pickled as fastreduce.checkpoint._TensorAt: found here
 from .modes.contract import commit_style, mode_name, optimizer_role, state_scope
 from .modes.functional import functional_state, load_functional_state
 
 __all__ = ["Checkpointer", "CheckpointDamagedError", "CheckpointMismatchError"]
 
 log = logging.getLogger(__name__)
-
-MARKER = "fastreduce.json"
-"""The commit marker in a checkpoint folder: written last, it holds the fingerprint."""
-FORMAT = 1
-_STEP_DIR = re.compile(r"step-(\d+)$")
 
 
 class CheckpointMismatchError(ValueError):
@@ -380,220 +378,10 @@ class Checkpointer:
                         "extras" if world > saved["world_size"] else "")
 
 
-# ---------------------------------------------------------------------- folders
-
-
-def _complete(directory: str) -> list[tuple[int, str]]:
-    """``[(step, folder)]`` of the committed checkpoints in ``directory``, by step."""
-    if not os.path.isdir(directory):
-        return []
-    out = []
-    for name in os.listdir(directory):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(directory, name, MARKER)):
-            out.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(out)
-
-
-def _inspect(path: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """Checkpoint ``path``'s marker, and what is wrong with its files: the marker or
-    DCP's metadata unreadable, a file the metadata points into missing or shorter than
-    what is stored in it."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as err:
-        return None, [f"{os.path.join(path, MARKER)} cannot be read ({type(err).__name__}: {err})"]
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any failure to read it is damage
-        return saved, [f"its metadata (.metadata) cannot be read ({type(err).__name__}: {err})"]
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    problems = []
-    for rel, size in sorted(needed.items()):
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            problems.append(f"{file} is missing")
-        elif os.path.getsize(file) < size:
-            problems.append(f"{file} is truncated ({os.path.getsize(file)} bytes, {size} expected)")
-    return saved, problems
-
-
-def _fresh_folder(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-
-
-def _first_difference(saved: list[list[Any]], mine: list[list[Any]]) -> str:
-    """The first of the fingerprints' ``[kind, name, shape, dtype]`` entries that differ."""
-    def desc(t: list[Any]) -> str:
-        return f"{tuple(t[2])} {t[3]}"
-
-    for k, (a, b) in enumerate(zip(saved, mine)):
-        if a[:2] == b[:2] and a != b:
-            return f"its {_KIND[a[0]]} {a[1]!r} is {desc(a)}, this model's is {desc(b)}"
-        if a != b:
-            return (f"its {_KIND[a[0]]} #{k} is {a[1]!r} {desc(a)}, this model's is {_KIND[b[0]]} "
-                    f"{b[1]!r} {desc(b)}")
-    if len(saved) > len(mine):
-        a = saved[len(mine)]
-        return f"it holds {len(saved)} tensors, this model {len(mine)}: this model lacks {_KIND[a[0]]} {a[1]!r}"
-    b = mine[len(saved)]
-    return f"it holds {len(saved)} tensors, this model {len(mine)}: the checkpoint lacks {_KIND[b[0]]} {b[1]!r}"
-
-
-_KIND = {"param": "parameter", "buffer": "buffer"}
-
-
 # ---------------------------------------------------------------------- ranks agree
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0, its result (or its error, raised) on every rank: a barrier too."""
-    box: list[Any] = [None]
-    if _rank() == 0:
-        try:
-            box[0] = (True, fn())
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = (False, f"{type(e).__name__}: {e}")
-    if _world() > 1:
-        dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
-    if not ok:
-        raise RuntimeError(f"fastreduce checkpoint: rank 0 failed: {value}")
-    return value
-
-
-def _every_ranks(problem: str | None) -> list[tuple[int, str]]:
-    """``(rank, problem)`` of every rank that has one, on every rank (collective)."""
-    problems = [problem]
-    if _world() > 1:
-        problems = [None] * _world()
-        dist.all_gather_object(problems, problem)
-    return [(r, p) for r, p in enumerate(problems) if p is not None]
 
 
 def _agree(problem: str | None) -> None:
     """Raise on every rank if any rank has a ``problem`` (so none goes on into a collective)."""
     for r, p in _every_ranks(problem)[:1]:
         raise CheckpointMismatchError(p if r == _rank() or _world() == 1 else f"on rank {r}: {p}")
-
-
-# ---------------------------------------------------------------------- per-rank trees
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorAt:
-    """A tensor's place in a packed tree's skeleton: its number among the tree's tensors."""
-
-    index: int
-
-
-def _pack(tree: Any, prefix: str) -> dict[str, Any]:
-    """``tree`` as DCP entries: ``prefix/<i>`` per tensor, ``prefix/tree`` the pickled rest
-    (key types, tuples and plain values kept as they are)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x.detach())
-            return _TensorAt(len(tensors) - 1)
-        if isinstance(x, dict):
-            out = OrderedDict() if isinstance(x, OrderedDict) else {}
-            out.update((k, strip(v)) for k, v in x.items())
-            if hasattr(x, "_metadata"):  # a module state_dict's versions
-                out._metadata = x._metadata  # type: ignore[attr-defined]
-            return out
-        if type(x) in (list, tuple):
-            return type(x)(strip(v) for v in x)
-        return x
-
-    skeleton = strip(tree)
-    return {f"{prefix}/tree": pickle.dumps(skeleton), **{f"{prefix}/{i}": t for i, t in enumerate(tensors)}}
-
-
-def _template(metadata: Any, prefix: str) -> dict[str, Any]:
-    """Empty entries for :func:`_pack`'s keys under ``prefix``, from the checkpoint's metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    out: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(prefix + "/"):
-            out[key] = torch.empty(md.size, dtype=md.properties.dtype) \
-                if isinstance(md, TensorStorageMetadata) else b""
-    return out
-
-
-def _staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """``tree`` (a ZeroOptimizer's sharded_state_dict) with each range's live tensor
-    replaced by a copy for DCP to fill; ``pairs`` gets ``(live, copy)``."""
-    from .modes.zero_state import RangeShard
-
-    if isinstance(tree, RangeShard):
-        copy = tree.local.clone()
-        pairs.append((tree.local, copy))
-        return RangeShard(copy, tree.offset, tree.shape[0])
-    if isinstance(tree, dict):
-        return {k: _staged_ranges(v, pairs) for k, v in tree.items()}
-    if type(tree) in (list, tuple):
-        return type(tree)(_staged_ranges(v, pairs) for v in tree)
-    return tree
-
-
-def _unpack(state: dict[str, Any], prefix: str) -> Any:
-    def fill(x: Any) -> Any:
-        if isinstance(x, _TensorAt):
-            return state[f"{prefix}/{x.index}"]
-        if isinstance(x, dict):
-            for k, v in x.items():
-                x[k] = fill(v)
-            return x
-        if type(x) in (list, tuple):
-            return type(x)(fill(v) for v in x)
-        return x
-
-    return fill(pickle.loads(state[f"{prefix}/tree"]))
-
-
-# ---------------------------------------------------------------------- random generators
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's generators: torch's CPU one, CUDA's (if CUDA is in use), Python's,
-    NumPy's (if installed)."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        out["numpy"] = np.random.get_state()
-    return out
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])

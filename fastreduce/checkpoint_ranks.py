@@ -1,0 +1,44 @@
+"""The ranks of a checkpoint's save or load agreeing (:mod:`fastreduce.checkpoint`): rank 0
+deciding for every rank, every rank's problem seen by all."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+
+# ---------------------------------------------------------------------- ranks agree
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank: a barrier too."""
+    box: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            box[0] = (True, fn())
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = (False, f"{type(e).__name__}: {e}")
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise RuntimeError(f"fastreduce checkpoint: rank 0 failed: {value}")
+    return value
+
+
+def _every_ranks(problem: str | None) -> list[tuple[int, str]]:
+    """``(rank, problem)`` of every rank that has one, on every rank (collective)."""
+    problems = [problem]
+    if _world() > 1:
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+    return [(r, p) for r, p in enumerate(problems) if p is not None]

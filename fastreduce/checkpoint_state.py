@@ -1,0 +1,122 @@
+"""What a checkpoint holds per rank, as DCP entries (:mod:`fastreduce.checkpoint`): trees
+packed into tensors and a pickled skeleton, a ZeRO optimizer's ranges staged for a load,
+the rank's random generators."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+# ---------------------------------------------------------------------- per-rank trees
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorAt:
+    """A tensor's place in a packed tree's skeleton: its number among the tree's tensors."""
+
+    index: int
+
+
+_TensorAt.__module__ = "fastreduce.checkpoint"  # the name pickled since format 1 (re-exported there)
+
+
+def _pack(tree: Any, prefix: str) -> dict[str, Any]:
+    """``tree`` as DCP entries: ``prefix/<i>`` per tensor, ``prefix/tree`` the pickled rest
+    (key types, tuples and plain values kept as they are)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return _TensorAt(len(tensors) - 1)
+        if isinstance(x, dict):
+            out = OrderedDict() if isinstance(x, OrderedDict) else {}
+            out.update((k, strip(v)) for k, v in x.items())
+            if hasattr(x, "_metadata"):  # a module state_dict's versions
+                out._metadata = x._metadata  # type: ignore[attr-defined]
+            return out
+        if type(x) in (list, tuple):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = strip(tree)
+    return {f"{prefix}/tree": pickle.dumps(skeleton), **{f"{prefix}/{i}": t for i, t in enumerate(tensors)}}
+
+
+def _template(metadata: Any, prefix: str) -> dict[str, Any]:
+    """Empty entries for :func:`_pack`'s keys under ``prefix``, from the checkpoint's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "/"):
+            out[key] = torch.empty(md.size, dtype=md.properties.dtype) \
+                if isinstance(md, TensorStorageMetadata) else b""
+    return out
+
+
+def _staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``tree`` (a ZeroOptimizer's sharded_state_dict) with each range's live tensor
+    replaced by a copy for DCP to fill; ``pairs`` gets ``(live, copy)``."""
+    from .modes.zero_state import RangeShard
+
+    if isinstance(tree, RangeShard):
+        copy = tree.local.clone()
+        pairs.append((tree.local, copy))
+        return RangeShard(copy, tree.offset, tree.shape[0])
+    if isinstance(tree, dict):
+        return {k: _staged_ranges(v, pairs) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_staged_ranges(v, pairs) for v in tree)
+    return tree
+
+
+def _unpack(state: dict[str, Any], prefix: str) -> Any:
+    def fill(x: Any) -> Any:
+        if isinstance(x, _TensorAt):
+            return state[f"{prefix}/{x.index}"]
+        if isinstance(x, dict):
+            for k, v in x.items():
+                x[k] = fill(v)
+            return x
+        if type(x) in (list, tuple):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(pickle.loads(state[f"{prefix}/tree"]))
+
+
+# ---------------------------------------------------------------------- random generators
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's generators: torch's CPU one, CUDA's (if CUDA is in use), Python's,
+    NumPy's (if installed)."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        out["numpy"] = np.random.get_state()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
