@@ -57,6 +57,11 @@ class JoinableMode(Joinable):
     def __init__(self) -> None:  # Joinable's constructor is abstract; modes call _init_join
         self._init_join(None, torch.device("cpu"))
 
+    @property
+    def under_join(self) -> bool:
+        """Whether the mode runs inside torch's ``Join`` now (uneven inputs)."""
+        return self._join_config.enable
+
     def _init_join(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._join_group = group

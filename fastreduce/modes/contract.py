@@ -12,7 +12,9 @@ What every mode declares today:
   optimizer it steps** (``optimizer_role``, one of :data:`OPTIMIZER_ROLES`): what a
   checkpoint saves, once or per rank, and onto which world sizes it loads;
 * **the settings a Membership needs of it** (``membership_settings``, e.g. ZeRO's
-  ``redundant=True``: a shard must outlive its rank);
+  ``redundant=True``: a shard must outlive its rank, and ``membership_why``), and **what
+  of its own settings a Membership cannot keep training** (``membership_refusal``: a
+  reason, or ``None``), both asked by :func:`check_membership`;
 * **how a mode closes**: ``close(drain=True)``, its hooks off the model, what is in flight
   waited for (``drain=False``: dropped, a peer was lost).
 
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "STATE_SCOPES", "commit_style", "membership_settings", "mode_name",
-           "optimizer_role", "state_scope"]
+__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "STATE_SCOPES", "check_membership", "commit_style",
+           "membership_settings", "mode_name", "optimizer_role", "state_scope"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -102,3 +104,19 @@ def membership_settings(mode: Any) -> dict[str, Any]:
     if not commit_style(mode):
         raise TypeError(f"{_class(mode).__name__} is not a fastreduce mode")
     return dict(getattr(_class(mode), "membership_settings", {}))
+
+
+def check_membership(mode: Any) -> None:
+    """Refuse, on every member alike, a mode (built) that a Membership cannot keep training:
+    not a mode, a setting its class requires under one (``membership_settings``) set otherwise,
+    or a reason of its own (``membership_refusal``)."""
+    if not commit_style(mode):
+        raise TypeError(f"fastreduce.Membership runs the fused, overlapped, ZeRO, gossip, LocalSGD and DiLoCo modes, "
+                        f"not {type(mode).__name__}")
+    for key, want in membership_settings(mode).items():
+        if getattr(mode, key) != want:
+            raise ValueError(f"{type(mode).__name__} under fastreduce.Membership needs {key}={want!r}: "
+                             f"{getattr(_class(mode), 'membership_why', '')}")
+    refusal = getattr(mode, "membership_refusal", None)
+    if refusal:
+        raise ValueError(f"{refusal} under fastreduce.Membership")

@@ -191,6 +191,13 @@ class DiLoCo(LocalUpdates):
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def membership_refusal(self) -> str | None:
+        """What a Membership cannot keep training yet (modes/contract.py): a sync in flight
+        across inner steps."""
+        return "DiLoCo's fragment_delay > 0 is not supported yet (use fragment_delay=0)" if self.fragment_delay \
+            else None
+
     @guarded("{cls}.sync()", SYNC_LOST)
     @torch.no_grad()
     def sync(self) -> None:

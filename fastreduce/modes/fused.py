@@ -28,31 +28,29 @@ import logging
 import operator
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..backends import Backend, select_backend
-from ..buckets import OrderRecorder, OverlapSchedule, agreed_order, default_bucket_mb
-from ..buffer import FusedBuffer, attached
-from ..comm import Comm, MeanPlan, Pending, get_comm, wants_shm
-from ..comm.quantized import QuantMean, QuantMeans
+from ..backends import Backend
+from ..buckets import OrderRecorder, default_bucket_mb
+from ..buffer import attached
+from ..comm import Pending, wants_shm
+from ..comm.quantized import QuantMean
 from ..compiling import ModeCut, keep_cut, uncut_graphs
 from ..engine import GroupSnapshot
 from ..faults import guarded, wait_watched
 from ..hooks import optional_before_forward, remove_hooks
-from ..grads import (FiniteCheck, NonFiniteGradError, Reattach, adopt, attach_used, check_grads, first_nonfinite,
-                     missing_message, nonfinite_error)
-from ..layout import GradLayout, verify_across_ranks
+from ..grads import FiniteCheck, NonFiniteGradError, adopt, attach_used, first_nonfinite, nonfinite_error
+from ..layout import GradLayout
 from ..profiling import span
 from ..sizing import AUTO, AutoSizer, Sizing
-from .compressed import Compressed
+from .fused_build import FusedBuild, Built
 from .fused_config import ReducerConfig, UnusedGrads
 from .fused_join import FusedJoin
 from .fused_state import ReducerState
-from .overlap import bucket_segments, overlap_schedule
 
 __all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "UnusedGrads"]
 
@@ -83,25 +81,7 @@ class ReducerStats:
     """Overlap mode with ``bucket_mb="auto"``: the bucket sizes chosen, and why."""
 
 
-@dataclass(slots=True)
-class _Built:
-    """Everything learned on the first call; replaced whole by :meth:`FusedReducer.rebuild`."""
-
-    layout: GradLayout
-    buffer: FusedBuffer
-    comm: Comm
-    plan: MeanPlan | QuantMean | QuantMeans
-    backend: Backend
-    pack: Callable[[], None] | None
-    unpack: Callable[[], None] | None
-    flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
-    frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
-    schedule: OverlapSchedule | None = None  # overlap mode only
-    compressed: Compressed | None = None  # compression= only
-    reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
-
-
-class FusedReducer(ReducerState, FusedJoin):
+class FusedReducer(ReducerState, FusedBuild, FusedJoin):
     """Averages a model's gradients across a process group with fused collectives.
 
     Call :meth:`reduce` on every rank after ``backward()`` and before the optimizer
@@ -157,7 +137,7 @@ class FusedReducer(ReducerState, FusedJoin):
         self.world_size = dist.get_world_size(group)
         self._group_built = GroupSnapshot(group)
         self.stats = ReducerStats()
-        self._built: _Built | None = None
+        self._built: Built | None = None
         self._syncing = True
         self._warned_missing = False
         self._recorder: OrderRecorder | None = None
@@ -250,10 +230,10 @@ class FusedReducer(ReducerState, FusedJoin):
         blind = sizing.link is not None and self._cut.ran_uncut and not self._sizer.refreshed
         self._cut.move(self, sizing.bucket_mb if sizing.buckets > 1 else default_mb if blind else None)
 
-    def _refresh_sizes(self, built: _Built) -> None:
+    def _refresh_sizes(self, built: Built) -> None:
         """``bucket_mb="auto"``: the sizes chosen again from the steps' backward times, once (not
         under Join, whose joined ranks run no backward); laid out again if they changed."""
-        if self._sizer is None or built.schedule is None or self._join_config.enable:
+        if self._sizer is None or built.schedule is None or self.under_join:
             return
         if self._cut is not None and self._cut.relearn:  # the next step learns the new pieces' order
             self._cut.relearn, self._sizer.hold = False, True
@@ -266,7 +246,7 @@ class FusedReducer(ReducerState, FusedJoin):
 
     finish = reduce
 
-    def _finite(self, built: _Built) -> bool:
+    def _finite(self, built: Built) -> bool:
         """One check of the averaged wire buffer; on inf/NaN, ``raise`` or ``skip``."""
         if self._check is None:
             self._check = FiniteCheck(built.buffer.wire.device)
@@ -356,116 +336,16 @@ class FusedReducer(ReducerState, FusedJoin):
         self._forward_hook = optional_before_forward(self.model, self.reattach)
         self._cut_graphs()
 
-    # ------------------------------------------------------------------ first call
-
-    def _record_order(self) -> None:
-        """Overlap mode: learn the backward order (and time) on the first step, to lay
-        buckets out in it (and size them). Not with a quantized wire: its blocks (what each
-        rounding spans) follow the layout, so it takes the reverse model order, the same
-        plain and compiled (whose backward hands over the gradients in another order)."""
-        if self.config.overlap and self.world_size > 1:
-            self._recorder = OrderRecorder([p for p in self.model.parameters() if p.requires_grad])
-
-    def _check_alone(self) -> tuple[list, torch.device, Comm]:
-        """The first reduce()'s checks a rank does alone, before the guard's heartbeat touches the store."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("no parameter of the model requires grad: nothing to reduce")
-        device = check_grads(named)
-        return named, device, get_comm(self.group, device, self.config.transport)
-
-    def _build(self, named: list, device: torch.device, comm: Comm) -> _Built:
-        cfg = self.config
-        frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
-        recorder, self._recorder = self._recorder, None
-        backward_s = recorder.backward_s if recorder is not None else 0.0
-        seen = recorder.remove() if recorder is not None else None
-        if seen is not None and cfg.quant is None:  # lay the buffer out in backward order
-            named = [named[i] for i in agreed_order(seen, len(named), self.group)]
-        elif cfg.overlap and cfg.quant is not None:
-            named = named[::-1]  # roughly the backward order (see _record_order)
-        quant = cfg.quant  # a quantized wire: fp32 buffer, the codec runs in QuantMean
-        wire_dtype = torch.float32 if quant else cfg.wire_dtype or max((p.dtype for _, p in named),
-                                                                      key=lambda d: torch.finfo(d).bits)
-        pg = dist.get_backend(self.group)
-        comp = cfg.compression
-        if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape
-            named = sorted(named, key=lambda np: comp.order_key(np[1]))
-        segments = bucket_segments(named, wire_dtype, self._fixed_mb or default_bucket_mb(pg), cfg.per_bucket,
-                                   None if comp is None else comp.order_key)
-        chunks = self.world_size * (quant.block if quant else 1)  # a bucket's equal chunks (of whole blocks)
-        layout = GradLayout(named, first_dtype=wire_dtype, segments=segments,
-                            pad_to=chunks if cfg.per_bucket and comp is None else 1)
-        # Which grads are present goes into the check too: a parameter that got a grad on
-        # one rank but not on another is caught here, on every rank, not as a hang.
-        present = tuple(p.grad is not None for p in layout.params)
-        verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
-        if cfg.unused_grads == "error" and not all(present):
-            raise RuntimeError(missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
-        pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
-        wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
-        plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant and not cfg.overlap else \
-            comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
-        buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
-        backend = select_backend(cfg.backend, device, cfg.use_graphs)
-        sizing = self._sizer and self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device)
-        self.stats.sizing = sizing  # (overlap mode only: None in fused mode)
-        if sizing is not None:
-            self._cut_graphs(sizing)
-        # one bucket for good (shm, or chosen again at the refresh): the fused step; not under Join (_join_check)
-        overlap = cfg.overlap and (self._join_config.enable or not (self._sizer and self._sizer.one_bucket))
-        # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
-        pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
-        flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
-        built = _Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not overlap)
-        if overlap:
-            built.schedule, means = overlap_schedule(
-                layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=cfg.per_bucket,
-                bucket_mb=sizing.bucket_mb if sizing else self._fixed_mb, first_mb=sizing and sizing.first_bucket_mb,
-                opened=self._join_notify, adopt=lambda idx, direct: self._adopt(built, idx, direct),
-                direct=not (plan.prescale or cfg.error_feedback or comp), on_grad=reattach.grad_ready,
-                error_feedback=cfg.error_feedback)
-            built.plan = means or plan
-        if comp is not None:  # one group per bucket, or of every gradient
-            built.compressed = Compressed(comp, layout, buffer, comm, backend, wire_dtype, built.schedule,
-                                          self._join_notify, self._join_factor)
-        if dist.get_rank(self.group) == 0:
-            log.info("fastreduce: %s; wire %s (%.1f MB), %d ranks, %r, backend %s, %s%s",
-                     layout.describe(), wire_dtype, buffer.nbytes / 2**20, self.world_size,
-                     plan, backend.name, f"{len(built.schedule.buckets)} buckets in backward "
-                     "order" if built.schedule else "one fused collective",
-                     built.compressed and "; " + built.compressed.describe() or "")
-            if self.stats.sizing is not None:
-                log.info("fastreduce: %s", self.stats.sizing.describe())
-        try:
-            self._restore(built)  # residuals a checkpoint loaded before the layout existed
-        except ValueError as err:  # it did not fit: unbuilt again, the state dropped
-            built.reattach.remove()
-            if built.schedule is not None:
-                built.schedule.remove()
-            self._record_order()
-            raise ValueError(f"{err}. (The state was loaded before the first reduce(); it is dropped, "
-                             "and this reduce() averaged nothing: the gradients are as they were.)") from err
-        return built
-
-    @staticmethod
-    def _capture(backend: Backend, buffer: FusedBuffer, plan: MeanPlan):
-        prescale_by = plan.world if plan.prescale else None
-        needs_pack = bool(buffer.casts) or plan.prescale
-        return (backend.capture(lambda: buffer.pack(prescale_by)) if needs_pack else None,
-                backend.capture(buffer.unpack) if buffer.casts else None)
-
     # ------------------------------------------------------------------ every call
 
-    def _adopt(self, built: _Built, indices: list[int] | range, direct: bool = False) -> tuple[list[int], bool]:
+    def _adopt(self, built: Built, indices: list[int] | range, direct: bool = False) -> tuple[list[int], bool]:
         """:func:`~fastreduce.grads.adopt` under this reducer's ``unused_grads``."""
         missing, moved, direct = adopt(built.layout, built.buffer, indices, direct=direct,
                                        missing_ok=self.config.unused_grads == "zero")
         self.stats.reattached += moved
         return missing, direct
 
-    def _start_fused(self, built: _Built) -> tuple[list[int], list[Pending]]:
+    def _start_fused(self, built: Built) -> tuple[list[int], list[Pending]]:
         missing: list[int] = []
         direct = False
         if not attached(built.layout.params, built.buffer.views):
@@ -484,7 +364,7 @@ class FusedReducer(ReducerState, FusedJoin):
         work, _ = built.comm.all_reduce(built.buffer.wire, built.plan)  # unpacked by _complete
         return missing, [(work, built.unpack)]
 
-    def _complete(self, built: _Built, works: list[Pending], missing: list[int]) -> None:
+    def _complete(self, built: Built, works: list[Pending], missing: list[int]) -> None:
         """Wait for each collective in launch order and unpack what it delivered."""
         if built.flags is not None:
             built.flags.fill_(1.0)
@@ -521,7 +401,7 @@ class FusedReducer(ReducerState, FusedJoin):
             st.compressed += compressed
         st.bytes_reduced += path.nbytes if compressed else getattr(built.plan, "wire_bytes", built.buffer.nbytes)
 
-    def _raise_unfrozen(self, built: _Built) -> None:
+    def _raise_unfrozen(self, built: Built) -> None:
         names = {id(p): n for n, p in self.model.named_parameters()}
         thawed = [names.get(id(p), "?") for p in built.frozen if p.requires_grad]
         raise RuntimeError(f"parameter(s) {thawed[:3]} now require grad but were frozen when "

@@ -42,22 +42,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buckets import Bucket, OrderRecorder, OverlapSchedule, agreed_order
-from ..buffer import TensorBlock, _view, params_as_views
+from ..buckets import OrderRecorder, agreed_order
+from ..buffer import TensorBlock
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
-from ..comm.quantized import QuantMix
 from ..compiling import cut_graphs, keep_cut, uncut_graphs
 from ..faults import guarded
 from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
                      one_device, start_from_rank0)
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
-from ..layout import GradLayout, bucket_runs, counted, verify_model
-from ..optim_kernels import prefer_fused
-from ..sizing import AUTO, GOSSIP_AUTO_WHY, Sizing, check_bucket_mb
+from ..layout import verify_model
+from ..sizing import AUTO, Sizing, check_bucket_mb
+from ..torch_internals import at_backward_end, in_backward
 from .comm_stats import CommStats
 from .gossip_average import GossipAverage
+from .gossip_buckets import GossipBuckets
 from .gossip_state import _DONE, GossipState
 from .topology import Topology, make_topology
 
@@ -69,7 +69,7 @@ OptimFn = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
 
-class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableMode):
+class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Module, JoinableMode):
     """Gossip data parallelism over a time-varying topology (see the module doc).
 
     Args:
@@ -196,6 +196,13 @@ class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableM
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def membership_refusal(self) -> str | None:
+        """What a Membership cannot keep training (modes/contract.py): a quantized wire keeps a
+        public copy of each neighbour's parameters, which a new epoch's topology would not match."""
+        return None if self._quant is None else ("gossip with a quantized wire (use a float wire_dtype: bfloat16 "
+                                                 "halves the bytes)")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
             self._before_forward()  # eager (eager_methods): a graph break where the wrapper is compiled
@@ -204,7 +211,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableM
     @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
              "took the last step and others did not.")
     def _before_forward(self) -> None:
-        if self._join_config.enable and self._step_open():
+        if self.under_join and self._step_open():
             self._join_notify()  # under Join: this rank is active; closing the step opens the next
         self._catch_up()
         self._raise_nonfinite()
@@ -268,10 +275,9 @@ class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableM
         if self._accumulating:
             return
         self._synced_backward = True
-        if not self._first_queued and torch._C._current_graph_task_id() != -1 \
-                and not torch.compiler.is_compiling():  # compiled autograd: at the next forward
-            self._first_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._first_step)
+        if not self._first_queued and in_backward() and not torch.compiler.is_compiling():  # compiled
+            self._first_queued = True  # autograd: at the next forward
+            at_backward_end(self._first_step)
 
     @guarded("{cls}'s first step (as the first synced backward ends)", "The parameters are lost: some "
              "buckets took the first step and others did not.")
@@ -345,82 +351,6 @@ class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableM
         with self.stats.waiting():
             complete(pending)
         out.store()
-
-    def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
-        if self._recorder is not None:  # built from a checkpoint: no order to learn
-            self._recorder.remove()
-            self._recorder = None
-        remove_hooks(self._marks)
-        self._marks = []
-        named = [self._named[i] for i in order]
-        if sizes is None:
-            if self.bucket_mb is None:  # "auto": one bucket (one per dtype)
-                numel = sum(p.numel() for _, p in named)
-                segments = bucket_runs(named, [0] * len(named), numel)
-                mb = numel * named[0][1].element_size() / 2**20
-                self.sizing = Sizing(mb, mb, 1, GOSSIP_AUTO_WHY)
-            else:
-                wire = torch.uint8 if self._quant else self.wire_dtype or named[0][1].dtype
-                segments = bucket_runs(named, [0] * len(named), int(self.bucket_mb * 2**20) // wire.itemsize)
-        else:
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            segments = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
-        layout = GradLayout(named, named[0][1].dtype, segments=segments)
-        self._names = layout.names
-        # Sent in the parameters' own dtype, a rank sends its parameter block itself: both
-        # blocks then come from the communication layer (shared memory on one host), so
-        # the peers read it where it is. A cast wire needs a send block of its own.
-        quant = self._quant  # quantized: private blocks, the codes go point to point
-        in_place = quant is None and (self.wire_dtype is None or all(seg.dtype == self.wire_dtype
-                                                                     for seg in layout.segments))
-        private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
-        alloc = self.comm.buffer if in_place else private
-        self._flats = params_as_views(layout, alloc)
-        self._mixed = self._blocks_like([f.dtype for f in self._flats], alloc)
-        # Per bucket, each parameter's view of either block: the mix lands in the block
-        # the parameters do not use, and applying it swaps the two (no copy).
-        self._views = [[(s.param, _view(f, s), _view(m, s)) for s in seg.slots]
-                       for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
-        sends = self._flats if in_place or quant else self._blocks_like([self.wire_dtype] * len(self._flats),
-                                                                       self.comm.buffer)
-        self._sends = None if in_place or quant else sends
-        self._qmix = None if quant is None else [QuantMix(self.comm, f.numel(), quant, self.device, self._compensate)
-                                                 for f in self._flats]
-        self._buckets = []
-        first = 0
-        for seg, flat, send in zip(layout.segments, self._flats, sends):
-            slots = tuple(range(first, first + len(seg.slots)))
-            self._buckets.append(Bucket(slots, (), (), flat, send))  # the schedule reads slots only
-            first += len(seg.slots)
-        self._optims = [self.optim_fn([(s.name, s.param) for s in seg.slots]) for seg in layout.segments]
-        fused = [prefer_fused(o) for o in self._optims] if self.world_size > 1 else []
-        self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
-        self.grad_norms: list[torch.Tensor | None] = [None] * len(self._optims)  # each bucket's, before clipping
-        self._exchanges: list[Pending | None] = [None] * len(self._buckets)
-        self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False))
-        self._schedule.sync = not self._accumulating
-        self._built = True
-        if self.rank == 0:
-            log.info("fastreduce: DecentralizedDataParallel: %s, in %s%s; topology %s (period %d), "
-                     "%d ranks%s", layout.describe(), counted(len(self._buckets), "bucket"),
-                     "" if self.sizing is None else f"; {self.sizing.describe()}", self.topology.name,
-                     self.topology.period, self.world_size,
-                     ", optimizers on torch's fused kernel (optim_fn chose none)" if any(fused) else "")
-
-    def _blocks_like(self, dtypes: list[torch.dtype], alloc: Callable[[int, torch.dtype], torch.Tensor]
-                     ) -> list[torch.Tensor]:
-        """One block per bucket, as long as its parameter block, in ``dtypes``: slices of
-        one ``alloc(numel, dtype)`` buffer per dtype."""
-        sizes: dict[torch.dtype, int] = {}
-        for d, f in zip(dtypes, self._flats):
-            sizes[d] = sizes.get(d, 0) + f.numel()
-        whole = {d: alloc(n, d) for d, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        out = []
-        for d, f in zip(dtypes, self._flats):
-            out.append(whole[d][offsets[d]:offsets[d] + f.numel()])
-            offsets[d] += f.numel()
-        return out
 
     # ------------------------------------------------------------------ every bucket, every step
 
@@ -498,8 +428,8 @@ class DecentralizedDataParallel(GossipState, GossipAverage, nn.Module, JoinableM
                 f"rank {self.rank}'s gradients", None if i is None else names[i],
                 "this rank skipped that bucket's optimizer step and sent its parameters as usual: the "
                 "parameters and optimizer state are as before the step, and the other ranks go on.")
-            if torch._C._current_graph_task_id() != -1:  # in backward: raise as it ends
-                torch.autograd.Variable._execution_engine.queue_callback(self._raise_nonfinite)
+            if in_backward():  # raise as it ends
+                at_backward_end(self._raise_nonfinite)
         return False
 
     def _raise_nonfinite(self) -> None:

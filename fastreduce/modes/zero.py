@@ -52,7 +52,6 @@ from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, check_grad, check_nonfinite, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
-from ..join import JoinableMode
 from ..layout import GradLayout, bucket_runs, counted, verify_across_ranks, wire_word
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
@@ -62,6 +61,7 @@ from .zero_shard import make_shards
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
 from .zero_finite import ZeroFinite
 from .zero_grads import ZeroGradients
+from .zero_join import ZeroJoin
 from .zero_mirror import ZeroMirror
 from .zero_state import ZeroCheckpointing
 
@@ -70,7 +70,7 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
 log = logging.getLogger(__name__)
 
 
-class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Optimizer, JoinableMode):
+class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Optimizer, ZeroJoin):
     """A torch optimizer whose state, step and master weights are sharded across ranks.
 
     It averages the gradients itself (no DDP): build it over the model's parameters,
@@ -144,7 +144,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
     state_scope = "sharded"
     optimizer_role = "self"
     mode_name = "zero"
-    membership_settings = {"redundant": True}  # no shard may be lost with its rank
+    membership_settings = {"redundant": True}
+    membership_why = ("each rank's optimizer shard is then also kept on the next rank, so it is not lost with its "
+                      "rank (4P/N more memory per rank with AdamW)")
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
@@ -392,33 +394,13 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
         self._wait_gathers()
 
-    # ------------------------------------------------------------------ uneven inputs (Join)
-
-    def _join_check(self) -> None:
-        if self.scaler is not None:
-            raise ValueError("ZeroOptimizer with a GradScaler cannot run under Join: a joined rank "
-                             "has no loss scale of the step to unscale with; train without the "
-                             "scaler (bf16) or give every rank the same number of batches")
-
-    def _join_shadow(self) -> None:
-        """A joined rank's step: zero gradients into the reduce-scatter, its shard stepped
-        with the average (and clipped if its last step was), the all-gather; as torch's
-        ZeroRedundancyOptimizer does under Join. It uses no parameter itself."""
-        with torch.no_grad():
-            for p, v in zip(self.layout.params, self.buffer.views):
-                p.grad = v
-            self.buffer.zero_()
-        self._shadowing = True
-        try:
-            if self._last_clip is not None:
-                self.clip_grad_norm_(*self._last_clip)
-            self.step()
-        finally:
-            self._shadowing = False
-        self._wait_gathers()
-
-    def _join_finish(self, is_last_joiner: bool) -> None:
-        self._wait_gathers()  # every rank's parameters are the all-gathered ones: alike
+    def hold_launches(self, hold: bool) -> None:
+        """``hold``: the buckets' reduce-scatters wait for :meth:`step` instead of launching
+        from backward hooks (a Membership's first step of an epoch, so that the members meet
+        before any collective); ``False``: as built again."""
+        if self._schedule is not None:
+            self._schedule.sync = not hold and self.overlap
+            self._schedule.late = self._schedule.late or hold  # (launched at step() on purpose: not logged)
 
     # ------------------------------------------------------------------ every step
 
