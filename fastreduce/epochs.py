@@ -24,7 +24,8 @@ from .coordinator import _P, CoordinatorClient, Epoch, MembershipError, _epoch_k
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
-from .modes.contract import commit_style
+from .modes.contract import check_membership, commit_style
+from .nested import clone_state
 from .presence import Watch, pulses
 
 __all__ = ["EpochChanges"]
@@ -263,7 +264,7 @@ class EpochChanges(CoordinatorClient):
         if self._build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
                 self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
-            _check_mode(self.mode)
+            check_membership(self.mode)
             if own is not None and (per_rank or not fresh):
                 self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
             if kind == "zero":  # every shard's state (parameters too, where stale) resharded onto this epoch
@@ -369,11 +370,8 @@ class EpochChanges(CoordinatorClient):
         meet first (:meth:`_reach_first_step`). A launch to a member already dead fails at
         once, inside the user's backward, out of the commit's reach (a joiner that died
         after its own first backward, the others still in theirs)."""
-        schedule = getattr(self.mode, "_schedule", None) if commit_style(self.mode) == "zero" else None
-        if schedule is None:
-            return
-        schedule.sync = not hold and self.mode.overlap
-        schedule.late = schedule.late or hold  # (launched at step() on purpose: no note of it in the log)
+        if commit_style(self.mode) == "zero":
+            self.mode.hold_launches(hold)
 
     def _rendezvous(self, epoch: Epoch) -> None:
         """Wait until every member of ``epoch`` is entering it, watching their pulses: a
@@ -453,7 +451,7 @@ class EpochChanges(CoordinatorClient):
         else:
             save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
                 getattr(self.mode, "state_dict", None)
-            self._kept_mode = (_clone(save()) if save is not None else None, kind)
+            self._kept_mode = (clone_state(save()) if save is not None else None, kind)
         self._close_mode(drain=not after_loss)
 
     def _close_mode(self, drain: bool = True) -> None:
@@ -474,36 +472,6 @@ class _Missing(Exception):
     def __init__(self, members: set[str]):
         super().__init__(", ".join(sorted(members)))
         self.members = members
-
-
-def _check_mode(mode: Any) -> None:
-    """Refuse, on every member alike, a mode Membership cannot keep training."""
-    style = commit_style(mode)
-    if not style:
-        raise TypeError(f"fastreduce.Membership runs the fused, overlapped, ZeRO, gossip, LocalSGD and DiLoCo modes, "
-                        f"not {type(mode).__name__}")
-    if style == "zero" and not mode.redundant:
-        raise ValueError("ZeroOptimizer under fastreduce.Membership needs redundant=True: each rank's optimizer shard "
-                         "is then also kept on the next rank, so it is not lost with its rank (4P/N more memory "
-                         "per rank with AdamW)")
-    if getattr(mode, "fragment_delay", 0):
-        raise ValueError("DiLoCo's fragment_delay > 0 (a sync in flight across inner steps) is not supported "
-                         "under fastreduce.Membership yet: use fragment_delay=0")
-    if style == "gossip" and getattr(mode, "_quant", None) is not None:
-        raise ValueError("gossip with a quantized wire keeps a public copy of each neighbour's parameters, which a "
-                         "new membership's topology would not match: under fastreduce.Membership use a float "
-                         "wire_dtype (bfloat16 halves the bytes)")
-
-
-def _clone(state: Any) -> Any:
-    """A deep copy of a ``state_dict``'s tensors (torch's optimizers return their own)."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_clone(v) for v in state]
-    return state
 
 
 @contextlib.contextmanager

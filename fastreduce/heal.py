@@ -19,6 +19,7 @@ dead joiner failed first) would wait for the group's timeout.
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+
+from .nested import map_leaves
 
 __all__ = ["broadcast_state", "recv_state", "send_state"]
 
@@ -44,30 +47,18 @@ class _Slot:
 
 def _strip(state: Any, tensors: dict[torch.dtype, list[torch.Tensor]], sizes: dict[torch.dtype, int]) -> Any:
     """``state`` with each tensor replaced by its :class:`_Slot` (collected in ``tensors``)."""
-    if isinstance(state, torch.Tensor):
-        t = state.detach()
-        at = sizes.get(t.dtype, 0)
+    def slot(t: torch.Tensor) -> _Slot:
+        t, at = t.detach(), sizes.get(t.dtype, 0)
         tensors.setdefault(t.dtype, []).append(t.reshape(-1))
         sizes[t.dtype] = at + t.numel()
         return _Slot(t.dtype, at, tuple(t.shape))
-    if isinstance(state, dict):
-        return type(state)((k, _strip(v, tensors, sizes)) for k, v in state.items())
-    if isinstance(state, (list, tuple)):
-        return type(state)(_strip(v, tensors, sizes) for v in state)
-    return state
+    return map_leaves(state, slot)
 
 
 def _fill(skeleton: Any, blocks: dict[torch.dtype, torch.Tensor]) -> Any:
-    if isinstance(skeleton, _Slot):
-        n = 1
-        for d in skeleton.shape:
-            n *= d
-        return blocks[skeleton.dtype][skeleton.offset:skeleton.offset + n].view(skeleton.shape)
-    if isinstance(skeleton, dict):
-        return type(skeleton)((k, _fill(v, blocks)) for k, v in skeleton.items())
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(v, blocks) for v in skeleton)
-    return skeleton
+    def view(s: _Slot) -> torch.Tensor:
+        return blocks[s.dtype][s.offset:s.offset + math.prod(s.shape)].view(s.shape)
+    return map_leaves(skeleton, view, leaf=lambda x: isinstance(x, _Slot))
 
 
 def _broadcast(t: torch.Tensor, src: int) -> None:

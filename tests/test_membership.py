@@ -430,14 +430,17 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"commit\(\) takes the optimizer's step"):
         m.commit(None)
     import types
-    m.mode = types.SimpleNamespace(reduce=lambda: None, _join_config=types.SimpleNamespace(enable=True))  # as Join sets it
+    m.mode = types.SimpleNamespace(reduce=lambda: None, under_join=True)  # as inside torch's Join
     with pytest.raises(RuntimeError, match="does not run a mode under torch's Join"):
         m.commit(lambda: None)
-    from fastreduce.membership import _check_mode
+    from fastreduce import ZeroOptimizer
+    from fastreduce.modes.contract import check_membership
     with pytest.raises(TypeError, match="ZeRO, gossip, LocalSGD and DiLoCo modes, not SGD"):
-        _check_mode(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="ZeroOptimizer under fastreduce.Membership needs redundant=True"):
-        _check_mode(type("Zero", (), {"commit_style": "zero", "redundant": False})())  # as ZeroOptimizer(redundant=False)
+        check_membership(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    unmirrored = type("Zero", (ZeroOptimizer,), {"__init__": lambda self: setattr(self, "redundant", False)})()
+    with pytest.raises(ValueError, match="Zero under fastreduce.Membership needs redundant=True: each rank's optimizer "
+                       "shard is then also kept on the next rank"):
+        check_membership(unmirrored)  # as ZeroOptimizer(redundant=False)
 
 
 def _heal_worker(rank: int, world: int) -> dict:
