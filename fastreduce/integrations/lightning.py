@@ -52,8 +52,8 @@ from ..compat import preserve_version_counters
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer, ReducerConfig
 from .lightning_checkpoints import CheckpointMixin
-from .lightning_membership import MembershipMixin, _set_global_step
-from .lightning_optimizers import OptimizerMixin, _by_norm_only
+from .lightning_membership import MembershipMixin, set_global_step
+from .lightning_optimizers import OptimizerMixin, by_norm_only
 from .membership import TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import MODES, TrainerMode, make_mode
@@ -237,7 +237,7 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         configured = optimizers[0] if optimizers else None
         clip = trainer.gradient_clip_val or 0.0
         if clip and trainer.gradient_clip_algorithm not in (None, "norm") and mode.clips:
-            raise ValueError(_by_norm_only(mode))
+            raise ValueError(by_norm_only(mode))
         built = mode.build(self.model, configured, getattr(self.precision_plugin, "scaler", None), float(clip))
         if built is not configured:
             self._repoint_schedulers(configured, built)
@@ -406,7 +406,8 @@ class _Figures(Callback):
         strategy = trainer.strategy
         glue = getattr(strategy, "membership", None) if isinstance(strategy, FastReduceStrategy) else None
         if glue is not None and glue.committed is False:  # discarded on every member: no step
-            _set_global_step(trainer, glue.m.step, stepping=True)
+            glue.undo_schedulers()  # (Lightning stepped them after the optimizer's step)
+            set_global_step(trainer, glue.m.step, stepping=True)
             glue.committed = None
         mode = getattr(strategy, "mode", None) if isinstance(strategy, FastReduceStrategy) else None
         step, every = trainer.global_step, trainer.log_every_n_steps

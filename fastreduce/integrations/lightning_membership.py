@@ -118,7 +118,7 @@ class MembershipMixin:
         step = glue.join(self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs],
                          last_step=trainer.max_steps, scaler=getattr(self.precision_plugin, "scaler", None),
                          max_grad_norm=float(trainer.gradient_clip_val or 0.0), on_epoch=self._on_new_epoch)
-        _set_global_step(trainer, step)
+        set_global_step(trainer, step)
         if self._mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
             self._patch_clipping()
         self._log_figures(trainer)
@@ -130,7 +130,7 @@ class MembershipMixin:
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
 
-def _set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
+def set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
     """Make Lightning's global step (its optimizer-step count) ``step``, the Membership's
     committed steps, and its loggers' step with it (``stepping``: in a batch that Lightning
     counts as stepped once it ends)."""

@@ -50,7 +50,7 @@ class OptimizerMixin:
             mode.clip_grad_norm_(float(clip_val), 2.0)
 
         def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-            raise ValueError(_by_norm_only(mode))
+            raise ValueError(by_norm_only(mode))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
@@ -63,7 +63,7 @@ class OptimizerMixin:
                 plugin.__dict__.pop(name, None)
 
 
-def _by_norm_only(mode: TrainerMode) -> str:
+def by_norm_only(mode: TrainerMode) -> str:
     return (f"FastReduceStrategy: fastreduce mode {mode.name!r} clips the averaged gradients its own way (zero: "
             "their global norm over the shards; gossip: each bucket's norm in backward), by norm only: use "
             "gradient_clip_algorithm='norm'")

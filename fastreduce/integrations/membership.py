@@ -58,13 +58,11 @@ processes (they draw ahead of the step), a process launched by ``torchrun``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import types
 import warnings
-import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -221,22 +219,6 @@ class MembershipSampler(DistributedSampler):
 
 # ====================================================================== the trainer's side
 
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a guarded LR scheduler -> its TrainerMembership
-
-
-@functools.lru_cache(maxsize=None)
-def _guarded(cls: type) -> type:
-    """``cls`` (an LR scheduler's class) whose ``step`` does nothing after a discarded step."""
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = _OWNERS.get(self)
-        if owner is not None and owner.committed is False:
-            return None
-        return super(guarded, self).step(*args, **kwargs)
-
-    guarded = type(cls.__name__, (cls,), {"step": step, "_fastreduce_guarded": True, "__module__": cls.__module__})
-    return guarded
-
-
 class _Booked:
     """The committed steps whose trainer bookkeeping (LR schedulers) is done, healed with the
     state: a joiner admitted right after step k (booked k - 1) does step k's itself."""
@@ -256,6 +238,7 @@ class _Seen:
     trainer's side of it (:meth:`TrainerMode.close`)."""
 
     commit_style = ""  # each kind's own (modes/contract.py)
+    under_join = False  # (a trainer runs no mode under torch's Join)
 
     def __init__(self, mode: TrainerMode, owner: TrainerMembership):
         self.trainer_mode, self.obj, self.owner = mode, mode.obj, owner
@@ -326,6 +309,7 @@ class TrainerMembership:
         self.booked = _Booked()
         self.schedulers: list[Any] = []
         self.joined_at: int | None = None  # the committed step this process joined at
+        self._schedules: tuple[list[Any], list[Any]] = ([], [])  # the LR schedulers' states before this step
         self._build_args: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------ set-up
@@ -363,15 +347,13 @@ class TrainerMembership:
             self._route_clipping()
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
-        for sched in self.schedulers:
-            self._guard(sched)
         self.m.join(state, self._build)
         self.joined_at = self.m.step
         if self.m.step > self.booked.steps:  # admitted right after a committed step: do the rest of it
             with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer here
                 warnings.simplefilter("ignore", UserWarning)
                 for sched in self.schedulers:
-                    super(type(sched), sched).step()
+                    sched.step()
             self.booked.steps = self.m.step
         self._commit_through(optimizer)
         return self.m.step
@@ -438,14 +420,6 @@ class TrainerMembership:
         step._fastreduce_commits = True  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
-    def _guard(self, sched: Any) -> None:
-        """The trainer's ``sched.step()`` does nothing after a discarded step (the scheduler's
-        class made a subclass that asks first: its ``state_dict``, the whole ``__dict__`` of
-        torch's schedulers, stays free of anything that cannot travel to a joiner)."""
-        _OWNERS[sched] = self
-        if not getattr(type(sched), "_fastreduce_guarded", False):
-            sched.__class__ = _guarded(type(sched))
-
     # ------------------------------------------------------------------ every step
 
     def after_backward(self) -> None:
@@ -459,6 +433,8 @@ class TrainerMembership:
     def commit(self, real_step: Callable[[], Any]) -> bool:
         """The optimizer's step through the Membership: committed on every member or none."""
         self.pending = self.m.step + 1
+        self._schedules = ([s.state_dict() for s in self.schedulers],  # put back if the step is discarded
+                           [g["lr"] for g in self._build_args[1].param_groups])
         sampler, pending = self.sampler, self.pending
 
         def step() -> None:
@@ -478,6 +454,16 @@ class TrainerMembership:
         if self.committed:
             self.booked.steps = self.m.step  # the trainer steps its schedulers next
         return self.committed
+
+    def undo_schedulers(self) -> None:
+        """After a discarded step, from the trainer's step-end hook: the trainer stepped its LR
+        schedulers as after any step (it knows of no discarded one); they, and the learning
+        rates they set, go back to what they were before it (their classes untouched)."""
+        states, lrs = self._schedules
+        for sched, state in zip(self.schedulers, states):
+            sched.load_state_dict(state)
+        for group, lr in zip(self._build_args[1].param_groups, lrs):
+            group["lr"] = lr
 
     def figures(self) -> dict[str, float]:
         """The Membership's figures for the trainer's log."""

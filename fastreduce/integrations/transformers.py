@@ -405,6 +405,7 @@ def _membership_callback(trainer: Any) -> Any:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             glue = trainer.fastreduce_membership
             if glue.committed is False:  # discarded on every member: no step, so no log, save, eval or stop
+                glue.undo_schedulers()  # (the Trainer stepped them after the optimizer's step)
                 state.global_step = glue.m.step
                 control.should_log = control.should_save = control.should_evaluate = False
                 control.should_training_stop = control.should_training_stop and state.global_step >= state.max_steps
