@@ -43,7 +43,7 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+def slot_view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     """``slot``'s piece of ``flat``, with the parameter's own strides when it is dense."""
     piece = flat[slot.offset:slot.offset + slot.numel]
     p = slot.param
@@ -89,11 +89,11 @@ class FusedBuffer:
             and torch.finfo(wire_dtype).bits < torch.finfo(flat.dtype).bits else None
             for flat, wire_part in zip(self.flats, self.wires)]
         self.views: tuple[torch.Tensor, ...] = tuple(
-            _view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
+            slot_view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
         # Each gradient's place in the wire buffer (its view itself where no cast is
         # needed): where fresh gradients replace the views, they are cast straight in.
         self.wire_views: tuple[torch.Tensor, ...] = tuple(
-            _view(wire_part, slot) for seg, wire_part in zip(layout.segments, self.wires) for slot in seg.slots)
+            slot_view(wire_part, slot) for seg, wire_part in zip(layout.segments, self.wires) for slot in seg.slots)
         self.cast: tuple[bool, ...] = tuple(
             flat is not wire_part for seg, flat, wire_part in zip(layout.segments, self.flats, self.wires)
             for _ in seg.slots)
@@ -177,7 +177,7 @@ def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torc
             offsets[seg.dtype] += seg.numel
             flat = flats[seg.dtype][o:o + seg.numel]
             for slot in seg.slots:
-                view = _view(flat, slot)
+                view = slot_view(flat, slot)
                 view.copy_(slot.param)
                 slot.param.data = view
             out.append(flat)

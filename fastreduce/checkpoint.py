@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_folders import _STEP_DIR, FORMAT, MARKER, _complete, _first_difference, _fresh_folder, _inspect
-from .checkpoint_ranks import _every_ranks, _on_rank0, _rank, _world
-from .checkpoint_state import _pack, _rng_state, _set_rng_state, _staged_ranges, _template, _unpack
+from .checkpoint_folders import STEP_DIR, FORMAT, MARKER, complete_steps, first_difference, fresh_folder, inspect_folder
+from .checkpoint_ranks import every_rank_says, on_rank0, current_rank, current_world
+from .checkpoint_state import pack_tree, capture_rng_state, restore_rng_state, staged_ranges, load_template, unpack_tree
 from .checkpoint_state import _TensorAt  # noqa: F401 - pickled as fastreduce.checkpoint._TensorAt: found here
 from .modes.contract import commit_style, mode_name, optimizer_role, state_scope
 from .modes.functional import functional_state, load_functional_state
@@ -160,7 +160,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints in :attr:`directory`, oldest first."""
-        return [s for s, _ in _complete(self.directory)]
+        return [s for s, _ in complete_steps(self.directory)]
 
     def save(self, step: int) -> str:
         """Write the whole training state as checkpoint ``step`` (collective: every rank).
@@ -175,12 +175,12 @@ class Checkpointer:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         t0 = time.perf_counter()
         path = os.path.join(self.directory, f"step-{step:08d}")
-        _on_rank0(lambda: _fresh_folder(path))  # what a killed save of this step left, gone
+        on_rank0(lambda: fresh_folder(path))  # what a killed save of this step left, gone
         state = self._state()
         dcp.save(state, checkpoint_id=path)
         marker = self._fingerprint() | {"step": step, "saved_at": time.time()}
-        _on_rank0(lambda: self._commit(path, marker))
-        if _rank() == 0:
+        on_rank0(lambda: self._commit(path, marker))
+        if current_rank() == 0:
             log.info("fastreduce: checkpoint step %d saved to %s in %.2fs", step, path, time.perf_counter() - t0)
         return path
 
@@ -195,14 +195,14 @@ class Checkpointer:
         changed. A checkpoint from another model, mode, optimizer or (gossip, LocalSGD,
         DiLoCo) world size raises :class:`CheckpointMismatchError` on every rank, naming
         the first difference, before anything is changed."""
-        steps = _on_rank0(lambda: [s for s, _ in _complete(self.directory)])
+        steps = on_rank0(lambda: [s for s, _ in complete_steps(self.directory)])
         damaged: list[CheckpointDamagedError] = []
         for step in reversed(steps):
             try:
                 return self.load(step)
             except CheckpointDamagedError as err:
                 damaged.append(err)
-                if _rank() == 0:
+                if current_rank() == 0:
                     log.warning("fastreduce: %s; trying the checkpoint before it", err)
         if damaged:
             raise CheckpointDamagedError(
@@ -210,7 +210,7 @@ class Checkpointer:
                 + "; ".join(str(e) for e in damaged) + ". Nothing was loaded; restore the files, or remove "
                 "the damaged folders to start from step 0", self.directory,
                 [f for e in damaged for f in e.files])
-        if _rank() == 0:
+        if current_rank() == 0:
             log.info("fastreduce: no complete checkpoint in %s: starting from step 0", self.directory)
         return 0
 
@@ -225,12 +225,12 @@ class Checkpointer:
         (Bytes changed in place, at the same length, are not detected: DCP keeps no
         checksums.)"""
         path = os.path.join(self.directory, f"step-{step:08d}")
-        saved, problems = _on_rank0(lambda: _inspect(path))
+        saved, problems = on_rank0(lambda: inspect_folder(path))
         if problems:
             raise CheckpointDamagedError(f"checkpoint {path} is damaged: {'; '.join(problems)}", path, problems)
         _agree(self._mismatch(saved, path))
         self._load(path, saved)
-        if _rank() == 0:
+        if current_rank() == 0:
             log.info("fastreduce: resumed from %s (step %d, saved at %d ranks)", path, saved["step"],
                      saved["world_size"])
         return int(saved["step"])
@@ -244,13 +244,13 @@ class Checkpointer:
             name = f"ZeroOptimizer({opt.optimizer_class.__name__})"  # type: ignore[union-attr]
         tensors = [["param", n, list(p.shape), str(p.dtype)] for n, p in self.model.named_parameters()]
         tensors += [["buffer", n, list(b.shape), str(b.dtype)] for n, b in self.model.named_buffers()]
-        return {"format": FORMAT, "mode": self.kind, "optimizer": name, "world_size": _world(),
+        return {"format": FORMAT, "mode": self.kind, "optimizer": name, "world_size": current_world(),
                 "tensors": tensors, "extras": sorted(self.extras)}
 
     def _state(self) -> dict[str, Any]:
         """The DCP state dict to save (collective: the modes drain what is in flight)."""
         state: dict[str, Any] = {}
-        mine: dict[str, Any] = {"rng": _rng_state(), "extras": {k: o.state_dict() for k, o in self.extras.items()}}
+        mine: dict[str, Any] = {"rng": capture_rng_state(), "extras": {k: o.state_dict() for k, o in self.extras.items()}}
         per_rank = self.scope == "per_rank"
         if not per_rank:
             state["model"] = self.model.state_dict()
@@ -261,14 +261,14 @@ class Checkpointer:
             if per_rank:
                 mine["optimizer"] = self.optimizer.state_dict()
             else:
-                state.update(_pack(self.optimizer.state_dict(), "optimizer"))
+                state.update(pack_tree(self.optimizer.state_dict(), "optimizer"))
         if per_rank and self.role != "own":  # (a mode that steps its own optimizers saves the model too)
             mine["model"] = self.model.state_dict()
         if self.mode is not None:
             mine["mode"] = self.mode.state_dict()
         elif self.scope == "replicated":  # all_reduce_gradients: its reducers' residuals live on the model
             mine["mode"] = functional_state(self.model)
-        state.update(_pack(mine, f"rank{_rank()}"))
+        state.update(pack_tree(mine, f"rank{current_rank()}"))
         return state
 
     def _commit(self, path: str, marker: dict[str, Any]) -> None:
@@ -279,11 +279,11 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, MARKER))
-        complete = _complete(self.directory)
+        complete = complete_steps(self.directory)
         done = {p for _, p in complete}
         stale = [p for _, p in complete[:-self.keep]]
         stale += [os.path.join(self.directory, n) for n in os.listdir(self.directory)
-                  if _STEP_DIR.match(n) and os.path.join(self.directory, n) not in done]
+                  if STEP_DIR.match(n) and os.path.join(self.directory, n) not in done]
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -298,7 +298,7 @@ class Checkpointer:
         elif saved["mode"] != mine["mode"]:
             why = f"it was saved in mode {saved['mode']!r}, this job runs mode {mine['mode']!r}"
         elif saved["tensors"] != mine["tensors"]:
-            why = _first_difference(saved["tensors"], mine["tensors"])
+            why = first_difference(saved["tensors"], mine["tensors"])
         elif saved["optimizer"] != mine["optimizer"]:
             why = f"its optimizer is {saved['optimizer']}, this job's is {mine['optimizer']}"
         elif saved["extras"] != mine["extras"]:
@@ -315,7 +315,7 @@ class Checkpointer:
     def _load(self, path: str, saved: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        rank, world = _rank(), _world()
+        rank, world = current_rank(), current_world()
         same_world = saved["world_size"] == world
         src = rank if rank < saved["world_size"] else 0  # a rank that did not exist: rank 0's extras
         metadata = dcp.FileSystemReader(path).read_metadata()
@@ -329,12 +329,12 @@ class Checkpointer:
             state["model"] = OrderedDict((k, v.detach().clone()) for k, v in live.items())
             state["model"]._metadata = getattr(live, "_metadata", None)  # type: ignore[attr-defined]
         if self.scope == "sharded":
-            state["optimizer"] = _staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
+            state["optimizer"] = staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
             if "optimizer.fresh" not in metadata.state_dict_metadata:  # saved before fastreduce kept it
                 del state["optimizer"]["fresh"]
         elif self.optimizer is not None and not per_rank:
-            state.update(_template(metadata, "optimizer"))
-        state.update(_template(metadata, f"rank{src}"))
+            state.update(load_template(metadata, "optimizer"))
+        state.update(load_template(metadata, f"rank{src}"))
         failure = None
         try:
             dcp.load(state, checkpoint_id=path)
@@ -342,7 +342,7 @@ class Checkpointer:
             raise
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = f"{type(err).__name__}: {err}".strip()
-        bad = _every_ranks(failure)
+        bad = every_rank_says(failure)
         if bad:
             why = "; ".join(f"rank {r}: {f[:500]}" for r, f in bad)
             raise CheckpointDamagedError(f"checkpoint {path} could not be read ({why}). Nothing was "
@@ -354,8 +354,8 @@ class Checkpointer:
         if self.scope == "sharded":
             self.optimizer.load_sharded_state_dict(state["optimizer"])  # type: ignore[union-attr]
         elif self.optimizer is not None and not per_rank:
-            self.optimizer.load_state_dict(_unpack(state, "optimizer"))
-        mine = _unpack(state, f"rank{src}")
+            self.optimizer.load_state_dict(unpack_tree(state, "optimizer"))
+        mine = unpack_tree(state, f"rank{src}")
         if "model" in mine:
             self.model.load_state_dict(mine["model"])
         if per_rank and self.optimizer is not None:
@@ -363,7 +363,7 @@ class Checkpointer:
         for name, obj in self.extras.items():
             obj.load_state_dict(mine["extras"][name])
         if src == rank:
-            _set_rng_state(mine["rng"])
+            restore_rng_state(mine["rng"])
         if same_world or per_rank:
             if self.scope == "sharded":
                 self.optimizer.load_wire_state_dict(mine.get("wire", {}))  # type: ignore[union-attr]
@@ -383,5 +383,5 @@ class Checkpointer:
 
 def _agree(problem: str | None) -> None:
     """Raise on every rank if any rank has a ``problem`` (so none goes on into a collective)."""
-    for r, p in _every_ranks(problem)[:1]:
-        raise CheckpointMismatchError(p if r == _rank() or _world() == 1 else f"on rank {r}: {p}")
+    for r, p in every_rank_says(problem)[:1]:
+        raise CheckpointMismatchError(p if r == current_rank() or current_world() == 1 else f"on rank {r}: {p}")

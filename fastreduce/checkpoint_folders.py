@@ -12,25 +12,25 @@ from typing import Any
 MARKER = "fastreduce.json"
 """The commit marker in a checkpoint folder: written last, it holds the fingerprint."""
 FORMAT = 1
-_STEP_DIR = re.compile(r"step-(\d+)$")
+STEP_DIR = re.compile(r"step-(\d+)$")
 
 
 # ---------------------------------------------------------------------- folders
 
 
-def _complete(directory: str) -> list[tuple[int, str]]:
+def complete_steps(directory: str) -> list[tuple[int, str]]:
     """``[(step, folder)]`` of the committed checkpoints in ``directory``, by step."""
     if not os.path.isdir(directory):
         return []
     out = []
     for name in os.listdir(directory):
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR.match(name)
         if m and os.path.isfile(os.path.join(directory, name, MARKER)):
             out.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(out)
 
 
-def _inspect(path: str) -> tuple[dict[str, Any] | None, list[str]]:
+def inspect_folder(path: str) -> tuple[dict[str, Any] | None, list[str]]:
     """Checkpoint ``path``'s marker, and what is wrong with its files: the marker or
     DCP's metadata unreadable, a file the metadata points into missing or shorter than
     what is stored in it."""
@@ -60,12 +60,12 @@ def _inspect(path: str) -> tuple[dict[str, Any] | None, list[str]]:
     return saved, problems
 
 
-def _fresh_folder(path: str) -> None:
+def fresh_folder(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
 
 
-def _first_difference(saved: list[list[Any]], mine: list[list[Any]]) -> str:
+def first_difference(saved: list[list[Any]], mine: list[list[Any]]) -> str:
     """The first of the fingerprints' ``[kind, name, shape, dtype]`` entries that differ."""
     def desc(t: list[Any]) -> str:
         return f"{tuple(t[2])} {t[3]}"

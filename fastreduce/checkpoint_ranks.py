@@ -11,23 +11,23 @@ import torch.distributed as dist
 # ---------------------------------------------------------------------- ranks agree
 
 
-def _rank() -> int:
+def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _world() -> int:
+def current_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _on_rank0(fn: Callable[[], Any]) -> Any:
+def on_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` on rank 0, its result (or its error, raised) on every rank: a barrier too."""
     box: list[Any] = [None]
-    if _rank() == 0:
+    if current_rank() == 0:
         try:
             box[0] = (True, fn())
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             box[0] = (False, f"{type(e).__name__}: {e}")
-    if _world() > 1:
+    if current_world() > 1:
         dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if not ok:
@@ -35,10 +35,10 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _every_ranks(problem: str | None) -> list[tuple[int, str]]:
+def every_rank_says(problem: str | None) -> list[tuple[int, str]]:
     """``(rank, problem)`` of every rank that has one, on every rank (collective)."""
     problems = [problem]
-    if _world() > 1:
-        problems = [None] * _world()
+    if current_world() > 1:
+        problems = [None] * current_world()
         dist.all_gather_object(problems, problem)
     return [(r, p) for r, p in enumerate(problems) if p is not None]

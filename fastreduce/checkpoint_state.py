@@ -26,7 +26,7 @@ class _TensorAt:
 _TensorAt.__module__ = "fastreduce.checkpoint"  # the name pickled since format 1 (re-exported there)
 
 
-def _pack(tree: Any, prefix: str) -> dict[str, Any]:
+def pack_tree(tree: Any, prefix: str) -> dict[str, Any]:
     """``tree`` as DCP entries: ``prefix/<i>`` per tensor, ``prefix/tree`` the pickled rest
     (key types, tuples and plain values kept as they are)."""
     tensors: list[torch.Tensor] = []
@@ -49,8 +49,8 @@ def _pack(tree: Any, prefix: str) -> dict[str, Any]:
     return {f"{prefix}/tree": pickle.dumps(skeleton), **{f"{prefix}/{i}": t for i, t in enumerate(tensors)}}
 
 
-def _template(metadata: Any, prefix: str) -> dict[str, Any]:
-    """Empty entries for :func:`_pack`'s keys under ``prefix``, from the checkpoint's metadata."""
+def load_template(metadata: Any, prefix: str) -> dict[str, Any]:
+    """Empty entries for :func:`pack_tree`'s keys under ``prefix``, from the checkpoint's metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     out: dict[str, Any] = {}
@@ -61,7 +61,7 @@ def _template(metadata: Any, prefix: str) -> dict[str, Any]:
     return out
 
 
-def _staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """``tree`` (a ZeroOptimizer's sharded_state_dict) with each range's live tensor
     replaced by a copy for DCP to fill; ``pairs`` gets ``(live, copy)``."""
     from .modes.zero_state import RangeShard
@@ -71,13 +71,13 @@ def _staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
         pairs.append((tree.local, copy))
         return RangeShard(copy, tree.offset, tree.shape[0])
     if isinstance(tree, dict):
-        return {k: _staged_ranges(v, pairs) for k, v in tree.items()}
+        return {k: staged_ranges(v, pairs) for k, v in tree.items()}
     if type(tree) in (list, tuple):
-        return type(tree)(_staged_ranges(v, pairs) for v in tree)
+        return type(tree)(staged_ranges(v, pairs) for v in tree)
     return tree
 
 
-def _unpack(state: dict[str, Any], prefix: str) -> Any:
+def unpack_tree(state: dict[str, Any], prefix: str) -> Any:
     def fill(x: Any) -> Any:
         if isinstance(x, _TensorAt):
             return state[f"{prefix}/{x.index}"]
@@ -95,7 +95,7 @@ def _unpack(state: dict[str, Any], prefix: str) -> Any:
 # ---------------------------------------------------------------------- random generators
 
 
-def _rng_state() -> dict[str, Any]:
+def capture_rng_state() -> dict[str, Any]:
     """This process's generators: torch's CPU one, CUDA's (if CUDA is in use), Python's,
     NumPy's (if installed)."""
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -110,7 +110,7 @@ def _rng_state() -> dict[str, Any]:
     return out
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     cuda = state.get("cuda")

@@ -13,18 +13,20 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_watchdog as faults_watchdog
+import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
 
 __all__ = ["COORDINATOR_ENV", "CoordinatorClient", "Epoch", "MembershipError", "connect", "serve"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
-_P = "fastreduce/members/"
+MEMBERS_PREFIX = "fastreduce/members/"
 
 
-def _epoch_key(number: int) -> str:
+def epoch_key(number: int) -> str:
     """The coordinator's key of epoch ``number`` (its :class:`Epoch` as JSON, once formed)."""
-    return _P + f"epoch/{number}"
+    return MEMBERS_PREFIX + f"epoch/{number}"
 
 
 class MembershipError(RuntimeError):
@@ -96,7 +98,7 @@ class CoordinatorClient:
     """
 
     _waiter: Any = None
-    _here: bool | None = None  # whether the coordinator is served on this host (faults._served_here)
+    _here: bool | None = None  # whether the coordinator is served on this host (process_identity.served_here)
 
     def _deadline(self) -> float:
         """How long a request may take: twice the loss window, at least 5 s, and
@@ -104,7 +106,7 @@ class CoordinatorClient:
         this host's network namespace (no link between to cut: a slow answer is a starved
         server; 9 of 64 members joining at once on 2 cores waited past 5 s)."""
         if self._here is None:
-            self._here = faults._served_here(self.store)
+            self._here = process_identity.served_here(self.store)
         return max(5.0, 2 * faults.lost_after()) * (faults.LOCAL_GRACE if self._here else 1)
 
     def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
@@ -145,7 +147,7 @@ class CoordinatorClient:
         return self._call(self.store.get, key).decode()
 
     def _unreachable(self, err: BaseException) -> MembershipError:
-        faults._abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
+        faults_watchdog.abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")

@@ -19,8 +19,11 @@ import torch
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_heartbeat as faults_heartbeat
+import fastreduce.faults_watchdog as faults_watchdog
+import fastreduce.torch_internals as torch_internals
 
-from .coordinator import _P, CoordinatorClient, Epoch, MembershipError, _epoch_key
+from .coordinator import MEMBERS_PREFIX, CoordinatorClient, Epoch, MembershipError, epoch_key
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
@@ -87,10 +90,10 @@ class EpochChanges(CoordinatorClient):
         n = old.number + 1
         self._pulse.up()  # alive to the others until this member has entered the next epoch
         self._stash_mode(after_loss=why == "loss")
-        beats = faults._default_store()  # the old epoch's: its members' heartbeats stay readable
+        beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         self._leave_group(abandon=why == "loss")
         said = self._gather(old, lost, why, beats)
-        present, mine, key = list(said), self._fingerprint(), _epoch_key(n)
+        present, mine, key = list(said), self._fingerprint(), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
@@ -119,9 +122,9 @@ class EpochChanges(CoordinatorClient):
         # count them twice in it; it is admitted right after the sync instead, at its vote.
         redo = why == "loss" and self._kept_mode[1] == "local" and len(present) >= self.min_ranks
         while holds:  # below min_ranks: wait for joiners (unless another survivor proposed already)
-            tickets = old.admitted if redo else int(self._call(self.store.add, _P + "tickets", 0))
+            tickets = old.admitted if redo else int(self._call(self.store.add, MEMBERS_PREFIX + "tickets", 0))
             checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
-                       if not self._call(self.store.check, [_P + f"admit/{t}"])]  # not refused already
+                       if not self._call(self.store.check, [MEMBERS_PREFIX + f"admit/{t}"])]  # not refused already
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
             joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
             members = tuple(healed) + unhealed + joiners
@@ -155,7 +158,7 @@ class EpochChanges(CoordinatorClient):
         past the window and ``wait_s``. ``beats``: the old epoch's store, whose heartbeats
         tell a slow survivor from a lost one."""
         n = old.number + 1
-        announced, alive = _P + f"e{n}/alive", _P + f"e{n}/alive/"  # how many, and each one's word
+        announced, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
         self._call(self.store.set, alive + self.member,
                    json.dumps({"step": self.step, "healed": self._healed, "founder": self._founder}))
         self._call(self.store.add, announced, 1)
@@ -163,7 +166,7 @@ class EpochChanges(CoordinatorClient):
         window = faults.lost_after() if why == "loss" else self.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
         counted: dict[str, int] = {}
-        key = _epoch_key(n)
+        key = epoch_key(n)
         # Each tick reads the count (and whether the epoch was formed), not every member's key:
         # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
@@ -185,7 +188,7 @@ class EpochChanges(CoordinatorClient):
                     break
                 deadline = time.monotonic() + window
             time.sleep(_poll_s(old.world))
-        words = self._call(faults.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
+        words = self._call(faults_heartbeat.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
         return dict(zip(present, map(json.loads, words)))
 
     def _present(self, old: Epoch, alive: str) -> list[str]:
@@ -195,7 +198,7 @@ class EpochChanges(CoordinatorClient):
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
         (``True`` the first time: counted now, to compare a window later)."""
-        return self._moved({m: int(self._call(beats.add, f"{faults._KEY}heartbeat/{old.members.index(m)}", 0))
+        return self._moved({m: int(self._call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
                             for m in members}, counted)
 
     @staticmethod
@@ -211,14 +214,14 @@ class EpochChanges(CoordinatorClient):
         """Write ``proposal`` unless another member's for that epoch was first; then admit
         the joiners of the epoch written and refuse the tickets it handled with another
         layout (the rest wait for a later epoch). Returns the epoch written."""
-        key = _epoch_key(proposal.number)
+        key = epoch_key(proposal.number)
         epoch = Epoch.from_json(self._call(self.store.compare_set, key, "", proposal.to_json()))
         for t, bad in refusals.items():
             if t > epoch.admitted:
                 continue
             joined = bad is None and self._ticket(t)["member"] in epoch.joined
             if joined or bad is not None:
-                self._call(self.store.set, _P + f"admit/{t}", str(epoch.number) if joined else f"refused: {bad}")
+                self._call(self.store.set, MEMBERS_PREFIX + f"admit/{t}", str(epoch.number) if joined else f"refused: {bad}")
         return epoch
 
     def _enter(self, epoch: Epoch) -> None:
@@ -288,15 +291,15 @@ class EpochChanges(CoordinatorClient):
         from the start: Gloo's point-to-point waits keep the timeout the group was made with
         (``ProcessGroup.set_timeout`` reaches only its collectives), so a group made with a
         short one and raised after failed the state's transfer to a joiner on a loaded host."""
-        store = dist.PrefixStore(_P + f"e{epoch.number}/pg/", self.store)
+        store = dist.PrefixStore(MEMBERS_PREFIX + f"e{epoch.number}/pg/", self.store)
         dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
                                 world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
 
     def _watch(self, epoch: Epoch) -> Watch:
         """A view of the pulses of the members of ``epoch`` this member watches: every other
-        member, or in a world past ``faults.WATCHED_SUCCESSORS`` + 1 its next successors in
+        member, or in a world past ``faults_heartbeat.WATCHED_SUCCESSORS`` + 1 its next successors in
         rank order (a loss found by its own watchers is published: :meth:`_publish_lost`)."""
-        me, k = epoch.members.index(self.member), faults.WATCHED_SUCCESSORS
+        me, k = epoch.members.index(self.member), faults_heartbeat.WATCHED_SUCCESSORS
         if epoch.world <= k + 1:
             members = [m for m in epoch.members if m != self.member]
         else:
@@ -310,12 +313,12 @@ class EpochChanges(CoordinatorClient):
         there, out of the mode's hooks and the commit (ZeRO's buckets launch in backward);
         it learns of the loss at its own first step."""
         if lost:
-            self._call(self.store.compare_set, _P + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
-        self._call(self.store.compare_set, _P + f"e{epoch.number}/s{epoch.step}/done", "", "abort")
+            self._call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
+        self._call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/s{epoch.step}/done", "", "abort")
 
     def _published_lost(self, epoch: Epoch) -> set[str] | None:
         """The members another member of ``epoch`` found lost as it was entered, if one did."""
-        key = _P + f"e{epoch.number}/lost"
+        key = MEMBERS_PREFIX + f"e{epoch.number}/lost"
         if not self._call(self.store.check, [key]):
             return None
         return set(json.loads(self._call(self.store.get, key)))
@@ -336,7 +339,7 @@ class EpochChanges(CoordinatorClient):
         other."""
         if epoch.world == 1:
             return None
-        key, aborted = _P + f"e{epoch.number}/{point}", _P + f"e{epoch.number}/s{epoch.step}/done"
+        key, aborted = MEMBERS_PREFIX + f"e{epoch.number}/{point}", MEMBERS_PREFIX + f"e{epoch.number}/s{epoch.step}/done"
         self._call(self.store.add, key, 1)
         watch = self._watch(epoch)
         while int(self._call(self.store.add, key, 0)) < epoch.world:
@@ -384,7 +387,7 @@ class EpochChanges(CoordinatorClient):
         The members agree on the outcome: the first to decide writes it (every member here,
         or whom it found lost) and all follow that word. A member that gave up alone would
         leave the others waiting in the group's rendezvous for it, up to the group's timeout."""
-        key, word = _P + f"e{epoch.number}/ready", _P + f"e{epoch.number}/entry"
+        key, word = MEMBERS_PREFIX + f"e{epoch.number}/ready", MEMBERS_PREFIX + f"e{epoch.number}/entry"
         self._call(self.store.set, f"{key}/{self.member}", "1")
         self._call(self.store.add, key, 1)
         bound, start = self._entry_bound(), time.monotonic()
@@ -461,7 +464,7 @@ class EpochChanges(CoordinatorClient):
     def _leave_group(self, abandon: bool) -> None:
         if dist.is_initialized():
             if abandon:  # a collective may still wait on a lost peer: never join its thread
-                faults._abandon_groups()
+                faults_watchdog.abandon_groups()
             dist.destroy_process_group()
 
 

@@ -44,18 +44,8 @@ internals they need (:mod:`.torch_internals`).
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
-
-import fastreduce.faults_diagnosis as faults_diagnosis
-import fastreduce.faults_errors as faults_errors
-import fastreduce.faults_guard as faults_guard
-import fastreduce.faults_heartbeat as faults_heartbeat
-import fastreduce.faults_watchdog as faults_watchdog
-import fastreduce.process_identity as process_identity
-import fastreduce.torch_internals as torch_internals
 from .faults_diagnosis import diagnose
-from .faults_errors import RankLostError, TransportError
+from .faults_errors import RankLostError, TransportError, is_transport_failure
 from .faults_guard import guard, guarded
 from .faults_heartbeat import (HEARTBEAT_ENV, LOCAL_GRACE, LOST_AFTER_ENV, WATCHED_SUCCESSORS, StoreCaller, group_token,
                                heartbeat_interval, lost_after, note_lost, start_heartbeat)
@@ -65,32 +55,4 @@ from .torch_internals import group_timeout
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller", "TransportError",
            "all_reduce_watched", "diagnose", "exited_here", "group_timeout", "group_token", "guard", "guarded",
-           "heartbeat_interval", "lost_after", "note_lost", "start_heartbeat", "wait_watched"]
-
-# The other names other modules and the tests read here (``faults._beat``, ``faults._KEY``), by
-# their module and, where it was renamed, the name there. Each is read at the time it is asked
-# for: ``_beat`` (the heartbeat) and ``_waiter_caller`` are rebound as they start and stop.
-_MOVED: dict[str, tuple[ModuleType, str]] = {
-    **{name: (faults_errors, name) for name in ("RESTART", "_MARKERS", "is_transport_failure")},
-    **{name: (faults_heartbeat, name) for name in ("_KEY", "_Heartbeat", "_beat", "_env_seconds", "_forget",
-                                                   "_is_current", "_lock", "read_all")},
-    **{name: (faults_diagnosis, name) for name in ("_diagnose", "_silent", "_store_host_rank")},
-    **{name: (faults_watchdog, name) for name in ("_Timed", "_abandon_groups", "_is_collective", "_waiter",
-                                                  "_waiter_caller", "_watch")},
-    **{name: (faults_guard, name) for name in ("F", "_linger_if_store_host", "_lingering", "as_rank_lost")},
-    "_identity": (process_identity, "identity"),
-    "_running_here": (process_identity, "running_here"),
-    "_served_here": (process_identity, "served_here"),
-    "_stat": (process_identity, "proc_stat"),
-    "_who": (process_identity, "who_of"),
-    "DEFAULT_TIMEOUT_S": (torch_internals, "DEFAULT_TIMEOUT_S"),
-    "_default_store": (torch_internals, "default_store"),
-    "_pinned": (torch_internals, "_pinned"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        module, there = _MOVED[name]
-        return getattr(module, there)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "heartbeat_interval", "is_transport_failure", "lost_after", "note_lost", "start_heartbeat", "wait_watched"]

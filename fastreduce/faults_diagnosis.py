@@ -9,7 +9,7 @@ import time
 import torch.distributed as dist
 
 import fastreduce.faults_heartbeat as heartbeat
-from .faults_heartbeat import LOCAL_GRACE, _Heartbeat, lost_after
+from .faults_heartbeat import LOCAL_GRACE, Heartbeat, lost_after
 from .lifecycle import RESTING
 from .process_identity import who_of
 from .torch_internals import default_store, store_base
@@ -17,7 +17,7 @@ from .torch_internals import default_store, store_base
 __all__ = ["diagnose"]
 
 
-def _store_host_rank() -> int | None:
+def store_host_rank() -> int | None:
     """The rank whose process hosts the job's store: rank 0 when ``init_process_group``
     made a TCP store itself; ``None`` under torchrun's agent store or another store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
@@ -35,13 +35,13 @@ def diagnose(wait: float | None = None) -> tuple[list[int], str, dict[int, str]]
     (default :func:`lost_after`) for every watched rank's heartbeat to move; returns as
     soon as all have (in a world of more than :data:`WATCHED_SUCCESSORS` + 1, not before
     the window: see :func:`_silent`). Ranks found lost once are answered at once from then on."""
-    beat = heartbeat._beat
+    beat = heartbeat.heartbeat_now()
     if beat is None or not beat.current():
         return [], "", {}
     return _diagnose(beat, lost_after() if wait is None else wait)
 
 
-def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, str]]:
+def _diagnose(beat: Heartbeat, wait: float) -> tuple[list[int], str, dict[int, str]]:
     """:func:`diagnose` by ``beat``'s rank."""
     if beat.lost:
         ranks = sorted(beat.lost)
@@ -69,7 +69,7 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
         # because it raised this very error first: ranks silent for two heartbeats while
         # the others beat are the lost ones; with less evidence, the store's host is.
         quiet = time.monotonic() - start if start is not None else 0.0
-        host = _store_host_rank()
+        host = store_host_rank()
         if silent and quiet >= 2 * beat.interval and len(silent) < beat.world - 1:
             how = f"its heartbeat in the c10d store stopped for {quiet:.1f} s (its process died, or its host is unreachable)"
         elif host is None or host == me:
@@ -92,17 +92,17 @@ def _diagnose(beat: _Heartbeat, wait: float) -> tuple[list[int], str, dict[int, 
     return silent, how, who
 
 
-def _silent(beat: _Heartbeat, before: dict[int, int], silent: list[int], start: float,
+def _silent(beat: Heartbeat, before: dict[int, int], silent: list[int], start: float,
             wait: float, records: dict[int, str]) -> tuple[list[int], str, dict[int, str]] | None:
     """The diagnosis's wait: drops from ``silent`` (in place: what it holds when the store
     stops answering counts too) the ranks whose counters (``before``) moved within ``wait``
     seconds of ``start`` (or, for ranks whose process runs on this host, within
     :data:`LOCAL_GRACE` times that; ``records`` caches their registrations); returns the ranks other ranks published lost meanwhile
-    (:meth:`_Heartbeat.verdict`; ``None`` in a world every rank reads whole: there it is not read).
+    (:meth:`Heartbeat.verdict`; ``None`` in a world every rank reads whole: there it is not read).
 
     [Note: watching successors] Where this rank watches only its next k ranks, a lost rank
     elsewhere is seen by its own k watchers, which publish it on ``fastreduce/lost`` (a
-    union: :meth:`_Heartbeat._publish`). Some live rank always sees a loss: from any lost
+    union: :meth:`Heartbeat._publish`). Some live rank always sees a loss: from any lost
     rank, walk back the ring to the first live rank; its successor is lost and watched by
     it. So this rank waits its whole window (every rank's diagnosis began at the same
     failure, so the watchers' windows end with its own, give or take the failure's

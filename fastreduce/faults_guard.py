@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch.distributed as dist
 
 import fastreduce.faults_heartbeat as heartbeat
-from .faults_diagnosis import _store_host_rank, diagnose
+from .faults_diagnosis import store_host_rank, diagnose
 from .faults_errors import RankLostError, is_transport_failure
 from .faults_heartbeat import heartbeat_interval, lost_after, start_heartbeat
 
@@ -30,7 +30,7 @@ def as_rank_lost(err: BaseException, where: str, state: str) -> RankLostError | 
             return None
         _linger_if_store_host()
         return err.at(where, state)
-    beat = heartbeat._beat
+    beat = heartbeat.heartbeat_now()
     known = beat is not None and bool(beat.lost)  # then any failure is the loss's doing (e.g. a
     # collective left in flight by the failed call), and every later call raises at once
     if not (known or is_transport_failure(err)) or not dist.is_initialized():
@@ -50,7 +50,7 @@ def _linger_if_store_host() -> None:
     other survivors finish theirs before the store goes (see [Note: the store dies
     mid-diagnosis]); a few seconds, only in a job that lost a rank."""
     global _lingering
-    if _lingering or not dist.is_initialized() or _store_host_rank() != dist.get_rank():
+    if _lingering or not dist.is_initialized() or store_host_rank() != dist.get_rank():
         return
     _lingering = True
     atexit.register(time.sleep, lost_after() + heartbeat_interval())
@@ -61,7 +61,7 @@ def guard(where: str, state: str) -> Iterator[None]:
     """Re-raise a collective failure inside the block as a :class:`RankLostError` of
     ``where`` (e.g. ``"ZeroOptimizer.step()"``), whose message says ``state`` (what the
     failure left behind), when a diagnosis finds a lost rank; else unchanged."""
-    if heartbeat._beat is None:
+    if heartbeat.heartbeat_now() is None:
         start_heartbeat()
     try:
         yield
@@ -84,7 +84,7 @@ def guarded(where: str, state: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if heartbeat._beat is None:  # a mode's first collectives may come before its Comm
+            if heartbeat.heartbeat_now() is None:  # a mode's first collectives may come before its Comm
                 start_heartbeat()
             try:
                 return fn(self, *args, **kwargs)

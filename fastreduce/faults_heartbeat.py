@@ -21,7 +21,8 @@ from .process_identity import exited_here, identity, running_here, served_here
 from .torch_internals import default_store
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "StoreCaller", "group_token",
-           "heartbeat_interval", "lost_after", "note_lost", "read_all", "start_heartbeat"]
+           "Heartbeat", "STORE_PREFIX", "heartbeat_interval", "heartbeat_now", "lost_after", "note_lost", "read_all",
+           "start_heartbeat"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -49,7 +50,7 @@ goes for the store: one served at an address of this host's network namespace
 (:func:`~.process_identity.served_here`) is given this many windows to answer a read (a
 Membership of 64 members on 2 cores: 39 of them stopped after its 1 s), since no link
 between can be cut; elsewhere, one window."""
-_KEY = "fastreduce/"
+STORE_PREFIX = "fastreduce/"
 
 
 # ---------------------------------------------------------------------- settings
@@ -91,7 +92,7 @@ class StoreCaller(Worker):
     a thread that must decide in seconds never makes the request itself: it hands it to
     this caller's thread and waits at most ``seconds``. A request still blocked there
     makes every later one fail at its deadline too (the store is unreachable). Also the
-    thread that waits for collectives without futures (:func:`~.faults_watchdog._waiter`)."""
+    thread that waits for collectives without futures (:func:`~.faults_watchdog.waiter`)."""
 
     def close(self) -> None:
         """End the thread once the requests queued before are done (not waited for)."""
@@ -121,7 +122,7 @@ class StoreCaller(Worker):
         return box[0]
 
 
-class _Heartbeat:
+class Heartbeat:
     """This process's heartbeat thread and its own connection to the job's store."""
 
     _known_keys: list[str] | None = None  # the counters' keys known to exist (:meth:`counts`)
@@ -146,7 +147,7 @@ class _Heartbeat:
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
         self.me = identity()  # what running_here compares a peer's registration with
-        store.set(f"{_KEY}host/{self.rank}", self.me)
+        store.set(f"{STORE_PREFIX}host/{self.rank}", self.me)
         if store.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
             store.add(self.key, -RESTING)
         self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
@@ -156,7 +157,7 @@ class _Heartbeat:
 
     @property
     def key(self) -> str:
-        return f"{_KEY}heartbeat/{self.rank}"
+        return f"{STORE_PREFIX}heartbeat/{self.rank}"
 
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
@@ -217,7 +218,7 @@ class _Heartbeat:
         """Add ``mine`` to the ranks published on ``fastreduce/lost``: the key holds the union
         of every publisher's (the first one's ``by`` and ``how``), written by compare-and-set,
         so watchers of different lost ranks publishing at once lose none of them."""
-        key, expected, value = f"{_KEY}lost", "", json.dumps(mine)
+        key, expected, value = f"{STORE_PREFIX}lost", "", json.dumps(mine)
         for _ in range(16):  # each retry: another publisher's record landed in between
             got = self.store.compare_set(key, expected, value)
             got = got.decode() if isinstance(got, bytes) else got
@@ -233,7 +234,7 @@ class _Heartbeat:
     def verdict(self) -> tuple[list[int], str, dict[int, str]] | None:
         """The ranks other ranks found lost and published (:meth:`mark_lost`), if any:
         ``(ranks, how, who)``; ``None`` where only this rank's own finding is there."""
-        key = f"{_KEY}lost"
+        key = f"{STORE_PREFIX}lost"
         if not self.store.check([key]):
             return None
         found = json.loads(self.store.get(key))
@@ -257,7 +258,7 @@ class _Heartbeat:
         is made here (``add(k, 0)``), and none is ever deleted; so after one read every key
         read exists, and ``multi_get`` (which would wait for a missing key) reads them alone."""
         ranks = self.watched()
-        keys = [f"{_KEY}heartbeat/{r}" for r in ranks]
+        keys = [f"{STORE_PREFIX}heartbeat/{r}" for r in ranks]
         multi_get = getattr(self.store, "multi_get", None)  # one round trip (torch >= 2.5)
         if multi_get is not None and self._known_keys == keys:
             return dict(zip(ranks, (int(v) for v in multi_get(keys))))
@@ -272,7 +273,7 @@ class _Heartbeat:
     def records(self, ranks: list[int]) -> dict[int, str]:
         """The ranks' registrations (:func:`~.process_identity.identity`), where the store has
         them: two requests where every one is there (``multi_get``, torch >= 2.5), else two a rank."""
-        keys = [f"{_KEY}host/{r}" for r in ranks]
+        keys = [f"{STORE_PREFIX}host/{r}" for r in ranks]
         try:
             if keys and self.store.check(keys):
                 return {r: v.decode() for r, v in zip(ranks, read_all(self.store, keys))}
@@ -280,7 +281,7 @@ class _Heartbeat:
             pass
         out = {}
         for r in ranks:
-            key = f"{_KEY}host/{r}"
+            key = f"{STORE_PREFIX}host/{r}"
             try:
                 if self.store.check([key]):
                     out[r] = self.store.get(key).decode()
@@ -321,10 +322,15 @@ class _Heartbeat:
 
 
 _lock = threading.Lock()
-_beat: _Heartbeat | None = None
+_beat: Heartbeat | None = None
 
 
-def _forget(beat: _Heartbeat) -> None:
+def heartbeat_now() -> Heartbeat | None:
+    """This process's heartbeat, where one beats (its group may have ended since)."""
+    return _beat
+
+
+def _forget(beat: Heartbeat) -> None:
     global _beat
     with _lock:
         if _beat is beat and not beat.current():
@@ -348,7 +354,7 @@ def start_heartbeat() -> None:
     with _lock:
         if _beat is None or not _beat.current():
             try:
-                _beat = _Heartbeat(default, interval)
+                _beat = Heartbeat(default, interval)
             except Exception:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
                 _beat = None
 

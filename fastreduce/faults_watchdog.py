@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 import fastreduce.faults_heartbeat as heartbeat
+import fastreduce.torch_internals as torch_internals
 from .faults_errors import TransportError
-from .faults_heartbeat import StoreCaller, _Heartbeat, lost_after
+from .faults_heartbeat import Heartbeat, StoreCaller, lost_after
 from .process_identity import who_of
-from .torch_internals import abandon_groups
 
-__all__ = ["all_reduce_watched", "wait_watched"]
+__all__ = ["abandon_groups", "all_reduce_watched", "wait_watched", "waiter", "watch_heartbeats"]
 
 
 # [Note: no Python callback on a collective's future]
@@ -55,7 +55,7 @@ def wait_watched(work: Any) -> Any:
     (``work.wait(timeout)``: a slice that runs out leaves the work pending), never through a
     Python callback on its future (see [Note: no Python callback on a collective's future]).
     Gloo's point-to-point work, which has no future and takes one ``wait()`` only, and a
-    work of fastreduce's own are waited for on a waiter thread (:func:`_waiter`). A work made of works that
+    work of fastreduce's own are waited for on a waiter thread (:func:`waiter`). A work made of works that
     it waits for through here itself (``watches_itself``, :class:`~.comm.Fp32Accumulate`)
     is waited on directly: on the waiter thread its own waits would queue behind it.
     Only where the host waits inside the collective (a Gloo default group): NCCL's and
@@ -64,7 +64,7 @@ def wait_watched(work: Any) -> Any:
     if getattr(work, "watches_itself", False):  # a launch of several works, each waited through here
         return work.wait()
     wait = getattr(work, "wait_unwatched", None) or work.wait
-    beat = heartbeat._beat
+    beat = heartbeat.heartbeat_now()
     if beat is None or not beat.host_waits or not beat.current():
         return wait()
     try:
@@ -74,17 +74,17 @@ def wait_watched(work: Any) -> Any:
         pass
     if beat.lost:  # a rank of this group is known lost: raise at once, not after a watchdog tick (its
         # neighbours' processes may live on, their sockets open: at 64 ranks the wait took a second)
-        _abandon_groups()
+        abandon_groups()
         raise TransportError(f"fastreduce: rank(s) {sorted(beat.lost)} of this group were lost before this "
                              "collective; it is abandoned")
     if _is_collective(work, wait):  # waited here, a heartbeat at a time
         done = _Timed(work)
         if not done.wait(beat.interval):  # the common case: done within a heartbeat, no watching
-            _watch(beat, done)
+            watch_heartbeats(beat, done)
         return True
-    done, box = _waiter().submit(wait)  # waited once, there: Gloo's point-to-point work takes one wait only
+    done, box = waiter().submit(wait)  # waited once, there: Gloo's point-to-point work takes one wait only
     if not done.wait(beat.interval):
-        _watch(beat, done)
+        watch_heartbeats(beat, done)
     if isinstance(box[0], BaseException):
         raise box[0]
     return True
@@ -103,7 +103,7 @@ def _is_collective(work: Any, wait: Callable[[], Any]) -> bool:
 
 
 class _Timed:
-    """A backend's collective waited for in slices (what :func:`_watch` takes as ``done``)."""
+    """A backend's collective waited for in slices (what :func:`watch_heartbeats` takes as ``done``)."""
 
     def __init__(self, work: Any):
         self.work = work
@@ -129,9 +129,9 @@ _lock = threading.Lock()
 _waiter_caller: StoreCaller | None = None
 
 
-def _waiter() -> StoreCaller:
+def waiter() -> StoreCaller:
     """A daemon thread that waits for works without futures, one at a time (an abandoned
-    work may keep it for good: :func:`_abandon_groups` starts the next wait on a new one)."""
+    work may keep it for good: :func:`abandon_groups` starts the next wait on a new one)."""
     global _waiter_caller
     with _lock:
         if _waiter_caller is None:
@@ -139,11 +139,11 @@ def _waiter() -> StoreCaller:
         return _waiter_caller
 
 
-def _watch(beat: _Heartbeat, done: threading.Event) -> None:
+def watch_heartbeats(beat: Heartbeat, done: threading.Event) -> None:
     """Until ``done``: raise if a rank's heartbeat stops for the window, or the store does."""
     window = lost_after()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it was last seen to move)
-    records: dict[int, str] = {}  # the silent ranks' registrations, read once (:meth:`_Heartbeat.slow_here`)
+    records: dict[int, str] = {}  # the silent ranks' registrations, read once (:meth:`Heartbeat.slow_here`)
     unanswered = None  # since when the store has not answered
     while not done.wait(min(beat.interval, 1.0)):
         now = time.monotonic()
@@ -161,20 +161,20 @@ def _watch(beat: _Heartbeat, done: threading.Event) -> None:
         unanswered = None
         if found is not None:  # another rank named them first: the same names here
             beat.mark_lost(*found, publish=False)
-            _abandon_groups()
+            abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {found[0]} were found lost by another rank during a "
                                  "collective; the collective is abandoned")
         if silent:
             how = (f"its heartbeat in the c10d store stopped for {window:g} s while a collective waited for it "
                    "(seen by the watchdog: its host or link is down, or its process is stopped)")
             beat.mark_lost(silent, how, who_of(beat.registered(silent, records)))
-            _abandon_groups()
+            abandon_groups()
             raise TransportError(f"fastreduce: rank(s) {silent} went silent during a collective; the "
                                  "collective is abandoned")
 
 
 
-def _abandon_groups() -> None:
+def abandon_groups() -> None:
     """After a watchdog found a rank lost: let this process exit. A collective waiting on
     a peer that will never answer holds a Gloo thread in a socket read, and destroying
     its process group (at the latest, the interpreter's exit) joins that thread: the
@@ -185,7 +185,7 @@ def _abandon_groups() -> None:
     --max-restarts), or under a Membership goes on in a new group."""
     global _waiter_caller
 
-    abandon_groups()
+    torch_internals.abandon_groups()
     with _lock:  # its thread may wait for good on an abandoned work: later groups' waits get a new one
         if _waiter_caller is not None:
             _waiter_caller.close()  # (it ends once free)

@@ -49,7 +49,7 @@ from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
 from .sizing import AUTO, AUTO_RULE, GOSSIP_AUTO_RULE, ZERO_AUTO_RULE
 from .comm.comm import TRANSPORT_ENV, resolve_transport
-from .comm.shm import _PAGE, SHM_DIR, _create
+from .comm.shm import PAGE, SHM_DIR, create_segment
 from .modes.diloco import DiLoCo
 from .modes.fused import ReducerConfig
 from .modes.gossip import DecentralizedDataParallel
@@ -201,13 +201,13 @@ def _graphs(device: torch.device | None, cuda: dict[str, Any], hpu: dict[str, An
 
 def _shm() -> dict[str, Any]:
     """``/dev/shm``: size, free space, and whether a segment can be made there (the
-    shared-memory transport's own ``_create``, one page, removed at once)."""
+    shared-memory transport's own ``create_segment``, one page, removed at once)."""
     out: dict[str, Any] = {"dir": SHM_DIR, "exists": os.path.isdir(SHM_DIR), "size_bytes": None,
                            "free_bytes": None, "usable": False, "reason": None}
     if out["exists"]:
         usage = shutil.disk_usage(SHM_DIR)
         out["size_bytes"], out["free_bytes"] = usage.total, usage.free
-    path, why = _create(_PAGE)
+    path, why = create_segment(PAGE)
     if path is not None:
         os.unlink(path)
         out["usable"] = True

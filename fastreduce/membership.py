@@ -81,8 +81,10 @@ import torch
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_errors as faults_errors
+import fastreduce.faults_heartbeat as faults_heartbeat
 
-from .coordinator import _P, COORDINATOR_ENV, Epoch, MembershipError, _epoch_key, connect, serve
+from .coordinator import MEMBERS_PREFIX, COORDINATOR_ENV, Epoch, MembershipError, epoch_key, connect, serve
 from .commits import StepCommits
 from .epochs import EpochChanges
 from .faults import RankLostError
@@ -208,17 +210,17 @@ class Membership(StepCommits, EpochChanges):
         self._state, self._build = dict(state), build
         mine = self._fingerprint()
         self._pulse.up()  # from the ticket on: admitted, it is watched before its group exists
-        ticket = self._call(self.store.add, _P + "tickets", 1)
-        self._call(self.store.set, _P + f"ticket/{ticket}", json.dumps({"member": self.member, "print": mine}))
+        ticket = self._call(self.store.add, MEMBERS_PREFIX + "tickets", 1)
+        self._call(self.store.set, MEMBERS_PREFIX + f"ticket/{ticket}", json.dumps({"member": self.member, "print": mine}))
         if ticket == self.world_size:  # the last of the first members lays out epoch 0
             checked = [(t, self._ticket(t)) for t in range(1, ticket + 1)]
             refusals = {t: self._differs(j["print"], mine) for t, j in checked}
             members = tuple(j["member"] for t, j in checked if refusals[t] is None)
             self._propose(Epoch(0, members, 0, ticket, members), refusals)
-        answer = self._await_key(_P + f"admit/{ticket}", self.wait_s, "admission")
+        answer = self._await_key(MEMBERS_PREFIX + f"admit/{ticket}", self.wait_s, "admission")
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
-        epoch = Epoch.from_json(self._call(self.store.get, _epoch_key(int(answer))))
+        epoch = Epoch.from_json(self._call(self.store.get, epoch_key(int(answer))))
         self._founder = epoch.number == 0
         start = time.perf_counter()
         self._enter(epoch)
@@ -250,7 +252,7 @@ class Membership(StepCommits, EpochChanges):
         return None
 
     def _ticket(self, t: int) -> dict[str, Any]:
-        return json.loads(self._await_key(_P + f"ticket/{t}", self.wait_s, f"joiner ticket {t}"))
+        return json.loads(self._await_key(MEMBERS_PREFIX + f"ticket/{t}", self.wait_s, f"joiner ticket {t}"))
 
     # ------------------------------------------------------------------ every step
 
@@ -331,8 +333,8 @@ class Membership(StepCommits, EpochChanges):
         The others go on without it, nothing discarded and no loss window waited. For a
         member told it will be preempted (a spot instance's notice) or out of data."""
         self._epoch()
-        self._call(self.store.set, _P + f"leaving/{self.member}", "1")
-        self._call(self.store.add, _P + "leaving", 1)
+        self._call(self.store.set, MEMBERS_PREFIX + f"leaving/{self.member}", "1")
+        self._call(self.store.add, MEMBERS_PREFIX + "leaving", 1)
 
     def _change(self, leavers: set[str], start: float) -> None:
         """A poll decided a new epoch: joiners admitted, ``leavers`` gone (this one too?)."""
@@ -360,7 +362,7 @@ class Membership(StepCommits, EpochChanges):
         members) or ``"join"``: a new epoch, for joiners or for the members leaving
         (returned); the voter completing the count also sets the next poll's step."""
         epoch = self._epoch()
-        key = _P + f"e{epoch.number}/s{s}"
+        key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
         value = None
         if self._call(self.store.add, key, 1) == epoch.world:
             if s >= self._poll_at:  # a poll: joiners, leavers, the next poll's step
@@ -373,7 +375,7 @@ class Membership(StepCommits, EpochChanges):
             written = self._call(self.store.compare_set, key + "/done", "", mine)
             value = mine if (written.decode() if isinstance(written, bytes) else written) == mine else None
             if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
-                old = _P + f"e{epoch.number}/s{self._polled[1]}"
+                old = MEMBERS_PREFIX + f"e{epoch.number}/s{self._polled[1]}"
                 for k in (old, old + "/done"):  # off the step's path (the next request queues behind)
                     self._caller.submit(self.store.delete_key, k)
         self._polled = (epoch.number, s)
@@ -390,19 +392,19 @@ class Membership(StepCommits, EpochChanges):
     def _leavers(self) -> list[str]:
         """The members that asked to leave (:meth:`leave`), looked for when the count of
         such requests changed since this member last looked."""
-        asked = int(self._call(self.store.add, _P + "leaving", 0))
+        asked = int(self._call(self.store.add, MEMBERS_PREFIX + "leaving", 0))
         if asked == self._leaves_seen:
             return []
         self._leaves_seen = asked
-        return [m for m in self._epoch().members if self._call(self.store.check, [_P + f"leaving/{m}"])]
+        return [m for m in self._epoch().members if self._call(self.store.check, [MEMBERS_PREFIX + f"leaving/{m}"])]
 
     def _joiners_waiting(self) -> bool:
         """Whether a process waits to join with this layout; one with another layout is
         refused here, so the members never leave their epoch for it."""
         epoch, mine = self._epoch(), None
         waiting = False
-        for t in range(epoch.admitted + 1, int(self._call(self.store.add, _P + "tickets", 0)) + 1):
-            if t in self._refused or self._call(self.store.check, [_P + f"admit/{t}"]):
+        for t in range(epoch.admitted + 1, int(self._call(self.store.add, MEMBERS_PREFIX + "tickets", 0)) + 1):
+            if t in self._refused or self._call(self.store.check, [MEMBERS_PREFIX + f"admit/{t}"]):
                 continue
             mine = mine or self._fingerprint()
             bad = self._differs(self._ticket(t)["print"], mine)
@@ -410,7 +412,7 @@ class Membership(StepCommits, EpochChanges):
                 waiting = True
             else:
                 self._refused.add(t)
-                self._call(self.store.set, _P + f"admit/{t}", f"refused: {bad}")
+                self._call(self.store.set, MEMBERS_PREFIX + f"admit/{t}", f"refused: {bad}")
         return waiting
 
     def _await_decision(self, done: str) -> tuple[str, set[str]]:
@@ -419,7 +421,7 @@ class Membership(StepCommits, EpochChanges):
         host and has exited (looked at every :data:`~fastreduce.presence.EXIT_CHECK_S`: a
         member that died after the step's collectives, before its vote)."""
         epoch = self._epoch()
-        beat, window = faults._beat, faults.lost_after()
+        beat, window = faults_heartbeat.heartbeat_now(), faults.lost_after()
         if beat is not None and not beat.current():
             beat = None  # an earlier epoch's
         every = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
@@ -435,7 +437,7 @@ class Membership(StepCommits, EpochChanges):
         while not finished.wait(slice_s):
             if beat is None or silent:
                 continue
-            try:  # the watched members' (faults.WATCHED_SUCCESSORS): a member lost elsewhere
+            try:  # the watched members' (faults_heartbeat.WATCHED_SUCCESSORS): a member lost elsewhere
                 # is seen by its own watchers, whose "abort" wakes this get
                 if time.monotonic() - read_at >= every:
                     read_at = time.monotonic()
@@ -457,7 +459,7 @@ class Membership(StepCommits, EpochChanges):
         epoch = self._epoch()
         if isinstance(err, RankLostError):
             return {epoch.members[r] for r in err.ranks if r < epoch.world}
-        if not faults.is_transport_failure(err):
+        if not faults_errors.is_transport_failure(err):
             return None
         exited = Watch(self.store, self._call, [m for m in epoch.members if m != self.member]).exited()
         if exited:
@@ -477,7 +479,7 @@ class Membership(StepCommits, EpochChanges):
     def _abort_step(self) -> None:
         """Wake the members waiting in this step's vote: the step is aborted."""
         epoch = self._epoch()
-        self._call(self.store.compare_set, _P + f"e{epoch.number}/s{self.step}/done", "", "abort")
+        self._call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/s{self.step}/done", "", "abort")
 
     def close(self) -> None:
         """Leave: take the mode's hooks off, stop fastreduce's background threads

@@ -13,7 +13,7 @@ So a member shows it lives at the coordinator from the moment it takes a ticket 
 an epoch until it has entered the next one and every member of that epoch has reached its
 first step (:meth:`Pulse.up`, :meth:`Pulse.down`): a thread of its own, on a connection of
 its own, adds 1 to ``pulse/<member>`` every heartbeat, and ``who/<member>`` names its
-process (host, pid, namespaces, start time: :func:`fastreduce.faults._identity`). A
+process (host, pid, namespaces, start time: :func:`fastreduce.process_identity.identity`). A
 :class:`Watch` reads them while its member waits for the others (to enter the epoch, or to
 reach its first step): a member whose process ran on this host and has exited is lost at
 once (a crash, an OOM kill: what the shared-memory transport sees through pids), one whose
@@ -29,8 +29,10 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import fastreduce.faults as faults
+import fastreduce.faults_heartbeat as faults_heartbeat
+import fastreduce.process_identity as process_identity
 
-from .coordinator import _P
+from .coordinator import MEMBERS_PREFIX
 from .faults import exited_here
 from .lifecycle import disown, own
 
@@ -42,11 +44,11 @@ exited (a read of ``/proc/<pid>/stat`` each)."""
 
 
 def _pulse_key(member: str) -> str:
-    return _P + f"pulse/{member}"
+    return MEMBERS_PREFIX + f"pulse/{member}"
 
 
 def _who_key(member: str) -> str:
-    return _P + f"who/{member}"
+    return MEMBERS_PREFIX + f"who/{member}"
 
 
 class Pulse:
@@ -69,7 +71,7 @@ class Pulse:
             if self._thread is not None and self._thread.is_alive():
                 return
             if not self._said:
-                self.call(self.store.set, _who_key(self.member), faults._identity())
+                self.call(self.store.set, _who_key(self.member), process_identity.identity())
                 self._said = True
             self.call(self.store.add, _pulse_key(self.member), 1)
             self._stopping = threading.Event()
@@ -116,7 +118,7 @@ class Watch:
 
     def __init__(self, store: Any, call: Callable[..., Any], members: list[str]):
         self.store, self.call, self.members = store, call, list(members)
-        self.me = faults._identity()
+        self.me = process_identity.identity()
         self.window = faults.lost_after()
         self.every = min(faults.heartbeat_interval() or 0.25, 0.25)  # between two reads of the pulses
         self.seen: dict[str, tuple[int, float]] = {}  # member -> (pulse, when it last moved)
@@ -145,7 +147,7 @@ class Watch:
         for m, (_, since) in self.seen.items():
             quiet = now - since
             if quiet >= self.window and (quiet >= faults.LOCAL_GRACE * self.window
-                                         or not faults._running_here(self.records.get(m, ""), self.me)):
+                                         or not process_identity.running_here(self.records.get(m, ""), self.me)):
                 gone.add(m)
         return gone
 
@@ -155,7 +157,7 @@ class Watch:
             return
         keys = [_who_key(m) for m in missing]
         if self.call(self.store.check, keys):
-            self.records.update(zip(missing, (v.decode() for v in self.call(faults.read_all, self.store, keys))))
+            self.records.update(zip(missing, (v.decode() for v in self.call(faults_heartbeat.read_all, self.store, keys))))
         else:  # (a member that never beat: its pulse reads 0 below and stands still)
             for m, k in zip(missing, keys):
                 if self.call(self.store.check, [k]):
@@ -169,5 +171,5 @@ def pulses(store: Any, call: Callable[..., Any], members: list[str]) -> dict[str
     """Each member's pulse count (0 where it never beat): one request where all have beaten."""
     keys = [_pulse_key(m) for m in members]
     if keys and call(store.check, keys):
-        return dict(zip(members, (int(v) for v in call(faults.read_all, store, keys))))
+        return dict(zip(members, (int(v) for v in call(faults_heartbeat.read_all, store, keys))))
     return {m: int(call(store.add, k, 0)) for m, k in zip(members, keys)}

@@ -329,9 +329,9 @@ def damaged(rank: int, root: str, kind: str, how: str) -> dict[str, Any]:
     name = damage(f"{d}/step-00000004", how) if rank == 0 else None
     box = [name]
     dist.broadcast_object_list(box, src=0)
-    inspect = checkpoint._inspect
+    inspect = checkpoint.inspect_folder
     if how == "unchecked":  # let DCP itself meet the damage: the staging must hold
-        checkpoint._inspect = lambda path: (inspect(path)[0], [])
+        checkpoint.inspect_folder = lambda path: (inspect(path)[0], [])
     try:
         try:
             ckpt.load(4)
@@ -348,7 +348,7 @@ def damaged(rank: int, root: str, kind: str, how: str) -> dict[str, Any]:
         finally:
             logging.getLogger("fastreduce.checkpoint").removeHandler(handler)
     finally:
-        checkpoint._inspect = inspect
+        checkpoint.inspect_folder = inspect
     return {"file": box[0], "raised": raised, "unchanged": _identical(before, after_failed),
             "step": step, "restored": _identical(at_2, whole_state(ckpt)), "warnings": warnings}
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fastreduce
+from fastreduce import faults_watchdog, process_identity
 from fastreduce.launch import free_port, rank_context
 
 from models import batch_for, linear_stack, loss_of
@@ -421,46 +422,44 @@ def test_a_starved_rank_on_this_host_is_not_called_lost() -> None:
 
 
 def test_a_process_is_running_here_until_it_stops_or_dies() -> None:
-    """The watchdog's check of a silent peer on this host (faults._running_here): a live child
+    """The watchdog's check of a silent peer on this host (process_identity.running_here): a live child
     is running; stopped (SIGSTOP), a zombie, reaped, another process at that pid, or a record
     from another host or namespace, it is not."""
-    from fastreduce import faults
-    mine = faults._identity().split()
+    mine = process_identity.identity().split()
     child = subprocess.Popen(["sleep", "30"])
     try:
-        record = " ".join([mine[0], str(child.pid), *mine[2:4], faults._stat(child.pid)[19]])
-        assert faults._running_here(record)
-        assert not faults._running_here(record.replace(mine[0], mine[0] + "-elsewhere", 1))
-        assert not faults._running_here(" ".join(record.split()[:4] + ["1"]))  # the pid reused
-        assert not faults._running_here(f"{mine[0]} {child.pid}")  # an older record: no namespaces
+        record = " ".join([mine[0], str(child.pid), *mine[2:4], process_identity.proc_stat(child.pid)[19]])
+        assert process_identity.running_here(record)
+        assert not process_identity.running_here(record.replace(mine[0], mine[0] + "-elsewhere", 1))
+        assert not process_identity.running_here(" ".join(record.split()[:4] + ["1"]))  # the pid reused
+        assert not process_identity.running_here(f"{mine[0]} {child.pid}")  # an older record: no namespaces
         os.kill(child.pid, signal.SIGSTOP)
         time.sleep(0.2)
-        assert not faults._running_here(record)
+        assert not process_identity.running_here(record)
         os.kill(child.pid, signal.SIGCONT)
         time.sleep(0.2)
-        assert faults._running_here(record)
+        assert process_identity.running_here(record)
         child.kill()
         time.sleep(0.2)
-        assert not faults._running_here(record)  # a zombie
+        assert not process_identity.running_here(record)  # a zombie
     finally:
         child.kill()
         child.wait()
-    assert not faults._running_here(record)
+    assert not process_identity.running_here(record)
 
 
 def test_a_store_is_served_here_where_its_address_is_this_hosts() -> None:
-    """faults._served_here, which gives a store on this host LOCAL_GRACE windows to answer:
+    """process_identity.served_here, which gives a store on this host LOCAL_GRACE windows to answer:
     a real TCPStore on loopback, and a PrefixStore over it, are; an address no interface of
     this network namespace has (TEST-NET-1), a name that does not resolve, or no address, not."""
     from types import SimpleNamespace
 
-    from fastreduce import faults
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
-    assert faults._served_here(store) and faults._served_here(dist.PrefixStore("p/", store))
-    assert faults._served_here(dist.PrefixStore("q/", dist.PrefixStore("p/", store.clone())))
-    assert not faults._served_here(SimpleNamespace(host="192.0.2.1"))
-    assert not faults._served_here(SimpleNamespace(host="no-such-host.invalid"))
-    assert not faults._served_here(SimpleNamespace(host=None)) and not faults._served_here(object())
+    assert process_identity.served_here(store) and process_identity.served_here(dist.PrefixStore("p/", store))
+    assert process_identity.served_here(dist.PrefixStore("q/", dist.PrefixStore("p/", store.clone())))
+    assert not process_identity.served_here(SimpleNamespace(host="192.0.2.1"))
+    assert not process_identity.served_here(SimpleNamespace(host="no-such-host.invalid"))
+    assert not process_identity.served_here(SimpleNamespace(host=None)) and not process_identity.served_here(object())
 
 
 # ============================================================== in one process
@@ -496,13 +495,11 @@ def test_abandoned_groups_leave_their_waiter_thread_and_later_waits_get_a_new_on
     once free."""
     import threading
 
-    from fastreduce import faults
-
-    stuck, old = threading.Event(), faults._waiter()
+    stuck, old = threading.Event(), faults_watchdog.waiter()
     first_done = old.submit(stuck.wait)  # a work on a peer that went silent
     time.sleep(0.05)
-    faults._abandon_groups()
-    new = faults._waiter()
+    faults_watchdog.abandon_groups()
+    new = faults_watchdog.waiter()
     assert new is not old
     done, _ = new.submit(lambda: None)
     assert done.wait(5), "a wait of the next group queued behind the abandoned one"

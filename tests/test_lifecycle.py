@@ -41,7 +41,8 @@ def _threads() -> list[str]:
 
 def _shutdown_and_again(rank: int, world: int) -> dict:
     import fastreduce
-    from fastreduce.faults import _KEY, _default_store
+    from fastreduce.faults_heartbeat import STORE_PREFIX
+    from fastreduce.torch_internals import default_store
 
     model = torch.nn.Linear(64, 8)
     torch.manual_seed(rank)
@@ -68,7 +69,7 @@ def _shutdown_and_again(rank: int, world: int) -> dict:
     dist.barrier()
     if rank == 1:
         fastreduce.shutdown()
-        out["counter"] = int(_default_store().add(f"{_KEY}heartbeat/1", 0))
+        out["counter"] = int(default_store().add(f"{STORE_PREFIX}heartbeat/1", 0))
         time.sleep(3.6)
     t = torch.ones(1)
     all_reduce_watched(t)

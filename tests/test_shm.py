@@ -694,7 +694,7 @@ def _header(pids: list[int]) -> torch.Tensor:
     header = torch.zeros(fastreduce.comm.shm._header_bytes(len(pids)), dtype=torch.uint8)
     lines = header.view(torch.int64).view(-1, 8)
     for k, pid in enumerate(pids):
-        lines[k, 1], lines[k, 2] = pid, fastreduce.comm.shm._pid_namespace()
+        lines[k, 1], lines[k, 2] = pid, fastreduce.comm.shm.pid_namespace()
     return header
 
 
@@ -703,7 +703,7 @@ def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
     few seconds, not a wait until the (here 60 s) timeout."""
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: the pid names no process now
-    barrier = fastreduce.comm.shm._FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
+    barrier = fastreduce.comm.shm.FlagBarrier(_header([os.getpid(), gone.pid]), 0, 2, timeout=60.0)
     t0 = time.monotonic()
     with pytest.raises(fastreduce.RankLostError, match=r"rank 1 \(pid \d+ on host .*was lost.*exited") as err:
         barrier()
@@ -715,7 +715,7 @@ def test_flag_barrier_raises_soon_when_a_rank_has_exited() -> None:
 
 def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:
     """Rank 1 is alive (this very process) but never arrives: the timeout, with a message."""
-    barrier = fastreduce.comm.shm._FlagBarrier(_header([os.getpid(), os.getpid()]), 0, 2, timeout=0.5)
+    barrier = fastreduce.comm.shm.FlagBarrier(_header([os.getpid(), os.getpid()]), 0, 2, timeout=0.5)
     with pytest.raises(RuntimeError, match="did not reach the shared-memory barrier within 0.5 s"):
         barrier()
 
@@ -723,7 +723,7 @@ def test_flag_barrier_times_out_on_a_live_rank_that_never_arrives() -> None:
 def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
     """Counts at or past this barrier's number let it through at once."""
     header = _header([os.getpid(), os.getpid()])
-    barrier = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    barrier = fastreduce.comm.shm.FlagBarrier(header, 0, 2, timeout=5.0)
     header.view(torch.int64).view(-1, 8)[1, 0] = 2  # rank 1 is already one barrier ahead
     barrier()
     barrier()
@@ -733,8 +733,8 @@ def test_flag_barrier_passes_once_every_rank_has_arrived() -> None:
 def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
     """A rank whose job failed marks its count; a rank waiting for it raises at once."""
     header = _header([os.getpid(), os.getpid()])
-    peer = fastreduce.comm.shm._FlagBarrier(header, 1, 2, timeout=5.0)
-    barrier = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=5.0)
+    peer = fastreduce.comm.shm.FlagBarrier(header, 1, 2, timeout=5.0)
+    barrier = fastreduce.comm.shm.FlagBarrier(header, 0, 2, timeout=5.0)
     peer.fail()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*failed"):
         barrier()
@@ -748,11 +748,11 @@ def test_flag_barrier_raises_when_a_rank_reports_failure() -> None:
 def _earlier_groups_barrier(rank: int, world: int, port: int) -> dict:
     """A barrier of this group (its rank 1's process exited) fails after the next group
     (a Membership's next epoch, on a store of its own) started its heartbeat."""
-    from fastreduce import faults
+    from fastreduce import faults, faults_heartbeat
 
     faults.start_heartbeat()
     header = _header([os.getpid(), _dead_pid()])  # this rank's own segment: its rank 1 is gone
-    old = fastreduce.comm.shm._FlagBarrier(header, 0, 2, timeout=30.0)
+    old = fastreduce.comm.shm.FlagBarrier(header, 0, 2, timeout=30.0)
     dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -762,7 +762,7 @@ def _earlier_groups_barrier(rank: int, world: int, port: int) -> dict:
         raised = None
     except fastreduce.RankLostError as err:
         raised = err.ranks
-    lost = sorted(faults._beat.lost)
+    lost = sorted(faults_heartbeat.heartbeat_now().lost)
     t = torch.ones(1)
     faults.all_reduce_watched(t)  # a known loss of this group would abandon it at once
     return {"raised": raised, "lost": lost, "sum": t.item()}
@@ -793,18 +793,18 @@ def test_a_survivor_that_raised_and_exited_is_not_named_lost(survivor_told: bool
     finds both processes gone. With rank 2's word in the segment it names rank 1 alone
     (the race seen under load: "ranks 1, 2 of 3 were lost"); without a word, every
     exited rank is named, as before."""
-    from fastreduce.comm.shm import _LINE, _FlagBarrier, _pid_namespace
+    from fastreduce.comm.shm import LINE, FlagBarrier, pid_namespace
     from fastreduce.faults import RankLostError
 
     world = 3
-    header = torch.zeros(world * _LINE // 8, dtype=torch.int64)
-    lines = header.view(world, _LINE // 8)
+    header = torch.zeros(world * LINE // 8, dtype=torch.int64)
+    lines = header.view(world, LINE // 8)
     for k, pid in enumerate((os.getpid(), _dead_pid(), _dead_pid())):
-        lines[k, 1], lines[k, 2] = pid, _pid_namespace()
+        lines[k, 1], lines[k, 2] = pid, pid_namespace()
     lines[2, 0] = -1  # rank 2 failed ...
     if survivor_told:
         lines[2, 3] = 1 << 1  # ... because rank 1 exited
-    barrier = _FlagBarrier(header.view(torch.uint8), 0, world, timeout=10.0, ranks=[0, 1, 2])
+    barrier = FlagBarrier(header.view(torch.uint8), 0, world, timeout=10.0, ranks=[0, 1, 2])
     with pytest.raises(RankLostError) as e:
         barrier()
     assert e.value.ranks == ([1] if survivor_told else [1, 2]), str(e.value)

@@ -17,7 +17,9 @@ import pytest
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_diagnosis as faults_diagnosis
 import fastreduce.faults_heartbeat as faults_heartbeat
+import fastreduce.faults_watchdog as faults_watchdog
 from fastreduce.bench import store as bench
 from fastreduce.launch import run_ranks
 
@@ -49,7 +51,7 @@ def _requests(beat: object, log: _ByThread) -> tuple[set, list]:
 def _both(rank: int, world: int) -> dict:
     faults.start_heartbeat()
     dist.barrier()  # every rank's counter made (a read before a peer's start finds its key missing, and makes it)
-    real = faults._beat
+    real = faults_heartbeat.heartbeat_now()
     log = _ByThread()
     real.store = bench.Counted(real.store, log)
     got = {"real": _requests(real, log), "real_beats": len(real.store.beats)}
@@ -127,7 +129,7 @@ def test_config_is_checked() -> None:
 
 def _on_this_host(beats: list) -> list:
     """The simulated heartbeats with the deadline the library gives a store served on this
-    host (``faults._served_here``: ``LOCAL_GRACE`` windows), as this one is: the bench's
+    host (``process_identity.served_here``: ``LOCAL_GRACE`` windows), as this one is: the bench's
     default (one window, a store elsewhere) failed a read of 64 ranks' watchdogs in one
     process under CI's load ("the job's c10d store has not answered for 1 s")."""
     for b in beats:
@@ -137,7 +139,7 @@ def _on_this_host(beats: list) -> list:
 
 def _watch_until_lost(beat: object, out: dict, done: threading.Event) -> None:
     try:
-        faults._watch(beat, done)
+        faults_watchdog.watch_heartbeats(beat, done)
     except faults.TransportError as err:
         out[beat.rank] = (time.monotonic(), sorted(beat.lost), str(err))
 
@@ -162,7 +164,7 @@ def test_at_a_large_world_each_rank_reads_its_successors_and_a_stopped_rank_is_n
     tick) and the others read the verdict within a tick more: window + 3 ticks after the stop
     (plus slack for this loaded host)."""
     n, k, beat_s, window, victim = 64, 8, 0.25, 1.0, 37
-    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where _Heartbeat.watched() reads it
+    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where Heartbeat.watched() reads it
     monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
@@ -216,7 +218,7 @@ def test_at_a_large_world_a_diagnosis_names_every_rank_lost_at_once(monkeypatch:
     them, of all nine)."""
     n, k, beat_s, window = 64, 8, 0.25, 1.0
     lost = [*range(10, 18), 40]
-    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where _Heartbeat.watched() reads it
+    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", k)  # where Heartbeat.watched() reads it
     monkeypatch.setenv(faults.LOST_AFTER_ENV, str(window))
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
@@ -229,7 +231,7 @@ def test_at_a_large_world_a_diagnosis_names_every_rank_lost_at_once(monkeypatch:
 
     def diagnose(b: object) -> None:
         failed.wait()
-        out[b.rank] = faults._diagnose(b, window)
+        out[b.rank] = faults_diagnosis._diagnose(b, window)
 
     try:
         for b in beats:

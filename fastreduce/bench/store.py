@@ -14,8 +14,8 @@ sees, replaying the library's own code, never a copy of its request pattern:
 * **synthetic** (:func:`run_synthetic`): one ``TCPStore`` server in a process of its own,
   ``n`` clients (64, 256, 1,024) spread over ``procs`` processes, one ``TCPStore`` client
   (connection) per simulated rank, as each rank's heartbeat has. Each client runs the real
-  ``_Heartbeat._run`` loop (:mod:`fastreduce.faults`) on a :class:`Counted` connection, and
-  per scenario (:data:`SCENARIOS`) also the real watchdog loop (``faults._watch``: the
+  ``Heartbeat._run`` loop (:mod:`fastreduce.faults`) on a :class:`Counted` connection, and
+  per scenario (:data:`SCENARIOS`) also the real watchdog loop (``faults_watchdog.watch_heartbeats``: the
   reads of every counter and of the published verdict, with the real loss decision) or
   the real per-step vote (``Membership._vote``: the step's counter, the decision written
   by the voter that completes it, the others' waiting get), or the real gathering of the
@@ -55,6 +55,8 @@ from typing import Any
 import torch.distributed as dist
 
 import fastreduce.faults as faults
+import fastreduce.faults_heartbeat as faults_heartbeat
+import fastreduce.faults_watchdog as faults_watchdog
 from fastreduce import membership
 from fastreduce.coordinator import Epoch
 from fastreduce.launch import rank_context, run_ranks
@@ -79,8 +81,8 @@ last survivor's announcement until it knew every survivor had announced."""
 REQUESTS = frozenset({"add", "set", "get", "check", "multi_get", "multi_set", "compare_set", "delete_key",
                       "wait", "num_keys"})
 """The store methods that are requests to the server (the rest are local: ``clone``, ``set_timeout``)."""
-_LOST_KEY = faults._KEY + "lost"
-_BEAT_KEY = faults._KEY + "heartbeat/"
+_LOST_KEY = faults_heartbeat.STORE_PREFIX + "lost"
+_BEAT_KEY = faults_heartbeat.STORE_PREFIX + "heartbeat/"
 
 
 @dataclass(kw_only=True)
@@ -167,19 +169,19 @@ class Counted:
 # ---------------------------------------------------------------- one simulated rank
 
 def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
-    """A ``faults._Heartbeat`` over ``store`` for ``rank`` of ``world`` (its thread not
-    started), registered in the store as ``_Heartbeat.__init__`` registers a rank. It counts
+    """A ``faults_heartbeat.Heartbeat`` over ``store`` for ``rank`` of ``world`` (its thread not
+    started), registered in the store as ``Heartbeat.__init__`` registers a rank. It counts
     as current whatever this process's default group (none in the bench's client
     processes), so its real ``_run`` loop beats until the store raises."""
-    beat = object.__new__(faults._Heartbeat)
+    beat = object.__new__(faults_heartbeat.Heartbeat)
     beat.interval, beat.rank, beat.world = interval, rank, world
     beat.current = lambda: True
     beat.name, beat._stopping = "bench-heartbeat", threading.Event()  # as __init__ sets them
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
-    beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (faults._running_here)
-    beat.store_windows = 1  # a read's deadline as on a host other than the store's (faults._served_here)
-    store.set(f"{faults._KEY}host/{rank}", beat.me)
-    store.add(f"{faults._KEY}heartbeat/{rank}", 1)
+    beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (process_identity.running_here)
+    beat.store_windows = 1  # a read's deadline as on a host other than the store's (process_identity.served_here)
+    store.set(f"{faults_heartbeat.STORE_PREFIX}host/{rank}", beat.me)
+    store.add(f"{faults_heartbeat.STORE_PREFIX}heartbeat/{rank}", 1)
     return beat
 
 
@@ -236,11 +238,11 @@ class _Stoppable(Counted):
 
 
 def _watcher(beat: Any, done: threading.Event, out: dict[str, list]) -> None:
-    """The real watchdog (``faults._watch``) until ``done``; a loss it names or a store it
+    """The real watchdog (``faults_watchdog.watch_heartbeats``) until ``done``; a loss it names or a store it
     finds silent is recorded, forgotten, and the watch starts again."""
     while not done.is_set():
         try:
-            faults._watch(beat, done)
+            faults_watchdog.watch_heartbeats(beat, done)
         except faults.TransportError as err:
             out["false_losses"].append((time.monotonic(), beat.rank, str(err)[:160]))
             beat.lost.clear()
@@ -470,7 +472,7 @@ def _real_rank(rank: int, world: int, seconds: float) -> dict[str, Any]:
     import torch
 
     faults.start_heartbeat()
-    beat = faults._beat
+    beat = faults_heartbeat.heartbeat_now()
     log: list[tuple[str, int, float, float]] = []
     beat.store = Counted(beat.store, log)  # its loop and its reads look it up at every request
     dist.barrier()

@@ -26,7 +26,7 @@ divided once by W (:func:`weighted_sum`). At W=2 that is
 ``fl(a + b) / 2``, what an averaging all-reduce over Gloo gives, bit for bit. The jobs run on one worker thread
 per process group, so a launch from a backward hook returns at once and every rank
 runs the jobs in launch order. The barriers are counters in the segment's first page
-(x86-64; see :class:`_FlagBarrier`), elsewhere one-element all-reduces on a Gloo
+(x86-64; see :class:`FlagBarrier`), elsewhere one-element all-reduces on a Gloo
 group of fastreduce's own.
 
 The segment is unlinked as soon as every rank has mapped it, so nothing is left in
@@ -51,14 +51,14 @@ import torch
 import torch.distributed as dist
 
 from ..faults import RankLostError, TransportError, group_timeout
-from .shm_sync import _LINE, _FlagBarrier, _channel, _pid_namespace
+from .shm_sync import LINE, FlagBarrier, channel_of, pid_namespace
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "sum_order", "weighted_sum"]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_PAGE = 4096
+PAGE = 4096
 FLAG_BARRIERS = platform.machine().lower() in ("x86_64", "amd64")
 """Barriers through the segment (x86-64: total store order), else through Gloo."""
 _ALIGN = 64  # chunk edges fall on multiples of 64 elements: no two ranks share a cache line
@@ -228,10 +228,10 @@ def _bounds(n: int, world: int) -> list[int]:
 
 def _header_bytes(world: int) -> int:
     """The segment's head: one cache line of barrier count per rank, page-aligned."""
-    return _ceil(world * _LINE, _PAGE)
+    return _ceil(world * LINE, PAGE)
 
 
-def _create(size: int) -> tuple[str | None, str | None]:
+def create_segment(size: int) -> tuple[str | None, str | None]:
     """Rank 0: a new, fully allocated segment file; (path, None) or (None, why not)."""
     if not os.path.isdir(SHM_DIR):
         return None, f"{SHM_DIR} does not exist"
@@ -262,14 +262,14 @@ class ShmAllReduce:
     def __init__(self, group: dist.ProcessGroup | None, segment: mmap.mmap, region_bytes: int):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.channel = _channel(group)
+        self.channel = channel_of(group)
         header = _header_bytes(self.world)
         # One storage per region (each keeps the mapping alive): a tensor viewing this
         # rank's region, e.g. a parameter, saves with torch.save as that region alone.
         self.regions = [torch.frombuffer(segment, dtype=torch.uint8, count=region_bytes,
                                          offset=header + k * region_bytes) for k in range(self.world)]
         head = torch.frombuffer(segment, dtype=torch.uint8, count=header)
-        self.barrier = (_FlagBarrier(head, self.rank, self.world, group_timeout(group),
+        self.barrier = (FlagBarrier(head, self.rank, self.world, group_timeout(group),
                                      dist.get_process_group_ranks(group or dist.group.WORLD))
                         if FLAG_BARRIERS else self.channel.barrier)
         self.region_bytes = region_bytes
@@ -286,9 +286,9 @@ class ShmAllReduce:
         Collective over ``group``. With ``required=True`` the reason is raised instead.
         """
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        region_bytes = _ceil(max(nbytes, 1), _PAGE)
+        region_bytes = _ceil(max(nbytes, 1), PAGE)
         size = _header_bytes(world) + region_bytes * world
-        box: list[str | None] = list(_create(size)) if rank == 0 else [None, None]
+        box: list[str | None] = list(create_segment(size)) if rank == 0 else [None, None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         path, why = box
         segment = None
@@ -299,8 +299,8 @@ class ShmAllReduce:
                     segment = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
-                # who I am, for the barriers' check on exited ranks (_FlagBarrier._check)
-                struct.pack_into("qq", segment, rank * _LINE + 8, os.getpid(), _pid_namespace())
+                # who I am, for the barriers' check on exited ranks (FlagBarrier._check)
+                struct.pack_into("qq", segment, rank * LINE + 8, os.getpid(), pid_namespace())
             except OSError as err:
                 why = f"rank {rank} cannot map {path}: {err.strerror}"
         ok = torch.tensor([segment is not None], dtype=torch.int32)

@@ -18,14 +18,14 @@ from ..faults import RankLostError, TransportError, group_token, note_lost
 from ..lifecycle import Worker
 from ..profiling import span
 
-_LINE = 64
+LINE = 64
 EXITED_CHECK_S = 0.05
 """How often a rank waiting at a shared-memory barrier looks whether another has exited (a
 read of ``/proc/<pid>/stat`` per rank): a lost peer fails the wait within this, wherever in
 its wait the waiter was when the peer died."""
 
 
-class _FlagBarrier:
+class FlagBarrier:
     """A barrier through the segment itself: each rank stores how many barriers it has
     reached in a cache line of its own and polls the others'. Microseconds when the
     ranks arrive together, against a Gloo round trip per barrier; while it waits it
@@ -48,7 +48,7 @@ class _FlagBarrier:
 
     def __init__(self, header: torch.Tensor, rank: int, world: int, timeout: float,
                  ranks: Sequence[int] | None = None):
-        lines = header.view(torch.int64).view(-1, _LINE // 8)[:world]  # [count, pid, pid ns, lost]
+        lines = header.view(torch.int64).view(-1, LINE // 8)[:world]  # [count, pid, pid ns, lost]
         self.flags, self.pids, self.pidns, self.verdicts = lines[:, 0], lines[:, 1], lines[:, 2], lines[:, 3]
         self.rank = rank
         self.mine = lines[rank, 0:1]
@@ -132,7 +132,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -185,7 +185,7 @@ class _Channel:
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _channel(group: dist.ProcessGroup | None) -> _Channel:
+def channel_of(group: dist.ProcessGroup | None) -> _Channel:
     pg = group or dist.group.WORLD
     ch = _channels.get(pg)
     if ch is None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buffer import _view
+from ..buffer import slot_view
 from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
@@ -180,7 +180,7 @@ class DiLoCo(LocalUpdates):
         self._outer_views: list[list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]] = []
         for k, segs in enumerate(self._frag_segments):
             homes = self._scratch_of(k, self._spare) if self._spare else [self._flats[j] for j in segs]
-            self._outer_views.append([(s.param, None if on_cpu else _view(self._anchor[j], s), _view(home, s))
+            self._outer_views.append([(s.param, None if on_cpu else slot_view(self._anchor[j], s), slot_view(home, s))
                                       for j, home in zip(segs, homes) for s in self.layout.segments[j].slots])
         self._apply_at = [((k + 1) * H // F) % H for k in range(F)]
         if self.rank == 0:

@@ -58,7 +58,7 @@ from ..torch_internals import at_backward_end, in_backward
 from .comm_stats import CommStats
 from .gossip_average import GossipAverage
 from .gossip_buckets import GossipBuckets
-from .gossip_state import _DONE, GossipState
+from .gossip_state import DONE, GossipState
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
@@ -373,12 +373,12 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
             row, col, _, _ = self.comm.rows_of(matrix)  # read once per matrix, not per bucket and step
             self._exchanges[b] = self._qmix[b].start(flat, mixed, row, col)
             self.stats.wire_bytes += self._qmix[b].wire_bytes
-            return _DONE
+            return DONE
         send = self._sends[b] if self._sends is not None else flat  # (the block itself)
         pack = None if send is flat else partial(send.copy_, flat)
         self._exchanges[b] = self.comm.mix(send, mixed, matrix, pack)
         self.stats.wire_bytes += send.nbytes
-        return _DONE
+        return DONE
 
     def _swap(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply bucket ``b``'s mix: its parameters become views of the mixed block, and
@@ -446,10 +446,10 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
         if not self._built:
             return
         for b, pending in enumerate(self._exchanges):
-            if pending is not None and pending is not _DONE:
+            if pending is not None and pending is not DONE:
                 with self.stats.waiting():
                     complete(pending)
-                self._exchanges[b] = _DONE
+                self._exchanges[b] = DONE
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """What global_avg averages: the flat parameter blocks (or the parameters, before

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ..buckets import Bucket, OverlapSchedule
-from ..buffer import _view, params_as_views
+from ..buffer import slot_view, params_as_views
 from ..comm import Pending
 from ..comm.quantized import QuantMix
 from ..hooks import remove_hooks
@@ -63,7 +63,7 @@ class GossipBuckets:
         self._mixed = self._blocks_like([f.dtype for f in self._flats], alloc)
         # Per bucket, each parameter's view of either block: the mix lands in the block
         # the parameters do not use, and applying it swaps the two (no copy).
-        self._views = [[(s.param, _view(f, s), _view(m, s)) for s in seg.slots]
+        self._views = [[(s.param, slot_view(f, s), slot_view(m, s)) for s in seg.slots]
                        for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
         sends = self._flats if in_place or quant else self._blocks_like([self.wire_dtype] * len(self._flats),
                                                                        self.comm.buffer)

@@ -13,7 +13,7 @@ from ..comm import Pending
 
 __all__ = ["GossipState"]
 
-_DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
+DONE: Pending = (None, None)  # an exchange whose result is already in the mixed block
 
 
 class GossipState:
@@ -90,7 +90,7 @@ class GossipState:
             with torch.no_grad():
                 for b, (m, pending) in enumerate(zip(state_dict["mixed"], state_dict["pending"])):
                     self._mixed[b].copy_(m)
-                    self._exchanges[b] = _DONE if pending else None
+                    self._exchanges[b] = DONE if pending else None
             for q, c in zip(self._qmix or (), state_dict.get("public_copies") or ()):
                 q.load_state_dict(c)
         if self.scaler is not None and "scaler" in state_dict:

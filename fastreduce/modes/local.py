@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buffer import TensorBlock, _view, params_as_views
+from ..buffer import TensorBlock, slot_view, params_as_views
 from ..codecs.quant import BlockQuant
 from ..codecs.sparse import SparseLoCo, SparseState
 from ..comm import Comm, Pending, advance, complete, get_comm
@@ -430,7 +430,7 @@ class LocalUpdates(LocalState, JoinableMode):
                         type(self).__name__)
             return False
         slots = [(j, slot) for j in self._frag_segments[k] for slot in self.layout.segments[j].slots]
-        i = first_nonfinite([_view(self._wire[j], slot) for j, slot in slots])
+        i = first_nonfinite([slot_view(self._wire[j], slot) for j, slot in slots])
         raise nonfinite_error("the averaged pseudo-gradients (anchor - x)", None if i is None else slots[i][1].name,
                               "the sync is lost on every rank: the fragment's parameters are reset to the last "
                               "synced ones, the outer optimizer did not step.")

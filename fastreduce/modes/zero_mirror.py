@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..comm import complete
 from .zero_pieces import ShardOptimizer
-from .zero_state import _MASTER
+from .zero_state import MASTER_KEY
 
 __all__ = ["ShardsLost", "ZeroMirror", "held", "reshard"]
 
@@ -116,10 +116,10 @@ def held(opt: Any) -> dict[str, Any]:
         for j, p in enumerate(inner.pieces[s]):
             st = {} if p.index in opt._template else inner.state_of(s, j)
             tensors = {key: st[key].clone() if st else master.new_zeros(p.n) for key in inner.keys}
-            tensors[_MASTER] = master[p.at:p.at + p.n].clone()
+            tensors[MASTER_KEY] = master[p.at:p.at + p.n].clone()
             scalars = {key: v.clone() if torch.is_tensor(v) else v for key, v in st.items() if key not in inner.keys}
             pieces.append((p.index, p.start, p.n, tensors, scalars if st else None))
-        chunks[f"{s}/{k}"] = {"dtype": master.dtype, "keys": sorted([*inner.keys, _MASTER]), "pieces": pieces}
+        chunks[f"{s}/{k}"] = {"dtype": master.dtype, "keys": sorted([*inner.keys, MASTER_KEY]), "pieces": pieces}
     return {"world": opt.world_size, "buckets": len(opt.shards), "chunks": chunks, "stale": opt.params_stale,
             "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups]}
 
@@ -177,7 +177,7 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     targets = {}  # (which, s, index) -> (piece, its master's range, its state: filled in place)
     for which, s, _, inner in _holdings(opt):
         for p, v in zip(inner.pieces[s], inner.views[s]):
-            st = {k: torch.zeros_like(v) for k in keys if k != _MASTER}
+            st = {k: torch.zeros_like(v) for k in keys if k != MASTER_KEY}
             st.update({k: inner.scalar(k, float(x)) for k, x in (scalars.get(p.index) or {}).items()})
             inner.state[v] = st
             targets[(which, s, p.index)] = (p, v, st)
@@ -218,7 +218,7 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
             for which, s, at, i, _, n, _ in moves:
                 p, v, st = targets[(which, s, i)]
                 for k in keys:
-                    (v if k == _MASTER else st[k])[at - p.at:at - p.at + n].copy_(buf[at_:at_ + n])
+                    (v if k == MASTER_KEY else st[k])[at - p.at:at - p.at + n].copy_(buf[at_:at_ + n])
                     at_ += n
     unstepped = {i for i, sc in scalars.items() if sc is None}
     for inner in {id(h[3]): h[3] for h in _holdings(opt)}.values():  # what had no state yet has none

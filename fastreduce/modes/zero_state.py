@@ -22,14 +22,14 @@ import torch
 
 import torch.distributed as dist
 
-from ..buffer import _view
+from ..buffer import slot_view
 from ..comm import all_gather_flat
 from ..torch_internals import disabled_torch_function, make_wrapper_subclass
 from .zero_pieces import Piece, chunk_pieces
 
 __all__ = ["RangeShard", "ZeroCheckpointing"]
 
-_MASTER = "fastreduce_master"  # fp32 master weights of low-precision params, in state dicts
+MASTER_KEY = "fastreduce_master"  # fp32 master weights of low-precision params, in state dicts
 
 
 class ZeroCheckpointing:
@@ -130,15 +130,15 @@ class ZeroCheckpointing:
             seg = self.layout.segments[s]
             flats, _ = self.inner.pack(s) if scalars else ({}, None)  # no state anywhere: none gathered
             if shard.low:
-                flats[_MASTER] = shard.master
+                flats[MASTER_KEY] = shard.master
             fulls = {key: self._all_gather_state(v, seg.numel) for key, v in flats.items()}
             for i in self.buckets[s].slots:
                 st: dict[str, Any] = {}
                 if i in scalars:
                     st.update(scalars[i])
-                    st.update({key: _view(fulls[key], self.layout.slots[i]).clone() for key in self.inner.keys})
+                    st.update({key: slot_view(fulls[key], self.layout.slots[i]).clone() for key in self.inner.keys})
                 if shard.low:
-                    st[_MASTER] = _view(fulls[_MASTER], self.layout.slots[i]).clone()
+                    st[MASTER_KEY] = slot_view(fulls[MASTER_KEY], self.layout.slots[i]).clone()
                 if st:
                     state[by_slot[i]] = st
         groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": ids}
@@ -168,7 +168,7 @@ class ZeroCheckpointing:
                 entry = saved.get(p.index, {})
                 st: dict[str, Any] = {}
                 for key, value in entry.items():
-                    if key == _MASTER:
+                    if key == MASTER_KEY:
                         shard.master[p.at:p.at + p.n].copy_(value.reshape(-1)[p.start:p.start + p.n])
                     elif torch.is_tensor(value) and value.dim() > 0:
                         st[key] = value.reshape(-1)[p.start:p.start + p.n].to(v.device, v.dtype, copy=True)
@@ -178,7 +178,7 @@ class ZeroCheckpointing:
                     inner.state[v] = st
                 else:
                     inner.state.pop(v, None)
-            if shard.low and not any(_MASTER in saved.get(p.index, {}) for p in inner.pieces[s]):
+            if shard.low and not any(MASTER_KEY in saved.get(p.index, {}) for p in inner.pieces[s]):
                 c = shard.params.numel() // self.world_size  # no masters saved: from the parameters
                 shard.master.copy_(shard.params[self.rank * c:(self.rank + 1) * c])
         self._template = frozenset()
@@ -243,7 +243,7 @@ class ZeroCheckpointing:
                 entry: dict[str, Any] = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(i, {}).items()}
                 ranges = {key: st[key] if p is not None else shard.master.new_empty(0) for key in inner.keys}
                 if shard.low:
-                    ranges[_MASTER] = shard.master[p.at:p.at + p.n] if p is not None else shard.master.new_empty(0)
+                    ranges[MASTER_KEY] = shard.master[p.at:p.at + p.n] if p is not None else shard.master.new_empty(0)
                 for key, v in ranges.items():
                     entry[key] = RangeShard(v, 0 if p is None else p.start, slot.numel)
                 state[str(by_slot[i])] = entry
