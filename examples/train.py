@@ -84,9 +84,11 @@ def params_in_sync(model: nn.Module) -> bool:
 def leave(in_sync: bool = True) -> None:
     """End a checked run on every rank (every example ends here): wait for the peers, so
     nobody tears its connections down while one still uses them; fail if the ranks'
-    parameters diverged. The process then exits as any does: what fastreduce runs in the
-    background stops at exit (fastreduce.shutdown())."""
+    parameters diverged. What fastreduce runs in the background (the heartbeat, the store's
+    and transport's workers) stops before the group is torn down, as docs/guarantees.md asks of
+    a script that destroys its group itself (without that call, it stops at exit)."""
     dist.barrier()
+    fastreduce.shutdown()
     dist.destroy_process_group()
     if not in_sync:
         raise SystemExit("parameters diverged across ranks")

@@ -452,9 +452,8 @@ class EpochChanges(CoordinatorClient):
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
             self._kept_mode = (zero_mirror.held(self.mode), kind)
         else:
-            save = self.mode.local_state_dict if after_loss and kind == "gossip" else \
-                getattr(self.mode, "state_dict", None)
-            self._kept_mode = (clone_state(save()) if save is not None else None, kind)
+            save = self.mode.local_state_dict if after_loss and kind == "gossip" else self.mode.state_dict
+            self._kept_mode = (clone_state(save()), kind)
         self._close_mode(drain=not after_loss)
 
     def _close_mode(self, drain: bool = True) -> None:

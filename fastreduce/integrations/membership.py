@@ -442,7 +442,7 @@ class TrainerMembership:
                 self._zero_step()
             else:
                 real_step()
-            if isinstance(self.m.mode, _Local) and pending == self.last_step:
+            if commit_style(self.m.mode) == "local" and pending == self.last_step:
                 self.m.mode.sync()  # the run's end: every member's parameters the same
             sampler.advance(pending)
 

@@ -314,9 +314,9 @@ class FastReduceMixin:
         optimizer exists; ``_wrap_model`` and ``create_optimizer`` come in either order."""
         mode, model = self.fastreduce_mode, self._fastreduce_model
         if self.fastreduce_membership is not None or mode.obj is not None or model is None or \
-                (self.optimizer is None and mode.name not in ("fused", "overlap")):
+                (self.optimizer is None and optimizer_role(mode.cls) != "user"):  # (the reducers need none)
             return
-        if mode.name in ("fused", "overlap") and "unused_grads" not in mode.config \
+        if "unused_grads" in mode.settings() and "unused_grads" not in mode.config \
                 and self.args.ddp_find_unused_parameters:
             mode.config["unused_grads"] = "zero"
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
@@ -389,7 +389,7 @@ def _membership_callback(trainer: Any) -> Any:
     class FastReduceMembership(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             glue, mode = trainer.fastreduce_membership, trainer.fastreduce_mode
-            if mode.name in ("fused", "overlap") and "unused_grads" not in mode.config \
+            if "unused_grads" in mode.settings() and "unused_grads" not in mode.config \
                     and args.ddp_find_unused_parameters:
                 mode.config["unused_grads"] = "zero"
             step = glue.join(trainer._fastreduce_model, getattr(trainer.optimizer, "optimizer", trainer.optimizer),
