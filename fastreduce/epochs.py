@@ -109,7 +109,8 @@ class EpochChanges(CoordinatorClient):
         top = max((said[m]["step"] for m in healed), default=self.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
         healed = [m for m in healed if m not in behind]
-        unhealed = behind + tuple(m for m in present if m not in healed and m not in behind)
+        holders = set(healed) | set(behind)
+        unhealed = behind + tuple(m for m in present if m not in holders)
         deadline = time.monotonic() + self.wait_s
         while not holds:
             if self._wait(key, 0.25):

@@ -309,7 +309,7 @@ class TrainerMembership:
         self.booked = _Booked()
         self.schedulers: list[Any] = []
         self.joined_at: int | None = None  # the committed step this process joined at
-        self._schedules: tuple[list[Any], list[Any]] = ([], [])  # the LR schedulers' states before this step
+        self._schedules: tuple[list[Any], list[Any]] = ([], [])  # the LR schedulers before a discarded step
         self._build_args: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------ set-up
@@ -433,8 +433,6 @@ class TrainerMembership:
     def commit(self, real_step: Callable[[], Any]) -> bool:
         """The optimizer's step through the Membership: committed on every member or none."""
         self.pending = self.m.step + 1
-        self._schedules = ([s.state_dict() for s in self.schedulers],  # put back if the step is discarded
-                           [g["lr"] for g in self._build_args[1].param_groups])
         sampler, pending = self.sampler, self.pending
 
         def step() -> None:
@@ -453,6 +451,9 @@ class TrainerMembership:
             sampler.redraw()
         if self.committed:
             self.booked.steps = self.m.step  # the trainer steps its schedulers next
+        else:  # discarded: the trainer steps them next all the same; kept as they are, to put back
+            self._schedules = ([sched.state_dict() for sched in self.schedulers],
+                               [g["lr"] for g in self._build_args[1].param_groups])
         return self.committed
 
     def undo_schedulers(self) -> None:
