@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils.data import DistributedSampler
 
-from ..modes.contract import commit_style, membership_settings
+from ..modes.contract import commit_style, membership_settings, settings_refusal
 from .modes import TrainerMode
 
 __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
@@ -88,9 +88,9 @@ def check_mode(mode: TrainerMode, who: str) -> None:
     if why is not None:
         raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
                          "use 'fused', 'overlap', 'localsgd' or 'diloco'")
-    if mode.config.get("fragment_delay", 0):
-        raise ValueError(f"{who}: DiLoCo's fragment_delay > 0 (a sync in flight across steps) does not run under "
-                         "fastreduce.Membership yet: use fragment_delay=0")
+    refusal = settings_refusal(mode.cls, mode.config)
+    if refusal is not None:
+        raise ValueError(f"{who}: {refusal} under fastreduce.Membership")
     if mode.config.get("group") is not None:
         raise ValueError(f"{who}: a mode's own group= does not run under fastreduce.Membership, whose members "
                          "form a new default group at each epoch: drop group=")

@@ -14,7 +14,8 @@ What every mode declares today:
 * **the settings a Membership needs of it** (``membership_settings``, e.g. ZeRO's
   ``redundant=True``: a shard must outlive its rank, and ``membership_why``), and **what
   of its own settings a Membership cannot keep training** (``membership_refusal``: a
-  reason, or ``None``), both asked by :func:`check_membership`;
+  reason, or ``None``; ``membership_refusal_for(settings)`` where the class can tell before
+  it is built), asked by :func:`check_membership` and :func:`settings_refusal`;
 * **how a mode closes**: ``close(drain=True)``, its hooks off the model, what is in flight
   waited for (``drain=False``: dropped, a peer was lost).
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "STATE_SCOPES", "check_membership", "commit_style",
-           "membership_settings", "mode_name", "optimizer_role", "state_scope"]
+           "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -120,3 +121,11 @@ def check_membership(mode: Any) -> None:
     refusal = getattr(mode, "membership_refusal", None)
     if refusal:
         raise ValueError(f"{refusal} under fastreduce.Membership")
+
+
+def settings_refusal(mode: Any, settings: dict[str, Any]) -> str | None:
+    """Why a Membership cannot run ``mode`` (a mode's class) with ``settings``, before it is
+    built (a trainer's check at construction), as its class says (``membership_refusal_for``);
+    ``None``: nothing its class can tell yet."""
+    tell = getattr(_class(mode), "membership_refusal_for", None)
+    return tell(settings) if tell is not None else None

@@ -191,12 +191,17 @@ class DiLoCo(LocalUpdates):
 
     # ------------------------------------------------------------------ public
 
+    @staticmethod
+    def membership_refusal_for(settings: dict[str, Any]) -> str | None:
+        """What a Membership cannot keep training yet, of these settings (modes/contract.py): a
+        sync in flight across inner steps."""
+        return "DiLoCo's fragment_delay > 0 is not supported yet (use fragment_delay=0)" \
+            if settings.get("fragment_delay", 0) else None
+
     @property
     def membership_refusal(self) -> str | None:
-        """What a Membership cannot keep training yet (modes/contract.py): a sync in flight
-        across inner steps."""
-        return "DiLoCo's fragment_delay > 0 is not supported yet (use fragment_delay=0)" if self.fragment_delay \
-            else None
+        """:meth:`membership_refusal_for` this mode's own settings."""
+        return self.membership_refusal_for({"fragment_delay": self.fragment_delay})
 
     @guarded("{cls}.sync()", SYNC_LOST)
     @torch.no_grad()
