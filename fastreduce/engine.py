@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -110,7 +111,9 @@ class GroupSnapshot:
 
     A layout, its buffers and its shared-memory segments belong to one group: when the
     default group is destroyed and made again (an in-process restart), or resized, they
-    must not be used. :meth:`check` costs two Python calls.
+    must not be used. :meth:`check` costs two Python calls. The default group is held
+    weakly: a mode must not keep alive a group its user has destroyed (its Gloo threads
+    would then live on into the interpreter's exit; see :mod:`.exit_groups`).
     """
 
     __slots__ = ("group", "world_size", "world")
@@ -118,12 +121,12 @@ class GroupSnapshot:
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.world = dist.group.WORLD  # what group=None meant then
+        self.world = weakref.ref(dist.group.WORLD)  # what group=None meant then
 
     def changed(self) -> bool:
         try:
             return (not dist.is_initialized() or dist.get_world_size(self.group) != self.world_size
-                    or (self.group is None and dist.group.WORLD is not self.world))
+                    or (self.group is None and dist.group.WORLD is not self.world()))
         except (RuntimeError, ValueError):  # a subgroup destroyed since
             return True
 

@@ -136,3 +136,43 @@ def test_shutdown_stops_every_thread_and_the_next_use_starts_them_again() -> Non
         assert r["sum_watched"] == 2.0, r
     assert results[1]["counter"] >= lifecycle.RESTING
     assert results[0]["callbacks"] == 0, results[0]
+
+
+def _launch_exit_worker(case: str, use: str) -> list[tuple[int, str]]:
+    """``tests/exit_worker.py CASE USE`` on 2 plain rank processes: each rank's exit code and output."""
+    from pathlib import Path
+    import subprocess
+    import sys
+
+    from fastreduce.launch import free_port
+
+    here = Path(__file__).parent
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
+    procs = [subprocess.Popen([sys.executable, str(here / "exit_worker.py"), case, use], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=60)]]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_a_script_whose_last_collective_gloo_lets_go_of_as_it_exits_ends_0() -> None:
+    """Gloo's thread lets go of the script's last collective (taking the GIL) only once the
+    main thread blocks, and its first block would be in Python's finalization (exit_worker.py
+    ``end``): torch alone aborts there (SIGABRT, on torch 2.13, where letting go of a tensor
+    Python holds takes the GIL); with fastreduce used and shut down, as at the end of a
+    trainer's ``train()``, the exit lets that thread finish first and both ranks exit 0."""
+    ours = _launch_exit_worker("end", "reducer")
+    assert [rc for rc, _ in ours] == [0, 0], ours
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        plain = _launch_exit_worker("end", "plain")  # the race is real: torch alone aborts
+        assert all(rc < 0 and "terminate called without an active exception" in out for rc, out in plain), plain
+
+
+def test_a_reducer_does_not_keep_alive_a_group_its_user_destroyed() -> None:
+    """After ``dist.destroy_process_group()``, the default group is gone though a FusedReducer
+    built on it lives on (a strong reference would keep Gloo's threads into the exit)."""
+    for rc, out in _launch_exit_worker("destroy", "reducer"):
+        assert rc == 0 and "default group alive after destroy_process_group: False" in out, out

@@ -10,6 +10,7 @@ are what ``fastreduce.checkpoint`` saves of it (error-feedback residuals).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -94,7 +95,9 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
     cache = model.__dict__.get("_fastreduce_reducers")
     if cache is None:
         cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
-    key = (group if group is not None else dist.group.WORLD, fusion_buffer_dtype,
+    pg = group if group is not None else dist.group.WORLD  # None before init: the reducer says so
+    # the group held weakly: the model must not keep a group alive that its user destroyed
+    key = (pg if pg is None else weakref.ref(pg), fusion_buffer_dtype,
            use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite, compression)
     reducer = cache.get(key)
     if reducer is None:
