@@ -1,4 +1,4 @@
-"""The process groups at the interpreter's exit: quiet before Python finalizes.
+"""The process groups' threads at the interpreter's exit: quiet before Python finalizes.
 
 [Note: a backend's thread that takes the GIL as Python finalizes]
 A Gloo process group runs its collectives on C++ worker threads. Such a thread lets go of a
@@ -18,65 +18,27 @@ to the group goes, and that is rarely at ``dist.destroy_process_group()``: impor
 compiling) imports ``torch.distributed.nn.functional``, whose functions take the default
 group as a default argument, so it lives as long as the interpreter.
 
-So at exit, once every thread of fastreduce's stopped (:func:`.lifecycle.shutdown`) and the
-groups fastreduce made itself are destroyed (:func:`.lifecycle.at_exit`), :func:`end_groups`
-destroys the process groups the script left (``dist.destroy_process_group()``: what torch
-asks of every program, and what Lightning does at exit for NCCL), which joins their threads
-where nothing else holds them, and then releases the GIL until no thread of a backend's
-runs: a thread that was to let go of a work does so then, while the interpreter is whole.
-Both are bounded: a group whose collective still waits on a peer is given up on after
-:data:`DESTROY_S` (that run failed already), the wait for quiet after
-:data:`QUIET_S`. fastreduce holds no process group of its user's strongly (the modes keep the
-default group by a weak reference), so a group its user destroys is not kept alive by it.
+So at exit, once every thread of fastreduce's stopped (:func:`.lifecycle.shutdown`),
+:func:`quiet_backends` releases the GIL until no thread of a backend's runs: a thread that was
+to let go of a work does so then, while the interpreter is whole, and goes back to waiting
+for work, which needs no GIL. It waits at most :data:`QUIET_S` and never on a peer. (It
+does not destroy the groups: their destruction waits for any collective still pending, which
+a peer that hangs or a partition can hold for the group's timeout, at the exit of a run that
+failed already; with a bounded destroy at exit, a CI rehearsal's two-host bench launch did
+not end within torchrun's 300 s exit barrier.) fastreduce holds no process group of its user's strongly (the
+modes keep the default group by a weak reference), so a group its user destroys goes.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 
-import torch.distributed as dist
-
-__all__ = ["end_groups", "native_threads_running"]
-
-log = logging.getLogger(__name__)
-
-DESTROY_S = 10.0
-"""At most how long :func:`end_groups` waits for the process groups to be destroyed."""
+__all__ = ["native_threads_running", "quiet_backends"]
 
 QUIET_S = 1.0
-"""At most how long :func:`end_groups` waits for the backends' threads to stop running."""
-
-
-def end_groups(timeout: float = DESTROY_S) -> bool:
-    """Destroy every process group still registered with torch, within ``timeout`` seconds,
-    then wait until no Gloo worker thread runs (at most :data:`QUIET_S`); whether both ended
-    in time. Called at the interpreter's exit (see the module's note)."""
-    ended = True
-    if dist.is_available() and dist.is_initialized():
-        ended = _destroy_within(timeout)
-    return _quiet(QUIET_S) and ended
-
-
-def _destroy_within(timeout: float) -> bool:
-    """``dist.destroy_process_group()`` on a thread of its own: a group whose work still waits
-    on a peer that never comes would hold the exit for the backend's timeout."""
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception as err:  # noqa: BLE001 - a group already broken: the exit goes on
-            log.debug("fastreduce: destroying the process groups at exit: %s", err)
-
-    thread = threading.Thread(target=destroy, name="fastreduce-exit", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        log.warning("fastreduce: the process groups did not end within %.0f s at exit (a collective "
-                    "still waits on a peer); exiting without them", timeout)
-        return False
-    return True
+"""At most how long :func:`quiet_backends` waits for the backends' threads to stop running."""
 
 
 def native_threads_running() -> int:
@@ -101,9 +63,10 @@ def native_threads_running() -> int:
     return running
 
 
-def _quiet(within: float) -> bool:
-    """Release the GIL until no thread of a backend's runs, at two looks in a row: a thread
-    waiting for the GIL to let go of a work gets it while this one sleeps, then sleeps itself."""
+def quiet_backends(within: float = QUIET_S) -> bool:
+    """Release the GIL until no thread of a backend's runs, at two looks in a row (at most
+    ``within`` seconds; whether it came to that): a thread waiting for the GIL to let go of a
+    work gets it while this one sleeps, then sleeps itself. Called at the interpreter's exit."""
     deadline = time.monotonic() + within
     calm = 0
     while time.monotonic() < deadline:

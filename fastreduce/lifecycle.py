@@ -17,10 +17,8 @@ of any of them starts it again. It runs:
   :class:`~fastreduce.Membership`'s ``close()`` and ``leave()``;
 * wherever a user calls ``fastreduce.shutdown()``, e.g. before ``dist.destroy_process_group()``.
 
-At the interpreter's exit, after :func:`shutdown`, the calls registered with :func:`at_exit`
-let go of what fastreduce made per process group (the shared-memory transport's barrier
-groups), and :func:`.exit_groups.end_groups` ends the process groups the script left and
-waits until no backend thread runs (:mod:`.exit_groups` says why).
+At the interpreter's exit, after :func:`shutdown`, :func:`.exit_groups.quiet_backends` waits
+until no thread of a process group's backend runs (:mod:`.exit_groups` says why).
 
 [Note: a stopped heartbeat is not a lost rank] A rank that stops its heartbeat mid-run
 (``shutdown()`` at the end of a trainer's ``train()``, or a user's) adds :data:`RESTING` to
@@ -40,7 +38,7 @@ import queue
 import threading
 from typing import Any, Callable, Protocol
 
-__all__ = ["RESTING", "Stoppable", "Worker", "at_exit", "own", "disown", "running", "shutdown"]
+__all__ = ["RESTING", "Stoppable", "Worker", "own", "disown", "running", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -109,25 +107,11 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
             stuck.append(thing.name)
 
 
-_exit_calls: list[Callable[[], None]] = []
-
-
-def at_exit(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` at the interpreter's exit, once :func:`shutdown` has stopped every
-    thread: what lets go of process groups and segments (in the order registered)."""
-    _exit_calls.append(fn)
-
-
 def _at_exit() -> None:
     shutdown(rest=False)
-    for fn in _exit_calls:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - the next one still runs
-            log.exception("fastreduce: ending %s at exit failed", getattr(fn, "__qualname__", fn))
-    from .exit_groups import end_groups  # torch.distributed, imported only now (it imports nothing of ours)
+    from .exit_groups import quiet_backends  # imported only now (it imports nothing of ours)
 
-    end_groups(JOIN_S)
+    quiet_backends()
 
 
 atexit.register(_at_exit)

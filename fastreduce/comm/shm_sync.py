@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..faults import RankLostError, TransportError, group_token, note_lost
-from ..lifecycle import Worker, at_exit
+from ..lifecycle import Worker
 from ..profiling import span
 
 LINE = 64
@@ -157,16 +157,6 @@ class _Channel:
     def barrier(self) -> None:
         dist.all_reduce(self.tick, group=self.sync)
 
-    def end(self) -> None:
-        """Let go of the barrier group (at exit: its Gloo threads end with it, see
-        :mod:`fastreduce.exit_groups`); its worker is stopped by then."""
-        sync, self.sync = self.sync, None
-        if sync is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(sync)
-            except (ValueError, RuntimeError):  # destroyed already, with the script's groups
-                pass
-
     def put(self, job: Any) -> None:  # a ShmWork (.shm)
         self.worker.put(lambda: self._run(job))
 
@@ -193,15 +183,6 @@ class _Channel:
 
 
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _end_channels() -> None:
-    for ch in list(_channels.values()):
-        ch.end()
-    _channels.clear()
-
-
-at_exit(_end_channels)
 
 
 def channel_of(group: dist.ProcessGroup | None) -> _Channel:
