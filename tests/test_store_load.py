@@ -179,7 +179,15 @@ def test_at_a_large_world_each_rank_reads_its_successors_and_a_stopped_rank_is_n
             threading.Thread(target=b._run, daemon=True).start()
         for b in beats:
             threading.Thread(target=_watch_until_lost, args=(b, out, done), name=f"watch-{b.rank}", daemon=True).start()
-        time.sleep(beat_s + 6 * beat_s)  # the watchdogs' first read after a beat, then a few ticks
+        def reads_of(r: int) -> int:
+            return sum(1 for m, *_ in list(logs[r]) if m == "multi_get")
+
+        # the watchdogs' first read after a beat, then a few ticks each (a loaded host gets
+        # 128 threads through them more slowly: waited for, within a limit)
+        time.sleep(beat_s + 6 * beat_s)
+        limit = time.monotonic() + 20
+        while time.monotonic() < limit and min(reads_of(r) for r in range(n) if r != victim) < 3:
+            time.sleep(beat_s)
         for r in range(n):
             if r == victim:
                 continue
