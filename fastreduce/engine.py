@@ -113,7 +113,7 @@ class GroupSnapshot:
     default group is destroyed and made again (an in-process restart), or resized, they
     must not be used. :meth:`check` costs two Python calls. The default group is held
     weakly: a mode must not keep alive a group its user has destroyed (its Gloo threads
-    would then live on into the interpreter's exit; see :mod:`.exit_groups`).
+    would then live on into the interpreter's exit; see :mod:`.exit_quiet`).
     """
 
     __slots__ = ("group", "world_size", "world")

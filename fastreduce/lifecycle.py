@@ -17,8 +17,8 @@ of any of them starts it again. It runs:
   :class:`~fastreduce.Membership`'s ``close()`` and ``leave()``;
 * wherever a user calls ``fastreduce.shutdown()``, e.g. before ``dist.destroy_process_group()``.
 
-At the interpreter's exit, after :func:`shutdown`, :func:`.exit_groups.quiet_backends` waits
-until no thread of a process group's backend runs (:mod:`.exit_groups` says why).
+At the interpreter's exit, after :func:`shutdown`, :func:`.exit_quiet.quiet_backends` waits
+until no thread of a process group's backend runs (:mod:`.exit_quiet` says why).
 
 [Note: a stopped heartbeat is not a lost rank] A rank that stops its heartbeat mid-run
 (``shutdown()`` at the end of a trainer's ``train()``, or a user's) adds :data:`RESTING` to
@@ -109,7 +109,7 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
 
 def _at_exit() -> None:
     shutdown(rest=False)
-    from .exit_groups import quiet_backends  # imported only now (it imports nothing of ours)
+    from .exit_quiet import quiet_backends  # imported only now (nothing of it imports lifecycle)
 
     quiet_backends()
 

@@ -3,17 +3,17 @@ with torch's rendezvous variables set (2 ranks). It ends as a script ends, with 
 of fastreduce's; its exit code (and, for ``destroy``, its last line) is the result.
 
 ``end``: the race behind an abort at exit ([Note: a backend's thread that takes the GIL as
-Python finalizes] in fastreduce/exit_groups.py), made certain. The script's last collective
+Python finalizes] in fastreduce/exit_quiet.py), made certain. The script's last collective
 is let go of at once, so Gloo's thread holds the work's last reference and takes the GIL to
 let go of its tensor; a thread asking for the GIL gets it only once the main thread blocks
 (``sys.setswitchinterval(100)``), and a finalizer that sleeps (a large program's exit takes
-as long) is the first block unless the exit has one before. torch 2.13 alone: SIGABRT in
-every launch here.
+as long) is the first block unless the exit has one before. torch 2.13 alone: SIGABRT (on the
+rank whose collective was still in flight) in every launch here.
 
 ``destroy``: the script destroys the process group itself, then ends; it prints whether the
 default group is still alive (a FusedReducer alive in a global, as a user's is, must not
 keep it; ``torch._dynamo`` is imported before the group exists, as otherwise torch itself
-keeps the group, see fastreduce/exit_groups.py).
+keeps the group, see fastreduce/exit_quiet.py).
 
 USE ``reducer``: a FusedReducer is built and reduces first, and ``fastreduce.shutdown()`` is
 called (as the trainers do at the end of ``train()``: nothing of fastreduce's runs at the

@@ -167,8 +167,10 @@ def test_a_script_whose_last_collective_gloo_lets_go_of_as_it_exits_ends_0() -> 
     ours = _launch_exit_worker("end", "reducer")
     assert [rc for rc, _ in ours] == [0, 0], ours
     if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
-        plain = _launch_exit_worker("end", "plain")  # the race is real: torch alone aborts
-        assert all(rc < 0 and "terminate called without an active exception" in out for rc, out in plain), plain
+        # the race is real: torch alone aborts (the rank whose collective was still in flight as it
+        # let go of the handle every time; the other where its collective finished first, often not)
+        plain = _launch_exit_worker("end", "plain")
+        assert any(rc < 0 and "terminate called without an active exception" in out for rc, out in plain), plain
 
 
 def test_a_reducer_does_not_keep_alive_a_group_its_user_destroyed() -> None:

@@ -1,4 +1,4 @@
-"""The process groups' threads at the interpreter's exit: quiet before Python finalizes.
+"""The backends' threads at the interpreter's exit: quiet before Python finalizes.
 
 [Note: a backend's thread that takes the GIL as Python finalizes]
 A Gloo process group runs its collectives on C++ worker threads. Such a thread lets go of a
@@ -35,6 +35,8 @@ import os
 import threading
 import time
 
+from .process_identity import proc_stat
+
 __all__ = ["native_threads_running", "quiet_backends"]
 
 QUIET_S = 1.0
@@ -55,11 +57,9 @@ def native_threads_running() -> int:
         if int(tid) in pythons:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            running += proc_stat(tid)[0] == "R"  # /proc/<tid> serves a thread as /proc/<pid> a process
         except (OSError, IndexError):  # the thread ended meanwhile
             continue
-        running += state == "R"
     return running
 
 
