@@ -143,3 +143,64 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     assert [next(it), next(it)] == [6, 9] and len(s) == 6
     s.advance(2)
     assert s.position == 10 and s.data_epoch == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_the_optimizer_a_trainer_steps_under_membership_is_the_users_wrapped() -> None:
+    """CommittingOptimizer: an LR scheduler (a warm-up, then a step decay) built over it steps
+    the wrapped AdamW exactly as it steps a bare one (bit for bit), without torch's scheduler
+    warnings (Accelerate's wrapper around it: the HF Trainer's run above); a step its commit discards leaves
+    the parameters and the moments as they were; its state dicts are the wrapped one's."""
+    import warnings
+
+    from fastreduce.integrations.committing import CommittingOptimizer, unwrapped
+
+    def run(wrap: bool, discard: set[int]) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        calls = []
+
+        def commit(step: object) -> bool:
+            calls.append(len(calls) + 1)
+            if calls[-1] in discard:
+                return False
+            step()
+            return True
+
+        opt = CommittingOptimizer(inner, commit) if wrap else inner
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)], milestones=[3])
+        lrs = []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(5, 4, generator=g)).square().sum().backward()
+            opt.step()
+            sched.step()
+            lrs.append(inner.param_groups[0]["lr"])
+        return model, inner, lrs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "scheduler stepped before the optimizer" among them
+        bare, bare_opt, bare_lrs = run(False, set())
+        wrapped, wrapped_opt, lrs = run(True, set())
+    assert lrs == bare_lrs
+    for a, b in zip(wrapped.parameters(), bare.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(wrapped_opt.state[a]["exp_avg_sq"], bare_opt.state[b]["exp_avg_sq"])
+    # every step discarded: nothing moves (the trainer puts its schedulers back itself)
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in torch.nn.Linear(4, 3).parameters()]
+    untouched, opt, _ = run(True, set(range(1, 9)))
+    assert all(torch.equal(a, b) for a, b in zip(untouched.parameters(), start)) and not opt.state
+    # its state dicts are the wrapped optimizer's, both ways
+    c = CommittingOptimizer(wrapped_opt, lambda step: step() or True)
+    assert c.state_dict()["state"].keys() == wrapped_opt.state_dict()["state"].keys()
+    fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=0.1)
+    CommittingOptimizer(fresh, lambda step: True).load_state_dict(wrapped_opt.state_dict())
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], wrapped_opt.state_dict()["state"][0]["exp_avg"])
+    assert unwrapped(c) is wrapped_opt and c.param_groups is wrapped_opt.param_groups
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+        CommittingOptimizer(object(), lambda step: True)  # type: ignore[arg-type]

@@ -175,6 +175,7 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         self._resume_from: str | None = None  # the checkpoint fit(ckpt_path=...) loads
         self._validating: contextlib.ExitStack | None = None
         self._clip_patched: Any = None  # the precision plugin whose clipping is the mode's
+        self._committing: Any = None  # under a Membership: the optimizer stepped through the commit
 
     @property
     def mode(self) -> TrainerMode:

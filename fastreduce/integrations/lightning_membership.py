@@ -70,6 +70,17 @@ class MembershipMixin:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision if self._membership is not None else super().reduce_boolean_decision(decision, all)
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Under a Membership, the precision plugin steps the configured optimizer through
+        :class:`~fastreduce.integrations.committing.CommittingOptimizer`: its closure (training
+        step, backward, clipping), then the commit."""
+        glue = self._membership
+        if glue is not None and glue.m.epoch is not None:
+            if self._committing is None or self._committing.optimizer is not optimizer:
+                self._committing = glue.optimizer(optimizer)
+            optimizer = self._committing
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
     def process_dataloader(self, dataloader: object) -> object:
         """Under a Membership, the training loader draws from a
         :class:`~fastreduce.integrations.membership.MembershipSampler`."""
@@ -140,4 +151,6 @@ def set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
     for t in (tracker.total, tracker.current):
         t.ready -= delta
         t.completed -= delta
+    # Lightning (2.5.1, 2.6.6 tested) has no public way to set its step count: the progress
+    # trackers are its documented loop state, ``_batches_that_stepped`` (its loggers' step) is not
     loop._batches_that_stepped = step - 1 if stepping else step

@@ -11,8 +11,10 @@ state, so that a joiner takes it from a live member.
 
 What the trainer keeps from this module (:class:`TrainerMembership`, one per trainer):
 
-- **The step.** The optimizer the trainer steps is made to step through
-  :meth:`fastreduce.Membership.commit`. The fused modes reduce right after the backward
+- **The step.** The trainer steps its optimizer through a wrapper,
+  :class:`~fastreduce.integrations.committing.CommittingOptimizer` (the HF Trainer is given
+  it as its optimizer, Lightning's precision plugin is handed it), whose ``step`` commits
+  through :meth:`fastreduce.Membership.commit`; the optimizer itself is not touched. The fused modes reduce right after the backward
   that ends an accumulation window, as outside a Membership (the trainer clips the averaged
   gradients); a reduction that fails on a lost member is raised again inside the commit,
   where the Membership discards the step on every member (or, where another survivor
@@ -61,7 +63,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import types
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -69,6 +70,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ..modes.contract import commit_style, membership_settings, settings_refusal
+from .committing import CommittingOptimizer
 from .modes import TrainerMode
 
 __all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
@@ -332,8 +334,8 @@ class TrainerMembership:
              last_step: int, scaler: Any = None, max_grad_norm: float = 0.0,
              on_epoch: Callable[[], None] | None = None) -> int:
         """Join the job with the trainer's state; every epoch's mode is built over
-        ``model`` and ``optimizer``; the optimizer then steps through the commit. Returns
-        the committed step count (a joiner's is the members')."""
+        ``model`` and ``optimizer`` (the trainer steps it through :class:`CommittingOptimizer`).
+        Returns the committed step count (a joiner's is the members')."""
         if self.sampler is None:
             raise RuntimeError(f"{self.who}: no MembershipSampler: the trainer did not make its training data loader")
         if last_step <= 0:
@@ -343,8 +345,7 @@ class TrainerMembership:
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
         self.mode.config.update(membership_settings(self.mode.cls))
-        if self.mode.clips:
-            self._route_clipping()
+        self.mode.failures = self.keep
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
         self.m.join(state, self._build)
@@ -355,7 +356,6 @@ class TrainerMembership:
                 for sched in self.schedulers:
                     sched.step()
             self.booked.steps = self.m.step
-        self._commit_through(optimizer)
         return self.m.step
 
     def _build(self) -> Any:
@@ -371,20 +371,14 @@ class TrainerMembership:
             return self.mode.obj
         return _Local(self.mode, self) if style == "local" else _Reduced(self.mode, self)
 
-    def _route_clipping(self) -> None:
-        """The mode's clipping (the trainer's, routed to it: ZeRO's) keeps a failure for the
-        commit, where it discards the step, instead of raising in the trainer."""
-        mode = self.mode
-        clip = type(mode).clip_grad_norm_.__get__(mode)
+    def keep(self, err: RuntimeError) -> None:
+        """A failure of the mode's clipping (ZeRO's global norm, a collective), kept for the
+        commit, which discards the step, instead of raised inside the trainer."""
+        self.failed = err
 
-        def clip_grad_norm_(max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-            try:
-                return clip(max_norm, norm_type)
-            except RuntimeError as err:
-                self.failed = err
-                return torch.zeros(())
-
-        mode.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> CommittingOptimizer:
+        """``optimizer`` as the trainer is to step it: each step through :meth:`commit`."""
+        return CommittingOptimizer(optimizer, self.commit)
 
     def _zero_step(self) -> None:
         """ZeRO's step in the commit: a failure kept from clipping first (before the vote: the
@@ -398,27 +392,6 @@ class TrainerMembership:
         for ours, theirs in zip(zero.param_groups, [g for g in facade.param_groups if g["params"]]):
             ours.update({k: v for k, v in theirs.items() if k in ours and k not in _NOT_HYPER})
         zero.step()
-
-    def _commit_through(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.step`` commit (a bound method, so that an LR scheduler made later
-        can wrap it as it wraps any optimizer's)."""
-        if getattr(optimizer.step, "_fastreduce_commits", False):
-            return
-        real = optimizer.step
-        owner = self
-
-        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            loss = None
-            if closure is not None:  # Lightning's: training_step, backward (the reduction), clipping
-                with torch.enable_grad():
-                    loss = closure()
-            owner.commit(real)
-            return loss
-
-        # torch's LR schedulers mark the optimizer's step they wrapped; ``real`` is theirs, if any
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        step._fastreduce_commits = True  # type: ignore[attr-defined]
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ every step
 

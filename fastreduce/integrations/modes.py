@@ -83,6 +83,10 @@ class TrainerMode:
     """The mode clips the gradients its own way (:meth:`clip_grad_norm_`: ZeRO's global norm
     over the shards, gossip's per rank): the trainers route their clipping to it."""
 
+    failures: Callable[[RuntimeError], None] | None = None
+    """Where a failure of the mode's own clipping goes instead of being raised (set by a
+    trainer's Membership, whose commit then discards the step)."""
+
     def __init__(self, config: Mapping[str, Any], eval_params: str = "mean"):
         self.config = dict(config)
         self.check(self.config)
@@ -320,7 +324,13 @@ class Zero(TrainerMode):
         return self.obj.no_sync()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.obj.clip_grad_norm_(max_norm, norm_type)
+        try:
+            return self.obj.clip_grad_norm_(max_norm, norm_type)
+        except RuntimeError as err:  # a lost member, under a Membership: the commit discards the step
+            if self.failures is None:
+                raise
+            self.failures(err)
+            return torch.zeros(())
 
     def checkpointer(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpointer:
         return Checkpointer(directory, model, self.obj, keep=1)  # the optimizer is the mode

@@ -51,6 +51,7 @@ from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
+from .committing import CommittingOptimizer, unwrapped
 from .membership import TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import TrainerMode, make_mode
@@ -206,8 +207,13 @@ class FastReduceMixin:
         return result
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        """The Trainer's optimizer; then the mode, where the model is prepared already."""
+        """The Trainer's optimizer (under a Membership, stepped through
+        :class:`~fastreduce.integrations.committing.CommittingOptimizer`); then the mode, where
+        the model is prepared already."""
         optimizer = super().create_optimizer(*args, **kwargs)
+        glue = self.fastreduce_membership
+        if glue is not None and not isinstance(self.optimizer, CommittingOptimizer):
+            self.optimizer = glue.optimizer(self.optimizer)  # each step commits through the Membership
         self._fastreduce_build()
         return self.optimizer if self.optimizer is not None else optimizer
 
@@ -245,7 +251,9 @@ class FastReduceMixin:
         if self.fastreduce_membership is None:
             return super().get_train_dataloader()
         accelerator = self.accelerator
-        accelerator.prepare = _unprepared  # this call only: the loader as the Trainer made it
+        # this call only: the loader as the Trainer made it (transformers 4.55.4 and 5.24.0 prepare
+        # it inside get_train_dataloader, with no setting to keep it as it is)
+        accelerator.prepare = _unprepared
         try:
             return super().get_train_dataloader()
         finally:
@@ -369,7 +377,9 @@ _SCHEDULER = "scheduler.pt"  # the Trainer's name for its scheduler's state (tra
 
 def _clip_with(accelerator: Any, mode: TrainerMode) -> None:
     """Make ``accelerator.clip_grad_norm_`` (which every Trainer clips and reads its
-    ``grad_norm`` through) the mode's own, on this accelerator only."""
+    ``grad_norm`` through) the mode's own, on this accelerator only: transformers (4.55.4,
+    5.24.0 tested) clips through it with no hook of its own (5.x's ``_clip_grad_norm`` is
+    private; 4.55's clips inline), and the Trainer makes its Accelerator itself."""
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         return mode.clip_grad_norm_(max_norm, norm_type)
 
@@ -392,10 +402,14 @@ def _membership_callback(trainer: Any) -> Any:
             if "unused_grads" in mode.settings() and "unused_grads" not in mode.config \
                     and args.ddp_find_unused_parameters:
                 mode.config["unused_grads"] = "zero"
-            step = glue.join(trainer._fastreduce_model, getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+            step = glue.join(trainer._fastreduce_model, unwrapped(trainer.optimizer),
                              [trainer.lr_scheduler], last_step=state.max_steps,
                              scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
-            state.global_step = trainer._globalstep_last_logged = step  # a joiner's: the members'
+            # transformers (4.55.4, 5.24.0 tested) sets these two from the step count only before
+            # on_train_begin, the first public hook after the model is prepared: a joiner's step
+            # (the members') comes after, so the loss averaged per log and the throughput count
+            # from it only if they are set here too (no public way)
+            state.global_step = trainer._globalstep_last_logged = step
             if mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
                 _clip_with(trainer.accelerator, mode)
             if hasattr(trainer, "_initial_global_step"):
