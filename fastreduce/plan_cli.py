@@ -30,7 +30,7 @@ from typing import Any, Callable
 from .plan import LIMITS, TCP_PAYLOAD, Bounds, Cluster, Link, Plan, Workload, parse_bytes, parse_rate, parse_seconds, \
     plan
 
-__all__ = ["DEFAULT_GPUS_PER_HOST", "add_arguments", "format_sweep", "format_text", "run"]
+__all__ = ["DEFAULT_GPUS_PER_HOST", "add_arguments", "format_sweep", "format_text", "pyplot", "run"]
 
 TOKENS, FLOPS = 2048, 1e14
 """Without --backward-ms: 2048 tokens a rank and step at 100 TFLOP/s (a backward's FLOPs: 4 x params a token)."""
@@ -331,10 +331,19 @@ def format_sweep(plans: list[Plan], setting: dict[str, Any] | None = None) -> st
     return "\n".join(lines)
 
 
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), or ``None`` without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_sweep_chart(plans: list[Plan], path: str) -> str | None:
     """Each mode's predicted step against the world size (log-log); a note instead without matplotlib."""
-    from .bench.report import pyplot
-
     plt = pyplot()
     if plt is None:
         return "no chart: pip install 'fastreduce[plot]'"

@@ -156,6 +156,16 @@ def test_no_import_circle() -> None:
                       f"through others; move the shared piece below both): {found}"
 
 
+def test_the_library_never_imports_the_bench() -> None:
+    """bench/ is a tool over the library (docs/design.md): no module outside it imports it, but
+    the command's dispatcher (``fastreduce bench``)."""
+    graph = import_graph()
+    into = {name: sorted(m for m in edges if m.startswith("fastreduce.bench"))
+            for name, edges in graph.items() if not name.startswith("fastreduce.bench") and name != "fastreduce.cli"}
+    assert "fastreduce.bench.report" in graph and "fastreduce.cli" in graph
+    assert not {k: v for k, v in into.items() if v}, "the library imports the bench"
+
+
 def test_modes_are_thin() -> None:
     """One concern per mode module, and no transport or device code in any (docs/design.md: modes
     stand on the comm and backends layers and pick neither)."""

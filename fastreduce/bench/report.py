@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from ..plan_cli import pyplot  # (the library's: `fastreduce plan --sweep` draws too)
+
 __all__ = ["CSV_FIELDS", "judge_ratios", "pyplot", "target_lines", "write_chart", "write_csv"]
 
 CSV_FIELDS = ("model", "method", "median_ms", "p10_ms", "p90_ms", "mb_wire", "speedup_vs_ddp")
@@ -38,17 +40,6 @@ def target_lines(targets: dict[str, dict[str, Any]], width: int = 22) -> list[st
         lines.append(f"  {'PASS' if t['pass'] else 'FAIL'}  {name:<{width}}{t['what']} = {value} "
                      f"({t['op']} {t['limit']})")
     return lines
-
-
-def pyplot() -> Any | None:
-    """``matplotlib.pyplot`` drawing to files (the Agg backend), or ``None`` without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
