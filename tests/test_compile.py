@@ -233,6 +233,7 @@ def parity(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("case", [*CASES, *(f"{n}-prewarmed" for n in PREWARMED)])
+@pytest.mark.cell("loop", "compile", modes=("fused", "overlap", "zero", "gossip", "localsgd", "diloco"))
 def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: str) -> None:
     backend, ranks = parity
     for rank, out in enumerate(ranks):

@@ -547,6 +547,7 @@ def _next_params(o: dict, k: int) -> dict:
 
 
 @pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)
+@pytest.mark.cell("loop", "train", modes=("gossip",))
 def test_mean_over_ranks_follows_sgd_on_the_mean_gradient(worlds, wc) -> None:
     """mean_r x_r(after step k) == mean_r snap_r(k) - lr * mean_r G_r(k), every step,
     global averages included: any doubly stochastic mixing preserves the mean.

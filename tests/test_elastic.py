@@ -447,6 +447,7 @@ def at_two(root: str, key: str) -> list[Any]:
 # ============================================================== Checkpointer
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.cell("loop", "resume", modes=("fused", "overlap", "zero", "gossip", "localsgd", "diloco"))
 def test_resume_equals_uninterrupted(root: str, kind: str) -> None:
     """Save, then fresh objects (other weights, other random state) load and train on:
     the same parameters as never stopping, on every rank."""
@@ -544,6 +545,7 @@ def test_checkpoint_from_another_model_raises_and_changes_nothing(root: str, why
         assert got["unchanged"]
 
 
+@pytest.mark.cell("loop", "reshard", modes=("zero",))
 def test_zero_loads_onto_another_world_size(root: str) -> None:
     saved = at_two(root, "saved-at-2")[0]["zero"]
     for r in spawn("three", three_ranks, 3, root):
@@ -553,6 +555,7 @@ def test_zero_loads_onto_another_world_size(root: str) -> None:
         assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
 
 
+@pytest.mark.cell("loop", "reshard", modes=("fused",))
 def test_fused_loads_onto_another_world_size(root: str) -> None:
     saved = at_two(root, "saved-at-2")[0]["fused"]
     for r in spawn("three", three_ranks, 3, root):

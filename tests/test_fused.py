@@ -621,6 +621,7 @@ def test_warm_reduce_op_count_does_not_grow_with_tensors(misc, wire, zero) -> No
 
 
 @pytest.mark.parametrize("name", list(TRAIN_CASES))
+@pytest.mark.cell("loop", "train", modes=("fused",))
 def test_training_matches_ddp(misc, name) -> None:
     outs = per_rank(misc, f"train-{name}")
     wire = TRAIN_CASES[name][1]

@@ -185,6 +185,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("run", list(COMPILED))
+@pytest.mark.cell("lightning", "compile", modes=("fused", "overlap"))
 def test_compiled_module_matches_eager(compiled: dict, run: str) -> None:
     """A compiled LightningModule fitted with FastReduceStrategy ends where the same module
     uncompiled ends with the same strategy (10 clipped AdamW steps, accumulation 2, fp32 wire).

@@ -94,6 +94,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.cell("lightning", "train")
 def test_lightning_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
     """Lightning in each mode ends where the mode's own loop ends, on every rank (1e-6):
     accumulation 2, clipping on every step, cosine schedule with warm-up, AdamW groups."""
@@ -112,6 +113,7 @@ def test_lightning_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.cell("lightning", "resume")
 def test_resume_from_the_lightning_checkpoint_equals_the_uninterrupted_run(runs: dict, mode: str) -> None:
     """Saved at step 10 by ``ModelCheckpoint`` (the mode's state in ``<ckpt>.fastreduce``),
     resumed by a new Trainer with ``fit(ckpt_path=...)``: at step 20 bit for bit the run that never stopped."""

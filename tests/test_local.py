@@ -785,6 +785,7 @@ def test_sync_every_1_matches_torch_ddp(worlds) -> None:
 
 
 @pytest.mark.parametrize("name", list(PERIODIC))
+@pytest.mark.cell("loop", "train", modes=("localsgd",))
 def test_periodic_averaging_matches_reference_loop(worlds, name) -> None:
     world, model_name, _, steps, H, warmup, buffers = PERIODIC[name]
     outs = per_rank(worlds(world), "periodic/" + name)
@@ -907,6 +908,7 @@ def test_diloco_default_bf16_wire_is_close_to_localsgd(worlds) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, spec in DILOCO.items() if spec[9] is not None])   # bf16: below
+@pytest.mark.cell("loop", "train", modes=("diloco",))
 def test_diloco_matches_reference_from_the_equations(worlds, name) -> None:
     world, model_name, _, steps, H, F, tau, alpha, outer, wire, _ = DILOCO[name]
     outs = per_rank(worlds(world), "diloco/" + name)

@@ -57,6 +57,7 @@ SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one 
     pytest.param("process_group", "after-reduce", False, marks=SLOW),
     pytest.param("shm", "in-backward", True, marks=SLOW), pytest.param("process_group", "between", False, marks=SLOW)])
 # (also passed at stop 53, left out for CI's time: after-reduce and between on shared memory)
+@pytest.mark.cell("loop", "train", membership=True, modes=("fused", "overlap"), against="equal")
 def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transport: str, where: str,
                                                         overlap: bool) -> None:
     """Killed mid-step (after backward), inside backward with the overlapped reducer's
@@ -111,6 +112,7 @@ def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed
 
 @SLOW
 @pytest.mark.parametrize("mode", ["overlap"])  # (fused passed too at stop 53; left out for CI's time)
+@pytest.mark.cell("loop", "compile", membership=True, against="equal")
 def test_a_compiled_model_keeps_training_through_a_loss_and_a_join(tmp_path: Path, mode: str) -> None:
     """The forward through torch.compile(model) (compiled once per process; each epoch's
     mode hooks the same parameters, the overlapped one's buckets in the compiled
@@ -125,6 +127,7 @@ def test_a_compiled_model_keeps_training_through_a_loss_and_a_join(tmp_path: Pat
 
 @pytest.mark.parametrize("mode, transport", [("diloco", "process_group"),
                                              pytest.param("localsgd", "shm", marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, against="equal")
 def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode: str, transport: str) -> None:
     """LocalSGD and DiLoCo (a sync every 4 steps, DiLoCo's in 2 fragments): a member lost
     before a sync fails it; every survivor puts its parameters, anchor, outer and inner
@@ -163,6 +166,7 @@ def adamw_on_the_mean(worlds: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("where, transport, joiners", [("after-vote", "process_group", 0),
                                                        pytest.param("mid-step", "process_group", 0, marks=SLOW),
                                                        pytest.param("mid-step", "shm", 1, marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, modes=("zero",))
 def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, where: str, transport: str,
                                                                joiners: int) -> None:
     """ZeRO (AdamW, ``redundant=True``, a bucket per layer): member 2 dies after the
@@ -202,6 +206,7 @@ def test_a_local_update_mode_goes_on_at_a_smaller_world(tmp_path: Path, mode: st
 
 @pytest.mark.parametrize("transport, where", [("process_group", "mid-step"),
                                              pytest.param("shm", "between", marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, modes=("gossip",), against="equal")
 def test_gossip_goes_on_over_the_survivors_ring(tmp_path: Path, transport: str, where: str) -> None:
     """Gossip (a ring, each bucket's AdamW inside the mode, commit() running the step's
     forward and backward): a member lost; the survivors drop the exchanges in flight, keep
@@ -496,6 +501,7 @@ its first backward (the members at their first step of the epoch with it)."""
     ("fused", "process_group"), ("fused", "shm"),
     *(pytest.param(m, t, marks=SLOW) for m in ("overlap", "zero", "localsgd", "diloco", "gossip")
       for t in ("process_group", "shm"))])
+@pytest.mark.cell("loop", "train", membership=True, against="equal")
 def test_a_joiner_lost_as_it_is_admitted_healed_or_in_its_first_step_is_a_loss_like_any_other(
         tmp_path: Path, mode: str, transport: str) -> None:
     """4 members (so that a Gloo ring has a member next to no joiner: it waits on a live

@@ -908,6 +908,7 @@ def test_bucket_mb_must_be_positive(solo, mb) -> None:
 # ============================================================== 9. training
 
 @pytest.mark.parametrize("name", list(TRAIN_CASES))
+@pytest.mark.cell("loop", "train", modes=("overlap",))
 def test_training_matches_ddp(w2, name) -> None:
     outs = per_rank(w2, f"train-{name}")
     for out in outs:

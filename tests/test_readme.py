@@ -257,6 +257,7 @@ def test_readme_lightning_zero(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.cell("loop", "train", membership=True, modes=("fused",))
 def test_membership(tmp_path: Path) -> None:
     """The README's ``Membership`` block, verbatim, in 4 plain processes (not torchrun)
     joined through a coordinator served here: every member reaches the last step with the

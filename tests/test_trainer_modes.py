@@ -63,6 +63,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.cell("hf", "train")
 def test_trainer_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
     """The Trainer in each mode ends where the mode's own loop ends, on every rank (1e-6):
     accumulation 2, clipping on every step, cosine schedule with warm-up, AdamW groups."""
@@ -78,6 +79,7 @@ def test_trainer_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.cell("hf", "resume")
 def test_resume_from_the_trainer_checkpoint_equals_the_uninterrupted_run(runs: dict, mode: str) -> None:
     """Saved at step 10 through ``save_steps``, resumed by a new Trainer with
     ``train(resume_from_checkpoint=...)``: at step 20 bit for bit the run that never stopped."""
@@ -105,6 +107,7 @@ def test_mixed_precision_equals_the_loop_under_autocast(runs: dict, mode: str) -
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", COMPILED)
+@pytest.mark.cell("hf", "compile")
 def test_compiled_trainer_equals_the_eager_one(runs: dict, mode: str) -> None:
     """``torch_compile=True`` (aot_eager: the same kernels) ends where the eager Trainer ends, to 1e-6."""
     for ours, ref in zip(runs[f"{mode}_compiled"], runs[f"{mode}_trainer"]):
@@ -261,6 +264,7 @@ def test_the_trainers_page_blocks_run(runs: dict, mode: str) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.cell("hf", "reshard", modes=("zero",))
 def test_zero_resumes_on_three_ranks(runs: dict) -> None:
     """The ZeRO checkpoint saved on 2 ranks resumes on 3: right after the load, the
     parameters and AdamW's state (torch.optim's format, gathered) are what was saved."""

@@ -173,6 +173,7 @@ INDUCTOR_EMBEDDING_BUG = pytest.mark.xfail(version_of("torch") < (2, 9), strict=
 @pytest.mark.timeout(520)
 @pytest.mark.parametrize("run", [pytest.param(run, marks=INDUCTOR_EMBEDDING_BUG) if run.endswith("inductor")
                                  else run for run in COMPILED])
+@pytest.mark.cell("hf", "compile", modes=("fused", "overlap"))
 def test_compiled_trainer_matches_eager(compiled: dict, run: str) -> None:
     """Under ``torch_compile``, FastReduceTrainer ends where the same trainer without it ends
     (4 clipped steps of gradient accumulation 2, fp32 wire; the overlapped mode too).
@@ -271,6 +272,7 @@ def test_import_is_lazy() -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", [None, "zero", "diloco"])
+@pytest.mark.cell("accelerate", "train", modes=("fused", "zero", "diloco"), against="equal")
 def test_accelerate_example(mode: str | None) -> None:
     """The Accelerate recipe trains in the mode asked for (the fused one by default; ZeRO, whose
     optimizer and clipping replace the plain ones; DiLoCo, whose ranks differ between syncs

@@ -598,6 +598,7 @@ def test_reference_is_deterministic_and_clips(parity, case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.name)
+@pytest.mark.cell("loop", "train", modes=("zero",))
 def test_params_match_reference(parity, case: Case) -> None:
     world, results = parity
     refs = per_rank(results, f"{case.name}/ref")
@@ -1569,6 +1570,7 @@ def test_world_independent_data_gives_the_same_run_at_3_ranks(ckpt) -> None:
 
 
 @pytest.mark.parametrize("name", ["dcp_load", "dcp_load-model_after"])
+@pytest.mark.cell("loop", "reshard", modes=("zero",))
 def test_dcp_checkpoint_saved_at_3_ranks_resumes_at_2(ckpt, name) -> None:
     want = ckpt["ref"]["params"][SAVE_AT:]
     outs = per_rank(ckpt["loaded"], name)

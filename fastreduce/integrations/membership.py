@@ -70,6 +70,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ..modes.contract import commit_style, membership_settings, settings_refusal
+from .cells import membership_refusal
 from .committing import CommittingOptimizer
 from .modes import TrainerMode
 
@@ -79,14 +80,11 @@ log = logging.getLogger(__name__)
 
 _NOT_HYPER = ("params", "foreach", "fused", "differentiable", "capturable")  # a param group's keys not set by schedules
 
-_UNSUPPORTED = {  # by commit style (modes/contract.py)
-    "gossip": "gossip steps each bucket during backward, so there is no point where a step commits",
-}
 
 
 def check_mode(mode: TrainerMode, who: str) -> None:
     """``ValueError`` for a mode a Membership cannot run."""
-    why = _UNSUPPORTED.get(commit_style(mode.cls))
+    why = membership_refusal(mode.name)
     if why is not None:
         raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
                          "use 'fused', 'overlap', 'localsgd' or 'diloco'")

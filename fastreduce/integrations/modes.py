@@ -83,6 +83,9 @@ class TrainerMode:
     """The mode clips the gradients its own way (:meth:`clip_grad_norm_`: ZeRO's global norm
     over the shards, gossip's per rank): the trainers route their clipping to it."""
 
+    compile_refusal: ClassVar[str] = ""
+    """Why the mode cannot train a model the trainer compiled (``torch_compile=True``), if it cannot."""
+
     failures: Callable[[RuntimeError], None] | None = None
     """Where a failure of the mode's own clipping goes instead of being raised (set by a
     trainer's Membership, whose commit then discards the step)."""
@@ -413,6 +416,7 @@ class Gossip(TrainerMode):
     fixed = ("model", "optim_fn", "lr_scheduler_fn", "scaler")
     clips = True
     per_rank = True
+    compile_refusal = "fastreduce mode 'gossip' trains the model through its own wrapper, not a model the trainer compiled"
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         if optimizer is None:
@@ -440,9 +444,7 @@ class Gossip(TrainerMode):
 
     def module_to_call(self, prepared: nn.Module) -> nn.Module:
         if prepared is not self.obj.module:
-            raise NotImplementedError("fastreduce mode 'gossip' trains the model through its own wrapper and does "
-                                      "not run on a model the trainer compiled or wrapped yet: turn torch_compile "
-                                      "off for it")
+            raise NotImplementedError(f"{self.compile_refusal} or wrapped: turn torch_compile off for it")
         return self.obj
 
     def no_sync(self):
