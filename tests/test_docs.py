@@ -198,7 +198,7 @@ def test_a_refused_cell_marked_as_tested_is_an_error() -> None:
     import matrix
     from fastreduce.integrations.cells import membership_refusal, refusal
 
-    assert refusal("gossip", "hf", True, "train") == membership_refusal("gossip") is not None
+    assert refusal("gossip", "lightning", True, "train") == membership_refusal("gossip", "lightning") is not None
     assert refusal("fused", "hf", True, "train") is None and refusal("localsgd", "loop", False, "reshard")
     with pytest.raises(SystemExit, match="refused .* but marked as shown"):
         matrix.render({("gossip", "lightning", True, "train"): {("tests/test_x.py::test_y", "reference")}})

@@ -57,12 +57,12 @@ def _final(trainer: str, tmp_path: Path, mode: str) -> list[dict]:
 @pytest.mark.parametrize("trainer, mode", [
     ("hf", "fused"), ("lightning", "fused"),
     pytest.param("hf", "overlap", marks=SLOW), pytest.param("hf", "localsgd", marks=SLOW),
-    pytest.param("lightning", "diloco", marks=SLOW), pytest.param("hf", "zero", marks=SLOW)])
+    pytest.param("lightning", "diloco", marks=SLOW), pytest.param("hf", "zero", marks=SLOW), ("hf", "gossip")])
 # (each mode in one trainer, for CI's time; the other trainer of each passed at stop 53, ZeRO's at stop 54)
 @pytest.mark.cell(None, "train", membership=True, against="equal")
 def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: str, mode: str) -> None:
     final = _final(trainer, tmp_path, mode)
-    local = mode in ("localsgd", "diloco")
+    local = mode in ("localsgd", "diloco")  # (gossip: a loss in backward discards the step, as in the fused modes)
     lrs = expected_lrs(STEPS)
     for f in final:
         assert f["global_step"] == STEPS and f["world"] == 3, (f["index"], f["global_step"], f["world"])
@@ -74,7 +74,10 @@ def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: st
     for f in final[:2]:  # the survivors
         c = f["counters"]
         assert f["joined_at"] == 0 and c["losses"] == 1 and c["joins"] == 1, c
-        assert c["discarded_steps"] == (0 if local else 1) and c["resyncs"] == (1 if local else 0), c
+        assert c["resyncs"] == (1 if local else 0), c
+        # (gossip: an exchange with the lost member may complete into Gloo's buffers, so that the
+        # loss is found at the next vote, where the step stands, or in the next step's exchanges)
+        assert c["discarded_steps"] == (0 if local else 1) or mode == "gossip" and c["discarded_steps"] <= 1, c
     if mode == "zero":  # the Membership ran the trainer's ZeroOptimizer, each shard on two ranks
         assert all(f["mode_class"] == "ZeroOptimizer" and f["redundant"] for f in final), final[0]["mode_class"]
     joiner = final[2]
@@ -111,7 +114,7 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="drop redundant=False"):
         TrainerMembership(m, make_mode("zero", {"redundant": False}), "T")
     with pytest.raises(ValueError, match="mode 'gossip' does not run under fastreduce.Membership"):
-        TrainerMembership(m, make_mode("gossip", {}), "T")
+        TrainerMembership(m, make_mode("gossip", {}), "T", "lightning")
     with pytest.raises(ValueError, match="fragment_delay > 0"):
         TrainerMembership(m, make_mode("diloco", {"sync_every": 4, "fragments": 2, "fragment_delay": 1}), "T")
     with pytest.raises(TypeError, match="must be a fastreduce.Membership"):

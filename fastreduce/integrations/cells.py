@@ -40,9 +40,10 @@ ASPECTS: dict[str, str] = {
 
 _COMPILED_BY_TRAINER = ("hf", "gaudi")  # the trainer compiles the model (torch_compile=True) before the mode sees it
 
-_MEMBERSHIP_STYLES = {  # by commit style (modes/contract.py): why a trainer cannot run it under a Membership
-    "gossip": "gossip steps each bucket during the trainer's backward, so there is no point where a trainer's "
-              "step commits",
+_MEMBERSHIP_REFUSED = {  # (commit style (modes/contract.py), way in): why that trainer cannot run it under a Membership
+    ("gossip", "lightning"): "FastReduceStrategy does not run gossip under fastreduce.Membership yet: gossip "
+                             "exchanges inside Lightning's closure (training step, backward), where an error of a "
+                             "lost member is not kept for the commit",
 }
 
 
@@ -52,8 +53,8 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     cls = MODES[mode].cls
     if way not in WAYS or aspect not in ASPECTS:
         raise ValueError(f"no such cell: way {way!r} (one of {sorted(WAYS)}), aspect {aspect!r} (one of {sorted(ASPECTS)})")
-    if membership and way in TRAINERS and commit_style(cls) in _MEMBERSHIP_STYLES:
-        return _MEMBERSHIP_STYLES[commit_style(cls)]
+    if membership and membership_refusal(mode, way):
+        return membership_refusal(mode, way)
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"
     if aspect == "compile" and way in _COMPILED_BY_TRAINER and MODES[mode].compile_refusal:
@@ -61,6 +62,7 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     return None
 
 
-def membership_refusal(mode: str) -> str | None:
-    """Why a trainer cannot run ``mode`` under a Membership at all (its commit style), or ``None``."""
-    return _MEMBERSHIP_STYLES.get(commit_style(MODES[mode].cls))
+def membership_refusal(mode: str, way: str) -> str | None:
+    """Why ``way`` (a trainer) cannot run ``mode`` under a Membership at all (its commit
+    style), or ``None``."""
+    return _MEMBERSHIP_REFUSED.get((commit_style(MODES[mode].cls), way))

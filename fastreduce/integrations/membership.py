@@ -53,7 +53,14 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   reduce-scatter and the shards' step). The trainer's norm clipping is ZeRO's global norm;
   a loss during it is raised again inside the commit, which discards the step.
 
-Refused under a Membership, with a message: gossip (no commit point), DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
+- **Gossip** (the HF Trainer): the trainer calls the current epoch's wrapper through
+  :class:`ModeModule`; its buckets step and exchange in the trainer's forward and backward,
+  whose error on a lost member is kept (the trainer's step goes on with no loss) and raised
+  again inside the commit, which discards the step; each survivor keeps its own state. The
+  run's last step takes every member's exact mean (``global_avg``), inside its commit.
+
+Refused under a Membership, with a message (:mod:`.cells`): gossip in Lightning, DiLoCo's
+``fragment_delay > 0``, a run without ``max_steps``
 (the steps per data epoch change with the world), an iterable dataset, data-loader worker
 processes (they draw ahead of the step), a process launched by ``torchrun``.
 """
@@ -74,7 +81,7 @@ from .cells import membership_refusal
 from .committing import CommittingOptimizer
 from .modes import TrainerMode
 
-__all__ = ["MembershipSampler", "TrainerMembership", "check_mode", "check_plain_process"]
+__all__ = ["MembershipSampler", "ModeModule", "TrainerMembership", "check_mode", "check_plain_process"]
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +89,12 @@ _NOT_HYPER = ("params", "foreach", "fused", "differentiable", "capturable")  # a
 
 
 
-def check_mode(mode: TrainerMode, who: str) -> None:
-    """``ValueError`` for a mode a Membership cannot run."""
-    why = membership_refusal(mode.name)
+def check_mode(mode: TrainerMode, who: str, way: str) -> None:
+    """``ValueError`` for a mode a Membership cannot run in ``way`` (a trainer: ``hf``, ``lightning``)."""
+    why = membership_refusal(mode.name, way)
     if why is not None:
         raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
-                         "use 'fused', 'overlap', 'localsgd' or 'diloco'")
+                         "use 'fused', 'overlap', 'zero', 'localsgd' or 'diloco'")
     refusal = settings_refusal(mode.cls, mode.config)
     if refusal is not None:
         raise ValueError(f"{who}: {refusal} under fastreduce.Membership")
@@ -252,6 +259,11 @@ class _Seen:
     def close(self, drain: bool = True) -> None:
         self.trainer_mode.close(drain)
 
+    @property
+    def membership_refusal(self) -> str | None:
+        """The mode's own (:func:`~fastreduce.modes.contract.check_membership` asks it)."""
+        return getattr(self.obj, "membership_refusal", None)
+
 
 class _Reduced(_Seen):
     """A fused mode: the reduction ran right after backward (before the trainer clipped);
@@ -260,9 +272,35 @@ class _Reduced(_Seen):
     commit_style = "reduce"
 
     def reduce(self) -> None:
-        err, self.owner.failed = self.owner.failed, None
-        if err is not None:
-            raise err
+        self.owner.raise_kept()
+
+
+class _Gossiped(_Seen):
+    """Gossip: its bucket steps and exchanges ran in the trainer's forward and backward (the
+    trainer calls :class:`ModeModule`); the commit raises their error again, if any, and at
+    a loss each survivor keeps its own state, the exchanges in flight dropped."""
+
+    commit_style = "gossip"
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return self.obj.local_state_dict()
+
+    def set_round(self, round_: int) -> None:
+        self.obj.set_round(round_)
+
+
+class ModeModule(torch.nn.Module):
+    """What a trainer calls under a Membership where the mode trains through a wrapper of its
+    own (gossip), which the Membership builds again at each epoch: each call goes through the
+    current epoch's wrapper (:meth:`TrainerMode.module_to_call`). ``module`` is the model."""
+
+    def __init__(self, module: torch.nn.Module, mode: TrainerMode):
+        super().__init__()
+        self.module, self.trainer_mode = module, mode
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mode = self.trainer_mode
+        return (self.module if mode.obj is None else mode.module_to_call(self.module))(*args, **kwargs)
 
 
 class _Local(_Seen):
@@ -289,9 +327,10 @@ class TrainerMembership:
         membership: the :class:`fastreduce.Membership`, not joined yet.
         mode: the trainer's :class:`~fastreduce.integrations.modes.TrainerMode`.
         who: the trainer's class name, for messages.
+        way: the trainer, as :mod:`.cells` names it (``hf``, ``lightning``).
     """
 
-    def __init__(self, membership: Any, mode: TrainerMode, who: str):
+    def __init__(self, membership: Any, mode: TrainerMode, who: str, way: str = "hf"):
         from ..membership import Membership
 
         if not isinstance(membership, Membership):
@@ -299,7 +338,7 @@ class TrainerMembership:
         if membership.epoch is not None:
             raise ValueError(f"{who}: the fastreduce.Membership has joined already; the trainer joins it when "
                              "training starts (with the model, optimizer, LR schedulers and data position)")
-        check_mode(mode, who)
+        check_mode(mode, who, way)
         self.m, self.mode, self.who = membership, mode, who
         self.failed: RuntimeError | None = None  # the fused reduction's error, raised again in the commit
         self.committed: bool | None = None  # whether the last optimizer step was committed
@@ -343,7 +382,7 @@ class TrainerMembership:
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
         self.mode.config.update(membership_settings(self.mode.cls))
-        self.mode.failures = self.keep
+        self.mode.failures, self.mode.optimizer_kept = self.keep, True
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
         self.m.join(state, self._build)
@@ -367,7 +406,7 @@ class TrainerMembership:
         style = commit_style(self.mode.obj)
         if style == "zero":  # the Membership runs the ZeroOptimizer itself (its vote, its shards)
             return self.mode.obj
-        return _Local(self.mode, self) if style == "local" else _Reduced(self.mode, self)
+        return {"local": _Local, "gossip": _Gossiped}.get(style, _Reduced)(self.mode, self)
 
     def keep(self, err: RuntimeError) -> None:
         """A failure of the mode's clipping (ZeRO's global norm, a collective), kept for the
@@ -378,13 +417,18 @@ class TrainerMembership:
         """``optimizer`` as the trainer is to step it: each step through :meth:`commit`."""
         return CommittingOptimizer(optimizer, self.commit)
 
+    def raise_kept(self) -> None:
+        """In the commit: the failure kept from the trainer's forward, backward or clipping
+        (a lost member), raised again where the Membership discards the step."""
+        err, self.failed = self.failed, None
+        if err is not None:
+            raise err
+
     def _zero_step(self) -> None:
         """ZeRO's step in the commit: a failure kept from clipping first (before the vote: the
         step is discarded); the hyperparameters of the trainer's optimizer (its LR schedulers'),
         then the mode's step."""
-        err, self.failed = self.failed, None
-        if err is not None:
-            raise err
+        self.raise_kept()
         facade = self._build_args[1]
         zero = self.mode.obj
         for ours, theirs in zip(zero.param_groups, [g for g in facade.param_groups if g["params"]]):
@@ -407,12 +451,18 @@ class TrainerMembership:
         sampler, pending = self.sampler, self.pending
 
         def step() -> None:
-            if commit_style(self.mode.obj) == "zero":
+            style = commit_style(self.mode.obj)
+            if style == "zero":
                 self._zero_step()
+            elif style == "gossip":  # its buckets stepped in backward: the trainer's step is none
+                self.raise_kept()
             else:
                 real_step()
-            if commit_style(self.m.mode) == "local" and pending == self.last_step:
-                self.m.mode.sync()  # the run's end: every member's parameters the same
+            if pending == self.last_step:  # the run's end: every member's parameters the same
+                if style == "local":
+                    self.m.mode.sync()
+                elif style == "gossip":
+                    self.mode.obj.global_avg()
             sampler.advance(pending)
 
         try:

@@ -83,8 +83,15 @@ class TrainerMode:
     """The mode clips the gradients its own way (:meth:`clip_grad_norm_`: ZeRO's global norm
     over the shards, gossip's per rank): the trainers route their clipping to it."""
 
+    wraps_module: ClassVar[bool] = False
+    """The trainer calls the mode's wrapper (:meth:`module_to_call`), not the model (gossip)."""
+
     compile_refusal: ClassVar[str] = ""
     """Why the mode cannot train a model the trainer compiled (``torch_compile=True``), if it cannot."""
+
+    optimizer_kept = False
+    """The trainer steps (and its LR schedulers drive) its own optimizer, not one the mode
+    gives back from :meth:`build` (under a Membership, which builds the mode at each epoch)."""
 
     failures: Callable[[RuntimeError], None] | None = None
     """Where a failure of the mode's own clipping goes instead of being raised (set by a
@@ -416,12 +423,14 @@ class Gossip(TrainerMode):
     fixed = ("model", "optim_fn", "lr_scheduler_fn", "scaler")
     clips = True
     per_rank = True
+    wraps_module = True
     compile_refusal = "fastreduce mode 'gossip' trains the model through its own wrapper, not a model the trainer compiled"
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         if optimizer is None:
             raise ValueError("fastreduce mode 'gossip' builds its optimizers like the trainer's, and there is none yet")
         steered = _Steered(optimizer)
+        driven = optimizer if self.optimizer_kept else steered  # the optimizer the LR schedulers drive
         defaults, hypers = rebuild_args(optimizer)
         group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
 
@@ -433,7 +442,7 @@ class Gossip(TrainerMode):
 
             def follow(o: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
                 for g, k in zip(o.param_groups, members):
-                    g["lr"] = steered.param_groups[k]["lr"]
+                    g["lr"] = driven.param_groups[k]["lr"]
 
             opt.register_step_pre_hook(follow)
             return opt

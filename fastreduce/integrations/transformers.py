@@ -52,7 +52,7 @@ from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
 from .committing import CommittingOptimizer, unwrapped
-from .membership import TrainerMembership, check_plain_process
+from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import TrainerMode, make_mode
 
@@ -178,9 +178,11 @@ class FastReduceMixin:
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """Prepare the model for training without DDP and build the mode (see the class)."""
         if training and self.fastreduce_membership is not None:  # the Membership builds the mode, at each epoch
+            if isinstance(model, ModeModule):
+                return model  # prepared by an earlier train()
             prepared = prepare_model_without_ddp(self.accelerator, model)
             self._fastreduce_model = self.accelerator.unwrap_model(prepared, keep_torch_compile=False)
-            return prepared
+            return ModeModule(prepared, self.fastreduce_mode) if self.fastreduce_mode.wraps_module else prepared
         if not training or not self._fastreduce_world():
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         accelerator = self.accelerator
@@ -235,7 +237,13 @@ class FastReduceMixin:
         state = self.accelerator.gradient_state
         sync = state.sync_gradients or bool(getattr(state, "plugin_kwargs", {}).get("sync_each_batch", False))
         with contextlib.nullcontext() if sync else mode.no_sync():
-            loss = super().training_step(model, inputs, *args, **kwargs)
+            try:
+                loss = super().training_step(model, inputs, *args, **kwargs)
+            except RuntimeError as err:  # gossip's exchanges in forward and backward: kept for the commit
+                if self.fastreduce_membership is None or not mode.wraps_module:
+                    raise
+                self.fastreduce_membership.keep(err)
+                return torch.zeros((), device=self.args.device)
         if sync:
             if self.fastreduce_membership is not None:
                 self.fastreduce_membership.after_backward()  # a loss: raised again in the commit
