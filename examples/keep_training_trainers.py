@@ -45,7 +45,7 @@ HEARTBEAT = "0.25"
 LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
 #                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
 PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arrives mid-run
-MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")  # (gossip: the HF Trainer only)
+MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 SETTINGS: dict[str, dict[str, Any]] = {
     "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
     "zero": {"bucket_mb": 0.0005},  # (redundant=True: set by the trainer under a Membership)

@@ -40,11 +40,8 @@ ASPECTS: dict[str, str] = {
 
 _COMPILED_BY_TRAINER = ("hf", "gaudi")  # the trainer compiles the model (torch_compile=True) before the mode sees it
 
-_MEMBERSHIP_REFUSED = {  # (commit style (modes/contract.py), way in): why that trainer cannot run it under a Membership
-    ("gossip", "lightning"): "FastReduceStrategy does not run gossip under fastreduce.Membership yet: gossip "
-                             "exchanges inside Lightning's closure (training step, backward), where an error of a "
-                             "lost member is not kept for the commit",
-}
+_MEMBERSHIP_REFUSED: dict[tuple[str, str], str] = {}  # (commit style (modes/contract.py), way in): why that
+# trainer cannot run it under a Membership (none today: gossip runs in both trainers)
 
 
 def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:

@@ -54,7 +54,7 @@ from ..modes.fused import FusedReducer, ReducerConfig
 from .lightning_checkpoints import CheckpointMixin
 from .lightning_membership import MembershipMixin, set_global_step
 from .lightning_optimizers import OptimizerMixin, by_norm_only
-from .membership import TrainerMembership, check_plain_process
+from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import MODES, TrainerMode, make_mode
 
@@ -229,6 +229,8 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         if self._membership is not None:  # built at each epoch by the Membership, which it joins at on_train_start
             self._membership.mode = mode
             self._membership.sampler = None
+            if mode.wraps_module:  # gossip: every forward through the current epoch's wrapper
+                self.model = ModeModule(self.model, mode)
             return
         optimizers = list(self.optimizers)
         if len(optimizers) > 1 and optimizer_role(mode.cls) != "user":  # the fused modes step the user's
@@ -373,7 +375,7 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         """Take the mode's hooks (and wrapper) off the module, parameters and optimizer, so
         that a second ``fit`` (a new mode) does not leave the old one's running."""
         self._unpatch_clipping()
-        if self._mode.obj is not None and self.model is self._mode.obj:
+        if isinstance(self.model, ModeModule) or self._mode.obj is not None and self.model is self._mode.obj:
             self.model = self.lightning_module
         self._mode.close()
 

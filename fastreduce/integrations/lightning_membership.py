@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .membership import TrainerMembership
+from .membership import ModeModule, TrainerMembership
 
 __all__ = ["MembershipMixin"]
 
@@ -69,6 +69,30 @@ class MembershipMixin:
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision if self._membership is not None else super().reduce_boolean_decision(decision, all)
+
+    # Gossip steps and exchanges inside the training step's forward and backward, which run in
+    # Lightning's closure: an error there on a lost member is kept for the commit (which
+    # discards the step), and the closure goes on with a loss that reaches no parameter.
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        glue = self._membership
+        if glue is None or not self._mode.wraps_module:
+            return super().training_step(*args, **kwargs)
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as err:
+            glue.keep(err)
+            return torch.zeros((), requires_grad=True)
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        glue = self._membership
+        if glue is None or not self._mode.wraps_module:
+            return super().backward(closure_loss, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, *args, **kwargs)
+        except RuntimeError as err:
+            glue.keep(err)
+            return closure_loss
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Under a Membership, the precision plugin steps the configured optimizer through

@@ -53,14 +53,14 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   reduce-scatter and the shards' step). The trainer's norm clipping is ZeRO's global norm;
   a loss during it is raised again inside the commit, which discards the step.
 
-- **Gossip** (the HF Trainer): the trainer calls the current epoch's wrapper through
-  :class:`ModeModule`; its buckets step and exchange in the trainer's forward and backward,
-  whose error on a lost member is kept (the trainer's step goes on with no loss) and raised
-  again inside the commit, which discards the step; each survivor keeps its own state. The
-  run's last step takes every member's exact mean (``global_avg``), inside its commit.
+- **Gossip**: the trainer calls the current epoch's wrapper through :class:`ModeModule`;
+  its buckets step and exchange in the trainer's forward and backward (Lightning's: in its
+  closure), whose error on a lost member is kept (the trainer's step goes on with a loss
+  that reaches no parameter) and raised again inside the commit, which discards the step;
+  each survivor keeps its own state. The run's last step takes every member's exact mean
+  (``global_avg``), inside its commit.
 
-Refused under a Membership, with a message (:mod:`.cells`): gossip in Lightning, DiLoCo's
-``fragment_delay > 0``, a run without ``max_steps``
+Refused under a Membership, with a message: DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
 (the steps per data epoch change with the world), an iterable dataset, data-loader worker
 processes (they draw ahead of the step), a process launched by ``torchrun``.
 """
