@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .membership import ModeModule, TrainerMembership
+from .membership import TrainerMembership
 
 __all__ = ["MembershipMixin"]
 
