@@ -38,8 +38,6 @@ ASPECTS: dict[str, str] = {
 }
 """What a cell is asked to do, with its name in the table."""
 
-_COMPILED_BY_TRAINER = ("hf", "gaudi")  # the trainer compiles the model (torch_compile=True) before the mode sees it
-
 _MEMBERSHIP_REFUSED: dict[tuple[str, str], str] = {}  # (commit style (modes/contract.py), way in): why that
 # trainer cannot run it under a Membership (none today: gossip runs in both trainers)
 
@@ -54,8 +52,6 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
         return membership_refusal(mode, way)
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"
-    if aspect == "compile" and way in _COMPILED_BY_TRAINER and MODES[mode].compile_refusal:
-        return MODES[mode].compile_refusal
     return None
 
 

@@ -86,9 +86,6 @@ class TrainerMode:
     wraps_module: ClassVar[bool] = False
     """The trainer calls the mode's wrapper (:meth:`module_to_call`), not the model (gossip)."""
 
-    compile_refusal: ClassVar[str] = ""
-    """Why the mode cannot train a model the trainer compiled (``torch_compile=True``), if it cannot."""
-
     optimizer_kept = False
     """The trainer steps (and its LR schedulers drive) its own optimizer, not one the mode
     gives back from :meth:`build` (under a Membership, which builds the mode at each epoch)."""
@@ -412,6 +409,18 @@ class _Steered(torch.optim.Optimizer):
             return closure()
 
 
+class CalledThrough(nn.Module):
+    """The model as the trainer prepared it (compiled), called through gossip's wrapper
+    (:meth:`~fastreduce.DecentralizedDataParallel.forward_through`)."""
+
+    def __init__(self, wrapper: DecentralizedDataParallel, prepared: nn.Module):
+        super().__init__()
+        self.wrapper, self.prepared = wrapper, prepared
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper.forward_through(self.prepared, *args, **kwargs)
+
+
 class Gossip(TrainerMode):
     """Gossip (:class:`~fastreduce.DecentralizedDataParallel`): each bucket's optimizer is the
     trainer's (its class, defaults and the param groups' hyperparameters; the group's ``lr``
@@ -424,7 +433,6 @@ class Gossip(TrainerMode):
     clips = True
     per_rank = True
     wraps_module = True
-    compile_refusal = "fastreduce mode 'gossip' trains the model through its own wrapper, not a model the trainer compiled"
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         if optimizer is None:
@@ -452,9 +460,12 @@ class Gossip(TrainerMode):
         return steered
 
     def module_to_call(self, prepared: nn.Module) -> nn.Module:
-        if prepared is not self.obj.module:
-            raise NotImplementedError(f"{self.compile_refusal} or wrapped: turn torch_compile off for it")
-        return self.obj
+        if prepared is self.obj.module:
+            return self.obj
+        if {id(p) for p in prepared.parameters()} != {id(p) for p in self.obj.module.parameters()}:
+            raise NotImplementedError("fastreduce mode 'gossip' trains the model it was built over, and the trainer "
+                                      "wrapped it in a module of other parameters: unwrap it")
+        return CalledThrough(self.obj, prepared)  # the model the trainer compiled, called through gossip's wrapper
 
     def no_sync(self):
         return self.obj.no_sync()

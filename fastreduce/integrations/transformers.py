@@ -54,7 +54,7 @@ from ..modes.fused import FusedReducer
 from .committing import CommittingOptimizer, unwrapped
 from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
-from .modes import TrainerMode, make_mode
+from .modes import CalledThrough, TrainerMode, make_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     import transformers
@@ -187,7 +187,8 @@ class FastReduceMixin:
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         accelerator = self.accelerator
         mode = self.fastreduce_mode
-        if model is mode.obj or accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
+        if model is mode.obj or isinstance(model, CalledThrough) or \
+                accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
             return model  # prepared by an earlier train() (e.g. compiled, or gossip's wrapper): keep it and its mode
         prepared = prepare_model_without_ddp(accelerator, model)
         inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)

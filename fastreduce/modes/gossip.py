@@ -204,9 +204,15 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
                                                  "halves the bytes)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_through(self.module, *args, **kwargs)
+
+    def forward_through(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The wrapper's forward, calling ``module`` in place of the module it wraps: the same
+        module compiled (``torch.compile(model)``, as a trainer compiles it), its parameters
+        the wrapped module's."""
         if self.module.training and torch.is_grad_enabled():
             self._before_forward()  # eager (eager_methods): a graph break where the wrapper is compiled
-        return self.module(*args, **kwargs)
+        return module(*args, **kwargs)
 
     @guarded("{cls}.forward() (closing the last step)", "The parameters are lost: some buckets "
              "took the last step and others did not.")
