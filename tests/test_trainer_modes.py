@@ -46,6 +46,7 @@ MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's 
 FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fastreduce/comm_share")  # every mode's
 MIXED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with bf16=True (autocast)
 COMPILED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with torch_compile=True
+RESHARDED = ("zero", "fused", "overlap")  # saved on 2 ranks, resumed on 3 (the others' state is each rank's own)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``{run: [per-rank facts]}`` of the 2-rank launch, then the 3-rank ZeRO resume's."""
     out = tmp_path_factory.mktemp("trainer_modes")
     torchrun(__file__, 2, "train", str(out), timeout=400)
-    torchrun(__file__, 3, "reshard", str(out), timeout=200)
+    torchrun(__file__, 3, "reshard", str(out), timeout=300)
     return load_runs(out) | {"dir": out}
 
 
@@ -259,11 +260,13 @@ def test_the_trainers_page_blocks_run(runs: dict, mode: str) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.cell("hf", "reshard", modes=("zero",))
-def test_zero_resumes_on_three_ranks(runs: dict) -> None:
-    """The ZeRO checkpoint saved on 2 ranks resumes on 3: right after the load, the
-    parameters and AdamW's state (torch.optim's format, gathered) are what was saved."""
-    saved, resharded = runs["zero_trainer"][0], runs["zero_reshard"]
+@pytest.mark.parametrize("mode", RESHARDED)
+@pytest.mark.cell("hf", "reshard")
+def test_a_checkpoint_resumes_on_three_ranks(runs: dict, mode: str) -> None:
+    """The checkpoint saved on 2 ranks (ZeRO's shards; the fused modes' replicated state)
+    resumes on 3: right after the load, the parameters and AdamW's state (torch.optim's
+    format; ZeRO's gathered) are what was saved, and training goes on."""
+    saved, resharded = runs[f"{mode}_trainer"][0], runs[f"{mode}_reshard"]
     for rank in resharded:
         assert rank["world"] == 3
         _close(rank["params"], saved["at_save"], 1e-6)
@@ -439,8 +442,8 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             if self.mode == "zero":  # a callback reads the parameters outside forward: wait for the gather
                 self.trainer.fastreduce_mode.obj.wait_params()
             self.facts["at_save"] = flat(model)
-            if self.mode == "zero":
-                sd = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer).state_dict()  # collective, torch.optim's format
+            if self.mode in RESHARDED:  # (zero: collective, torch.optim's format)
+                sd = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer).state_dict()
                 self.facts["optim_at_save"] = optim_facts(sd)
 
         def on_save(self, args, state, control, **kw):
@@ -634,23 +637,26 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             trainer_run(f"{mode}_bf16", mode, MODES[mode], bf16=True)
             loop_run(f"{mode}_bf16_loop", mode, MODES[mode], bf16=True)
         snippet_runs(out)  # (after bf16: accelerate < 1.14 runs them in bf16 too, which they do not mind)
-    elif what == "reshard":  # 3 ranks: the 2-rank ZeRO checkpoint, loaded and trained one step on
-        model = fresh()
-        trainer = Ordered(model=model, args=arguments("zero_reshard", steps=SAVE + 1), train_dataset=train_data, eval_dataset=eval_data,
-                          fastreduce_mode="zero")
-        facts: dict = {"world": world}
+    elif what == "reshard":  # 3 ranks: each 2-rank checkpoint whose state loads onto any world size, trained one step on
+        for mode in RESHARDED:
+            model = fresh()
+            trainer = Ordered(model=model, args=arguments(f"{mode}_reshard", steps=SAVE + 1), train_dataset=train_data,
+                              eval_dataset=eval_data, fastreduce_mode=mode, fastreduce_config=MODES[mode])
+            facts: dict = {"world": world}
 
-        class AtLoad(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kw):
-                trainer.fastreduce_mode.obj.wait_params()
-                facts["params"] = flat(model)
-                facts["optim"] = optim_facts(trainer.fastreduce_mode.obj.state_dict())
+            class AtLoad(TrainerCallback):
+                def on_train_begin(self, args, state, control, **kw):
+                    if mode == "zero":
+                        trainer.fastreduce_mode.obj.wait_params()
+                    facts["params"] = flat(model)
+                    opt = trainer.fastreduce_mode.obj if mode == "zero" else trainer.optimizer.optimizer
+                    facts["optim"] = optim_facts(opt.state_dict())
 
-        trainer.add_callback(AtLoad())
-        trainer.train(resume_from_checkpoint=str(out / "zero_trainer" / f"checkpoint-{SAVE}"))
-        facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
-                                                                                          facts["params"])
-        save("zero_reshard", facts)
+            trainer.add_callback(AtLoad())
+            trainer.train(resume_from_checkpoint=str(out / f"{mode}_trainer" / f"checkpoint-{SAVE}"))
+            facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
+                                                                                              facts["params"])
+            save(f"{mode}_reshard", facts)
     leave()
 
 
