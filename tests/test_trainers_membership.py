@@ -149,6 +149,35 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Path, trainer: str) -> None:
+    """Resuming under a Membership would restart the job's step count at 0 (a wrong run, no
+    error): refused before anything trains, in the matrix's words (cells.py)."""
+    from fastreduce.integrations.cells import RESUME_UNDER_MEMBERSHIP
+    from fastreduce.membership import Membership, serve
+
+    _need(trainer)
+    server = serve(0, "127.0.0.1")
+    m = Membership(f"127.0.0.1:{server.port}", world_size=2)
+    if trainer == "hf":
+        from transformers import TrainingArguments
+
+        from fastreduce.integrations.transformers import FastReduceTrainer
+
+        run = FastReduceTrainer(model=torch.nn.Linear(2, 2), train_dataset=[{"x": torch.zeros(2)}] * 4,
+                                args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                                       max_steps=2), fastreduce_membership=m)
+        with pytest.raises(ValueError, match="resumes no checkpoint yet") as info:
+            run.train(resume_from_checkpoint=str(tmp_path))
+    else:
+        from fastreduce.integrations.lightning import FastReduceStrategy
+
+        with pytest.raises(ValueError, match="resumes no checkpoint yet") as info:
+            FastReduceStrategy("fused", membership=m).load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert RESUME_UNDER_MEMBERSHIP in str(info.value) and m.epoch is None  # nothing joined, nothing trained
+
+
+@pytest.mark.timeout(60)
 def test_the_optimizer_a_trainer_steps_under_membership_is_the_users_wrapped() -> None:
     """CommittingOptimizer: an LR scheduler (a warm-up, then a step decay) built over it steps
     the wrapped AdamW exactly as it steps a bare one (bit for bit), without torch's scheduler

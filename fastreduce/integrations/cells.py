@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..modes.contract import commit_style, state_scope
 from .modes import MODES
 
-__all__ = ["ASPECTS", "TRAINERS", "WAYS", "membership_refusal", "refusal"]
+__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "TRAINERS", "WAYS", "membership_refusal", "refusal"]
 
 WAYS: dict[str, str] = {
     "loop": "your own loop",
@@ -42,6 +42,13 @@ _MEMBERSHIP_REFUSED: dict[tuple[str, str], str] = {}  # (commit style (modes/con
 # trainer cannot run it under a Membership (none today: gossip runs in both trainers)
 
 
+RESUME_UNDER_MEMBERSHIP = (
+    "a trainer under fastreduce.Membership resumes no checkpoint yet (the job's committed steps count from 0 "
+    "with its first members): start the job afresh; a lost member needs no checkpoint, its replacement takes "
+    "the state from the live members")
+"""Why a trainer under a Membership refuses to resume a checkpoint (asked by both trainers)."""
+
+
 def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     """Why the cell (``mode``, ``way``, under a Membership or not, ``aspect``) cannot exist, in
     the words the code refuses it with; ``None`` where it can."""
@@ -50,6 +57,8 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
         raise ValueError(f"no such cell: way {way!r} (one of {sorted(WAYS)}), aspect {aspect!r} (one of {sorted(ASPECTS)})")
     if membership and membership_refusal(mode, way):
         return membership_refusal(mode, way)
+    if membership and way in TRAINERS and aspect in ("resume", "reshard"):
+        return RESUME_UNDER_MEMBERSHIP
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"
     return None

@@ -7,6 +7,8 @@ import os
 import shutil
 from typing import Any
 
+from .cells import RESUME_UNDER_MEMBERSHIP
+
 __all__ = ["CheckpointMixin"]
 
 _SUFFIX = ".fastreduce"  # the mode's state, beside a Lightning checkpoint file
@@ -40,6 +42,8 @@ class CheckpointMixin:
             shutil.rmtree(os.fspath(filepath) + _SUFFIX, ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self._membership is not None:
+            raise ValueError(f"FastReduceStrategy: {RESUME_UNDER_MEMBERSHIP}")
         self._resume_from = os.fspath(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 

@@ -51,6 +51,7 @@ from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
+from .cells import RESUME_UNDER_MEMBERSHIP
 from .committing import CommittingOptimizer, unwrapped
 from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
@@ -205,6 +206,8 @@ class FastReduceMixin:
         (:func:`fastreduce.shutdown`: the communication in flight finished first), so a
         ``dist.destroy_process_group()`` or the interpreter's exit after it meets none of
         them. Whatever runs next (``evaluate()``, another ``train()``) starts them again."""
+        if self.fastreduce_membership is not None and (kwargs.get("resume_from_checkpoint") or args and args[0]):
+            raise ValueError(f"{type(self).__name__}: {RESUME_UNDER_MEMBERSHIP}")
         result = super().train(*args, **kwargs)
         shutdown()
         return result
