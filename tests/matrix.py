@@ -9,7 +9,7 @@ loop, ``torch.optim``, the run without a checkpoint, the eager model) is marked.
 
     python tests/matrix.py            # print the matrix
     python tests/matrix.py --write    # write it into docs/trainers.md, between its markers
-    python tests/matrix.py --check    # exit 1 where docs/trainers.md's differs (tests/test_docs.py)
+    python tests/matrix.py --check    # exit 1 where docs/trainers.md's differs (tests/test_matrix.py)
 """
 
 from __future__ import annotations

@@ -173,33 +173,3 @@ def test_the_checker_finds_broken_links(tmp_path: Path) -> None:
     assert (tmp_path / "docs" / "b.md").resolve() not in readme_links
     assert (tmp_path / "README.md").resolve() in linked_files(tmp_path / "docs" / "a.md")
 
-
-# ============================================================== the support matrix
-
-@pytest.mark.timeout(180)
-def test_the_trainers_support_matrix_is_generated_and_current() -> None:
-    """docs/trainers.md's matrix is what tests/matrix.py makes of the tests' cell marks and the
-    refusals of fastreduce.integrations.cells now (a new mark, test or refusal: run
-    ``python tests/matrix.py --write``)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "matrix.py"), "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-
-
-def test_a_refused_cell_marked_as_tested_is_an_error() -> None:
-    """The matrix does not let a test claim a cell the code refuses (one of the two is wrong),
-    and names a refusal in the trainers' own words."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    import matrix
-    from fastreduce.integrations.cells import refusal
-
-    assert "loads onto the world size it was saved at" in refusal("localsgd", "hf", False, "reshard")
-    assert refusal("gossip", "lightning", True, "train") is None and refusal("zero", "hf", False, "reshard") is None
-    with pytest.raises(SystemExit, match="refused .* but marked as shown"):
-        matrix.render({("gossip", "hf", False, "reshard"): {("tests/test_x.py::test_y", "reference")}})
-    assert "| fused | tested (T1) |" in matrix.render({("fused", "loop", False, "train"): {("t::a", "reference")}})
