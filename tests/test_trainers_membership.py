@@ -185,7 +185,7 @@ def test_the_optimizer_a_trainer_steps_under_membership_is_the_users_wrapped() -
     the parameters and the moments as they were; its state dicts are the wrapped one's."""
     import warnings
 
-    from fastreduce.integrations.committing import CommittingOptimizer, unwrapped
+    from fastreduce.integrations.committing import CommittingOptimizer, commits, unwrapped
 
     def run(wrap: bool, discard: set[int]) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
         torch.manual_seed(0)
@@ -234,5 +234,6 @@ def test_the_optimizer_a_trainer_steps_under_membership_is_the_users_wrapped() -
     CommittingOptimizer(fresh, lambda step: True).load_state_dict(wrapped_opt.state_dict())
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], wrapped_opt.state_dict()["state"][0]["exp_avg"])
     assert unwrapped(c) is wrapped_opt and c.param_groups is wrapped_opt.param_groups
+    assert commits(c) and not commits(wrapped_opt)
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
         CommittingOptimizer(object(), lambda step: True)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CommittingOptimizer", "unwrapped"]
+__all__ = ["CommittingOptimizer", "commits", "unwrapped"]
 
 
 class CommittingOptimizer(torch.optim.Optimizer):
@@ -77,10 +77,22 @@ class CommittingOptimizer(torch.optim.Optimizer):
         return f"CommittingOptimizer({self.optimizer!r})"
 
 
-def unwrapped(optimizer: Any) -> Any:
-    """The trainer's own optimizer inside Accelerate's wrapper and a :class:`CommittingOptimizer`
-    (each holds it as ``.optimizer``)."""
+def _chain(optimizer: Any) -> list[Any]:
+    """``optimizer``, then each optimizer inside Accelerate's wrapper and a
+    :class:`CommittingOptimizer` (each holds it as ``.optimizer``)."""
     accelerated = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", ())
-    while isinstance(optimizer, (CommittingOptimizer, accelerated)):
-        optimizer = optimizer.optimizer
-    return optimizer
+    out = [optimizer]
+    while isinstance(out[-1], (CommittingOptimizer, accelerated)):
+        out.append(out[-1].optimizer)
+    return out
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The trainer's own optimizer inside Accelerate's wrapper and a :class:`CommittingOptimizer`."""
+    return _chain(optimizer)[-1]
+
+
+def commits(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps through a commit: a :class:`CommittingOptimizer`, or one
+    inside Accelerate's wrapper (a trainer's second ``train()``)."""
+    return any(isinstance(o, CommittingOptimizer) for o in _chain(optimizer))

@@ -52,7 +52,7 @@ from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
 from .cells import RESUME_UNDER_MEMBERSHIP
-from .committing import CommittingOptimizer, unwrapped
+from .committing import commits, unwrapped
 from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import CalledThrough, TrainerMode, make_mode
@@ -218,7 +218,7 @@ class FastReduceMixin:
         the model is prepared already."""
         optimizer = super().create_optimizer(*args, **kwargs)
         glue = self.fastreduce_membership
-        if glue is not None and not isinstance(self.optimizer, CommittingOptimizer):
+        if glue is not None and not commits(self.optimizer):
             self.optimizer = glue.optimizer(self.optimizer)  # each step commits through the Membership
         self._fastreduce_build()
         return self.optimizer if self.optimizer is not None else optimizer
