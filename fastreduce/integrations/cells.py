@@ -13,10 +13,10 @@ its reason, and the table cannot go stale unnoticed.
 
 from __future__ import annotations
 
-from ..modes.contract import commit_style, state_scope
+from ..modes.contract import state_scope
 from .modes import MODES
 
-__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "TRAINERS", "WAYS", "membership_refusal", "refusal"]
+__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "TRAINERS", "WAYS", "refusal"]
 
 WAYS: dict[str, str] = {
     "loop": "your own loop",
@@ -38,10 +38,6 @@ ASPECTS: dict[str, str] = {
 }
 """What a cell is asked to do, with its name in the table."""
 
-_MEMBERSHIP_REFUSED: dict[tuple[str, str], str] = {}  # (commit style (modes/contract.py), way in): why that
-# trainer cannot run it under a Membership (none today: gossip runs in both trainers)
-
-
 RESUME_UNDER_MEMBERSHIP = (
     "a trainer under fastreduce.Membership resumes no checkpoint yet (the job's committed steps count from 0 "
     "with its first members): start the job afresh; a lost member needs no checkpoint, its replacement takes "
@@ -55,16 +51,9 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     cls = MODES[mode].cls
     if way not in WAYS or aspect not in ASPECTS:
         raise ValueError(f"no such cell: way {way!r} (one of {sorted(WAYS)}), aspect {aspect!r} (one of {sorted(ASPECTS)})")
-    if membership and membership_refusal(mode, way):
-        return membership_refusal(mode, way)
     if membership and way in TRAINERS and aspect in ("resume", "reshard"):
         return RESUME_UNDER_MEMBERSHIP
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"
     return None
 
-
-def membership_refusal(mode: str, way: str) -> str | None:
-    """Why ``way`` (a trainer) cannot run ``mode`` under a Membership at all (its commit
-    style), or ``None``."""
-    return _MEMBERSHIP_REFUSED.get((commit_style(MODES[mode].cls), way))

@@ -167,7 +167,7 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         self._membership: TrainerMembership | None = None
         if membership is not None:
             check_plain_process("FastReduceStrategy")
-            self._membership = TrainerMembership(membership, self._mode, "FastReduceStrategy", "lightning")
+            self._membership = TrainerMembership(membership, self._mode, "FastReduceStrategy")
             self._broadcast_buffers = False  # no collective outside a commit: buffers stay each member's own
         super().__init__(**kwargs)
         self._blocked = False

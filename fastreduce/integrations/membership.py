@@ -75,7 +75,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..modes.contract import commit_style, membership_settings, settings_refusal
-from .cells import membership_refusal
 from .committing import CommittingOptimizer
 from .membership_data import MembershipSampler
 from .modes import TrainerMode
@@ -87,13 +86,8 @@ log = logging.getLogger(__name__)
 _NOT_HYPER = ("params", "foreach", "fused", "differentiable", "capturable")  # a param group's keys not set by schedules
 
 
-
-def check_mode(mode: TrainerMode, who: str, way: str) -> None:
-    """``ValueError`` for a mode a Membership cannot run in ``way`` (a trainer: ``hf``, ``lightning``)."""
-    why = membership_refusal(mode.name, way)
-    if why is not None:
-        raise ValueError(f"{who}: fastreduce mode {mode.name!r} does not run under fastreduce.Membership ({why}); "
-                         "use 'fused', 'overlap', 'zero', 'localsgd' or 'diloco'")
+def check_mode(mode: TrainerMode, who: str) -> None:
+    """``ValueError`` for a mode's settings a Membership cannot run (every mode runs under one)."""
     refusal = settings_refusal(mode.cls, mode.config)
     if refusal is not None:
         raise ValueError(f"{who}: {refusal} under fastreduce.Membership")
@@ -220,10 +214,9 @@ class TrainerMembership:
         membership: the :class:`fastreduce.Membership`, not joined yet.
         mode: the trainer's :class:`~fastreduce.integrations.modes.TrainerMode`.
         who: the trainer's class name, for messages.
-        way: the trainer, as :mod:`.cells` names it (``hf``, ``lightning``).
     """
 
-    def __init__(self, membership: Any, mode: TrainerMode, who: str, way: str = "hf"):
+    def __init__(self, membership: Any, mode: TrainerMode, who: str):
         from ..membership import Membership
 
         if not isinstance(membership, Membership):
@@ -231,7 +224,7 @@ class TrainerMembership:
         if membership.epoch is not None:
             raise ValueError(f"{who}: the fastreduce.Membership has joined already; the trainer joins it when "
                              "training starts (with the model, optimizer, LR schedulers and data position)")
-        check_mode(mode, who, way)
+        check_mode(mode, who)
         self.m, self.mode, self.who = membership, mode, who
         self.failed: RuntimeError | None = None  # the fused reduction's error, raised again in the commit
         self.committed: bool | None = None  # whether the last optimizer step was committed
