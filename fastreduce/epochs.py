@@ -24,6 +24,7 @@ import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.torch_internals as torch_internals
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorClient, Epoch, MembershipError, epoch_key
+from .exit_quiet import quiet_backends
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
@@ -465,6 +466,7 @@ class EpochChanges(CoordinatorClient):
         if dist.is_initialized():
             if abandon:  # a collective may still wait on a lost peer: never join its thread
                 faults_watchdog.abandon_groups()
+            quiet_backends()  # (lifecycle.shutdown's note: a Gloo thread still letting go of a work)
             dist.destroy_process_group()
 
 

@@ -27,6 +27,14 @@ a peer that hangs or a partition can hold for the group's timeout, at the exit o
 failed already; with a bounded destroy at exit, a CI rehearsal's two-host bench launch did
 not end within torchrun's 300 s exit barrier.) fastreduce holds no process group of its user's strongly (the
 modes keep the default group by a weak reference), so a group its user destroys goes.
+
+The same thread can hold up a group's end inside a run: the last reference to a group let go
+of on the main thread (a DDP's reducer going with its function's end, after
+``destroy_process_group()``) joins the group's threads with the GIL held, while a Gloo thread
+waits for the GIL to let go of the last work: a deadlock (a CI rehearsal's network bench,
+py-spy: the main thread in ``~ProcessGroupGloo`` -> ``thread::join``, the worker in
+``~AsyncAllgatherWork`` -> ``gil_scoped_acquire``). So :func:`.lifecycle.shutdown` ends with
+:func:`quiet_backends` too, and a Membership calls it before it ends an epoch's group.
 """
 
 from __future__ import annotations
@@ -66,7 +74,9 @@ def native_threads_running() -> int:
 def quiet_backends(within: float = QUIET_S) -> bool:
     """Release the GIL until no thread of a backend's runs, at two looks in a row (at most
     ``within`` seconds; whether it came to that): a thread waiting for the GIL to let go of a
-    work gets it while this one sleeps, then sleeps itself. Called at the interpreter's exit."""
+    work gets it while this one sleeps, then sleeps itself. Called by :func:`.lifecycle.shutdown`
+    (at the interpreter's exit, at the end of the trainers' runs, before a group is destroyed)
+    and before a Membership ends an epoch's group."""
     deadline = time.monotonic() + within
     calm = 0
     while time.monotonic() < deadline:

@@ -89,6 +89,10 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
     names of those that did not end within ``timeout`` seconds each (``[]``: all ended).
     Idempotent; whatever is used afterwards starts again. ``rest=False``: this process is
     leaving (its heartbeat's silence then reads as a loss to the others; see the module's note).
+    Then the backends' threads are let finish what they hold (:func:`.exit_quiet.quiet_backends`,
+    the GIL released, milliseconds): a group destroyed next, or let go of with the last
+    reference to it (a DDP's), joins its threads with the GIL held, and a Gloo thread still
+    to let go of a work (which takes the GIL) would wait on it forever.
 
     Example::
 
@@ -96,10 +100,13 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
         fastreduce.shutdown()            # the trainers and Membership.close() call it too
         dist.destroy_process_group()
     """
+    from .exit_quiet import quiet_backends  # imported only now (nothing of it imports lifecycle)
+
     stuck = []
     while True:
         with _lock:
             if not _running:
+                quiet_backends()
                 return stuck
             _, thing = _running.popitem()  # the last started
         ended = thing.stop(timeout, rest=rest) if getattr(thing, "rests", False) else thing.stop(timeout)
@@ -109,9 +116,6 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
 
 def _at_exit() -> None:
     shutdown(rest=False)
-    from .exit_quiet import quiet_backends  # imported only now (nothing of it imports lifecycle)
-
-    quiet_backends()
 
 
 atexit.register(_at_exit)

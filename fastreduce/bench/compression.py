@@ -186,6 +186,7 @@ def worker(cfg: CompressionConfig, out: str) -> None:
     result = measure("mlp", cfg)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
+    fastreduce.shutdown()  # the backends' threads let finish before the group goes (fastreduce/exit_quiet.py)
     dist.destroy_process_group()
 
 

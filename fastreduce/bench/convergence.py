@@ -545,6 +545,7 @@ def worker(cfg: ConvergenceConfig, out: str) -> None:
     result = train_all(cfg)
     if result is not None:
         Path(out).write_text(json.dumps(result))
+    fastreduce.shutdown()  # the backends' threads let finish before the group goes (fastreduce/exit_quiet.py)
     dist.destroy_process_group()
 
 

@@ -170,6 +170,7 @@ def worker(cfg: DefaultsConfig, out: str) -> None:
     if rank == 0:
         import json
         Path(out).write_text(json.dumps(result))
+    fastreduce.shutdown()  # the backends' threads let finish before the group goes (fastreduce/exit_quiet.py)
     dist.destroy_process_group()
 
 

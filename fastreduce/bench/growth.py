@@ -148,6 +148,7 @@ def worker(cfg: GrowthConfig, out: str) -> None:
         Path(out).write_text(json.dumps({"params": params, "probe": {"latency_s": link.latency_s,
                                                                      "bytes_per_s": link.bytes_per_s},
                                          "modes": results}))
+    fastreduce.shutdown()  # the backends' threads let finish before the group goes (fastreduce/exit_quiet.py)
     dist.destroy_process_group()
 
 

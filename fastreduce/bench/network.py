@@ -173,6 +173,7 @@ def worker(cfg: NetworkConfig, out: str) -> None:
                            "ops_compiled": captured.get(m.name, 0),
                            "ranks_agree": len({s[m.name] for _, s in per_rank}) == 1} for m in methods}
         Path(out).write_text(json.dumps(result))
+    fastreduce.shutdown()  # (the backends' threads let finish: the DDP's group goes with this function's end)
     dist.destroy_process_group()
 
 

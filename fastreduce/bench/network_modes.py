@@ -248,6 +248,7 @@ def worker(cfg: ModesConfig, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps({"target": target, "modes": {n: _summary(r, cfg, target, n)
                                                                      for n, r in results.items()}}))
+    fastreduce.shutdown()  # the backends' threads let finish before the group goes (fastreduce/exit_quiet.py)
     dist.destroy_process_group()
 
 
