@@ -214,6 +214,7 @@ class Gossip(TrainerMode):
     clips = True
     per_rank = True
     wraps_module = True
+    _called: CalledThrough | None = None
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         if optimizer is None:
@@ -243,10 +244,14 @@ class Gossip(TrainerMode):
     def module_to_call(self, prepared: nn.Module) -> nn.Module:
         if prepared is self.obj.module:
             return self.obj
+        called = self._called  # (asked at every forward under a Membership: ModeModule)
+        if called is not None and called.wrapper is self.obj and called.prepared is prepared:
+            return called
         if {id(p) for p in prepared.parameters()} != {id(p) for p in self.obj.module.parameters()}:
             raise NotImplementedError("fastreduce mode 'gossip' trains the model it was built over, and the trainer "
                                       "wrapped it in a module of other parameters: unwrap it")
-        return CalledThrough(self.obj, prepared)  # the model the trainer compiled, called through gossip's wrapper
+        self._called = CalledThrough(self.obj, prepared)  # the model the trainer compiled, through gossip's wrapper
+        return self._called
 
     def no_sync(self):
         return self.obj.no_sync()
@@ -290,4 +295,8 @@ def make_mode(name: str | None, config: Mapping[str, Any] | None, eval_params: s
         name = "overlap" if config.pop("overlap", False) else "fused"
     if name not in MODES:
         raise ValueError(f"unknown fastreduce mode {name!r}: choose one of {', '.join(MODES)}")
+    if eval_params == "own" and not MODES[name].per_rank:
+        raise ValueError(f"fastreduce mode {name!r} keeps the same parameters on every rank, so there are "
+                         "no ranks' own parameters to evaluate (eval_params='own'): drop it, or pick a mode "
+                         f"whose ranks train their own ({', '.join(n for n, m in MODES.items() if m.per_rank)})")
     return MODES[name](config, eval_params)

@@ -62,10 +62,6 @@ class TrainerMode:
         self.check(self.config)
         if eval_params not in EVAL_PARAMS:
             raise ValueError(f"eval_params must be one of {', '.join(map(repr, EVAL_PARAMS))}, got {eval_params!r}")
-        if eval_params == "own" and not self.per_rank:
-            raise ValueError(f"fastreduce mode {self.name!r} keeps the same parameters on every rank, so there are "
-                             "no ranks' own parameters to evaluate (eval_params='own'): drop it, or pick a mode "
-                             f"whose ranks train their own ({', '.join(m.name for m in _kinds() if m.per_rank)})")
         self.eval_params = eval_params
         self.obj: Any = None  # the mode object, once built
         self._last = (time.perf_counter(), 0)  # (when, steps) the figures were last read
@@ -235,11 +231,3 @@ def rebuild_args(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list
                and not (k in _IMPLEMENTATION and v in (None, False))} for g in optimizer.param_groups]
     return defaults, hypers
 
-
-def _kinds(base: type[TrainerMode] | None = None) -> list[type[TrainerMode]]:
-    """Every adapter class with a name (the registry's, :data:`.modes.MODES`), in the order
-    they were defined."""
-    out: list[type[TrainerMode]] = []
-    for c in (base or TrainerMode).__subclasses__():
-        out += ([c] if "name" in vars(c) else []) + _kinds(c)
-    return out
