@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import pytest
 
@@ -61,33 +61,43 @@ QUICK: dict[str, tuple[str, ...]] = {
 # default stack, make test-durations), so that none of them is the tail of the run; the
 # rest follow in pytest-randomly's order.
 
-INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_info.py", "test_readme.py",
+INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_readme.py",
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
                "test_optimum_habana.py", "test_membership.py", "test_membership_partition.py",
                "test_trainers_membership.py", "test_store_load.py", "test_exits.py")
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
-         "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
+         "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py*", "test_elastic.py",
          "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
          "test_shm.py", "test_overlap.py", "test_lightning.py", "test_partition.py::*")
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
 
 
-def xdist_group(node: str) -> str:
+SHARED = {"test_bench.py": {"quick_run", "result"}}
+"""Files whose tests share a module fixture only where they name one of these: the others
+each start their own run (a bench suite's), and are spread test by test."""
+
+
+def xdist_group(node: str, fixtures: Iterable[str] = ()) -> str:
     file = node.split("::", 1)[0]
-    return node if file in INDEPENDENT else file
+    alone = file in INDEPENDENT or (file in SHARED and not SHARED[file] & set(fixtures))
+    return node if alone else file
 
 
-def _start_rank(node: str) -> int:
-    group = xdist_group(node)
+def _node(item: pytest.Item) -> str:
+    return item.nodeid.split("tests/", 1)[-1].split("@", 1)[0]
+
+
+def _start_rank(item: pytest.Item) -> int:
+    group = xdist_group(_node(item), item.fixturenames)
     return next((k for k, p in enumerate(FIRST) if matches(group, p)), len(FIRST))
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_start_longest_first(items: list[pytest.Item]) -> None:
     """After pytest-randomly's shuffle and pytest's grouping by fixture (a stable sort)."""
-    items.sort(key=lambda item: _start_rank(item.nodeid.split("tests/", 1)[-1].split("@", 1)[0]))
+    items.sort(key=_start_rank)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown, and so an error, under -p no:xdist (make test-scale)
@@ -144,7 +154,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unmatched = set(patterns)
     for item in items:
         node = item.nodeid.split("tests/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(xdist_group(node)))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(node, item.fixturenames)))
         hits = {p for p in patterns if matches(node, p)}
         if hits:
             item.add_marker(pytest.mark.quick)

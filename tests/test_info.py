@@ -14,7 +14,9 @@ software, one that prints while importing); the real packages only where install
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -49,9 +51,15 @@ def _run(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None 
     return proc
 
 
-def _json(env: dict[str, str] | None = None, pythonpath: Path | None = None) -> dict[str, Any]:
-    proc = _run("--json", env=env, pythonpath=pythonpath)
-    return json.loads(proc.stdout)  # the whole of stdout is one JSON object
+def _json(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What ``info --json`` says under ``env``: one run per environment, shared by the tests
+    that read it (each costs seconds, an interpreter importing torch and the integrations)."""
+    return copy.deepcopy(_json_under(tuple(sorted((env or {}).items()))))
+
+
+@functools.cache
+def _json_under(env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    return json.loads(_run("--json", env=dict(env)).stdout)  # the whole of stdout is one JSON object
 
 
 def _shm_writable() -> bool:
