@@ -17,7 +17,7 @@ import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
 
-__all__ = ["COORDINATOR_ENV", "CoordinatorClient", "Epoch", "MembershipError", "connect", "serve"]
+__all__ = ["COORDINATOR_ENV", "CoordinatorLink", "Epoch", "MembershipError", "connect", "serve"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
@@ -89,18 +89,21 @@ def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
 
 
 
-class CoordinatorClient:
-    """The coordinator half of :class:`~fastreduce.Membership` (a mixin): its requests.
+class CoordinatorLink:
+    """A member's connection to the coordinator (``coordinator``: ``"host:port"`` or a
+    store): every request answered within a bound or :class:`MembershipError`, the
+    requests made on a thread of their own (:class:`~fastreduce.faults.StoreCaller`), and a
+    second connection for a vote's waiting get, with ``timeout_s`` (the epoch's)."""
 
-    It reads ``store`` (a client of the coordinator), ``where`` (its address, in words),
-    ``_caller`` (a :class:`~fastreduce.faults.StoreCaller`), ``timeout_s``, and owns
-    ``_waiter`` (a second connection, for the vote's waiting get).
-    """
+    def __init__(self, coordinator: str | dist.Store, timeout_s: float):
+        self.where = coordinator if isinstance(coordinator, str) else "the coordinator store"
+        self.store = connect(coordinator) if isinstance(coordinator, str) else coordinator
+        self.timeout_s = timeout_s
+        self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
+        self._waiter: Any = None
+        self._here: bool | None = None  # whether the coordinator is served on this host
 
-    _waiter: Any = None
-    _here: bool | None = None  # whether the coordinator is served on this host (process_identity.served_here)
-
-    def _deadline(self) -> float:
+    def deadline(self) -> float:
         """How long a request may take: twice the loss window, at least 5 s, and
         ``faults.LOCAL_GRACE`` times that where the coordinator is served at an address of
         this host's network namespace (no link between to cut: a slow answer is a starved
@@ -109,27 +112,31 @@ class CoordinatorClient:
             self._here = process_identity.served_here(self.store)
         return max(5.0, 2 * faults.lost_after()) * (faults.LOCAL_GRACE if self._here else 1)
 
-    def _call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
+    def call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
         """A request to the coordinator, answered within ``seconds`` (default:
-        :meth:`_deadline`) or :class:`MembershipError` (a TCPStore request on a silent
+        :meth:`deadline`) or :class:`MembershipError` (a TCPStore request on a silent
         link would block for minutes)."""
         try:
-            return self._caller.call(fn, *args, seconds=seconds or self._deadline())
+            return self._caller.call(fn, *args, seconds=seconds or self.deadline())
         except Exception as err:  # noqa: BLE001 - the store raises several kinds
-            raise self._unreachable(err) from err
+            raise self.unreachable(err) from err
 
-    def _wait(self, key: str, seconds: float) -> bool:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A request not waited for here: (an event set once answered, a box for the answer)."""
+        return self._caller.submit(fn, *args)
+
+    def wait(self, key: str, seconds: float) -> bool:
         """Whether ``key`` is set within ``seconds`` (``False``: not yet)."""
         try:
             self._caller.call(self.store.wait, [key], timedelta(seconds=seconds),
-                              seconds=seconds + self._deadline())
+                              seconds=seconds + self.deadline())
             return True
         except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
             if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
-                raise self._unreachable(err) from err
+                raise self.unreachable(err) from err
             return False
 
-    def _vote_connection(self) -> Any:
+    def vote_connection(self) -> Any:
         """A connection of its own for the vote's waiting get (the other requests go on
         the first while it waits), with the epoch's timeout."""
         if self._waiter is None:
@@ -140,15 +147,14 @@ class CoordinatorClient:
             self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
         return self._waiter
 
-    def _await_key(self, key: str, timeout_s: float, what: str) -> str:
-        if not self._wait(key, timeout_s):
+    def await_key(self, key: str, timeout_s: float, what: str) -> str:
+        if not self.wait(key, timeout_s):
             raise MembershipError(f"fastreduce: no {what} within {timeout_s:g} s: the members did not reach "
                                   "a step boundary, or the job is not running (wait_s= waits longer)")
-        return self._call(self.store.get, key).decode()
+        return self.call(self.store.get, key).decode()
 
-    def _unreachable(self, err: BaseException) -> MembershipError:
+    def unreachable(self, err: BaseException) -> MembershipError:
         faults_watchdog.abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
                                "coordinator and the job from the last checkpoint")
-

@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,17 @@ import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.torch_internals as torch_internals
 
-from .coordinator import MEMBERS_PREFIX, CoordinatorClient, Epoch, MembershipError, epoch_key
+from .admission import Admission
+from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
 from .modes import zero_mirror
 from .modes.contract import check_membership, commit_style
+from .member import Member
 from .nested import clone_state
-from .presence import Watch, pulses
+from .presence import Pulse, Watch, pulses
+from .votes import Votes, done_key
 
 __all__ = ["EpochChanges"]
 
@@ -38,7 +41,7 @@ log = logging.getLogger("fastreduce.membership")
 
 POLLS_PER_S = 4000.0
 """How many times a second the members of an epoch poll the coordinator together while they
-gather for the next one (:meth:`EpochChanges._gather`) or enter it (``_rendezvous``): a member
+gather for the next one (:meth:`EpochChanges.gather`) or enter it (``_rendezvous``): a member
 polls every ``max(5 ms, members / POLLS_PER_S)``. At a fixed 5 ms, 1,024 members made 400k
 requests a second to the one-threaded store, and their client threads on this 2-core machine
 could not finish one formation in 8 s (``fastreduce bench store --scenarios form``)."""
@@ -49,52 +52,29 @@ def _poll_s(members: int) -> float:
     return max(0.005, members / POLLS_PER_S)
 
 
-FAULT_POINTS = ("enter", "set_up", "sync_state", "voted")
-"""Where :meth:`EpochChanges.at` calls its callables."""
+class EpochChanges:
+    """How one member goes from epoch to epoch (see the module doc). It changes ``me`` (the
+    :class:`~fastreduce.member.Member`), asks ``admission`` who may join and ``votes`` what a
+    failure lost, and owns ``pulse`` (this member's sign of life while it has no epoch
+    heartbeat) and which epoch's first step every member has reached."""
 
+    def __init__(self, me: Member, link: CoordinatorLink, admission: Admission, votes: Votes, pulse: Pulse):
+        self.me, self.link, self.admission, self.votes, self.pulse = me, link, admission, votes, pulse
+        self.settings, self.store, self.call = me.settings, link.store, link.call
+        self._first_step_of: int | None = None  # the epoch whose members all reached its first step
 
-class EpochChanges(CoordinatorClient):
-    """The epoch half of :class:`~fastreduce.Membership` (a mixin).
-
-    It reads what the membership holds: ``member``, ``epoch``, ``step``, ``mode``,
-    ``counters``, ``_state``, ``_build``, ``_healed``, ``_kept_mode``, ``min_ranks``,
-    ``wait_s``, ``backend``, ``timeout_s``, ``_pulse`` (its :class:`~fastreduce.presence.Pulse`);
-    and calls its ``_fingerprint()``, ``_differs()`` and ``_ticket()`` (a joiner's checks).
-    """
-
-    _first_step_of: int | None = None  # the epoch whose members all reached its first step
-    _founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
-    _points: dict[str, list[Callable[[Any], Any]]]  # fault points' callables (:meth:`at`), set by the membership
-
-    def at(self, point: str, fn: Callable[[Any], Any]) -> None:
-        """Call ``fn`` at ``point`` of this member's life, every time it passes there: for
-        fault drills and chaos runs (a process that kills itself there, or stalls), the one way
-        in: nothing of a member is replaced from outside. The points, and what ``fn`` is given:
-
-        * ``"enter"``: an epoch about to be entered (a joiner's first: as it is admitted);
-        * ``"set_up"``: an epoch whose group is about to be made (after the entry is agreed on);
-        * ``"sync_state"``: an epoch whose joiners are about to get the state (rank 0 sends it);
-        * ``"voted"``: the step index whose vote just completed (before anything steps)."""
-        if point not in FAULT_POINTS:
-            raise ValueError(f"unknown fault point {point!r}; choose one of {', '.join(FAULT_POINTS)}")
-        self._points.setdefault(point, []).append(fn)
-
-    def _at(self, point: str, arg: Any) -> None:
-        for fn in self._points.get(point, ()):
-            fn(arg)
-
-    def _next_epoch(self, lost: set[str], why: str, start: float) -> None:
+    def next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
         joiners waiting; then its group, the state for the joiners and the mode
         (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
-        old = self._epoch()
+        old = self.me.current()
         n = old.number + 1
-        self._pulse.up()  # alive to the others until this member has entered the next epoch
-        self._stash_mode(after_loss=why == "loss")
+        self.pulse.up()  # alive to the others until this member has entered the next epoch
+        self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
-        self._leave_group(abandon=why == "loss")
-        said = self._gather(old, lost, why, beats)
-        present, mine, key = list(said), self._fingerprint(), epoch_key(n)
+        self.leave_group(abandon=why == "loss")
+        said = self.gather(old, lost, why, beats)
+        present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
         # it) and a joiner whose healing failed (its source lost) receive it. Only members
@@ -106,53 +86,50 @@ class EpochChanges(CoordinatorClient):
         founding = not healed
         if founding:
             healed = [m for m in present if said[m].get("founder")]
-        holds = self.member in healed
-        top = max((said[m]["step"] for m in healed), default=self.step)
+        holds = self.me.name in healed
+        top = max((said[m]["step"] for m in healed), default=self.me.step)
         behind = tuple(m for m in healed if said[m]["step"] != top)
         healed = [m for m in healed if m not in behind]
         holders = set(healed) | set(behind)
         unhealed = behind + tuple(m for m in present if m not in holders)
-        deadline = time.monotonic() + self.wait_s
+        deadline = time.monotonic() + self.settings.wait_s
         while not holds:
-            if self._wait(key, 0.25):
+            if self.link.wait(key, 0.25):
                 break
             if time.monotonic() > deadline:
                 raise MembershipError(f"fastreduce: no member holding the job's state formed epoch {n} within "
-                                      f"{self.wait_s:g} s (the members were lost while this process joined)")
+                                      f"{self.settings.wait_s:g} s (the members were lost while this process joined)")
         # A local-update mode's sync failed: the survivors run it again over this epoch, and a
         # joiner taking rank 0's parameters now (its own inner steps since the last sync) would
         # count them twice in it; it is admitted right after the sync instead, at its vote.
-        redo = why == "loss" and self._kept_mode[1] == "local" and len(present) >= self.min_ranks
+        redo = why == "loss" and self.me.kept_mode[1] == "local" and len(present) >= self.settings.min_ranks
         while holds:  # below min_ranks: wait for joiners (unless another survivor proposed already)
-            tickets = old.admitted if redo else int(self._call(self.store.add, MEMBERS_PREFIX + "tickets", 0))
-            checked = [(t, self._ticket(t)) for t in range(old.admitted + 1, tickets + 1)
-                       if not self._call(self.store.check, [MEMBERS_PREFIX + f"admit/{t}"])]  # not refused already
-            refusals = {t: self._differs(j["print"], mine) for t, j in checked}
-            joiners = tuple(j["member"] for t, j in checked if refusals[t] is None)
+            tickets = old.admitted if redo else self.admission.tickets()
+            joiners, refusals = self.admission.candidates(old.admitted + 1, tickets)  # not refused already
             members = tuple(healed) + unhealed + joiners
             proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners)
-            if proposal.world >= self.min_ranks or self._call(self.store.check, [key]):
+            if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
                 raise RankLostError(sorted(old.members.index(m) for m in set(old.members) - set(present)),
                                     "Membership", f"{len(present)} member(s) are left, below min_ranks="
-                                    f"{self.min_ranks}, and no process joined within {self.wait_s:g} s",
+                                    f"{self.settings.min_ranks}, and no process joined within {self.settings.wait_s:g} s",
                                     "members were lost", old.world)
             time.sleep(0.05)
-        epoch = self._propose(proposal, refusals) if holds else \
-            Epoch.from_json(self._call(self.store.get, key))
-        if self.member not in epoch.members:
-            raise MembershipError(f"fastreduce: this member ({self.member}) was left out of epoch {epoch.number} "
+        epoch = self.admission.propose(proposal, refusals) if holds else \
+            Epoch.from_json(self.call(self.store.get, key))
+        if self.me.name not in epoch.members:
+            raise MembershipError(f"fastreduce: this member ({self.me.name}) was left out of epoch {epoch.number} "
                                   "(it registered after the others had formed it); start it again to rejoin")
-        if self._healed and self.member not in epoch.joined and epoch.step != self.step:
+        if self.me.healed and self.me.name not in epoch.joined and epoch.step != self.me.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
-                                  f"committed {self.step}: the members disagree on the committed steps (a bug: "
+                                  f"committed {self.me.step}: the members disagree on the committed steps (a bug: "
                                   "please report it)")
-        self.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
-        self._enter(epoch)
-        self.counters.stalls.append((why, time.perf_counter() - start))
+        self.me.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
+        self.enter(epoch)
+        self.me.counters.stalls.append((why, time.perf_counter() - start))
 
-    def _gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> dict[str, dict[str, Any]]:
+    def gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> dict[str, dict[str, Any]]:
         """Announce this member for the epoch after ``old`` and wait for the other
         survivors' announcements: those of the members of ``old`` present (its step and
         whether it holds the job's state), in ``old``'s order: every member not ``lost``;
@@ -161,22 +138,22 @@ class EpochChanges(CoordinatorClient):
         tell a slow survivor from a lost one."""
         n = old.number + 1
         announced, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
-        self._call(self.store.set, alive + self.member,
-                   json.dumps({"step": self.step, "healed": self._healed, "founder": self._founder}))
-        self._call(self.store.add, announced, 1)
+        self.call(self.store.set, alive + self.me.name,
+                       json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder}))
+        self.call(self.store.add, announced, 1)
         expected = [m for m in old.members if m not in lost]
-        window = faults.lost_after() if why == "loss" else self.timeout_s
-        deadline, last = time.monotonic() + window, time.monotonic() + self.wait_s
+        window = faults.lost_after() if why == "loss" else self.settings.timeout_s
+        deadline, last = time.monotonic() + window, time.monotonic() + self.settings.wait_s
         counted: dict[str, int] = {}
         key = epoch_key(n)
         # Each tick reads the count (and whether the epoch was formed), not every member's key:
         # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
-            if int(self._call(self.store.add, announced, 0)) >= len(expected) and \
-                    self._call(self.store.check, [alive + m for m in expected]):
-                present = [m for m in old.members if m not in lost or self._call(self.store.check, [alive + m])]
+            if int(self.call(self.store.add, announced, 0)) >= len(expected) and \
+                    self.call(self.store.check, [alive + m for m in expected]):
+                present = [m for m in old.members if m not in lost or self.call(self.store.check, [alive + m])]
                 break
-            if self._call(self.store.check, [key]):
+            if self.call(self.store.check, [key]):
                 # Formed already, by survivors that knew whom the failure lost (this one's
                 # collective may fail without naming anyone): they waited for this member.
                 present = self._present(old, alive)
@@ -190,17 +167,17 @@ class EpochChanges(CoordinatorClient):
                     break
                 deadline = time.monotonic() + window
             time.sleep(_poll_s(old.world))
-        words = self._call(faults_heartbeat.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
+        words = self.call(faults_heartbeat.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
         return dict(zip(present, map(json.loads, words)))
 
     def _present(self, old: Epoch, alive: str) -> list[str]:
         """The members of ``old`` that announced themselves for the next epoch (a request each)."""
-        return [m for m in old.members if self._call(self.store.check, [alive + m])]
+        return [m for m in old.members if self.call(self.store.check, [alive + m])]
 
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
         (``True`` the first time: counted now, to compare a window later)."""
-        return self._moved({m: int(self._call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
+        return self._moved({m: int(self.call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
                             for m in members}, counted)
 
     @staticmethod
@@ -212,49 +189,35 @@ class EpochChanges(CoordinatorClient):
         counted.update(now)
         return first or moved
 
-    def _propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
-        """Write ``proposal`` unless another member's for that epoch was first; then admit
-        the joiners of the epoch written and refuse the tickets it handled with another
-        layout (the rest wait for a later epoch). Returns the epoch written."""
-        key = epoch_key(proposal.number)
-        epoch = Epoch.from_json(self._call(self.store.compare_set, key, "", proposal.to_json()))
-        for t, bad in refusals.items():
-            if t > epoch.admitted:
-                continue
-            joined = bad is None and self._ticket(t)["member"] in epoch.joined
-            if joined or bad is not None:
-                self._call(self.store.set, MEMBERS_PREFIX + f"admit/{t}", str(epoch.number) if joined else f"refused: {bad}")
-        return epoch
-
-    def _enter(self, epoch: Epoch) -> None:
+    def enter(self, epoch: Epoch) -> None:
         """This epoch's process group; the state from rank 0 where it has joiners; the mode.
         A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
-        self._at("enter", epoch)
-        self.epoch = epoch
+        self.me.passing("enter", epoch)
+        self.me.epoch = epoch
         try:
             self._set_up(epoch)
         except (RuntimeError, _Missing) as err:
-            lost = err.members if isinstance(err, _Missing) else self._lost_in(err) if dist.is_initialized() else None
+            lost = err.members if isinstance(err, _Missing) else self.votes.lost_in(err) if dist.is_initialized() else None
             if lost is None:
                 raise
             self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
-            self.counters.losses += 1
+            self.me.counters.losses += 1
             log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
                         ", ".join(sorted(lost)) or "a silent member")
-            self._next_epoch(lost, "loss", time.perf_counter())
+            self.next_epoch(lost, "loss", time.perf_counter())
             return
-        self._healed = True
-        self._kept_mode = (None, "")
-        self._poll_at, self._last_commit = epoch.step, None  # every epoch polls at its first step
+        self.me.healed = True
+        self.me.kept_mode = (None, "")
+        self.votes.restart(epoch.step)
 
     def _set_up(self, epoch: Epoch) -> None:
-        self._at("set_up", epoch)
-        own, kind = self._kept_mode
+        self.me.passing("set_up", epoch)
+        own, kind = self.me.kept_mode
         self._rendezvous(epoch)
         self._init_group(epoch)
         faults.start_heartbeat()  # this epoch's: the vote watches it
-        joining = self.member in epoch.joined
-        fresh = joining and not self._healed  # a new process (a survivor one step behind keeps its mode's state)
+        joining = self.me.name in epoch.joined
+        fresh = joining and not self.me.healed  # a new process (a survivor one step behind keeps its mode's state)
         if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
             got, sent_kind = self._sync_state(epoch, own if kind in ("local", "gossip") else None, kind)
             if fresh:  # rank 0's mode state came only if its mode keeps one per rank
@@ -266,22 +229,22 @@ class EpochChanges(CoordinatorClient):
         pieces = None
         if kind == "zero":  # this member's pieces of the shards (a joiner's: none), resharded once built
             pieces, own = None if fresh else own, None
-        if self._build is not None:
+        if self.me.build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
-                self.mode = self._build()  # (it starts every rank from rank 0's: each loads its own next)
-            check_membership(self.mode)
+                self.me.mode = self.me.build()  # (it starts every rank from rank 0's: each loads its own next)
+            check_membership(self.me.mode)
             if own is not None and (per_rank or not fresh):
-                self.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
+                self.me.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
             if kind == "zero":  # every shard's state (parameters too, where stale) resharded onto this epoch
                 try:
-                    zero_mirror.reshard(self.mode, pieces)
+                    zero_mirror.reshard(self.me.mode, pieces)
                 except zero_mirror.ShardsLost as err:
                     raise MembershipError(f"fastreduce: {err}: ZeroOptimizer(redundant=True) keeps each shard on two "
                                           "ranks, so the job cannot go on; restart it from the last checkpoint") \
                         from err
             self._hold_launches(True)
-            if commit_style(self.mode) == "gossip":  # the members' rounds may differ by one after a loss
-                self.mode.set_round(epoch.step)
+            if commit_style(self.me.mode) == "gossip":  # the members' rounds may differ by one after a loss
+                self.me.mode.set_round(epoch.step)
 
     def _entry_bound(self) -> float:
         """How long the members of a new epoch wait for each other to enter it: they all read
@@ -294,19 +257,19 @@ class EpochChanges(CoordinatorClient):
         (``ProcessGroup.set_timeout`` reaches only its collectives), so a group made with a
         short one and raised after failed the state's transfer to a joiner on a loaded host."""
         store = dist.PrefixStore(MEMBERS_PREFIX + f"e{epoch.number}/pg/", self.store)
-        dist.init_process_group(self.backend, store=store, rank=epoch.members.index(self.member),
-                                world_size=epoch.world, timeout=timedelta(seconds=self.timeout_s))
+        dist.init_process_group(self.settings.backend, store=store, rank=epoch.members.index(self.me.name),
+                                world_size=epoch.world, timeout=timedelta(seconds=self.settings.timeout_s))
 
     def _watch(self, epoch: Epoch) -> Watch:
         """A view of the pulses of the members of ``epoch`` this member watches: every other
         member, or in a world past ``faults_heartbeat.WATCHED_SUCCESSORS`` + 1 its next successors in
         rank order (a loss found by its own watchers is published: :meth:`_publish_lost`)."""
-        me, k = epoch.members.index(self.member), faults_heartbeat.WATCHED_SUCCESSORS
+        me, k = epoch.members.index(self.me.name), faults_heartbeat.WATCHED_SUCCESSORS
         if epoch.world <= k + 1:
-            members = [m for m in epoch.members if m != self.member]
+            members = [m for m in epoch.members if m != self.me.name]
         else:
             members = [epoch.members[(me + i) % epoch.world] for i in range(1, k + 1)]
-        return Watch(self.store, self._call, members)
+        return Watch(self.store, self.call, members)
 
     def _publish_lost(self, epoch: Epoch, lost: set[str]) -> None:
         """Tell the members of ``epoch`` still entering it (or waiting at its first step)
@@ -315,15 +278,15 @@ class EpochChanges(CoordinatorClient):
         there, out of the mode's hooks and the commit (ZeRO's buckets launch in backward);
         it learns of the loss at its own first step."""
         if lost:
-            self._call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
-        self._call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/s{epoch.step}/done", "", "abort")
+            self.call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
+        self.call(self.store.compare_set, done_key(epoch.number, epoch.step), "", "abort")
 
     def _published_lost(self, epoch: Epoch) -> set[str] | None:
         """The members another member of ``epoch`` found lost as it was entered, if one did."""
         key = MEMBERS_PREFIX + f"e{epoch.number}/lost"
-        if not self._call(self.store.check, [key]):
+        if not self.call(self.store.check, [key]):
             return None
-        return set(json.loads(self._call(self.store.get, key)))
+        return set(json.loads(self.call(self.store.get, key)))
 
     def _meet(self, epoch: Epoch, point: str) -> set[str] | None:
         """Wait until every member of ``epoch`` has come to ``point`` too, watching their
@@ -341,31 +304,31 @@ class EpochChanges(CoordinatorClient):
         other."""
         if epoch.world == 1:
             return None
-        key, aborted = MEMBERS_PREFIX + f"e{epoch.number}/{point}", MEMBERS_PREFIX + f"e{epoch.number}/s{epoch.step}/done"
-        self._call(self.store.add, key, 1)
+        key, aborted = MEMBERS_PREFIX + f"e{epoch.number}/{point}", done_key(epoch.number, epoch.step)
+        self.call(self.store.add, key, 1)
         watch = self._watch(epoch)
-        while int(self._call(self.store.add, key, 0)) < epoch.world:
+        while int(self.call(self.store.add, key, 0)) < epoch.world:
             lost = watch.lost()
             if lost:
                 self._publish_lost(epoch, lost)
                 return lost
-            if self._call(self.store.check, [aborted]):  # another member found a loss first
+            if self.call(self.store.check, [aborted]):  # another member found a loss first
                 return self._published_lost(epoch) or watch.exited()
             time.sleep(_poll_s(epoch.world))
         return None
 
-    def _reach_first_step(self) -> set[str] | None:
+    def reach_first_step(self) -> set[str] | None:
         """Before the mode's first collective in this epoch (:meth:`_meet`): the members lost
         before every member came to its first step (a joiner that died in its first forward
         or backward), or ``None``; from then on the epoch's heartbeat watches them
         (:func:`fastreduce.faults.wait_watched`), and this member's pulse stops."""
-        epoch = self._epoch()
+        epoch = self.me.current()
         if self._first_step_of == epoch.number:
             return None
         self._first_step_of = epoch.number
         lost = self._meet(epoch, "first")
         if lost is None:
-            self._pulse.down()
+            self.pulse.down()
             self._hold_launches(False)
         return lost
 
@@ -375,8 +338,8 @@ class EpochChanges(CoordinatorClient):
         meet first (:meth:`_reach_first_step`). A launch to a member already dead fails at
         once, inside the user's backward, out of the commit's reach (a joiner that died
         after its own first backward, the others still in theirs)."""
-        if commit_style(self.mode) == "zero":
-            self.mode.hold_launches(hold)
+        if commit_style(self.me.mode) == "zero":
+            self.me.mode.hold_launches(hold)
 
     def _rendezvous(self, epoch: Epoch) -> None:
         """Wait until every member of ``epoch`` is entering it, watching their pulses: a
@@ -390,17 +353,17 @@ class EpochChanges(CoordinatorClient):
         or whom it found lost) and all follow that word. A member that gave up alone would
         leave the others waiting in the group's rendezvous for it, up to the group's timeout."""
         key, word = MEMBERS_PREFIX + f"e{epoch.number}/ready", MEMBERS_PREFIX + f"e{epoch.number}/entry"
-        self._call(self.store.set, f"{key}/{self.member}", "1")
-        self._call(self.store.add, key, 1)
+        self.call(self.store.set, f"{key}/{self.me.name}", "1")
+        self.call(self.store.add, key, 1)
         bound, start = self._entry_bound(), time.monotonic()
-        deadline, last = start + bound, start + self.wait_s
+        deadline, last = start + bound, start + self.settings.wait_s
         watch, counted, lost = self._watch(epoch), {}, set()
-        while not lost and int(self._call(self.store.add, key, 0)) < epoch.world:
+        while not lost and int(self.call(self.store.add, key, 0)) < epoch.world:
             lost = watch.lost() or self._published_lost(epoch) or set()
             if not lost and time.monotonic() > deadline:
-                lost = {m for m in epoch.members if not self._call(self.store.check, [f"{key}/{m}"])}
+                lost = {m for m in epoch.members if not self.call(self.store.check, [f"{key}/{m}"])}
                 if lost and time.monotonic() < last and \
-                        self._moved(pulses(self.store, self._call, sorted(lost)), counted):
+                        self._moved(pulses(self.store, self.call, sorted(lost)), counted):
                     log.warning("fastreduce: %s not in epoch %d after %.1f s, alive (its pulse moves): waiting for "
                                 "it, up to wait_s", ", ".join(sorted(lost)), epoch.number, time.monotonic() - start)
                     lost, deadline = set(), time.monotonic() + bound  # alive, slow to come: a loaded host
@@ -408,13 +371,13 @@ class EpochChanges(CoordinatorClient):
                     break  # every member came meanwhile
             if not lost:
                 time.sleep(_poll_s(epoch.world))
-        said = self._call(self.store.compare_set, word, "", json.dumps(sorted(lost)) if lost else "go")
+        said = self.call(self.store.compare_set, word, "", json.dumps(sorted(lost)) if lost else "go")
         if said not in (b"go", "go"):  # (bytes from a TCPStore)
             raise _Missing(set(json.loads(said)))
 
     def _device(self) -> torch.device:
         """Where the state travels: the model's device (Gloo: the CPU)."""
-        first = next((p for v in self._state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
+        first = next((p for v in self.me.state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
         return torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
 
     def _sync_state(self, epoch: Epoch, mode_state: dict[str, Any] | None, kind: str) -> tuple[Any, str]:
@@ -424,12 +387,12 @@ class EpochChanges(CoordinatorClient):
         each (:mod:`fastreduce.heal`), the other members going on to build the mode. A
         joiner loads it and gets the mode's state and kind back, to load once its mode is
         built."""
-        self._at("sync_state", epoch)
+        self.me.passing("sync_state", epoch)
         rank, device = dist.get_rank(), self._device()
         to = [r for r in map(epoch.members.index, epoch.joined) if r != 0]
         mine = None
         if rank == 0:
-            mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self._state.items()},
+            mine = {"step": self.me.step, "state": {k: v.state_dict() for k, v in self.me.state.items()},
                     "mode": mode_state, "kind": kind}
         if len(to) == epoch.world - 1:
             got = broadcast_state(mine, device)
@@ -439,36 +402,44 @@ class EpochChanges(CoordinatorClient):
             got = recv_state(device, 0)
         if rank not in to:
             return None, kind
-        for k, obj in self._state.items():
+        for k, obj in self.me.state.items():
             obj.load_state_dict(got["state"][k])
-        self.step = int(got["step"])
+        self.me.step = int(got["step"])
         return got["mode"], got["kind"]
 
-    def _stash_mode(self, after_loss: bool) -> None:
+    def stash_mode(self, after_loss: bool) -> None:
         """Keep the mode's state until the next epoch is entered (a failed entry must not
         lose it), then take the mode off: after a loss without a collective (gossip's
         exchanges in flight are dropped), else as it saves it (they are completed)."""
-        if self.mode is None:
+        if self.me.mode is None:
             return
-        kind = commit_style(self.mode)
+        kind = commit_style(self.me.mode)
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
-            self._kept_mode = (zero_mirror.held(self.mode), kind)
+            self.me.kept_mode = (zero_mirror.held(self.me.mode), kind)
         else:
-            save = self.mode.local_state_dict if after_loss and kind == "gossip" else self.mode.state_dict
-            self._kept_mode = (clone_state(save()), kind)
-        self._close_mode(drain=not after_loss)
+            save = self.me.mode.local_state_dict if after_loss and kind == "gossip" else self.me.mode.state_dict
+            self.me.kept_mode = (clone_state(save()), kind)
+        self.close_mode(drain=not after_loss)
 
-    def _close_mode(self, drain: bool = True) -> None:
-        self.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)
-        self.mode = None
+    def depart(self) -> None:
+        """This member leaves the job at a poll: its mode put away as the others' are at an
+        epoch change (gossip completes its exchanges with them), its group ended."""
+        self.stash_mode(after_loss=False)
+        self.leave_group(abandon=False)
+        self.pulse.down()
+        self.me.kept_mode = (None, "")
+        self.me.left = True
 
-    def _leave_group(self, abandon: bool) -> None:
+    def close_mode(self, drain: bool = True) -> None:
+        self.me.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)
+        self.me.mode = None
+
+    def leave_group(self, abandon: bool) -> None:
         if dist.is_initialized():
             if abandon:  # a collective may still wait on a lost peer: never join its thread
                 faults_watchdog.abandon_groups()
             quiet_backends()  # (lifecycle.shutdown's note: a Gloo thread still letting go of a work)
             dist.destroy_process_group()
-
 
 
 class _Missing(Exception):

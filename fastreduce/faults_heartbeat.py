@@ -21,7 +21,7 @@ from .process_identity import exited_here, identity, running_here, served_here
 from .torch_internals import default_store
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "StoreCaller", "group_token",
-           "Heartbeat", "STORE_PREFIX", "heartbeat_interval", "heartbeat_now", "lost_after", "note_lost", "read_all",
+           "Heartbeat", "STORE_PREFIX", "default_interval", "heartbeat_interval", "heartbeat_now", "lost_after", "note_lost", "read_all",
            "start_heartbeat"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
@@ -55,9 +55,21 @@ STORE_PREFIX = "fastreduce/"
 
 # ---------------------------------------------------------------------- settings
 
+_interval_default = 1.0
+
+
 def heartbeat_interval() -> float:
-    """``$FASTREDUCE_HEARTBEAT_S`` (default 1 s)."""
-    return _env_seconds(HEARTBEAT_ENV, 1.0)
+    """``$FASTREDUCE_HEARTBEAT_S``; where it is unset, 1 s, or what this process's
+    :class:`~fastreduce.Membership` asked for (:func:`default_interval`)."""
+    return _env_seconds(HEARTBEAT_ENV, _interval_default)
+
+
+def default_interval(seconds: float) -> None:
+    """The heartbeat period of this process where ``$FASTREDUCE_HEARTBEAT_S`` is unset (a
+    Membership's: a member lost must end a step within a second or two). The environment
+    is left as it is, so no child process inherits it."""
+    global _interval_default
+    _interval_default = float(seconds)
 
 
 def lost_after() -> float:

@@ -114,7 +114,7 @@ class Pulse:
 class Watch:
     """One wait's view of other members' pulses (:class:`Pulse`): :meth:`lost` names those
     that stopped. ``call`` makes a request to the coordinator within a deadline (a
-    :class:`~fastreduce.coordinator.CoordinatorClient`'s ``_call``)."""
+    :class:`~fastreduce.coordinator.CoordinatorLink`'s ``call``)."""
 
     def __init__(self, store: Any, call: Callable[..., Any], members: list[str]):
         self.store, self.call, self.members = store, call, list(members)

@@ -412,15 +412,16 @@ def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) ->
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""
+    from fastreduce.admission import Admission
     from fastreduce.membership import Membership, MembershipError, serve
 
     ours = {"version": "0.1.0", "tag": "fused bf16", "tensors": [["model.0.weight", [16, 8], "torch.float32"]]}
-    assert Membership._differs(dict(ours), ours) is None
-    assert "fastreduce 0.2.0 joining members on fastreduce 0.1.0" in Membership._differs({**ours, "version": "0.2.0"}, ours)
-    assert "tag 'fused fp32'" in Membership._differs({**ours, "tag": "fused fp32"}, ours)
+    assert Admission.differs(dict(ours), ours) is None
+    assert "fastreduce 0.2.0 joining members on fastreduce 0.1.0" in Admission.differs({**ours, "version": "0.2.0"}, ours)
+    assert "tag 'fused fp32'" in Admission.differs({**ours, "tag": "fused fp32"}, ours)
     other = {**ours, "tensors": [["model.0.weight", [16, 8], "torch.bfloat16"]]}
-    assert "torch.bfloat16 where the members hold model.0.weight [16, 8] torch.float32" in Membership._differs(other, ours)
-    assert "2 entries where the members hold 1" in Membership._differs({**ours, "tensors": ours["tensors"] * 2}, ours)
+    assert "torch.bfloat16 where the members hold model.0.weight [16, 8] torch.float32" in Admission.differs(other, ours)
+    assert "2 entries where the members hold 1" in Admission.differs({**ours, "tensors": ours["tensors"] * 2}, ours)
     server = serve(0, "127.0.0.1")
     with pytest.raises(ValueError, match="world_size and min_ranks must be >= 1"):
         Membership(f"127.0.0.1:{server.port}", world_size=0)
@@ -435,7 +436,7 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"commit\(\) takes the optimizer's step"):
         m.commit(None)
     import types
-    m.mode = types.SimpleNamespace(reduce=lambda: None, under_join=True)  # as inside torch's Join
+    m.me.mode = types.SimpleNamespace(reduce=lambda: None, under_join=True)  # as inside torch's Join
     with pytest.raises(RuntimeError, match="does not run a mode under torch's Join"):
         m.commit(lambda: None)
     from fastreduce import ZeroOptimizer

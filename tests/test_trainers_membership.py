@@ -23,6 +23,7 @@ Trainer, Lightning's validation with ``sync_dist=True`` logging).
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -133,15 +134,14 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     finally:
         os.environ.pop("TORCHELASTIC_RUN_ID") if old is None else os.environ.update(TORCHELASTIC_RUN_ID=old)
     # the sampler: a stream interleaved over the world; a committed step moves it past every member's draws
-    s = MembershipSampler(list(range(10)), m, step_samples=2, world_size=2, shuffle=False)
-    m.epoch = type("E", (), {"world": 2, "members": ("a", "b")})()
-    m.member = "b"
+    seen = types.SimpleNamespace(epoch=True, rank=1, world=2)  # the sampler reads a membership's epoch, rank, world
+    s = MembershipSampler(list(range(10)), seen, step_samples=2, world_size=2, shuffle=False)
     it = iter(s)
     assert [next(it), next(it)] == [1, 3]  # rank 1 of 2 from position 0
     s.advance(1)
     assert s.position == 4 and [next(it), next(it)] == [5, 7]
     s.redraw()  # discarded: drawn again
-    m.epoch = type("E", (), {"world": 3, "members": ("a", "c", "b")})()  # a new epoch: rank 2 of 3
+    seen.rank, seen.world = 2, 3  # a new epoch: rank 2 of 3
     it = iter(s)
     assert [next(it), next(it)] == [6, 9] and len(s) == 6
     s.advance(2)

@@ -148,7 +148,7 @@ def test_a_coordinator_started_a_second_after_its_member_is_reached() -> None:
             import fastreduce
             print("connecting", flush=True)
             m = fastreduce.Membership("127.0.0.1:{port}", world_size=2)
-            m.store.set("test/hello", "from the member")
+            m.link.store.set("test/hello", "from the member")
             print("connected", flush=True)
         """)
         _wait_for_line(member, "connecting")

@@ -17,9 +17,9 @@ sees, replaying the library's own code, never a copy of its request pattern:
   ``Heartbeat._run`` loop (:mod:`fastreduce.faults`) on a :class:`Counted` connection, and
   per scenario (:data:`SCENARIOS`) also the real watchdog loop (``faults_watchdog.watch_heartbeats``: the
   reads of every counter and of the published verdict, with the real loss decision) or
-  the real per-step vote (``Membership._vote``: the step's counter, the decision written
+  the real per-step vote (``Votes.vote``: the step's counter, the decision written
   by the voter that completes it, the others' waiting get), or the real gathering of the
-  survivors for a next epoch (``EpochChanges._gather``).
+  survivors for a next epoch (``EpochChanges.gather``).
 
 Counting: a request is one call of a store method on a :class:`Counted` connection (one
 round trip of c10d's protocol; ``check`` and ``multi_get`` carry ``n`` keys each, counted
@@ -73,7 +73,7 @@ rank waiting in a collective longer than a heartbeat: a slow step, or a loss bei
 ``member_watch``: the same at a Membership's heartbeat period (its vote's wait reads the
 counters at this cadence too). ``vote``: a Membership's heartbeat and its per-step vote at
 ``step_rate`` steps per second. ``form``: a Membership's heartbeat and, over and over, the
-real gathering of the survivors for its next epoch after a loss (``EpochChanges._gather``:
+real gathering of the survivors for its next epoch after a loss (``EpochChanges.gather``:
 each member announces itself, polls until every survivor has, and reads their
 announcements), each member starting
 within 0.1 s of the others (as they see a loss); a formation's time: per member, from the
@@ -117,11 +117,11 @@ class StoreConfig:
 def scenario_settings(scenario: str) -> dict[str, float]:
     """The heartbeat period and loss window of ``scenario``, as the library derives them:
     its defaults (:func:`fastreduce.faults.heartbeat_interval`, :func:`~fastreduce.faults.lost_after`
-    with no environment setting) or a Membership's (its ``_HEARTBEAT_S``)."""
+    with no environment setting) or a Membership's (its settings' ``heartbeat_s``)."""
     saved = {k: os.environ.pop(k, None) for k in (faults.HEARTBEAT_ENV, faults.LOST_AFTER_ENV)}
     try:
         if scenario in ("member_watch", "vote", "form"):
-            os.environ[faults.HEARTBEAT_ENV] = str(membership._HEARTBEAT_S)
+            os.environ[faults.HEARTBEAT_ENV] = str(membership.MembershipSettings(world_size=1).heartbeat_s)
         return {"heartbeat_s": faults.heartbeat_interval(), "window_s": faults.lost_after()}
     finally:
         for k, v in saved.items():
@@ -190,13 +190,13 @@ def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> 
     enough of one for its real ``_vote``."""
     m = membership.Membership(store, world_size=world, member=str(rank), poll_s=poll_s,
                               timeout_s=600.0, wait_s=600.0)  # built as a member is: nothing of it left out
-    m.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())  # then as after join()
-    m._step_s, m._healed = step_s, True  # the step time the vote's deadlines scale with; the state held
+    m.me.epoch = Epoch(0, tuple(str(r) for r in range(world)), 0, world, ())  # then as after join()
+    m.votes.step_s, m.me.healed = step_s, True  # the step time the vote's deadlines scale with; the state held
     return m
 
 
 def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event, out: dict[str, list]) -> None:
-    """Epoch after epoch, the real gathering of the survivors (``EpochChanges._gather``) of
+    """Epoch after epoch, the real gathering of the survivors (``EpochChanges.gather``) of
     an epoch of ``world`` + 1 members whose last was lost; every survivor must be found."""
     lost, k = {str(world)}, 0
     members = tuple(str(r) for r in range(world + 1))
@@ -205,7 +205,7 @@ def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event,
         time.sleep(random.uniform(0.0, 0.1))  # the survivors see the loss within a spread
         t0 = time.monotonic()  # (one clock for every process of this host)
         try:
-            present = m._gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
+            present = m.epochs.gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
         except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
             if not done.is_set():
                 out["membership_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
@@ -255,10 +255,10 @@ def _voter(m: Any, start: float, rate: float, done: threading.Event, out: dict[s
     while not done.is_set():
         wake = start + s / rate
         time.sleep(max(0.0, wake - time.monotonic()))
-        if s >= m._poll_at:  # the library's own rule for a poll
+        if s >= m.votes.poll_at:  # the library's own rule for a poll
             t0 = time.perf_counter()
             try:
-                decision, _ = m._vote(s)
+                decision, _ = m.votes.vote(s)
             except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
                 if not done.is_set():
                     out["membership_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
@@ -287,7 +287,7 @@ def _client_proc(scenario: str, ranks: list[int], world: int, port: int, setting
             members = [_member(c, r, world, 0.2, 1.0 / step_rate) for c, r in zip(conns, ranks)] \
                 if scenario in ("vote", "form") else []
             for m in members if scenario == "vote" else ():
-                m._vote_connection()  # its second connection, made before the clock starts
+                m.link.vote_connection()  # its second connection, made before the clock starts
         ready.put(len(ranks))
         start = go.get()
         del log[:]

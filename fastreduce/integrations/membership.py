@@ -249,7 +249,7 @@ class TrainerMembership:
         if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
             raise ValueError(f"{self.who}: an iterable dataset cannot be re-sharded when members come and go under "
                              "fastreduce.Membership: use a map-style dataset (with __len__ and __getitem__)")
-        self.sampler = MembershipSampler(dataset, self.m, step_samples=step_samples, world_size=self.m.world_size,
+        self.sampler = MembershipSampler(dataset, self.m, step_samples=step_samples, world_size=self.m.settings.world_size,
                                          seed=seed, sized=sized)
         return self.sampler
 

@@ -1,0 +1,123 @@
+"""Who may enter a :class:`~fastreduce.Membership`'s job: each process takes a numbered
+ticket at the coordinator with its layout (fastreduce version, ``tag``, the names, shapes
+and dtypes of its state); a ticket whose layout differs from the members' is refused with
+the difference in words, the others are admitted by the epoch that holds them (an epoch
+records how many tickets it handled: ``Epoch.admitted``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
+from .member import Member
+from .version import __version__
+
+__all__ = ["Admission"]
+
+_TICKETS = MEMBERS_PREFIX + "tickets"
+
+
+def _admit(t: int) -> str:
+    return MEMBERS_PREFIX + f"admit/{t}"
+
+
+class Admission:
+    """The tickets, as one member sees them; it owns the tickets it refused."""
+
+    def __init__(self, me: Member, link: CoordinatorLink):
+        self.me, self.link = me, link
+        self._refused: set[int] = set()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """This member's layout, as a joiner's is compared with it."""
+        tensors = []
+        for name, obj in sorted(self.me.state.items()):
+            if isinstance(obj, torch.nn.Module):
+                tensors += [[f"{name}.{k}", list(v.shape), str(v.dtype)] for k, v in obj.state_dict().items()]
+            else:
+                tensors.append([name, type(obj).__name__, ""])
+        return {"version": __version__, "tag": self.me.settings.tag, "tensors": tensors}
+
+    @staticmethod
+    def differs(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+        """Why a joiner (``theirs``) cannot join members like ``ours``, or ``None``."""
+        if theirs["version"] != ours["version"]:
+            return f"fastreduce {theirs['version']} joining members on fastreduce {ours['version']}: install the same"
+        if theirs["tag"] != ours["tag"]:
+            return f"tag {theirs['tag']!r} (mode and settings) joining members with tag {ours['tag']!r}"
+        for a, b in zip(theirs["tensors"], ours["tensors"]):
+            if a != b:
+                return f"its state holds {' '.join(map(str, a))} where the members hold {' '.join(map(str, b))}"
+        if len(theirs["tensors"]) != len(ours["tensors"]):
+            return (f"its state holds {len(theirs['tensors'])} entries where the members hold "
+                    f"{len(ours['tensors'])}: the same model and optimizer are needed")
+        return None
+
+    def take_ticket(self) -> int:
+        """This process's ticket, with its layout."""
+        ticket = self.link.call(self.link.store.add, _TICKETS, 1)
+        self.link.call(self.link.store.set, MEMBERS_PREFIX + f"ticket/{ticket}",
+                       json.dumps({"member": self.me.name, "print": self.fingerprint()}))
+        return ticket
+
+    def tickets(self) -> int:
+        """How many tickets were taken so far."""
+        return int(self.link.call(self.link.store.add, _TICKETS, 0))
+
+    def _ticket(self, t: int) -> dict[str, Any]:
+        return json.loads(self.link.await_key(MEMBERS_PREFIX + f"ticket/{t}", self.me.settings.wait_s,
+                                              f"joiner ticket {t}"))
+
+    def candidates(self, first: int, last: int, *, answered: bool = True) -> tuple[tuple[str, ...],
+                                                                                   dict[int, str | None]]:
+        """Tickets ``first`` .. ``last`` (those not answered yet, unless ``answered=False``:
+        none can be): the members they would admit, in ticket order, and per ticket why it
+        is refused (``None``: it is not)."""
+        mine = self.fingerprint()
+        checked = [(t, self._ticket(t)) for t in range(first, last + 1)
+                   if not answered or not self.link.call(self.link.store.check, [_admit(t)])]
+        refusals = {t: self.differs(j["print"], mine) for t, j in checked}
+        return tuple(j["member"] for t, j in checked if refusals[t] is None), refusals
+
+    def waiting(self) -> bool:
+        """Whether a process waits to join with this layout; one with another layout is
+        refused here, so the members never leave their epoch for it."""
+        epoch, mine = self.me.current(), None
+        waiting = False
+        for t in range(epoch.admitted + 1, self.tickets() + 1):
+            if t in self._refused or self.link.call(self.link.store.check, [_admit(t)]):
+                continue
+            mine = mine or self.fingerprint()
+            bad = self.differs(self._ticket(t)["print"], mine)
+            if bad is None:
+                waiting = True
+            else:
+                self._refused.add(t)
+                self.link.call(self.link.store.set, _admit(t), f"refused: {bad}")
+        return waiting
+
+    def propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
+        """Write ``proposal`` unless another member's for that epoch was first; then admit
+        the joiners of the epoch written and refuse the tickets it handled with another
+        layout (the rest wait for a later epoch). Returns the epoch written."""
+        key = epoch_key(proposal.number)
+        epoch = Epoch.from_json(self.link.call(self.link.store.compare_set, key, "", proposal.to_json()))
+        for t, bad in refusals.items():
+            if t > epoch.admitted:
+                continue
+            joined = bad is None and self._ticket(t)["member"] in epoch.joined
+            if joined or bad is not None:
+                self.link.call(self.link.store.set, _admit(t), str(epoch.number) if joined else f"refused: {bad}")
+        return epoch
+
+    def answer(self, ticket: int) -> Epoch:
+        """The epoch that admits ``ticket``, once one does (within ``wait_s``), or
+        :class:`MembershipError` where it was refused."""
+        answer = self.link.await_key(_admit(ticket), self.me.settings.wait_s, "admission")
+        if answer.startswith("refused"):
+            raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
+        return Epoch.from_json(self.link.call(self.link.store.get, epoch_key(int(answer))))

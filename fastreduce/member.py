@@ -1,0 +1,94 @@
+"""What one member of a :class:`~fastreduce.Membership` holds: its settings, the epoch it is
+in, its committed steps, its mode and the training state it shares with the others. The
+parts of a membership (:mod:`.admission`, :mod:`.votes`, :mod:`.epochs`, :mod:`.commits`)
+each own their own bookkeeping and change this one object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .coordinator import Epoch
+
+__all__ = ["FAULT_POINTS", "Counters", "Member", "MembershipSettings"]
+
+FAULT_POINTS = ("enter", "set_up", "sync_state", "voted")
+"""Where :meth:`Member.at` calls its callables."""
+
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    """A membership's settings, in one place (what :class:`~fastreduce.Membership` takes as
+    keywords; their meanings are there)."""
+
+    world_size: int
+    min_ranks: int = 1
+    backend: str = "gloo"
+    tag: str = ""
+    timeout_s: float = 600.0
+    wait_s: float = 60.0
+    poll_s: float = 0.2
+    heartbeat_s: float = 0.25
+    """A member's heartbeat period, unless ``$FASTREDUCE_HEARTBEAT_S`` says otherwise: a loss
+    ends a step within a second or two (3 silent beats), whatever the group's timeout."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 1 <= self.min_ranks:
+            raise ValueError(f"world_size and min_ranks must be >= 1, got {self.world_size} and {self.min_ranks}")
+        if not self.poll_s >= 0:
+            raise ValueError(f"poll_s must be >= 0 seconds (0: a poll at every step), got {self.poll_s}")
+
+
+@dataclass
+class Counters:
+    discarded_steps: int = 0
+    resyncs: int = 0  # syncs of a local-update mode run again over the survivors
+    losses: int = 0
+    joins: int = 0
+    leaves: int = 0  # members that left at a poll (Membership.leave)
+    stalls: list[tuple[str, float]] = field(default_factory=list)
+    """Per new epoch: why (``"loss"``, ``"join"``; a joiner's own: ``"joined"``) and the
+    seconds the step that ended the old one took (detection, agreement, healing)."""
+
+
+class Member:
+    """This process as a member of the job: ``name`` (its id at the coordinator), the
+    ``epoch`` it is in, the ``step`` count committed, the ``mode`` built for the epoch, the
+    ``state`` it shares (name -> object with ``state_dict``) and the ``build`` that makes the
+    mode; whether it holds the job's state (``healed``: a first member, or a joiner once sent
+    it), whether it founded epoch 0, and the mode's state kept across an epoch change."""
+
+    def __init__(self, name: str, settings: MembershipSettings):
+        self.name, self.settings = name, settings
+        self.epoch: Epoch | None = None
+        self.step = 0
+        self.mode: Any = None
+        self.counters = Counters()
+        self.state: dict[str, Any] = {}
+        self.build: Callable[[], Any] | None = None
+        self.healed = False
+        self.founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
+        self.kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
+        self.left = False  # this member left the job (Membership.leave)
+        self._points: dict[str, list[Callable[[Any], Any]]] = {}
+
+    def current(self) -> Epoch:
+        if self.epoch is None:
+            raise RuntimeError("not a member yet: call join() first")
+        return self.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.current().members.index(self.name)
+
+    def at(self, point: str, fn: Callable[[Any], Any]) -> None:
+        """See :meth:`fastreduce.Membership.at`."""
+        if point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {point!r}; choose one of {', '.join(FAULT_POINTS)}")
+        self._points.setdefault(point, []).append(fn)
+
+    def passing(self, point: str, arg: Any) -> None:
+        """This member passes ``point``: its callables are called with ``arg``."""
+        for fn in self._points.get(point, ()):
+            fn(arg)

@@ -1,0 +1,163 @@
+"""The members' vote at the end of a step, through the coordinator (the only request a
+per-step mode makes to it, and only at a poll): each member adds 1 to the step's counter;
+the one whose vote completes the count looks for joiners and leavers and writes the
+decision (go on, a new epoch, and the step of the next poll); a member gone silent
+meanwhile turns it into ``"abort"``. Also what a failed collective lost, and the word
+that aborts a step for every member.
+"""
+
+from __future__ import annotations
+
+import time
+
+import fastreduce.faults as faults
+import fastreduce.faults_errors as faults_errors
+import fastreduce.faults_heartbeat as faults_heartbeat
+
+from .admission import Admission
+from .coordinator import MEMBERS_PREFIX, CoordinatorLink
+from .faults import RankLostError
+from .member import Member
+from .presence import EXIT_CHECK_S, Watch
+
+__all__ = ["Votes"]
+
+_LEAVING = MEMBERS_PREFIX + "leaving"
+
+
+def done_key(epoch: int, step: int) -> str:
+    """The key of the decision of step index ``step``'s vote in epoch ``epoch``."""
+    return MEMBERS_PREFIX + f"e{epoch}/s{step}/done"
+
+
+class Votes:
+    """One member's votes: it owns when the next poll is (agreed at the last one), the
+    running step time that spaces the polls, and the requests to leave it has counted."""
+
+    def __init__(self, me: Member, link: CoordinatorLink, admission: Admission):
+        self.me, self.link, self.admission = me, link, admission
+        self.poll_at = 0  # the step index of the members' next poll (agreed at the last one)
+        self.step_s: float | None = None  # a running mean of the seconds between commits
+        self._polled: tuple[int, int] | None = None  # (epoch, step) of this member's last poll
+        self._leaves_seen = 0  # requests to leave counted when this member last looked
+        self._last_commit: float | None = None
+
+    def restart(self, first_step: int) -> None:
+        """A new epoch, entered at ``first_step``: every epoch polls at its first step."""
+        self.poll_at, self._last_commit = first_step, None
+
+    def timed(self) -> None:
+        """The running mean of the seconds between commits (the next poll's distance)."""
+        now = time.perf_counter()
+        if self._last_commit is not None:
+            gap = now - self._last_commit
+            self.step_s = gap if self.step_s is None else 0.8 * self.step_s + 0.2 * gap
+        self._last_commit = now
+
+    def vote(self, s: int) -> tuple[str, set[str]]:
+        """The members' vote at step index ``s``: ``"go"``, ``"abort"`` (and the silent
+        members) or ``"join"``: a new epoch, for joiners or for the members leaving
+        (returned); the voter completing the count also sets the next poll's step."""
+        epoch, store = self.me.current(), self.link.store
+        key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
+        value = None
+        if self.link.call(store.add, key, 1) == epoch.world:
+            if s >= self.poll_at:  # a poll: joiners, leavers, the next poll's step
+                every = 1 if not self.step_s else max(1, min(10_000, int(self.me.settings.poll_s / self.step_s)))
+                leavers = self._leavers()
+                decision = "join" if self.admission.waiting() or leavers else "go"
+                mine = f"{decision} {s + every} {','.join(leavers)}"
+            else:  # ZeRO's vote between polls: go on
+                mine = f"go {self.poll_at} "
+            written = self.link.call(store.compare_set, key + "/done", "", mine)
+            value = mine if (written.decode() if isinstance(written, bytes) else written) == mine else None
+            if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
+                old = MEMBERS_PREFIX + f"e{epoch.number}/s{self._polled[1]}"
+                for k in (old, old + "/done"):  # off the step's path (the next request queues behind)
+                    self.link.submit(store.delete_key, k)
+        self._polled = (epoch.number, s)
+        silent: set[str] = set()
+        if value is None:  # (the completing voter knows it: its own was written)
+            value, silent = self._await_decision(key + "/done")
+        self.me.passing("voted", s)
+        if value == "abort":
+            return value, silent
+        decision, at, leavers = value.split(" ")
+        self.poll_at = int(at)
+        return decision, set(filter(None, leavers.split(",")))
+
+    def ask_to_leave(self) -> None:
+        """This member asks to be out at the next poll (:meth:`fastreduce.Membership.leave`)."""
+        self.link.call(self.link.store.set, f"{_LEAVING}/{self.me.name}", "1")
+        self.link.call(self.link.store.add, _LEAVING, 1)
+
+    def _leavers(self) -> list[str]:
+        """The members that asked to leave, looked for when the count of such requests
+        changed since this member last looked."""
+        asked = int(self.link.call(self.link.store.add, _LEAVING, 0))
+        if asked == self._leaves_seen:
+            return []
+        self._leaves_seen = asked
+        return [m for m in self.me.current().members if self.link.call(self.link.store.check, [f"{_LEAVING}/{m}"])]
+
+    def _await_decision(self, done: str) -> tuple[str, set[str]]:
+        """The vote's decision; ``"abort"`` (and the silent members) where a member's
+        heartbeat stops for ``$FASTREDUCE_LOST_AFTER_S`` first, or its process ran on this
+        host and has exited (looked at every :data:`~fastreduce.presence.EXIT_CHECK_S`: a
+        member that died after the step's collectives, before its vote)."""
+        epoch = self.me.current()
+        beat, window = faults_heartbeat.heartbeat_now(), faults.lost_after()
+        if beat is not None and not beat.current():
+            beat = None  # an earlier epoch's
+        every = min(faults.heartbeat_interval(), 0.25) if beat is not None else 1.0
+        slice_s = EXIT_CHECK_S if beat is not None else every
+        # One request waits for the decision (a get on a connection of its own, no timeout
+        # of its own to print every slice); meanwhile this thread watches the heartbeats
+        # through the heartbeat's connection and, if a member goes silent, writes "abort".
+        finished, box = self.link.submit(self.link.vote_connection().get, done)
+        seen: dict[int, tuple[int, float]] = {}
+        records: dict[int, str] = {}
+        silent: set[str] = set()
+        read_at = 0.0
+        while not finished.wait(slice_s):
+            if beat is None or silent:
+                continue
+            try:  # the watched members' (faults_heartbeat.WATCHED_SUCCESSORS): a member lost elsewhere
+                # is seen by its own watchers, whose "abort" wakes this get
+                if time.monotonic() - read_at >= every:
+                    read_at = time.monotonic()
+                    silent = {epoch.members[r] for r in beat.silent(seen, window, records)}
+                silent = silent or {epoch.members[r] for r in beat.exited(sorted(seen), records)}
+                if silent:
+                    beat.call(self.link.store.compare_set, done, "", "abort")  # the waiting get returns it too
+            except faults.TransportError as err:
+                raise self.link.unreachable(err) from err
+        if isinstance(box[0], BaseException):
+            raise self.link.unreachable(box[0]) from box[0]
+        value = box[0].decode()
+        return value, silent if value == "abort" else set()
+
+    def lost_in(self, err: RuntimeError) -> set[str] | None:
+        """The members a failed collective lost, or ``None`` if it was no loss. A member
+        whose process ran on this host and has exited is named at once (a joiner that died
+        as it was healed), without the diagnosis's window."""
+        epoch = self.me.current()
+        if isinstance(err, RankLostError):
+            return {epoch.members[r] for r in err.ranks if r < epoch.world}
+        if not faults_errors.is_transport_failure(err):
+            return None
+        exited = Watch(self.link.store, self.link.call, [m for m in epoch.members if m != self.me.name]).exited()
+        if exited:
+            return exited
+        ranks, _, _ = faults.diagnose()
+        return {epoch.members[r] for r in ranks}
+
+    def aborted_by(self, err: RuntimeError) -> set[str]:
+        """The members whose loss failed this step's collective (the step then aborted for
+        every member: the waiting ones are woken); ``err`` itself again where it is no loss."""
+        lost = self.lost_in(err)
+        if lost is None:
+            raise err
+        epoch = self.me.current()
+        self.link.call(self.link.store.compare_set, done_key(epoch.number, self.me.step), "", "abort")
+        return lost
