@@ -2,7 +2,7 @@
 ticket at the coordinator with its layout (fastreduce version, ``tag``, the names, shapes
 and dtypes of its state); a ticket whose layout differs from the members' is refused with
 the difference in words, the others are admitted by the epoch that holds them (an epoch
-records how many tickets it handled: ``Epoch.admitted``).
+records how many tickets it handled: ``Epoch.tickets``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Admission:
         refused here, so the members never leave their epoch for it."""
         epoch, mine = self.me.current(), None
         waiting = False
-        for t in range(epoch.admitted + 1, self.tickets() + 1):
+        for t in range(epoch.tickets + 1, self.tickets() + 1):
             if t in self._refused or self.link.call(self.link.store.check, [_admit(t)]):
                 continue
             mine = mine or self.fingerprint()
@@ -107,9 +107,9 @@ class Admission:
         key = epoch_key(proposal.number)
         epoch = Epoch.from_json(self.link.call(self.link.store.compare_set, key, "", proposal.to_json()))
         for t, bad in refusals.items():
-            if t > epoch.admitted:
+            if t > epoch.tickets:
                 continue
-            joined = bad is None and self._ticket(t)["member"] in epoch.joined
+            joined = bad is None and self._ticket(t)["member"] in epoch.receivers
             if joined or bad is not None:
                 self.link.call(self.link.store.set, _admit(t), str(epoch.number) if joined else f"refused: {bad}")
         return epoch

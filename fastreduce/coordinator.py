@@ -41,8 +41,8 @@ class Epoch:
     number: int
     members: tuple[str, ...]
     step: int
-    admitted: int  # joiner tickets handled so far
-    joined: tuple[str, ...] = ()  # members new in this epoch (they receive the state)
+    tickets: int  # the tickets it handled: every ticket up to this one was admitted or refused
+    receivers: tuple[str, ...] = ()  # the members that receive the job's state as they enter it
 
     @property
     def world(self) -> int:
@@ -50,12 +50,12 @@ class Epoch:
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "members": list(self.members), "step": self.step,
-                           "admitted": self.admitted, "joined": list(self.joined)})
+                           "tickets": self.tickets, "receivers": list(self.receivers)})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Epoch:
         d = json.loads(text)
-        return cls(d["number"], tuple(d["members"]), d["step"], d["admitted"], tuple(d["joined"]))
+        return cls(d["number"], tuple(d["members"]), d["step"], d["tickets"], tuple(d["receivers"]))
 
 
 def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: float | None = None) -> dist.TCPStore:

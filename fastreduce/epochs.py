@@ -104,8 +104,8 @@ class EpochChanges:
         # count them twice in it; it is admitted right after the sync instead, at its vote.
         redo = why == "loss" and self.me.kept_mode[1] == "local" and len(present) >= self.settings.min_ranks
         while holds:  # below min_ranks: wait for joiners (unless another survivor proposed already)
-            tickets = old.admitted if redo else self.admission.tickets()
-            joiners, refusals = self.admission.candidates(old.admitted + 1, tickets)  # not refused already
+            tickets = old.tickets if redo else self.admission.tickets()
+            joiners, refusals = self.admission.candidates(old.tickets + 1, tickets)  # not refused already
             members = tuple(healed) + unhealed + joiners
             proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners)
             if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
@@ -121,11 +121,11 @@ class EpochChanges:
         if self.me.name not in epoch.members:
             raise MembershipError(f"fastreduce: this member ({self.me.name}) was left out of epoch {epoch.number} "
                                   "(it registered after the others had formed it); start it again to rejoin")
-        if self.me.healed and self.me.name not in epoch.joined and epoch.step != self.me.step:
+        if self.me.healed and self.me.name not in epoch.receivers and epoch.step != self.me.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.me.step}: the members disagree on the committed steps (a bug: "
                                   "please report it)")
-        self.me.counters.joins += sum(m not in old.members for m in epoch.joined)  # not a survivor healed forward
+        self.me.counters.joins += sum(m not in old.members for m in epoch.receivers)  # not a survivor healed forward
         self.enter(epoch)
         self.me.counters.stalls.append((why, time.perf_counter() - start))
 
@@ -216,9 +216,9 @@ class EpochChanges:
         self._rendezvous(epoch)
         self._init_group(epoch)
         faults.start_heartbeat()  # this epoch's: the vote watches it
-        joining = self.me.name in epoch.joined
+        joining = self.me.name in epoch.receivers
         fresh = joining and not self.me.healed  # a new process (a survivor one step behind keeps its mode's state)
-        if epoch.joined:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
+        if epoch.receivers:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
             got, sent_kind = self._sync_state(epoch, own if kind in ("local", "gossip") else None, kind)
             if fresh:  # rank 0's mode state came only if its mode keeps one per rank
                 own, kind = got, sent_kind
@@ -389,7 +389,7 @@ class EpochChanges:
         built."""
         self.me.passing("sync_state", epoch)
         rank, device = dist.get_rank(), self._device()
-        to = [r for r in map(epoch.members.index, epoch.joined) if r != 0]
+        to = [r for r in map(epoch.members.index, epoch.receivers) if r != 0]
         mine = None
         if rank == 0:
             mine = {"step": self.me.step, "state": {k: v.state_dict() for k, v in self.me.state.items()},
