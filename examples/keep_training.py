@@ -43,7 +43,7 @@ def make_model(width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
 
 
-MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
+MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "diloco-streaming", "gossip")
 
 
 def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -52,9 +52,10 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
 
     if mode == "localsgd":
         return fastreduce.LocalSGD(model, opt, sync_every=4)
-    if mode == "diloco":
+    if mode in ("diloco", "diloco-streaming"):  # streaming: each fragment's all-reduce runs over the next inner step
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2)
+        return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2,
+                                 fragment_delay=int(mode == "diloco-streaming"))
     if mode == "zero":  # the mode is the optimizer (``opt`` is not used); each shard also on the next rank
         return fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model,
                                         redundant=True, bucket_mb=0.0005)
@@ -231,7 +232,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             say(f"left at step {m.step}")
             torch.save(facts, Path(out) / f"member{index}.pt")
             return
-        if mode in ("localsgd", "diloco"):
+        if mode in ("localsgd", "diloco", "diloco-streaming"):
             m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
         if mode == "gossip":
             m.mode.global_avg()  # the end of training: every rank's parameters := their exact mean
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kill-at", type=int, default=15, help="the step member 2 dies at")
     ap.add_argument("--where", choices=("mid-step", "between", "in-backward"), default="mid-step")
     ap.add_argument("--mode", choices=MODES, default="fused", help="overlap: buckets during backward; localsgd, "
-                    "diloco: a sync every 4 steps, redone over the survivors when a member is lost in it; gossip: "
+                    "diloco: a sync every 4 steps, redone over the survivors when a member is lost in it (diloco-streaming: "
+                    "each fragment's sync in flight over the next inner step, sent again over the survivors); gossip: "
                     "a ring, rebuilt over the survivors")
     ap.add_argument("--transport", choices=("process_group", "shm"), default="process_group")
     args = ap.parse_args(argv)

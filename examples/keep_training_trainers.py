@@ -49,7 +49,7 @@ MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 SETTINGS: dict[str, dict[str, Any]] = {
     "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
     "zero": {"bucket_mb": 0.0005},  # (redundant=True: set by the trainer under a Membership)
-    "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4, "fragments": 2},
+    "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
     "gossip": {"topology": "ring", "bucket_mb": 0.0005},  # (its buckets' AdamW, built like the trainer's)
 }
 

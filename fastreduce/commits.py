@@ -171,7 +171,7 @@ class StepCommits:
         the gradients (LocalSGD's warm-up averages them in the step)."""
         grads = [(p, p.grad.clone()) for v in self.me.state.values() if isinstance(v, torch.nn.Module)
                  for p in v.parameters() if p.grad is not None]
-        return {"mode": clone_state(self.me.mode.state_dict()), "grads": grads,
+        return {"mode": clone_state(self.me.mode.local_state_dict()), "grads": grads,  # nothing in flight waited for
                 "state": {k: clone_state(v.state_dict()) for k, v in self.me.state.items()
                           if not isinstance(v, torch.nn.Module)}}
 

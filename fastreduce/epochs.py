@@ -243,6 +243,8 @@ class EpochChanges:
                                           "ranks, so the job cannot go on; restart it from the last checkpoint") \
                         from err
             self._hold_launches(True)
+            if commit_style(self.me.mode) == "local":  # a sync in flight across steps: each member's
+                self.me.mode.keep_sent()  # payload kept, to be sent again over the survivors after a loss
             if commit_style(self.me.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.me.mode.set_round(epoch.step)
 
@@ -417,7 +419,8 @@ class EpochChanges:
         if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
             self.me.kept_mode = (zero_mirror.held(self.me.mode), kind)
         else:
-            save = self.me.mode.local_state_dict if after_loss and kind == "gossip" else self.me.mode.state_dict
+            save = self.me.mode.local_state_dict if after_loss and kind in ("gossip", "local") else \
+                self.me.mode.state_dict
             self.me.kept_mode = (clone_state(save()), kind)
         self.close_mode(drain=not after_loss)
 

@@ -65,7 +65,7 @@ _pinned: list[Any] = []
 def abandon_groups() -> None:
     """Every process group of this process aborted where the backend can (the pending work
     fails, its thread returns) and pinned: never destroyed, its threads end with the
-    process (:func:`fastreduce.faults_watchdog._abandon_groups` says why)."""
+    process (:func:`fastreduce.faults_watchdog.abandon_groups` says why)."""
     import ctypes
 
     for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+import fastreduce
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from keep_training import STEPS, launch, make_model  # noqa: E402  (examples/keep_training.py: the members' loop)
@@ -189,6 +192,111 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
         three = 11 if where == "after-vote" else 10
         want = adamw_on_the_mean([3] * three + [2] * (STEPS - three))
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
+
+
+def _streaming_by_hand(rank: int, world: int, transport: str) -> torch.Tensor:
+    """Streaming DiLoCo in a hand-written loop on a plain group: the same model, batches
+    and settings as the members' (examples/keep_training.py), no Membership."""
+    import os
+
+    os.environ["FASTREDUCE_TRANSPORT"] = transport
+    from keep_training import build
+
+    torch.set_num_threads(1)
+    model = make_model(16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mode = build("diloco-streaming", model, opt)
+    for s in range(STEPS):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * s + rank))
+        torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin()).backward()
+        opt.step()
+        opt.zero_grad()
+    mode.sync()
+    mode.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kills, transport", [({}, "process_group"), ({2: ("between", 11)}, "process_group"),
+                                              pytest.param({2: ("mid-step", 11)}, "shm", marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, modes=("diloco",))
+def test_streaming_diloco_sends_a_fragment_in_flight_again_over_the_survivors(
+        tmp_path: Path, kills: dict, transport: str) -> None:
+    """DiLoCo with ``fragment_delay=1`` (2 fragments, a sync every 4 steps): each fragment's
+    all-reduce runs over the next inner step. Without a fault, the members equal the same
+    mode in a hand-written loop on a plain group (1e-6). Member 2 lost with fragment 1 in
+    flight (launched at step 11, due at 12; it dies after step 11, or inside step 12's
+    backward): every survivor puts back its state as before step 12 and sends its own
+    payload of fragment 1 again, over the survivors, at step 12 redone; a replacement
+    joins afterwards; nothing is discarded, every final member bit-identical."""
+    from fastreduce.launch import run_ranks
+
+    found = run(tmp_path, transport, kills, joiners=len(kills), mode="diloco-streaming")
+    final = [found[i] for i in sorted(found) if i not in kills]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+        assert all(ok for _, ok, _, _ in f["steps"])
+    for f in final[1:]:
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+    if kills:
+        for f in final[:2]:
+            c = f["counters"]
+            assert c["losses"] == 1 and c["resyncs"] == 1 and c["discarded_steps"] == 0, c
+        return
+    want = run_ranks(_streaming_by_hand, 3, transport, timeout=120)[0]
+    assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
+
+
+def _by_parameter(mode: Any, k: int, wire: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fragment ``k``'s ``wire`` read per parameter, through the mode's own layout."""
+    out, at = {}, 0
+    for j in mode._frag_segments[k]:
+        seg = mode.layout.segments[j]
+        out.update({slot.name: wire[at + slot.offset:at + slot.offset + slot.numel].clone() for slot in seg.slots})
+        at += seg.numel
+    return out
+
+
+def _saved_in_flight(rank: int, world: int, states: list | None) -> Any:
+    """Streaming DiLoCo with the wire summed in fp32 (its segments padded to a multiple of the
+    world size). ``states`` None: one step (fragment 0 launched, in flight), then its state
+    without waiting (the payload) and with (the average), each read per parameter. Else:
+    each state loaded at this world size, read back per parameter."""
+    from keep_training import make_model as make
+
+    model = make(16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    mode = fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2, fragment_delay=1,
+                             accumulate_dtype=torch.float32)
+    mode.keep_sent()
+    if states is None:
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
+        torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin()).backward()
+        opt.step()
+        sent, averaged = mode.local_state_dict(), mode.state_dict()
+        return (sent, _by_parameter(mode, 0, sent["to_send"][0]), averaged,
+                _by_parameter(mode, 0, averaged["in_flight"][0]), mode.layout.segments[0].numel)
+    mode.load_state_dict(states[rank][0])
+    sent = _by_parameter(mode, 0, mode._sent)
+    mode.load_state_dict(states[rank][2])
+    return sent, _by_parameter(mode, 0, mode._frag_wire[0]), mode.layout.segments[0].numel
+
+
+def test_a_fragment_in_flight_loads_at_another_world_size() -> None:
+    """What a Membership keeps of streaming DiLoCo across an epoch of another size: the
+    fragment in flight, as this rank's payload (after a loss) or as its average (at a
+    join), saved at 3 ranks and loaded at 2, where the segments are padded otherwise:
+    every parameter's part the same, bit for bit."""
+    from fastreduce.launch import run_ranks
+
+    saved = run_ranks(_saved_in_flight, 3, None, timeout=120)
+    loaded = run_ranks(_saved_in_flight, 2, saved, timeout=120)
+    assert saved[0][4] != loaded[0][2], "the layouts must differ for this test to mean anything"
+    for (_, sent, _, averaged, _), (sent_at_2, averaged_at_2, _) in zip(saved, loaded):
+        assert sent.keys() == sent_at_2.keys() and averaged.keys() == averaged_at_2.keys()
+        assert all(torch.equal(sent[n], sent_at_2[n]) for n in sent)
+        assert all(torch.equal(averaged[n], averaged_at_2[n]) for n in averaged)
+        assert any(t.abs().sum() > 0 for t in sent.values())
 
 
 @pytest.mark.parametrize("mode", ["diloco"])  # (LocalSGD, the same _load, passed at stop 53)

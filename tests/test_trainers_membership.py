@@ -115,8 +115,9 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     m = Membership(f"127.0.0.1:{server.port}", world_size=2)
     with pytest.raises(ValueError, match="drop redundant=False"):
         TrainerMembership(m, make_mode("zero", {"redundant": False}), "T")
-    with pytest.raises(ValueError, match="fragment_delay > 0"):
-        TrainerMembership(m, make_mode("diloco", {"sync_every": 4, "fragments": 2, "fragment_delay": 1}), "T")
+    with pytest.raises(ValueError, match="fragment_delay > 0 with a compressed wire"):
+        TrainerMembership(m, make_mode("diloco", {"sync_every": 4, "fragments": 2, "fragment_delay": 1,
+                                                  "wire_dtype": "int8"}), "T")
     with pytest.raises(TypeError, match="must be a fastreduce.Membership"):
         TrainerMembership(object(), make_mode("fused", {}), "T")
     glue = TrainerMembership(m, make_mode("fused", {}), "T")

@@ -175,6 +175,8 @@ def set_global_step(trainer: Any, step: int, stepping: bool = False) -> None:
     for t in (tracker.total, tracker.current):
         t.ready -= delta
         t.completed -= delta
-    # Lightning (2.5.1, 2.6.6 tested) has no public way to set its step count: the progress
-    # trackers are its documented loop state, ``_batches_that_stepped`` (its loggers' step) is not
-    loop._batches_that_stepped = step - 1 if stepping else step
+    # The loggers' step goes through the loop's own checkpoint state (its on_save_checkpoint and
+    # on_load_checkpoint, as a resumed fit sets it; Lightning 2.5.1 and 2.6.6 tested)
+    state = loop.on_save_checkpoint()
+    state["_batches_that_stepped"] = step - 1 if stepping else step
+    loop.on_load_checkpoint(state)

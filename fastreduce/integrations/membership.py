@@ -60,7 +60,9 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
   each survivor keeps its own state. The run's last step takes every member's exact mean
   (``global_avg``), inside its commit.
 
-Refused under a Membership, with a message: DiLoCo's ``fragment_delay > 0``, a run without ``max_steps``
+Refused under a Membership, with a message: DiLoCo's ``fragment_delay > 0`` with a compressed
+wire (a fragment in flight is sent again over the survivors after a loss: a float wire's,
+as kept), a run without ``max_steps``
 (the steps per data epoch change with the world), an iterable dataset, data-loader worker
 processes (they draw ahead of the step), a process launched by ``torchrun``.
 """
@@ -143,6 +145,9 @@ class _Seen:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.obj.load_state_dict(state)
 
+    def local_state_dict(self) -> dict[str, Any]:  # (gossip's, the local modes': nothing in flight waited for)
+        return self.obj.local_state_dict()
+
     def close(self, drain: bool = True) -> None:
         self.trainer_mode.close(drain)
 
@@ -168,9 +173,6 @@ class _Gossiped(_Seen):
     a loss each survivor keeps its own state, the exchanges in flight dropped."""
 
     commit_style = "gossip"
-
-    def local_state_dict(self) -> dict[str, Any]:
-        return self.obj.local_state_dict()
 
     def set_round(self, round_: int) -> None:
         self.obj.set_round(round_)
@@ -205,6 +207,9 @@ class _Local(_Seen):
 
     def sync(self) -> None:
         self.obj.sync()
+
+    def keep_sent(self) -> None:
+        self.obj.keep_sent()
 
 
 class TrainerMembership:

@@ -29,17 +29,23 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import slot_view
-from ..codecs.quant import check_wire
+from ..codecs.quant import check_wire, wire_format
 from ..codecs.sparse import SparseLoCo
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
 from ..layout import counted, wire_word
 from .local import (BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, optimizer_params, require_distributed,
                     trainable)
+from .local_state import RESEND
 
 __all__ = ["DiLoCo"]
 
 log = logging.getLogger(__name__)
+
+
+_RESENT_UNCOMPRESSED = ("DiLoCo's fragment_delay > 0 with a compressed wire (compression=, or a quantized "
+                        "wire_dtype) cannot send a fragment in flight again over the survivors; use a float "
+                        "wire_dtype, or fragment_delay=0")
 
 
 class DiLoCo(LocalUpdates):
@@ -193,15 +199,20 @@ class DiLoCo(LocalUpdates):
 
     @staticmethod
     def membership_refusal_for(settings: dict[str, Any]) -> str | None:
-        """What a Membership cannot keep training yet, of these settings (modes/contract.py): a
-        sync in flight across inner steps."""
-        return "DiLoCo's fragment_delay > 0 is not supported yet (use fragment_delay=0)" \
-            if settings.get("fragment_delay", 0) else None
+        """What a Membership cannot keep training, of these settings (modes/contract.py): a
+        compressed fragment in flight across inner steps (after a loss each survivor sends
+        its own payload again over the survivors: a float wire's, kept as it was sent)."""
+        compressed = settings.get("compression") is not None or wire_format(settings.get("wire_dtype")) is not None
+        return _RESENT_UNCOMPRESSED if settings.get("fragment_delay", 0) and compressed else None
 
     @property
     def membership_refusal(self) -> str | None:
         """:meth:`membership_refusal_for` this mode's own settings."""
-        return self.membership_refusal_for({"fragment_delay": self.fragment_delay})
+        return _RESENT_UNCOMPRESSED if self.fragment_delay and (self._sparse or self._quant_means) else None
+
+    @property
+    def _sends_across_steps(self) -> bool:
+        return self.fragment_delay > 0
 
     @guarded("{cls}.sync()", SYNC_LOST)
     @torch.no_grad()
@@ -222,14 +233,17 @@ class DiLoCo(LocalUpdates):
         """Whether inner step ``s`` (counted from 1) launches or lands a fragment's sync
         (:class:`fastreduce.Membership` puts a commit vote at those steps only)."""
         H, tau = self.sync_every, self.fragment_delay
-        return any((s + tau) % H == t or (tau and s % H == t) for t in self._apply_at) or s % H == 0
+        return any((s + tau) % H == t or (tau and s % H == t) for t in self._apply_at) or s % H == 0 or \
+            any(pending is RESEND for pending in self._in_flight.values())  # sent again at its next advance or landing
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: the step count (hence the fragment phase), the
         last synced parameters, this rank's parameters, the outer optimizer's state and
         the fragment on the wire (as its averaged pseudo-gradient)."""
-        return {"mode": "DiLoCo", "sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer.state_dict(),
-                **self._state()}
+        return {**self._header(), **self._state()}
+
+    def _header(self) -> dict[str, Any]:
+        return {"mode": "DiLoCo", "sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (build the model, both optimizers and the mode first)."""

@@ -45,7 +45,7 @@ from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
 from .comm_stats import CommStats
-from .local_state import LocalState
+from .local_state import RESEND, LocalState
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
            "require_distributed", "trainable"]
@@ -176,6 +176,8 @@ class LocalUpdates(LocalState, JoinableMode):
         self._frag_wire: list[torch.Tensor] = []
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._in_flight: dict[int, Pending] = {}
+        self._sent: torch.Tensor | None = None  # the payload of the fragment in flight, where kept (keep_sent)
+        self._keeps_sent = False
         self._sparse: list[SparseState] = []
         self._quant_means: list[QuantMean] = []
         if self._delta:
@@ -339,20 +341,57 @@ class LocalUpdates(LocalState, JoinableMode):
             self._in_flight[k] = self._quant_means[k].start()
             self.stats.wire_bytes += self._quant_means[k].wire_bytes
             return
+        if self._keeps_sent:
+            self._sent = wire.clone()
+        self._send(k)
+
+    def _send(self, k: int) -> None:
+        """Fragment ``k``'s payload, in the wire, averaged over the group (launched)."""
+        wire = self._frag_wire[k]
         if self._plan.prescale:
             wire.div_(self.world_size)
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
         self.stats.wire_bytes += wire.nbytes
 
+    _sends_across_steps = False  # a fragment's sync in flight across inner steps (DiLoCo's fragment_delay > 0)
+
+    def keep_sent(self) -> None:
+        """Keep this rank's payload of each fragment on the wire until it lands, where one
+        stays in flight across inner steps, so that it can be sent again over another group
+        (:class:`~fastreduce.Membership` after a loss: :meth:`local_state_dict`). A float
+        wire only."""
+        if self._sends_across_steps and (self._sparse or self._quant_means):
+            raise ValueError(f"{type(self).__name__} cannot send a compressed fragment again over another group: "
+                             "use a float wire_dtype and no compression=")
+        self._keeps_sent = self._sends_across_steps
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without waiting on anything (a peer may be lost): the fragment
+        in flight, if any, as this rank's own payload (:meth:`keep_sent`), averaged again
+        over the group of the mode it is loaded into, at the step it was due."""
+        return {**self._header(), **self._state(wait=False)}
+
+    def _header(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _resend(self, k: int) -> None:
+        """Fragment ``k`` loaded as this rank's own payload (:meth:`local_state_dict`):
+        averaged now, over this mode's group."""
+        if self._in_flight.get(k) is RESEND:
+            self._frag_wire[k].copy_(self._sent)
+            self._send(k)
+
     def _advance(self, k: int) -> None:
         """Fragment ``k``'s all-reduce, if in flight in two phases (a bf16 wire summed in
         fp32 over a process group): issue its second collective now."""
         if k in self._in_flight:
+            self._resend(k)
             advance(self._in_flight[k])
 
     def _land(self, k: int, mix: bool = True) -> None:
         """Wait for fragment ``k``'s average and apply it (:meth:`_apply`), unless
         ``nonfinite`` finds inf/NaN in it (:meth:`_average_finite`)."""
+        self._resend(k)
         with self.stats.waiting():
             complete(self._in_flight.pop(k))
         if not self._average_finite(k):
@@ -457,9 +496,10 @@ class LocalUpdates(LocalState, JoinableMode):
              "are this rank's own since the last sync that completed.")
     def _drain(self) -> None:
         """Wait for the fragment on the wire, if any (it stays due at its step)."""
-        for k, pending in list(self._in_flight.items()):
+        for k in list(self._in_flight):
+            self._resend(k)
             with self.stats.waiting():
-                complete(pending)
+                complete(self._in_flight[k])
             self._in_flight[k] = (None, None)
 
 

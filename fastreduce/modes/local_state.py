@@ -11,21 +11,37 @@ from typing import Any
 import torch
 
 from ..codecs.sparse import SparseState
+from ..comm import complete
 
-__all__ = ["LocalState"]
+__all__ = ["RESEND", "LocalState"]
+
+RESEND: tuple[None, Any] = (None, lambda: None)
+"""A fragment in flight loaded as this rank's payload: averaged again over the mode's group
+at its next advance or landing (:meth:`~fastreduce.modes.local.LocalUpdates.local_state_dict`);
+told apart from an average already landed, ``(None, None)``, by identity."""
 
 
 class LocalState:
     """The state half of :class:`~fastreduce.modes.local.LocalUpdates` (a mixin: it reads
     the mode's layout, blocks, anchor, codecs and in-flight fragment)."""
 
-    def _state(self) -> dict[str, Any]:
-        self._drain()
+    def _state(self, wait: bool = True) -> dict[str, Any]:
+        """``wait``: the fragment in flight, waited for, as its average; else (a peer may be
+        lost) nothing is waited for, and it is kept as this rank's own payload, to be
+        averaged again over the group the state is loaded into (:meth:`local_state_dict`)."""
+        if wait:
+            self._drain()
+        landed = {k for k, pending in self._in_flight.items() if pending == (None, None)}
+        sending = [k for k in self._in_flight if k not in landed]
+        if sending and self._sent is None:
+            raise RuntimeError(f"{type(self).__name__}.local_state_dict() with a fragment in flight needs keep_sent() "
+                               "before it was launched")
         out: dict[str, Any] = {
             "steps": self.steps, "syncs": self.syncs,
             "params": [f.detach().clone() for f in self._whole_flats()],
             "anchor": [a.clone() for a in self._anchor],
-            "in_flight": {k: self._frag_wire[k].clone() for k in self._in_flight},
+            "in_flight": {k: self._frag_wire[k].clone() for k in landed},
+            "to_send": {k: self._sent.clone() for k in sending},
             "fragments": self.fragment_names,
             "segment_numels": [seg.numel for seg in self.layout.segments],  # padded: with the world size
         }
@@ -42,8 +58,9 @@ class LocalState:
                              "build the same model with the same fragments to resume")
         flats = self._whole_flats()
         params, anchor = state["params"], state["anchor"]
+        wires = {"in_flight": state["in_flight"], "to_send": state.get("to_send", {})}
         if [tuple(t.shape) for t in params] != [tuple(f.shape) for f in flats] or len(anchor) != len(self._anchor):
-            params, anchor = _refit(self, state)  # saved at another world size (Membership)
+            params, anchor, wires = _refit(self, state, wires)  # saved at another world size (Membership)
         if bool(self._sparse) != ("sparse" in state):
             raise ValueError("this state_dict was saved with" + ("out" if self._sparse else "") + " compression= "
                              "(SparseLoCo's accumulators); build the mode with the settings it was saved with")
@@ -64,23 +81,39 @@ class LocalState:
                 f.copy_(t)
             for a, t in zip(self._anchor, anchor):
                 a.copy_(t)
-            self._drain()
-            self._in_flight = {}
-            for k, t in state["in_flight"].items():
+            self._settle()
+            for k, t in wires["in_flight"].items():
                 self._frag_wire[int(k)].copy_(t)
                 self._in_flight[int(k)] = (None, None)  # averaged already: applied at its step
+            for k, t in wires["to_send"].items():
+                self._sent = t.clone()
+                self._in_flight[int(k)] = RESEND  # this rank's own payload: averaged again over this group
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
 
+    def _settle(self) -> None:
+        """Nothing left in flight before a state is loaded: a collective still running is
+        waited for (it writes into the wire), one that failed (a peer lost: the state
+        loaded is what goes on) is let go of."""
+        for pending in self._in_flight.values():
+            if pending is RESEND:
+                continue
+            try:
+                complete(pending)
+            except RuntimeError:
+                pass
+        self._in_flight = {}
 
-def _refit(self: Any, state: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameter blocks and anchors of a state saved at another world size (each
-    segment padded to another multiple of it), laid out as this mode's: each segment's
-    parameters at this layout's offsets, the padding zero. Anything else that differs
-    (another model, dtype or wire setting, a fragment on the wire) raises ``ValueError``."""
+
+def _refit(self: Any, state: dict[str, Any], wires: dict[str, dict[int, torch.Tensor]]
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
+    """The parameter blocks, anchors and fragments on the wire (``wires``) of a state saved
+    at another world size (each segment padded to another multiple of it), laid out as
+    this mode's: each segment's values at this layout's offsets, the padding zero.
+    Anything else that differs (another model, dtype or wire setting) raises ``ValueError``."""
     segs, old = self.layout.segments, state.get("segment_numels")
     flats, used = self._whole_flats(), [seg.slots[-1].offset + seg.slots[-1].numel for seg in segs]
     dtypes = list(dict.fromkeys(seg.dtype for seg in segs))  # the blocks' order (params_as_views)
-    if (old is None or len(old) != len(segs) or any(n < u for n, u in zip(old, used)) or state["in_flight"]
+    if (old is None or len(old) != len(segs) or any(n < u for n, u in zip(old, used))
             or [t.dtype for t in state["params"]] != [f.dtype for f in flats]
             or len(state["anchor"]) not in (0, len(segs)) or len(state["anchor"]) != len(self._anchor)):
         raise ValueError("this state_dict's parameter blocks do not match this mode's "
@@ -98,4 +131,17 @@ def _refit(self: Any, state: dict[str, Any]) -> tuple[list[torch.Tensor], list[t
     if [src[d] for d in dtypes] != [t.numel() for t in state["params"]]:
         raise ValueError("this state_dict's parameter blocks do not match this mode's "
                          "(another model, dtype or wire setting)")
-    return params, anchor
+    return params, anchor, {kind: {k: _refit_wire(self, int(k), t, old, used) for k, t in held.items()}
+                            for kind, held in wires.items()}
+
+
+def _refit_wire(self: Any, k: int, t: torch.Tensor, old: list[int], used: list[int]) -> torch.Tensor:
+    """Fragment ``k``'s wire ``t``, saved with segments of ``old`` sizes, in this layout's."""
+    out = torch.zeros_like(self._frag_wire[k])
+    src = dst = 0
+    for j in self._frag_segments[k]:
+        out[dst:dst + used[j]].copy_(t[src:src + used[j]])
+        src, dst = src + old[j], dst + self.layout.segments[j].numel
+    if src != t.numel():
+        raise ValueError("this state_dict's fragment on the wire does not match this mode's fragments")
+    return out

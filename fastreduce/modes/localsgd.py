@@ -209,8 +209,10 @@ class LocalSGD(LocalUpdates):
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: the step count (warm-up included), this rank's
         parameters and, with a narrow ``wire_dtype``, the last averaged ones."""
-        return {"mode": "LocalSGD", "sync_every": self.sync_every, "warmup_steps": self.warmup_steps,
-                **self._state()}
+        return {**self._header(), **self._state()}
+
+    def _header(self) -> dict[str, Any]:
+        return {"mode": "LocalSGD", "sync_every": self.sync_every, "warmup_steps": self.warmup_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (build the model, optimizer and mode first)."""
