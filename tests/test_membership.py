@@ -194,9 +194,9 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
-def _streaming_by_hand(rank: int, world: int, transport: str) -> torch.Tensor:
-    """Streaming DiLoCo in a hand-written loop on a plain group: the same model, batches
-    and settings as the members' (examples/keep_training.py), no Membership."""
+def _by_hand(rank: int, world: int, transport: str, mode_name: str) -> torch.Tensor:
+    """A mode in a hand-written loop on a plain group: the model, batches and settings of
+    the members' (examples/keep_training.py), no Membership; the final parameters."""
     import os
 
     os.environ["FASTREDUCE_TRANSPORT"] = transport
@@ -205,45 +205,64 @@ def _streaming_by_hand(rank: int, world: int, transport: str) -> torch.Tensor:
     torch.set_num_threads(1)
     model = make_model(16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mode = build("diloco-streaming", model, opt)
+    mode = build(mode_name, model, opt)
+    net = mode if mode_name == "gossip" else model  # gossip steps and exchanges inside forward and backward
     for s in range(STEPS):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * s + rank))
-        torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).sin()).backward()
-        opt.step()
-        opt.zero_grad()
-    mode.sync()
+        torch.nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
+        stepper = mode if mode_name == "zero" else opt
+        if mode_name in ("fused", "overlap"):
+            mode.reduce()
+        if mode_name != "gossip":
+            stepper.step()
+        stepper.zero_grad()
+    if mode_name in ("localsgd", "diloco", "diloco-streaming"):
+        mode.sync()
+    if mode_name == "gossip":
+        mode.global_avg()
     mode.close()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("kills, transport", [({}, "process_group"), ({2: ("between", 11)}, "process_group"),
+@pytest.mark.parametrize("mode", ["fused", "zero", "gossip", "diloco-streaming",
+                                  pytest.param("overlap", marks=SLOW), pytest.param("localsgd", marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, modes=("fused", "overlap", "zero", "gossip", "localsgd", "diloco"))
+def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Path, mode: str) -> None:
+    """No fault: 3 members through a Membership (its polls and votes, each mode's commit
+    style) end where the same mode in a hand-written loop on a plain group of 3 ends, on the
+    same batches (1e-6; DiLoCo streaming: each fragment's all-reduce over the next step)."""
+    from fastreduce.launch import run_ranks
+
+    found = run(tmp_path, "process_group", {}, joiners=0, mode=mode)
+    final = [found[i] for i in sorted(found)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["counters"]["losses"] == 0
+    want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]  # (every rank's the same at the end)
+    for f in final:
+        assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
+
+
+@pytest.mark.parametrize("kills, transport", [({2: ("between", 11)}, "process_group"),
                                               pytest.param({2: ("mid-step", 11)}, "shm", marks=SLOW)])
-@pytest.mark.cell("loop", "train", membership=True, modes=("diloco",))
+@pytest.mark.cell("loop", "train", membership=True, modes=("diloco",), against="equal")
 def test_streaming_diloco_sends_a_fragment_in_flight_again_over_the_survivors(
         tmp_path: Path, kills: dict, transport: str) -> None:
     """DiLoCo with ``fragment_delay=1`` (2 fragments, a sync every 4 steps): each fragment's
-    all-reduce runs over the next inner step. Without a fault, the members equal the same
-    mode in a hand-written loop on a plain group (1e-6). Member 2 lost with fragment 1 in
-    flight (launched at step 11, due at 12; it dies after step 11, or inside step 12's
-    backward): every survivor puts back its state as before step 12 and sends its own
-    payload of fragment 1 again, over the survivors, at step 12 redone; a replacement
-    joins afterwards; nothing is discarded, every final member bit-identical."""
-    from fastreduce.launch import run_ranks
-
-    found = run(tmp_path, transport, kills, joiners=len(kills), mode="diloco-streaming")
+    all-reduce runs over the next inner step. Member 2 lost with fragment 1 in flight
+    (launched at step 11, due at 12; it dies after step 11, or inside step 12's backward):
+    every survivor puts back its state as before step 12 and sends its own payload of
+    fragment 1 again, over the survivors, at step 12 redone; a replacement joins afterwards;
+    nothing is discarded, every final member bit-identical."""
+    found = run(tmp_path, transport, kills, joiners=1, mode="diloco-streaming")
     final = [found[i] for i in sorted(found) if i not in kills]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
         assert all(ok for _, ok, _, _ in f["steps"])
     for f in final[1:]:
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
-    if kills:
-        for f in final[:2]:
-            c = f["counters"]
-            assert c["losses"] == 1 and c["resyncs"] == 1 and c["discarded_steps"] == 0, c
-        return
-    want = run_ranks(_streaming_by_hand, 3, transport, timeout=120)[0]
-    assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
+    for f in final[:2]:
+        c = f["counters"]
+        assert c["losses"] == 1 and c["resyncs"] == 1 and c["discarded_steps"] == 0, c
 
 
 def _by_parameter(mode: Any, k: int, wire: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,7 +17,12 @@ What every mode declares today:
   reason, or ``None``; ``membership_refusal_for(settings)`` where the class can tell before
   it is built), asked by :func:`check_membership` and :func:`settings_refusal`;
 * **how a mode closes**: ``close(drain=True)``, its hooks off the model, what is in flight
-  waited for (``drain=False``: dropped, a peer was lost).
+  waited for (``drain=False``: dropped, a peer was lost);
+* **its state after a loss** (the styles ``gossip`` and ``local``): ``local_state_dict()``,
+  its ``state_dict`` without waiting on anything in flight (gossip's exchanges dropped; a
+  DiLoCo fragment on the wire kept as this rank's payload, sent again over the group it is
+  loaded into), and, for ``local``, ``keep_sent()``, called once it is built under a
+  Membership, so that such a payload is kept.
 
 The rest of what the consumers need (its figures, its settings) is still read in several
 places; docs/design.md, "The modes and what they share".
