@@ -129,7 +129,7 @@ class Regressor(nn.Module):
 
 
 def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
-              go: Any = None) -> dict[str, Any]:
+              go: Any = None, resume: str | None = None) -> dict[str, Any]:
     from transformers import TrainerCallback, TrainingArguments
 
     from fastreduce.integrations.transformers import FastReduceTrainer
@@ -140,7 +140,8 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
                              eval_strategy="steps", eval_steps=EVAL_EVERY, per_device_eval_batch_size=16,
                              label_names=["y"], prediction_loss_only=True, max_grad_norm=1.0, logging_steps=LOG_EVERY,
-                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+                             save_strategy="steps" if resume == "save" else "no", save_steps=EVAL_EVERY,
+                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
 
     class Record(TrainerCallback):
@@ -156,7 +157,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     _die_at(model.net, index, kill, lambda: trainer.state.global_step)
     if go is not None:  # a replacement: everything built, join when told
         go.wait(120)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume if resume not in (None, "save") else None)
     glue = trainer.fastreduce_membership
     logs = [e for e in trainer.state.log_history if "loss" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
@@ -223,9 +224,10 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 # ====================================================================== the job on one host
 
 def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
-           transport: str = "process_group") -> None:
+           transport: str = "process_group", resume: str | None = None) -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
-    save what it saw to ``out/member<index>.pt``."""
+    save what it saw to ``out/member<index>.pt``. ``resume`` (the HF Trainer): ``"save"``, a
+    checkpoint every ``EVAL_EVERY`` steps; a checkpoint folder: the job resumed from it."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_LOST_AFTER_S=LOST_AFTER,
                       FASTREDUCE_TRANSPORT=transport, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     torch.set_num_threads(1)
@@ -236,8 +238,10 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
             import transformers  # noqa: F401
         else:
             import fastreduce.integrations.lightning  # noqa: F401
-        run = hf_member if trainer == "hf" else lightning_member
-        facts.update(run(port, out, mode, index, kill, steps, go))
+        if trainer == "hf":
+            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume))
+        else:
+            facts.update(lightning_member(port, out, mode, index, kill, steps, go))
         facts.pop("m").close()
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
@@ -245,17 +249,17 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
-           timeout: float = 180, transport: str = "process_group") -> dict[int, dict]:
+           timeout: float = 180, transport: str = "process_group", resume: str | None = None) -> dict[int, dict]:
     """A coordinator, 3 members (member 2 dies in the forward of step ``kill_at``; ``None``:
     none does) and, where one dies, a replacement told to join once it is gone; returns
-    what each member saved."""
+    what each member saved. ``resume``: :func:`member`'s."""
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
     go = ctx.Event()
     procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode,
-                                                 kill_at if i == 2 else None, None, steps, transport))
+                                                 kill_at if i == 2 else None, None, steps, transport, resume))
              for i in range(3)}
     if kill_at is not None:
         procs[3] = ctx.Process(target=member, args=(trainer, 3, server.port, str(out), mode, None, go, steps,

@@ -25,6 +25,13 @@ def _admit(t: int) -> str:
     return MEMBERS_PREFIX + f"admit/{t}"
 
 
+def _starts_elsewhere(theirs: int, ours: int | None) -> str | None:
+    if ours is None or theirs == ours:
+        return None
+    return (f"it starts the job at step {theirs} where the other first members start at step {ours}: "
+            "resume every first member from the same checkpoint")
+
+
 class Admission:
     """The tickets, as one member sees them; it owns the tickets it refused."""
 
@@ -57,11 +64,12 @@ class Admission:
                     f"{len(ours['tensors'])}: the same model and optimizer are needed")
         return None
 
-    def take_ticket(self) -> int:
-        """This process's ticket, with its layout."""
+    def take_ticket(self, start: int = 0) -> int:
+        """This process's ticket, with its layout and the step it would start the job at
+        (``start``: a first member's, resumed from a checkpoint)."""
         ticket = self.link.call(self.link.store.add, _TICKETS, 1)
         self.link.call(self.link.store.set, MEMBERS_PREFIX + f"ticket/{ticket}",
-                       json.dumps({"member": self.me.name, "print": self.fingerprint()}))
+                       json.dumps({"member": self.me.name, "print": self.fingerprint(), "start": start}))
         return ticket
 
     def tickets(self) -> int:
@@ -72,15 +80,17 @@ class Admission:
         return json.loads(self.link.await_key(MEMBERS_PREFIX + f"ticket/{t}", self.me.settings.wait_s,
                                               f"joiner ticket {t}"))
 
-    def candidates(self, first: int, last: int, *, answered: bool = True) -> tuple[tuple[str, ...],
-                                                                                   dict[int, str | None]]:
+    def candidates(self, first: int, last: int, *, answered: bool = True,
+                   start: int | None = None) -> tuple[tuple[str, ...], dict[int, str | None]]:
         """Tickets ``first`` .. ``last`` (those not answered yet, unless ``answered=False``:
         none can be): the members they would admit, in ticket order, and per ticket why it
-        is refused (``None``: it is not)."""
+        is refused (``None``: it is not). ``start``: the first members' step (epoch 0's), which
+        each of them must start at too."""
         mine = self.fingerprint()
         checked = [(t, self._ticket(t)) for t in range(first, last + 1)
                    if not answered or not self.link.call(self.link.store.check, [_admit(t)])]
-        refusals = {t: self.differs(j["print"], mine) for t, j in checked}
+        refusals = {t: self.differs(j["print"], mine) or _starts_elsewhere(j.get("start", 0), start)
+                    for t, j in checked}
         return tuple(j["member"] for t, j in checked if refusals[t] is None), refusals
 
     def waiting(self) -> bool:

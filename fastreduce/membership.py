@@ -149,34 +149,36 @@ class Membership:
 
     # ------------------------------------------------------------------ joining
 
-    def join(self, state: Mapping[str, Any], build: Callable[[], Any] | None = None) -> Epoch:
+    def join(self, state: Mapping[str, Any], build: Callable[[], Any] | None = None, *, start_step: int = 0) -> Epoch:
         """Enter the job: epoch 0 with the first ``world_size`` processes, else admitted
         at the members' next step and given their whole state (``state``: name -> object
         with ``state_dict``/``load_state_dict``, e.g. the model and its optimizer; the
         same names on every member). ``build()`` makes the mode over the current default
-        group (again at each new epoch). Returns the epoch joined."""
+        group (again at each new epoch). ``start_step``: the committed steps a job resumed
+        from a checkpoint starts at (every first member the same, else refused; a joiner's
+        is the members'). Returns the epoch joined."""
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0 (the committed steps of the checkpoint resumed), got {start_step}")
         self.me.state, self.me.build = dict(state), build
         self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
-        ticket = self.admission.take_ticket()
+        ticket = self.admission.take_ticket(start_step)
         if ticket == self.settings.world_size:  # the last of the first members lays out epoch 0
-            members, refusals = self.admission.candidates(1, ticket, answered=False)
-            self.admission.propose(Epoch(0, members, 0, ticket, members), refusals)
+            members, refusals = self.admission.candidates(1, ticket, answered=False, start=start_step)
+            self.admission.propose(Epoch(0, members, start_step, ticket, members), refusals)
         epoch = self.admission.answer(ticket)
         self.me.founder = epoch.number == 0
+        if self.me.founder:
+            self.me.step = epoch.step
         start = time.perf_counter()
         self.epochs.enter(epoch)
         self.me.counters.stalls.append(("joined", time.perf_counter() - start))
         return epoch
 
     def at(self, point: str, fn: Callable[[Any], Any]) -> None:
-        """Call ``fn`` at ``point`` of this member's life, every time it passes there: for
-        fault drills and chaos runs (a process that kills itself there, or stalls), the one way
-        in: nothing of a member is replaced from outside. The points, and what ``fn`` is given:
-
-        * ``"enter"``: an epoch about to be entered (a joiner's first: as it is admitted);
-        * ``"set_up"``: an epoch whose group is about to be made (after the entry is agreed on);
-        * ``"sync_state"``: an epoch whose joiners are about to get the state (rank 0 sends it);
-        * ``"voted"``: the step index whose vote just completed (before anything steps)."""
+        """Call ``fn`` at ``point`` of this member's life (one of
+        :data:`~fastreduce.member.FAULT_POINTS`, which says what ``fn`` is given there), every
+        time it passes there: for fault drills and chaos runs (a process that kills itself
+        there, or stalls), the one way in: nothing of a member is replaced from outside."""
         self.me.at(point, fn)
 
     # ------------------------------------------------------------------ every step

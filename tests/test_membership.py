@@ -539,8 +539,12 @@ def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) ->
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""
-    from fastreduce.admission import Admission
+    from fastreduce.admission import Admission, _starts_elsewhere
     from fastreduce.membership import Membership, MembershipError, serve
+
+    # first members resumed from different checkpoints: refused with both steps named
+    assert _starts_elsewhere(8, 8) is None and _starts_elsewhere(0, None) is None
+    assert "starts the job at step 0 where the other first members start at step 8" in _starts_elsewhere(0, 8)
 
     ours = {"version": "0.1.0", "tag": "fused bf16", "tensors": [["model.0.weight", [16, 8], "torch.float32"]]}
     assert Admission.differs(dict(ours), ours) is None

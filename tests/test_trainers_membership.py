@@ -152,8 +152,10 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
 def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Path, trainer: str) -> None:
-    """Resuming under a Membership would restart the job's step count at 0 (a wrong run, no
-    error): refused before anything trains, in the matrix's words (cells.py)."""
+    """Where a trainer's checkpoint does not hold the mode's whole state under a Membership
+    (ZeRO's shards in the HF Trainer; Lightning's job position), resuming would train on
+    from a wrong state (no error): refused before anything trains, in the matrix's words
+    (cells.py)."""
     from fastreduce.integrations.cells import RESUME_UNDER_MEMBERSHIP
     from fastreduce.membership import Membership, serve
 
@@ -167,15 +169,50 @@ def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Pat
 
         run = FastReduceTrainer(model=torch.nn.Linear(2, 2), train_dataset=[{"x": torch.zeros(2)}] * 4,
                                 args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
-                                                       max_steps=2), fastreduce_membership=m)
-        with pytest.raises(ValueError, match="resumes no checkpoint yet") as info:
+                                                       max_steps=2), fastreduce_mode="zero", fastreduce_membership=m)
+        with pytest.raises(ValueError, match="resumes a checkpoint in the HF Trainer with the fused") as info:
             run.train(resume_from_checkpoint=str(tmp_path))
     else:
         from fastreduce.integrations.lightning import FastReduceStrategy
 
-        with pytest.raises(ValueError, match="resumes no checkpoint yet") as info:
+        with pytest.raises(ValueError, match="resumes a checkpoint in the HF Trainer with the fused") as info:
             FastReduceStrategy("fused", membership=m).load_checkpoint(str(tmp_path / "last.ckpt"))
     assert RESUME_UNDER_MEMBERSHIP in str(info.value) and m.epoch is None  # nothing joined, nothing trained
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode, kill", [("fused", None), pytest.param("overlap", 12, marks=SLOW)])
+@pytest.mark.cell("hf", "resume", membership=True, modes=("fused", "overlap"))
+def test_the_hf_trainer_under_a_membership_resumes_the_job_from_a_checkpoint(tmp_path: Path, mode: str,
+                                                                             kill: int | None) -> None:
+    """A job of 3 members through the HF Trainer saves a checkpoint every 8 steps; a new job
+    (a new coordinator, new processes) resumed from step 8's goes on at step 8, its lr at
+    every step the uninterrupted run's. Without a fault its members end where the
+    uninterrupted job's end, bit for bit (the data stream's position came with the
+    checkpoint); with member 2 killed at step 12 and replaced, every final member the same."""
+    _need("hf")
+    first = launch("hf", tmp_path / "first", mode, None, timeout=150, resume="save")
+    for i, f in first.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    checkpoint = tmp_path / "first" / "hf0" / "checkpoint-8"
+    assert (checkpoint / "fastreduce_membership.json").is_file(), sorted(p.name for p in checkpoint.iterdir())
+    again = launch("hf", tmp_path / "again", mode, kill, timeout=150, resume=str(checkpoint))
+    for i, f in again.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    final = [again[i] for i in sorted(again)]
+    assert len(final) == 3 and (kill is None) == (2 in again), sorted(again)
+    lrs = expected_lrs(STEPS)
+    for f in final:
+        assert f["global_step"] == STEPS and f["world"] == 3, (f["global_step"], f["world"])
+        assert all(lr == lrs[s - 1] for s, lr in f["lrs"]), f["lrs"][:3]
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+    for f in final[:2]:  # the first members: from the checkpoint's step on
+        assert f["joined_at"] == 8 and [s for s, _ in f["lrs"]][0] == 9, (f["joined_at"], f["lrs"][:2])
+    if kill is None:
+        assert torch.equal(final[0]["params"], first[0]["params"]), \
+            float((final[0]["params"] - first[0]["params"]).abs().max())
+    else:
+        assert kill <= final[2]["joined_at"] < STEPS and final[0]["counters"]["losses"] == 1, final[2]["joined_at"]
 
 
 @pytest.mark.timeout(60)

@@ -39,9 +39,10 @@ ASPECTS: dict[str, str] = {
 """What a cell is asked to do, with its name in the table."""
 
 RESUME_UNDER_MEMBERSHIP = (
-    "a trainer under fastreduce.Membership resumes no checkpoint yet (the job's committed steps count from 0 "
-    "with its first members): start the job afresh; a lost member needs no checkpoint, its replacement takes "
-    "the state from the live members")
+    "a trainer under fastreduce.Membership resumes a checkpoint in the HF Trainer with the fused and overlapped "
+    "modes only (their state is then all in the Trainer's checkpoint; ZeRO's shards and the per-rank modes' state "
+    "are not saved there under a Membership, nor is Lightning's job position): start the job afresh; a lost member "
+    "needs no checkpoint, its replacement takes the state from the live members")
 """Why a trainer under a Membership refuses to resume a checkpoint (asked by both trainers)."""
 
 
@@ -51,7 +52,8 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     cls = MODES[mode].cls
     if way not in WAYS or aspect not in ASPECTS:
         raise ValueError(f"no such cell: way {way!r} (one of {sorted(WAYS)}), aspect {aspect!r} (one of {sorted(ASPECTS)})")
-    if membership and way in TRAINERS and aspect in ("resume", "reshard"):
+    if membership and way in TRAINERS and aspect in ("resume", "reshard") and \
+            (way == "lightning" or state_scope(cls) != "replicated"):
         return RESUME_UNDER_MEMBERSHIP
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"

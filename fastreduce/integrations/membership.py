@@ -77,6 +77,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..modes.contract import commit_style, membership_settings, settings_refusal
+from .cells import refusal
 from .committing import CommittingOptimizer
 from .membership_data import MembershipSampler
 from .modes import TrainerMode
@@ -241,6 +242,7 @@ class TrainerMembership:
         self.joined_at: int | None = None  # the committed step this process joined at
         self._schedules: tuple[list[Any], list[Any]] = ([], [])  # the LR schedulers before a discarded step
         self._build_args: tuple[Any, ...] = ()
+        self._resumed: dict[str, Any] | None = None  # the job's position in the checkpoint resumed (resume())
 
     # ------------------------------------------------------------------ set-up
 
@@ -276,7 +278,11 @@ class TrainerMembership:
         self.mode.failures, self.mode.optimizer_kept = self.keep, True
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})
-        self.m.join(state, self._build)
+        start = 0
+        if self._resumed is not None:  # the trainer loaded the rest (model, optimizer, schedulers)
+            start = self.booked.steps = int(self._resumed["step"])
+            self.sampler.load_state_dict(self._resumed["data"])
+        self.m.join(state, self._build, start_step=start)
         self.joined_at = self.m.step
         if self.m.step > self.booked.steps:  # admitted right after a committed step: do the rest of it
             with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer here
@@ -285,6 +291,25 @@ class TrainerMembership:
                     sched.step()
             self.booked.steps = self.m.step
         return self.m.step
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a trainer's checkpoint keeps of the job beside its own files (the model, the
+        optimizer, the schedulers): the committed steps and the data stream's position."""
+        return {"step": self.m.step, "data": self.sampler.state_dict() if self.sampler is not None else None}
+
+    def resume(self, saved: dict[str, Any], checkpoint: str, way: str) -> None:
+        """The job starts from a trainer's checkpoint (``saved``: its :meth:`state_dict`, read
+        from ``checkpoint``): the first members at its committed steps and data position (a
+        joiner takes the members'), once the trainer has loaded the rest. Refused, before
+        anything joins, where the mode's state is not all in the trainer's (``way``, a key of
+        :data:`~.cells.WAYS`) checkpoint."""
+        why = refusal(self.mode.name, way, True, "resume")
+        if why is not None:
+            raise ValueError(f"{self.who}: {why}")
+        if not isinstance(saved, dict) or saved.get("data") is None or "step" not in saved:
+            raise ValueError(f"{self.who}: {checkpoint} holds no fastreduce job position: it was not saved under a "
+                             "fastreduce.Membership; resume it without one")
+        self._resumed = saved
 
     def _build(self) -> Any:
         """The mode over this epoch's group (the Membership calls it at every new epoch)."""

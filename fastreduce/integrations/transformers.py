@@ -40,6 +40,7 @@ only when :class:`FastReduceTrainer` is first looked up.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Mapping
@@ -51,7 +52,6 @@ from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
-from .cells import RESUME_UNDER_MEMBERSHIP
 from .committing import commits, unwrapped
 from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
@@ -206,8 +206,9 @@ class FastReduceMixin:
         (:func:`fastreduce.shutdown`: the communication in flight finished first), so a
         ``dist.destroy_process_group()`` or the interpreter's exit after it meets none of
         them. Whatever runs next (``evaluate()``, another ``train()``) starts them again."""
-        if self.fastreduce_membership is not None and (kwargs.get("resume_from_checkpoint") or args and args[0]):
-            raise ValueError(f"{type(self).__name__}: {RESUME_UNDER_MEMBERSHIP}")
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.fastreduce_membership is not None and resume:
+            self._fastreduce_resume_job(resume)
         result = super().train(*args, **kwargs)
         shutdown()
         return result
@@ -296,8 +297,13 @@ class FastReduceMixin:
             super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.fastreduce_mode.obj is None or self.fastreduce_membership is not None:  # the Trainer's files only:
-            return super()._save_optimizer_and_scheduler(output_dir)  # the Checkpointer's are collective
+        if self.fastreduce_membership is not None:  # the Trainer's files (no collective), and the job's position
+            super()._save_optimizer_and_scheduler(output_dir)
+            with open(os.path.join(output_dir, _JOB), "w") as f:
+                json.dump(self.fastreduce_membership.state_dict(), f)
+            return None
+        if self.fastreduce_mode.obj is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
         self._fastreduce_checkpointer(output_dir).save(self.state.global_step)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
@@ -354,6 +360,22 @@ class FastReduceMixin:
             log.info("fastreduce: %s trains %s without DDP on %d ranks in mode %r", type(self).__name__,
                      type(model).__name__, dist.get_world_size(group), mode.name)
 
+    def _fastreduce_resume_job(self, resume: str | bool) -> None:
+        """Under a Membership, ``train(resume_from_checkpoint=...)``: the job starts at the
+        checkpoint's committed steps and data position (:meth:`TrainerMembership.resume`);
+        the Trainer skips no batches, as the Membership's sampler starts where it stood."""
+        from transformers.trainer_utils import get_last_checkpoint
+
+        folder = get_last_checkpoint(self.args.output_dir) if resume is True else str(resume)
+        job = os.path.join(folder or "", _JOB)
+        saved = None
+        if os.path.isfile(job):
+            with open(job) as f:
+                saved = json.load(f)
+        self.fastreduce_membership.resume(saved, folder or self.args.output_dir, "hf")
+        # TrainingArguments' own setting, for this run: the data position comes with the job's state
+        self.args.ignore_data_skip = True
+
     def _fastreduce_checkpointer(self, output_dir: str) -> Any:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         return self.fastreduce_mode.checkpointer(os.path.join(output_dir, _FOLDER), self._fastreduce_model, optimizer)
@@ -384,6 +406,7 @@ def _other_made(trainer: Any) -> str | None:
 
 
 _FOLDER = "fastreduce"  # the mode's state, in a Trainer checkpoint folder
+_JOB = "fastreduce_membership.json"  # under a Membership: the job's committed steps and data position
 _SCHEDULER = "scheduler.pt"  # the Trainer's name for its scheduler's state (transformers.trainer.SCHEDULER_NAME)
 
 
