@@ -353,27 +353,6 @@ class LocalUpdates(LocalState, JoinableMode):
         self._in_flight[k] = self.comm.all_reduce(wire, self._plan)
         self.stats.wire_bytes += wire.nbytes
 
-    _sends_across_steps = False  # a fragment's sync in flight across inner steps (DiLoCo's fragment_delay > 0)
-
-    def keep_sent(self) -> None:
-        """Keep this rank's payload of each fragment on the wire until it lands, where one
-        stays in flight across inner steps, so that it can be sent again over another group
-        (:class:`~fastreduce.Membership` after a loss: :meth:`local_state_dict`). A float
-        wire only."""
-        if self._sends_across_steps and (self._sparse or self._quant_means):
-            raise ValueError(f"{type(self).__name__} cannot send a compressed fragment again over another group: "
-                             "use a float wire_dtype and no compression=")
-        self._keeps_sent = self._sends_across_steps
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` without waiting on anything (a peer may be lost): the fragment
-        in flight, if any, as this rank's own payload (:meth:`keep_sent`), averaged again
-        over the group of the mode it is loaded into, at the step it was due."""
-        return {**self._header(), **self._state(wait=False)}
-
-    def _header(self) -> dict[str, Any]:
-        raise NotImplementedError
-
     def _resend(self, k: int) -> None:
         """Fragment ``k`` loaded as this rank's own payload (:meth:`local_state_dict`):
         averaged now, over this mode's group."""
@@ -490,21 +469,8 @@ class LocalUpdates(LocalState, JoinableMode):
             return sum(w.numel() * w.element_size() for w in self._frag_wire)
         return sum(f.numel() * f.element_size() for f in self._whole_flats())
 
-    # ------------------------------------------------------------------ state
-
-    @guarded("the wait for {cls}'s sync in flight", "The sync in flight is lost; the parameters "
-             "are this rank's own since the last sync that completed.")
-    def _drain(self) -> None:
-        """Wait for the fragment on the wire, if any (it stays due at its step)."""
-        for k in list(self._in_flight):
-            self._resend(k)
-            with self.stats.waiting():
-                complete(self._in_flight[k])
-            self._in_flight[k] = (None, None)
-
 
 def require_distributed() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                            "(or torch.distributed.init_process_group) on every rank first")
-

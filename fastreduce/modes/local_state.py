@@ -12,6 +12,7 @@ import torch
 
 from ..codecs.sparse import SparseState
 from ..comm import complete
+from ..faults import guarded
 
 __all__ = ["RESEND", "LocalState"]
 
@@ -23,7 +24,40 @@ told apart from an average already landed, ``(None, None)``, by identity."""
 
 class LocalState:
     """The state half of :class:`~fastreduce.modes.local.LocalUpdates` (a mixin: it reads
-    the mode's layout, blocks, anchor, codecs and in-flight fragment)."""
+    the mode's layout, blocks, anchor, codecs and in-flight fragment, and calls its
+    ``_resend``): what it saves and loads, the fragment in flight waited for or kept as
+    this rank's payload."""
+
+    _sends_across_steps = False  # a fragment's sync in flight across inner steps (DiLoCo's fragment_delay > 0)
+
+    def keep_sent(self) -> None:
+        """Keep this rank's payload of each fragment on the wire until it lands, where one
+        stays in flight across inner steps, so that it can be sent again over another group
+        (:class:`~fastreduce.Membership` after a loss: :meth:`local_state_dict`). A float
+        wire only."""
+        if self._sends_across_steps and (self._sparse or self._quant_means):
+            raise ValueError(f"{type(self).__name__} cannot send a compressed fragment again over another group: "
+                             "use a float wire_dtype and no compression=")
+        self._keeps_sent = self._sends_across_steps
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without waiting on anything (a peer may be lost): the fragment
+        in flight, if any, as this rank's own payload (:meth:`keep_sent`), averaged again
+        over the group of the mode it is loaded into, at the step it was due."""
+        return {**self._header(), **self._state(wait=False)}
+
+    def _header(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @guarded("the wait for {cls}'s sync in flight", "The sync in flight is lost; the parameters "
+             "are this rank's own since the last sync that completed.")
+    def _drain(self) -> None:
+        """Wait for the fragment on the wire, if any (it stays due at its step)."""
+        for k in list(self._in_flight):
+            self._resend(k)
+            with self.stats.waiting():
+                complete(self._in_flight[k])
+            self._in_flight[k] = (None, None)
 
     def _state(self, wait: bool = True) -> dict[str, Any]:
         """``wait``: the fragment in flight, waited for, as its average; else (a peer may be
