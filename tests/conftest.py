@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import re
-from typing import Any, Iterable
+from typing import Any
 
 import pytest
 
@@ -68,21 +68,18 @@ INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_re
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
-         "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py*", "test_elastic.py",
+         "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
          "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
          "test_shm.py", "test_overlap.py", "test_lightning.py", "test_partition.py::*")
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
 
 
-SHARED = {"test_bench.py": {"quick_run", "result"}}
-"""Files whose tests share a module fixture only where they name one of these: the others
-each start their own run (a bench suite's), and are spread test by test."""
-
-
-def xdist_group(node: str, fixtures: Iterable[str] = ()) -> str:
+def xdist_group(node: str) -> str:
+    """The file, or the test itself where its file's tests share nothing (:data:`INDEPENDENT`).
+    (The bench's smoke runs stay on one worker: each spawns its ranks, and three of them at
+    once on 2 cores took twice as long each, for no earlier end.)"""
     file = node.split("::", 1)[0]
-    alone = file in INDEPENDENT or (file in SHARED and not SHARED[file] & set(fixtures))
-    return node if alone else file
+    return node if file in INDEPENDENT else file
 
 
 def _node(item: pytest.Item) -> str:
@@ -90,7 +87,7 @@ def _node(item: pytest.Item) -> str:
 
 
 def _start_rank(item: pytest.Item) -> int:
-    group = xdist_group(_node(item), item.fixturenames)
+    group = xdist_group(_node(item))
     return next((k for k, p in enumerate(FIRST) if matches(group, p)), len(FIRST))
 
 
@@ -154,7 +151,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unmatched = set(patterns)
     for item in items:
         node = item.nodeid.split("tests/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(xdist_group(node, item.fixturenames)))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(node)))
         hits = {p for p in patterns if matches(node, p)}
         if hits:
             item.add_marker(pytest.mark.quick)
