@@ -224,7 +224,7 @@ def _by_hand(rank: int, world: int, transport: str, mode_name: str) -> torch.Ten
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("mode", ["fused", "zero", "gossip", "diloco-streaming"])  # (overlap, localsgd: passed at stop 72)
+@pytest.mark.parametrize("mode", ["fused", "zero", "gossip", "diloco-streaming"])  # (overlap, localsgd: passed at stop 67)
 @pytest.mark.cell("loop", "train", membership=True, modes=("fused", "zero", "gossip", "diloco"))
 def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Path, mode: str) -> None:
     """No fault: 3 members through a Membership (its polls and votes, each mode's commit
@@ -241,7 +241,7 @@ def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Pa
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
 
 
-@pytest.mark.parametrize("kills, transport", [({2: ("between", 11)}, "process_group")])  # (mid-step, shm: stop 72)
+@pytest.mark.parametrize("kills, transport", [({2: ("between", 11)}, "process_group")])  # (mid-step, shm: stop 67)
 @pytest.mark.cell("loop", "train", membership=True, modes=("diloco",), against="equal")
 def test_streaming_diloco_sends_a_fragment_in_flight_again_over_the_survivors(
         tmp_path: Path, kills: dict, transport: str) -> None:

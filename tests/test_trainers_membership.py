@@ -181,7 +181,7 @@ def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode, kill", [("fused", None)])  # (overlap with member 2 killed at 12: passed at stop 72)
+@pytest.mark.parametrize("mode, kill", [("fused", None)])  # (overlap with member 2 killed at 12: passed at stop 67)
 @pytest.mark.cell("hf", "resume", membership=True, modes=("fused",))
 def test_the_hf_trainer_under_a_membership_resumes_the_job_from_a_checkpoint(tmp_path: Path, mode: str,
                                                                              kill: int | None) -> None:
