@@ -38,9 +38,17 @@ class Admission:
     def __init__(self, me: Member, link: CoordinatorLink):
         self.me, self.link = me, link
         self._refused: set[int] = set()
+        self._print: dict[str, Any] | None = None
 
     def fingerprint(self) -> dict[str, Any]:
-        """This member's layout, as a joiner's is compared with it."""
+        """This member's layout, as a joiner's is compared with it: made once, at its first
+        use after :meth:`~fastreduce.Membership.join` (names, shapes and dtypes do not change
+        while it trains; an epoch change below ``min_ranks`` asks it every 50 ms)."""
+        if self._print is None:
+            self._print = self._layout()
+        return self._print
+
+    def _layout(self) -> dict[str, Any]:
         tensors = []
         for name, obj in sorted(self.me.state.items()):
             if isinstance(obj, torch.nn.Module):
@@ -96,13 +104,11 @@ class Admission:
     def waiting(self) -> bool:
         """Whether a process waits to join with this layout; one with another layout is
         refused here, so the members never leave their epoch for it."""
-        epoch, mine = self.me.current(), None
-        waiting = False
+        epoch, waiting = self.me.current(), False
         for t in range(epoch.tickets + 1, self.tickets() + 1):
             if t in self._refused or self.link.call(self.link.store.check, [_admit(t)]):
                 continue
-            mine = mine or self.fingerprint()
-            bad = self.differs(self._ticket(t)["print"], mine)
+            bad = self.differs(self._ticket(t)["print"], self.fingerprint())
             if bad is None:
                 waiting = True
             else:
