@@ -130,7 +130,8 @@ class Votes:
                 silent = silent or {epoch.members[r] for r in beat.exited(sorted(seen), records)}
                 if silent:
                     beat.call(self.link.store.compare_set, done, "", "abort")  # the waiting get returns it too
-            except faults.TransportError as err:
+            except Exception as err:  # noqa: BLE001 - the store raises several kinds (its own
+                # timeout, or a reset connection where the coordinator died as it was read)
                 raise self.link.unreachable(err) from err
         if isinstance(box[0], BaseException):
             raise self.link.unreachable(box[0]) from box[0]
