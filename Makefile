@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml $(STACK_REQS)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,hf,lightning]" $(if $(STACK_REQS),-c $(STACK_REQS))
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/optimum-habana "optimum-habana==1.21.2" "optimum==2.0.0"
+	$(if $(STACK_REQS),grep -q '^optimum-habana' $(STACK_REQS) && $(BIN)/python -m pip install -q ./tests/stand_ins/habana-torch-plugin || true)
 	touch $@
 
 demo: $(STAMP)
@@ -105,7 +106,7 @@ test-stress: $(STAMP)
 # helpers (the HF Trainer, Accelerate, Lightning, optimum-habana; compiled runs among them), their
 # slow variants left out. make test runs the whole suite on any stack (docs/testing.md).
 STACK_SUITES := tests/test_transformers.py tests/test_lightning.py tests/test_lightning_modes.py \
-	tests/test_trainer_modes.py tests/test_optimum_habana.py tests/test_compat.py
+	tests/test_trainer_modes.py tests/test_optimum_habana.py tests/test_gaudi_trainer.py tests/test_compat.py
 test-stack: $(STAMP)
 	$(WITH_CACHE) \
 	$(call record,quick) $(PYTEST) -m quick $(PYTEST_ARGS) && \

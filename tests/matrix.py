@@ -5,7 +5,8 @@ A test says which cells it shows with ``@pytest.mark.cell(way, *aspects, members
 modes=...)``: ``way`` one of ``cells.WAYS`` (``None``: the test's ``trainer`` parameter),
 the aspects of ``cells.ASPECTS``, ``modes`` the modes it runs (default: the test's ``mode``
 parameter). Only a test that compares with a reference (DDP, the mode in a hand-written
-loop, ``torch.optim``, the run without a checkpoint, the eager model) is marked.
+loop, ``torch.optim``, the run without a checkpoint, the eager model, the HF Trainer in the
+same mode) is marked.
 
     python tests/matrix.py            # print the matrix
     python tests/matrix.py --write    # write it into docs/trainers.md, between its markers
@@ -105,7 +106,7 @@ def render(cells: dict[Cell, set[tuple[str, str]]]) -> str:
             out.append(f"| {mode} | " + " | ".join(row) + " |")
         out.append("")
     out += ["*tested*: against a reference (DDP, the mode in a hand-written loop, `torch.optim` on the mean "
-            "gradient, the run without a checkpoint, the eager model); *ranks equal*: the ranks (or members) end "
+            "gradient, the run without a checkpoint, the eager model, the HF `Trainer` in the same mode); *ranks equal*: the ranks (or members) end "
             "bit for bit the same, with no reference run; *no test*: nothing shows it yet. The tests (CI runs "
             "them all):", ""]
     out += [f"- T{number[t]}: `{t}`" for t in tests]

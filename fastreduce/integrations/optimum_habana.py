@@ -37,9 +37,8 @@ parameters, and keeps the gradients equal across ranks from there on.
 :func:`uninstall` puts optimum-habana's function back. Importing this module imports
 nothing from optimum-habana; :func:`install` does, and raises :class:`ImportError`
 (with the real error chained) where ``optimum.habana`` does not import: its package
-``__init__`` imports the trainers and checks the SynapseAI version, so it needs
-Habana's software (``habana_frameworks``) and the transformers version optimum-habana
-pins.
+``__init__`` imports the trainers and checks Habana's plugin's version (``pip list``), so
+it needs Habana's software and the transformers version optimum-habana pins.
 """
 
 from __future__ import annotations
@@ -190,8 +189,9 @@ def _make_gaudi_trainer() -> type:
         ``fastreduce_config``: :class:`~fastreduce.integrations.transformers.FastReduceMixin`),
         with ``distribution_strategy="ddp"`` (the mode replaces DDP; ``fast_ddp`` is
         :func:`install`'s path, for the fused mode only). Written against optimum-habana
-        1.21's ``GaudiTrainer``, a ``transformers.Trainer`` subclass with the same hooks;
-        not run: it needs Habana's software."""
+        1.21's ``GaudiTrainer``, a ``transformers.Trainer`` subclass with a training loop of its
+        own; its whole ``train()`` runs in every mode on optimum-habana's CPU path
+        (``use_habana=False``) in tests/test_gaudi_trainer.py; on an HPU, not yet run."""
 
     FastReduceGaudiTrainer.__module__ = __name__
     FastReduceGaudiTrainer.__qualname__ = "FastReduceGaudiTrainer"
@@ -203,9 +203,10 @@ def __getattr__(name: str) -> Any:
     if name == "FastReduceGaudiTrainer":
         try:
             cls = _make_gaudi_trainer()
-        except ImportError as exc:
+        except Exception as exc:  # noqa: BLE001 - optimum.habana's import also checks Habana's plugin's version
             raise ImportError("fastreduce.integrations.optimum_habana.FastReduceGaudiTrainer needs optimum-habana "
-                              f"and Habana's software (habana_frameworks), which did not import: {exc}") from exc
+                              "(1.21: transformers 4.55) and Habana's software, and `import optimum.habana` failed "
+                              f"({type(exc).__name__}: {exc})") from exc
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

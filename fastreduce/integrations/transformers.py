@@ -393,7 +393,11 @@ class FastReduceMixin:
 
 
 def _other_in(args: Any) -> str | None:
-    """What ``TrainingArguments`` ask for that reduces gradients its own way, if anything."""
+    """What ``TrainingArguments`` ask for that reduces gradients its own way, if anything
+    (optimum-habana's ``fast_ddp`` too: ``GaudiTrainer`` would average every step's gradients
+    again, which in a local-update mode would silently be DDP)."""
+    if getattr(args, "distribution_strategy", None) == "fast_ddp":
+        return "optimum-habana's fast_ddp (distribution_strategy=\"fast_ddp\")"
     return "DeepSpeed" if getattr(args, "deepspeed", None) else "FSDP" if getattr(args, "fsdp", None) else None
 
 
