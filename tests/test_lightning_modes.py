@@ -11,7 +11,11 @@ One torchrun launch (this file's ``__main__`` part) trains, per mode, on the sam
 - the same mode in a hand-written loop (its own class, the same optimizer, groups,
   schedule, clipping and accumulation): the reference, equal to 1e-6;
 - Lightning resumed from its step-10 checkpoint (``fit(ckpt_path=...)``, a new Trainer,
-  strategy and mode) to step 20: bit for bit the run that never stopped.
+  strategy and mode) to step 20: bit for bit the run that never stopped;
+- ``fit(torch.compile(module, backend="aot_eager"))`` in the modes tests/test_lightning.py
+  does not compile (ZeRO, LocalSGD, DiLoCo, gossip): equal to the eager fit, 1e-6.
+
+A second launch, on 3 ranks, resumes the fused, overlapped and ZeRO checkpoints saved on 2.
 
 Skipped without the ``lightning`` extra.
 """
@@ -41,6 +45,8 @@ FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fas
 COUNT = {"fused": "fastreduce/reductions", "overlap": "fastreduce/reductions", "zero": "fastreduce/buckets",
          "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs", "gossip": "fastreduce/rounds"}
 OPTIMIZER = {"zero": "ZeroOptimizer", "gossip": "_Steered"}  # what Lightning steps, where not the AdamW
+COMPILED = ["zero", "localsgd", "diloco", "gossip"]  # (fused and overlap: tests/test_lightning.py)
+RESHARDED = ("fused", "overlap", "zero")  # their state loads onto any world size
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -84,7 +90,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``{run: [per-rank facts]}`` of the 2-rank launch."""
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lightning_modes")
-    torchrun(__file__, 2, "train", str(out), timeout=240)
+    torchrun(__file__, 2, "train", str(out), timeout=300)
+    torchrun(__file__, 3, "reshard", str(out), timeout=200)
     return load_runs(out)
 
 
@@ -120,6 +127,30 @@ def test_resume_from_the_lightning_checkpoint_equals_the_uninterrupted_run(runs:
     for ours, ref in zip(runs[f"{mode}_resumed"], runs[f"{mode}_lightning"]):
         assert ours["global_step"] == STEPS and ours["lrs"] == ref["lrs"][SAVE:]
         assert torch.equal(ours["params"], ref["params"]), float((ours["params"] - ref["params"]).abs().max())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", COMPILED)
+@pytest.mark.cell("lightning", "compile")
+def test_the_compiled_module_fits_where_the_eager_one_does(runs: dict, mode: str) -> None:
+    """``Trainer.fit(torch.compile(module, backend="aot_eager"))``: Lightning unwrapped it and
+    trained it compiled (graphs captured), ending where the eager fit ends, to 1e-6."""
+    for ours, ref in zip(runs[f"{mode}_compiled"], runs[f"{mode}_lightning"]):
+        assert ours["compiled"] and ours["graphs"] > 0 and ours["global_step"] == STEPS
+        _close(ours["params"], ref["params"], 1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", RESHARDED)
+@pytest.mark.cell("lightning", "reshard")
+def test_a_lightning_checkpoint_resumes_on_three_ranks(runs: dict, mode: str) -> None:
+    """Saved on 2 ranks at step 10, ``fit(ckpt_path=...)`` on 3: the parameters when training
+    starts again are those saved (ZeRO's shards gathered and cut again), and it trains on."""
+    saved = runs[f"{mode}_lightning"][0]["at_save"]
+    for rank in runs[f"{mode}_reshard"]:
+        assert rank["world"] == 3 and rank["global_step"] == SAVE + 1
+        _close(rank["at_start"], saved, 1e-6)
+        assert not torch.equal(rank["params"], rank["at_start"])
 
 
 @pytest.mark.timeout(300)
@@ -211,10 +242,11 @@ def _schedule(step: int) -> float:
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / max(1, STEPS - WARMUP))))
 
 
-def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
+def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs in order)
     import logging
     import warnings
 
+    import torch._dynamo.utils
     import torch.distributed as dist
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -264,7 +296,7 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
             return self.loss(batch)
 
         def training_step(self, batch, batch_idx):
-            return self.loss(batch)
+            return self(batch)  # (through forward: what a compiled module compiles)
 
         def on_train_start(self) -> None:  # the mode is built by now
             self.wire_at_logs.append((self.trainer.global_step, *wire(self.trainer.strategy.mode.obj)))
@@ -296,6 +328,11 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
             if not isinstance(trainer.strategy.mode.obj, (ZeroOptimizer, DecentralizedDataParallel)):
                 self.norms.append(float(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]).norm()))
 
+        def on_train_start(self, trainer, pl_module):  # (after a checkpoint's restore)
+            settle(trainer.strategy.mode.obj)
+            self.facts["at_start"] = flat(pl_module)
+            self.facts["compiled"] = pl_module._compiler_ctx is not None  # Lightning unwrapped a compiled module
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == SAVE and "at_save" not in self.facts:
                 settle(trainer.strategy.mode.obj)
@@ -304,22 +341,26 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
     def save(run: str, facts: dict) -> None:
         torch.save(facts, out / f"{run}.rank{rank}.pt")
 
-    def lightning_run(run: str, mode: str, config: dict, resume: bool = False) -> None:
+    def lightning_run(run: str, mode: str, config: dict, resume: bool = False, compiled: bool = False,
+                      steps: int = STEPS) -> None:
         model, rec = Net(), Record()
         ckpt = out / f"{mode}_lightning" / f"step={SAVE}.ckpt"
+        torch._dynamo.reset()  # (each compiled run counts its own graphs)
         trainer = Trainer(
-            accelerator="cpu", devices=world, num_nodes=1, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+            accelerator="cpu", devices=world, num_nodes=1, max_steps=steps, accumulate_grad_batches=ACCUM,
             strategy=FastReduceStrategy(mode, process_group_backend="gloo", **config),
             gradient_clip_val=CLIP, log_every_n_steps=5, logger=CSVLogger(out / run, name="logs"),
             callbacks=[rec, ModelCheckpoint(dirpath=out / run, filename="{step}", every_n_train_steps=SAVE,
                                             save_top_k=-1)],
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-        trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False), ckpt_path=str(ckpt) if resume else None)
+        trainer.fit(torch.compile(model, backend="aot_eager") if compiled else model,
+                    DataLoader(data, batch_size=BATCH, shuffle=False), ckpt_path=str(ckpt) if resume else None)
         strategy = trainer.strategy
         obj = strategy.mode.obj
         settle(obj)
         opt = trainer.optimizers[0]
         facts = {"params": flat(model), "lrs": rec.lrs, "norms": rec.norms, "global_step": trainer.global_step, **rec.facts,
+                 "world": world, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                  "optimizer": type(opt).__name__,
                  "scheduler_drives_it": all(c.scheduler.optimizer is opt for c in strategy.lr_scheduler_configs),
                  "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
@@ -329,10 +370,10 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
                               {"syncs": obj.syncs} if isinstance(obj, (LocalSGD, DiLoCo)) else
                               {"rounds": obj.step} if isinstance(obj, DecentralizedDataParallel) else {})}
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and steps == STEPS:  # (one step on after a checkpoint logs nothing)
             with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
                 facts["csv"] = list(csv.DictReader(f))
-            if not resume:
+            if not resume and not compiled and steps == STEPS:
                 state = torch.load(ckpt, weights_only=False)["state_dict"]
                 facts["checkpoint_state"] = torch.cat([state[k].reshape(-1) for k, _ in model.named_parameters()])
         save(run, facts)
@@ -406,13 +447,20 @@ def _worker(out: Path) -> None:  # noqa: C901 (one script: the runs in order)
                     "mode": trainer.strategy.mode.name, "global_step": trainer.global_step,
                     "batches": names["model"].batches})
 
+    if what == "reshard":  # 3 ranks: the 2-rank checkpoints whose state loads onto any world size, one step on
+        for mode in RESHARDED:
+            lightning_run(f"{mode}_reshard", mode, MODES[mode], resume=True, steps=SAVE + 1)
+        leave()
+        return
     for mode, config in MODES.items():
         lightning_run(f"{mode}_lightning", mode, config)
         lightning_run(f"{mode}_resumed", mode, config, resume=True)
         loop_run(f"{mode}_loop", mode, config)
     snippet_runs()
+    for mode in COMPILED:  # (last: nothing of a compiled run's state reaches the runs above)
+        lightning_run(f"{mode}_compiled", mode, MODES[mode], compiled=True)
     leave()
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[2]))
+    _worker(Path(sys.argv[2]), sys.argv[1])
