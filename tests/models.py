@@ -317,3 +317,60 @@ class BatchNormModel(nn.Module):
 def batchnorm_model(seed: int) -> BatchNormModel:
     torch.manual_seed(seed)
     return BatchNormModel()
+
+
+TRAINER_MODES = {  # every mode by name, as the trainers' tests run it: fp32 wires, settings that make each act
+    "fused": {"wire_dtype": torch.float32},
+    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
+    "zero": {},
+    "localsgd": {"sync_every": 4},
+    "diloco": {"sync_every": 4, "fragments": 2},
+    "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
+}
+
+
+def hf_regression() -> tuple[type, type, type]:
+    """``(TinyConfig, Tiny, Data)``: a ``transformers`` regression MLP with LayerNorm (a no-decay
+    group) whose forward takes no ``**kwargs`` (the Trainer then scales each micro-batch's loss by
+    1/accumulation, as a loop does), and a dataset of ``{"x", "labels"}`` drawn from a seed.
+    Imports transformers here (the trainers' workers call it)."""
+    from torch.utils.data import Dataset
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class TinyConfig(PretrainedConfig):
+        model_type = "fastreduce_tiny"
+
+        def __init__(self, width: int = 16, **kwargs: Any) -> None:
+            self.width = width
+            super().__init__(**kwargs)
+
+    class Tiny(PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config: TinyConfig) -> None:
+            super().__init__(config)
+            w = config.width
+            self.net = nn.Sequential(nn.Linear(8, w), nn.LayerNorm(w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(),
+                                     nn.Linear(w, 1))
+            self.post_init()
+
+        def _init_weights(self, module: nn.Module) -> None:
+            pass  # torch's own initialisation, from the seed
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+            y = self.net(x).squeeze(-1)
+            return {"loss": F.mse_loss(y, labels), "logits": y}
+
+    class Data(Dataset):
+        def __init__(self, n: int, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            self.x = torch.randn(n, 8, generator=g)
+            self.y = torch.sin(self.x.sum(1)) + 0.1 * torch.randn(n, generator=g)
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    return TinyConfig, Tiny, Data

@@ -27,19 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 from launching import leave, load_runs, torchrun
+from models import TRAINER_MODES
 
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 
 STEPS, SAVE, ACCUM, BATCH = 12, 6, 2, 4
 LR, WD, CLIP = 1e-2, 0.1, 0.05
-MODES = {  # name: the mode's settings (make_mode)
-    "fused": {"wire_dtype": torch.float32},
-    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.001},
-    "zero": {},
-    "localsgd": {"sync_every": 4},
-    "diloco": {"sync_every": 4, "fragments": 2},
-    "gossip": {"topology": "ring"},
-}
+MODES = TRAINER_MODES  # name: the mode's settings (make_mode)
 RESHARDED = ("fused", "overlap", "zero")  # their state loads onto any world size
 pytestmark = pytest.mark.timeout(600)
 

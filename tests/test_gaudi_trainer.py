@@ -34,17 +34,11 @@ from pathlib import Path
 import pytest
 import torch
 from launching import leave, load_runs, torchrun
+from models import TRAINER_MODES, hf_regression
 
 STEPS, SAVE, ACCUM, BATCH = 12, 6, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 3
-MODES = {  # name: fastreduce_config
-    "fused": {"wire_dtype": torch.float32},
-    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
-    "zero": {},
-    "localsgd": {"sync_every": 4},
-    "diloco": {"sync_every": 4, "fragments": 2},
-    "gossip": {"topology": "ring"},
-}
+MODES = TRAINER_MODES  # name: fastreduce_config
 RESHARDED = ("fused", "overlap", "zero")  # their state loads onto any world size
 
 
@@ -132,8 +126,7 @@ def _worker(out: Path, what: str) -> None:
     import optimum.habana.transformers.trainer as gaudi_trainer_module
     import torch.distributed as dist
     from optimum.habana import GaudiConfig, GaudiTrainingArguments
-    from torch.utils.data import Dataset
-    from transformers import PretrainedConfig, PreTrainedModel, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     from fastreduce.integrations.optimum_habana import FastReduceGaudiTrainer
@@ -148,39 +141,8 @@ def _worker(out: Path, what: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    class TinyConfig(PretrainedConfig):
-        model_type = "fastreduce_gaudi_tiny"
-
-    class Tiny(PreTrainedModel):
-        """A regression MLP with LayerNorm (the no-decay group)."""
-        config_class = TinyConfig
-
-        def __init__(self, config: TinyConfig):
-            super().__init__(config)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
-                                           torch.nn.Linear(16, 1))
-            self.post_init()
-
-        def _init_weights(self, module):
-            pass  # torch's own initialisation, from the seed
-
-        def forward(self, x, labels=None):
-            y = self.net(x).squeeze(-1)
-            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
-
-    class Data(Dataset):
-        def __init__(self, n: int):
-            g = torch.Generator().manual_seed(1)
-            self.x = torch.randn(n, 8, generator=g)
-            self.y = torch.sin(self.x.sum(1)) + 0.1 * torch.randn(n, generator=g)
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"x": self.x[i], "labels": self.y[i]}
-
-    data = Data(STEPS * ACCUM * BATCH * world)
+    TinyConfig, Tiny, Data = hf_regression()
+    data = Data(STEPS * ACCUM * BATCH * world, 1)
 
     def flat(model) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()

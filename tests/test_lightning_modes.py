@@ -30,17 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 from launching import leave, load_runs, torchrun
+from models import TRAINER_MODES
 
 STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
-MODES = {  # name: settings of the strategy and of the reference loop's mode
-    "fused": {"wire_dtype": torch.float32},
-    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
-    "zero": {},
-    "localsgd": {"sync_every": 4},
-    "diloco": {"sync_every": 4, "fragments": 2},
-    "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
-}
+MODES = TRAINER_MODES  # name: settings of the strategy and of the reference loop's mode
 FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fastreduce/comm_share")  # every mode's
 COUNT = {"fused": "fastreduce/reductions", "overlap": "fastreduce/reductions", "zero": "fastreduce/buckets",
          "localsgd": "fastreduce/syncs", "diloco": "fastreduce/syncs", "gossip": "fastreduce/rounds"}

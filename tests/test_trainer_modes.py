@@ -29,20 +29,14 @@ from typing import Any
 import pytest
 import torch
 from launching import leave, load_runs, torchrun
+from models import TRAINER_MODES, hf_regression
 
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 
 STEPS, SAVE, ACCUM, BATCH = 20, 10, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 4
-MODES = {  # name: fastreduce_config of the Trainer and of the reference loop's mode
-    "fused": {"wire_dtype": torch.float32},
-    "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.01},
-    "zero": {},
-    "localsgd": {"sync_every": 4},
-    "diloco": {"sync_every": 4, "fragments": 2},
-    "gossip": {"topology": "ring"},  # at 2 ranks W = [[1/3, 2/3], [2/3, 1/3]]: the ranks stay apart
-}
+MODES = TRAINER_MODES  # name: fastreduce_config of the Trainer and of the reference loop's mode
 FIGURES = ("fastreduce/bytes_per_step", "fastreduce/wait_seconds_per_step", "fastreduce/comm_share")  # every mode's
 MIXED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with bf16=True (autocast)
 COMPILED = ["zero", "localsgd", "diloco", "gossip"]  # also trained with torch_compile=True
@@ -341,8 +335,8 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
     import torch._dynamo
 
     import torch.distributed as dist
-    from torch.utils.data import Dataset, SequentialSampler
-    from transformers import (PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments,
+    from torch.utils.data import SequentialSampler
+    from transformers import (Trainer, TrainerCallback, TrainingArguments,
                               get_scheduler)
     from transformers.utils import logging as hf_logging
 
@@ -355,43 +349,7 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    class TinyConfig(PretrainedConfig):
-        model_type = "fastreduce_tiny"
-
-        def __init__(self, width: int = 16, **kwargs):
-            self.width = width
-            super().__init__(**kwargs)
-
-    class Tiny(PreTrainedModel):
-        """A regression MLP with LayerNorm (a no-decay group) whose forward takes no
-        ``**kwargs``: the Trainer scales each micro-batch's loss by 1/accumulation, as a loop does."""
-        config_class = TinyConfig
-
-        def __init__(self, config: TinyConfig):
-            super().__init__(config)
-            w = config.width
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, w), torch.nn.LayerNorm(w), torch.nn.Tanh(),
-                                           torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, 1))
-            self.post_init()
-
-        def _init_weights(self, module):
-            pass  # torch's own initialisation, from the seed
-
-        def forward(self, x, labels=None):
-            y = self.net(x).squeeze(-1)
-            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
-
-    class Data(Dataset):
-        def __init__(self, n: int, seed: int):
-            g = torch.Generator().manual_seed(seed)
-            self.x = torch.randn(n, 8, generator=g)
-            self.y = torch.sin(self.x.sum(1)) + 0.1 * torch.randn(n, generator=g)
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"x": self.x[i], "labels": self.y[i]}
+    TinyConfig, Tiny, Data = hf_regression()
 
     class Ordered(FastReduceMixin, Trainer):
         def _get_train_sampler(self, *args, **kwargs):

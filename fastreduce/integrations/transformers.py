@@ -52,10 +52,11 @@ from ..comm.collectives import broadcast_from_rank0
 from ..compat import prepare_model_without_ddp
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer
-from .committing import commits, unwrapped
+from .committing import commits
 from .membership import ModeModule, TrainerMembership, check_plain_process
 from ..modes.contract import commit_style, optimizer_role
 from .modes import CalledThrough, TrainerMode, make_mode
+from .transformers_hooks import clip_with, membership_callback, unprepared
 
 if TYPE_CHECKING:  # pragma: no cover
     import transformers
@@ -158,7 +159,7 @@ class FastReduceMixin:
                 raise ValueError(f"{type(self).__name__}: under fastreduce.Membership the run's length is its number "
                                  "of committed optimizer steps (the LR schedule is over it, and the steps in a data "
                                  "epoch change with the world): set TrainingArguments(max_steps=...)")
-            self.add_callback(_membership_callback(self))
+            self.add_callback(membership_callback(self))
         if optimizer_role(self.fastreduce_mode.cls) == "self" and getattr(self, "lr_scheduler", None) is not None \
                 and self.fastreduce_membership is None:  # (under one, the Trainer's optimizer and scheduler stay)
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
@@ -266,7 +267,7 @@ class FastReduceMixin:
         accelerator = self.accelerator
         # this call only: the loader as the Trainer made it (transformers 4.55.4 and 5.24.0 prepare
         # it inside get_train_dataloader, with no setting to keep it as it is)
-        accelerator.prepare = _unprepared
+        accelerator.prepare = unprepared
         try:
             return super().get_train_dataloader()
         finally:
@@ -354,7 +355,7 @@ class FastReduceMixin:
                 self.create_scheduler(num_training_steps=self._fastreduce_steps, optimizer=built)
         mode.start_figures(self.state.global_step)
         if mode.clips:
-            _clip_with(self.accelerator, mode)
+            clip_with(self.accelerator, mode)
         group = mode.config.get("group")
         if dist.get_rank(group) == 0:
             log.info("fastreduce: %s trains %s without DDP on %d ranks in mode %r", type(self).__name__,
@@ -412,59 +413,6 @@ def _other_made(trainer: Any) -> str | None:
 _FOLDER = "fastreduce"  # the mode's state, in a Trainer checkpoint folder
 _JOB = "fastreduce_membership.json"  # under a Membership: the job's committed steps and data position
 _SCHEDULER = "scheduler.pt"  # the Trainer's name for its scheduler's state (transformers.trainer.SCHEDULER_NAME)
-
-
-def _clip_with(accelerator: Any, mode: TrainerMode) -> None:
-    """Make ``accelerator.clip_grad_norm_`` (which every Trainer clips and reads its
-    ``grad_norm`` through) the mode's own, on this accelerator only: transformers (4.55.4,
-    5.24.0 tested) clips through it with no hook of its own (5.x's ``_clip_grad_norm`` is
-    private; 4.55's clips inline), and the Trainer makes its Accelerator itself."""
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        return mode.clip_grad_norm_(max_norm, norm_type)
-
-    accelerator.clip_grad_norm_ = clip_grad_norm_
-
-
-def _unprepared(*objects: Any, **_: Any) -> Any:
-    """``Accelerator.prepare`` that prepares nothing (the training loader under a Membership)."""
-    return objects[0] if len(objects) == 1 else objects
-
-
-def _membership_callback(trainer: Any) -> Any:
-    """The callback that joins ``trainer``'s Membership when training starts, and makes a
-    discarded step no step (the last callback, after the Trainer's own flow decisions)."""
-    from transformers import TrainerCallback
-
-    class FastReduceMembership(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            glue, mode = trainer.fastreduce_membership, trainer.fastreduce_mode
-            if "unused_grads" in mode.settings() and "unused_grads" not in mode.config \
-                    and args.ddp_find_unused_parameters:
-                mode.config["unused_grads"] = "zero"
-            step = glue.join(trainer._fastreduce_model, unwrapped(trainer.optimizer),
-                             [trainer.lr_scheduler], last_step=state.max_steps,
-                             scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
-            # transformers (4.55.4, 5.24.0 tested) sets these two from the step count only before
-            # on_train_begin, the first public hook after the model is prepared: a joiner's step
-            # (the members') comes after, so the loss averaged per log and the throughput count
-            # from it only if they are set here too (no public way)
-            state.global_step = trainer._globalstep_last_logged = step
-            if mode.clips:  # ZeRO's global norm (the mode's clip, kept for the commit on a loss)
-                _clip_with(trainer.accelerator, mode)
-            if hasattr(trainer, "_initial_global_step"):
-                trainer._initial_global_step = step
-            state.epoch = glue.sampler.data_epoch
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            glue = trainer.fastreduce_membership
-            if glue.committed is False:  # discarded on every member: no step, so no log, save, eval or stop
-                glue.undo_schedulers()  # (the Trainer stepped them after the optimizer's step)
-                state.global_step = glue.m.step
-                control.should_log = control.should_save = control.should_evaluate = False
-                control.should_training_stop = control.should_training_stop and state.global_step >= state.max_steps
-            state.epoch = glue.sampler.data_epoch  # data epochs drawn, the same on every member
-
-    return FastReduceMembership()
 
 
 def _make_trainer() -> type:
