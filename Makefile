@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml $(STACK_REQS)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,hf,lightning]" $(if $(STACK_REQS),-c $(STACK_REQS))
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/optimum-habana "optimum-habana==1.21.2" "optimum==2.0.0"
-	$(if $(STACK_REQS),grep -q '^optimum-habana' $(STACK_REQS) && $(BIN)/python -m pip install -q ./tests/stand_ins/habana-torch-plugin || true)
+	$(if $(STACK_REQS),if grep -q '^optimum-habana' $(STACK_REQS); then $(BIN)/python -m pip install -q ./tests/stand_ins/habana-torch-plugin; fi)
 	touch $@
 
 demo: $(STAMP)
