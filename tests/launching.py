@@ -50,3 +50,18 @@ def leave() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+def hf_worker() -> tuple[int, int]:
+    """Begin an HF-family trainer's worker: one torch thread, transformers' and Python's logs at
+    errors and warnings, the Gloo group of the launch; its ``(rank, world)``."""
+    import logging
+
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()

@@ -374,3 +374,31 @@ def hf_regression() -> tuple[type, type, type]:
             return {"x": self.x[i], "labels": self.y[i]}
 
     return TinyConfig, Tiny, Data
+
+
+def resume_one_step(trainer: Any, checkpoint: str, flat: Callable[[], torch.Tensor],
+                    at_load: Callable[[dict], None] | None = None) -> dict:
+    """Train ``trainer`` (an HF-family trainer built for one step past ``checkpoint``) from
+    ``checkpoint``: ``params`` when training begins (the load done; ZeRO's all-gather waited
+    for), what ``at_load(facts)`` adds then, and ``trained_after``: ``max_steps`` reached, the
+    parameters moved."""
+    from transformers import TrainerCallback
+
+    facts: dict = {}
+
+    class AtLoad(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            from fastreduce.modes.contract import commit_style
+
+            obj = trainer.fastreduce_mode.obj
+            if commit_style(obj) == "zero":  # its parameters' last all-gather
+                obj.wait_params()
+            facts["params"] = flat()
+            if at_load is not None:
+                at_load(facts)
+
+    trainer.add_callback(AtLoad())
+    trainer.train(resume_from_checkpoint=checkpoint)
+    facts["trained_after"] = trainer.state.global_step == trainer.args.max_steps and not torch.equal(
+        flat(), facts["params"])
+    return facts

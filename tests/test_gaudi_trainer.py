@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import leave, load_runs, torchrun
-from models import TRAINER_MODES, hf_regression
+from launching import hf_worker, leave, load_runs, torchrun
+from models import TRAINER_MODES, hf_regression, resume_one_step
 
 STEPS, SAVE, ACCUM, BATCH = 12, 6, 2, 4
 LR, WD, CLIP, WARMUP = 1e-2, 0.1, 0.05, 3
@@ -116,7 +116,6 @@ def test_fast_ddp_beside_a_mode_is_refused_when_the_trainer_is_built(runs: dict)
 # ============================================================== the torchrun worker
 
 def _worker(out: Path, what: str) -> None:
-    import logging
     import os
 
     # As in an activated venv (a Gaudi container's Python is the one on PATH): the `pip` that
@@ -124,10 +123,8 @@ def _worker(out: Path, what: str) -> None:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
     import optimum.habana.transformers.trainer as gaudi_trainer_module
-    import torch.distributed as dist
     from optimum.habana import GaudiConfig, GaudiTrainingArguments
     from transformers import TrainerCallback, TrainingArguments
-    from transformers.utils import logging as hf_logging
 
     from fastreduce.integrations.optimum_habana import FastReduceGaudiTrainer
     from fastreduce.integrations.transformers import FastReduceTrainer
@@ -135,11 +132,7 @@ def _worker(out: Path, what: str) -> None:
     # GaudiTrainer.log adds the HPU's memory figures to every log, importing habana_frameworks
     # (optimum-habana 1.21.2, transformers/trainer.py): there is no HPU here to ask.
     gaudi_trainer_module.get_hpu_memory_stats = lambda device=None: {}
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    logging.basicConfig(level=logging.WARNING)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = hf_worker()
 
     TinyConfig, Tiny, Data = hf_regression()
     data = Data(STEPS * ACCUM * BATCH * world, 1)
@@ -204,18 +197,8 @@ def _worker(out: Path, what: str) -> None:
     else:  # 3 ranks: the 2-rank checkpoints whose state loads onto any world size, one step on
         for mode in RESHARDED:
             model, trainer = build(f"{mode}_reshard", mode, True, steps=SAVE + 1)
-            facts = {"world": world}
-
-            class AtLoad(TrainerCallback):
-                def on_train_begin(self, args, state, control, **kw):
-                    if mode == "zero":
-                        trainer.fastreduce_mode.obj.wait_params()
-                    facts["params"] = flat(model)
-
-            trainer.add_callback(AtLoad())
-            trainer.train(resume_from_checkpoint=str(out / f"{mode}_gaudi" / f"checkpoint-{SAVE}"))
-            facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
-                                                                                              facts["params"])
+            facts = resume_one_step(trainer, str(out / f"{mode}_gaudi" / f"checkpoint-{SAVE}"), lambda: flat(model))
+            facts["world"] = world
             save(f"{mode}_reshard", facts)
     leave()
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 import torch
-from launching import leave, load_runs, torchrun
-from models import TRAINER_MODES, hf_regression
+from launching import hf_worker, leave, load_runs, torchrun
+from models import TRAINER_MODES, hf_regression, resume_one_step
 
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
@@ -329,7 +329,6 @@ def test_the_gaudi_trainer_says_what_it_needs() -> None:
 # ============================================================== the torchrun worker
 
 def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs in order)
-    import logging
     from functools import partial
 
     import torch._dynamo
@@ -338,16 +337,11 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
     from torch.utils.data import SequentialSampler
     from transformers import (Trainer, TrainerCallback, TrainingArguments,
                               get_scheduler)
-    from transformers.utils import logging as hf_logging
 
     from fastreduce import DecentralizedDataParallel, DiLoCo, FusedReducer, LocalSGD, ZeroOptimizer
     from fastreduce.integrations.transformers import FastReduceMixin
 
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    logging.basicConfig(level=logging.WARNING)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = hf_worker()
 
     TinyConfig, Tiny, Data = hf_regression()
 
@@ -606,20 +600,14 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
             model = fresh()
             trainer = Ordered(model=model, args=arguments(f"{mode}_reshard", steps=SAVE + 1), train_dataset=train_data,
                               eval_dataset=eval_data, fastreduce_mode=mode, fastreduce_config=MODES[mode])
-            facts: dict = {"world": world}
 
-            class AtLoad(TrainerCallback):
-                def on_train_begin(self, args, state, control, **kw):
-                    if mode == "zero":
-                        trainer.fastreduce_mode.obj.wait_params()
-                    facts["params"] = flat(model)
-                    opt = trainer.fastreduce_mode.obj if mode == "zero" else trainer.optimizer.optimizer
-                    facts["optim"] = optim_facts(opt.state_dict())
+            def optim_at_load(facts: dict) -> None:
+                opt = trainer.fastreduce_mode.obj if mode == "zero" else trainer.optimizer.optimizer
+                facts["optim"] = optim_facts(opt.state_dict())
 
-            trainer.add_callback(AtLoad())
-            trainer.train(resume_from_checkpoint=str(out / f"{mode}_trainer" / f"checkpoint-{SAVE}"))
-            facts["trained_after"] = trainer.state.global_step == SAVE + 1 and not torch.equal(flat(model),
-                                                                                              facts["params"])
+            facts = resume_one_step(trainer, str(out / f"{mode}_trainer" / f"checkpoint-{SAVE}"), lambda: flat(model),
+                                    optim_at_load)
+            facts["world"] = world
             save(f"{mode}_reshard", facts)
     leave()
 
