@@ -311,11 +311,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
         inf = norm_type == float("inf")
         local, op = (norms.max(), dist.ReduceOp.MAX) if inf else (norms.pow(norm_type).sum(), dist.ReduceOp.SUM)
-        if self.world_size > 1 and self._used_mask is None:  # which parameters had a gradient: in the same message
-            both = torch.cat([local.reshape(1), self._local_used().float()])
-            all_reduce_watched(both, op, self.group)
-            local, self._used_mask = both[0], both[1:] > 0
-        elif self.world_size > 1:
+        if self.world_size > 1:
             all_reduce_watched(local, op, self.group)
         total = local if inf else local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -446,24 +442,6 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         if which is None or all(p is None for p in gathers):
             self._gathers = []
             self.params_stale = False
-
-    def _local_used(self) -> torch.Tensor:
-        """Which parameters (layout order) this rank's backward gave a gradient this step."""
-        return torch.tensor([not self._shadowing and p.grad is not None for p in self.layout.params],
-                            dtype=torch.bool, device=self.device)
-
-    def _used(self) -> list[bool] | None:
-        """Which parameters (layout order) some rank's backward gave a gradient this step
-        (``None``: all): learnt with :meth:`clip_grad_norm_`'s all-reduce where it ran,
-        else by a MAX all-reduce of a flag per parameter. The others are not stepped, as
-        torch.optim skips a parameter whose ``grad`` is ``None``."""
-        used = self._used_mask
-        if used is None:
-            used = self._local_used().float()  # (float32: every backend's MAX takes it)
-            if self.world_size > 1:
-                with span("fastreduce::used"):
-                    all_reduce_watched(used, dist.ReduceOp.MAX, self.group)
-        return None if bool(used.all()) else used.bool().tolist()
 
     def _sync_hyperparameters(self) -> None:
         """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups

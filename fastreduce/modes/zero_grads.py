@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,7 +53,8 @@ class ZeroGradients:
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
     ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, ``stats``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
-    ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``.
+    ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing``, ``_reduced`` and ``_used_mask``
+    (which parameters some rank's backward reached this step, learnt in :meth:`_reduce`).
     """
 
     def _hook_forward(self, module: torch.nn.Module | None) -> bool:
@@ -71,6 +73,10 @@ class ZeroGradients:
         self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1)
         if W == 1:
             return
+        # A flag per parameter, averaged on the step's transport right behind the last bucket
+        # (shared memory where the buckets are): > 0 where some rank's backward reached it.
+        self._used_flags = comm.buffer(len(layout), torch.float32)
+        self._used_plan = comm.plan(torch.float32, buf=self._used_flags)
         packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
         outs = [s.out for s in self.shards]
         fp32_sum = accumulate_dtype == torch.float32
@@ -172,7 +178,9 @@ class ZeroGradients:
                                "was built now requires grad; its shard does not exist: build the "
                                "optimizer again after changing requires_grad")
         self._reattach.settle(done=True)  # re-attached but never written by backward: None again
+        local = [not self._shadowing and p.grad is not None for p in self.layout.params]
         if self._schedule is None:  # one rank: the grads are the average
+            self._used_mask = torch.tensor(local)
             adopt(self.layout, self.buffer, range(len(self.layout)))
             self.buffer.pack()
             for s, b in zip(self.shards, self.buckets):
@@ -180,9 +188,13 @@ class ZeroGradients:
                     s.out.copy_(b.wire)
         else:
             _, works = self._schedule.finish(quiet=not self.overlap)
+            flags = self._used_flags
+            used = self.comm.all_reduce(flags, self._used_plan, partial(flags.copy_, torch.tensor(local)))
             with span("fastreduce::wait"), self.stats.waiting():
                 for pending in works:
                     complete(pending)
+                complete(used)
+                self._used_mask = flags > 0
                 if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
                     self.mirror.exchange()
             self.stats.wire_bytes += self.quantized.wire_bytes if self.quantized is not None else \
@@ -190,3 +202,10 @@ class ZeroGradients:
             if self.mirror is not None:
                 self.stats.wire_bytes += sum(r.nbytes for r in self.mirror.recv.values())
         self._reduced = True
+
+    def _used(self) -> list[bool] | None:
+        """Which parameters (layout order) some rank's backward gave a gradient this step
+        (``None``: all); the others are not stepped, as torch.optim skips a parameter whose
+        ``grad`` is ``None``."""
+        used = self._used_mask
+        return None if used is None or bool(used.all()) else used.tolist()
