@@ -115,7 +115,10 @@ def shutdown(timeout: float = JOIN_S, *, rest: bool = True) -> list[str]:
 
 
 def _at_exit() -> None:
+    from .exit_quiet import EXIT_CALM_S, quiet_backends
+
     shutdown(rest=False)
+    quiet_backends(calm_s=EXIT_CALM_S)  # longer than inside a run: nothing waits on this exit but the exit
 
 
 atexit.register(_at_exit)
