@@ -13,6 +13,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+INDUCTOR = os.environ.get("FASTREDUCE_TEST_INDUCTOR", "1") != "0"
+"""Whether the trainers' compile suites (tests/test_transformers.py, tests/test_lightning.py)
+run inductor beside aot_eager. ``.ci/run`` sets ``FASTREDUCE_TEST_INDUCTOR=0`` on the Gaudi
+stack: its users compile with Habana's backend, for which aot_eager (AOT autograd, then the
+same kernels) stands in on a CPU; inductor, the CUDA and CPU users' backend, runs on the
+default stack (and the newest, by hand). Read by the torchrun workers too (inherited)."""
 
 
 def torchrun(script: str | Path, world: int, *args: str, timeout: float) -> str:
