@@ -53,8 +53,9 @@ class ZeroGradients:
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
     ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, ``stats``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
-    ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing``, ``_reduced`` and ``_used_mask``
-    (which parameters some rank's backward reached this step, learnt in :meth:`_reduce`).
+    ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``, and sets
+    ``_used_mask`` in :meth:`_reduce` (which parameters some rank's backward reached this step;
+    ``step()`` clears it with the step's other per-step state).
     """
 
     def _hook_forward(self, module: torch.nn.Module | None) -> bool:
