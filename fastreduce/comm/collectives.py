@@ -34,7 +34,7 @@ from ..lifecycle import Worker
 from ..profiling import span
 from .shm import ShmAllReduce, sum_order
 
-__all__ = ["Fp32Accumulate", "MeanPlan", "Pending", "RingReduceScatter", "Waitable", "advance", "all_gather_flat",
+__all__ = ["Fp32Accumulate", "MeanPlan", "Messages", "Pending", "RingReduceScatter", "Waitable", "advance", "all_gather_flat",
            "broadcast_from_rank0", "complete", "gather_by_exchange", "plan_mean", "reduce_scatter_flat",
            "start_all_reduce"]
 
@@ -151,11 +151,15 @@ RING_PIECE_BYTES = 1 << 18
 summed and sent on, so the ring's W - 1 steps overlap piece by piece."""
 
 
-def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
+Messages = dict[int, "torch.Tensor | tuple[torch.Tensor, ...]"]
+"""Per peer rank: a tensor, or several sent (received) one after the other on one tag."""
+
+
+def exchange_ops(sends: Messages, recvs: Messages,
                  group: dist.ProcessGroup | None, global_rank: Callable[[int], int], me: int, world: int) -> list[Any]:
     """Point-to-point ops of group rank ``me`` (of ``world``) sending ``sends[j]`` to group
     rank ``j`` and receiving ``recvs[j]`` from it (each as long as what the other side
-    sends), every receive posted before any send.
+    sends; a tuple: its tensors in order), every receive posted before any send.
 
     Gloo's sender holds a message until the receiver's "ready to receive" note for it
     has arrived, and that note travels on the same connection as the receiver's own
@@ -179,7 +183,11 @@ def exchange_ops(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
     hosts at 100 Mbit/s, 106.3 and 97.2 (the wire's floor: 77.6)."""
     posts = [(dist.irecv, recvs, lambda j: (me - j) % world), (dist.isend, sends, lambda j: (j - me) % world)]
     return [dist.P2POp(kind, t, global_rank(j), group) for kind, tensors, order in posts
-            for j in sorted(tensors, key=order) if (t := tensors[j]) is not None and t.numel()]
+            for j in sorted(tensors, key=order) for t in _each(tensors[j]) if t is not None and t.numel()]
+
+
+def _each(message: torch.Tensor | tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor | None, ...]:
+    return message if isinstance(message, tuple) else (message,)
 
 
 RING_TAG = 1 << 24
@@ -211,11 +219,15 @@ class RingReduceScatter:
     first never matters. ``wait()`` is watched for lost ranks like any Gloo wait
     (:func:`~fastreduce.faults.wait_watched`); a job whose wait raised is abandoned (it
     sends nothing more).
+
+    ``rider`` = ``(mine, total)``: ``total`` := the sum of every rank's ``mine`` (a few
+    fp32 counts), carried around the same ring behind each step's pieces (no message
+    round of its own; :class:`~fastreduce.Comm.reduce_scatter`).
     """
 
     def __init__(self, rows: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
-                 global_rank: Callable[[int], int]):
-        self.rows, self.out, self.group = rows, out, group
+                 global_rank: Callable[[int], int], rider: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.rows, self.out, self.group, self.rider = rows, out, group, rider
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]
         self.recv = recv[:(w - 1) * n].view(w - 1, n)
@@ -230,6 +242,10 @@ class RingReduceScatter:
                        for a in range(0, n, self.step)] for s in range(w - 1)]
         first = rows[(r - 1) % w]  # step 0 sends my own row
         self.sends = [dist.isend(first[a:a + self.step], self.next, group, self.tag0) for a in range(0, n, self.step)]
+        if rider is not None:  # each step's last message, on its tag
+            self.rider_recv = rider[0].new_empty(w - 1, rider[0].numel())
+            self.rider_recvs = [dist.irecv(self.rider_recv[s], self.prev, group, self.tag0 + s) for s in range(w - 1)]
+            self.sends.append(dist.isend(rider[0], self.next, group, self.tag0))
         jobs.put(self.run)
 
     def run(self) -> None:
@@ -248,6 +264,15 @@ class RingReduceScatter:
                         self.sends.append(dist.isend(piece, self.next, self.group, self.tag0 + s + 1))
                     else:
                         torch.div(piece, w, out=self.out[a:a + self.step])
+                if self.rider is not None:
+                    self.rider_recvs[s].wait()
+                    if self.abandoned:
+                        return
+                    carried = self.rider_recv[s].add_(self.rider[0])
+                    if s < w - 2:
+                        self.sends.append(dist.isend(carried, self.next, self.group, self.tag0 + s + 1))
+                    else:
+                        self.rider[1].copy_(carried)
             for work in self.sends:
                 work.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
-from .collectives import (Fp32Accumulate, MeanPlan, Pending, RingReduceScatter, all_gather_flat,
+from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduceScatter, all_gather_flat,
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
@@ -191,8 +191,15 @@ class Comm:
                 self._backlog[-2].advance()
         return accumulate, unpack
 
+    def carries_riders(self, buf: torch.Tensor) -> bool:
+        """Whether :meth:`reduce_scatter` of ``buf`` can carry a ``rider`` (Gloo's point
+        to point: the rider's values go in the buffer's own messages, no round of their
+        own; elsewhere a collective of their own is as cheap)."""
+        return self.by_exchange and self.world > 1 and self.shm_of(buf) is None
+
     def reduce_scatter(self, buf: torch.Tensor, out: torch.Tensor | None = None,
-                       pack: Callable[[], None] | None = None, fp32_sum: bool = False) -> Pending:
+                       pack: Callable[[], None] | None = None, fp32_sum: bool = False,
+                       rider: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pending:
         """Launch ``out`` := this rank's chunk of the mean of ``buf`` over ranks.
 
         ``out`` (default: that chunk of ``buf`` itself) may be wider than ``buf``: a
@@ -201,8 +208,12 @@ class Comm:
         (the default ``out``, Gloo) undefined. Shared memory and Gloo always sum in
         fp32; ``fp32_sum`` makes NCCL/HCCL do so too (an all-to-all and a local sum, the
         same bytes) instead of summing in ``buf``'s dtype inside the collective.
+        ``rider`` = ``(mine, total)``, where :meth:`carries_riders`: ``total`` := the sum
+        over ranks of every rank's ``mine`` (a few fp32 counts, exact), in the same messages.
         """
         n = self._chunk(buf)
+        if rider is not None and not self.carries_riders(buf):
+            raise ValueError("this reduce-scatter carries no rider (see Comm.carries_riders())")
         mine = buf[self.rank * n:(self.rank + 1) * n]
         if out is None or (out.data_ptr() == mine.data_ptr() and out.dtype == mine.dtype and out.shape == (n,)):
             out = mine  # (a view of this rank's own chunk is that chunk: summed in place, not into itself)
@@ -217,11 +228,20 @@ class Comm:
                     pack()
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
                 return RingReduceScatter(buf.view(self.world, n), out, self._scratch_like(buf, "recv"), self.group,
-                                         self._global), None
+                                         self._global, rider), None
             if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
-                work = self.exchange(buf.view(self.world, n), recv.view(self.world, n))
-                return work, lambda: self.sum_rows(recv, out)
+                if rider is None:
+                    return self.exchange(buf.view(self.world, n), recv.view(self.world, n)), \
+                        lambda: self.sum_rows(recv, out)
+                mine, total = rider
+                theirs = mine.new_empty(self.world, mine.numel())
+                work = self.exchange(buf.view(self.world, n), recv.view(self.world, n), (mine, theirs))
+
+                def done() -> None:
+                    self.sum_rows(recv, out)
+                    torch.sum(theirs, 0, out=total)
+                return work, done
             plan = self.plan(buf.dtype)
             if plan.prescale:
                 buf.div_(self.world)
@@ -229,18 +249,23 @@ class Comm:
             work = reduce_scatter_flat(dst, buf, plan.op, self.group, async_op=True)
             return work, (None if dst is out else lambda: out.copy_(dst))
 
-    def exchange(self, rows: torch.Tensor, got: torch.Tensor) -> Any:
+    def exchange(self, rows: torch.Tensor, got: torch.Tensor,
+                 rider: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """Launch an all-to-all of ``rows`` (W rows): row j to rank j, and rank j's row
         r into ``got[j]`` (this rank's own row copied). On Gloo with CPU tensors it is
-        point-to-point (:meth:`send_recv`); elsewhere ``all_to_all_single``.
-        Returns the work to wait on."""
+        point-to-point (:meth:`send_recv`); elsewhere ``all_to_all_single``. There,
+        ``rider`` = ``(mine, theirs)`` also sends ``mine`` to every rank behind its row,
+        rank j's into ``theirs[j]``. Returns the work to wait on."""
         if self.by_exchange:
             got[self.rank].copy_(rows[self.rank])
             peers = [j for j in range(self.world) if j != self.rank]
-            return self.send_recv({j: rows[j] for j in peers}, {j: got[j] for j in peers})
+            if rider is None:
+                return self.send_recv({j: rows[j] for j in peers}, {j: got[j] for j in peers})
+            rider[1][self.rank].copy_(rider[0])
+            return self.send_recv({j: (rows[j], rider[0]) for j in peers}, {j: (got[j], rider[1][j]) for j in peers})
         return dist.all_to_all_single(got, rows, group=self.group, async_op=True)
 
-    def send_recv(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Any:
+    def send_recv(self, sends: Messages, recvs: Messages) -> Any:
         """Launch point-to-point messages: ``sends[j]`` to rank ``j``, ``recvs[j]`` from
         it (each as long as what ``j`` sends; Gloo moves host memory only), every
         receive posted before any send (:func:`~.collectives.exchange_ops`). Returns the

@@ -74,10 +74,14 @@ class ZeroGradients:
         self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1)
         if W == 1:
             return
-        # A flag per parameter, averaged on the step's transport right behind the last bucket
-        # (shared memory where the buckets are): > 0 where some rank's backward reached it.
+        # A flag per parameter, > 0 where some rank's backward reached it: summed in the last
+        # bucket's own messages where they are Gloo's point to point (the last launch comes
+        # once backward is over: from a hook only if every parameter had its gradient), else
+        # averaged right behind it on the step's transport (shared memory where the buckets are).
+        last = len(self.buckets) - 1
+        self._riding = quant is None and comm.carries_riders(self.buckets[last].wire)
         self._used_flags = comm.buffer(len(layout), torch.float32)
-        self._used_plan = comm.plan(torch.float32, buf=self._used_flags)
+        self._used_plan = None if self._riding else comm.plan(torch.float32, buf=self._used_flags)
         packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
         outs = [s.out for s in self.shards]
         fp32_sum = accumulate_dtype == torch.float32
@@ -93,7 +97,8 @@ class ZeroGradients:
                 self._join_notify()
             pack = self._join_prescale(self.buckets[b].wire, None if packed else packs[b])
             if self.quantized is None:
-                return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum)
+                rider = (self._local_used(), self._used_flags) if self._riding and b == last else None
+                return comm.reduce_scatter(self.buckets[b].wire, outs[b], pack, fp32_sum, rider)
             pending = means[b].start(pack, hold=True)  # and the last bucket's sum, while this is out
             if b:
                 means[b - 1].advance()
@@ -179,9 +184,8 @@ class ZeroGradients:
                                "was built now requires grad; its shard does not exist: build the "
                                "optimizer again after changing requires_grad")
         self._reattach.settle(done=True)  # re-attached but never written by backward: None again
-        local = [not self._shadowing and p.grad is not None for p in self.layout.params]
         if self._schedule is None:  # one rank: the grads are the average
-            self._used_mask = torch.tensor(local)
+            self._used_mask = self._local_used() > 0
             adopt(self.layout, self.buffer, range(len(self.layout)))
             self.buffer.pack()
             for s, b in zip(self.shards, self.buckets):
@@ -190,11 +194,13 @@ class ZeroGradients:
         else:
             _, works = self._schedule.finish(quiet=not self.overlap)
             flags = self._used_flags
-            used = self.comm.all_reduce(flags, self._used_plan, partial(flags.copy_, torch.tensor(local)))
+            used = None if self._riding else \
+                self.comm.all_reduce(flags, self._used_plan, partial(flags.copy_, self._local_used()))
             with span("fastreduce::wait"), self.stats.waiting():
                 for pending in works:
                     complete(pending)
-                complete(used)
+                if used is not None:
+                    complete(used)
                 self._used_mask = flags > 0
                 if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
                     self.mirror.exchange()
@@ -203,6 +209,12 @@ class ZeroGradients:
             if self.mirror is not None:
                 self.stats.wire_bytes += sum(r.nbytes for r in self.mirror.recv.values())
         self._reduced = True
+
+    def _local_used(self) -> torch.Tensor:
+        """1.0 for each parameter (layout order) this rank's backward gave a gradient (after
+        backward: re-attached views it never wrote are ``None`` again), else 0.0."""
+        return torch.tensor([not self._shadowing and p.grad is not None for p in self.layout.params],
+                            dtype=torch.float32)
 
     def _used(self) -> list[bool] | None:
         """Which parameters (layout order) some rank's backward gave a gradient this step
