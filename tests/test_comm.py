@@ -102,6 +102,23 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
             then()
         out[f"rs_wide_{name}"] = (wide.double(), expect[chunk])
         out[f"rs_wide_{name}_exact"] = (wide.clone(), exact)
+        # both again with a rider (a few counts summed over the ranks in the same messages):
+        # where the transport carries one, the buffer's result bit for bit the same
+        mine, total = torch.arange(1.0, 6.0) * (rank + 1), torch.full((5,), float("nan"))
+        out["carries_riders"] = comm.carries_riders(buf)
+        for key, into in ((f"rider_{name}", None), (f"rider_wide_{name}", torch.zeros(n // world))):
+            buf.copy_(src)
+            try:
+                work, then = comm.reduce_scatter(buf, into, fp32_sum=into is not None, rider=(mine, total))
+            except ValueError as e:
+                out[key] = str(e)
+                continue
+            work.wait()
+            if then is not None:
+                then()
+            got = buf[chunk] if into is None else into
+            out[key] = (got.clone(), out[f"rs{key[5:]}_exact"][0], total.clone(),
+                        torch.arange(1.0, 6.0) * world * (world + 1) / 2)
         # all-gather in place: chunk k of every rank's buffer from rank k
         buf.copy_(src)
         mine = buf[chunk].clone()
@@ -223,6 +240,22 @@ def test_reduce_scatter_goes_around_a_ring_over_gloo_beyond_two_ranks(results) -
         assert (r["rs_fp32_kind"] == "RingReduceScatter") == ring
         assert r["rs_wide_fp32_kind"] == r["rs_fp32_kind"]
         assert r["rs_bf16_kind"] != "RingReduceScatter" and r["rs_wide_bf16_kind"] != "RingReduceScatter"
+
+
+@pytest.mark.parametrize("key", ["rider_fp32", "rider_wide_fp32", "rider_bf16", "rider_wide_bf16"])
+def test_a_rider_is_summed_in_the_reduce_scatters_own_messages_over_gloo(results, key: str) -> None:
+    """``reduce_scatter(rider=(mine, total))`` (ZeroOptimizer's unused-parameter flags):
+    over Gloo, around the ring and in the direct exchange, ``total`` is every rank's
+    ``mine`` summed and the buffer's result is bit for bit the one without a rider; on
+    shared memory it is refused (no transport of its own there: the caller all-reduces)."""
+    transport, per_rank = results
+    for r in per_rank:
+        assert r["carries_riders"] == (transport == "process_group")
+        if transport == "shm":
+            assert "carries no rider" in r[key], r[key]
+            continue
+        got, alone, total, want = r[key]
+        assert torch.equal(got, alone) and torch.equal(total, want), (total, want)
 
 
 @pytest.mark.parametrize("key", ["ag_fp32", "ag_bf16"])
