@@ -128,7 +128,7 @@ reaching the point where it is killed and the next one released."""
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False, released: Any = None, lost_after_s: float | None = None) -> None:
+           compiled: bool = False, released: Any = None) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -146,10 +146,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
     ``torch.compile(model)``, the way users on Gaudi and CUDA train); ``released``: an event
-    :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`);
-    ``lost_after_s``: ``$FASTREDUCE_LOST_AFTER_S`` (default: 3 heartbeats, at least 1 s)."""
-    os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport,
-                      **({} if lost_after_s is None else {"FASTREDUCE_LOST_AFTER_S": str(lost_after_s)}))
+    :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`)."""
+    os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
 
@@ -258,8 +256,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
-           release_after: list[int] | None = None, compiled: bool = False, members: int = 3,
-           lost_after_s: float | None = None) -> dict[int, dict]:
+           release_after: list[int] | None = None, compiled: bool = False, members: int = 3) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
@@ -272,7 +269,7 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     ctx = rank_context("keep_training", "torch._dynamo")
     released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
     settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
-                "released": released, "lost_after_s": lost_after_s}
+                "released": released}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]
