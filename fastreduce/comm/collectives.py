@@ -220,15 +220,13 @@ class RingReduceScatter:
     (:func:`~fastreduce.faults.wait_watched`); a job whose wait raised is abandoned (it
     sends nothing more).
 
-    ``rider`` = ``(mine, total, scratch)``: ``total`` := the sum of every rank's ``mine`` (a
-    few fp32 counts), carried around the same ring behind each step's pieces, received into
-    rows of ``scratch`` (W rows of ``mine``'s length; no message round of its own:
-    :meth:`~fastreduce.comm.Comm.reduce_scatter`).
+    ``rider`` = ``(mine, total)``: ``total`` := the sum of every rank's ``mine`` (a few
+    fp32 counts), carried around the same ring behind each step's pieces (no message
+    round of its own; :class:`~fastreduce.Comm.reduce_scatter`).
     """
 
     def __init__(self, rows: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
-                 global_rank: Callable[[int], int],
-                 rider: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 global_rank: Callable[[int], int], rider: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.rows, self.out, self.group, self.rider = rows, out, group, rider
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]
@@ -245,7 +243,7 @@ class RingReduceScatter:
         first = rows[(r - 1) % w]  # step 0 sends my own row
         self.sends = [dist.isend(first[a:a + self.step], self.next, group, self.tag0) for a in range(0, n, self.step)]
         if rider is not None:  # each step's last message, on its tag
-            self.rider_recv = rider[2]
+            self.rider_recv = rider[0].new_empty(w - 1, rider[0].numel())
             self.rider_recvs = [dist.irecv(self.rider_recv[s], self.prev, group, self.tag0 + s) for s in range(w - 1)]
             self.sends.append(dist.isend(rider[0], self.next, group, self.tag0))
         jobs.put(self.run)

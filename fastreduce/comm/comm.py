@@ -226,17 +226,16 @@ class Comm:
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()
-            # (a rider's incoming values: a row per rank, kept per rider like the buffer's scratch)
-            theirs = None if rider is None else self._scratch_like(rider[1], "rider", rows=self.world)
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
                 return RingReduceScatter(buf.view(self.world, n), out, self._scratch_like(buf, "recv"), self.group,
-                                         self._global, None if rider is None else (*rider, theirs)), None
+                                         self._global, rider), None
             if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
                 if rider is None:
                     return self.exchange(buf.view(self.world, n), recv.view(self.world, n)), \
                         lambda: self.sum_rows(recv, out)
                 mine, total = rider
+                theirs = mine.new_empty(self.world, mine.numel())
                 work = self.exchange(buf.view(self.world, n), recv.view(self.world, n), (mine, theirs))
 
                 def done() -> None:
@@ -378,14 +377,12 @@ class Comm:
         return buf.numel() // self.world
 
     def _scratch_like(self, buf: torch.Tensor, role: str, dtype: torch.dtype | None = None,
-                      device: torch.device | None = None, rows: int = 1) -> torch.Tensor:
-        """Scratch kept per (``role``, ``buf``): ``buf.numel()`` elements, or ``rows`` x that."""
-        key = (role, buf.data_ptr(), buf.numel(), dtype or buf.dtype, rows)
+                      device: torch.device | None = None) -> torch.Tensor:
+        key = (role, buf.data_ptr(), buf.numel(), dtype or buf.dtype)
         t = self._scratch.get(key)
         if t is None:
-            t = self._scratch[key] = torch.empty(rows * buf.numel(), dtype=dtype or buf.dtype,
-                                                 device=device or buf.device)
-        return t if rows == 1 else t.view(rows, buf.numel())
+            t = self._scratch[key] = torch.empty(buf.numel(), dtype=dtype or buf.dtype, device=device or buf.device)
+        return t
 
     def sum_rows(self, recv: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` := mean of the W rows of ``recv`` (chunk r from every rank), summed in
