@@ -98,7 +98,14 @@ def _silent(beat: Heartbeat, before: dict[int, int], silent: list[int], start: f
     stops answering counts too) the ranks whose counters (``before``) moved within ``wait``
     seconds of ``start`` (or, for ranks whose process runs on this host, within
     :data:`LOCAL_GRACE` times that; ``records`` caches their registrations); returns the ranks other ranks published lost meanwhile
-    (:meth:`Heartbeat.verdict`; ``None`` in a world every rank reads whole: there it is not read).
+    (:meth:`Heartbeat.verdict`), if any.
+
+    In a world every rank reads whole, another rank's finding ends the wait, and of the
+    ranks silent here only those it names are kept: a rank that found the loss first (a
+    peer's process exited, a silent member at the vote) publishes it and leaves the
+    group, its heartbeat stopping there; counted silent too, it was named lost with the
+    dead one after :data:`LOCAL_GRACE` windows (a 10 s stall in tests; at the entry of a
+    Membership's epoch, a live member left out of the next one).
 
     [Note: watching successors] Where this rank watches only its next k ranks, a lost rank
     elsewhere is seen by its own k watchers, which publish it on ``fastreduce/lost`` (a
@@ -120,12 +127,14 @@ def _silent(beat: Heartbeat, before: dict[int, int], silent: list[int], start: f
     found = None
     while silent or sparse:
         now_s = time.monotonic()
+        if found is not None and not sparse:  # another rank named the lost first; one silent here but not
+            silent[:] = [r for r in silent if r in found[0]]  # named by it left the group after (see above)
+            break
         if now_s >= start + wait and (not sparse or silent or found is not None or now_s >= start + 2 * wait) \
                 and not (silent and now_s < start + LOCAL_GRACE * wait and beat.slow_here(silent, records)):
             break
         time.sleep(min(0.25, beat.interval / 2))
         now = beat.call(beat.counts)
         silent[:] = [r for r in silent if now[r] == before[r] and now[r] < RESTING]  # at rest: not lost
-        if sparse:
-            found = beat.call(beat.verdict) or found
+        found = beat.call(beat.verdict) or found
     return found

@@ -19,6 +19,7 @@ from .coordinator import MEMBERS_PREFIX, CoordinatorLink
 from .faults import RankLostError
 from .member import Member
 from .presence import EXIT_CHECK_S, Watch
+from .process_identity import who_of
 
 __all__ = ["Votes"]
 
@@ -124,12 +125,15 @@ class Votes:
                 continue
             try:  # the watched members' (faults_heartbeat.WATCHED_SUCCESSORS): a member lost elsewhere
                 # is seen by its own watchers, whose "abort" wakes this get
+                ranks: list[int] = []
                 if time.monotonic() - read_at >= every:
                     read_at = time.monotonic()
-                    silent = {epoch.members[r] for r in beat.silent(seen, window, records)}
-                silent = silent or {epoch.members[r] for r in beat.exited(sorted(seen), records)}
-                if silent:
+                    ranks = beat.silent(seen, window, records)
+                ranks = ranks or beat.exited(sorted(seen), records)
+                if ranks:
+                    silent = {epoch.members[r] for r in ranks}
                     beat.call(self.link.store.compare_set, done, "", "abort")  # the waiting get returns it too
+                    self._publish(ranks, f"silent for {window:g} s at the vote of a step", records)
             except Exception as err:  # noqa: BLE001 - the store raises several kinds (its own
                 # timeout, or a reset connection where the coordinator died as it was read)
                 raise self.link.unreachable(err) from err
@@ -138,10 +142,29 @@ class Votes:
         value = box[0].decode()
         return value, silent if value == "abort" else set()
 
+    @staticmethod
+    def _publish(ranks: list[int], how: str, records: dict[int, str]) -> None:
+        """Tell the epoch's other ranks through its heartbeat that ``ranks`` are lost, as a
+        diagnosis does (:meth:`~fastreduce.faults_heartbeat.Heartbeat.mark_lost`). A member
+        that finds a loss itself leaves the epoch's group next: a member still waiting in a
+        collective there (a gossip ring's far side, a mode's set-up) reads it at its next
+        heartbeat and names the same members, rather than waiting out the window on the
+        lost one (:data:`~fastreduce.faults.LOCAL_GRACE` of them where its process still
+        looks alive here)."""
+        beat = faults_heartbeat.heartbeat_now()
+        if beat is None or not beat.current():
+            return
+        try:
+            who = who_of(beat.registered(ranks, records))
+        except Exception:  # noqa: BLE001 - the store does not answer: named without their processes
+            who = {}
+        beat.mark_lost(ranks, how, who)  # (its publication is best effort: the others then look themselves)
+
     def lost_in(self, err: RuntimeError) -> set[str] | None:
         """The members a failed collective lost, or ``None`` if it was no loss. A member
         whose process ran on this host and has exited is named at once (a joiner that died
-        as it was healed), without the diagnosis's window."""
+        as it was healed), without the diagnosis's window, and published on the epoch's
+        heartbeat as a diagnosis publishes what it finds (:meth:`_publish`)."""
         epoch = self.me.current()
         if isinstance(err, RankLostError):
             return {epoch.members[r] for r in err.ranks if r < epoch.world}
@@ -149,6 +172,7 @@ class Votes:
             return None
         exited = Watch(self.link.store, self.link.call, [m for m in epoch.members if m != self.me.name]).exited()
         if exited:
+            self._publish(sorted(epoch.members.index(m) for m in exited), "its process exited (seen on its host)", {})
             return exited
         ranks, _, _ = faults.diagnose()
         return {epoch.members[r] for r in ranks}
