@@ -69,7 +69,7 @@ class StepCommits:
         if s >= self.votes.poll_at:
             decision, who = self.votes.vote(s)
             if decision == "abort":  # a member went silent after this step's reduction: the step stands
-                me.counters.losses += 1
+                me.counters.lose(who)
                 self.epochs.next_epoch(who, "loss", start)
             elif decision == "join":
                 self._change(who, start)
@@ -89,7 +89,7 @@ class StepCommits:
         """This step's reduction failed: the next epoch, at the step the survivors reached.
         ``True`` where another survivor completed this step (this member took its state)."""
         before = self.me.step
-        self.me.counters.losses += 1
+        self.me.counters.lose(lost)
         log.warning("fastreduce: step %d failed (lost: %s); forming the next epoch", before,
                     ", ".join(sorted(lost)) or "a silent member")
         self.epochs.next_epoch(lost, "loss", start)
@@ -153,7 +153,7 @@ class StepCommits:
             if lost is None:
                 raise
             self.me.step += 1  # every shard stepped on a survivor: the step stands
-            self.me.counters.losses += 1
+            self.me.counters.lose(lost)
             self.epochs.next_epoch(lost, "loss", start)
             return True
         if not voted:
@@ -187,7 +187,7 @@ class StepCommits:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
-        self.me.counters.losses += 1
+        self.me.counters.lose(lost)
         self.me.counters.resyncs += 1
         log.warning("fastreduce: the sync at step %d failed (lost: %s); every survivor goes back to before it and "
                     "syncs again over the next epoch", self.me.step, ", ".join(sorted(lost)) or "a silent member")

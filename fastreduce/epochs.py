@@ -175,10 +175,15 @@ class EpochChanges:
         return [m for m in old.members if self.call(self.store.check, [alive + m])]
 
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
-        """Whether a heartbeat of ``members`` in epoch ``old`` moved since last counted
-        (``True`` the first time: counted now, to compare a window later)."""
-        return self._moved({m: int(self.call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
-                            for m in members}, counted)
+        """Whether a heartbeat of ``members`` in epoch ``old``, or a pulse of theirs, moved
+        since last counted (``True`` the first time: counted now, to compare a window later).
+        The pulse: a survivor whose entry into ``old`` failed before its heartbeat there
+        started (a starved host) shows it lives by its pulse alone, up since it left the
+        epoch before (:meth:`next_epoch`); read by the heartbeat only, it was left out."""
+        beating = {m: int(self.call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
+                   for m in members}
+        pulsing = {f"pulse {m}": n for m, n in pulses(self.store, self.call, members).items()}
+        return self._moved({**beating, **pulsing}, counted)
 
     @staticmethod
     def _moved(now: dict[str, int], counted: dict[str, int]) -> bool:
@@ -201,7 +206,7 @@ class EpochChanges:
             if lost is None:
                 raise
             self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
-            self.me.counters.losses += 1
+            self.me.counters.lose(lost)
             log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
                         ", ".join(sorted(lost)) or "a silent member")
             self.next_epoch(lost, "loss", time.perf_counter())

@@ -55,6 +55,13 @@ class Counters:
     stalls: list[tuple[str, float]] = field(default_factory=list)
     """Per new epoch: why (``"loss"``, ``"join"``; a joiner's own: ``"joined"``) and the
     seconds the step that ended the old one took (detection, agreement, healing)."""
+    lost: list[list[str]] = field(default_factory=list)
+    """Per loss, the members this one named lost (sorted; empty: a silent one it could not name)."""
+
+    def lose(self, members: set[str]) -> None:
+        """Count a loss of ``members``."""
+        self.losses += 1
+        self.lost.append(sorted(members))
 
 
 class Member:

@@ -142,7 +142,7 @@ class Membership:
     epoch = property(lambda self: self.me.epoch, doc="The epoch this member is in (``None`` before join()).")
     step = property(lambda self: self.me.step, doc="The steps committed.")
     mode = property(lambda self: self.me.mode, doc="The mode built for this epoch.")
-    counters = property(lambda self: self.me.counters, doc="Losses, joins, leaves, discarded steps, stalls.")
+    counters = property(lambda self: self.me.counters, doc="Losses (and whom each named), joins, leaves, discarded steps, stalls.")
     left = property(lambda self: self.me.left, doc="Whether this member left the job (leave()).")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")
     world = property(lambda self: self.me.current().world, doc="The current epoch's number of members.")
