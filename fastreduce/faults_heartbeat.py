@@ -148,15 +148,20 @@ class Heartbeat:
         self.default, self.interval = weakref.ref(default), interval  # (a group_token of its group)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store_windows = LOCAL_GRACE if served_here(default) else 1  # a read's deadline, in loss windows
-        self.store = default  # until the thread has a connection of its own (:meth:`_own_store`)
+        try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
+            store = default.clone()  # its own timeout past the reads' deadline (the deadline decides)
+            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
+        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
+            store = default
+        self.store = store
         self.caller = StoreCaller("fastreduce-store")  # the watchdog's and diagnosis's reads, bounded
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
         self.me = identity()  # what running_here compares a peer's registration with
-        default.set(f"{STORE_PREFIX}host/{self.rank}", self.me)
-        if default.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
-            default.add(self.key, -RESTING)
+        store.set(f"{STORE_PREFIX}host/{self.rank}", self.me)
+        if store.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
+            store.add(self.key, -RESTING)
         self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
@@ -166,27 +171,7 @@ class Heartbeat:
     def key(self) -> str:
         return f"{STORE_PREFIX}heartbeat/{self.rank}"
 
-    def _own_store(self) -> Any:
-        """A connection of its own to the group's store, for the beats and the watchers'
-        reads: never queued behind a long wait of Gloo's on the group's one; its timeout past
-        the reads' deadline (the deadline decides). Made here, on the heartbeat's thread,
-        while the rank goes on: on a starved host a new connection took 5-10 s (the c10d
-        client's connect retries, "The hostname of the client socket cannot be retrieved"),
-        and made as the group was set up it kept a Membership's member from its first
-        collectives that long, unregistered, while the others waited there for it and
-        named it lost. Until then the beats and reads go over the group's connection."""
-        default = self.default()
-        if default is None:
-            return self.store
-        try:
-            store = default.clone()
-            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
-        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
-            return self.store
-        return store
-
     def _run(self) -> None:
-        self.store = self._own_store()
         while not self._stopping.wait(self.interval):
             if not self.current():  # destroyed, or another group's
                 break
@@ -330,11 +315,12 @@ class Heartbeat:
 
     def registered(self, ranks: list[int], records: dict[int, str]) -> dict[int, str]:
         """``ranks``' registrations from the cache ``records``, those not in it read first
-        (``""`` where the store has none yet: read again at the next call)."""
-        missing = [r for r in ranks if not records.get(r)]
+        (``""`` where the store has none)."""
+        missing = [r for r in ranks if r not in records]
         if missing:
+            records.update({r: "" for r in missing})
             records.update(self.call(self.records, missing))
-        return {r: records.get(r, "") for r in ranks}
+        return {r: records[r] for r in ranks}
 
     def exited(self, ranks: list[int], records: dict[int, str]) -> list[int]:
         """Of ``ranks``, those whose process ran on this host and has exited (seen at once, no
@@ -342,18 +328,9 @@ class Heartbeat:
         return [r for r, rec in self.registered(ranks, records).items() if rec and exited_here(rec, self.me)]
 
     def slow_here(self, ranks: list[int], records: dict[int, str]) -> list[int]:
-        """Of ``ranks``, those given :data:`LOCAL_GRACE` windows: running on this host, or not
-        registered yet (``records``: the registrations' cache, :meth:`registered`).
-
-        A rank registers as its heartbeat starts, right after its group is made; the others
-        may already wait on it in a collective by then. On a starved host that start came
-        5 s after another rank's, in the same group (a Membership's members entering an
-        epoch beside two other test jobs on 2 cores: the first one's watched transfer of
-        the state began at once), and a rank that has not beaten once cannot be told from
-        a lost one: named after one window, three live members were left out of the next
-        epoch. One that is dead fails the collective by itself (its sockets close); only a
-        frozen or cut-off rank is found later for it."""
-        return [r for r, rec in self.registered(ranks, records).items() if not rec or running_here(rec, self.me)]
+        """Of ``ranks``, those running on this host (:data:`LOCAL_GRACE`); ``records``: the
+        registrations' cache (:meth:`registered`)."""
+        return [r for r, rec in self.registered(ranks, records).items() if running_here(rec, self.me)]
 
 
 _lock = threading.Lock()
