@@ -44,17 +44,6 @@ def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joine
     return found
 
 
-def _named_no_live_member(final: list[dict]) -> None:
-    """No member named a member that lived to the end lost. A member that found a loss and
-    left the epoch's group first went silent there, and one still waiting in a collective
-    on it (a gossip ring's far side, a mode's set-up) named it too, 10 loss windows later,
-    and at an epoch's entry left it out of the next one: a live member named lost."""
-    live = {f["name"] for f in final}
-    for f in final:
-        named = [m for lost in f["counters"]["lost"] for m in lost if m in live]
-        assert not named, (f["index"], named, f["counters"]["lost"])
-
-
 def _same(members: list[dict]) -> None:
     first = members[0]
     for m in members[1:]:
@@ -358,7 +347,6 @@ def test_gossip_goes_on_over_the_survivors_ring(tmp_path: Path, transport: str, 
         assert committed == list(range(f["joined_at"] + 1, STEPS + 1))
     for f in final[:2]:
         assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1, f["counters"]
-    _named_no_live_member(final)
     for f in final[1:]:
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
@@ -667,7 +655,6 @@ def test_a_joiner_lost_as_it_is_admitted_healed_or_in_its_first_step_is_a_loss_l
     for f in final[:3]:
         c = f["counters"]
         assert c["losses"] == 4 and c["discarded_steps"] <= 4 and c["joins"] >= 1, c
-    _named_no_live_member(final)
     if mode in ("fused", "overlap", "zero"):
         _same(final)
     else:
