@@ -182,7 +182,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
-        facts["joined_s"], facts["joined_at"], facts["name"] = time.perf_counter() - started, m.step, m.member
+        facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
         (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
             f"in {facts['joined_s']:.2f} s")

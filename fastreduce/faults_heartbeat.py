@@ -386,8 +386,10 @@ def _is_current(token: Any) -> bool:
 
 
 def note_lost(lost: dict[int, str], how: str, group: Any) -> None:
-    """Remember ranks found lost another way (the shared-memory transport's pid check) by
-    the transport built for ``group`` (its :func:`group_token`), if that group is still
+    """Remember ranks found lost another way (the shared-memory transport's pid check; a
+    Membership member's own finding, published for the members still waiting: a peer's
+    exited process, a member silent at the vote) by the transport or member that holds
+    ``group`` (its :func:`group_token`), if that group is still
     this process's default one. A Membership's earlier epoch's transport may still wait
     on its segment after the next epoch's heartbeat started; its ranks are that group's,
     and noted here they named a live member of the new group lost (gossip, the chaos kill

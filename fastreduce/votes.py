@@ -133,7 +133,9 @@ class Votes:
                 if ranks:
                     silent = {epoch.members[r] for r in ranks}
                     beat.call(self.link.store.compare_set, done, "", "abort")  # the waiting get returns it too
-                    self._publish(ranks, f"silent for {window:g} s at the vote of a step", records)
+                    # published on the heartbeat, as a diagnosis's finding (see lost_in)
+                    faults.note_lost({r: "" for r in ranks} | who_of({r: records.get(r, "") for r in ranks}),
+                                     f"silent for {window:g} s at the vote of a step", faults.group_token())
             except Exception as err:  # noqa: BLE001 - the store raises several kinds (its own
                 # timeout, or a reset connection where the coordinator died as it was read)
                 raise self.link.unreachable(err) from err
@@ -142,37 +144,24 @@ class Votes:
         value = box[0].decode()
         return value, silent if value == "abort" else set()
 
-    @staticmethod
-    def _publish(ranks: list[int], how: str, records: dict[int, str]) -> None:
-        """Tell the epoch's other ranks through its heartbeat that ``ranks`` are lost, as a
-        diagnosis does (:meth:`~fastreduce.faults_heartbeat.Heartbeat.mark_lost`). A member
-        that finds a loss itself leaves the epoch's group next: a member still waiting in a
-        collective there (a gossip ring's far side, a mode's set-up) reads it at its next
-        heartbeat and names the same members, rather than waiting out the window on the
-        lost one (:data:`~fastreduce.faults.LOCAL_GRACE` of them where its process still
-        looks alive here)."""
-        beat = faults_heartbeat.heartbeat_now()
-        if beat is None or not beat.current():
-            return
-        try:
-            who = who_of(beat.registered(ranks, records))
-        except Exception:  # noqa: BLE001 - the store does not answer: named without their processes
-            who = {}
-        beat.mark_lost(ranks, how, who)  # (its publication is best effort: the others then look themselves)
-
     def lost_in(self, err: RuntimeError) -> set[str] | None:
         """The members a failed collective lost, or ``None`` if it was no loss. A member
         whose process ran on this host and has exited is named at once (a joiner that died
         as it was healed), without the diagnosis's window, and published on the epoch's
-        heartbeat as a diagnosis publishes what it finds (:meth:`_publish`)."""
+        heartbeat as a diagnosis publishes what it finds (:func:`fastreduce.faults.note_lost`):
+        this member leaves the epoch's group next, and a member still waiting on it in a
+        collective there (a gossip ring's far side, a mode's set-up) would otherwise see it
+        silent and name it lost too, :data:`~fastreduce.faults.LOCAL_GRACE` windows later."""
         epoch = self.me.current()
         if isinstance(err, RankLostError):
             return {epoch.members[r] for r in err.ranks if r < epoch.world}
         if not faults_errors.is_transport_failure(err):
             return None
-        exited = Watch(self.link.store, self.link.call, [m for m in epoch.members if m != self.me.name]).exited()
+        watch = Watch(self.link.store, self.link.call, [m for m in epoch.members if m != self.me.name])
+        exited = watch.exited()
         if exited:
-            self._publish(sorted(epoch.members.index(m) for m in exited), "its process exited (seen on its host)", {})
+            faults.note_lost(who_of({epoch.members.index(m): watch.records[m] for m in exited}),
+                             "its process exited (seen on its host)", faults.group_token())
             return exited
         ranks, _, _ = faults.diagnose()
         return {epoch.members[r] for r in ranks}
