@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "BlockQuant", "check_wire", "wire_format"]
+__all__ = ["FORMATS", "BlockQuant", "check_wire", "divisor", "wire_format"]
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -38,6 +38,16 @@ _BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
 _PIECE = 1 << 18
 """Values per piece of a row on CPU (a multiple of the block): see :meth:`BlockQuant._pieces`."""
 _ALIASES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
+
+
+def divisor(n: float, like: torch.Tensor) -> torch.Tensor:
+    """``n`` as a 0-d tensor of ``like``'s dtype and device: ``x / divisor(n, x)`` is ``x / n``
+    correctly rounded on every device. CUDA divides by a Python number as a product with its
+    reciprocal (one bit off at times: an int8 scale ``a / 127`` then differs from the CPU's,
+    and so does every value decoded with it), and the codecs and means here are defined bit
+    for bit, the same on CPU and CUDA ranks. A fill, not a copy from the host: it can be
+    recorded in a CUDA graph."""
+    return torch.full((), n, dtype=like.dtype, device=like.device)
 
 
 def wire_format(wire: object) -> str | None:
@@ -156,13 +166,13 @@ class BlockQuant:
         if self.fmt in _FP8:
             dtype = getattr(torch, _FP8[self.fmt])
             top = torch.finfo(dtype).max
-            scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax / top).exponent)
+            scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax / divisor(top, amax)).exponent)
             scale = torch.where(torch.isfinite(amax), scale, amax)  # inf/NaN blocks: a non-finite scale
             q = (blocks / scale.unsqueeze(-1)).clamp_(-top, top).to(dtype).view(torch.uint8)
             codes.copy_(q.view(rows, m))
         else:
             top = _INT_MAX[self.fmt]
-            scale = amax / top
+            scale = amax / divisor(top, amax)
             scale = torch.where(scale == 0, torch.ones_like(scale), scale)
             q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-top, top).to(torch.int8).view(rows, m)
             if self.fmt == "int8":

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from .quant import divisor
+
 __all__ = ["SparseLoCo", "SparseState"]
 
 
@@ -170,9 +172,12 @@ class SparseState:
         scale = payloads[:, at:at + 4 * self.chunks].contiguous().view(torch.float32).view(w, self.chunks, 1)
         values = self._levels(codes, scale)  # w x chunks x k
         dense = self._dense.zero_()
-        dense.scatter_add_(1, idx.permute(1, 0, 2).reshape(self.chunks, w * k).long(),
-                           values.permute(1, 0, 2).reshape(self.chunks, w * k))
-        out.copy_(dense.view(-1)[:self.numel]).div_(w)
+        idx = idx.long()
+        for r in range(w):  # a rank at a time: two ranks' indices may meet, and CUDA's scatter_add
+            # adds the values meeting in one call in any order (replicas a rounding apart at 3 ranks);
+            # one rank's indices are distinct, so each call adds one value per element
+            dense.scatter_add_(1, idx[r], values[r])
+        out.copy_(dense.view(-1)[:self.numel]).div_(divisor(w, out))
 
     # ------------------------------------------------------------------ checkpoint
 

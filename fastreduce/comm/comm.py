@@ -55,6 +55,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
+from ..codecs.quant import divisor
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduceScatter, all_gather_flat,
@@ -267,11 +268,17 @@ class Comm:
 
     def send_recv(self, sends: Messages, recvs: Messages) -> Any:
         """Launch point-to-point messages: ``sends[j]`` to rank ``j``, ``recvs[j]`` from
-        it (each as long as what ``j`` sends; Gloo moves host memory only), every
-        receive posted before any send (:func:`~.collectives.exchange_ops`). Returns the
-        work to wait on (once)."""
+        it (each as long as what ``j`` sends), every receive posted before any send
+        (:func:`~.collectives.exchange_ops`). Returns the work to wait on (once). Gloo
+        moves host memory only (a device pointer fails in its writev): there a device
+        tensor is sent from a host copy and received into a host buffer, copied to it by
+        the wait (ZeRO's mirror of a shard on the next rank sends CUDA tensors here)."""
+        back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, the device tensor it lands in)
+        if self.pg_backend == "gloo":  # Gloo moves host memory only: device tensors are staged through it
+            sends = {j: _mapped(m, lambda t: t.cpu()) for j, m in sends.items()}
+            recvs = {j: _mapped(m, lambda t: _staged(t, back)) for j, m in recvs.items()}
         ops = exchange_ops(sends, recvs, self.group, self._global, self.rank, self.world)
-        return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
+        return _AllWorks(dist.batch_isend_irecv(ops) if ops else [], back)
 
     def all_gather(self, buf: torch.Tensor) -> Pending:
         """Launch the all-gather of ``buf`` in place: chunk k of every rank's ``buf`` :=
@@ -400,16 +407,30 @@ class Comm:
             else:
                 tmp.copy_(rows[k])
                 acc.add_(tmp)
-        acc.div_(self.world)
+        acc.div_(divisor(self.world, acc))
         if acc is not out:
             out.copy_(acc)
 
 
-class _AllWorks:
-    """Several launched point-to-point operations, waited on as one."""
+def _mapped(message: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A message (a tensor, a tuple of them, ``None``) with ``fn`` applied to each tensor on a device."""
+    if isinstance(message, tuple):
+        return tuple(_mapped(t, fn) for t in message)
+    return message if message is None or message.device.type == "cpu" else fn(message)
 
-    def __init__(self, works: list):
-        self.works = works
+
+def _staged(t: torch.Tensor, back: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype)
+    back.append((host, t))
+    return host
+
+
+class _AllWorks:
+    """Several launched point-to-point operations, waited on as one; ``back``: host buffers
+    received into, copied to their device tensors once every operation is done."""
+
+    def __init__(self, works: list, back: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.works, self.back = works, back or []
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -421,6 +442,9 @@ class _AllWorks:
     def wait_unwatched(self) -> bool:
         for w in self.works:
             w.wait()
+        for host, target in self.back:
+            target.copy_(host)
+        self.back = []
         return True
 
 
