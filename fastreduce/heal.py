@@ -55,6 +55,14 @@ def _strip(state: Any, tensors: dict[torch.dtype, list[torch.Tensor]], sizes: di
     return map_leaves(state, slot)
 
 
+def _block(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One dtype's tensors as one flat block on ``device``. They may live on several devices
+    (AdamW's step counts stay on the CPU beside moments on the GPU): then each is moved first."""
+    if len({t.device for t in parts}) > 1:
+        parts = [t.to(device) for t in parts]
+    return torch.cat(parts).to(device)
+
+
 def _fill(skeleton: Any, blocks: dict[torch.dtype, torch.Tensor]) -> Any:
     def view(s: _Slot) -> torch.Tensor:
         return blocks[s.dtype][s.offset:s.offset + math.prod(s.shape)].view(s.shape)
@@ -88,7 +96,7 @@ def _pack(state: Any, device: torch.device) -> list[torch.Tensor]:
     data = pickle.dumps((skeleton, sizes))
     out = [torch.tensor([len(data)], dtype=torch.int64, device=device),
            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)]
-    return out + [torch.cat(tensors[d]).to(device) for d in sorted(sizes, key=str) if sizes[d]]
+    return out + [_block(tensors[d], device) for d in sorted(sizes, key=str) if sizes[d]]
 
 
 def send_state(state: Any, device: torch.device, dsts: list[int]) -> None:
@@ -129,7 +137,7 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
     blocks = {}
     for dtype in sorted(sizes, key=str):  # the same order on every rank
         if dist.get_rank() == src:
-            block = torch.cat(tensors[dtype]).to(device)
+            block = _block(tensors[dtype], device)
         else:
             block = torch.empty(sizes[dtype], dtype=dtype, device=device)
         if sizes[dtype]:
