@@ -67,7 +67,7 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
 
 
 def digest(model: nn.Module) -> str:
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
 
 
@@ -128,7 +128,7 @@ reaching the point where it is killed and the next one released."""
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False, released: Any = None) -> None:
+           compiled: bool = False, released: Any = None, device: str = "cpu") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -146,13 +146,14 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
     ``torch.compile(model)``, the way users on Gaudi and CUDA train); ``released``: an event
-    :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`)."""
+    :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`); ``device``: where the
+    model and its batches live (``cuda``: every member on the one GPU, its tensors sent over Gloo)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
 
     torch.set_num_threads(1)
-    model = make_model(width)
+    model = make_model(width).to(device)
     net = torch.compile(model) if compiled else model  # compiled once: every epoch's mode hooks the same model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     facts: dict[str, Any] = {"index": index, "steps": [], "digests": {}}
@@ -200,7 +201,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 say(f"dies between steps, at step {m.step}")
                 die()
             g = torch.Generator().manual_seed(1000 * m.step + m.rank)  # this rank's shard of the step's batch
-            x = torch.randn(16, 8, generator=g)
+            x = torch.randn(16, 8, generator=g).to(device)
 
             def forward_backward(net: nn.Module) -> None:
                 nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
@@ -236,12 +237,13 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.mode.sync()  # the end of training: every fragment averaged now, as the last step may sync only one
         if mode == "gossip":
             m.mode.global_avg()  # the end of training: every rank's parameters := their exact mean
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         st = (m.mode if mode == "zero" else opt).state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
         import threading
         facts["store_threads"] = sum(t.name == "fastreduce-store" for t in threading.enumerate())  # one per epoch: a leak
-        facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
+        facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)]).cpu()
                                                     for s in st.values()] or [torch.zeros(0)]),
+                     devices=sorted({str(t.device) for t in [*model.parameters(), *(s["exp_avg"] for s in st.values())]}),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
                      epoch=m.epoch.number, world=m.world)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
@@ -256,7 +258,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
-           release_after: list[int] | None = None, compiled: bool = False, members: int = 3) -> dict[int, dict]:
+           release_after: list[int] | None = None, compiled: bool = False, members: int = 3,
+           device: str = "cpu") -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
@@ -269,7 +272,7 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     ctx = rank_context("keep_training", "torch._dynamo")
     released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
     settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
-                "released": released}
+                "released": released, "device": device}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]
