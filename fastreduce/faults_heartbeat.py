@@ -148,21 +148,20 @@ class Heartbeat:
         self.default, self.interval = weakref.ref(default), interval  # (a group_token of its group)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store_windows = LOCAL_GRACE if served_here(default) else 1  # a read's deadline, in loss windows
-        try:  # a connection of its own: never queued behind a long wait of Gloo's on the store
-            store = default.clone()  # its own timeout past the reads' deadline (the deadline decides)
-            store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
-        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
-            store = default
-        self.store = store
+        self.store = default  # until its own connection is made (:meth:`_connect`)
         self.caller = StoreCaller("fastreduce-store")  # the watchdog's and diagnosis's reads, bounded
         self.lost: dict[int, tuple[str, dict[int, str]]] = {}  # known lost rank -> (how, who)
         # whether the host waits inside a collective (Gloo), where :func:`wait_watched` watches
         self.host_waits = dist.get_backend() == "gloo"
         self.me = identity()  # what running_here compares a peer's registration with
-        store.set(f"{STORE_PREFIX}host/{self.rank}", self.me)
-        if store.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
-            store.add(self.key, -RESTING)
+        default.set(f"{STORE_PREFIX}host/{self.rank}", self.me)
+        if default.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
+            default.add(self.key, -RESTING)
         self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
+        self.connected = threading.Event()
+        """Set once the beats and reads go over a connection of their own (or it could not be made)."""
+        self._connector = threading.Thread(target=self._connect, name="fastreduce-store-connect", daemon=True)
+        self._connector.start()
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
         own(self)
@@ -170,6 +169,30 @@ class Heartbeat:
     @property
     def key(self) -> str:
         return f"{STORE_PREFIX}heartbeat/{self.rank}"
+
+    def _connect(self) -> None:
+        """Make the connection of its own, on a thread of its own, while the rank and its
+        beats go on over the group's: never queued behind a long wait on the group's
+        connection, its timeout past the reads' deadline (the deadline decides).
+
+        A new c10d connection can take 10 s: torch's client looks up the name of the
+        address it connects to (``getnameinfo``, a reverse DNS query for 127.0.0.1 too,
+        which it reaches as an IPv4-mapped IPv6 address that /etc/hosts does not list), and
+        a resolver that drops the query is waited 5 s, twice ("The hostname of the client
+        socket cannot be retrieved. err=-3"). Made in the group's set-up, as it was, that
+        kept a Membership member out of its first collectives unregistered while the others
+        waited on it there, and they named it lost; now the rank registers and beats at
+        once."""
+        default = self.default()
+        try:
+            store = default.clone() if default is not None else None
+            if store is not None:
+                store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
+        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
+            store = None
+        if store is not None and not self._stopping.is_set() and self.store is default:
+            self.store = store  # (one assignment: a reader takes the one or the other)
+        self.connected.set()
 
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
@@ -191,6 +214,7 @@ class Heartbeat:
         self._stopping.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
+            self._connector.join(0 if timeout is None else timeout)  # (a stopped one keeps no connection it makes)
         with _lock:
             if _beat is self:
                 _beat = None

@@ -53,7 +53,8 @@ def _who_key(member: str) -> str:
 
 class Pulse:
     """This member's sign of life at the coordinator (see the module doc): beating between
-    :meth:`up` and :meth:`down`, on a thread and a connection that live only that long.
+    :meth:`up` and :meth:`down` on a thread that lives only that long, over a connection
+    of its own (made once, on a thread of its own: until it is, over the member's).
     ``call``: the member's requests to the coordinator, each within a deadline."""
 
     def __init__(self, store: Any, member: str, call: Callable[..., Any]):
@@ -63,6 +64,8 @@ class Pulse:
         self._stopping: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._said = False  # who/<member> written
+        self._own: Any = None  # the connection of its own, once made
+        self._connector: threading.Thread | None = None
 
     def up(self) -> None:
         """Beat from now on (idempotent): the first beat and the record are written before
@@ -74,6 +77,9 @@ class Pulse:
                 self.call(self.store.set, _who_key(self.member), process_identity.identity())
                 self._said = True
             self.call(self.store.add, _pulse_key(self.member), 1)
+            if self._connector is None:
+                self._connector = threading.Thread(target=self._connect, name="fastreduce-pulse-connect", daemon=True)
+                self._connector.start()
             self._stopping = threading.Event()
             self._thread = threading.Thread(target=self._run, args=(self._stopping,), name=self.name, daemon=True)
             self._thread.start()
@@ -95,17 +101,25 @@ class Pulse:
             thread.join(timeout)
         return not thread.is_alive()
 
-    def _run(self, stopping: threading.Event) -> None:
-        try:  # a connection of its own: the member's requests (a long wait for admission) never delay a beat
+    def _connect(self) -> None:
+        """The connection of its own: the member's requests (a long wait for admission) never
+        delay a beat. Made apart from the beats, which go over the member's connection until
+        then: a new c10d connection can take 10 s (torch's reverse DNS lookup of the address,
+        :meth:`~fastreduce.faults_heartbeat.Heartbeat._connect`), and a member whose pulse
+        stood still that long as an epoch formed was left out of it."""
+        try:
             store = self.store.clone()
             store.set_timeout(timedelta(seconds=max(5.0, 2 * faults.lost_after())))
-        except Exception:  # noqa: BLE001 - an older torch: the member's own connection, from this thread alone
-            store = None
+        except Exception:  # noqa: BLE001 - an older torch: the member's own connection
+            return
+        self._own = store
+
+    def _run(self, stopping: threading.Event) -> None:
         interval = faults.heartbeat_interval() or 0.25
         key = _pulse_key(self.member)
         while not stopping.wait(interval):
             try:
-                (store or self.store).add(key, 1)
+                (self._own or self.store).add(key, 1)
             except Exception:  # noqa: BLE001 - the coordinator is gone: the member's own requests say so
                 break
         disown(self)

@@ -52,6 +52,7 @@ def _both(rank: int, world: int) -> dict:
     faults.start_heartbeat()
     dist.barrier()  # every rank's counter made (a read before a peer's start finds its key missing, and makes it)
     real = faults_heartbeat.heartbeat_now()
+    assert real.connected.wait(30)  # its own connection made (until then it beats over the group's)
     log = _ByThread()
     real.store = bench.Counted(real.store, log)
     got = {"real": _requests(real, log), "real_beats": len(real.store.beats)}

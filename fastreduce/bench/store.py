@@ -177,6 +177,8 @@ def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
     beat.interval, beat.rank, beat.world = interval, rank, world
     beat.current = lambda: True
     beat.name, beat._stopping = "bench-heartbeat", threading.Event()  # as __init__ sets them
+    beat.connected = threading.Event()
+    beat.connected.set()  # ``store`` is its own connection already
     beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
     beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (process_identity.running_here)
     beat.store_windows = 1  # a read's deadline as on a host other than the store's (process_identity.served_here)
