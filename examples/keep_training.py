@@ -119,7 +119,8 @@ def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
 HOLD_STEPS = 20
 """In its last steps a member slows to half a second a step (each still committed, so that a
 replacement is admitted at its boundary) until :func:`launch` has released every replacement
-(``released``), then waits a second for the last one's ticket to reach the coordinator: on a
+and each has connected to the coordinator (``released``), then waits a second for the last
+one's ticket to reach the coordinator: on a
 loaded machine the members could otherwise finish the run before the last replacement asks to
 join (it would wait its ``wait_s`` for an admission that no step boundary gives). A member that
 stopped stepping instead would keep an earlier replacement from being admitted, and so from
@@ -169,6 +170,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             go.wait(120)
         started = time.perf_counter()
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
+        (Path(out) / f"member{index}.connected").touch()  # (launch waits for a replacement's: see HOLD_STEPS)
         if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
             die_joining(m, kill[0])
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1] (0: the first), before its group exists
@@ -286,6 +288,11 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
             if i >= 0:  # (-1: an extra process, told to join at once)
                 {**procs, **late}[i].join(120)
             gos[k].set()
+            connected = out / f"member{members + k}.connected"  # its first connection to the coordinator made:
+            for _ in range(600):  # that can take 10 s (torch's reverse DNS lookup of the address), and the
+                if connected.exists() or not late[members + k].is_alive():  # members would finish meanwhile
+                    break
+                time.sleep(0.1)
         released.set()
         for p in everyone:
             p.join(180)
