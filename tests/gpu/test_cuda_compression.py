@@ -105,17 +105,22 @@ def _reducer_run(rank: int, device: str, settings: dict[str, Any]) -> dict[str, 
             "device": str(next(model.parameters()).device)}
 
 
-def _zero_run(rank: int, device: str, settings: dict[str, Any]) -> dict[str, Any]:
-    model = _model(device)
-    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=LR, bucket_mb=0.05,
-                                   transport="process_group", **settings)
+def _stepped(model: nn.Module, rank: int, opt: Any) -> torch.Tensor:
+    """The parameters after each of ``STEPS`` steps of ``opt`` on this rank's gradients."""
     got = []
     for step in range(STEPS):
         _backward(model, rank, step)
         opt.step()
         opt.zero_grad()
         got.append(_flat(model.parameters()))
-    return {"steps": torch.stack(got), "device": str(next(model.parameters()).device)}
+    return torch.stack(got)
+
+
+def _zero_run(rank: int, device: str, settings: dict[str, Any]) -> dict[str, Any]:
+    model = _model(device)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=LR, bucket_mb=0.05,
+                                   transport="process_group", **settings)
+    return {"steps": _stepped(model, rank, opt), "device": str(next(model.parameters()).device)}
 
 
 def _local_run(rank: int, device: str, kind: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -126,13 +131,7 @@ def _local_run(rank: int, device: str, kind: str, settings: dict[str, Any]) -> d
         mode: Any = fastreduce.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), 2, **cfg)
     else:
         mode = fastreduce.LocalSGD(model, inner, 2, **cfg)
-    got = []
-    for step in range(STEPS):
-        _backward(model, rank, step)
-        inner.step()
-        inner.zero_grad()
-        got.append(_flat(model.parameters()))
-    return {"steps": torch.stack(got), "syncs": mode.syncs, "device": str(next(model.parameters()).device)}
+    return {"steps": _stepped(model, rank, inner), "syncs": mode.syncs, "device": str(next(model.parameters()).device)}
 
 
 def _gossip_run(rank: int, device: str, settings: dict[str, Any]) -> dict[str, Any]:
