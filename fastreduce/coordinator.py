@@ -6,7 +6,6 @@ answered within a bound or :class:`MembershipError` (the job's one documented si
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -103,10 +102,8 @@ class CoordinatorLink:
         self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
         self._waiter: Any = None
         self._here: bool | None = None  # whether the coordinator is served on this host
-        # the vote's connection made now, apart, before any vote: a new connection can take 10 s (a reverse
-        # DNS lookup in torch's client, faults_heartbeat.Heartbeat._connect), too long inside a vote
-        self._connector = threading.Thread(target=self._prepare, name="fastreduce-vote-connect", daemon=True)
-        self._connector.start()
+        # the vote's connection made now, apart: one made inside a vote can take 10 s (reach.SecondConnection)
+        self._second = reach.SecondConnection(self.store, timeout_s, "fastreduce-vote-connect")
 
     def deadline(self) -> float:
         """How long a request may take: twice the loss window, at least 5 s, and
@@ -144,22 +141,11 @@ class CoordinatorLink:
     def vote_connection(self) -> Any:
         """A connection of its own for the vote's waiting get (the other requests go on
         the first while it waits), with the epoch's timeout."""
-        self._connector.join()  # (made at construction, on a thread of its own)
-        return self._make_waiter()
-
-    def _prepare(self) -> None:
-        try:
-            self._make_waiter()
-        except Exception:  # noqa: BLE001 - made again at the first vote, which raises what it finds
-            pass
-
-    def _make_waiter(self) -> Any:
         if self._waiter is None:
-            try:
-                self._waiter = self.store.clone()
-            except Exception:  # noqa: BLE001 - a store that cannot clone (an older torch): a second client
+            self._waiter = self._second.wait()  # (made at construction, on a thread of its own)
+            if self._waiter is None:  # a store that cannot clone (an older torch): a second client
                 self._waiter = connect(self.where, self.timeout_s) if ":" in self.where else self.store
-            self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
+                self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
         return self._waiter
 
     def await_key(self, key: str, timeout_s: float, what: str) -> str:

@@ -10,7 +10,6 @@ import os
 import threading
 import time
 import weakref
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from .faults_errors import TransportError
 from .lifecycle import RESTING, Worker, disown, own
 from .process_identity import exited_here, identity, running_here, served_here
+from .reach import SecondConnection
 from .torch_internals import default_store
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "StoreCaller", "group_token",
@@ -158,10 +158,13 @@ class Heartbeat:
         if default.add(self.key, 1) >= RESTING:  # it rested (lifecycle.shutdown): awake again
             default.add(self.key, -RESTING)
         self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
-        self.connected = threading.Event()
+        # a connection of its own for the beats and reads: never queued behind a long wait on
+        # the group's; its timeout past the reads' deadline (the deadline decides). Made apart
+        # (reach.SecondConnection: it can take 10 s), the rank registered and beating meanwhile.
+        self._own = SecondConnection(default, max(5.0, 2 * lost_after()) * self.store_windows,
+                                     "fastreduce-store-connect", then=self._take)
+        self.connected = self._own.done
         """Set once the beats and reads go over a connection of their own (or it could not be made)."""
-        self._connector = threading.Thread(target=self._connect, name="fastreduce-store-connect", daemon=True)
-        self._connector.start()
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
         own(self)
@@ -170,29 +173,10 @@ class Heartbeat:
     def key(self) -> str:
         return f"{STORE_PREFIX}heartbeat/{self.rank}"
 
-    def _connect(self) -> None:
-        """Make the connection of its own, on a thread of its own, while the rank and its
-        beats go on over the group's: never queued behind a long wait on the group's
-        connection, its timeout past the reads' deadline (the deadline decides).
-
-        A new c10d connection can take 10 s: torch's client looks up the name of the
-        address it connects to (``getnameinfo``, a reverse DNS query for 127.0.0.1 too,
-        which it reaches as an IPv4-mapped IPv6 address that /etc/hosts does not list), and
-        a resolver that drops the query is waited 5 s, twice ("The hostname of the client
-        socket cannot be retrieved. err=-3"). Made in the group's set-up, as it was, that
-        kept a Membership member out of its first collectives unregistered while the others
-        waited on it there, and they named it lost; now the rank registers and beats at
-        once."""
-        default = self.default()
-        try:
-            store = default.clone() if default is not None else None
-            if store is not None:
-                store.set_timeout(timedelta(seconds=max(5.0, 2 * lost_after()) * self.store_windows))
-        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
-            store = None
-        if store is not None and not self._stopping.is_set() and self.store is default:
-            self.store = store  # (one assignment: a reader takes the one or the other)
-        self.connected.set()
+    def _take(self, own: Any) -> None:
+        """Beat and read over ``own`` from now on (its own connection, made), unless stopped."""
+        if own is not None and not self._stopping.is_set() and self.store is self.default():
+            self.store = own  # (one assignment: a reader takes the one or the other)
 
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
@@ -214,7 +198,7 @@ class Heartbeat:
         self._stopping.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
-            self._connector.join(0 if timeout is None else timeout)  # (a stopped one keeps no connection it makes)
+            self._own.wait(0 if timeout is None else timeout)  # (a stopped one takes no connection it makes)
         with _lock:
             if _beat is self:
                 _beat = None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import fastreduce.faults as faults
@@ -35,6 +34,7 @@ import fastreduce.process_identity as process_identity
 from .coordinator import MEMBERS_PREFIX
 from .faults import exited_here
 from .lifecycle import disown, own
+from .reach import SecondConnection
 
 __all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "exited_here", "pulses"]
 
@@ -64,8 +64,7 @@ class Pulse:
         self._stopping: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._said = False  # who/<member> written
-        self._own: Any = None  # the connection of its own, once made
-        self._connector: threading.Thread | None = None
+        self._own: SecondConnection | None = None  # the connection of its own (made once, at the first up)
 
     def up(self) -> None:
         """Beat from now on (idempotent): the first beat and the record are written before
@@ -77,9 +76,8 @@ class Pulse:
                 self.call(self.store.set, _who_key(self.member), process_identity.identity())
                 self._said = True
             self.call(self.store.add, _pulse_key(self.member), 1)
-            if self._connector is None:
-                self._connector = threading.Thread(target=self._connect, name="fastreduce-pulse-connect", daemon=True)
-                self._connector.start()
+            if self._own is None:  # the member's requests (a long wait for admission) never delay a beat
+                self._own = SecondConnection(self.store, max(5.0, 2 * faults.lost_after()), "fastreduce-pulse-connect")
             self._stopping = threading.Event()
             self._thread = threading.Thread(target=self._run, args=(self._stopping,), name=self.name, daemon=True)
             self._thread.start()
@@ -101,25 +99,13 @@ class Pulse:
             thread.join(timeout)
         return not thread.is_alive()
 
-    def _connect(self) -> None:
-        """The connection of its own: the member's requests (a long wait for admission) never
-        delay a beat. Made apart from the beats, which go over the member's connection until
-        then: a new c10d connection can take 10 s (torch's reverse DNS lookup of the address,
-        :meth:`~fastreduce.faults_heartbeat.Heartbeat._connect`), and a member whose pulse
-        stood still that long as an epoch formed was left out of it."""
-        try:
-            store = self.store.clone()
-            store.set_timeout(timedelta(seconds=max(5.0, 2 * faults.lost_after())))
-        except Exception:  # noqa: BLE001 - an older torch: the member's own connection
-            return
-        self._own = store
-
     def _run(self, stopping: threading.Event) -> None:
         interval = faults.heartbeat_interval() or 0.25
         key = _pulse_key(self.member)
+        own = self._own
         while not stopping.wait(interval):
             try:
-                (self._own or self.store).add(key, 1)
+                ((own.conn if own is not None else None) or self.store).add(key, 1)
             except Exception:  # noqa: BLE001 - the coordinator is gone: the member's own requests say so
                 break
         disown(self)

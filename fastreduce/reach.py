@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from datetime import timedelta
+from typing import Any, Callable
 
-__all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "connect_timeout", "wait_for_listener"]
+__all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "SecondConnection", "connect_timeout",
+           "wait_for_listener"]
 
 CONNECT_TIMEOUT_ENV = "FASTREDUCE_CONNECT_TIMEOUT_S"
 """Seconds to keep trying to reach a store's server (the coordinator, ``MASTER_ADDR``)."""
@@ -74,3 +78,41 @@ def wait_for_listener(host: str, port: int, seconds: float) -> str | None:
             return why
         time.sleep(min(pause, left))
         pause = min(2 * pause, _LONGEST_PAUSE_S)
+
+
+class SecondConnection:
+    """A connection of its own to a c10d ``store`` (``store.clone()``, each request bounded
+    by ``timeout_s``), made on a thread of its own while its user goes on over ``store``.
+
+    A new c10d connection can take 10 s: torch's client (and server) looks up the name of
+    each address it connects to (``getnameinfo``, for its log lines), a reverse DNS query
+    even for 127.0.0.1, which it reaches as an IPv4-mapped IPv6 address that /etc/hosts does
+    not list; a resolver that drops the query is waited 5 s, twice ("The hostname of the
+    client socket cannot be retrieved. err=-3"). Made where others wait on the process (a
+    heartbeat as its group is set up, a pulse as an epoch forms, a vote), that stall named a
+    live member lost. ``conn``: the connection, ``None`` until it is made or where it cannot
+    be (a store that cannot clone); ``done``: set once it is made or not, after ``then(conn)``."""
+
+    def __init__(self, store: Any, timeout_s: float, name: str, then: Callable[[Any], None] | None = None):
+        self.conn: Any = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._make, args=(store, timeout_s, then), name=name, daemon=True)
+        self._thread.start()
+
+    def _make(self, store: Any, timeout_s: float, then: Callable[[Any], None] | None) -> None:
+        try:
+            conn = store.clone()
+            conn.set_timeout(timedelta(seconds=timeout_s))
+            self.conn = conn
+        except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
+            pass
+        try:
+            if then is not None:
+                then(self.conn)
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The connection once it is made (``None``: it could not be, or not within ``timeout``)."""
+        self.done.wait(timeout)
+        return self.conn
