@@ -59,8 +59,9 @@ def _final(trainer: str, tmp_path: Path, mode: str) -> list[dict]:
     ("hf", "fused"), ("lightning", "fused"),
     pytest.param("hf", "overlap", marks=SLOW), pytest.param("hf", "localsgd", marks=SLOW),
     pytest.param("lightning", "diloco", marks=SLOW), pytest.param("hf", "zero", marks=SLOW), ("hf", "gossip"),
-    pytest.param("lightning", "gossip", marks=SLOW)])
-# (each mode in one trainer, for CI's time; the other trainer of each passed at stop 53, ZeRO's at stop 54)
+    pytest.param("lightning", "gossip", marks=SLOW), pytest.param("lightning", "overlap", marks=SLOW),
+    pytest.param("lightning", "zero", marks=SLOW), pytest.param("lightning", "localsgd", marks=SLOW),
+    pytest.param("hf", "diloco", marks=SLOW)])
 @pytest.mark.cell(None, "train", membership=True, against="equal")
 def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: str, mode: str) -> None:
     final = _final(trainer, tmp_path, mode)
