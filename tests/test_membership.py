@@ -37,8 +37,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
-        joiner_width: int = 16, mode: str = "fused", compiled: bool = False) -> dict[int, dict]:
-    found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode, compiled=compiled)
+        joiner_width: int = 16, mode: str = "fused", **settings: Any) -> dict[int, dict]:
+    found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode, **settings)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     return found
@@ -239,6 +239,34 @@ def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Pa
     want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]  # (every rank's the same at the end)
     for f in final:
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["fused", "overlap"])
+@pytest.mark.cell("loop", "resume", "reshard", membership=True)
+def test_a_job_resumed_from_a_members_file_goes_on_as_if_it_had_never_stopped(tmp_path: Path, mode: str) -> None:
+    """The replicated modes' recipe (docs/faults.md, "A job resumed"): one member saves the
+    model and AdamW once step 20 is committed (its state is every member's); a new job (a new
+    coordinator, new processes) loads the file and joins at ``start_step=20``. On 3 members it
+    ends where the uninterrupted job ends, bit for bit; on 2 (another world size), where
+    ``torch.optim.AdamW`` on the mean gradient of 3 ranks for 20 steps, then of 2, ends (1e-6)."""
+    for out in ("first", "again", "fewer"):
+        (tmp_path / out).mkdir()
+    first = run(tmp_path / "first", "process_group", {}, joiners=0, mode=mode, save_at=20)
+    assert sorted(first) == [0, 1, 2], sorted(first)
+    saved = str(tmp_path / "first" / "job-20.pt")
+    for members, out in ((3, "again"), (2, "fewer")):
+        found = run(tmp_path / out, "process_group", {}, joiners=0, mode=mode, resume=saved, members=members)
+        final = [found[i] for i in sorted(found)]
+        assert len(final) == members, sorted(found)
+        for f in final:
+            assert f["joined_at"] == 20 and f["steps"][0][0] == 21 and f["steps"][-1][:2] == (STEPS, True), f["steps"][:2]
+            assert f["world"] == members and f["counters"]["losses"] == 0
+        _same(final)
+        if members == 3:
+            assert torch.equal(final[0]["params"], first[0]["params"]) and torch.equal(final[0]["adam"], first[0]["adam"])
+        else:
+            want = adamw_on_the_mean([3] * 20 + [2] * (STEPS - 20))
+            assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
 @pytest.mark.parametrize("kills, transport", [({2: ("between", 11)}, "process_group")])  # (mid-step, shm: stop 67)
