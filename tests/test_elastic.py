@@ -387,21 +387,21 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def saved_at_2(rank: int, root: str) -> dict[str, Any]:
-    """Checkpoints for the 3-rank group: ZeRO with its full state, gossip, fused."""
+    """Checkpoints for the 3-rank group: ZeRO with its full state, gossip, fused, overlapped."""
     out = {}
-    for kind in ("zero", "gossip", "fused"):
+    for kind in ("zero", "gossip", "fused", "overlap"):
         job = fresh(kind, rank, 0)
         train(job, SAVE_AT)
         job.checkpointer(f"{root}/w2-{kind}").save(SAVE_AT)
         job.settle()
         out[kind] = {"params": params(job.model),
-                     "opt": job.opt.state_dict() if kind in ("zero", "fused") else None}
+                     "opt": job.opt.state_dict() if kind != "gossip" else None}
     return out
 
 
 def three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {}
-    for kind in ("zero", "fused", "gossip"):
+    for kind in ("zero", "fused", "overlap", "gossip"):
         def load(kind: str = kind) -> dict[str, Any]:
             job = fresh(kind, rank, 100)
             step = job.checkpointer(f"{root}/w2-{kind}").load_latest()
@@ -555,13 +555,15 @@ def test_zero_loads_onto_another_world_size(root: str) -> None:
         assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
 
 
-@pytest.mark.cell("loop", "reshard", modes=("fused",))
+@pytest.mark.cell("loop", "reshard", modes=("fused", "overlap"))
 def test_fused_loads_onto_another_world_size(root: str) -> None:
-    saved = at_two(root, "saved-at-2")[0]["fused"]
-    for r in spawn("three", three_ranks, 3, root):
-        got = unwrap(r["fused"])
-        assert_close(got["params"], saved["params"], rtol=0, atol=0)
-        assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
+    for kind in ("fused", "overlap"):
+        saved = at_two(root, "saved-at-2")[0][kind]
+        for r in spawn("three", three_ranks, 3, root):
+            got = unwrap(r[kind])
+            assert got["step"] == SAVE_AT
+            assert_close(got["params"], saved["params"], rtol=0, atol=0)
+            assert_close(got["opt"]["state"], saved["opt"]["state"], rtol=0, atol=0)
 
 
 def test_per_rank_mode_refuses_another_world_size(root: str) -> None:
