@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 STEPS = 40
+SAVE_EVERY = 16  # committed steps between the job's checkpoints (where member() is given a directory)
 HEARTBEAT = "0.25"  # s: a silent member is lost after 3 heartbeats
 
 
@@ -129,8 +130,7 @@ reaching the point where it is killed and the next one released."""
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False, released: Any = None, device: str = "cpu", save_at: int = 0,
-           resume: str = "") -> None:
+           compiled: bool = False, released: Any = None, device: str = "cpu", checkpoints: str = "") -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -150,9 +150,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``torch.compile(model)``, the way users on Gaudi and CUDA train); ``released``: an event
     :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`); ``device``: where the
     model and its batches live (``cuda``: every member on the one GPU, its tensors sent over Gloo);
-    ``save_at``: the fused and overlapped modes, whose state is every member's: rank 0 saves the model
-    and AdamW once step ``save_at`` is committed, to ``out/job-<step>.pt`` (docs/faults.md, "A job
-    resumed"); ``resume``: such a file, loaded before joining at its step (every first member)."""
+    ``checkpoints``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
+    (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -173,7 +172,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if go is not None:
             go.wait(120)
         started = time.perf_counter()
-        m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode, wait_s=60)
+        saves = fastreduce.JobCheckpoints(checkpoints, every=SAVE_EVERY) if checkpoints else None
+        m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode,
+                       wait_s=60, checkpoints=saves)
         (Path(out) / f"member{index}.connected").touch()  # (launch waits for a replacement's: see HOLD_STEPS)
         if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
             die_joining(m, kill[0])
@@ -181,14 +182,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("set_up", lambda e: die() if e.number == kill[1] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
-        start = 0
-        if resume:  # the job's state at a committed step, the same for every first member
-            saved = torch.load(resume, map_location=device)
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["optimizer"])
-            start = saved["step"]
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
-               lambda: flapping(build(mode, model, opt), m, kill), start_step=start)
+               lambda: flapping(build(mode, model, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
@@ -239,10 +234,6 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             facts["steps"].append((m.step, ok, m.epoch.number, m.world))
             if ok:  # what this member committed at each step: no two members may differ on one
                 facts["digests"][m.step] = digest(model)
-            if ok and m.step == save_at and m.rank == 0:  # (written apart, then renamed: whole or absent)
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": m.step},
-                           Path(out) / "job.tmp")
-                os.replace(Path(out) / "job.tmp", Path(out) / f"job-{m.step}.pt")
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
         if m.left:
             facts.update(left_at=m.step, counters=vars(m.counters), epoch=m.epoch.number)
@@ -275,15 +266,12 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
            release_after: list[int] | None = None, compiled: bool = False, members: int = 3,
-           device: str = "cpu", save_at: int = 0, resume: str = "") -> dict[int, dict]:
+           device: str = "cpu", checkpoints: str = "") -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
-    -1: at once, an extra member); ``save_at``, ``resume``: see :func:`member`; returns what each
-    member saved."""
-    if save_at and mode not in ("fused", "overlap"):
-        raise ValueError(f"save_at: one member's file holds the whole state in the fused and overlapped modes only, "
-                         f"not in {mode}")
+    -1: at once, an extra member); ``checkpoints``: see :func:`member`; returns what each member
+    saved."""
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -292,7 +280,7 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     ctx = rank_context("keep_training", "torch._dynamo")
     released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
     settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
-                "released": released, "device": device, "save_at": save_at, "resume": resume}
+                "released": released, "device": device, "checkpoints": checkpoints}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]

@@ -23,7 +23,8 @@ from .version import __version__
 _WHERE = {  # each public name -> the module that defines it, imported on first use
     "CheckpointDamagedError": ".checkpoint", "CheckpointMismatchError": ".checkpoint",
     "DecentralizedDataParallel": ".modes.gossip", "DiLoCo": ".modes.diloco", "DistInfo": ".engine",
-    "FusedReducer": ".modes.fused", "GraphContractError": ".backends", "LayoutMismatchError": ".layout",
+    "FusedReducer": ".modes.fused", "GraphContractError": ".backends", "JobCheckpoints": ".job_checkpoints",
+    "LayoutMismatchError": ".layout",
     "LocalSGD": ".modes.localsgd", "Membership": ".membership", "MembershipError": ".membership",
     "NonFiniteGradError": ".grads", "PowerSGD": ".codecs", "RankLostError": ".faults",
     "ReducerConfig": ".modes.fused", "ReducerStats": ".modes.fused", "SparseLoCo": ".codecs",
@@ -62,6 +63,7 @@ __all__ = [
     "DistInfo",
     "FusedReducer",
     "GraphContractError",
+    "JobCheckpoints",
     "LayoutMismatchError",
     "LocalSGD",
     "Membership",

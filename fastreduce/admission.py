@@ -125,7 +125,7 @@ class Admission:
         for t, bad in refusals.items():
             if t > epoch.tickets:
                 continue
-            joined = bad is None and self._ticket(t)["member"] in epoch.receivers
+            joined = bad is None and self._ticket(t)["member"] in epoch.members  # (a resumed epoch 0 has no receivers)
             if joined or bad is not None:
                 self.link.call(self.link.store.set, _admit(t), str(epoch.number) if joined else f"refused: {bad}")
         return epoch

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .epochs import EpochChanges
+from .epochs import EpochChanges, kept_state
 from .member import Member
 from .modes.contract import commit_style
 from .nested import clone_state
@@ -66,6 +66,7 @@ class StepCommits:
         me.step += 1
         if kind != "gossip":
             step()
+        self._save()
         if s >= self.votes.poll_at:
             decision, who = self.votes.vote(s)
             if decision == "abort":  # a member went silent after this step's reduction: the step stands
@@ -104,6 +105,7 @@ class StepCommits:
         if not mode.communicates_at(mode.steps + 1):
             step()
             self.me.step += 1
+            self._save()
             return True
         kept = self._keep()
         while True:
@@ -121,6 +123,7 @@ class StepCommits:
                 break
             self._again(kept, who, start)
         self.me.step += 1
+        self._save()
         if decision == "join":
             self._change(who, start)
         return True
@@ -160,10 +163,27 @@ class StepCommits:
             raise RuntimeError("commit(step) with a ZeroOptimizer: step must call its step() (membership.commit("
                                "membership.mode.step)); nothing was committed")
         self.me.step += 1
+        self._save()
         if voted[0][0] == "join":
             self._change(voted[0][1], start)
         self.votes.timed()
         return True
+
+    def _save(self) -> None:
+        """Right after a committed step, before any epoch change at it: this member's part of
+        the job's checkpoint, where one is due (:mod:`fastreduce.job_checkpoints`). A part that
+        cannot be written (the disk; a collective the mode's ``state_dict`` waits on failed on
+        a lost member) is left out with a warning: that step's checkpoint stays incomplete and
+        is never loaded, and training goes on."""
+        saves = self.me.checkpoints
+        if saves is None or not saves.due(self.me.step):
+            return
+        try:
+            saves.write(self.me, kept_state(self.me.mode, after_loss=False), self.epochs.admission.fingerprint())
+        except (OSError, RuntimeError) as err:
+            log.warning("fastreduce: member %s could not write its part of the checkpoint of step %d (%s: %s); "
+                        "training goes on, that checkpoint is incomplete", self.me.name, self.me.step,
+                        type(err).__name__, err)
 
     def _keep(self) -> dict[str, Any]:
         """What a sync changes, to put back if it fails: the mode's state (parameters,

@@ -35,7 +35,7 @@ from .nested import clone_state
 from .presence import Pulse, Watch, pulses
 from .votes import Votes, done_key
 
-__all__ = ["EpochChanges"]
+__all__ = ["EpochChanges", "kept_state"]
 
 log = logging.getLogger("fastreduce.membership")
 
@@ -50,6 +50,18 @@ could not finish one formation in 8 s (``fastreduce bench store --scenarios form
 def _poll_s(members: int) -> float:
     """Seconds between two polls of one member of an epoch of ``members``."""
     return max(0.005, members / POLLS_PER_S)
+
+
+def kept_state(mode: Any, after_loss: bool) -> tuple[Any, str]:
+    """What an epoch change keeps of ``mode``'s state, a copy, and its commit style (what a
+    job checkpoint's part holds too: :mod:`fastreduce.job_checkpoints`): ZeRO's shard and its
+    copy of the previous rank's (no collective); the others' ``state_dict`` (after a loss,
+    the per-rank modes' ``local_state_dict``: nothing in flight waited for)."""
+    kind = commit_style(mode)
+    if kind == "zero":
+        return zero_mirror.held(mode), kind
+    save = mode.local_state_dict if after_loss and kind in ("gossip", "local") else mode.state_dict
+    return clone_state(save()), kind
 
 
 class EpochChanges:
@@ -420,13 +432,7 @@ class EpochChanges:
         exchanges in flight are dropped), else as it saves it (they are completed)."""
         if self.me.mode is None:
             return
-        kind = commit_style(self.me.mode)
-        if kind == "zero":  # its shard and its copy of the previous rank's (no collective)
-            self.me.kept_mode = (zero_mirror.held(self.me.mode), kind)
-        else:
-            save = self.me.mode.local_state_dict if after_loss and kind in ("gossip", "local") else \
-                self.me.mode.state_dict
-            self.me.kept_mode = (clone_state(save()), kind)
+        self.me.kept_mode = kept_state(self.me.mode, after_loss)
         self.close_mode(drain=not after_loss)
 
     def depart(self) -> None:

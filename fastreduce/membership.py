@@ -72,12 +72,14 @@ from .admission import Admission
 from .commits import StepCommits
 from .coordinator import COORDINATOR_ENV, CoordinatorLink, Epoch, MembershipError, connect, serve
 from .epochs import EpochChanges
+from .job_checkpoints import JobCheckpoints
 from .lifecycle import shutdown
 from .member import Member, MembershipSettings
 from .presence import Pulse
 from .votes import Votes
 
-__all__ = ["COORDINATOR_ENV", "Epoch", "Membership", "MembershipError", "MembershipSettings", "connect", "serve"]
+__all__ = ["COORDINATOR_ENV", "Epoch", "JobCheckpoints", "Membership", "MembershipError", "MembershipSettings", "connect",
+           "serve"]
 
 
 class Membership:
@@ -105,6 +107,8 @@ class Membership:
             coordinator every so many steps; the per-step modes' only request to it).
             A joiner waits up to this long for admission, plus a step.
         member: this member's name at the coordinator (default: host, pid and a random tag).
+        checkpoints: a :class:`~.job_checkpoints.JobCheckpoints`: the job saved as it trains,
+            no collective, and a new job started from the newest complete save.
 
     The settings are kept as one :class:`~.member.MembershipSettings` (:attr:`settings`).
 
@@ -121,7 +125,7 @@ class Membership:
 
     def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
                  backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
-                 poll_s: float = 0.2, member: str | None = None):
+                 poll_s: float = 0.2, member: str | None = None, checkpoints: JobCheckpoints | None = None):
         self.settings = MembershipSettings(world_size, min_ranks, backend, tag, timeout_s, wait_s, poll_s)
         coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
         if coordinator is None:
@@ -130,6 +134,7 @@ class Membership:
         faults_heartbeat.default_interval(self.settings.heartbeat_s)
         self.link = CoordinatorLink(coordinator, timeout_s)
         self.me = Member(member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}", self.settings)
+        self.me.checkpoints = checkpoints
         self.admission = Admission(self.me, self.link)
         self.votes = Votes(self.me, self.link, self.admission)
         pulse = Pulse(self.link.store, self.me.name, self.link.call)  # alive to the others while it has no heartbeat
@@ -156,19 +161,23 @@ class Membership:
         same names on every member). ``build()`` makes the mode over the current default
         group (again at each new epoch). ``start_step``: the committed steps a job resumed
         from a checkpoint starts at (every first member the same, else refused; a joiner's
-        is the members'). Returns the epoch joined."""
+        is the members'; with ``checkpoints``, its newest complete save's). Returns the epoch joined."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0 (the committed steps of the checkpoint resumed), got {start_step}")
+        found = self.me.checkpoints.newest(start_step) if self.me.checkpoints is not None else None
+        start_step = found.step if found is not None else start_step
         self.me.state, self.me.build = dict(state), build
         self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
         ticket = self.admission.take_ticket(start_step)
         if ticket == self.settings.world_size:  # the last of the first members lays out epoch 0
             members, refusals = self.admission.candidates(1, ticket, answered=False, start=start_step)
-            self.admission.propose(Epoch(0, members, start_step, ticket, members), refusals)
+            self.admission.propose(Epoch(0, members, start_step, ticket, () if found else members), refusals)
         epoch = self.admission.answer(ticket)
         self.me.founder = epoch.number == 0
         if self.me.founder:
             self.me.step = epoch.step
+            if found is not None:  # each first member holds its own part of the job: none is sent the state
+                self.me.checkpoints.resume(self.me, found, epoch, self.admission)
         start = time.perf_counter()
         self.epochs.enter(epoch)
         self.me.counters.stalls.append(("joined", time.perf_counter() - start))

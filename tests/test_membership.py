@@ -68,8 +68,11 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     killed after its reduction completed on every member (before its optimizer step), the
     survivors commit that step and discard the next, whose reduction fails (none if that
     step was a poll: its vote sees the member silent). The replacement heals from a live
-    member."""
-    found = run(tmp_path, transport, {2: (where, 10)}, mode="overlap" if overlap else "fused")
+    member. The job saves itself as it goes (``JobCheckpoints``, every 16 steps): step 32's
+    checkpoint is complete, its parts written by the survivors and the replacement, each the
+    parameters every member committed at that step."""
+    found = run(tmp_path, transport, {2: (where, 10)}, mode="overlap" if overlap else "fused",
+                checkpoints=str(tmp_path / "saves"))
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found  # it died
     for f in final:
@@ -92,6 +95,22 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
     assert 10 <= joiner["joined_at"] < STEPS, joiner["joined_at"]
     assert joiner["counters"]["stalls"][0][0] == "joined"
     _same(final)  # the joiner took the whole state from a live peer: bit for bit after 20+ more steps
+    _saved_as_committed(tmp_path / "saves", final, 32)
+
+
+def _saved_as_committed(saves: Path, final: list[dict], step: int) -> None:
+    """The job's checkpoint of ``step`` is complete and each part holds the parameters the
+    members committed at that step."""
+    from keep_training import digest
+
+    from fastreduce.job_checkpoints import JobCheckpoints
+
+    found = JobCheckpoints(saves, every=16).newest()
+    assert found is not None and (found.step, found.world) == (step, len(final)), found
+    for path in found.parts:
+        model = make_model(16)
+        model.load_state_dict(torch.load(path, weights_only=False)["state"]["model"])
+        assert all(digest(model) == f["digests"][step] for f in final), (path, [f["digests"][step] for f in final])
 
 
 @SLOW
@@ -241,31 +260,52 @@ def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Pa
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
 
 
-@pytest.mark.parametrize("mode", ["fused", "overlap"])
-@pytest.mark.cell("loop", "resume", "reshard", membership=True)
-def test_a_job_resumed_from_a_members_file_goes_on_as_if_it_had_never_stopped(tmp_path: Path, mode: str) -> None:
-    """The replicated modes' recipe (docs/faults.md, "A job resumed"): one member saves the
-    model and AdamW once step 20 is committed (its state is every member's); a new job (a new
-    coordinator, new processes) loads the file and joins at ``start_step=20``. On 3 members it
-    ends where the uninterrupted job ends, bit for bit; on 2 (another world size), where
-    ``torch.optim.AdamW`` on the mean gradient of 3 ranks for 20 steps, then of 2, ends (1e-6)."""
+@pytest.mark.parametrize("mode", [
+    *[pytest.param(m, marks=pytest.mark.cell("loop", "resume", "reshard", membership=True)) for m in ("fused", "overlap", "zero")],
+    *[pytest.param(m, marks=pytest.mark.cell("loop", "resume", membership=True, modes=(m.split("-")[0],)))
+      for m in ("localsgd", "diloco-streaming", "gossip")]])
+def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: Path, mode: str) -> None:
+    """``Membership(checkpoints=JobCheckpoints(dir, every=16))``: each member writes its part
+    of the job after committing steps 16 and 32 (no collective). A new job (a new coordinator,
+    new processes) started on the same directory resumes at step 32: on 3 members it ends
+    where the uninterrupted job ends, bit for bit (parameters and AdamW's state; the local
+    modes and gossip: after their last sync); on 2, the modes whose state loads onto another
+    world size end where ``torch.optim.AdamW`` on the mean gradient of 3 ranks for 32 steps,
+    then of 2, ends (1e-6), and the per-rank modes are refused on every first member with
+    nothing loaded."""
+    from fastreduce.job_checkpoints import JobCheckpoints
+    from fastreduce.modes.contract import PER_RANK_ONLY_AT_ITS_WORLD
+
+    saves = tmp_path / "saves"
     for out in ("first", "again", "fewer"):
         (tmp_path / out).mkdir()
-    first = run(tmp_path / "first", "process_group", {}, joiners=0, mode=mode, save_at=20)
+    first = run(tmp_path / "first", "process_group", {}, joiners=0, mode=mode, checkpoints=str(saves))
     assert sorted(first) == [0, 1, 2], sorted(first)
-    saved = str(tmp_path / "first" / "job-20.pt")
+    found = JobCheckpoints(saves, every=16).newest()
+    assert found is not None and (found.step, found.world) == (32, 3), found
+    assert sorted(p.name for p in saves.iterdir()) == ["step-00000016", "step-00000032"]
+    per_rank = mode in ("localsgd", "diloco-streaming", "gossip")
     for members, out in ((3, "again"), (2, "fewer")):
-        found = run(tmp_path / out, "process_group", {}, joiners=0, mode=mode, resume=saved, members=members)
+        found = launch(tmp_path / out, "process_group", {}, 0, mode=mode, checkpoints=str(saves), members=members)
         final = [found[i] for i in sorted(found)]
         assert len(final) == members, sorted(found)
+        if per_rank and members == 2:
+            for f in final:
+                assert PER_RANK_ONLY_AT_ITS_WORLD in f.get("refused", "") and "start it with world_size=3" in f["refused"], f
+            continue
         for f in final:
-            assert f["joined_at"] == 20 and f["steps"][0][0] == 21 and f["steps"][-1][:2] == (STEPS, True), f["steps"][:2]
+            assert "error" not in f, f["error"]
+            assert f["joined_at"] == 32 and f["steps"][0][0] == 33 and f["steps"][-1][:2] == (STEPS, True), f["steps"][:2]
             assert f["world"] == members and f["counters"]["losses"] == 0
-        _same(final)
+        for f in final:  # (a local mode's AdamW state is each rank's own: each equals one rank's of the first job)
+            assert torch.equal(f["params"], final[0]["params"])
+            if members == 3:
+                assert any(torch.equal(f["adam"], g["adam"]) and f["adam_step"] == g["adam_step"] for g in first.values())
         if members == 3:
-            assert torch.equal(final[0]["params"], first[0]["params"]) and torch.equal(final[0]["adam"], first[0]["adam"])
+            assert torch.equal(final[0]["params"], first[0]["params"])
         else:
-            want = adamw_on_the_mean([3] * 20 + [2] * (STEPS - 20))
+            _same(final)
+            want = adamw_on_the_mean([3] * 32 + [2] * (STEPS - 32))
             assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 

@@ -13,7 +13,7 @@ its reason, and the table cannot go stale unnoticed.
 
 from __future__ import annotations
 
-from ..modes.contract import state_scope
+from ..modes.contract import PER_RANK_ONLY_AT_ITS_WORLD, state_scope
 from .modes import MODES
 
 __all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "TRAINERS", "WAYS", "refusal"]
@@ -56,6 +56,6 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
             (way == "lightning" or state_scope(cls) != "replicated"):
         return RESUME_UNDER_MEMBERSHIP
     if aspect == "reshard" and state_scope(cls) == "per_rank":
-        return "each rank's own state (its parameters differ from the others') loads onto the world size it was saved at"
+        return PER_RANK_ONLY_AT_ITS_WORLD
     return None
 

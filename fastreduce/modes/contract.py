@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "STATE_SCOPES", "check_membership", "commit_style",
+__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership", "commit_style",
            "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope"]
 
 COMMIT_STYLES: dict[str, str] = {
@@ -67,6 +67,11 @@ STATE_SCOPES: dict[str, str] = {
                 "rank, loads onto the world size it was saved at",
 }
 """Where a mode's state lives."""
+
+PER_RANK_ONLY_AT_ITS_WORLD = ("each rank's own state (its parameters differ from the others') loads onto the world size "
+                              "it was saved at")
+"""Why a ``per_rank`` mode's saved state does not load onto another world size (in the words
+every refusal of it uses)."""
 
 OPTIMIZER_ROLES: dict[str, str] = {
     "user": "it steps nothing itself: the user's torch optimizer, given beside it, steps (the reducers)",
