@@ -100,12 +100,11 @@ class JobCheckpoints:
 
     def _prune(self, writing: int) -> None:
         """Folders older than the ``keep`` newest complete checkpoints (``writing``, the one
-        being written, counted as one once complete), and incomplete ones older than the
-        newest complete one."""
+        being written, is not counted: it may never complete), and incomplete ones older than
+        the newest complete one."""
         steps = self._steps()
         complete = [s for s, _ in steps if s != writing and self._complete(s) is not None]
-        kept = complete[-(self.keep - 1):] if self.keep > 1 else []
-        oldest = min(kept, default=writing)
+        oldest = min(complete[-self.keep:], default=writing)
         newest = max(complete, default=-1)
         for s, folder in steps:
             if s < oldest or (s < newest and s not in complete):

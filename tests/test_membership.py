@@ -602,6 +602,37 @@ def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) ->
         assert f["failed_at"] - killed < 10, f["failed_at"] - killed
 
 
+def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_part(tmp_path: Path) -> None:
+    """Which save a new job resumes: the newest step whose parts of one epoch are all there
+    (a member lost before writing leaves its step incomplete); what rank 0 prunes as it
+    writes (never the newest complete save for one still being written); bad settings."""
+    from fastreduce.job_checkpoints import JobCheckpoints
+
+    def parts(step: int, epoch: int, world: int, ranks: range) -> None:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir(exist_ok=True)
+        for r in ranks:
+            (folder / f"e{epoch}-{r}-of-{world}.pt").touch()
+
+    saves = JobCheckpoints(tmp_path, every=8, keep=1)
+    assert saves.newest() is None and not saves.due(0) and saves.due(16) and not saves.due(12)
+    parts(8, 0, 3, range(3))
+    parts(16, 1, 3, range(2))  # rank 2 lost before writing
+    parts(16, 2, 2, range(1))  # (the next epoch's: none of its members writes a step already saved)
+    found = saves.newest()
+    assert (found.step, found.world) == (8, 3) and found.parts[2].endswith("e0-2-of-3.pt"), found
+    parts(24, 3, 2, range(2))
+    assert (saves.newest().step, saves.newest().world) == (24, 2)
+    with pytest.raises(ValueError, match="the job resumes from"):
+        saves.newest(start_step=24)
+    parts(32, 3, 2, range(1))
+    saves._prune(32)  # (rank 0, writing step 32): 8 and 16 go, 24 (the newest complete) stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000024", "step-00000032"]
+    for bad in ({"every": 0}, {"every": 8, "keep": 0}, {"every": True}):
+        with pytest.raises(ValueError, match="must be an integer >= 1"):
+            JobCheckpoints(tmp_path, **bad)
+
+
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""

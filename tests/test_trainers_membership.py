@@ -30,7 +30,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from keep_training_trainers import LOG_EVERY, STEPS, expected_lrs, launch  # noqa: E402
+from keep_training_trainers import LOG_EVERY, SAVE_EVERY, STEPS, expected_lrs, launch  # noqa: E402
 
 SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one case per trainer
 KILL_AT = 10  # member 2 dies in the forward of the step after the 10th committed one
@@ -162,8 +162,8 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
 def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Path, trainer: str) -> None:
     """Where a trainer's checkpoint does not hold the mode's whole state under a Membership
     (ZeRO's shards in the HF Trainer; Lightning's job position), resuming would train on
-    from a wrong state (no error): refused before anything trains, in the matrix's words
-    (cells.py)."""
+    from a wrong state (no error): refused before anything trains, naming the job's own
+    checkpoints (``JobCheckpoints``) as the way (cells.py)."""
     from fastreduce.integrations.cells import RESUME_UNDER_MEMBERSHIP
     from fastreduce.membership import Membership, serve
 
@@ -178,14 +178,14 @@ def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Pat
         run = FastReduceTrainer(model=torch.nn.Linear(2, 2), train_dataset=[{"x": torch.zeros(2)}] * 4,
                                 args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                                                        max_steps=2), fastreduce_mode="zero", fastreduce_membership=m)
-        with pytest.raises(ValueError, match="resumes a checkpoint in the HF Trainer with the fused") as info:
+        with pytest.raises(ValueError, match="holds the whole job in the HF Trainer's fused") as info:
             run.train(resume_from_checkpoint=str(tmp_path))
     else:
         from fastreduce.integrations.lightning import FastReduceStrategy
 
-        with pytest.raises(ValueError, match="resumes a checkpoint in the HF Trainer with the fused") as info:
+        with pytest.raises(ValueError, match="holds the whole job in the HF Trainer's fused") as info:
             FastReduceStrategy("fused", membership=m).load_checkpoint(str(tmp_path / "last.ckpt"))
-    assert RESUME_UNDER_MEMBERSHIP in str(info.value) and m.epoch is None  # nothing joined, nothing trained
+    assert RESUME_UNDER_MEMBERSHIP in str(info.value) and "JobCheckpoints" in str(info.value) and m.epoch is None
 
 
 @pytest.mark.timeout(300)
@@ -221,6 +221,40 @@ def test_the_hf_trainer_under_a_membership_resumes_the_job_from_a_checkpoint(tmp
             float((final[0]["params"] - first[0]["params"]).abs().max())
     else:
         assert kill <= final[2]["joined_at"] < STEPS and final[0]["counters"]["losses"] == 1, final[2]["joined_at"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("trainer, mode", [
+    ("hf", "zero"), ("lightning", "diloco"), pytest.param("hf", "fused", marks=SLOW), pytest.param("hf", "overlap", marks=SLOW),
+    pytest.param("hf", "localsgd", marks=SLOW), pytest.param("hf", "diloco", marks=SLOW),
+    pytest.param("hf", "gossip", marks=SLOW), pytest.param("lightning", "fused", marks=SLOW),
+    pytest.param("lightning", "overlap", marks=SLOW), pytest.param("lightning", "zero", marks=SLOW),
+    pytest.param("lightning", "localsgd", marks=SLOW), pytest.param("lightning", "gossip", marks=SLOW)])
+@pytest.mark.cell(None, "resume", membership=True)
+def test_a_trainer_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: Path, trainer: str,
+                                                                            mode: str) -> None:
+    """The trainer given ``Membership(..., checkpoints=JobCheckpoints(dir, every=16))``: a job of 3
+    members writes its parts after committing step 16; a new job on the same directory (a new
+    coordinator, new processes, ``train()`` / ``fit()`` as for a fresh run) starts at step 16, the
+    trainer's global step, LR schedulers and data position with it, and ends where the
+    uninterrupted job ended, bit for bit, its lr at every step the uninterrupted schedule's."""
+    _need(trainer)
+    saves = str(tmp_path / "saves")
+    runs = []
+    for out in ("first", "again"):
+        (tmp_path / out).mkdir()
+        found = launch(trainer, tmp_path / out, mode, None, timeout=150, saves=saves)
+        for i, f in found.items():
+            assert "error" not in f, f"member {i} failed:\n{f['error']}"
+        assert sorted(found) == [0, 1, 2], sorted(found)
+        runs.append([found[i] for i in sorted(found)])
+    first, again = runs
+    lrs = expected_lrs(STEPS)
+    for f in again:
+        assert f["global_step"] == STEPS and f["joined_at"] == SAVE_EVERY and f["world"] == 3, (f["global_step"], f["joined_at"])
+        assert [s for s, _ in f["lrs"]] == list(range(SAVE_EVERY + 1, STEPS + 1)), f["lrs"][:2]
+        assert all(lr == lrs[s - 1] for s, lr in f["lrs"]), f["lrs"][:3]
+        assert torch.equal(f["params"], first[0]["params"]), float((f["params"] - first[0]["params"]).abs().max())
 
 
 @pytest.mark.timeout(60)

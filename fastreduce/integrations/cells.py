@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..modes.contract import PER_RANK_ONLY_AT_ITS_WORLD, state_scope
 from .modes import MODES
 
-__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "TRAINERS", "WAYS", "refusal"]
+__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "WAYS", "refusal"]
 
 WAYS: dict[str, str] = {
     "loop": "your own loop",
@@ -27,9 +27,6 @@ WAYS: dict[str, str] = {
 }
 """The ways in, with their names in the table."""
 
-TRAINERS = ("hf", "lightning", "gaudi")
-"""The ways in whose loop is a trainer's, not the user's (the trainer adapters run the mode)."""
-
 ASPECTS: dict[str, str] = {
     "train": "trains",
     "resume": "save, resume",
@@ -39,11 +36,13 @@ ASPECTS: dict[str, str] = {
 """What a cell is asked to do, with its name in the table."""
 
 RESUME_UNDER_MEMBERSHIP = (
-    "a trainer under fastreduce.Membership resumes a checkpoint in the HF Trainer with the fused and overlapped "
-    "modes only (their state is then all in the Trainer's checkpoint; ZeRO's shards and the per-rank modes' state "
-    "are not saved there under a Membership, nor is Lightning's job position): start the job afresh; a lost member "
-    "needs no checkpoint, its replacement takes the state from the live members")
-"""Why a trainer under a Membership refuses to resume a checkpoint (asked by both trainers)."""
+    "under fastreduce.Membership a trainer's own checkpoint holds the whole job in the HF Trainer's fused and "
+    "overlapped modes only (ZeRO's shards and the per-rank modes' state are each member's own, and Lightning's file "
+    "keeps no job position): give the Membership checkpoints=fastreduce.JobCheckpoints(directory, every=N) and start "
+    "the new job on that directory, without resume_from_checkpoint or ckpt_path: it resumes from the job's newest "
+    "save, in every mode")
+"""Why a trainer under a Membership refuses to resume its own checkpoint where that does not
+hold the job (asked by both trainers); the job's own checkpoints resume in every mode."""
 
 
 def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
@@ -52,9 +51,6 @@ def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     cls = MODES[mode].cls
     if way not in WAYS or aspect not in ASPECTS:
         raise ValueError(f"no such cell: way {way!r} (one of {sorted(WAYS)}), aspect {aspect!r} (one of {sorted(ASPECTS)})")
-    if membership and way in TRAINERS and aspect in ("resume", "reshard") and \
-            (way == "lightning" or state_scope(cls) != "replicated"):
-        return RESUME_UNDER_MEMBERSHIP
     if aspect == "reshard" and state_scope(cls) == "per_rank":
         return PER_RANK_ONLY_AT_ITS_WORLD
     return None

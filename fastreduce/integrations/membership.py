@@ -76,8 +76,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..modes.contract import commit_style, membership_settings, settings_refusal
-from .cells import refusal
+from ..modes.contract import commit_style, membership_settings, settings_refusal, state_scope
+from .cells import RESUME_UNDER_MEMBERSHIP
 from .committing import CommittingOptimizer
 from .membership_data import MembershipSampler
 from .modes import TrainerMode
@@ -303,9 +303,8 @@ class TrainerMembership:
         joiner takes the members'), once the trainer has loaded the rest. Refused, before
         anything joins, where the mode's state is not all in the trainer's (``way``, a key of
         :data:`~.cells.WAYS`) checkpoint."""
-        why = refusal(self.mode.name, way, True, "resume")
-        if why is not None:
-            raise ValueError(f"{self.who}: {why}")
+        if way != "hf" or state_scope(self.mode.cls) != "replicated":
+            raise ValueError(f"{self.who}: {RESUME_UNDER_MEMBERSHIP}")
         if not isinstance(saved, dict) or saved.get("data") is None or "step" not in saved:
             raise ValueError(f"{self.who}: {checkpoint} holds no fastreduce job position: it was not saved under a "
                              "fastreduce.Membership; resume it without one")
