@@ -130,7 +130,8 @@ reaching the point where it is killed and the next one released."""
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False, released: Any = None, device: str = "cpu", checkpoints: str = "") -> None:
+           compiled: bool = False, released: Any = None, device: str = "cpu", checkpoints: str = "",
+           accelerate: bool = False) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -151,7 +152,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`); ``device``: where the
     model and its batches live (``cuda``: every member on the one GPU, its tensors sent over Gloo);
     ``checkpoints``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
-    (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from."""
+    (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from; ``accelerate``: the loop an
+    Accelerate user writes (the model prepared by an ``Accelerator``, which sees one process and adds
+    no DDP, the backward through it, the optimizer it wraps stepped in the commit)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -160,6 +163,13 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     model = make_model(width).to(device)
     net = torch.compile(model) if compiled else model  # compiled once: every epoch's mode hooks the same model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepped, backward = opt, torch.Tensor.backward  # (the mode is built over the optimizer itself)
+    if accelerate:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=device == "cpu")
+        net = model = accelerator.prepare_model(model, evaluation_mode=True)
+        stepped, backward = accelerator.prepare_optimizer(opt), accelerator.backward
     facts: dict[str, Any] = {"index": index, "steps": [], "digests": {}}
 
     def say(text: str) -> None:
@@ -211,7 +221,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             x = torch.randn(16, 8, generator=g).to(device)
 
             def forward_backward(net: nn.Module) -> None:
-                nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()).backward()
+                backward(nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()))
                 if kill == ("mid-step", m.step) or (kill is not None and kill[0] == "first-step"):
                     say(f"dies mid-step, at step {m.step}")
                     die()
@@ -224,9 +234,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             else:
                 forward_backward(net)
                 dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
-                stepper = m.mode if mode == "zero" else opt
+                stepper = m.mode if mode == "zero" else stepped
                 ok = m.commit(lambda: die() if dies else stepper.step())  # the reduction (or the sync), the step
-            (m.mode if mode == "zero" else opt).zero_grad()
+            (m.mode if mode == "zero" else stepped).zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
                 say(f"epoch {m.epoch.number}: rank {m.rank} of {m.world} ({why}"
@@ -266,12 +276,12 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
            release_after: list[int] | None = None, compiled: bool = False, members: int = 3,
-           device: str = "cpu", checkpoints: str = "") -> dict[int, dict]:
+           device: str = "cpu", checkpoints: str = "", accelerate: bool = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
-    -1: at once, an extra member); ``checkpoints``: see :func:`member`; returns what each member
-    saved."""
+    -1: at once, an extra member); ``checkpoints``, ``accelerate``: see :func:`member`; returns what
+    each member saved."""
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -280,7 +290,7 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     ctx = rank_context("keep_training", "torch._dynamo")
     released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
     settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
-                "released": released, "device": device, "checkpoints": checkpoints}
+                "released": released, "device": device, "checkpoints": checkpoints, "accelerate": accelerate}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]

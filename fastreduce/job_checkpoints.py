@@ -10,9 +10,10 @@ its own *part* right after committing it, before any epoch change at that step (
 admitted there writes none): its ``state`` objects (the model, the optimizer, a trainer's
 sampler and schedulers), its mode's state as an epoch change keeps it (ZeRO: the shard it
 holds and its copy of the previous rank's; the others: their ``state_dict``) and its random
-generators. One file per member, ``step-<S>/e<E>-<r>-of-<W>.pt``, written apart and
-renamed. A step's checkpoint is complete once every rank of one epoch has written its part;
-a member lost before writing leaves it incomplete, and it is never loaded.
+generators; the state objects, where they are the same on every member (all but the
+per-rank modes), in rank 0's part only. One file per member, ``step-<S>/e<E>-<r>-of-<W>.pt``,
+written apart and renamed. A step's checkpoint is complete once every rank of one epoch has
+written its part; a member lost before writing leaves it incomplete, and it is never loaded.
 
 Resuming (:meth:`fastreduce.Membership.join`): the first members of a new job find the
 newest complete checkpoint and start at its step (a first member that finds another is
@@ -87,8 +88,9 @@ class JobCheckpoints:
         epoch, rank = me.current(), me.rank
         folder = os.path.join(self.directory, f"step-{me.step:08d}")
         os.makedirs(folder, exist_ok=True)
+        own = rank == 0 or mode_state[1] in PER_RANK  # the state objects: the same on every member, else each one's
         part = {"format": FORMAT, "step": me.step, "epoch": epoch.number, "rank": rank, "world": epoch.world,
-                "layout": layout, "state": {k: v.state_dict() for k, v in me.state.items()},
+                "layout": layout, "state": {k: v.state_dict() for k, v in me.state.items()} if own else None,
                 "mode": mode_state[0], "kind": mode_state[1], "rng": capture_rng_state()}
         path = os.path.join(folder, f"e{epoch.number}-{rank}-of-{epoch.world}.pt")
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -157,17 +159,19 @@ class JobCheckpoints:
         rank, world = epoch.members.index(me.name), epoch.world
         mine = [k for k in range(found.world) if k % world == rank]
         parts = [torch.load(found.parts[k], map_location="cpu", weights_only=False) for k in mine or [rank % found.world]]
-        head = parts[0]
+        head, layout = parts[0], admission.fingerprint()
         why = f"it is in format {head.get('format')}, this fastreduce reads {FORMAT}" if head.get("format") != FORMAT \
-            else admission.differs(head["layout"], admission.fingerprint())
+            else admission.differs({**head["layout"], "version": layout["version"]}, layout)  # (any fastreduce reads it)
         if why is None and head["kind"] in PER_RANK and world != found.world:
             why = (f"{PER_RANK_ONLY_AT_ITS_WORLD}: it holds the state of {found.world} members and this job starts with "
                    f"{world}; start it with world_size={found.world}")
         if why is not None:
             raise MembershipError(f"fastreduce: the job's checkpoint {os.path.dirname(found.parts[0])} does not fit: "
                                   f"{why}. Nothing was loaded")
+        state = head["state"] if head["state"] is not None else \
+            torch.load(found.parts[0], map_location="cpu", weights_only=False)["state"]
         for k, obj in me.state.items():
-            obj.load_state_dict(head["state"][k])
+            obj.load_state_dict(state[k])
         me.step = found.step
         mode, kind = head["mode"], head["kind"]
         if kind == "zero":  # the shards of every old rank it takes, as one holding (none: it takes them as a joiner)

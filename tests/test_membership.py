@@ -99,18 +99,19 @@ def test_a_lost_member_is_replaced_and_training_goes_on(tmp_path: Path, transpor
 
 
 def _saved_as_committed(saves: Path, final: list[dict], step: int) -> None:
-    """The job's checkpoint of ``step`` is complete and each part holds the parameters the
-    members committed at that step."""
+    """The job's checkpoint of ``step`` is complete, every part of that step, and rank 0's
+    holds the parameters every member committed at that step (the others' hold no copy)."""
     from keep_training import digest
 
     from fastreduce.job_checkpoints import JobCheckpoints
 
     found = JobCheckpoints(saves, every=16).newest()
     assert found is not None and (found.step, found.world) == (step, len(final)), found
-    for path in found.parts:
-        model = make_model(16)
-        model.load_state_dict(torch.load(path, weights_only=False)["state"]["model"])
-        assert all(digest(model) == f["digests"][step] for f in final), (path, [f["digests"][step] for f in final])
+    parts = [torch.load(path, weights_only=False) for path in found.parts]
+    assert [p["step"] for p in parts] == [step] * len(parts) and all(p["state"] is None for p in parts[1:])
+    model = make_model(16)
+    model.load_state_dict(parts[0]["state"]["model"])
+    assert all(digest(model) == f["digests"][step] for f in final), [f["digests"][step] for f in final]
 
 
 @SLOW
@@ -307,6 +308,35 @@ def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: P
             _same(final)
             want = adamw_on_the_mean([3] * 32 + [2] * (STEPS - 32))
             assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.cell("accelerate", "train", "resume", membership=True,
+                                                                          modes=(m.split("-")[0],)))
+                                  for m in ("fused", "overlap", "zero", "localsgd", "diloco-streaming", "gossip")])
+def test_an_accelerate_loop_under_a_membership_equals_the_hand_written_one_and_resumes(tmp_path: Path, mode: str) -> None:
+    """The loop an Accelerate user writes (the model prepared by an ``Accelerator``, which sees
+    one process and adds no DDP; ``accelerator.backward``; the optimizer it wraps stepped in
+    the commit), 3 members through a Membership that saves the job every 16 steps: ends where
+    the same mode in a hand-written loop on a plain group ends (1e-6); a new job on the same
+    directory resumes at step 32 and ends where the first ended, bit for bit."""
+    pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
+    from fastreduce.launch import run_ranks
+
+    saves = str(tmp_path / "saves")
+    runs = []
+    for out in ("first", "again"):
+        (tmp_path / out).mkdir()
+        found = run(tmp_path / out, "process_group", {}, joiners=0, mode=mode, accelerate=True, checkpoints=saves)
+        assert sorted(found) == [0, 1, 2], sorted(found)
+        runs.append([found[i] for i in sorted(found)])
+    first, again = runs
+    want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]
+    for f in first:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["counters"]["losses"] == 0
+        assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
+    for f in again:
+        assert f["joined_at"] == 32 and f["steps"][-1][:2] == (STEPS, True), f["steps"][:2]
+        assert torch.equal(f["params"], first[0]["params"]), float((f["params"] - first[0]["params"]).abs().max())
 
 
 @pytest.mark.parametrize("kills, transport", [({2: ("between", 11)}, "process_group")])  # (mid-step, shm: stop 67)
