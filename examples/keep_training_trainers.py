@@ -106,10 +106,10 @@ def digest(params: torch.Tensor) -> str:
 SAVE_EVERY = 2 * EVAL_EVERY  # committed steps between the job's own checkpoints (where a member is given ``saves``)
 
 
-def _membership(port: int, saves: str = "") -> Any:
+def _membership(port: int, saves: str = "", world: int = 3) -> Any:
     from fastreduce.membership import JobCheckpoints, Membership
 
-    return Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, wait_s=60,
+    return Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, wait_s=60,
                       checkpoints=JobCheckpoints(saves, every=SAVE_EVERY) if saves else None)
 
 
@@ -133,7 +133,7 @@ class Regressor(nn.Module):
 
 
 def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
-              go: Any = None, resume: str | None = None, saves: str = "") -> dict[str, Any]:
+              go: Any = None, resume: str | None = None, saves: str = "", world: int = 3) -> dict[str, Any]:
     from transformers import TrainerCallback, TrainingArguments
 
     from fastreduce.integrations.transformers import FastReduceTrainer
@@ -157,7 +157,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
                                 eval_dataset=Samples(as_dict=True),
                                 optimizers=(opt, schedule(opt, steps)), callbacks=[Record()],
                                 fastreduce_mode=mode, fastreduce_config=SETTINGS[mode],
-                                fastreduce_membership=_membership(port, saves))
+                                fastreduce_membership=_membership(port, saves, world))
     _die_at(model.net, index, kill, lambda: trainer.state.global_step)
     if go is not None:  # a replacement: everything built, join when told
         go.wait(120)
@@ -176,7 +176,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
 
 
 def lightning_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
-                     go: Any = None, saves: str = "") -> dict[str, Any]:
+                     go: Any = None, saves: str = "", world: int = 3) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from fastreduce.integrations.lightning import FastReduceStrategy
@@ -207,7 +207,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
             time.sleep(PAUSE)
 
     module = Module()
-    strategy = FastReduceStrategy(mode, membership=_membership(port, saves), **SETTINGS[mode])
+    strategy = FastReduceStrategy(mode, membership=_membership(port, saves, world), **SETTINGS[mode])
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, strategy=strategy, accumulate_grad_batches=2,
                          gradient_clip_val=1.0, log_every_n_steps=LOG_EVERY, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
@@ -228,12 +228,13 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 # ====================================================================== the job on one host
 
 def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
-           transport: str = "process_group", resume: str | None = None, saves: str = "") -> None:
+           transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3) -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
     save what it saw to ``out/member<index>.pt``. ``resume`` (the HF Trainer): ``"save"``, a
     checkpoint every ``EVAL_EVERY`` steps; a checkpoint folder: the job resumed from it.
     ``saves``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
-    (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from."""
+    (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from; ``world``: the members the
+    job starts with."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_LOST_AFTER_S=LOST_AFTER,
                       FASTREDUCE_TRANSPORT=transport, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     torch.set_num_threads(1)
@@ -245,9 +246,9 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
         else:
             import fastreduce.integrations.lightning  # noqa: F401
         if trainer == "hf":
-            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves))
+            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world))
         else:
-            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves))
+            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world))
         facts.pop("m").close()
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
@@ -256,21 +257,22 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
            timeout: float = 180, transport: str = "process_group", resume: str | None = None,
-           saves: str = "") -> dict[int, dict]:
-    """A coordinator, 3 members (member 2 dies in the forward of step ``kill_at``; ``None``:
-    none does) and, where one dies, a replacement told to join once it is gone; returns
-    what each member saved. ``resume``, ``saves``: :func:`member`'s."""
+           saves: str = "", members: int = 3) -> dict[int, dict]:
+    """A coordinator, ``members`` members (member 2 dies in the forward of step ``kill_at``;
+    ``None``: none does) and, where one dies, a replacement told to join once it is gone;
+    returns what each member saved. ``resume``, ``saves``: :func:`member`'s."""
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
     go = ctx.Event()
     procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode,
-                                                 kill_at if i == 2 else None, None, steps, transport, resume, saves))
-             for i in range(3)}
+                                                 kill_at if i == 2 else None, None, steps, transport, resume, saves,
+                                                 members))
+             for i in range(members)}
     if kill_at is not None:
-        procs[3] = ctx.Process(target=member, args=(trainer, 3, server.port, str(out), mode, None, go, steps,
-                                                    transport, None, saves))
+        procs[members] = ctx.Process(target=member, args=(trainer, members, server.port, str(out), mode, None, go,
+                                                          steps, transport, None, saves, members))
     for p in procs.values():
         p.start()
     try:
