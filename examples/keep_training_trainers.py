@@ -21,6 +21,7 @@ machine, then ``FASTREDUCE_COORDINATOR=thathost:29400 python train.py`` on each,
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -133,14 +134,25 @@ class Regressor(nn.Module):
 
 
 def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
-              go: Any = None, resume: str | None = None, saves: str = "", world: int = 3) -> dict[str, Any]:
+              go: Any = None, resume: str | None = None, saves: str = "", world: int = 3,
+              gaudi: bool = False) -> dict[str, Any]:
+    """A member through ``FastReduceTrainer`` (``gaudi``: optimum-habana's ``GaudiTrainer``,
+    ``FastReduceGaudiTrainer``, on its CPU path: ``use_habana=False``)."""
     from transformers import TrainerCallback, TrainingArguments
 
     from fastreduce.integrations.transformers import FastReduceTrainer
 
+    made, arguments, extra = FastReduceTrainer, TrainingArguments, {}
+    if gaudi:
+        from optimum.habana import GaudiConfig, GaudiTrainingArguments
+
+        from fastreduce.integrations.optimum_habana import FastReduceGaudiTrainer
+
+        made, extra = FastReduceGaudiTrainer, {"gaudi_config": GaudiConfig()}
+        arguments = functools.partial(GaudiTrainingArguments, use_habana=False, use_lazy_mode=False, adam_epsilon=1e-8)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    args = TrainingArguments(output_dir=str(Path(out) / f"hf{index}"), max_steps=steps,
+    args = arguments(output_dir=str(Path(out) / f"hf{index}"), max_steps=steps,
                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
                              eval_strategy="steps", eval_steps=EVAL_EVERY, per_device_eval_batch_size=16,
                              label_names=["y"], prediction_loss_only=True, max_grad_norm=1.0, logging_steps=LOG_EVERY,
@@ -153,11 +165,9 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
             lrs.append((trainer.fastreduce_membership.m.step + 1, opt.param_groups[0]["lr"]))  # the step's lr
             time.sleep(PAUSE)  # a step long enough for the replacement to arrive mid-run
 
-    trainer = FastReduceTrainer(model=model, args=args, train_dataset=Samples(as_dict=True),
-                                eval_dataset=Samples(as_dict=True),
-                                optimizers=(opt, schedule(opt, steps)), callbacks=[Record()],
-                                fastreduce_mode=mode, fastreduce_config=SETTINGS[mode],
-                                fastreduce_membership=_membership(port, saves, world))
+    trainer = made(model=model, args=args, train_dataset=Samples(as_dict=True), eval_dataset=Samples(as_dict=True),
+                   optimizers=(opt, schedule(opt, steps)), callbacks=[Record()], fastreduce_mode=mode,
+                   fastreduce_config=SETTINGS[mode], fastreduce_membership=_membership(port, saves, world), **extra)
     _die_at(model.net, index, kill, lambda: trainer.state.global_step)
     if go is not None:  # a replacement: everything built, join when told
         go.wait(120)
@@ -227,6 +237,20 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 
 # ====================================================================== the job on one host
 
+def _without_an_hpu() -> None:
+    """optimum-habana on its CPU path, as tests/test_gaudi_trainer.py runs it: its ``pip``
+    found beside this interpreter (``import optimum.habana`` asks it for Habana's plugin's
+    version), and no HPU asked for memory figures (``GaudiTrainer.log`` adds them to every
+    log, importing habana_frameworks: optimum-habana 1.21, transformers/trainer.py; the
+    module's function replaced, as no HPU is here to answer it)."""
+    import sys
+
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    import optimum.habana.transformers.trainer as gaudi_trainer_module
+
+    gaudi_trainer_module.get_hpu_memory_stats = lambda device=None: {}
+
+
 def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
            transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3) -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
@@ -240,13 +264,15 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
     torch.set_num_threads(1)
     facts: dict[str, Any] = {"index": index}
     try:
-        if trainer == "hf":  # imported before waiting: a replacement is ready to join at once
+        if trainer in ("hf", "gaudi"):  # imported before waiting: a replacement is ready to join at once
             import fastreduce.integrations.transformers  # noqa: F401
             import transformers  # noqa: F401
         else:
             import fastreduce.integrations.lightning  # noqa: F401
-        if trainer == "hf":
-            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world))
+        if trainer == "gaudi":
+            _without_an_hpu()
+        if trainer in ("hf", "gaudi"):
+            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world, trainer == "gaudi"))
         else:
             facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world))
         facts.pop("m").close()

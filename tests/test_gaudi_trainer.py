@@ -113,6 +113,59 @@ def test_fast_ddp_beside_a_mode_is_refused_when_the_trainer_is_built(runs: dict)
         assert rank["refused"] and "also asks for optimum-habana's fast_ddp" in rank["refused"], rank["refused"]
 
 
+# ============================================================== under a Membership
+# (examples/keep_training_trainers.py's members, through FastReduceGaudiTrainer: plain processes
+# and a coordinator, not torchrun)
+
+JOB_KILL_AT = 10  # member 2 dies in the forward of the step after the 10th committed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # (the members' script)
+
+
+def _job(trainer_dir: Path, mode: str, kill_at: int | None, saves: str = "") -> list[dict]:
+    from keep_training_trainers import launch
+
+    found = launch("gaudi", trainer_dir, mode, kill_at, timeout=150, saves=saves)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    return [found[i] for i in sorted(found)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["fused", "zero"])
+@pytest.mark.cell("gaudi", "train", membership=True, against="equal")
+def test_the_gaudi_trainer_under_a_membership_goes_on_through_a_loss_and_a_join(tmp_path: Path, mode: str) -> None:
+    """3 members through ``FastReduceGaudiTrainer(..., fastreduce_membership=m)``; member 2
+    killed in the forward of step 11 and a replacement joins: every final member reaches the
+    last step with the failure-free run's lr at every step it trained, all bit for bit equal."""
+    from keep_training_trainers import STEPS as JOB_STEPS, expected_lrs
+
+    final = _job(tmp_path, mode, JOB_KILL_AT)
+    assert [f["index"] for f in final] == [0, 1, 3], [f["index"] for f in final]  # member 2 died
+    lrs = expected_lrs(JOB_STEPS)
+    for f in final:
+        assert f["global_step"] == JOB_STEPS and f["world"] == 3, (f["index"], f["global_step"], f["world"])
+        assert all(lr == lrs[s - 1] for s, lr in f["lrs"]), f["lrs"][:3]
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+    assert all(f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1 for f in final[:2])
+    assert JOB_KILL_AT <= final[2]["joined_at"] < JOB_STEPS, final[2]["joined_at"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["zero", "localsgd"])
+@pytest.mark.cell("gaudi", "resume", membership=True)
+def test_the_gaudi_trainer_under_a_membership_resumes_the_jobs_checkpoint(tmp_path: Path, mode: str) -> None:
+    """The Membership saves the job every 16 steps (``JobCheckpoints``); a new job of 3 on the
+    same directory starts at step 16 and ends where the uninterrupted job ended, bit for bit."""
+    from keep_training_trainers import SAVE_EVERY, STEPS as JOB_STEPS
+
+    saves = str(tmp_path / "saves")
+    first, again = (_job(tmp_path / out, mode, None, saves) for out in ("first", "again"))
+    assert len(first) == len(again) == 3
+    for f in again:
+        assert f["global_step"] == JOB_STEPS and f["joined_at"] == SAVE_EVERY, (f["global_step"], f["joined_at"])
+        assert torch.equal(f["params"], first[0]["params"]), float((f["params"] - first[0]["params"]).abs().max())
+
+
 # ============================================================== the torchrun worker
 
 def _worker(out: Path, what: str) -> None:
