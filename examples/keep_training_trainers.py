@@ -237,12 +237,13 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 
 # ====================================================================== the job on one host
 
-def _without_an_hpu() -> None:
-    """optimum-habana on its CPU path, as tests/test_gaudi_trainer.py runs it: its ``pip``
-    found beside this interpreter (``import optimum.habana`` asks it for Habana's plugin's
-    version), and no HPU asked for memory figures (``GaudiTrainer.log`` adds them to every
-    log, importing habana_frameworks: optimum-habana 1.21, transformers/trainer.py; the
-    module's function replaced, as no HPU is here to answer it)."""
+def gaudi_on_cpu() -> None:
+    """optimum-habana on its CPU path (``use_habana=False``; these members and
+    tests/test_gaudi_trainer.py's ranks): its ``pip`` found beside this interpreter, as in an
+    activated venv (``import optimum.habana`` asks it for Habana's plugin's version), and no
+    HPU asked for memory figures (``GaudiTrainer.log`` adds them to every log, importing
+    habana_frameworks: optimum-habana 1.21, transformers/trainer.py; that module's function
+    replaced, in a test harness only: no HPU is here to answer it)."""
     import sys
 
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -270,7 +271,7 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
         else:
             import fastreduce.integrations.lightning  # noqa: F401
         if trainer == "gaudi":
-            _without_an_hpu()
+            gaudi_on_cpu()
         if trainer in ("hf", "gaudi"):
             facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world, trainer == "gaudi"))
         else:

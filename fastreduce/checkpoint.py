@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_folders import STEP_DIR, FORMAT, MARKER, complete_steps, first_difference, fresh_folder, inspect_folder
+from .checkpoint_folders import FORMAT, MARKER, complete_steps, first_difference, fresh_folder, inspect_folder
+from .checkpoint_folders import step_folder, step_folders
 from .checkpoint_ranks import every_rank_says, on_rank0, current_rank, current_world
 from .checkpoint_state import pack_tree, capture_rng_state, restore_rng_state, staged_ranges, load_template, unpack_tree
 from .checkpoint_state import _TensorAt  # noqa: F401 - pickled as fastreduce.checkpoint._TensorAt: found here
@@ -174,7 +175,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         t0 = time.perf_counter()
-        path = os.path.join(self.directory, f"step-{step:08d}")
+        path = step_folder(self.directory, step)
         on_rank0(lambda: fresh_folder(path))  # what a killed save of this step left, gone
         state = self._state()
         dcp.save(state, checkpoint_id=path)
@@ -224,7 +225,7 @@ class Checkpointer:
         :class:`CheckpointDamagedError` on every rank, naming it, with nothing changed.
         (Bytes changed in place, at the same length, are not detected: DCP keeps no
         checksums.)"""
-        path = os.path.join(self.directory, f"step-{step:08d}")
+        path = step_folder(self.directory, step)
         saved, problems = on_rank0(lambda: inspect_folder(path))
         if problems:
             raise CheckpointDamagedError(f"checkpoint {path} is damaged: {'; '.join(problems)}", path, problems)
@@ -282,8 +283,7 @@ class Checkpointer:
         complete = complete_steps(self.directory)
         done = {p for _, p in complete}
         stale = [p for _, p in complete[:-self.keep]]
-        stale += [os.path.join(self.directory, n) for n in os.listdir(self.directory)
-                  if STEP_DIR.match(n) and os.path.join(self.directory, n) not in done]
+        stale += [p for _, p in step_folders(self.directory) if p not in done]
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
 

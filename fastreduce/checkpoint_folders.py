@@ -18,16 +18,22 @@ STEP_DIR = re.compile(r"step-(\d+)$")
 # ---------------------------------------------------------------------- folders
 
 
-def complete_steps(directory: str) -> list[tuple[int, str]]:
-    """``[(step, folder)]`` of the committed checkpoints in ``directory``, by step."""
+def step_folder(directory: str, step: int) -> str:
+    """The folder of step ``step``'s checkpoint in ``directory``."""
+    return os.path.join(directory, f"step-{step:08d}")
+
+
+def step_folders(directory: str) -> list[tuple[int, str]]:
+    """``[(step, folder)]`` of every checkpoint folder in ``directory``, complete or not, by step."""
     if not os.path.isdir(directory):
         return []
-    out = []
-    for name in os.listdir(directory):
-        m = STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(directory, name, MARKER)):
-            out.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(out)
+    return sorted((int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+                  if (m := STEP_DIR.match(name)))
+
+
+def complete_steps(directory: str) -> list[tuple[int, str]]:
+    """``[(step, folder)]`` of the committed checkpoints in ``directory``, by step."""
+    return [(s, p) for s, p in step_folders(directory) if os.path.isfile(os.path.join(p, MARKER))]
 
 
 def inspect_folder(path: str) -> tuple[dict[str, Any] | None, list[str]]:

@@ -175,7 +175,7 @@ class StepCommits:
         cannot be written (the disk; a collective the mode's ``state_dict`` waits on failed on
         a lost member) is left out with a warning: that step's checkpoint stays incomplete and
         is never loaded, and training goes on."""
-        saves = self.me.checkpoints
+        saves = self.me.settings.checkpoints
         if saves is None or not saves.due(self.me.step):
             return
         try:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .admission import Admission
+from .checkpoint_folders import step_folder, step_folders
 from .checkpoint_state import capture_rng_state, restore_rng_state
 from .coordinator import Epoch, MembershipError
 from .member import Member
@@ -49,19 +50,21 @@ __all__ = ["Found", "JobCheckpoints"]
 log = logging.getLogger("fastreduce.membership")
 
 FORMAT = 1
-_STEP = re.compile(r"step-(\d{8})$")
 _PART = re.compile(r"e(\d+)-(\d+)-of-(\d+)\.pt$")
 PER_RANK = ("local", "gossip")  # the commit styles whose state is each rank's own
 
 
 @dataclass(frozen=True)
 class Found:
-    """A complete checkpoint: its committed ``step``, the ``world`` that wrote it and its
-    parts' paths in rank order."""
+    """A complete checkpoint: its committed ``step`` and its parts' paths in rank order (one
+    per member of the epoch that wrote it: :attr:`world`)."""
 
     step: int
-    world: int
     parts: tuple[str, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.parts)
 
 
 class JobCheckpoints:
@@ -86,7 +89,7 @@ class JobCheckpoints:
         ``mode_state`` the mode's state as an epoch change keeps it, and its commit style;
         ``layout`` the member's fingerprint (what a joiner's is compared with)."""
         epoch, rank = me.current(), me.rank
-        folder = os.path.join(self.directory, f"step-{me.step:08d}")
+        folder = step_folder(self.directory, me.step)
         os.makedirs(folder, exist_ok=True)
         own = rank == 0 or mode_state[1] in PER_RANK  # the state objects: the same on every member, else each one's
         part = {"format": FORMAT, "step": me.step, "epoch": epoch.number, "rank": rank, "world": epoch.world,
@@ -104,7 +107,7 @@ class JobCheckpoints:
         """Folders older than the ``keep`` newest complete checkpoints (``writing``, the one
         being written, is not counted: it may never complete), and incomplete ones older than
         the newest complete one."""
-        steps = self._steps()
+        steps = step_folders(self.directory)
         complete = [s for s, _ in steps if s != writing and self._complete(s) is not None]
         oldest = min(complete[-self.keep:], default=writing)
         newest = max(complete, default=-1)
@@ -114,15 +117,8 @@ class JobCheckpoints:
 
     # ------------------------------------------------------------------ finding
 
-    def _steps(self) -> list[tuple[int, str]]:
-        if not os.path.isdir(self.directory):
-            return []
-        found = [(int(m.group(1)), os.path.join(self.directory, n)) for n in os.listdir(self.directory)
-                 if (m := _STEP.match(n))]
-        return sorted(found)
-
     def _complete(self, step: int) -> Found | None:
-        folder = os.path.join(self.directory, f"step-{step:08d}")
+        folder = step_folder(self.directory, step)
         groups: dict[tuple[int, int], dict[int, str]] = {}
         for n in os.listdir(folder) if os.path.isdir(folder) else ():
             m = _PART.match(n)
@@ -131,7 +127,7 @@ class JobCheckpoints:
                 groups.setdefault((e, w), {})[r] = os.path.join(folder, n)
         for (_, w), parts in sorted(groups.items(), reverse=True):  # the newest epoch first
             if len(parts) == w:
-                return Found(step, w, tuple(parts[r] for r in range(w)))
+                return Found(step, tuple(parts[r] for r in range(w)))
         return None
 
     def newest(self, start_step: int = 0) -> Found | None:
@@ -144,7 +140,7 @@ class JobCheckpoints:
         return found
 
     def _newest(self) -> Found | None:
-        for step, _ in reversed(self._steps()):
+        for step, _ in reversed(step_folders(self.directory)):
             found = self._complete(step)
             if found is not None:
                 return found
@@ -158,7 +154,7 @@ class JobCheckpoints:
         state kept for :meth:`~fastreduce.epochs.EpochChanges.enter` to put back."""
         rank, world = epoch.members.index(me.name), epoch.world
         mine = [k for k in range(found.world) if k % world == rank]
-        parts = [torch.load(found.parts[k], map_location="cpu", weights_only=False) for k in mine or [rank % found.world]]
+        parts = [_read(found.parts[k]) for k in mine or [rank % found.world]]
         head, layout = parts[0], admission.fingerprint()
         why = f"it is in format {head.get('format')}, this fastreduce reads {FORMAT}" if head.get("format") != FORMAT \
             else admission.differs({**head["layout"], "version": layout["version"]}, layout)  # (any fastreduce reads it)
@@ -168,8 +164,7 @@ class JobCheckpoints:
         if why is not None:
             raise MembershipError(f"fastreduce: the job's checkpoint {os.path.dirname(found.parts[0])} does not fit: "
                                   f"{why}. Nothing was loaded")
-        state = head["state"] if head["state"] is not None else \
-            torch.load(found.parts[0], map_location="cpu", weights_only=False)["state"]
+        state = head["state"] if head["state"] is not None else _read(found.parts[0])["state"]
         for k, obj in me.state.items():
             obj.load_state_dict(state[k])
         me.step = found.step
@@ -184,3 +179,9 @@ class JobCheckpoints:
             restore_rng_state(head["rng"])
         log.info("fastreduce: member %s resumes the job at step %d from %s", me.name, found.step,
                  ", ".join(os.path.basename(found.parts[k]) for k in mine))
+
+
+def _read(path: str) -> dict[str, Any]:
+    """A part, its tensors mapped rather than read (only what is loaded from them is read:
+    rank 0's part, whose shared state every first member takes, holds its shards too)."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

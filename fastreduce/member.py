@@ -37,6 +37,8 @@ class MembershipSettings:
     heartbeat_s: float = 0.25
     """A member's heartbeat period, unless ``$FASTREDUCE_HEARTBEAT_S`` says otherwise: a loss
     ends a step within a second or two (3 silent beats), whatever the group's timeout."""
+    checkpoints: Any = None
+    """Where and how often the job saves itself (a :class:`~fastreduce.job_checkpoints.JobCheckpoints`)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 1 <= self.min_ranks:
@@ -83,7 +85,6 @@ class Member:
         self.founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
         self.kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
         self.left = False  # this member left the job (Membership.leave)
-        self.checkpoints: Any = None  # where it saves its part of the job (a job_checkpoints.JobCheckpoints)
         self._points: dict[str, list[Callable[[Any], Any]]] = {}
 
     def current(self) -> Epoch:

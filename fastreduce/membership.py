@@ -126,7 +126,8 @@ class Membership:
     def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
                  backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
                  poll_s: float = 0.2, member: str | None = None, checkpoints: JobCheckpoints | None = None):
-        self.settings = MembershipSettings(world_size, min_ranks, backend, tag, timeout_s, wait_s, poll_s)
+        self.settings = MembershipSettings(world_size, min_ranks, backend, tag, timeout_s, wait_s, poll_s,
+                                           checkpoints=checkpoints)
         coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
         if coordinator is None:
             raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "
@@ -134,7 +135,6 @@ class Membership:
         faults_heartbeat.default_interval(self.settings.heartbeat_s)
         self.link = CoordinatorLink(coordinator, timeout_s)
         self.me = Member(member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}", self.settings)
-        self.me.checkpoints = checkpoints
         self.admission = Admission(self.me, self.link)
         self.votes = Votes(self.me, self.link, self.admission)
         pulse = Pulse(self.link.store, self.me.name, self.link.call)  # alive to the others while it has no heartbeat
@@ -164,7 +164,8 @@ class Membership:
         is the members'; with ``checkpoints``, its newest complete save's). Returns the epoch joined."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0 (the committed steps of the checkpoint resumed), got {start_step}")
-        found = self.me.checkpoints.newest(start_step) if self.me.checkpoints is not None else None
+        saves = self.settings.checkpoints
+        found = saves.newest(start_step) if saves is not None else None
         start_step = found.step if found is not None else start_step
         self.me.state, self.me.build = dict(state), build
         self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
@@ -177,7 +178,7 @@ class Membership:
         if self.me.founder:
             self.me.step = epoch.step
             if found is not None:  # each first member holds its own part of the job: none is sent the state
-                self.me.checkpoints.resume(self.me, found, epoch, self.admission)
+                saves.resume(self.me, found, epoch, self.admission)
         start = time.perf_counter()
         self.epochs.enter(epoch)
         self.me.counters.stalls.append(("joined", time.perf_counter() - start))

@@ -102,10 +102,10 @@ class Pulse:
     def _run(self, stopping: threading.Event) -> None:
         interval = faults.heartbeat_interval() or 0.25
         key = _pulse_key(self.member)
-        own = self._own
+        own = self._own  # (made before the first thread starts)
         while not stopping.wait(interval):
             try:
-                ((own.conn if own is not None else None) or self.store).add(key, 1)
+                (own.conn or self.store).add(key, 1)
             except Exception:  # noqa: BLE001 - the coordinator is gone: the member's own requests say so
                 break
         disown(self)

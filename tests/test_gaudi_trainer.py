@@ -169,22 +169,14 @@ def test_the_gaudi_trainer_under_a_membership_resumes_the_jobs_checkpoint(tmp_pa
 # ============================================================== the torchrun worker
 
 def _worker(out: Path, what: str) -> None:
-    import os
+    from keep_training_trainers import gaudi_on_cpu
 
-    # As in an activated venv (a Gaudi container's Python is the one on PATH): the `pip` that
-    # import optimum.habana asks for Habana's plugin's version is this interpreter's.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-
-    import optimum.habana.transformers.trainer as gaudi_trainer_module
+    gaudi_on_cpu()  # optimum-habana's CPU path: its pip found, no HPU asked for memory figures
     from optimum.habana import GaudiConfig, GaudiTrainingArguments
     from transformers import TrainerCallback, TrainingArguments
 
     from fastreduce.integrations.optimum_habana import FastReduceGaudiTrainer
     from fastreduce.integrations.transformers import FastReduceTrainer
-
-    # GaudiTrainer.log adds the HPU's memory figures to every log, importing habana_frameworks
-    # (optimum-habana 1.21.2, transformers/trainer.py): there is no HPU here to ask.
-    gaudi_trainer_module.get_hpu_memory_stats = lambda device=None: {}
     rank, world = hf_worker()
 
     TinyConfig, Tiny, Data = hf_regression()

@@ -164,7 +164,7 @@ def test_a_trainer_under_membership_refuses_to_resume_a_checkpoint(tmp_path: Pat
     (ZeRO's shards in the HF Trainer; Lightning's job position), resuming would train on
     from a wrong state (no error): refused before anything trains, naming the job's own
     checkpoints (``JobCheckpoints``) as the way (cells.py)."""
-    from fastreduce.integrations.cells import RESUME_UNDER_MEMBERSHIP
+    from fastreduce.integrations.membership import RESUME_UNDER_MEMBERSHIP
     from fastreduce.membership import Membership, serve
 
     _need(trainer)

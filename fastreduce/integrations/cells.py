@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..modes.contract import PER_RANK_ONLY_AT_ITS_WORLD, state_scope
 from .modes import MODES
 
-__all__ = ["ASPECTS", "RESUME_UNDER_MEMBERSHIP", "WAYS", "refusal"]
+__all__ = ["ASPECTS", "WAYS", "refusal"]
 
 WAYS: dict[str, str] = {
     "loop": "your own loop",
@@ -34,16 +34,6 @@ ASPECTS: dict[str, str] = {
     "compile": "`torch.compile`",
 }
 """What a cell is asked to do, with its name in the table."""
-
-RESUME_UNDER_MEMBERSHIP = (
-    "under fastreduce.Membership a trainer's own checkpoint holds the whole job in the HF Trainer's fused and "
-    "overlapped modes only (ZeRO's shards and the per-rank modes' state are each member's own, and Lightning's file "
-    "keeps no job position): give the Membership checkpoints=fastreduce.JobCheckpoints(directory, every=N) and start "
-    "the new job on that directory, without resume_from_checkpoint or ckpt_path: it resumes from the job's newest "
-    "save, in every mode")
-"""Why a trainer under a Membership refuses to resume its own checkpoint where that does not
-hold the job (asked by both trainers); the job's own checkpoints resume in every mode."""
-
 
 def refusal(mode: str, way: str, membership: bool, aspect: str) -> str | None:
     """Why the cell (``mode``, ``way``, under a Membership or not, ``aspect``) cannot exist, in

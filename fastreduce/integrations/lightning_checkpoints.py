@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any
 
-from .cells import RESUME_UNDER_MEMBERSHIP
+from .membership import RESUME_UNDER_MEMBERSHIP
 
 __all__ = ["CheckpointMixin"]
 

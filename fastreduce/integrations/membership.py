@@ -77,12 +77,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..modes.contract import commit_style, membership_settings, settings_refusal, state_scope
-from .cells import RESUME_UNDER_MEMBERSHIP
 from .committing import CommittingOptimizer
 from .membership_data import MembershipSampler
 from .modes import TrainerMode
 
-__all__ = ["MembershipSampler", "ModeModule", "TrainerMembership", "check_mode", "check_plain_process"]
+__all__ = ["RESUME_UNDER_MEMBERSHIP", "MembershipSampler", "ModeModule", "TrainerMembership", "check_mode",
+           "check_plain_process"]
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,16 @@ class _Local(_Seen):
         self.obj.keep_sent()
 
 
+RESUME_UNDER_MEMBERSHIP = (
+    "under fastreduce.Membership a trainer's own checkpoint holds the whole job in the HF Trainer's fused and "
+    "overlapped modes only (ZeRO's shards and the per-rank modes' state are each member's own, and Lightning's file "
+    "keeps no job position): give the Membership checkpoints=fastreduce.JobCheckpoints(directory, every=N) and start "
+    "the new job on that directory, without resume_from_checkpoint or ckpt_path: it resumes from the job's newest "
+    "save, in every mode")
+"""Why a trainer under a Membership refuses to resume its own checkpoint where that does not
+hold the job (asked by both trainers); the job's own checkpoints resume in every mode."""
+
+
 class TrainerMembership:
     """One trainer's side of a :class:`fastreduce.Membership` (see the module doc).
 
@@ -297,13 +307,13 @@ class TrainerMembership:
         optimizer, the schedulers): the committed steps and the data stream's position."""
         return {"step": self.m.step, "data": self.sampler.state_dict() if self.sampler is not None else None}
 
-    def resume(self, saved: dict[str, Any], checkpoint: str, way: str) -> None:
+    def resume(self, saved: dict[str, Any], checkpoint: str) -> None:
         """The job starts from a trainer's checkpoint (``saved``: its :meth:`state_dict`, read
         from ``checkpoint``): the first members at its committed steps and data position (a
-        joiner takes the members'), once the trainer has loaded the rest. Refused, before
-        anything joins, where the mode's state is not all in the trainer's (``way``, a key of
-        :data:`~.cells.WAYS`) checkpoint."""
-        if way != "hf" or state_scope(self.mode.cls) != "replicated":
+        joiner takes the members'), once the trainer (the HF Trainer's; Lightning refuses
+        its own) has loaded the rest. Refused, before anything joins, where the mode's state
+        is not all in that checkpoint (its scope is not ``replicated``)."""
+        if state_scope(self.mode.cls) != "replicated":
             raise ValueError(f"{self.who}: {RESUME_UNDER_MEMBERSHIP}")
         if not isinstance(saved, dict) or saved.get("data") is None or "step" not in saved:
             raise ValueError(f"{self.who}: {checkpoint} holds no fastreduce job position: it was not saved under a "

@@ -373,7 +373,7 @@ class FastReduceMixin:
         if os.path.isfile(job):
             with open(job) as f:
                 saved = json.load(f)
-        self.fastreduce_membership.resume(saved, folder or self.args.output_dir, "hf")
+        self.fastreduce_membership.resume(saved, folder or self.args.output_dir)
         # TrainingArguments' own setting, for this run: the data position comes with the job's state
         self.args.ignore_data_skip = True
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership", "commit_style",
-           "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope"]
+__all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership",
+           "commit_style", "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
