@@ -72,6 +72,13 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(params.numpy().tobytes()).hexdigest()[:12]
 
 
+def graphs() -> int:
+    """The graphs ``torch.compile`` captured in this process (0: nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def die() -> None:
     """Crash as the OS crashes a process: SIGKILL to itself (no teardown, no flush; what
     ``kill -9`` from outside does too)."""
@@ -130,7 +137,7 @@ reaching the point where it is killed and the next one released."""
 
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
-           compiled: bool = False, released: Any = None, device: str = "cpu", checkpoints: str = "",
+           compiled: str = "", released: Any = None, device: str = "cpu", checkpoints: str = "",
            accelerate: bool = False) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
@@ -147,8 +154,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
     (not killed: that step takes 3 s more);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
-    coordinator's on this host, or its ``host:port``; ``compiled``: the forward through
-    ``torch.compile(model)``, the way users on Gaudi and CUDA train); ``released``: an event
+    coordinator's on this host, or its ``host:port``; ``compiled``: a
+    ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``), the forward through
+    ``torch.compile(model, backend=compiled)``, the way users on Gaudi and CUDA train); ``released``: an event
     :func:`launch` sets once every replacement is told to join (see :data:`HOLD_STEPS`); ``device``: where the
     model and its batches live (``cuda``: every member on the one GPU, its tensors sent over Gloo);
     ``checkpoints``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
@@ -161,14 +169,14 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
     torch.set_num_threads(1)
     model = make_model(width).to(device)
-    net = torch.compile(model) if compiled else model  # compiled once: every epoch's mode hooks the same model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    net = torch.compile(model, backend=compiled) if compiled and not accelerate else model  # compiled once: every
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # epoch's mode hooks the same model
     stepped, backward = opt, torch.Tensor.backward  # (the mode is built over the optimizer itself)
-    if accelerate:
+    if accelerate:  # (compiled: by the Accelerator, as its users ask it to)
         from accelerate import Accelerator
 
-        accelerator = Accelerator(cpu=device == "cpu")
-        net = model = accelerator.prepare_model(model, evaluation_mode=True)
+        accelerator = Accelerator(cpu=device == "cpu", dynamo_backend=compiled or "no")
+        net = accelerator.prepare_model(model, evaluation_mode=True)
         stepped, backward = accelerator.prepare_optimizer(opt), accelerator.backward
     facts: dict[str, Any] = {"index": index, "steps": [], "digests": {}}
 
@@ -192,8 +200,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("set_up", lambda e: die() if e.number == kill[1] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
+        wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
-               lambda: flapping(build(mode, model, opt), m, kill))
+               lambda: flapping(build(mode, wrapped, opt), m, kill))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
@@ -262,7 +271,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                                                     for s in st.values()] or [torch.zeros(0)]),
                      devices=sorted({str(t.device) for t in [*model.parameters(), *(s["exp_avg"] for s in st.values())]}),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
-                     epoch=m.epoch.number, world=m.world)
+                     epoch=m.epoch.number, world=m.world, graphs=graphs())
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         m.close()
     except MembershipError as err:
@@ -275,7 +284,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
-           release_after: list[int] | None = None, compiled: bool = False, members: int = 3,
+           release_after: list[int] | None = None, compiled: str = "", members: int = 3,
            device: str = "cpu", checkpoints: str = "", accelerate: bool = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from keep_training import die  # this folder's: SIGKILL to itself
+from keep_training import die, graphs  # this folder's: SIGKILL to itself; the graphs compiled
 
 STEPS = 24
 BATCH = 4
@@ -46,7 +46,13 @@ HEARTBEAT = "0.25"
 LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
 #                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
 PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arrives mid-run
+PAUSE_MISSING = 0.5  # s per step while a member is missing: a replacement slow to start (a compiled
+#                    trainer's set-up on a loaded machine) still arrives mid-run
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
+PRELOAD = {"hf": ("transformers.trainer", "fastreduce.integrations.transformers"),
+           "gaudi": ("transformers.trainer", "fastreduce.integrations.transformers"),
+           "lightning": ("lightning.pytorch", "fastreduce.integrations.lightning")}
+"""What the members' fork server imports once, per trainer (:func:`launch`)."""
 SETTINGS: dict[str, dict[str, Any]] = {
     "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
     "zero": {"bucket_mb": 0.0005},  # (redundant=True: set by the trainer under a Membership)
@@ -114,11 +120,18 @@ def _membership(port: int, saves: str = "", world: int = 3) -> Any:
                       checkpoints=JobCheckpoints(saves, every=SAVE_EVERY) if saves else None)
 
 
+def _pause(m: Any, world: int) -> None:
+    """A step long enough for the replacement to arrive mid-run: longer while the job is short
+    of the ``world`` members it started with."""
+    time.sleep(PAUSE if m.world >= world else PAUSE_MISSING)
+
+
 def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
     """Member ``index`` dies in the forward of step ``kill`` (``step()``: the trainer's count)
-    as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does)."""
+    as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does). (Left
+    out of a compiled forward: traced, the step count would be a guard, a graph per step.)"""
     if kill is not None:
-        module.register_forward_pre_hook(lambda *_: die() if step() == kill else None)
+        module.register_forward_pre_hook(torch.compiler.disable(lambda *_: die() if step() == kill else None))
 
 
 # ====================================================================== Hugging Face
@@ -135,9 +148,10 @@ class Regressor(nn.Module):
 
 def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
               go: Any = None, resume: str | None = None, saves: str = "", world: int = 3,
-              gaudi: bool = False) -> dict[str, Any]:
+              gaudi: bool = False, compiled: str = "") -> dict[str, Any]:
     """A member through ``FastReduceTrainer`` (``gaudi``: optimum-habana's ``GaudiTrainer``,
-    ``FastReduceGaudiTrainer``, on its CPU path: ``use_habana=False``)."""
+    ``FastReduceGaudiTrainer``, on its CPU path: ``use_habana=False``; ``compiled``: the
+    ``torch_compile_backend`` of ``torch_compile=True``)."""
     from transformers import TrainerCallback, TrainingArguments
 
     from fastreduce.integrations.transformers import FastReduceTrainer
@@ -157,13 +171,14 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
                              eval_strategy="steps", eval_steps=EVAL_EVERY, per_device_eval_batch_size=16,
                              label_names=["y"], prediction_loss_only=True, max_grad_norm=1.0, logging_steps=LOG_EVERY,
                              save_strategy="steps" if resume == "save" else "no", save_steps=EVAL_EVERY,
-                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+                             **({"torch_compile": True, "torch_compile_backend": compiled} if compiled else {}))
     lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
 
     class Record(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             lrs.append((trainer.fastreduce_membership.m.step + 1, opt.param_groups[0]["lr"]))  # the step's lr
-            time.sleep(PAUSE)  # a step long enough for the replacement to arrive mid-run
+            _pause(trainer.fastreduce_membership.m, world)
 
     trainer = made(model=model, args=args, train_dataset=Samples(as_dict=True), eval_dataset=Samples(as_dict=True),
                    optimizers=(opt, schedule(opt, steps)), callbacks=[Record()], fastreduce_mode=mode,
@@ -176,7 +191,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     logs = [e for e in trainer.state.log_history if "loss" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
     return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "evals": evals,
-            "joined_at": glue.joined_at,
+            "joined_at": glue.joined_at, "graphs": graphs(),
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
             "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
@@ -186,7 +201,9 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
 
 
 def lightning_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
-                     go: Any = None, saves: str = "", world: int = 3) -> dict[str, Any]:
+                     go: Any = None, saves: str = "", world: int = 3, compiled: str = "") -> dict[str, Any]:
+    """A member through ``FastReduceStrategy`` (``compiled``: ``trainer.fit(torch.compile(module,
+    backend=compiled))``, as Lightning's users compile)."""
     import lightning.pytorch as pl
 
     from fastreduce.integrations.lightning import FastReduceStrategy
@@ -198,11 +215,17 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
             super().__init__()
             self.net = net()
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-            self.log("loss", loss)
-            return loss
+            return nn.functional.mse_loss(self(x).squeeze(-1), y)  # (through forward: what a compiled module compiles)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            # (logged here, not in training_step: a compiled module's training_step is traced, and
+            # self.log there fails in dynamo with or without fastreduce: lightning 2.6, torch 2.13)
+            self.log("loss", outputs["loss"])
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:  # each member's own, on every sample
             x, y = batch
@@ -214,7 +237,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             lrs.append((self.trainer.strategy.membership.m.step + 1, optimizer.param_groups[0]["lr"]))
-            time.sleep(PAUSE)
+            _pause(self.trainer.strategy.membership.m, world)
 
     module = Module()
     strategy = FastReduceStrategy(mode, membership=_membership(port, saves, world), **SETTINGS[mode])
@@ -225,12 +248,14 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
     _die_at(module.net, index, kill, lambda: trainer.global_step)
     if go is not None:
         go.wait(120)
-    trainer.fit(module, torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=BATCH, shuffle=True),
+    fitted = torch.compile(module, backend=compiled) if compiled else module
+    trainer.fit(fitted, torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=BATCH, shuffle=True),
                 torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=16))
     glue = strategy.membership
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
     return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged,
             "joined_at": glue.joined_at, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+            "graphs": graphs(),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
             "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
 
@@ -253,13 +278,14 @@ def gaudi_on_cpu() -> None:
 
 
 def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
-           transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3) -> None:
+           transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3,
+           compiled: str = "") -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
     save what it saw to ``out/member<index>.pt``. ``resume`` (the HF Trainer): ``"save"``, a
     checkpoint every ``EVAL_EVERY`` steps; a checkpoint folder: the job resumed from it.
     ``saves``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
     (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from; ``world``: the members the
-    job starts with."""
+    job starts with; ``compiled``: a ``torch.compile`` backend the trainer compiles the model with."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_LOST_AFTER_S=LOST_AFTER,
                       FASTREDUCE_TRANSPORT=transport, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     torch.set_num_threads(1)
@@ -273,9 +299,10 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
         if trainer == "gaudi":
             gaudi_on_cpu()
         if trainer in ("hf", "gaudi"):
-            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world, trainer == "gaudi"))
+            facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world, trainer == "gaudi",
+                                   compiled))
         else:
-            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world))
+            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world, compiled))
         facts.pop("m").close()
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
@@ -284,22 +311,40 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
            timeout: float = 180, transport: str = "process_group", resume: str | None = None,
-           saves: str = "", members: int = 3) -> dict[int, dict]:
+           saves: str = "", members: int = 3, compiled: str = "") -> dict[int, dict]:
     """A coordinator, ``members`` members (member 2 dies in the forward of step ``kill_at``;
     ``None``: none does) and, where one dies, a replacement told to join once it is gone;
-    returns what each member saved. ``resume``, ``saves``: :func:`member`'s."""
+    returns what each member saved. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
+
+    The members are forked from a fork server that imported the trainer's libraries once
+    (:data:`PRELOAD`), started in a process of its own (this process's may be running already,
+    with other imports): on 2 cores, four members each importing them took three times as long."""
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
-    ctx = mp.get_context("spawn")
+    starter = mp.get_context("spawn").Process(target=_start_members, args=(
+        trainer, server.port, str(out), mode, kill_at, steps, timeout, transport, resume, saves, members, compiled))
+    starter.start()
+    starter.join(2 * timeout + 60)
+    if starter.is_alive():
+        starter.kill()
+    return {i: torch.load(path, weights_only=False) for i in range(members + 1)
+            if (path := out / f"member{i}.pt").exists()}
+
+
+def _start_members(trainer: str, port: int, out: str, mode: str, kill_at: int | None, steps: int, timeout: float,
+                   transport: str, resume: str | None, saves: str, members: int, compiled: str) -> None:
+    """:func:`launch`'s members, started and waited for (a process of its own)."""
+    from fastreduce.launch import rank_context
+
+    ctx = rank_context("keep_training_trainers", *PRELOAD[trainer])
     go = ctx.Event()
-    procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode,
-                                                 kill_at if i == 2 else None, None, steps, transport, resume, saves,
-                                                 members))
+    procs = {i: ctx.Process(target=member, args=(trainer, i, port, out, mode, kill_at if i == 2 else None, None, steps,
+                                                 transport, resume, saves, members, compiled))
              for i in range(members)}
     if kill_at is not None:
-        procs[members] = ctx.Process(target=member, args=(trainer, members, server.port, str(out), mode, None, go,
-                                                          steps, transport, None, saves, members))
+        procs[members] = ctx.Process(target=member, args=(trainer, members, port, out, mode, None, go, steps, transport,
+                                                          None, saves, members, compiled))
     for p in procs.values():
         p.start()
     try:
@@ -312,8 +357,6 @@ def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 1
         for p in procs.values():
             if p.is_alive():
                 p.kill()
-    return {i: torch.load(out / f"member{i}.pt", weights_only=False) for i in procs
-            if (out / f"member{i}.pt").exists()}
 
 
 def main(argv: list[str] | None = None) -> None:

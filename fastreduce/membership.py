@@ -22,34 +22,9 @@ others as to a joiner, so every survivor enters the next epoch at that step; whe
 completed it, the step is discarded on every member (its gradients lost with the batch;
 the caller steps only on ``True``). At most one step is discarded per loss.
 
-**Losses.** A failed reduction (a :class:`~fastreduce.RankLostError`, or the transport's
-error) ends the epoch: every survivor registers for the next epoch, waits until every
-member not known lost has registered (at most ``$FASTREDUCE_LOST_AFTER_S``, longer for one
-whose heartbeat still beats in the old epoch, up to ``wait_s``), and the first
-proposal written wins (``compare_set``); a member left out of it (registered too late)
-raises :class:`MembershipError`, and may rejoin as a new process.
-
-**Polls.** Every ``poll_s`` seconds (a number of steps agreed at the previous poll, from
-the step time) the members vote through the coordinator at the end of a step: each adds 1
-to the step's counter, and the member whose vote completes the count looks for joiners and
-writes the decision (go on, or admit them) and the step of the next poll. A member silent
-for ``$FASTREDUCE_LOST_AFTER_S`` during a poll ends the epoch as a failed reduction does.
-How LocalSGD and DiLoCo (at their syncs), ZeRO (inside its step) and gossip (around
-forward and backward) commit: :mod:`fastreduce.commits`.
-
-**Joining.** A new process, started like the others with the same coordinator, takes a
-ticket and is admitted at the members' next poll (the voter that completes the count sees
-the ticket and decides ``"join"``): after that step is committed, the next epoch holds the
-members then the joiners, and rank 0 (a member) sends the whole training state (every
-``state_dict`` of ``state`` and the committed step count) over the new group; the joiner
-loads it, so it equals the members bit for bit, and the world grows. A joiner whose
-fastreduce version, ``tag`` (the mode and its settings) or model layout (names, shapes,
-dtypes) differs from the members' is refused before admission, with an error naming the
-difference, and the members are not disturbed.
-
-**Leaving.** :meth:`Membership.leave` asks to leave at the next poll: the voter that
-completes the count sees it, and the others form the next epoch without the member, with
-no loss (a spot instance's preemption notice, or a member out of data).
+The protocol in full (losses and the window a survivor waits, the polls, admission and
+what a joiner is refused for, leaving, the commit in each mode's style): docs/faults.md and
+:mod:`fastreduce.commits`.
 
 The data: :attr:`Membership.rank` and :attr:`Membership.world` change with the epoch; a
 sampler re-shards from them at each epoch (:attr:`Membership.epoch`). A discarded step's

@@ -140,7 +140,7 @@ def test_a_compiled_model_keeps_training_through_a_loss_and_a_join(tmp_path: Pat
     """The forward through torch.compile(model) (compiled once per process; each epoch's
     mode hooks the same parameters, the overlapped one's buckets in the compiled
     backward): a member lost mid-step and replaced, every final member bit-identical."""
-    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, mode=mode, compiled=True)
+    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, mode=mode, compiled="inductor")
     final = [found[i] for i in (0, 1, 3)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
@@ -148,16 +148,20 @@ def test_a_compiled_model_keeps_training_through_a_loss_and_a_join(tmp_path: Pat
     _same(final)
 
 
-@pytest.mark.parametrize("mode, transport", [("diloco", "process_group"),
-                                             pytest.param("localsgd", "shm", marks=SLOW)])
+@pytest.mark.parametrize("mode, transport, compiled", [
+    ("diloco", "process_group", ""),
+    pytest.param("localsgd", "shm", "aot_eager",
+                 marks=[SLOW, pytest.mark.cell("loop", "compile", membership=True, against="equal")])])
 @pytest.mark.cell("loop", "train", membership=True, against="equal")
-def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode: str, transport: str) -> None:
+def test_a_local_update_mode_syncs_again_over_the_survivors(tmp_path: Path, mode: str, transport: str,
+                                                           compiled: str) -> None:
     """LocalSGD and DiLoCo (a sync every 4 steps, DiLoCo's in 2 fragments): a member lost
     before a sync fails it; every survivor puts its parameters, anchor, outer and inner
     optimizer state back as before that step and runs it again over the next epoch. No
     step is discarded, and after a last sync every member (the joiner too) holds the
-    same parameters, bit for bit."""
-    found = run(tmp_path, transport, {2: ("mid-step", 10)}, mode=mode)
+    same parameters, bit for bit (LocalSGD: its model compiled, aot_eager)."""
+    found = run(tmp_path, transport, {2: ("mid-step", 10)}, mode=mode, compiled=compiled)
+    assert all(f["graphs"] > 0 for f in found.values() if "params" in f) or not compiled
     final = [found[i] for i in (0, 1, 3)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3
@@ -245,17 +249,20 @@ def _by_hand(rank: int, world: int, transport: str, mode_name: str) -> torch.Ten
 
 
 @pytest.mark.parametrize("mode", ["fused", "zero", "gossip", "diloco-streaming"])  # (overlap, localsgd: passed at stop 67)
-@pytest.mark.cell("loop", "train", membership=True, modes=("fused", "zero", "gossip", "diloco"))
+@pytest.mark.cell("loop", "train", "compile", membership=True, modes=("fused", "zero", "gossip", "diloco"))
 def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Path, mode: str) -> None:
     """No fault: 3 members through a Membership (its polls and votes, each mode's commit
-    style) end where the same mode in a hand-written loop on a plain group of 3 ends, on the
-    same batches (1e-6; DiLoCo streaming: each fragment's all-reduce over the next step)."""
+    style), their model compiled (``torch.compile(model, backend="aot_eager")``; gossip's
+    wrapping the compiled model), end where the same mode in a hand-written loop on a plain
+    group of 3 with the eager model ends, on the same batches (1e-6; DiLoCo streaming: each
+    fragment's all-reduce over the next step)."""
     from fastreduce.launch import run_ranks
 
-    found = run(tmp_path, "process_group", {}, joiners=0, mode=mode)
+    found = run(tmp_path, "process_group", {}, joiners=0, mode=mode, compiled="aot_eager")
     final = [found[i] for i in sorted(found)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["counters"]["losses"] == 0
+        assert f["graphs"] > 0, f["graphs"]  # (compiled, graphs captured)
     want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]  # (every rank's the same at the end)
     for f in final:
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
@@ -310,29 +317,46 @@ def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: P
             assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.cell("accelerate", "train", "resume", membership=True,
-                                                                          modes=(m.split("-")[0],)))
-                                  for m in ("fused", "overlap", "zero", "localsgd", "diloco-streaming", "gossip")])
+RESHARDED = ("fused", "overlap", "zero")  # the modes whose state loads onto another world size
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.cell("accelerate", "train", "resume", "compile",
+                                           *(("reshard",) if m in RESHARDED else ()), membership=True,
+                                           modes=(m.split("-")[0],)))
+    for m in ("fused", "overlap", "zero", "localsgd", "diloco-streaming", "gossip")])
 def test_an_accelerate_loop_under_a_membership_equals_the_hand_written_one_and_resumes(tmp_path: Path, mode: str) -> None:
     """The loop an Accelerate user writes (the model prepared by an ``Accelerator``, which sees
-    one process and adds no DDP; ``accelerator.backward``; the optimizer it wraps stepped in
-    the commit), 3 members through a Membership that saves the job every 16 steps: ends where
-    the same mode in a hand-written loop on a plain group ends (1e-6); a new job on the same
-    directory resumes at step 32 and ends where the first ended, bit for bit."""
+    one process and adds no DDP, and compiled by it: ``dynamo_backend="aot_eager"``;
+    ``accelerator.backward``; the optimizer it wraps stepped in the commit), 3 members
+    through a Membership that saves the job every 16 steps: ends where the same mode in a
+    hand-written loop on a plain group with the eager model ends (1e-6); a new job on the
+    same directory resumes at step 32 and ends where the first ended, bit for bit. The
+    fused, overlapped and ZeRO modes resume on 2 members too, ending where
+    ``torch.optim.AdamW`` on the mean gradient of 3 ranks for 32 steps, then of 2, ends (1e-6)."""
     pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install 'fastreduce[hf]'")
     from fastreduce.launch import run_ranks
 
     saves = str(tmp_path / "saves")
     runs = []
-    for out in ("first", "again"):
+    for out, members in (("first", 3), ("again", 3), ("fewer", 2)):
+        if members == 2 and mode not in RESHARDED:
+            continue
         (tmp_path / out).mkdir()
-        found = run(tmp_path / out, "process_group", {}, joiners=0, mode=mode, accelerate=True, checkpoints=saves)
-        assert sorted(found) == [0, 1, 2], sorted(found)
+        found = run(tmp_path / out, "process_group", {}, joiners=0, mode=mode, accelerate=True, checkpoints=saves,
+                    compiled="aot_eager", members=members)
+        assert sorted(found) == list(range(members)), sorted(found)
         runs.append([found[i] for i in sorted(found)])
-    first, again = runs
+    first, again, *fewer = runs
+    for run_ in fewer:
+        for f in run_:
+            assert f["joined_at"] == 32 and f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2, f["steps"][:2]
+        _same(run_)
+        want = adamw_on_the_mean([3] * 32 + [2] * (STEPS - 32))
+        assert torch.allclose(run_[0]["params"], want, rtol=0, atol=1e-6), float((run_[0]["params"] - want).abs().max())
     want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]
     for f in first:
-        assert f["steps"][-1][:2] == (STEPS, True) and f["counters"]["losses"] == 0
+        assert f["steps"][-1][:2] == (STEPS, True) and f["counters"]["losses"] == 0 and f["graphs"] > 0
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
     for f in again:
         assert f["joined_at"] == 32 and f["steps"][-1][:2] == (STEPS, True), f["steps"][:2]
