@@ -169,8 +169,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
     torch.set_num_threads(1)
     model = make_model(width).to(device)
-    net = torch.compile(model, backend=compiled) if compiled and not accelerate else model  # compiled once: every
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # epoch's mode hooks the same model
+    # compiled once: every epoch's mode hooks the same model
+    net = torch.compile(model, backend=compiled) if compiled and not accelerate else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepped, backward = opt, torch.Tensor.backward  # (the mode is built over the optimizer itself)
     if accelerate:  # (compiled: by the Accelerator, as its users ask it to)
         from accelerate import Accelerator

@@ -454,6 +454,7 @@ class EpochChanges:
                 faults_watchdog.abandon_groups()
             quiet_backends()  # (lifecycle.shutdown's note: a Gloo thread still letting go of a work)
             dist.destroy_process_group()
+        torch_internals.release_abandoned()  # the groups abandoned a timeout ago: their sockets closed
 
 
 class _Missing(Exception):

@@ -179,8 +179,9 @@ def abandon_groups() -> None:
     a peer that will never answer holds a Gloo thread in a socket read, and destroying
     its process group (at the latest, the interpreter's exit) joins that thread: the
     process would hang there. So every process group is aborted where the backend can
-    (the pending work fails, its thread returns) and, where it cannot, pinned: never
-    destroyed, its threads end with the process (:func:`.torch_internals.abandon_groups`).
+    (the pending work fails, its thread returns) and pinned: not destroyed until its
+    timeout has passed and every collective of it has returned, then let go of at the next
+    abandonment or epoch (:func:`.torch_internals.abandon_groups`, ``release_abandoned``).
     The group is of no further use either way: a job that lost a rank restarts (torchrun
     --max-restarts), or under a Membership goes on in a new group."""
     global _waiter_caller

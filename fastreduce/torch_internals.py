@@ -10,6 +10,8 @@ what it answers instead.
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
@@ -20,7 +22,7 @@ from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "ddp_first_bucket_bytes", "default_store",
            "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass", "profiler_enabled",
-           "store_base", "unsafe_preserve_version_counter"]
+           "release_abandoned", "store_base", "unsafe_preserve_version_counter"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -59,24 +61,52 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-_pinned: list[Any] = []
+RELEASE_AFTER_S = 5.0
+"""How long past its timeout an abandoned group is kept (:func:`release_abandoned`)."""
+
+_pinned: list[tuple[Any, float]] = []  # (an abandoned group, when it may be let go)
+_pinning = threading.Lock()
 
 
 def abandon_groups() -> None:
-    """Every process group of this process aborted where the backend can (the pending work
-    fails, its thread returns) and pinned: never destroyed, its threads end with the
-    process (:func:`fastreduce.faults_watchdog.abandon_groups` says why)."""
+    """Every process group of this process aborted where the backend can and pinned: not
+    destroyed while a collective of it may still wait on a peer gone silent (destroying it
+    joins that thread, and Gloo's abort does not end it: torch 2.13), so neither a group
+    destroyed now nor one let go of at the interpreter's teardown hangs the process
+    (:func:`fastreduce.faults_watchdog.abandon_groups` says why). Pinned, each keeps its
+    sockets (4 descriptors on 2 ranks) and threads until :func:`release_abandoned` lets it go."""
     import ctypes
 
-    for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
-        if any(p is pg for p in _pinned):
-            continue
-        _pinned.append(pg)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # outlives the interpreter's teardown
-        try:
-            pg.abort()
-        except Exception:  # noqa: BLE001 - not supported by this backend or torch
-            pass
+    release_abandoned()
+    with _pinning:
+        for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
+            if any(p is pg for p, _ in _pinned):
+                continue
+            _pinned.append((pg, time.monotonic() + group_timeout(pg) + RELEASE_AFTER_S))
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # outlives the interpreter's teardown
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - not supported by this backend or torch
+                pass
+
+
+def release_abandoned() -> int:
+    """Let go of the abandoned groups whose timeout has passed since they were abandoned: by
+    then every collective of theirs has returned or timed out, so destroying one joins no
+    thread that waits (milliseconds), and its sockets and threads are freed (a process that
+    loses members again and again keeps the descriptors of one timeout's losses, not of all).
+    Returns how many are still pinned. Called at each abandonment and each new epoch."""
+    import ctypes
+
+    now = time.monotonic()
+    with _pinning:
+        due = [entry for entry in _pinned if entry[1] <= now]
+        for entry in due:
+            _pinned.remove(entry)
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(entry[0]))
+        left = len(_pinned)
+    del due  # the last references to them: destroyed here, or with the last holder's
+    return left
 
 
 def ddp_first_bucket_bytes() -> int:
