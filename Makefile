@@ -106,8 +106,8 @@ test-stress: $(STAMP)
 # helpers (the HF Trainer, Accelerate, Lightning, optimum-habana; compiled runs among them), their
 # slow variants left out. make test runs the whole suite on any stack (docs/testing.md).
 STACK_SUITES := tests/test_transformers.py tests/test_lightning.py tests/test_lightning_modes.py \
-	tests/test_trainer_modes.py tests/test_optimum_habana.py tests/test_gaudi_trainer.py tests/test_accelerate_modes.py \
-	tests/test_compat.py
+	tests/test_trainer_modes.py tests/test_optimum_habana.py tests/test_gaudi_trainer.py \
+	tests/test_gaudi_trainer_membership.py tests/test_accelerate_modes.py tests/test_compat.py
 test-stack: $(STAMP)
 	$(WITH_CACHE) \
 	$(call record,quick) $(PYTEST) -m quick $(PYTEST_ARGS) && \

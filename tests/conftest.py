@@ -64,7 +64,8 @@ QUICK: dict[str, tuple[str, ...]] = {
 INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_readme.py",
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
                "test_optimum_habana.py", "test_membership.py", "test_membership_partition.py",
-               "test_trainers_membership.py", "test_store_load.py", "test_exits.py")
+               "test_trainers_membership.py", "test_gaudi_trainer_membership.py", "test_store_load.py",
+               "test_exits.py")
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
