@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -49,10 +50,10 @@ PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arriv
 PAUSE_MISSING = 0.5  # s per step while a member is missing: a replacement slow to start (a compiled
 #                    trainer's set-up on a loaded machine) still arrives mid-run
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
-PRELOAD = {"hf": ("transformers.trainer", "fastreduce.integrations.transformers"),
-           "gaudi": ("transformers.trainer", "fastreduce.integrations.transformers"),
-           "lightning": ("lightning.pytorch", "fastreduce.integrations.lightning")}
-"""What the members' fork server imports once, per trainer (:func:`launch`)."""
+_HF_IMPORTS = ("transformers.trainer", "fastreduce.integrations.transformers")
+PRELOAD = {"hf": _HF_IMPORTS, "gaudi": _HF_IMPORTS, "lightning": ("lightning.pytorch", "fastreduce.integrations.lightning")}
+"""What a member imports before it waits (a replacement is ready to join at once): once, in the
+fork server the members are forked from (:func:`launch`)."""
 SETTINGS: dict[str, dict[str, Any]] = {
     "fused": {"wire_dtype": torch.float32}, "overlap": {"wire_dtype": torch.float32, "bucket_mb": 0.0005},
     "zero": {"bucket_mb": 0.0005},  # (redundant=True: set by the trainer under a Membership)
@@ -291,11 +292,8 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
     torch.set_num_threads(1)
     facts: dict[str, Any] = {"index": index}
     try:
-        if trainer in ("hf", "gaudi"):  # imported before waiting: a replacement is ready to join at once
-            import fastreduce.integrations.transformers  # noqa: F401
-            import transformers  # noqa: F401
-        else:
-            import fastreduce.integrations.lightning  # noqa: F401
+        for name in PRELOAD[trainer]:  # (already there where the fork server imported them)
+            importlib.import_module(name)
         if trainer == "gaudi":
             gaudi_on_cpu()
         if trainer in ("hf", "gaudi"):

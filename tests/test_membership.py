@@ -268,8 +268,11 @@ def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Pa
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
 
 
+RESHARDED = ("fused", "overlap", "zero")  # the modes whose state loads onto another world size
+
+
 @pytest.mark.parametrize("mode", [
-    *[pytest.param(m, marks=pytest.mark.cell("loop", "resume", "reshard", membership=True)) for m in ("fused", "overlap", "zero")],
+    *[pytest.param(m, marks=pytest.mark.cell("loop", "resume", "reshard", membership=True)) for m in RESHARDED],
     *[pytest.param(m, marks=pytest.mark.cell("loop", "resume", membership=True, modes=(m.split("-")[0],)))
       for m in ("localsgd", "diloco-streaming", "gossip")]])
 def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: Path, mode: str) -> None:
@@ -292,7 +295,7 @@ def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: P
     found = JobCheckpoints(saves, every=16).newest()
     assert found is not None and (found.step, found.world) == (32, 3), found
     assert sorted(p.name for p in saves.iterdir()) == ["step-00000016", "step-00000032"]
-    per_rank = mode in ("localsgd", "diloco-streaming", "gossip")
+    per_rank = mode not in RESHARDED
     for members, out in ((3, "again"), (2, "fewer")):
         found = launch(tmp_path / out, "process_group", {}, 0, mode=mode, checkpoints=str(saves), members=members)
         final = [found[i] for i in sorted(found)]
@@ -315,9 +318,6 @@ def test_a_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped(tmp_path: P
             _same(final)
             want = adamw_on_the_mean([3] * 32 + [2] * (STEPS - 32))
             assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
-
-
-RESHARDED = ("fused", "overlap", "zero")  # the modes whose state loads onto another world size
 
 
 @pytest.mark.parametrize("mode", [
