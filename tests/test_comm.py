@@ -104,7 +104,7 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
         out[f"rs_wide_{name}_exact"] = (wide.clone(), exact)
         # both again with a rider (a few counts summed over the ranks in the same messages):
         # where the transport carries one, the buffer's result bit for bit the same
-        mine, total = torch.arange(1.0, 6.0) * (rank + 1), torch.full((5,), float("nan"))
+        mine, total = torch.arange(1.0, 6.0) * (rank + 1), comm.buffer(5, torch.float32).fill_(float("nan"))
         out["carries_riders"] = comm.carries_riders(buf)
         for key, into in ((f"rider_{name}", None), (f"rider_wide_{name}", torch.zeros(n // world))):
             buf.copy_(src)
@@ -243,17 +243,14 @@ def test_reduce_scatter_goes_around_a_ring_over_gloo_beyond_two_ranks(results) -
 
 
 @pytest.mark.parametrize("key", ["rider_fp32", "rider_wide_fp32", "rider_bf16", "rider_wide_bf16"])
-def test_a_rider_is_summed_in_the_reduce_scatters_own_messages_over_gloo(results, key: str) -> None:
+def test_a_rider_is_summed_in_the_reduce_scatters_own_messages(results, key: str) -> None:
     """``reduce_scatter(rider=(mine, total))`` (ZeroOptimizer's unused-parameter flags):
-    over Gloo, around the ring and in the direct exchange, ``total`` is every rank's
-    ``mine`` summed and the buffer's result is bit for bit the one without a rider; on
-    shared memory it is refused (no transport of its own there: the caller all-reduces)."""
+    over Gloo, around the ring and in the direct exchange, and on shared memory between
+    the buffer's own barriers, ``total`` is every rank's ``mine`` summed and the buffer's
+    result is bit for bit the one without a rider."""
     transport, per_rank = results
     for r in per_rank:
-        assert r["carries_riders"] == (transport == "process_group")
-        if transport == "shm":
-            assert "carries no rider" in r[key], r[key]
-            continue
+        assert r["carries_riders"]
         got, alone, total, want = r[key]
         assert torch.equal(got, alone) and torch.equal(total, want), (total, want)
 

@@ -140,6 +140,12 @@ class Comm:
                 return shm.region(dtype, numel)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
+    def everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's counterpart of ``t``, a buffer from :meth:`buffer` on shared memory
+        (:meth:`ShmAllReduce.everyones`); ``None`` elsewhere."""
+        shm = self.shm_of(t)
+        return None if shm is None else shm.everyones(t)
+
     def shm_of(self, buf: torch.Tensor) -> ShmAllReduce | None:
         """The shared-memory segment ``buf`` lives in, if any."""
         if buf.device.type != "cpu":
@@ -193,10 +199,11 @@ class Comm:
         return accumulate, unpack
 
     def carries_riders(self, buf: torch.Tensor) -> bool:
-        """Whether :meth:`reduce_scatter` of ``buf`` can carry a ``rider`` (Gloo's point
-        to point: the rider's values go in the buffer's own messages, no round of their
-        own; elsewhere a collective of their own is as cheap)."""
-        return self.by_exchange and self.world > 1 and self.shm_of(buf) is None
+        """Whether :meth:`reduce_scatter` of ``buf`` can carry a ``rider``: Gloo's point to
+        point (the rider's values go in the buffer's own messages) and shared memory (they
+        are written and summed between the buffer's own barriers), no round of their own;
+        NCCL/HCCL would need a collective of their own, which the caller launches."""
+        return self.world > 1 and (self.by_exchange or self.shm_of(buf) is not None)
 
     def reduce_scatter(self, buf: torch.Tensor, out: torch.Tensor | None = None,
                        pack: Callable[[], None] | None = None, fp32_sum: bool = False,
@@ -210,7 +217,8 @@ class Comm:
         fp32; ``fp32_sum`` makes NCCL/HCCL do so too (an all-to-all and a local sum, the
         same bytes) instead of summing in ``buf``'s dtype inside the collective.
         ``rider`` = ``(mine, total)``, where :meth:`carries_riders`: ``total`` := the sum
-        over ranks of every rank's ``mine`` (a few fp32 counts, exact), in the same messages.
+        over ranks of every rank's ``mine`` (a few fp32 counts, exact), in the same messages;
+        on shared memory ``total`` must come from :meth:`buffer` (every rank reads it).
         """
         n = self._chunk(buf)
         if rider is not None and not self.carries_riders(buf):
@@ -223,7 +231,11 @@ class Comm:
         shm = self.shm_of(buf)
         with span("fastreduce::reduce_scatter"):
             if shm is not None:
-                return shm.start(buf, pack, kind=REDUCE_SCATTER, out=None if out is mine else out), None
+                slots = None if rider is None else self.everyones(rider[1])
+                if rider is not None and slots is None:
+                    raise ValueError("on shared memory a rider's total must be a buffer from Comm.buffer()")
+                return shm.start(buf, pack, kind=REDUCE_SCATTER, out=None if out is mine else out,
+                                 rider=None if slots is None else (rider[0], slots)), None
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()

@@ -102,6 +102,7 @@ class ShmWork:
     rank: int = 0
     share: tuple[int, ...] = ()  # mix: the ranks computing this launch's result together (a clique), or ()
     outs: tuple[torch.Tensor, ...] = ()  # mix: every rank's ``out`` (when it lies in the regions), or ()
+    rider: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None  # reduce_scatter: every rank's slot, the sum
 
     def wait(self) -> bool:
         self.done.wait()
@@ -128,6 +129,9 @@ class ShmWork:
         acc = dst if pair or self.acc is None else self.acc
         _sum_and_push(dst, acc, self.tmp, (1.0 / world,) * world, self.order,
                       self.peers if self.kind == ALL_REDUCE else ())
+        if self.rider is not None:
+            slots, total = self.rider
+            torch.sum(torch.stack(slots), 0, out=total)
 
     def _mix(self) -> None:
         out, acc, tmp = self.out, self.acc, self.tmp
@@ -144,6 +148,24 @@ class ShmWork:
         _sum_and_push(mine, mine if acc is out else acc[part], None if tmp is None else tmp[part],
                       self.weights, [src[part] for src in self.peers],
                       [self.outs[j][part] for j in self.share if j != self.rank])
+
+
+def _riding(rank: int, before: Callable[[], None] | None, after: Callable[[], None] | None,
+            mine: torch.Tensor, slots: Sequence[torch.Tensor]
+            ) -> tuple[Callable[[], None], Callable[[], None], tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """:meth:`ShmAllReduce.start`'s ``before``, ``after`` and ``ShmWork.rider`` for a rider."""
+    slot, total = slots[rank], torch.empty_like(slots[rank])
+
+    def write() -> None:
+        if before is not None:
+            before()
+        slot.copy_(mine)
+
+    def read() -> None:
+        slot.copy_(total)
+        if after is not None:
+            after()
+    return write, read, (tuple(slots), total)
 
 
 def sum_order(rank: int, world: int) -> list[int]:
@@ -328,7 +350,8 @@ class ShmAllReduce:
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
               after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
               out: torch.Tensor | None = None, weights: tuple[float, ...] = (),
-              share: tuple[int, ...] = ()) -> ShmWork:
+              share: tuple[int, ...] = (),
+              rider: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None) -> ShmWork:
         """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
         ``kind`` is ``all_reduce`` (average in place), ``reduce_scatter`` (this rank's
@@ -340,7 +363,12 @@ class ShmAllReduce:
         ``out`` lies in the region too, those ranks split the work, each writing its
         chunk into every member's ``out``).
         ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
-        too, right before and after the collective, off the caller's thread."""
+        too, right before and after the collective, off the caller's thread.
+        ``rider`` = ``(mine, slots)`` (``reduce_scatter``): ``slots`` every rank's
+        counterpart of a few fp32 counts in a region of this group's (:meth:`everyones`,
+        mine at this rank's index), which ends holding the sum over ranks of every rank's
+        ``mine``: written before barrier A, summed between A and B (into scratch: the
+        others read my slot until B), put in my slot after B. No round of its own."""
         if not buf.is_contiguous():  # checked first: a strided view may share a slice's key
             raise ValueError("the buffer to average must be contiguous (a slice of "
                              "ShmAllReduce.region)")
@@ -353,8 +381,12 @@ class ShmAllReduce:
         elif not work.done.is_set():
             raise RuntimeError("this slice is already being averaged; wait() for it before "
                                "starting it again")
+        if rider is not None and (kind != REDUCE_SCATTER or len(rider[1]) != self.world):
+            raise ValueError("a rider goes with a reduce_scatter, one slot per rank")
         work.done.clear()
-        work.before, work.after = before, after
+        work.before, work.after, work.rider = before, after, None
+        if rider is not None:
+            work.before, work.after, work.rider = _riding(self.rank, before, after, *rider)
         if kind == MIX:
             if len(weights) != self.world:
                 raise ValueError(f"mix needs one weight per rank ({self.world}), got {len(weights)}")

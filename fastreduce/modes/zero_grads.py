@@ -74,10 +74,11 @@ class ZeroGradients:
         self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1)
         if W == 1:
             return
-        # A flag per parameter, > 0 where some rank's backward reached it: summed in the last
-        # bucket's own messages where they are Gloo's point to point (the last launch comes
-        # once backward is over: from a hook only if every parameter had its gradient), else
-        # averaged right behind it on the step's transport (shared memory where the buckets are).
+        # A flag per parameter, > 0 where some rank's backward reached it: summed with the last
+        # bucket (in its own messages on Gloo's point to point, between its own barriers on
+        # shared memory; the last launch comes once backward is over: from a hook only if
+        # every parameter had its gradient), else (NCCL, HCCL, a quantized wire) averaged
+        # right behind it on the step's transport.
         last = len(self.buckets) - 1
         self._riding = quant is None and comm.carries_riders(self.buckets[last].wire)
         self._used_flags = comm.buffer(len(layout), torch.float32)
