@@ -105,23 +105,31 @@ def die_joining(m: Any, where: str) -> None:
     m.at("enter" if where == "admitted" else "sync_state", lambda _epoch: die())
 
 
-def flapping(mode: Any, m: Any, kill: tuple[str, int] | None) -> Any:
-    """``mode``, whose ``reduce()`` raises a transport error once at step ``kill[1]`` after
-    it completed (where ``kill[0]`` is ``flaps``): a link that failed on this member alone."""
+def flapping(mode: Any, m: Any, kill: tuple[str, int] | None, name: str) -> Any:
+    """``mode``, whose ``reduce()`` (ZeRO: its members' meeting, ``all_arrived()``) raises a
+    transport error once at step ``kill[1]`` after it completed (where ``kill[0]`` is
+    ``flaps``): a link that failed on this member alone."""
     if kill is None or kill[0] != "flaps":
         return mode
-    from fastreduce.faults import TransportError
-
+    if name == "zero":
+        m.at("voted", lambda s: _flap() if s == kill[1] and not m.counters.losses else None)
+        return mode
     reduce = mode.reduce
 
     def flaky() -> None:
         reduce()
         if m.step == kill[1] and not m.counters.losses:
-            raise TransportError("fastreduce: the link flapped on this member after its reduction completed "
-                                 "(injected by examples/keep_training.py)")
+            _flap()
 
     mode.reduce = flaky
     return mode
+
+
+def _flap() -> None:
+    from fastreduce.faults import TransportError
+
+    raise TransportError("fastreduce: the link flapped on this member after its collective completed "
+                         "(injected by examples/keep_training.py)")
 
 
 HOLD_STEPS = 20
@@ -144,7 +152,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
     the later layers' buckets in flight with ``overlap``), ``after-reduce`` (its reduction
     done on every member, its optimizer step not taken), ``after-vote`` (ZeRO: the members'
-    vote at that step done, before its shard steps: the survivors step it from their copy), ``flaps`` (its reduction completed
+    meeting at that step done, before its shard steps: the survivors step it from their copy), ``flaps`` (its reduction completed
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
@@ -203,10 +211,10 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
-               lambda: flapping(build(mode, wrapped, opt), m, kill))
+               lambda: flapping(build(mode, wrapped, opt), m, kill, mode))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
-        if kill is not None and kill[0] == "after-vote":  # ZeRO: the members' vote done, its shard not stepped
+        if kill is not None and kill[0] == "after-vote":  # ZeRO: the members met, its shard not stepped
             m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)

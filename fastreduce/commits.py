@@ -1,17 +1,19 @@
 """How a :class:`~fastreduce.Membership` commits a step in each style a mode declares
 (:func:`.modes.contract.commit_style`): a reduction (or gossip's forward and backward),
 then the vote at a poll; LocalSGD's and DiLoCo's syncs, kept and run again over the
-survivors when one fails; ZeRO's vote between its reduce-scatter and its shards' step;
+survivors when one fails; ZeRO's in-band meeting between its reduce-scatter and its shards' step;
 and a step lost to a member's loss.
 
 LocalSGD and DiLoCo, whose collectives run in the optimizer's step, vote at every sync
 instead of at the polls: a sync that fails on any member is put back and run again on every survivor.
 ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``: each shard also kept and
-stepped on the next rank) votes at every step, after its reduce-scatter and before any
-shard steps: a loss before the vote completes discards the step; after it, the step stands
-(every shard's averaged gradients were on two members), and the next epoch joins the
-survivors' shards and reshards them over the new world (:mod:`.modes.zero_mirror`); two
-neighbouring ranks lost at once lose a shard: :class:`~fastreduce.MembershipError`.
+stepped on the next rank) meets in-band at every step, after its reduce-scatter and before
+any shard steps (``all_arrived()``), and polls as the reducing modes do: a loss before that
+meeting completes anywhere discards the step; once it has completed on a survivor, the step
+stands (every shard's averaged gradients were on two members; a survivor whose wait failed
+steps them as the next epoch forms), and the next epoch reshards the survivors' shards over
+the new world (:mod:`.modes.zero_mirror`); two neighbouring ranks lost at once lose a shard:
+:class:`~fastreduce.MembershipError`.
 Gossip, which steps and exchanges inside forward and backward, gives ``commit()`` them (a
 closure): at a loss each survivor drops the exchanges in flight and keeps its own
 parameters and optimizer state (a gossip rank's are its own anyway), and the ring or
@@ -26,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from .epochs import EpochChanges, kept_state
+from .epochs import EpochChanges
+from .kept import kept_state
 from .member import Member
 from .modes.contract import commit_style
 from .nested import clone_state
@@ -67,15 +70,19 @@ class StepCommits:
         if kind != "gossip":
             step()
         self._save()
+        self._poll(s, start)
+        return True
+
+    def _poll(self, s: int, start: float) -> None:
+        """After committed step index ``s``: the members' vote where a poll is due."""
         if s >= self.votes.poll_at:
             decision, who = self.votes.vote(s)
-            if decision == "abort":  # a member went silent after this step's reduction: the step stands
-                me.counters.lose(who)
+            if decision == "abort":  # a member went silent after this step's collectives: the step stands
+                self.me.counters.lose(who)
                 self.epochs.next_epoch(who, "loss", start)
             elif decision == "join":
                 self._change(who, start)
         self.votes.timed()
-        return True
 
     def _change(self, leavers: set[str], start: float) -> None:
         """A poll decided a new epoch: joiners admitted, ``leavers`` gone (this one too?)."""
@@ -131,26 +138,27 @@ class StepCommits:
     def _commit_zero(self, step: Callable[[], Any], start: float) -> bool:
         """ZeRO: ``step`` (the user's, calling the mode's ``step()``) reduce-scatters, sends
         each rank's chunk of the mean to the next (its copy of the shard), then, before any
-        shard steps, the members vote (every step). A loss before the vote completes:
-        nothing stepped anywhere, the step is discarded. After it: the step stands, as
-        every shard's averaged gradients were on two members, and each survivor steps what
-        it holds; the next epoch joins the survivors' shards (:mod:`.modes.zero_mirror`)."""
-        mode, voted = self.me.mode, []
+        shard steps, every member waits for every other to have got that far
+        (``all_arrived()``: one one-element all-reduce on the step's transport, no request
+        to the coordinator). A loss before it completes anywhere: nothing stepped, the step
+        is discarded. Completed on some survivor: every shard's averaged gradients were on
+        two members, so the step stands: a survivor whose wait failed holds them and steps
+        them when the next epoch forms (:meth:`EpochChanges.next_epoch`), and the next
+        epoch reshards the survivors' shards (:mod:`.modes.zero_mirror`). The members poll
+        as the reducing modes do."""
+        mode, s, arrived = self.me.mode, self.me.step, []
 
-        def vote() -> None:
-            decision, who = self.votes.vote(self.me.step)
-            if decision == "abort":
-                raise _Aborted(who)
-            voted.append((decision, who))
+        def all_arrived() -> None:
+            mode.all_arrived()
+            self.me.passing("voted", s)
+            arrived.append(True)
 
         try:
-            with mode.commit_point(vote):
+            with mode.commit_point(all_arrived):
                 step()
                 mode.wait_params()  # a peer lost during the all-gather fails here, not in the next forward
-        except _Aborted as aborted:  # a member went silent before every member voted: no shard stepped
-            return self._lost_step(aborted.members, start)
         except RuntimeError as err:
-            if not voted:
+            if not arrived:  # (this member holds the step if its wait failed: kept with its mode)
                 return self._lost_step(self.votes.aborted_by(err), start)
             lost = self.votes.lost_in(err)
             if lost is None:
@@ -159,14 +167,12 @@ class StepCommits:
             self.me.counters.lose(lost)
             self.epochs.next_epoch(lost, "loss", start)
             return True
-        if not voted:
+        if not arrived:
             raise RuntimeError("commit(step) with a ZeroOptimizer: step must call its step() (membership.commit("
                                "membership.mode.step)); nothing was committed")
         self.me.step += 1
         self._save()
-        if voted[0][0] == "join":
-            self._change(voted[0][1], start)
-        self.votes.timed()
+        self._poll(s, start)
         return True
 
     def _save(self) -> None:
@@ -212,11 +218,3 @@ class StepCommits:
         log.warning("fastreduce: the sync at step %d failed (lost: %s); every survivor goes back to before it and "
                     "syncs again over the next epoch", self.me.step, ", ".join(sorted(lost)) or "a silent member")
         self.epochs.next_epoch(lost, "loss", start)
-
-
-class _Aborted(Exception):
-    """A ZeRO step's vote ended in ``abort``: a member went silent before every member voted."""
-
-    def __init__(self, members: set[str]):
-        super().__init__(", ".join(sorted(members)))
-        self.members = members

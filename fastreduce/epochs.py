@@ -28,14 +28,14 @@ from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
+from .kept import kept_state, settled_step, top_step
 from .modes import zero_mirror
 from .modes.contract import check_membership, commit_style
 from .member import Member
-from .nested import clone_state
 from .presence import Pulse, Watch, pulses
 from .votes import Votes, done_key
 
-__all__ = ["EpochChanges", "kept_state"]
+__all__ = ["EpochChanges"]
 
 log = logging.getLogger("fastreduce.membership")
 
@@ -52,18 +52,6 @@ def _poll_s(members: int) -> float:
     return max(0.005, members / POLLS_PER_S)
 
 
-def kept_state(mode: Any, after_loss: bool) -> tuple[Any, str]:
-    """What an epoch change keeps of ``mode``'s state, a copy, and its commit style (what a
-    job checkpoint's part holds too: :mod:`fastreduce.job_checkpoints`): ZeRO's shard and its
-    copy of the previous rank's (no collective); the others' ``state_dict`` (after a loss,
-    the per-rank modes' ``local_state_dict``: nothing in flight waited for)."""
-    kind = commit_style(mode)
-    if kind == "zero":
-        return zero_mirror.held(mode), kind
-    save = mode.local_state_dict if after_loss and kind in ("gossip", "local") else mode.state_dict
-    return clone_state(save()), kind
-
-
 class EpochChanges:
     """How one member goes from epoch to epoch (see the module doc). It changes ``me`` (the
     :class:`~fastreduce.member.Member`), asks ``admission`` who may join and ``votes`` what a
@@ -74,6 +62,7 @@ class EpochChanges:
         self.me, self.link, self.admission, self.votes, self.pulse = me, link, admission, votes, pulse
         self.settings, self.store, self.call = me.settings, link.store, link.call
         self._first_step_of: int | None = None  # the epoch whose members all reached its first step
+        self._held: Any = None  # a closed ZeroOptimizer holding a step its all_arrived() ended (commits.py)
 
     def next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
@@ -86,6 +75,7 @@ class EpochChanges:
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         self.leave_group(abandon=why == "loss")
         said = self.gather(old, lost, why, beats)
+        self._step_held(said)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
@@ -99,8 +89,8 @@ class EpochChanges:
         if founding:
             healed = [m for m in present if said[m].get("founder")]
         holds = self.me.name in healed
-        top = max((said[m]["step"] for m in healed), default=self.me.step)
-        behind = tuple(m for m in healed if said[m]["step"] != top)
+        top = top_step(said, healed, self.me.step)
+        behind = tuple(m for m in healed if settled_step(said[m], top) != top)
         healed = [m for m in healed if m not in behind]
         holders = set(healed) | set(behind)
         unhealed = behind + tuple(m for m in present if m not in holders)
@@ -151,7 +141,8 @@ class EpochChanges:
         n = old.number + 1
         announced, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
         self.call(self.store.set, alive + self.me.name,
-                       json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder}))
+                       json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder,
+                                   "held": self._held is not None}))
         self.call(self.store.add, announced, 1)
         expected = [m for m in old.members if m not in lost]
         window = faults.lost_after() if why == "loss" else self.settings.timeout_s
@@ -433,7 +424,25 @@ class EpochChanges:
         if self.me.mode is None:
             return
         self.me.kept_mode = kept_state(self.me.mode, after_loss)
+        self._held = self.me.mode if after_loss and commit_style(self.me.mode) == "zero" and \
+            self.me.mode.holds_step else None
         self.close_mode(drain=not after_loss)
+
+    def _step_held(self, said: dict[str, dict[str, Any]]) -> None:
+        """ZeRO: this member's step whose ``all_arrived()`` failed here but completed on
+        another survivor (at one step more: every member had arrived, so every shard's
+        averaged gradients were complete) is stepped now, from the gradients it holds, and
+        kept; otherwise it is dropped with the others' (discarded)."""
+        held, self._held = self._held, None
+        healed = [m for m in said if said[m]["healed"]]
+        if held is None or self.me.name not in said or \
+                settled_step(said[self.me.name], top_step(said, healed, self.me.step)) == self.me.step:
+            return
+        held.step_held()
+        self.me.kept_mode = kept_state(held, after_loss=True)
+        self.me.step += 1
+        log.info("fastreduce: member %s stepped its shards at step %d, which another survivor committed",
+                 self.me.name, self.me.step - 1)
 
     def depart(self) -> None:
         """This member leaves the job at a poll: its mode put away as the others' are at an

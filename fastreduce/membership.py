@@ -190,9 +190,10 @@ class Membership:
         ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``, the mode and the
         optimizer in one): ``step`` calls the mode's ``step()``
         (``m.commit(m.mode.step)``), and clipping goes inside it too, as it is collective
-        (``m.commit(lambda: (m.mode.clip_grad_norm_(1.0), m.mode.step()))``): the vote
-        runs between the reduce-scatter (and clipping) and the shards' step; ``False``: a
-        member was lost before it, nothing stepped. The all-gather is waited for here.
+        (``m.commit(lambda: (m.mode.clip_grad_norm_(1.0), m.mode.step()))``): the members
+        meet between the reduce-scatter (and clipping) and the shards' step (in-band, then
+        a vote at the polls); ``False``: a member was lost before every member met, nothing
+        stepped. The all-gather is waited for here.
 
         LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
         inner step without a collective just runs. At a sync,

@@ -68,7 +68,7 @@ class Votes:
                 leavers = self._leavers()
                 decision = "join" if self.admission.waiting() or leavers else "go"
                 mine = f"{decision} {s + every} {','.join(leavers)}"
-            else:  # ZeRO's vote between polls: go on
+            else:  # a local mode's vote at a sync between polls: go on
                 mine = f"go {self.poll_at} "
             written = self.link.call(store.compare_set, key + "/done", "", mine)
             value = mine if (written.decode() if isinstance(written, bytes) else written) == mine else None

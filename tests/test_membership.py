@@ -114,13 +114,17 @@ def _saved_as_committed(saves: Path, final: list[dict], step: int) -> None:
     assert all(digest(model) == f["digests"][step] for f in final), [f["digests"][step] for f in final]
 
 
-@SLOW
-def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed_forward(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [pytest.param("fused", marks=SLOW), "zero"])
+def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed_forward(tmp_path: Path,
+                                                                                         mode: str) -> None:
     """Member 1's reduction completes on every member, then fails on member 1 alone (a
     transport error: its link flapped). The others committed that step; member 1 takes
     their state in the next epoch (as a joiner would) and goes on from the same step: no
-    process lost, none of member 1's steps discarded, every member bit-identical."""
-    found = run(tmp_path, "process_group", {1: ("flaps", 10)}, joiners=0)
+    process lost, none of member 1's steps discarded, every member bit-identical. ZeRO
+    (``redundant=True``): the members' meeting before the shards step completes everywhere,
+    then fails on member 1 alone; the others step their shards, member 1 steps the gradients
+    it holds as the next epoch forms: the same run as torch.optim.AdamW on the mean (1e-6)."""
+    found = run(tmp_path, "process_group", {1: ("flaps", 10)}, joiners=0, mode=mode)
     final = [found[i] for i in (0, 1, 2)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["epoch"] == 1, (f["epoch"], f["world"])
@@ -131,6 +135,9 @@ def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed
     for f in (found[0], found[2]):  # they committed step 10; their step 11 failed as member 1 left the group
         assert [s for s, ok, _, _ in f["steps"] if not ok] == [11] * f["counters"]["discarded_steps"]
     _same(final)
+    if mode == "zero":
+        want = adamw_on_the_mean([3] * STEPS)
+        assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
 @SLOW

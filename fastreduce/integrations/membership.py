@@ -49,8 +49,8 @@ What the trainer keeps from this module (:class:`TrainerMembership`, one per tra
 - **ZeRO** (``redundant=True``, set for the trainer): the optimizer the trainer made stays
   the one it steps and its LR schedulers drive, holding no state; the mode's
   :class:`~fastreduce.ZeroOptimizer`, built again at each epoch over the trainer's param
-  groups, takes their hyperparameters and steps inside the commit (its vote between the
-  reduce-scatter and the shards' step). The trainer's norm clipping is ZeRO's global norm;
+  groups, takes their hyperparameters and steps inside the commit (its members meet between
+  the reduce-scatter and the shards' step). The trainer's norm clipping is ZeRO's global norm;
   a loss during it is raised again inside the commit, which discards the step.
 
 - **Gossip**: the trainer calls the current epoch's wrapper through :class:`ModeModule`;
@@ -329,7 +329,7 @@ class TrainerMembership:
         if on_epoch is not None:
             on_epoch()
         style = commit_style(self.mode.obj)
-        if style == "zero":  # the Membership runs the ZeroOptimizer itself (its vote, its shards)
+        if style == "zero":  # the Membership runs the ZeroOptimizer itself (its meeting, its shards)
             return self.mode.obj
         return {"local": _Local, "gossip": _Gossiped}.get(style, _Reduced)(self.mode, self)
 
@@ -350,8 +350,8 @@ class TrainerMembership:
             raise err
 
     def _zero_step(self) -> None:
-        """ZeRO's step in the commit: a failure kept from clipping first (before the vote: the
-        step is discarded); the hyperparameters of the trainer's optimizer (its LR schedulers'),
+        """ZeRO's step in the commit: a failure kept from clipping first (before the members
+        meet: the step is discarded); the hyperparameters of the trainer's optimizer (its LR schedulers'),
         then the mode's step."""
         self.raise_kept()
         facade = self._build_args[1]

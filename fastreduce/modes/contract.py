@@ -38,8 +38,8 @@ __all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "ST
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
               "then the optimizer steps",
-    "zero": "ZeroOptimizer: the members vote inside its step(), between the last gradient collective "
-            "and the shards' step (its commit_point())",
+    "zero": "ZeroOptimizer: the members meet inside its step() (all_arrived()), between the last gradient "
+            "collective and the shards' step (its commit_point()), and vote at the polls",
     "gossip": "DecentralizedDataParallel: its steps and exchanges run inside forward and backward; "
               "commit(fn) runs them, then the members vote",
     "local": "LocalSGD and DiLoCo: the collectives run inside the optimizer's step; the members vote "

@@ -196,6 +196,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self.redundant = redundant
         self.mirror: ZeroMirror | None = None
         self._commit_point: Callable[[], None] | None = None  # commit_point(): e.g. Membership's vote
+        self._held: tuple[bool, list[bool] | None] | None = None  # (skip, used) of a step its commit point ended
         self.params_stale = False
         """The shards stepped but their all-gather has not completed: the parameters are
         partly the last step's (what :func:`.zero_mirror.reshard` mends)."""
@@ -334,21 +335,18 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         keep_cut()
         if self._forward_waits is None:  # outside any compiled frame: the hooks come off
             self._forward_waits = stand_down(self._module_hooks)
+        self._held = None
         self._reduce()
         try:
             skip = self._scaled() or self._nonfinite()
             self.last_step_skipped = skip
             used = None if skip else self._used()
             if self._commit_point is not None:  # the last collective is behind (commit_point())
+                self._held = (skip, used)
                 self._commit_point()
+                self._held = None
             if not skip:
-                self._sync_hyperparameters()
-                self._drop_template()
-                self.params_stale = True  # until every bucket's all-gather has completed
-                with span("fastreduce::shard_step"):
-                    self.inner.step(used)
-                    if self.mirror is not None:  # (its hyperparameters synced above)
-                        self.mirror.inner.step(used)
+                self._step_shards(used)
                 self._gather()
             self._last_clip = self._clip_args  # a joined rank repeats a step's clip only if it completed
         finally:  # done or raised, this step's gradients are spent: the next step reduces its own
@@ -375,9 +373,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         collective of the step is behind it and before any shard steps (even one that is
         then skipped for a non-finite gradient). What ``fn`` raises ends the step there:
         nothing stepped on this rank, the parameters and optimizer state as before, the
-        step's gradients spent (the next backward's are reduced at the next step). :class:`~fastreduce.Membership`
-        votes here (with ``redundant=True`` every shard's averaged gradients are then on two
-        ranks, so a step voted for stands through a loss)."""
+        step's gradients held until the next step (:meth:`step_held` steps them; the next
+        backward's are reduced at the next step). :class:`~fastreduce.Membership` makes
+        sure here that every rank got this far (:meth:`all_arrived`; with ``redundant=True``
+        every shard's averaged gradients are then on two ranks, so the step can stand
+        through a loss)."""
         if self._commit_point is not None:
             raise RuntimeError("ZeroOptimizer.commit_point() is already in use: blocks do not nest")
         self._commit_point = fn
@@ -385,6 +385,33 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
             yield
         finally:
             self._commit_point = None
+
+    def step_held(self) -> None:
+        """Step the shards (this rank's and its copy) with the averaged gradients of the last
+        :meth:`step`, which its :meth:`commit_point` ended (it raised); the parameters are
+        not gathered (:attr:`params_stale`). Local: for a :class:`~fastreduce.Membership`
+        whose survivors learn that another survivor committed that step."""
+        if self._held is None:
+            raise RuntimeError("ZeroOptimizer.step_held(): no step is held (only one that its commit_point "
+                               "ended, before the next step)")
+        (skip, used), self._held = self._held, None
+        if not skip:
+            self._step_shards(used)
+
+    @property
+    def holds_step(self) -> bool:
+        """Whether the last :meth:`step` was ended by its :meth:`commit_point` with its
+        averaged gradients complete (:meth:`step_held` would step them)."""
+        return self._held is not None
+
+    def _step_shards(self, used: list[bool] | None) -> None:
+        self._sync_hyperparameters()
+        self._drop_template()
+        self.params_stale = True  # until every bucket's all-gather has completed
+        with span("fastreduce::shard_step"):
+            self.inner.step(used)
+            if self.mirror is not None:  # (its hyperparameters synced above)
+                self.mirror.inner.step(used)
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""

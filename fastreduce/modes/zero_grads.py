@@ -83,6 +83,8 @@ class ZeroGradients:
         self._riding = quant is None and comm.carries_riders(self.buckets[last].wire)
         self._used_flags = comm.buffer(len(layout), torch.float32)
         self._used_plan = None if self._riding else comm.plan(torch.float32, buf=self._used_flags)
+        self._arrived = comm.buffer(1, torch.float32)  # all_arrived()'s one element
+        self._arrived_plan = comm.plan(torch.float32, buf=self._arrived)
         packs = [None if b.flat is b.wire else b.pack for b in self.buckets]
         outs = [s.out for s in self.shards]
         fp32_sum = accumulate_dtype == torch.float32
@@ -210,6 +212,16 @@ class ZeroGradients:
             if self.mirror is not None:
                 self.stats.wire_bytes += sum(r.nbytes for r in self.mirror.recv.values())
         self._reduced = True
+
+    @guarded("{cls}.all_arrived()", "Some rank may not have got this far; nothing was stepped here.")
+    def all_arrived(self) -> None:
+        """Return once every rank has called this (after its step's gradient collectives,
+        within :meth:`commit_point`): one one-element all-reduce on the step's transport
+        (microseconds on shared memory). Completed on any rank, every rank had arrived,
+        so every shard's averaged gradients were complete on its holders. Collective."""
+        if self.world_size > 1:
+            with span("fastreduce::wait"), self.stats.waiting():
+                complete(self.comm.all_reduce(self._arrived, self._arrived_plan))
 
     def _local_used(self) -> torch.Tensor:
         """1.0 for each parameter (layout order) this rank's backward gave a gradient (after
