@@ -29,6 +29,10 @@ DESCRIPTIONS = {
     "coordinator": "Serve the coordinator of a fault-tolerant job (fastreduce.Membership) until "
                    "stopped with Ctrl-C. Start one per job, then give every member "
                    "FASTREDUCE_COORDINATOR=HOST:PORT.",
+    "status": "Show a fault-tolerant job (fastreduce.Membership) as its coordinator sees it: the epoch, "
+              "its members in rank order, each one's committed step, seconds per step, seconds of it "
+              "waiting for the others and working (busy), and the slowest member named (a straggler where "
+              "it works 1.25x the median or more).",
 }
 """Each subcommand's description in its ``--help``: plain text, as a terminal shows it."""
 
@@ -122,6 +126,41 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTIONS["status"]
+    parser.add_argument("coordinator", nargs="?", default=os.environ.get("FASTREDUCE_COORDINATOR"),
+                        help="the coordinator's HOST:PORT (default: $FASTREDUCE_COORDINATOR)")
+    parser.add_argument("--watch", type=float, default=0.0, metavar="S",
+                        help="show it again every S seconds until Ctrl-C (default: once)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (per look) and nothing else")
+    parser.set_defaults(handler=_show_status)
+
+
+def _show_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from .coordinator import MembershipError, connect
+    from .status import format_status, read_status
+
+    if not args.coordinator:
+        raise ValueError("no coordinator: give HOST:PORT or set $FASTREDUCE_COORDINATOR")
+    try:
+        store = connect(args.coordinator, timeout_s=10.0)
+    except MembershipError as err:
+        print(f"fastreduce status: {err}", file=sys.stderr)
+        return 1
+    try:
+        while True:
+            status = read_status(store)
+            print(json.dumps(status) if args.json else format_status(status), file=args.stdout, flush=True)
+            if args.watch <= 0:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastreduce", description="Tools for fastreduce, data-parallel gradient reduction for PyTorch.",
@@ -137,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "the wire and exposed, memory) and which to use")
     sub.add_parser("coordinator", setup=_coordinator, help="serve the coordinator of a fault-tolerant job "
                                                            "(fastreduce.Membership)")
+    sub.add_parser("status", setup=_status, help="a fault-tolerant job's members, step rate, each one's step, "
+                                                 "wait and work, the slowest named")
     return parser
 
 

@@ -51,6 +51,7 @@ from .job_checkpoints import JobCheckpoints
 from .lifecycle import shutdown
 from .member import Member, MembershipSettings
 from .presence import Pulse
+from .status import read_status
 from .votes import Votes
 
 __all__ = ["COORDINATOR_ENV", "Epoch", "JobCheckpoints", "Membership", "MembershipError", "MembershipSettings", "connect",
@@ -126,6 +127,11 @@ class Membership:
     left = property(lambda self: self.me.left, doc="Whether this member left the job (leave()).")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")
     world = property(lambda self: self.me.current().world, doc="The current epoch's number of members.")
+
+    def status(self) -> dict[str, Any]:
+        """The job as the coordinator sees it (:func:`fastreduce.status.read_status`: the epoch,
+        each member's step, seconds per step, waiting and working, the slowest named)."""
+        return read_status(self.link.store)
 
     # ------------------------------------------------------------------ joining
 

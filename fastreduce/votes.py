@@ -20,6 +20,7 @@ from .faults import RankLostError
 from .member import Member
 from .presence import EXIT_CHECK_S, Watch
 from .process_identity import who_of
+from .status import StatusReport
 
 __all__ = ["Votes"]
 
@@ -42,6 +43,7 @@ class Votes:
         self._polled: tuple[int, int] | None = None  # (epoch, step) of this member's last poll
         self._leaves_seen = 0  # requests to leave counted when this member last looked
         self._last_commit: float | None = None
+        self.status = StatusReport(me, link)  # this member's figures at the coordinator, about once a second
 
     def restart(self, first_step: int) -> None:
         """A new epoch, entered at ``first_step``: every epoch polls at its first step."""
@@ -61,6 +63,7 @@ class Votes:
         (returned); the voter completing the count also sets the next poll's step."""
         epoch, store = self.me.current(), self.link.store
         key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
+        self.status.publish(self.step_s)
         value = None
         if self.link.call(store.add, key, 1) == epoch.world:
             if s >= self.poll_at:  # a poll: joiners, leavers, the next poll's step

@@ -1,0 +1,106 @@
+"""What a :class:`~fastreduce.Membership` job is doing, as every member and the coordinator
+see it: each member publishes at the coordinator, about once a second (at its polls, off the
+step's path), its epoch, rank, committed step, seconds per step and seconds of each step it
+spent waiting for the others (its mode's ``stats.wait_seconds``); :func:`read_status` reads
+them and names the slowest member.
+
+In a job that steps together every member takes the same time per step, and all but the
+slowest wait for it: the slowest is the member that works longest between its waits (its
+``busy_s``, a step's seconds less its waits). :func:`read_status` names it, and calls it a
+straggler when it works :data:`STRAGGLER_RATIO` times the members' median or more.
+``fastreduce status HOST:PORT`` prints it (``--watch S``: again every ``S`` seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, epoch_key
+from .member import Member
+
+__all__ = ["EVERY_S", "STATUS_PREFIX", "STRAGGLER_RATIO", "StatusReport", "format_status", "read_status"]
+
+STATUS_PREFIX = MEMBERS_PREFIX + "status/"
+EVERY_S = 1.0
+"""About how often a member publishes its figures (at the first poll this long after the last)."""
+STRAGGLER_RATIO = 1.25
+"""A member busy this many times the members' median per step is a straggler."""
+
+
+class StatusReport:
+    """One member's publication of its figures (:mod:`fastreduce.status`), owned by its
+    :class:`~fastreduce.votes.Votes` and called at every poll."""
+
+    def __init__(self, me: Member, link: CoordinatorLink):
+        self.me, self.link = me, link
+        self._last: tuple[float, int, Any, float] | None = None  # (when, step, mode, its wait_seconds) last published
+
+    def publish(self, step_s: float | None) -> None:
+        """Publish this member's figures where :data:`EVERY_S` has passed since the last
+        time (``step_s``: the running seconds per committed step), without waiting."""
+        now, mode = time.monotonic(), self.me.mode
+        waited = float(mode.stats.wait_seconds) if mode is not None else 0.0
+        last, self._last = self._last, (now, self.me.step, mode, waited)
+        if last is not None and now - last[0] < EVERY_S:
+            self._last = last
+            return
+        steps = self.me.step - last[1] if last is not None and last[2] is mode else 0
+        wait_s = (waited - last[3]) / steps if steps > 0 else None  # the epoch's mode is new: its stats too
+        epoch = self.me.current()
+        figures = {"epoch": epoch.number, "rank": self.me.rank, "step": self.me.step, "step_s": step_s,
+                   "wait_s": wait_s, "at": time.time()}
+        self.link.submit(self.link.store.set, STATUS_PREFIX + self.me.name, json.dumps(figures))
+
+
+def read_status(store: Any, max_epochs: int = 100_000) -> dict[str, Any]:
+    """The job's status from its coordinator's ``store``: the current epoch (number, step at
+    which it began, members in rank order), each member's last published figures (and how
+    old they are), and ``slowest``/``straggler`` (a member's name, or ``None``)."""
+    n, epoch = 0, None
+    while n < max_epochs and store.check([epoch_key(n)]):
+        n += 1
+    if n:
+        epoch = Epoch.from_json(store.get(epoch_key(n - 1)))
+    members: dict[str, dict[str, Any]] = {}
+    for name in epoch.members if epoch is not None else ():
+        key = STATUS_PREFIX + name
+        figures = json.loads(store.get(key)) if store.check([key]) else {}
+        if figures:
+            figures["age_s"] = max(0.0, time.time() - figures["at"])
+            if figures.get("step_s") is not None and figures.get("wait_s") is not None:
+                figures["busy_s"] = max(0.0, figures["step_s"] - figures["wait_s"])
+        members[name] = figures
+    busy = {m: f["busy_s"] for m, f in members.items() if "busy_s" in f}
+    slowest = max(busy, key=busy.__getitem__) if len(busy) > 1 else None
+    straggler = slowest if slowest is not None and busy[slowest] >= STRAGGLER_RATIO * statistics.median(
+        busy.values()) else None
+    return {"epoch": None if epoch is None else {"number": epoch.number, "step": epoch.step,
+                                                  "members": list(epoch.members)},
+            "members": members, "slowest": slowest, "straggler": straggler}
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """:func:`read_status`'s answer as ``fastreduce status`` prints it."""
+    epoch = status["epoch"]
+    if epoch is None:
+        return "no epoch formed yet (no member has joined)"
+    members = status["members"]
+    steps = [f["step"] for f in members.values() if f]
+    rates = [1.0 / f["step_s"] for f in members.values() if f and f.get("step_s")]
+    rate = f"{statistics.median(rates):.2f}" if rates else "-"
+    lines = [f"epoch {epoch['number']} (from step {epoch['step']}): {len(epoch['members'])} members, "
+             f"step {max(steps) if steps else '-'}, {rate} steps/s",
+             f"{'rank':>4}  {'member':32}  {'step':>7}  {'step ms':>8}  {'wait ms':>8}  {'busy ms':>8}  {'seen':>6}"]
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{1e3 * v:8.1f}"
+    for rank, name in enumerate(epoch["members"]):
+        f = members.get(name) or {}
+        mark = "  <- straggler" if name == status["straggler"] else "  <- slowest" if name == status["slowest"] else ""
+        lines.append(f"{rank:>4}  {name[:32]:32}  {f.get('step', '-'):>7}  {ms(f.get('step_s')):>8}  "
+                     f"{ms(f.get('wait_s')):>8}  {ms(f.get('busy_s')):>8}  "
+                     f"{'-' if 'age_s' not in f else format(f['age_s'], '5.1f') + 's':>6}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""``fastreduce status`` and ``Membership.status()``: a job's slowest member named.
+
+Three real members (processes, a real coordinator, Gloo) train a small MLP in the fused
+mode; from its step 10 on, member 2 sleeps in each step as long as its step's work took
+before (a member slowed to about 2x: a throttled accelerator, a noisy neighbour). The
+members see it named a straggler through ``Membership.status()`` within 10 s, and
+``fastreduce status HOST:PORT`` (the command, in this process, against the same coordinator
+while the job runs) prints the same. Before the slowdown, nobody is a straggler.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fastreduce.cli import main as cli
+from fastreduce.coordinator import serve
+
+SLOW_FROM = 10  # member 2's first slowed step
+LONGEST_S = 60.0  # each member trains until every member has seen the straggler named, at most this long
+
+
+def _member(index: int, port: int, out: str) -> None:
+    import os
+
+    os.environ["FASTREDUCE_HEARTBEAT_S"] = "0.5"
+    import fastreduce
+    from fastreduce.membership import Membership
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    facts: dict[str, Any] = {"named": None, "before": []}
+    m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=3, member=f"member{index}", wait_s=60)
+    m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model))
+    store = m.link.store  # (the test's own keys, beside the job's)
+    slowed_at, stop_at, deadline = None, None, time.monotonic() + LONGEST_S
+    while stop_at is None or m.step < stop_at:
+        t0 = time.perf_counter()
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(m.step * 10 + m.rank))
+        torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).tanh()).backward()
+        if index == 2 and m.step >= SLOW_FROM:
+            time.sleep(max(0.005, time.perf_counter() - t0))  # its work, twice
+        m.commit(opt.step)
+        opt.zero_grad()
+        if m.step == SLOW_FROM:
+            slowed_at = time.monotonic()
+        status = m.status()
+        if slowed_at is None:
+            facts["before"].append(status["straggler"])
+        elif facts["named"] is None and status["straggler"] is not None:
+            facts["named"] = (status["straggler"], time.monotonic() - slowed_at)
+        if index == 0 and stop_at is None and (facts["named"] is not None or time.monotonic() > deadline):
+            store.compare_set("test/stop_at", "", str(m.step + 10))  # every member stops at that step
+        if stop_at is None and store.check(["test/stop_at"]):
+            stop_at = int(store.get("test/stop_at"))
+    facts["step"] = m.step
+    m.close()
+    torch.save(facts, Path(out) / f"member{index}.pt")
+
+
+@pytest.mark.timeout(180)
+def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd) -> None:
+    store = serve(0, "127.0.0.1")
+    ctx = mp.get_context("spawn")
+    members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path))) for i in range(3)]
+    for p in members:
+        p.start()
+    seen: list[dict[str, Any]] = []
+    while any(p.is_alive() for p in members) and not any(s.get("straggler") for s in seen):
+        capfd.readouterr()
+        assert cli(["status", f"127.0.0.1:{store.port}", "--json"]) == 0
+        seen.append(json.loads(capfd.readouterr().out))
+        time.sleep(0.5)
+    assert cli(["status", f"127.0.0.1:{store.port}"]) == 0
+    table = capfd.readouterr().out
+    for p in members:
+        p.join(120)
+        assert p.exitcode == 0, p.exitcode
+    facts = [torch.load(tmp_path / f"member{i}.pt") for i in range(3)]
+    for f in facts:
+        assert f["named"] is not None and f["named"][0] == "member2", f["named"]
+        assert f["named"][1] <= 10.0, f["named"]  # seconds from the slowdown to its name
+        assert not any(f["before"]), f["before"]  # nobody before it
+    assert seen[-1]["straggler"] == "member2", seen[-1]
+    assert seen[-1]["members"]["member2"]["busy_s"] > 1.5 * seen[-1]["members"]["member0"]["busy_s"], seen[-1]
+    assert "member2" in table and "<- straggler" in table.split("member2", 1)[1].split("\n", 1)[0], table
