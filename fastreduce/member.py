@@ -39,12 +39,19 @@ class MembershipSettings:
     ends a step within a second or two (3 silent beats), whatever the group's timeout."""
     checkpoints: Any = None
     """Where and how often the job saves itself (a :class:`~fastreduce.job_checkpoints.JobCheckpoints`)."""
+    evict_slower_than: float | None = None
+    """A member working this many times the members' median per step (:mod:`fastreduce.status`)
+    for ``evict_for_s`` is asked to leave; ``None``: never (the default)."""
+    evict_for_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 1 <= self.min_ranks:
             raise ValueError(f"world_size and min_ranks must be >= 1, got {self.world_size} and {self.min_ranks}")
         if not self.poll_s >= 0:
             raise ValueError(f"poll_s must be >= 0 seconds (0: a poll at every step), got {self.poll_s}")
+        if self.evict_slower_than is not None and not (self.evict_slower_than > 1 and self.evict_for_s > 0):
+            raise ValueError(f"evict_slower_than must be > 1 (times the median member's work) and evict_for_s > 0 "
+                             f"seconds, got {self.evict_slower_than} and {self.evict_for_s}")
 
 
 @dataclass

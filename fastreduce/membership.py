@@ -85,6 +85,9 @@ class Membership:
         member: this member's name at the coordinator (default: host, pid and a random tag).
         checkpoints: a :class:`~.job_checkpoints.JobCheckpoints`: the job saved as it trains,
             no collective, and a new job started from the newest complete save.
+        evict_slower_than, evict_for_s: a member working ``evict_slower_than`` times the
+            members' median per step for ``evict_for_s`` seconds is asked to leave (out at
+            the next poll; :mod:`fastreduce.status`). ``None`` (the default): never.
 
     The settings are kept as one :class:`~.member.MembershipSettings` (:attr:`settings`).
 
@@ -101,9 +104,11 @@ class Membership:
 
     def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
                  backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
-                 poll_s: float = 0.2, member: str | None = None, checkpoints: JobCheckpoints | None = None):
+                 poll_s: float = 0.2, member: str | None = None, checkpoints: JobCheckpoints | None = None,
+                 evict_slower_than: float | None = None, evict_for_s: float = 30.0):
         self.settings = MembershipSettings(world_size, min_ranks, backend, tag, timeout_s, wait_s, poll_s,
-                                           checkpoints=checkpoints)
+                                           checkpoints=checkpoints, evict_slower_than=evict_slower_than,
+                                           evict_for_s=evict_for_s)
         coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
         if coordinator is None:
             raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "

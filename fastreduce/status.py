@@ -9,19 +9,28 @@ slowest wait for it: the slowest is the member that works longest between its wa
 ``busy_s``, a step's seconds less its waits). :func:`read_status` names it, and calls it a
 straggler when it works :data:`STRAGGLER_RATIO` times the members' median or more.
 ``fastreduce status HOST:PORT`` prints it (``--watch S``: again every ``S`` seconds).
+
+With ``Membership(..., evict_slower_than=R, evict_for_s=T)`` the epoch's rank 0 looks about
+once a second (off its step's path) and asks a member named the straggler at ratio ``R`` in
+every look for ``T`` seconds to leave: it is out at the members' next poll, and the others
+go on without it (:class:`Evictions`). Off by default.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, epoch_key
 from .member import Member
+from .modes.contract import wait_seconds
 
-__all__ = ["EVERY_S", "STATUS_PREFIX", "STRAGGLER_RATIO", "StatusReport", "format_status", "read_status"]
+__all__ = ["EVERY_S", "STATUS_PREFIX", "STRAGGLER_RATIO", "Evictions", "StatusReport", "format_status", "read_status"]
+
+log = logging.getLogger("fastreduce.membership")
 
 STATUS_PREFIX = MEMBERS_PREFIX + "status/"
 EVERY_S = 1.0
@@ -36,18 +45,18 @@ class StatusReport:
 
     def __init__(self, me: Member, link: CoordinatorLink):
         self.me, self.link = me, link
-        self._last: tuple[float, int, Any, float] | None = None  # (when, step, mode, its wait_seconds) last published
+        self._last: tuple[float, int, Any, float | None] | None = None  # (when, step, mode, its wait) last published
 
     def publish(self, step_s: float | None) -> None:
         """Publish this member's figures where :data:`EVERY_S` has passed since the last
         time (``step_s``: the running seconds per committed step), without waiting."""
         now, mode = time.monotonic(), self.me.mode
-        waited = float(mode.stats.wait_seconds) if mode is not None else 0.0
+        waited = wait_seconds(mode) if mode is not None else None
         last, self._last = self._last, (now, self.me.step, mode, waited)
         if last is not None and now - last[0] < EVERY_S:
             self._last = last
             return
-        steps = self.me.step - last[1] if last is not None and last[2] is mode else 0
+        steps = self.me.step - last[1] if last is not None and last[2] is mode and waited is not None else 0
         wait_s = (waited - last[3]) / steps if steps > 0 else None  # the epoch's mode is new: its stats too
         epoch = self.me.current()
         figures = {"epoch": epoch.number, "rank": self.me.rank, "step": self.me.step, "step_s": step_s,
@@ -55,10 +64,51 @@ class StatusReport:
         self.link.submit(self.link.store.set, STATUS_PREFIX + self.me.name, json.dumps(figures))
 
 
-def read_status(store: Any, max_epochs: int = 100_000) -> dict[str, Any]:
+class Evictions:
+    """The epoch's rank 0's eviction policy (``evict_slower_than``, ``evict_for_s`` of
+    :class:`~fastreduce.member.MembershipSettings`): :meth:`look` at every poll reads the
+    status in the background about once a second, and ``ask(name)`` is called once for a
+    member named the straggler in every read for ``evict_for_s``."""
+
+    def __init__(self, me: Member, link: CoordinatorLink, ask: Callable[[str], None]):
+        self.me, self.link, self.ask = me, link, ask
+        self._reading: tuple[Any, list[Any]] | None = None  # a read in flight: (done event, its box)
+        self._read_at = 0.0
+        self._since: tuple[str, float] | None = None  # the straggler every read has named, since when
+        self._asked: set[str] = set()
+
+    def look(self) -> None:
+        ratio = self.me.settings.evict_slower_than
+        if ratio is None or self.me.rank != 0:
+            return
+        now = time.monotonic()
+        if self._reading is not None and self._reading[0].is_set():
+            box, self._reading = self._reading[1], None
+            if not isinstance(box[0], BaseException):
+                self._judge(box[0]["straggler"], now)
+        if self._reading is None and now - self._read_at >= EVERY_S:
+            self._read_at = now
+            self._reading = self.link.submit(read_status, self.link.store, ratio)
+
+    def _judge(self, straggler: str | None, now: float) -> None:
+        if straggler is None or (self._since is not None and self._since[0] != straggler):
+            self._since = None if straggler is None else (straggler, now)
+            return
+        if self._since is None:
+            self._since = (straggler, now)
+        elif now - self._since[1] >= self.me.settings.evict_for_s and straggler not in self._asked:
+            self._asked.add(straggler)
+            log.warning("fastreduce: member %s has worked %gx the members' median per step or more for %g s: it is "
+                        "asked to leave (evict_slower_than)", straggler, self.me.settings.evict_slower_than,
+                        now - self._since[1])
+            self.ask(straggler)
+
+
+def read_status(store: Any, ratio: float = STRAGGLER_RATIO, max_epochs: int = 100_000) -> dict[str, Any]:
     """The job's status from its coordinator's ``store``: the current epoch (number, step at
     which it began, members in rank order), each member's last published figures (and how
-    old they are), and ``slowest``/``straggler`` (a member's name, or ``None``)."""
+    old they are), and ``slowest``/``straggler`` (a member's name, or ``None``; a straggler
+    works ``ratio`` times the members' median or more)."""
     n, epoch = 0, None
     while n < max_epochs and store.check([epoch_key(n)]):
         n += 1
@@ -75,8 +125,8 @@ def read_status(store: Any, max_epochs: int = 100_000) -> dict[str, Any]:
         members[name] = figures
     busy = {m: f["busy_s"] for m, f in members.items() if "busy_s" in f}
     slowest = max(busy, key=busy.__getitem__) if len(busy) > 1 else None
-    straggler = slowest if slowest is not None and busy[slowest] >= STRAGGLER_RATIO * statistics.median(
-        busy.values()) else None
+    straggler = slowest if slowest is not None and busy[slowest] >= ratio * statistics.median(busy.values()) \
+        else None
     return {"epoch": None if epoch is None else {"number": epoch.number, "step": epoch.step,
                                                   "members": list(epoch.members)},
             "members": members, "slowest": slowest, "straggler": straggler}

@@ -20,7 +20,7 @@ from .faults import RankLostError
 from .member import Member
 from .presence import EXIT_CHECK_S, Watch
 from .process_identity import who_of
-from .status import StatusReport
+from .status import Evictions, StatusReport
 
 __all__ = ["Votes"]
 
@@ -44,6 +44,7 @@ class Votes:
         self._leaves_seen = 0  # requests to leave counted when this member last looked
         self._last_commit: float | None = None
         self.status = StatusReport(me, link)  # this member's figures at the coordinator, about once a second
+        self.evictions = Evictions(me, link, self.ask_to_leave)  # rank 0's (evict_slower_than)
 
     def restart(self, first_step: int) -> None:
         """A new epoch, entered at ``first_step``: every epoch polls at its first step."""
@@ -64,6 +65,7 @@ class Votes:
         epoch, store = self.me.current(), self.link.store
         key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
         self.status.publish(self.step_s)
+        self.evictions.look()
         value = None
         if self.link.call(store.add, key, 1) == epoch.world:
             if s >= self.poll_at:  # a poll: joiners, leavers, the next poll's step
@@ -90,9 +92,10 @@ class Votes:
         self.poll_at = int(at)
         return decision, set(filter(None, leavers.split(",")))
 
-    def ask_to_leave(self) -> None:
-        """This member asks to be out at the next poll (:meth:`fastreduce.Membership.leave`)."""
-        self.link.call(self.link.store.set, f"{_LEAVING}/{self.me.name}", "1")
+    def ask_to_leave(self, member: str | None = None) -> None:
+        """This member (or ``member``: evicted) asks to be out at the next poll
+        (:meth:`fastreduce.Membership.leave`)."""
+        self.link.call(self.link.store.set, f"{_LEAVING}/{member or self.me.name}", "1")
         self.link.call(self.link.store.add, _LEAVING, 1)
 
     def _leavers(self) -> list[str]:

@@ -1,11 +1,16 @@
-"""``fastreduce status`` and ``Membership.status()``: a job's slowest member named.
+"""``fastreduce status`` and ``Membership.status()``: a job's slowest member named, and
+evicted where the job asks for it.
 
 Three real members (processes, a real coordinator, Gloo) train a small MLP in the fused
 mode; from its step 10 on, member 2 sleeps in each step as long as its step's work took
 before (a member slowed to about 2x: a throttled accelerator, a noisy neighbour). The
 members see it named a straggler through ``Membership.status()`` within 10 s, and
 ``fastreduce status HOST:PORT`` (the command, in this process, against the same coordinator
-while the job runs) prints the same. Before the slowdown, nobody is a straggler.
+while the job runs) prints the same. Before the slowdown, nobody is a straggler. With
+``evict_slower_than=1.3, evict_for_s=2`` it is asked to leave and the other two go on
+without it; without it (the default), nothing changes: it stays. (Each member's step times
+are kept in its facts: the pace before, during and after, which ``fastreduce bench`` would
+judge; a test asserts no timing.)
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import torch
 
 from fastreduce.cli import main as cli
 from fastreduce.coordinator import serve
+from fastreduce.status import STRAGGLER_RATIO
 
 SLOW_FROM = 10  # member 2's first slowed step
 LONGEST_S = 60.0  # each member trains until every member has seen the straggler named, at most this long
 
 
-def _member(index: int, port: int, out: str) -> None:
+def _member(index: int, port: int, out: str, evict: bool) -> None:
     import os
 
     os.environ["FASTREDUCE_HEARTBEAT_S"] = "0.5"
@@ -35,21 +41,23 @@ def _member(index: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    facts: dict[str, Any] = {"named": None, "before": []}
-    m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=3, member=f"member{index}", wait_s=60)
+    facts: dict[str, Any] = {"named": None, "before": [], "times": []}
+    policy = {"evict_slower_than": 1.3, "evict_for_s": 2.0} if evict else {}  # (3 members on 2 cores blur the 2x)
+    m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, member=f"member{index}", wait_s=60, **policy)
     m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model))
     store = m.link.store  # (the test's own keys, beside the job's)
     slowed_at, stop_at, deadline = None, None, time.monotonic() + LONGEST_S
-    while stop_at is None or m.step < stop_at:
+    while not m.left and (stop_at is None or m.step < stop_at):
         t0 = time.perf_counter()
         x = torch.randn(256, 64, generator=torch.Generator().manual_seed(m.step * 10 + m.rank))
         torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(1).tanh()).backward()
         if index == 2 and m.step >= SLOW_FROM:
-            time.sleep(max(0.005, time.perf_counter() - t0))  # its work, twice
+            time.sleep(time.perf_counter() - t0)  # its work, twice
         m.commit(opt.step)
         opt.zero_grad()
+        facts["times"].append((m.step, m.world, time.perf_counter() - t0))
         if m.step == SLOW_FROM:
             slowed_at = time.monotonic()
         status = m.status()
@@ -57,20 +65,22 @@ def _member(index: int, port: int, out: str) -> None:
             facts["before"].append(status["straggler"])
         elif facts["named"] is None and status["straggler"] is not None:
             facts["named"] = (status["straggler"], time.monotonic() - slowed_at)
-        if index == 0 and stop_at is None and (facts["named"] is not None or time.monotonic() > deadline):
-            store.compare_set("test/stop_at", "", str(m.step + 10))  # every member stops at that step
+        done = m.world == 2 if evict else facts["named"] is not None  # (evicted: the other two at their pace)
+        if index == 0 and stop_at is None and (done or time.monotonic() > deadline):
+            store.compare_set("test/stop_at", "", str(m.step + (30 if evict else 10)))  # every member stops there
         if stop_at is None and store.check(["test/stop_at"]):
             stop_at = int(store.get("test/stop_at"))
-    facts["step"] = m.step
+    facts.update(step=m.step, left=m.left, world=m.world, leaves=m.counters.leaves)
     m.close()
     torch.save(facts, Path(out) / f"member{index}.pt")
 
 
 @pytest.mark.timeout(180)
-def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd) -> None:
+@pytest.mark.parametrize("evict", [False, True], ids=["policy-off", "evicted"])
+def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd, evict: bool) -> None:
     store = serve(0, "127.0.0.1")
     ctx = mp.get_context("spawn")
-    members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path))) for i in range(3)]
+    members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path), evict)) for i in range(3)]
     for p in members:
         p.start()
     seen: list[dict[str, Any]] = []
@@ -90,5 +100,11 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         assert f["named"][1] <= 10.0, f["named"]  # seconds from the slowdown to its name
         assert not any(f["before"]), f["before"]  # nobody before it
     assert seen[-1]["straggler"] == "member2", seen[-1]
-    assert seen[-1]["members"]["member2"]["busy_s"] > 1.5 * seen[-1]["members"]["member0"]["busy_s"], seen[-1]
-    assert "member2" in table and "<- straggler" in table.split("member2", 1)[1].split("\n", 1)[0], table
+    busy = {m: f["busy_s"] for m, f in seen[-1]["members"].items()}
+    assert busy["member2"] >= STRAGGLER_RATIO * busy["member0"], seen[-1]
+    if not evict:  # it stays: nothing changes
+        assert "member2" in table and "<- straggler" in table.split("member2", 1)[1].split("\n", 1)[0], table
+        assert all(f["world"] == 3 and not f["left"] and f["leaves"] == 0 for f in facts), facts
+        return
+    assert facts[2]["left"] and all(f["world"] == 2 and f["leaves"] == 1 for f in facts[:2]), facts
+    assert facts[0]["step"] == facts[1]["step"] > facts[2]["step"], [f["step"] for f in facts]  # the two went on

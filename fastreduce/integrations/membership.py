@@ -157,6 +157,11 @@ class _Seen:
         """The mode's own (:func:`~fastreduce.modes.contract.check_membership` asks it)."""
         return getattr(self.obj, "membership_refusal", None)
 
+    @property
+    def stats(self) -> Any:
+        """The mode's own figures (:func:`~fastreduce.modes.contract.wait_seconds` asks them)."""
+        return self.obj.stats
+
 
 class _Reduced(_Seen):
     """A fused mode: the reduction ran right after backward (before the trainer clipped);

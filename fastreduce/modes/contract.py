@@ -33,7 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership",
-           "commit_style", "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope"]
+           "commit_style", "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope",
+           "wait_seconds"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -107,6 +108,13 @@ def mode_name(mode: Any) -> str:
     if not commit_style(mode):
         raise TypeError(f"{type(mode).__name__} is not a fastreduce mode")
     return str(mode.mode_name)
+
+
+def wait_seconds(mode: Any) -> float | None:
+    """Seconds ``mode``'s rank has waited on its collectives since it was built (its figures,
+    ``stats.wait_seconds``), or ``None`` where it keeps none."""
+    stats = getattr(mode, "stats", None)
+    return None if stats is None else float(stats.wait_seconds)
 
 
 def membership_settings(mode: Any) -> dict[str, Any]:
