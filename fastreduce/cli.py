@@ -151,8 +151,10 @@ def _show_status(args: argparse.Namespace) -> int:
         print(f"fastreduce status: {err}", file=sys.stderr)
         return 1
     try:
+        since = 0
         while True:
-            status = read_status(store)
+            status = read_status(store, since=since)
+            since = status["epoch"]["number"] if status["epoch"] is not None else 0
             print(json.dumps(status) if args.json else format_status(status), file=args.stdout, flush=True)
             if args.watch <= 0:
                 return 0

@@ -28,7 +28,7 @@ from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
 from .heal import broadcast_state, recv_state, send_state
-from .kept import kept_state, settled_step, top_step
+from .kept import kept_state, settled_step
 from .modes import zero_mirror
 from .modes.contract import check_membership, commit_style
 from .member import Member
@@ -75,7 +75,6 @@ class EpochChanges:
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         self.leave_group(abandon=why == "loss")
         said = self.gather(old, lost, why, beats)
-        self._step_held(said)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
@@ -89,7 +88,8 @@ class EpochChanges:
         if founding:
             healed = [m for m in present if said[m].get("founder")]
         holds = self.me.name in healed
-        top = top_step(said, healed, self.me.step)
+        top = max((said[m]["step"] for m in healed), default=self.me.step)
+        self._step_held(top)
         behind = tuple(m for m in healed if settled_step(said[m], top) != top)
         healed = [m for m in healed if m not in behind]
         holders = set(healed) | set(behind)
@@ -428,15 +428,13 @@ class EpochChanges:
             self.me.mode.holds_step else None
         self.close_mode(drain=not after_loss)
 
-    def _step_held(self, said: dict[str, dict[str, Any]]) -> None:
+    def _step_held(self, top: int) -> None:
         """ZeRO: this member's step whose ``all_arrived()`` failed here but completed on
-        another survivor (at one step more: every member had arrived, so every shard's
-        averaged gradients were complete) is stepped now, from the gradients it holds, and
-        kept; otherwise it is dropped with the others' (discarded)."""
+        another survivor (one that stands at ``top``, a step more: every member had arrived,
+        so every shard's averaged gradients were complete) is stepped now, from the
+        gradients it holds, and kept; otherwise it is dropped with the others' (discarded)."""
         held, self._held = self._held, None
-        healed = [m for m in said if said[m]["healed"]]
-        if held is None or self.me.name not in said or \
-                settled_step(said[self.me.name], top_step(said, healed, self.me.step)) == self.me.step:
+        if held is None or top != self.me.step + 1:
             return
         held.step_held()
         self.me.kept_mode = kept_state(held, after_loss=True)

@@ -12,7 +12,7 @@ from .modes import zero_mirror
 from .modes.contract import commit_style
 from .nested import clone_state
 
-__all__ = ["kept_state", "settled_step", "top_step"]
+__all__ = ["kept_state", "settled_step"]
 
 
 def kept_state(mode: Any, after_loss: bool) -> tuple[Any, str]:
@@ -25,11 +25,6 @@ def kept_state(mode: Any, after_loss: bool) -> tuple[Any, str]:
         return zero_mirror.held(mode), kind
     save = mode.local_state_dict if after_loss and kind in ("gossip", "local") else mode.state_dict
     return clone_state(save()), kind
-
-
-def top_step(said: dict[str, dict[str, Any]], healed: list[str], default: int) -> int:
-    """The latest step the members ``healed`` hold (announced in ``said``)."""
-    return max((said[m]["step"] for m in healed), default=default)
 
 
 def settled_step(word: dict[str, Any], top: int) -> int:

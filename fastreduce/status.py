@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, epoch_key
+from .faults_heartbeat import read_all
 from .member import Member
 from .modes.contract import wait_seconds
 
@@ -50,12 +51,12 @@ class StatusReport:
     def publish(self, step_s: float | None) -> None:
         """Publish this member's figures where :data:`EVERY_S` has passed since the last
         time (``step_s``: the running seconds per committed step), without waiting."""
-        now, mode = time.monotonic(), self.me.mode
-        waited = wait_seconds(mode) if mode is not None else None
-        last, self._last = self._last, (now, self.me.step, mode, waited)
+        now, last = time.monotonic(), self._last
         if last is not None and now - last[0] < EVERY_S:
-            self._last = last
             return
+        mode = self.me.mode
+        waited = wait_seconds(mode) if mode is not None else None
+        self._last = (now, self.me.step, mode, waited)
         steps = self.me.step - last[1] if last is not None and last[2] is mode and waited is not None else 0
         wait_s = (waited - last[3]) / steps if steps > 0 else None  # the epoch's mode is new: its stats too
         epoch = self.me.current()
@@ -88,7 +89,7 @@ class Evictions:
                 self._judge(box[0]["straggler"], now)
         if self._reading is None and now - self._read_at >= EVERY_S:
             self._read_at = now
-            self._reading = self.link.submit(read_status, self.link.store, ratio)
+            self._reading = self.link.submit(read_status, self.link.store, ratio, self.me.current().number)
 
     def _judge(self, straggler: str | None, now: float) -> None:
         if straggler is None or (self._since is not None and self._since[0] != straggler):
@@ -104,20 +105,25 @@ class Evictions:
             self.ask(straggler)
 
 
-def read_status(store: Any, ratio: float = STRAGGLER_RATIO, max_epochs: int = 100_000) -> dict[str, Any]:
+def read_status(store: Any, ratio: float = STRAGGLER_RATIO, since: int = 0) -> dict[str, Any]:
     """The job's status from its coordinator's ``store``: the current epoch (number, step at
     which it began, members in rank order), each member's last published figures (and how
     old they are), and ``slowest``/``straggler`` (a member's name, or ``None``; a straggler
-    works ``ratio`` times the members' median or more)."""
-    n, epoch = 0, None
-    while n < max_epochs and store.check([epoch_key(n)]):
+    works ``ratio`` times the members' median or more). ``since``: an epoch known formed
+    (the search for the current one starts there)."""
+    n, epoch = since, None
+    while store.check([epoch_key(n)]):
         n += 1
     if n:
         epoch = Epoch.from_json(store.get(epoch_key(n - 1)))
+    keys = [STATUS_PREFIX + name for name in (epoch.members if epoch is not None else ())]
+    if keys and store.check(keys):  # every member has published: one request
+        words = dict(zip(keys, read_all(store, keys)))
+    else:
+        words = {k: store.get(k) for k in keys if store.check([k])}
     members: dict[str, dict[str, Any]] = {}
-    for name in epoch.members if epoch is not None else ():
-        key = STATUS_PREFIX + name
-        figures = json.loads(store.get(key)) if store.check([key]) else {}
+    for name, key in zip(epoch.members if epoch is not None else (), keys):
+        figures = json.loads(words[key]) if key in words else {}
         if figures:
             figures["age_s"] = max(0.0, time.time() - figures["at"])
             if figures.get("step_s") is not None and figures.get("wait_s") is not None:

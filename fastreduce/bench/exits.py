@@ -12,7 +12,8 @@ again and again and counts every exit that is not 0:
 * ``lightning``: Lightning's ``Trainer(strategy="fastreduce_<mode>")``, 16 steps, a
   checkpoint every 8, the same launch;
 * ``membership``: a job of plain processes (docs/faults.md): ``fastreduce coordinator``, 3
-  members (:mod:`.user.member`), one SIGKILLed from outside mid-run and a replacement
+  members (:mod:`.user.member`, the fused reducer or ZeRO (``redundant=True``), the jobs
+  alternating over those of ``--modes``), one SIGKILLed from outside mid-run and a replacement
   started; every surviving member, the replacement and the coordinator (stopped with
   SIGTERM, as Kubernetes stops a pod) must exit 0, and the final members' parameters agree.
 
@@ -102,7 +103,11 @@ def _read_until(proc: subprocess.Popen, pattern: str, deadline: float, lines: li
     return None
 
 
-def launch_member_job(steps: int = 300, kill_at: int = 10, timeout: float = 300.0) -> dict[str, Any]:
+MEMBER_MODES = ("fused", "zero")
+"""The modes of the membership job's user script (:mod:`.user.member`)."""
+
+
+def launch_member_job(steps: int = 300, kill_at: int = 10, timeout: float = 300.0, mode: str = "fused") -> dict[str, Any]:
     """A coordinator, 3 members, member 2 SIGKILLed once it committed ``kill_at`` steps and a
     replacement started: every process's exit code (the killed one's is -9 by design, not
     counted), the members' final digests and, where an exit is not 0, its last lines."""
@@ -120,7 +125,7 @@ def launch_member_job(steps: int = 300, kill_at: int = 10, timeout: float = 300.
             return {"codes": {"coordinator": coord.poll()}, "digests": {}, "tails": {"coordinator": _tail("\n".join(out["coordinator"]))}}
         env["FASTREDUCE_COORDINATOR"] = f"127.0.0.1:{found.group(1)}"
         env["FASTREDUCE_HEARTBEAT_S"] = "0.25"
-        member = [sys.executable, str(USER / "member.py"), str(steps)]
+        member = [sys.executable, str(USER / "member.py"), str(steps), mode]
         for i in range(3):
             procs[f"member{i}"], out[f"member{i}"] = _start(member, env), []
         # member 2 is read here until it has committed kill_at steps; the others by threads
@@ -150,7 +155,7 @@ def launch_member_job(steps: int = 300, kill_at: int = 10, timeout: float = 300.
     digests = {k: line.split()[1] for k in ("member0", "member1", "replacement")
                for line in out.get(k, []) if line.startswith("digest ")}
     tails = {k: _tail("\n".join(out.get(k, []))) for k, rc in codes.items() if rc != 0 and k != "member2"}
-    return {"codes": codes, "digests": digests, "tails": tails}
+    return {"mode": mode, "codes": codes, "digests": digests, "tails": tails}
 
 
 def _drain(proc: subprocess.Popen, lines: list[str]) -> None:
@@ -170,10 +175,12 @@ def run_exits_bench(cfg: ExitsConfig) -> dict[str, Any]:
                 print(f"exits: {trainer} {mode} launch {k + 1}/{launches}: exit {run['rc']} in {run['seconds']:.1f} s",
                       file=sys.stderr, flush=True)
     jobs = []
+    member_modes = [m for m in MEMBER_MODES if m in cfg.modes] or ["fused"]
     for k in range(cfg.membership):
-        job = launch_member_job(cfg.steps, timeout=cfg.timeout)
+        job = launch_member_job(cfg.steps, timeout=cfg.timeout, mode=member_modes[k % len(member_modes)])
         jobs.append(job)
-        print(f"exits: membership job {k + 1}/{cfg.membership}: exits {job['codes']}", file=sys.stderr, flush=True)
+        print(f"exits: membership job {k + 1}/{cfg.membership} ({job['mode']}): exits {job['codes']}",
+              file=sys.stderr, flush=True)
     return {"config": asdict(cfg), "runs": runs, "membership": jobs, "summary": summarize(runs, jobs)}
 
 
