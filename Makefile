@@ -96,7 +96,7 @@ test-mutations: $(STAMP)
 test-quick: $(STAMP)
 	$(PYTEST) -m quick $(PYTEST_ARGS)
 
-# The stress test at full length: 10,000 random steps per group (make test runs 2,000).
+# The stress test at full length: 10,000 random steps per group (make test runs 500).
 test-stress: $(STAMP)
 	FASTREDUCE_STRESS_STEPS=10000 $(BIN)/python -m pytest -q -p no:randomly tests/test_stress.py $(PYTEST_ARGS)
 

@@ -24,7 +24,6 @@ import argparse
 import functools
 import hashlib
 import importlib
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -314,35 +313,21 @@ def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 1
     ``None``: none does) and, where one dies, a replacement told to join once it is gone;
     returns what each member saved. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
 
-    The members are forked from a fork server that imported the trainer's libraries once
-    (:data:`PRELOAD`), started in a process of its own (this process's may be running already,
-    with other imports): on 2 cores, four members each importing them took three times as long."""
+    The members are forked from this process's fork server (:func:`fastreduce.launch.rank_context`),
+    which imports the trainer's libraries once (:data:`PRELOAD`) where it starts here: on 2
+    cores, four members each importing them took three times as long."""
+    from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
-    starter = mp.get_context("spawn").Process(target=_start_members, args=(
-        trainer, server.port, str(out), mode, kill_at, steps, timeout, transport, resume, saves, members, compiled))
-    starter.start()
-    starter.join(2 * timeout + 60)
-    if starter.is_alive():
-        starter.kill()
-    return {i: torch.load(path, weights_only=False) for i in range(members + 1)
-            if (path := out / f"member{i}.pt").exists()}
-
-
-def _start_members(trainer: str, port: int, out: str, mode: str, kill_at: int | None, steps: int, timeout: float,
-                   transport: str, resume: str | None, saves: str, members: int, compiled: str) -> None:
-    """:func:`launch`'s members, started and waited for (a process of its own)."""
-    from fastreduce.launch import rank_context
-
     ctx = rank_context("keep_training_trainers", *PRELOAD[trainer])
     go = ctx.Event()
-    procs = {i: ctx.Process(target=member, args=(trainer, i, port, out, mode, kill_at if i == 2 else None, None, steps,
-                                                 transport, resume, saves, members, compiled))
+    procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode, kill_at if i == 2 else None,
+                                                 None, steps, transport, resume, saves, members, compiled))
              for i in range(members)}
     if kill_at is not None:
-        procs[members] = ctx.Process(target=member, args=(trainer, members, port, out, mode, None, go, steps, transport,
-                                                          None, saves, members, compiled))
+        procs[members] = ctx.Process(target=member, args=(trainer, members, server.port, str(out), mode, None, go,
+                                                          steps, transport, None, saves, members, compiled))
     for p in procs.values():
         p.start()
     try:
@@ -355,6 +340,8 @@ def _start_members(trainer: str, port: int, out: str, mode: str, kill_at: int | 
         for p in procs.values():
             if p.is_alive():
                 p.kill()
+    return {i: torch.load(path, weights_only=False) for i in range(members + 1)
+            if (path := out / f"member{i}.pt").exists()}
 
 
 def main(argv: list[str] | None = None) -> None:

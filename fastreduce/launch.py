@@ -66,11 +66,20 @@ def free_port() -> int:
     raise OSError("no free TCP port on 127.0.0.1")
 
 
+_preloads: list[str] = list(PRELOAD)
+"""What this process's fork server imports when it starts: :data:`PRELOAD` and every module
+a :func:`rank_context` call named before then."""
+
+
 def rank_context(*preload: str) -> Any:
     """The multiprocessing context that rank processes start from: a fork server that
-    imported :data:`PRELOAD` (and ``preload``, if it is the first to start it)."""
+    imported :data:`PRELOAD` and ``preload``. The server is one per process, started at its
+    first fork and kept: the modules named by every call until then are imported there (a
+    module it lacks, the child imports itself), so a harness that names at once what all its
+    launches import (tests/conftest.py) pays for each import once."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *preload])
+    _preloads.extend(name for name in preload if name not in _preloads)
+    ctx.set_forkserver_preload(list(_preloads))
     return ctx
 
 

@@ -75,6 +75,16 @@ FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
 
 
+LAUNCHES_MEMBERS = ("test_membership.py", "test_trainers_membership.py", "test_gaudi_trainer_membership.py",
+                    "test_gaudi_trainer.py")
+"""Files whose tests fork members that import the trainers (examples/keep_training*.py)."""
+MEMBER_PRELOAD = ("torch._dynamo", "accelerate", "transformers.trainer", "fastreduce.integrations.transformers",
+                  "lightning.pytorch", "fastreduce.integrations.lightning", "keep_training", "keep_training_trainers")
+"""What those members import, in the fork server of a process that runs any of them (once, not
+in every launch's own server: about 10 s of CPU a launch on 2 cores). A module that does not
+import there (an extra not installed) is left to the members, as the fork server does."""
+
+
 def xdist_group(node: str) -> str:
     """The file, or the test itself where its file's tests share nothing (:data:`INDEPENDENT`).
     (The bench's smoke runs stay on one worker: each spawns its ranks, and three of them at
@@ -159,6 +169,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmatched -= hits
     if config.getoption("markexpr") == "quick" and unmatched:  # a renamed test must not drop out silently
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {sorted(unmatched)}")
+    if any(i.nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in LAUNCHES_MEMBERS for i in items):
+        from fastreduce.launch import rank_context
+
+        rank_context(*MEMBER_PRELOAD)  # before this process's fork server starts: imported there once
     if os.environ.get("FASTREDUCE_TEST_PASS") == "transports":  # make test's second pass (the Makefile sets it)
         # The compiled cases under inductor, the backend users run; aot_eager (the same
         # graphs without code generation) runs in the first pass, on the default transport.

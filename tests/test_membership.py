@@ -628,18 +628,19 @@ def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_pa
 def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
     """The coordinator is the job's single point: killed mid-run, every member raises
     MembershipError naming it within seconds (no hang, whatever the group's timeout)."""
-    import multiprocessing as mp
     import signal
     import subprocess
     import time
 
     from keep_training import member
 
+    from fastreduce.launch import rank_context
+
     coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
                                     "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
-        ctx = mp.get_context("spawn")
+        ctx = rank_context("keep_training")
         procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", None, None),
                              kwargs={"steps": 100_000, "world": 2}) for i in range(2)]
         for p in procs:

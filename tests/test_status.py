@@ -16,7 +16,6 @@ judge; a test asserts no timing.)
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 
 from fastreduce.cli import main as cli
 from fastreduce.coordinator import serve
+from fastreduce.launch import rank_context
 from fastreduce.status import STRAGGLER_RATIO
 
 SLOW_FROM = 10  # member 2's first slowed step
@@ -66,6 +66,7 @@ def _member(index: int, port: int, out: str, evict: bool) -> None:
         elif facts["named"] is None and status["straggler"] is not None:
             facts["named"] = (status["straggler"], time.monotonic() - slowed_at)
         done = m.world == 2 if evict else facts["named"] is not None  # (evicted: the other two at their pace)
+        done = done and store.check(["test/seen"])  # and the command named it too (the test's look)
         if index == 0 and stop_at is None and (done or time.monotonic() > deadline):
             store.compare_set("test/stop_at", "", str(m.step + (30 if evict else 10)))  # every member stops there
         if stop_at is None and store.check(["test/stop_at"]):
@@ -79,7 +80,7 @@ def _member(index: int, port: int, out: str, evict: bool) -> None:
 @pytest.mark.parametrize("evict", [False, True], ids=["policy-off", "evicted"])
 def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd, evict: bool) -> None:
     store = serve(0, "127.0.0.1")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(__name__)  # forked from a server that imported torch and fastreduce once
     members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path), evict)) for i in range(3)]
     for p in members:
         p.start()
@@ -89,6 +90,7 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         assert cli(["status", f"127.0.0.1:{store.port}", "--json"]) == 0
         seen.append(json.loads(capfd.readouterr().out))
         time.sleep(0.5)
+    store.set("test/seen", "1")  # the members may stop (at the latest LONGEST_S after they started)
     assert cli(["status", f"127.0.0.1:{store.port}"]) == 0
     table = capfd.readouterr().out
     for p in members:
