@@ -1,0 +1,147 @@
+"""The Slurm recipe (examples/slurm/membership.sbatch) on a real Slurm: a cluster of one node
+made for this test (munged, slurmctld and slurmd from Debian's slurm-wlm and munge packages,
+on their own ports, socket, key and state folder, stopped at the end), the recipe submitted
+with ``sbatch`` as a user submits it. 4 members, each a job step of its own; member 2's step
+killed with ``scancel --signal=KILL JOB.STEP`` mid-run: the other three train on to the last
+step, bit for bit equal, and Slurm records the job COMPLETED with exit code 0.
+
+Needs root and the packages (``apt-get install slurm-wlm munge``; ``.ci/run`` installs them);
+skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from fastreduce.launch import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "examples" / "slurm" / "membership.sbatch"
+STEPS = 400
+KILL_AFTER = 30  # member 2's step is killed once it committed this many steps
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _missing() -> str:
+    if os.geteuid() != 0:
+        return "needs root (the Slurm daemons run as root here)"
+    lost = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+    return f"{', '.join(lost)} not installed: apt-get install slurm-wlm munge" if lost else ""
+
+
+def _exe(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A one-node Slurm cluster of this test's own; the environment its commands need."""
+    why = _missing()
+    if why:
+        pytest.skip(f"Slurm: {why}")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "munge"):
+        (d / sub).mkdir()
+    key = d / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    (d / "munge").chmod(0o700)
+    sock = d / "munge" / "socket"
+    cpus = os.cpu_count() or 1
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=fastreduce-test", "SlurmctldHost=localhost", "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/munge", f"AuthInfo=socket={sock}", f"StateSaveLocation={d / 'state'}",
+        f"SlurmdSpoolDir={d / 'spool'}", f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "MpiDefault=none",
+        "ReturnToService=2", "SlurmdParameters=config_overrides", "MinJobAge=600",
+        f"SlurmctldLogFile={d / 'slurmctld.log'}", f"SlurmdLogFile={d / 'slurmd.log'}",
+        f"NodeName=localhost CPUs={cpus} Boards=1 SocketsPerBoard=1 CoresPerSocket={cpus} ThreadsPerCore=1 "
+        "RealMemory=1000 State=UNKNOWN",
+        "PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""]))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    daemons = []
+    try:
+        daemons.append(subprocess.Popen([_exe("munged"), "--foreground", "--force", f"--socket={sock}",
+                                          f"--key-file={key}", f"--pid-file={d / 'munge' / 'pid'}",
+                                          f"--log-file={d / 'munge.log'}", f"--seed-file={d / 'munge' / 'seed'}"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.1)
+        daemons.append(subprocess.Popen([_exe("slurmctld"), "-D", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        daemons.append(subprocess.Popen([_exe("slurmd"), "-D", "-N", "localhost", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while "idle" not in _run(["sinfo", "-h", "-o", "%T"], env, check=False):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in daemons):
+                logs = "\n".join(f.read_text()[-2000:] for f in d.glob("*.log"))
+                pytest.fail(f"the test's Slurm did not come up:\n{logs}")
+            time.sleep(0.5)
+        yield env
+    finally:
+        subprocess.run(["scancel", "--user=root", "--full"], env=env, capture_output=True)
+        for p in reversed(daemons):
+            _stop(p)
+
+
+def _run(cmd: list[str], env: dict[str, str], check: bool = True) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 or not check, f"{cmd}: {proc.stderr}"
+    return proc.stdout
+
+
+def _facts(out: Path, name: str) -> dict | None:
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_member_step_killed_under_slurm_leaves_the_job_training_and_completed(slurm: dict[str, str],
+                                                                                tmp_path: Path) -> None:
+    env = dict(slurm, PYTHON=sys.executable, FASTREDUCE_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    job = _run(["sbatch", "--parsable", "--ntasks=4", "--overcommit", f"--chdir={ROOT}",
+                f"--output={tmp_path / 'job.out'}", str(RECIPE), str(STEPS), str(tmp_path)], env).strip()
+    deadline = time.monotonic() + 120
+    while (victim := _facts(tmp_path, "member2")) is None or victim["step"] < KILL_AFTER:
+        assert time.monotonic() < deadline, f"member 2 did not train:\n{(tmp_path / 'job.out').read_text()}"
+        time.sleep(0.2)
+    _run(["scancel", "--signal=KILL", f"{job}.{victim['step_id']}"], env)
+    deadline = time.monotonic() + 180
+    while _run(["squeue", "-h", "-j", job], env, check=False).strip():
+        assert time.monotonic() < deadline, f"the job did not end:\n{(tmp_path / 'job.out').read_text()}"
+        time.sleep(0.5)
+    record = _run(["scontrol", "show", "job", job], env)
+    log = (tmp_path / "job.out").read_text()
+    assert "JobState=COMPLETED" in record and "ExitCode=0:0" in record, f"{record}\n{log}"
+    assert "3 of 4 members trained to step" in log, log
+    survivors = [_facts(tmp_path, f"member{i}") for i in (0, 1, 3)]
+    assert all(f["step"] == STEPS and f["world"] == 3 and f["losses"] == 1 for f in survivors), survivors
+    assert len({f["digest"] for f in survivors}) == 1, survivors  # one model on every survivor
+    assert _facts(tmp_path, "member2")["step"] < STEPS
