@@ -1,12 +1,18 @@
-"""The Slurm recipe (examples/slurm/membership.sbatch) on a real Slurm: a cluster of one node
-made for this test (munged, slurmctld and slurmd from Debian's slurm-wlm and munge packages,
-on their own ports, socket, key and state folder, stopped at the end), the recipe submitted
-with ``sbatch`` as a user submits it. 4 members, each a job step of its own; member 2's step
-killed with ``scancel --signal=KILL JOB.STEP`` mid-run: the other three train on to the last
-step, bit for bit equal, and Slurm records the job COMPLETED with exit code 0.
+"""Launched the way clusters launch: the recipes of examples/slurm and examples/kubernetes.
 
-Needs root and the packages (``apt-get install slurm-wlm munge``; ``.ci/run`` installs them);
-skipped elsewhere.
+Slurm (examples/slurm/membership.sbatch) on a real Slurm: a cluster of one node made for this
+test (munged, slurmctld and slurmd from Debian's slurm-wlm and munge packages, on their own
+ports, socket, key and state folder, stopped at the end), the recipe submitted with ``sbatch``
+as a user submits it. 4 members, each a job step of its own; member 2's step killed with
+``scancel --signal=KILL JOB.STEP`` mid-run: the other three train on to the last step, bit for
+bit equal, and Slurm records the job COMPLETED with exit code 0. Needs root and the packages
+(``apt-get install slurm-wlm munge``; ``.ci/run`` installs them); skipped elsewhere.
+
+Kubernetes (examples/kubernetes/fastreduce-job.yaml): no cluster runs here, so its manifests are
+checked against Kubernetes' own schemas (kubernetes-validate, strict: no unknown field) for the
+oldest and newest versions it knows, and for what the recipe needs: members that restart in
+place (and so join the running job), one pod per member, the coordinator's Service in their
+environment at the port the coordinator serves.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from fastreduce.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "examples" / "slurm" / "membership.sbatch"
+MANIFEST = ROOT / "examples" / "kubernetes" / "fastreduce-job.yaml"
 STEPS = 400
 KILL_AFTER = 30  # member 2's step is killed once it committed this many steps
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
@@ -145,3 +152,28 @@ def test_a_member_step_killed_under_slurm_leaves_the_job_training_and_completed(
     assert all(f["step"] == STEPS and f["world"] == 3 and f["losses"] == 1 for f in survivors), survivors
     assert len({f["digest"] for f in survivors}) == 1, survivors  # one model on every survivor
     assert _facts(tmp_path, "member2")["step"] < STEPS
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
+def test_the_kubernetes_manifests_are_valid_and_wire_the_members_to_the_coordinator(version: str) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the test extra)")
+    import yaml  # (kubernetes-validate's own dependency)
+
+    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
+    for doc in docs:
+        kv.validate(doc, version, strict=True)  # raises naming the field
+    by_kind = {d["kind"]: d for d in docs}
+    assert set(by_kind) == {"Service", "Deployment", "Job"}, sorted(by_kind)
+    service, coordinator, job = by_kind["Service"], by_kind["Deployment"], by_kind["Job"]
+    served = coordinator["spec"]["template"]["spec"]["containers"][0]
+    port = int(served["command"][served["command"].index("--port") + 1])
+    assert service["spec"]["ports"][0]["targetPort"] == port and served["ports"][0]["containerPort"] == port
+    assert service["spec"]["selector"].items() <= coordinator["spec"]["template"]["metadata"]["labels"].items()
+    spec = job["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"  # a member restarts in place and rejoins
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    env = {e["name"]: e["value"] for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["FASTREDUCE_COORDINATOR"] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert int(env["FASTREDUCE_WORLD_SIZE"]) == spec["parallelism"]
+    member = spec["template"]["spec"]["containers"][0]["command"]
+    assert (ROOT / member[1]).is_file(), member  # the script the image holds (Dockerfile: COPY examples)
