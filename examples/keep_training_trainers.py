@@ -46,8 +46,11 @@ HEARTBEAT = "0.25"
 LOST_AFTER = "2"  # s: a member silent this long is lost, and the survivors wait this long for each other (a
 #                  loaded 2-core machine runs 4 trainers: 1 s left a slow survivor out of the next epoch)
 PAUSE = 0.1  # s per step: the replacement (started at once, imports done) arrives mid-run
-PAUSE_MISSING = 0.5  # s per step while a member is missing: a replacement slow to start (a compiled
-#                    trainer's set-up on a loaded machine) still arrives mid-run
+PAUSE_MISSING = 0.5  # s per step while a member is missing and its replacement asks to join
+PAUSE_WAITING = 2.0  # s per step while a member is missing and its replacement has not asked yet (a
+#                    compiled trainer's set-up, Lightning's sanity check, on a loaded machine): it still
+#                    arrives mid-run, and the members never stop stepping (it is admitted at their polls)
+ASKING = "replacement.asking"  # written by a replacement as its trainer is about to join (in ``out``)
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 _HF_IMPORTS = ("transformers.trainer", "fastreduce.integrations.transformers")
 PRELOAD = {"hf": _HF_IMPORTS, "gaudi": _HF_IMPORTS, "lightning": ("lightning.pytorch", "fastreduce.integrations.lightning")}
@@ -120,10 +123,17 @@ def _membership(port: int, saves: str = "", world: int = 3) -> Any:
                       checkpoints=JobCheckpoints(saves, every=SAVE_EVERY) if saves else None)
 
 
-def _pause(m: Any, world: int) -> None:
+def _pause(m: Any, world: int, out: str) -> None:
     """A step long enough for the replacement to arrive mid-run: longer while the job is short
-    of the ``world`` members it started with."""
-    time.sleep(PAUSE if m.world >= world else PAUSE_MISSING)
+    of the ``world`` members it started with, longest until the replacement asks to join."""
+    time.sleep(PAUSE if m.world >= world else PAUSE_MISSING if (Path(out) / ASKING).exists() else PAUSE_WAITING)
+
+
+def _asking(out: str, go: Any) -> None:
+    """A replacement (``go``: the event it waited for) about to ask to join: the members may
+    go back to their pace (:func:`_pause`)."""
+    if go is not None:
+        (Path(out) / ASKING).touch()
 
 
 def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
@@ -178,7 +188,10 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     class Record(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             lrs.append((trainer.fastreduce_membership.m.step + 1, opt.param_groups[0]["lr"]))  # the step's lr
-            _pause(trainer.fastreduce_membership.m, world)
+            _pause(trainer.fastreduce_membership.m, world, out)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            _asking(out, go)  # (before or after the trainer's own join: either way at or after its set-up)
 
     trainer = made(model=model, args=args, train_dataset=Samples(as_dict=True), eval_dataset=Samples(as_dict=True),
                    optimizers=(opt, schedule(opt, steps)), callbacks=[Record()], fastreduce_mode=mode,
@@ -237,7 +250,10 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             lrs.append((self.trainer.strategy.membership.m.step + 1, optimizer.param_groups[0]["lr"]))
-            _pause(self.trainer.strategy.membership.m, world)
+            _pause(self.trainer.strategy.membership.m, world, out)
+
+        def on_train_start(self) -> None:  # (the strategy's, which joins, comes next: Lightning's fit loop)
+            _asking(out, go)
 
     module = Module()
     strategy = FastReduceStrategy(mode, membership=_membership(port, saves, world), **SETTINGS[mode])
