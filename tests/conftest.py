@@ -169,7 +169,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmatched -= hits
     if config.getoption("markexpr") == "quick" and unmatched:  # a renamed test must not drop out silently
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {sorted(unmatched)}")
-    if any(i.nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in LAUNCHES_MEMBERS for i in items):
+    if any(_node(i).split("::", 1)[0] in LAUNCHES_MEMBERS for i in items):
         from fastreduce.launch import rank_context
 
         rank_context(*MEMBER_PRELOAD)  # before this process's fork server starts: imported there once

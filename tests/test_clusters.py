@@ -17,6 +17,7 @@ environment at the port the coordinator serves.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -175,5 +176,6 @@ def test_the_kubernetes_manifests_are_valid_and_wire_the_members_to_the_coordina
     env = {e["name"]: e["value"] for e in spec["template"]["spec"]["containers"][0]["env"]}
     assert env["FASTREDUCE_COORDINATOR"] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert int(env["FASTREDUCE_WORLD_SIZE"]) == spec["parallelism"]
+    assert 1 <= int(env["FASTREDUCE_MIN_RANKS"]) <= spec["parallelism"], env
     member = spec["template"]["spec"]["containers"][0]["command"]
-    assert (ROOT / member[1]).is_file(), member  # the script the image holds (Dockerfile: COPY examples)
+    assert member[1] == "-m" and importlib.util.find_spec(member[2]) is not None, member  # in the image's package
