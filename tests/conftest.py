@@ -54,6 +54,55 @@ QUICK: dict[str, tuple[str, ...]] = {
 """Per mode or concern, the node ids (patterns) of its quick tests."""
 
 
+# ============================================================== the product's other cells (make test-all)
+# Some suites are a product: mode x trainer x fault, mode x host count. make test (CI) runs a
+# covering of it: every mode and every trainer in every aspect at least once, the cells an
+# issue named (gossip under a Membership in both trainers, ZeRO's sharded state) always; these
+# patterns are the product's other cells, each a few tens of seconds of launches on 2 cores
+# with nothing a CI cell does not already exercise. make test-all (FASTREDUCE_TEST_ALL=1) runs
+# them too; docs/testing.md says when it last ran whole.
+def _cells(test: str, *ids: str) -> tuple[str, ...]:
+    return tuple(f"{test}[{i}]" for i in ids)
+
+
+FULL: dict[str, tuple[str, ...]] = {
+    # kept: hf-{fused,zero,localsgd,gossip}, lightning-{overlap,diloco,gossip}
+    "trainers under a Membership": _cells("test_trainers_membership.py::test_a_trainer_goes_on_through_a_loss_and_a_join",
+                                          "hf-overlap", "hf-diloco", "lightning-fused", "lightning-zero",
+                                          "lightning-localsgd"),
+    # kept: overlap, diloco, gossip through a loss (the HF Trainer runs the others above); zero resumed
+    "the GaudiTrainer under a Membership": _cells(
+        "test_gaudi_trainer_membership.py::test_the_gaudi_trainer_under_a_membership_goes_on_through_a_loss_and_a_join",
+        "fused", "zero", "localsgd") + _cells(
+        "test_gaudi_trainer_membership.py::test_the_gaudi_trainer_under_a_membership_resumes_the_jobs_checkpoint",
+        "fused", "overlap", "localsgd", "diloco", "gossip"),
+    # kept: zero, gossip, diloco-streaming (every mode's loop under a Membership: test_a_mode_under_a_membership_...)
+    "Accelerate under a Membership": _cells(
+        "test_membership.py::test_an_accelerate_loop_under_a_membership_equals_the_hand_written_one_and_resumes",
+        "fused", "overlap", "localsgd"),
+    # kept: zero (sharded state) and gossip (per-rank state); every mode's resume: test_resume_equals_uninterrupted
+    "torchrun restarts a killed rank": _cells("test_elastic.py::test_killed_rank_restarts_and_ends_as_uninterrupted",
+                                              "fused", "overlap", "local", "diloco"),
+    # kept: zero and gossip (the modes with threads of their own); every mode exits 0 in make demo
+    "a user's trainer script exits 0": _cells("test_exits.py::test_a_users_trainer_script_exits_0",
+                                              "fused", "overlap", "localsgd", "diloco"),
+    # kept: zero over 3 hosts, gossip over 2 (a collective mode and the peer-to-peer one)
+    "a partitioned host named": _cells("test_partition.py::test_partitioned_host_is_named_by_the_others_within_seconds",
+                                       "fused-2hosts", "overlap-2hosts", "local-2hosts", "diloco-2hosts", "zero-2hosts"),
+    # kept: the fused default (every mode in the Accelerate loop: test_accelerate_modes.py)
+    "the Accelerate example per mode": _cells("test_transformers.py::test_accelerate_example", "zero", "diloco"),
+    # The bench's own suites (the library is tested above; a smoke proves a suite still runs over
+    # its public API): CI runs those whose figures the open issues name (reduce, step, optim,
+    # faults, chaos, trainers); these run their --quick configs in make test-all and at every
+    # fastreduce bench.
+    "the bench's other suites": tuple(f"test_bench.py::{t}" for t in (
+        "test_local_suite_quick_smoke", "test_network_suite_quick_smoke", "test_network_steps_on_one_host_smoke",
+        "test_convergence_suite_quick_smoke", "test_compression_suite_quick_smoke",
+        "test_decentralized_suite_runs_and_reports_the_like_for_like_row")),
+}
+"""Per product, the node ids (patterns) make test leaves to make test-all."""
+
+
 # ============================================================== several workers (make test: xdist)
 # Each test file runs on one worker, so that its module fixtures start each rank group once
 # as in a plain run; the files whose tests share nothing (each starts its own processes)
@@ -123,6 +172,10 @@ def quick_patterns() -> list[str]:
     return [p for patterns in QUICK.values() for p in patterns]
 
 
+def full_patterns() -> list[str]:
+    return [p for patterns in FULL.values() for p in patterns]
+
+
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
     """Under ``-m quick`` only the files the tier names are collected (and imported): every
     xdist worker collects what it is given, and the others' imports (transformers,
@@ -169,6 +222,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmatched -= hits
     if config.getoption("markexpr") == "quick" and unmatched:  # a renamed test must not drop out silently
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {sorted(unmatched)}")
+    if os.environ.get("FASTREDUCE_TEST_ALL") != "1":
+        full = [i for i in items if any(matches(_node(i), p) for p in full_patterns())]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [i for i in items if i not in full]
     if any(_node(i).split("::", 1)[0] in LAUNCHES_MEMBERS for i in items):
         from fastreduce.launch import rank_context
 

@@ -51,15 +51,18 @@ def _run(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None 
     return proc
 
 
-def _json(env: dict[str, str] | None = None) -> dict[str, Any]:
+def _json(env: dict[str, str] | None = None, integrations: bool = True) -> dict[str, Any]:
     """What ``info --json`` says under ``env``: one run per environment, shared by the tests
-    that read it (each costs seconds, an interpreter importing torch and the integrations)."""
-    return copy.deepcopy(_json_under(tuple(sorted((env or {}).items()))))
+    that read it (each costs seconds, an interpreter importing torch and the integrations:
+    ``integrations=False`` for a test that reads none of them, ``--no-integrations``, about
+    a third of the CPU)."""
+    return copy.deepcopy(_json_under(tuple(sorted((env or {}).items())), integrations))
 
 
 @functools.cache
-def _json_under(env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    return json.loads(_run("--json", env=dict(env)).stdout)  # the whole of stdout is one JSON object
+def _json_under(env: tuple[tuple[str, str], ...], integrations: bool) -> dict[str, Any]:
+    flags = () if integrations else ("--no-integrations",)
+    return json.loads(_run("--json", *flags, env=dict(env)).stdout)  # the whole of stdout is one JSON object
 
 
 def _shm_writable() -> bool:
@@ -110,7 +113,7 @@ def test_forced_cpu_is_gloo_with_shared_memory() -> None:
 
 
 def test_transport_from_the_environment() -> None:
-    info = _json({"FASTREDUCE_DEVICE": "cpu", "FASTREDUCE_TRANSPORT": "process_group"})
+    info = _json({"FASTREDUCE_DEVICE": "cpu", "FASTREDUCE_TRANSPORT": "process_group"}, integrations=False)
     tr = info["transport"]
     assert (tr["name"], tr["setting"], tr["FASTREDUCE_TRANSPORT"]) == ("process_group", "process_group",
                                                                        "process_group")
@@ -121,7 +124,7 @@ def test_transport_from_the_environment() -> None:
 
 
 def test_bad_settings_are_reported_not_raised() -> None:
-    info = _json({"FASTREDUCE_TRANSPORT": "carrier-pigeon", "FASTREDUCE_DEVICE": "tpu"})
+    info = _json({"FASTREDUCE_TRANSPORT": "carrier-pigeon", "FASTREDUCE_DEVICE": "tpu"}, integrations=False)
     assert info["transport"]["name"] is None and "carrier-pigeon" in info["transport"]["error"]
     assert info["device"]["type"] is None and "tpu" in info["device"]["error"]
     assert info["backend"]["name"] is None
@@ -184,7 +187,7 @@ def test_mode_defaults_are_the_codes() -> None:
 
 
 def test_local_world_size_reaches_the_decentralized_mode() -> None:
-    info = _json({"FASTREDUCE_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "4"})
+    info = _json({"FASTREDUCE_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "4"}, integrations=False)
     assert info["modes"]["decentralized"]["resolved"]["local_world_size"] == "4"
 
 
