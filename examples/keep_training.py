@@ -146,7 +146,7 @@ reaching the point where it is killed and the next one released."""
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
            compiled: str = "", released: Any = None, device: str = "cpu", checkpoints: str = "",
-           accelerate: bool = False) -> None:
+           accelerate: bool = False, poll_s: float = 0.2) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -170,7 +170,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``checkpoints``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
     (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from; ``accelerate``: the loop an
     Accelerate user writes (the model prepared by an ``Accelerator``, which sees one process and adds
-    no DDP, the backward through it, the optimizer it wraps stepped in the commit)."""
+    no DDP, the backward through it, the optimizer it wraps stepped in the commit); ``poll_s``: the
+    Membership's (how often the members vote; on etcd, whose every request is a quorum's write or read,
+    about a second)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -201,7 +203,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         started = time.perf_counter()
         saves = fastreduce.JobCheckpoints(checkpoints, every=SAVE_EVERY) if checkpoints else None
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode,
-                       wait_s=60, checkpoints=saves)
+                       wait_s=60, checkpoints=saves, poll_s=poll_s)
         (Path(out) / f"member{index}.connected").touch()  # (launch waits for a replacement's: see HOLD_STEPS)
         if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
             die_joining(m, kill[0])
@@ -260,8 +262,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                 say(f"epoch {m.epoch.number}: rank {m.rank} of {m.world} ({why}"
                     f"{'; step discarded' if not ok else ''}), {stall:.2f} s")
             facts["steps"].append((m.step, ok, m.epoch.number, m.world))
-            if ok:  # what this member committed at each step: no two members may differ on one
-                facts["digests"][m.step] = digest(model)
+            if ok:  # what this member committed at each step (and when): no two members may differ on one
+                facts["digests"][m.step], facts.setdefault("times", {})[m.step] = digest(model), time.time()
             time.sleep(0.02)  # a step long enough for the replacement to arrive mid-run
         if m.left:
             facts.update(left_at=m.step, counters=vars(m.counters), epoch=m.epoch.number)

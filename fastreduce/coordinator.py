@@ -16,6 +16,8 @@ import fastreduce.faults as faults
 import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
+from fastreduce.etcd_store import ETCD_SCHEME, EtcdStore, parse_address
+from fastreduce.faults_errors import StoreUnreachable
 
 __all__ = ["COORDINATOR_ENV", "CoordinatorLink", "Epoch", "MembershipError", "connect", "serve"]
 
@@ -58,11 +60,21 @@ class Epoch:
         return cls(d["number"], tuple(d["members"]), d["step"], d["tickets"], tuple(d["receivers"]))
 
 
-def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: float | None = None) -> dist.TCPStore:
+def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: float | None = None) -> dist.Store:
     """A client connection to the coordinator at ``host:port``, each request bounded by
     ``timeout_s``. The coordinator is waited for up to ``connect_timeout_s`` (default
     ``$FASTREDUCE_CONNECT_TIMEOUT_S``, else 5 s; one started a moment after its members is
-    found), then :class:`MembershipError` naming it, with nothing of c10d's on stderr."""
+    found), then :class:`MembershipError` naming it, with nothing of c10d's on stderr.
+    ``etcd://host:port[,host:port...][/job]``: an etcd cluster
+    (:class:`~fastreduce.etcd_store.EtcdStore`; no single point of failure)."""
+    if coordinator.startswith(ETCD_SCHEME):
+        endpoints, job = parse_address(coordinator)
+        store = EtcdStore(endpoints, job, timedelta(seconds=timeout_s))
+        try:
+            store.check(["fastreduce-connect"])  # one request: an answer from a quorum, or StoreUnreachable
+        except StoreUnreachable as err:
+            raise MembershipError(f"fastreduce: cannot reach the etcd cluster of {coordinator} ({err})") from err
+        return store
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
@@ -134,7 +146,7 @@ class CoordinatorLink:
                               seconds=seconds + self.deadline())
             return True
         except Exception as err:  # noqa: BLE001 - the store's timeout (not yet), or it is gone
-            if isinstance(err, faults.TransportError) or "timeout" not in str(err).lower():
+            if isinstance(err, (faults.TransportError, StoreUnreachable)) or "timeout" not in str(err).lower():
                 raise self.unreachable(err) from err
             return False
 
@@ -156,6 +168,12 @@ class CoordinatorLink:
 
     def unreachable(self, err: BaseException) -> MembershipError:
         faults_watchdog.abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
+        if self.where.startswith(ETCD_SCHEME) or isinstance(err, StoreUnreachable):
+            return MembershipError(f"fastreduce: the coordinator's etcd cluster ({self.where}) stopped answering "
+                                   f"({type(err).__name__}: {err}): it lost its quorum (a majority of its members) or "
+                                   "this member its link to it; this member cannot go on. Bring a majority of etcd's "
+                                   "members back, then restart the job from the last checkpoint")
         return MembershipError(f"fastreduce: the coordinator ({self.where}) stopped answering ({type(err).__name__}: "
                                f"{err}): it is the job's single point; this member cannot go on. Restart the "
-                               "coordinator and the job from the last checkpoint")
+                               "coordinator and the job from the last checkpoint, or run it on etcd "
+                               "(coordinator='etcd://...': no single point)")

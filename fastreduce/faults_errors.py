@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["RESTART", "RankLostError", "TransportError", "is_transport_failure"]
+__all__ = ["RESTART", "RankLostError", "StoreUnreachable", "TransportError", "is_transport_failure"]
 
 RESTART = ("Restart from the last checkpoint (fastreduce.checkpoint); under torchrun, "
            "--max-restarts=N restarts the job by itself.")
@@ -17,6 +17,11 @@ _MARKERS = ("gloo", "nccl", "hccl", "connection", "closed by peer", "timed out",
 class TransportError(RuntimeError):
     """A collective of fastreduce's own transport (shared memory) failed; the guard
     diagnoses it like a process group's failure."""
+
+
+class StoreUnreachable(RuntimeError):
+    """A store that answers no request (an etcd cluster without its quorum: no endpoint
+    answered within its bound): unlike a key waited for in vain, nothing will come."""
 
 
 class RankLostError(RuntimeError):

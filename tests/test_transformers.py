@@ -174,7 +174,7 @@ INDUCTOR_EMBEDDING_BUG = pytest.mark.xfail(version_of("torch") < (2, 9), strict=
                                                   "for repeated token ids (a torch bug, not fastreduce's)")
 
 
-@pytest.mark.timeout(520)
+@pytest.mark.timeout(600)  # the launch's 480 s, and room to report its failure
 @pytest.mark.parametrize("run", [pytest.param(run, marks=INDUCTOR_EMBEDDING_BUG) if run.endswith("inductor")
                                  else run for run in COMPILED])
 @pytest.mark.cell("hf", "compile", modes=("fused", "overlap"))
@@ -204,7 +204,7 @@ def test_compiled_trainer_matches_eager(compiled: dict, run: str) -> None:
     assert min(expected) > 2 * MAX_NORM  # every step clipped
 
 
-@pytest.mark.timeout(520)
+@pytest.mark.timeout(600)  # the launch's 480 s, and room to report its failure
 @pytest.mark.parametrize("run", list(COMPILE_RUNS))
 def test_compiled_ranks_identical(compiled: dict, run: str) -> None:
     """Compiled or not, every rank ends with bit-identical parameters, though each started from its own."""
@@ -213,7 +213,7 @@ def test_compiled_ranks_identical(compiled: dict, run: str) -> None:
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
 
 
-@pytest.mark.timeout(520)
+@pytest.mark.timeout(600)  # the launch's 480 s, and room to report its failure
 @pytest.mark.parametrize("run", list(COMPILED))
 def test_compiled_really_compiled(compiled: dict, run: str) -> None:
     """The Trainer trained a ``torch.compile``-d model (an OptimizedModule, whose graphs went

@@ -1,0 +1,188 @@
+"""A Membership on etcd (issue 62: a coordinator with no single point of failure).
+
+Real etcd servers (Debian's ``etcd-server``; the tests skip, saying so, where none is on
+``PATH``), started by :class:`fastreduce.bench.etcd.EtcdCluster` on loopback ports with their
+data on tmpfs, and killed with SIGKILL as a host's loss would. The store is checked against a
+``TCPStore`` (the embedded default) answering the same requests, and under a real Gloo group's
+rendezvous; the job is ``examples/keep_training.py``'s members (4, the fused mode, AdamW),
+each recording the digest of its parameters at every step it commits and when.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastreduce.bench.etcd import EtcdCluster, etcd_binary
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")]
+pytest.importorskip("etcd3gw", reason="the etcd extra: pip install 'fastreduce[etcd]'")
+
+from fastreduce.coordinator import MembershipError, connect  # noqa: E402
+from fastreduce.etcd_store import EtcdStore, parse_address  # noqa: E402
+from fastreduce.faults_errors import StoreUnreachable  # noqa: E402
+
+TMPFS = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory: pytest.TempPathFactory) -> EtcdCluster:
+    """A one-member etcd cluster for the store's semantics."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=TMPFS) as root, EtcdCluster(1, root) as cluster:
+        yield cluster
+
+
+def _requests(store: dist.Store) -> list:
+    """One sequence of every request a Membership and Gloo make, and what each answered."""
+    out: list = []
+    store.set("a", "x")
+    out += [store.get("a"), store.add("n", 2), store.add("n", 3), store.get("n"), store.add("n", -5)]
+    out += [store.compare_set("c", "", "v1"), store.compare_set("c", "zz", "v2"), store.compare_set("c", "v1", "v2"),
+            store.compare_set("missing", "e", "d"), store.get("c")]
+    out += [store.check(["a", "n"]), store.check(["a", "nope"]), store.multi_get(["a", "n"])]
+    store.multi_set(["m1", "m2"], ["1", b"\x00\xff"])
+    out += [store.get("m1"), store.get("m2"), store.num_keys()]
+    out += [store.delete_key("a"), store.delete_key("a"), store.check(["a"])]
+    for call in (lambda: store.get("never"), lambda: store.wait(["never"], timedelta(seconds=0.3))):
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="(?i)timeout"):
+            call()
+        out.append(round(time.monotonic() - t0) < 3)
+    return out
+
+
+def test_the_etcd_store_answers_every_request_as_a_tcpstore_does(one: EtcdCluster) -> None:
+    """The same requests to the embedded default (a TCPStore) and to etcd: the same answers,
+    a missing key waited for raising c10d's "wait timeout" after the store's timeout."""
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1))
+    store = EtcdStore(*parse_address(one.address("same-answers")), timeout=timedelta(seconds=1))
+    assert _requests(store) == _requests(tcp)
+    assert store.clone().get("m1") == b"1"  # a clone: the same job
+    other = EtcdStore(*parse_address(one.address("another-job")))
+    assert not other.check(["m1"]) and other.num_keys() == 0  # jobs apart on one cluster
+
+
+def _gloo_rank(rank: int, address: str, q: object) -> None:
+    store = connect(address, timeout_s=30)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 3, timedelta(seconds=30))
+    t = torch.full((4,), float(rank + 1))
+    pg.allreduce([t]).wait()
+    q.put((rank, t.tolist()))
+
+
+def test_a_gloo_group_rendezvouses_through_etcd(one: EtcdCluster) -> None:
+    """Three processes set up a Gloo group over the etcd store (c10d calls it from C++) and
+    all-reduce: the sum on every rank."""
+    from fastreduce.launch import rank_context
+
+    ctx = rank_context()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, one.address("gloo"), q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == {r: [6.0] * 4 for r in range(3)}
+
+
+def test_addresses_and_a_cluster_out_of_reach_are_clear_errors() -> None:
+    assert parse_address("etcd://h1:2379,h2:2380/job") == (["h1:2379", "h2:2380"], "job")
+    assert parse_address("etcd://h1:2379") == (["h1:2379"], "default")
+    for bad, words in (("etcd://", "no etcd endpoint"), ("etcd://h1/job", "is not 'host:port'"),
+                       ("etcd://h:1/a/b", "must not contain '/'")):
+        with pytest.raises(ValueError, match=words):
+            parse_address(bad)
+    t0 = time.monotonic()
+    with pytest.raises(MembershipError, match="cannot reach the etcd cluster of etcd://127.0.0.1:1"):
+        connect("etcd://127.0.0.1:1/job")
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(StoreUnreachable, match="lost its quorum"):
+        EtcdStore(["127.0.0.1:1"], unavailable_after_s=0.2).set("k", "v")
+
+
+def _stall(times: dict[int, float], at: float, within: float = 4.0) -> float:
+    """The stall a failure at ``at`` cost a member: the longest time between two steps it
+    committed in a row from then on (``within`` s), less its usual step (the median)."""
+    steps = sorted(times)
+    gaps = {b: times[b] - times[a] for a, b in zip(steps, steps[1:])}
+    usual = sorted(gaps.values())[len(gaps) // 2]
+    return max((g for b, g in gaps.items() if at <= times[b] <= at + within), default=float("inf")) - usual
+
+
+def test_a_job_on_etcd_outlives_its_leader_and_another_member_and_stops_without_its_quorum(tmp_path: Path) -> None:
+    """4 members on a 3-member etcd cluster. The leader killed mid-run (SIGKILL), then back;
+    then another member killed: training goes on through each, the longest pause between two
+    commits at most 2 s, no epoch change (no member lost). Then 2 of 3 killed: every member
+    stops with MembershipError naming etcd's quorum within 10 s. At every step, every member
+    that committed it committed the same parameters."""
+    import tempfile
+
+    from keep_training import member
+
+    from fastreduce.launch import rank_context
+
+    # etcd tuned for a LAN (its tuning guide: a heartbeat near the round trip, an election 10
+    # of them): 50 ms and 500 ms; at its defaults (100 ms, 1 s) an election takes 1-2 s more
+    with tempfile.TemporaryDirectory(dir=TMPFS) as root, EtcdCluster(3, root, heartbeat_ms=50,
+                                                                     election_ms=500) as cluster:
+        ctx = rank_context("keep_training")
+        procs = [ctx.Process(target=member, args=(i, cluster.address("outlives"), str(tmp_path), "process_group",
+                                                  None, None), kwargs={"steps": 100_000, "world": 4, "poll_s": 1.0})
+                 for i in range(4)]
+        for p in procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + 120
+            while not all((tmp_path / f"member{i}.joined").exists() for i in range(4)):
+                assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not start"
+                time.sleep(0.1)
+            time.sleep(2.0)
+            kills = []
+            first = cluster.leader()
+            kills.append(time.time())
+            cluster.kill(first)
+            time.sleep(4.0)
+            cluster.start(first)
+            second = next(i for i in range(3) if i != first)  # a member that was not the first one
+            time.sleep(2.0)
+            kills.append(time.time())
+            cluster.kill(second)
+            time.sleep(4.0)
+            quorum_lost = time.time()
+            for i in cluster.alive()[:2]:
+                cluster.kill(i)
+            for p in procs:
+                p.join(60)
+                assert not p.is_alive(), "a member hangs after etcd lost its quorum"
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+    found = [torch.load(tmp_path / f"member{i}.pt", weights_only=False) for i in range(4)]
+    for f in found:
+        assert "error" not in f, f["error"]
+        assert "etcd cluster" in f["refused"] and "quorum" in f["refused"], f["refused"]
+        assert f["failed_at"] - quorum_lost < 10, f["failed_at"] - quorum_lost
+        assert {e for _, _, e, _ in f["steps"]} == {0}, "an epoch changed: a member was taken for lost"
+        stalls = [_stall(f["times"], at) for at in kills]
+        print(f"member {f['index']}: stalls {', '.join(f'{s:.2f}' for s in stalls)} s at the leader's and a "
+              f"member's loss; stopped {f['failed_at'] - quorum_lost:.2f} s after the quorum's")
+        assert max(stalls) <= 2.0, stalls
+    committed = {s for f in found for s in f["digests"]}
+    assert len(committed) > 50
+    for s in committed:
+        assert len({f["digests"][s] for f in found if s in f["digests"]}) == 1, f"members differ at step {s}"
+    last = min(max(f["digests"]) for f in found)
+    assert len({f["digests"][last] for f in found}) == 1  # every member holds it: one model at the end
