@@ -146,7 +146,7 @@ reaching the point where it is killed and the next one released."""
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
            compiled: str = "", released: Any = None, device: str = "cpu", checkpoints: str = "",
-           accelerate: bool = False, poll_s: float = 0.2) -> None:
+           accelerate: bool = False, poll_s: float = 0.2, spare: bool = False) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -172,7 +172,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     Accelerate user writes (the model prepared by an ``Accelerator``, which sees one process and adds
     no DDP, the backward through it, the optimizer it wraps stepped in the commit); ``poll_s``: the
     Membership's (how often the members vote; on etcd, whose every request is a quorum's write or read,
-    about a second)."""
+    about a second); ``spare``: a warm spare (admitted where a member is missing, at once at a loss)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -203,7 +203,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         started = time.perf_counter()
         saves = fastreduce.JobCheckpoints(checkpoints, every=SAVE_EVERY) if checkpoints else None
         m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=world, min_ranks=2, tag=mode,
-                       wait_s=60, checkpoints=saves, poll_s=poll_s)
+                       wait_s=60, checkpoints=saves, poll_s=poll_s, spare=spare)
         (Path(out) / f"member{index}.connected").touch()  # (launch waits for a replacement's: see HOLD_STEPS)
         if kill is not None and kill[0] in ("admitted", "healing"):  # a replacement that dies as it joins
             die_joining(m, kill[0])
@@ -296,12 +296,13 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners: int = 1,
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
            release_after: list[int] | None = None, compiled: str = "", members: int = 3,
-           device: str = "cpu", checkpoints: str = "", accelerate: bool = False) -> dict[int, dict]:
+           device: str = "cpu", checkpoints: str = "", accelerate: bool = False,
+           spares: bool = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
-    -1: at once, an extra member); ``checkpoints``, ``accelerate``: see :func:`member`; returns what
-    each member saved."""
+    -1: at once, an extra member, or with ``spares`` a warm spare); ``checkpoints``, ``accelerate``:
+    see :func:`member`; returns what each member saved."""
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -315,7 +316,8 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]
     late = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), gos[i - members]),
-                           kwargs={**settings, "width": joiner_width}) for i in range(members, members + joiners)}
+                           kwargs={**settings, "width": joiner_width, "spare": spares})
+            for i in range(members, members + joiners)}
     everyone = [*late.values(), *procs.values()]
     for p in everyone:
         p.start()

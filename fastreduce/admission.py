@@ -2,7 +2,10 @@
 ticket at the coordinator with its layout (fastreduce version, ``tag``, the names, shapes
 and dtypes of its state); a ticket whose layout differs from the members' is refused with
 the difference in words, the others are admitted by the epoch that holds them (an epoch
-records how many tickets it handled: ``Epoch.tickets``).
+records how many tickets it handled: ``Epoch.tickets``). A warm spare's ticket (``spare=True``)
+is admitted only where a member is missing: the epochs with ``world_size`` members leave it
+waiting (``Epoch.spares``), and the first epoch short of a member takes it, the one formed at
+a loss too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from .version import __version__
 __all__ = ["Admission"]
 
 _TICKETS = MEMBERS_PREFIX + "tickets"
+_FOUNDERS = MEMBERS_PREFIX + "founders"  # the tickets that are not a spare's: the world_size-th forms epoch 0
 
 
 def _admit(t: int) -> str:
@@ -38,6 +42,7 @@ class Admission:
     def __init__(self, me: Member, link: CoordinatorLink):
         self.me, self.link = me, link
         self._refused: set[int] = set()
+        self._tickets: dict[int, dict[str, Any]] = {}
         self._print: dict[str, Any] | None = None
 
     def fingerprint(self) -> dict[str, Any]:
@@ -72,45 +77,60 @@ class Admission:
                     f"{len(ours['tensors'])}: the same model and optimizer are needed")
         return None
 
-    def take_ticket(self, start: int = 0) -> int:
+    def take_ticket(self, start: int = 0) -> tuple[int, bool]:
         """This process's ticket, with its layout and the step it would start the job at
-        (``start``: a first member's, resumed from a checkpoint)."""
+        (``start``: a first member's, resumed from a checkpoint); and whether it is the last of
+        the first ``world_size`` members' (the one that lays out epoch 0; a spare's never is)."""
+        spare = self.me.settings.spare
         ticket = self.link.call(self.link.store.add, _TICKETS, 1)
         self.link.call(self.link.store.set, MEMBERS_PREFIX + f"ticket/{ticket}",
-                       json.dumps({"member": self.me.name, "print": self.fingerprint(), "start": start}))
-        return ticket
+                       json.dumps({"member": self.me.name, "print": self.fingerprint(), "start": start,
+                                   "spare": spare}))
+        last_founder = not spare and self.link.call(self.link.store.add, _FOUNDERS, 1) == self.me.settings.world_size
+        return ticket, last_founder
 
     def tickets(self) -> int:
         """How many tickets were taken so far."""
         return int(self.link.call(self.link.store.add, _TICKETS, 0))
 
     def _ticket(self, t: int) -> dict[str, Any]:
-        return json.loads(self.link.await_key(MEMBERS_PREFIX + f"ticket/{t}", self.me.settings.wait_s,
-                                              f"joiner ticket {t}"))
+        """Ticket ``t``'s record (written once: read once; a spare's is looked at every poll)."""
+        if t not in self._tickets:
+            self._tickets[t] = json.loads(self.link.await_key(MEMBERS_PREFIX + f"ticket/{t}", self.me.settings.wait_s,
+                                                              f"joiner ticket {t}"))
+        return self._tickets[t]
 
-    def candidates(self, first: int, last: int, *, answered: bool = True,
-                   start: int | None = None) -> tuple[tuple[str, ...], dict[int, str | None]]:
-        """Tickets ``first`` .. ``last`` (those not answered yet, unless ``answered=False``:
-        none can be): the members they would admit, in ticket order, and per ticket why it
-        is refused (``None``: it is not). ``start``: the first members' step (epoch 0's), which
-        each of them must start at too."""
+    def candidates(self, first: int, last: int, *, answered: bool = True, start: int | None = None,
+                   spares: tuple[int, ...] = ()) -> tuple[tuple[str, ...], list[tuple[int, str]],
+                                                         dict[int, str | None]]:
+        """Tickets ``first`` .. ``last``, and the spares' tickets ``spares`` left waiting by the
+        last epoch (those not answered yet, unless ``answered=False``: none can be): the
+        members they would admit, in ticket order (the spares apart, as ``(ticket, member)``:
+        admitted only where a member is missing), and per ticket why it is refused (``None``:
+        it is not). ``start``: the first members' step (epoch 0's), which each of them must
+        start at too."""
         mine = self.fingerprint()
-        checked = [(t, self._ticket(t)) for t in range(first, last + 1)
+        checked = [(t, self._ticket(t)) for t in (*spares, *range(first, last + 1))
                    if not answered or not self.link.call(self.link.store.check, [_admit(t)])]
         refusals = {t: self.differs(j["print"], mine) or _starts_elsewhere(j.get("start", 0), start)
                     for t, j in checked}
-        return tuple(j["member"] for t, j in checked if refusals[t] is None), refusals
+        ok = [(t, j) for t, j in checked if refusals[t] is None]
+        return (tuple(j["member"] for t, j in ok if not j.get("spare")),
+                sorted((t, j["member"]) for t, j in ok if j.get("spare")), refusals)
 
     def waiting(self) -> bool:
-        """Whether a process waits to join with this layout; one with another layout is
-        refused here, so the members never leave their epoch for it."""
+        """Whether a process waits to join with this layout (a spare: where a member is
+        missing); one with another layout is refused here, so the members never leave their
+        epoch for it."""
         epoch, waiting = self.me.current(), False
-        for t in range(epoch.tickets + 1, self.tickets() + 1):
+        short = epoch.world < self.me.settings.world_size
+        for t in (*(epoch.spares if short else ()), *range(epoch.tickets + 1, self.tickets() + 1)):
             if t in self._refused or self.link.call(self.link.store.check, [_admit(t)]):
                 continue
-            bad = self.differs(self._ticket(t)["print"], self.fingerprint())
+            ticket = self._ticket(t)
+            bad = self.differs(ticket["print"], self.fingerprint())
             if bad is None:
-                waiting = True
+                waiting = waiting or short or not ticket.get("spare")
             else:
                 self._refused.add(t)
                 self.link.call(self.link.store.set, _admit(t), f"refused: {bad}")
@@ -131,9 +151,15 @@ class Admission:
         return epoch
 
     def answer(self, ticket: int) -> Epoch:
-        """The epoch that admits ``ticket``, once one does (within ``wait_s``), or
-        :class:`MembershipError` where it was refused."""
-        answer = self.link.await_key(_admit(ticket), self.me.settings.wait_s, "admission")
+        """The epoch that admits ``ticket``, once one does (within ``wait_s``; a spare's, at
+        the job's first loss, however long that takes), or :class:`MembershipError` where it
+        was refused."""
+        settings, key = self.me.settings, _admit(ticket)
+        while not self.link.wait(key, settings.wait_s):
+            if not settings.spare:
+                raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
+                                      "reach a step boundary, or the job is not running (wait_s= waits longer)")
+        answer = self.link.call(self.link.store.get, key).decode()
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
         return Epoch.from_json(self.link.call(self.link.store.get, epoch_key(int(answer))))

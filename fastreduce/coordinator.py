@@ -19,7 +19,7 @@ import fastreduce.reach as reach
 from fastreduce.etcd_store import ETCD_SCHEME, EtcdStore, parse_address
 from fastreduce.faults_errors import StoreUnreachable
 
-__all__ = ["COORDINATOR_ENV", "CoordinatorLink", "Epoch", "MembershipError", "connect", "serve"]
+__all__ = ["COORDINATOR_ENV", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s", "serve"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
@@ -43,8 +43,9 @@ class Epoch:
     number: int
     members: tuple[str, ...]
     step: int
-    tickets: int  # the tickets it handled: every ticket up to this one was admitted or refused
+    tickets: int  # the tickets it handled: every ticket up to this one was admitted or refused, or is a spare's
     receivers: tuple[str, ...] = ()  # the members that receive the job's state as they enter it
+    spares: tuple[int, ...] = ()  # the warm spares' tickets it handled and left waiting (the world was full)
 
     @property
     def world(self) -> int:
@@ -52,12 +53,13 @@ class Epoch:
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "members": list(self.members), "step": self.step,
-                           "tickets": self.tickets, "receivers": list(self.receivers)})
+                           "tickets": self.tickets, "receivers": list(self.receivers), "spares": list(self.spares)})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Epoch:
         d = json.loads(text)
-        return cls(d["number"], tuple(d["members"]), d["step"], d["tickets"], tuple(d["receivers"]))
+        return cls(d["number"], tuple(d["members"]), d["step"], d["tickets"], tuple(d["receivers"]),
+                   tuple(d.get("spares", ())))
 
 
 def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: float | None = None) -> dist.Store:
@@ -87,6 +89,13 @@ def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: flo
                              wait_for_workers=False)
     except Exception as err:  # noqa: BLE001 - torch raises several kinds
         raise MembershipError(_not_reached(coordinator, port, str(err))) from err
+
+
+def default_poll_s(coordinator: str | dist.Store | None) -> float:
+    """How often the members vote by default: every 0.2 s; every second on etcd, where each
+    request is a quorum's write or read (a vote costs tens of milliseconds there)."""
+    etcd = isinstance(coordinator, EtcdStore) or str(coordinator).startswith(ETCD_SCHEME)
+    return 1.0 if etcd else 0.2
 
 
 def _not_reached(coordinator: str, port: str, why: str) -> str:

@@ -107,9 +107,15 @@ class EpochChanges:
         redo = why == "loss" and self.me.kept_mode[1] == "local" and len(present) >= self.settings.min_ranks
         while holds:  # below min_ranks: wait for joiners (unless another survivor proposed already)
             tickets = old.tickets if redo else self.admission.tickets()
-            joiners, refusals = self.admission.candidates(old.tickets + 1, tickets)  # not refused already
+            joiners, spares, refusals = self.admission.candidates(  # (not refused already)
+                old.tickets + 1, tickets, spares=() if redo else old.spares)
             members = tuple(healed) + unhealed + joiners
-            proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners)
+            # the warm spares where a member is missing; the rest wait on (a redone sync: all of them)
+            taken = [m for _, m in spares[:max(0, self.settings.world_size - len(members))]]
+            waiting = old.spares if redo else tuple(t for t, m in spares if m not in taken)
+            members += tuple(taken)
+            proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners + tuple(taken),
+                             waiting)
             if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:

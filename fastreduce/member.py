@@ -43,6 +43,9 @@ class MembershipSettings:
     """A member working this many times the members' median per step (:mod:`fastreduce.status`)
     for ``evict_for_s`` is asked to leave; ``None``: never (the default)."""
     evict_for_s: float = 30.0
+    spare: bool = False
+    """A warm spare: admitted only where a member is missing (below ``world_size``), at once at
+    a loss; it waits registered until then, without a limit."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 1 <= self.min_ranks:

@@ -45,7 +45,7 @@ import fastreduce.faults_heartbeat as faults_heartbeat
 
 from .admission import Admission
 from .commits import StepCommits
-from .coordinator import COORDINATOR_ENV, CoordinatorLink, Epoch, MembershipError, connect, serve
+from .coordinator import COORDINATOR_ENV, CoordinatorLink, Epoch, MembershipError, connect, default_poll_s, serve
 from .epochs import EpochChanges
 from .job_checkpoints import JobCheckpoints
 from .lifecycle import shutdown
@@ -81,13 +81,16 @@ class Membership:
             ``min_ranks`` wait for joiners.
         poll_s: about how often the members look for joiners (a vote through the
             coordinator every so many steps; the per-step modes' only request to it).
-            A joiner waits up to this long for admission, plus a step.
+            A joiner waits up to this long for admission, plus a step. Default 0.2 s; 1 s on
+            etcd, where each request is a quorum's write or read.
         member: this member's name at the coordinator (default: host, pid and a random tag).
         checkpoints: a :class:`~.job_checkpoints.JobCheckpoints`: the job saved as it trains,
             no collective, and a new job started from the newest complete save.
         evict_slower_than, evict_for_s: a member working ``evict_slower_than`` times the
             members' median per step for ``evict_for_s`` seconds is asked to leave (out at
             the next poll; :mod:`fastreduce.status`). ``None`` (the default): never.
+        spare: a warm spare: :meth:`join` returns once a member is missing (at a loss: in the
+            survivors' next epoch, with the state); while the job is whole it waits, unbounded.
 
     The settings are kept as one :class:`~.member.MembershipSettings` (:attr:`settings`).
 
@@ -104,12 +107,13 @@ class Membership:
 
     def __init__(self, coordinator: str | dist.Store | None = None, *, world_size: int, min_ranks: int = 1,
                  backend: str = "gloo", tag: str = "", timeout_s: float = 600.0, wait_s: float = 60.0,
-                 poll_s: float = 0.2, member: str | None = None, checkpoints: JobCheckpoints | None = None,
-                 evict_slower_than: float | None = None, evict_for_s: float = 30.0):
+                 poll_s: float | None = None, member: str | None = None, checkpoints: JobCheckpoints | None = None,
+                 evict_slower_than: float | None = None, evict_for_s: float = 30.0, spare: bool = False):
+        coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
+        poll_s = poll_s if poll_s is not None else default_poll_s(coordinator)
         self.settings = MembershipSettings(world_size, min_ranks, backend, tag, timeout_s, wait_s, poll_s,
                                            checkpoints=checkpoints, evict_slower_than=evict_slower_than,
-                                           evict_for_s=evict_for_s)
-        coordinator = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV)
+                                           evict_for_s=evict_for_s, spare=spare)
         if coordinator is None:
             raise ValueError(f"no coordinator: pass coordinator='host:port' or set ${COORDINATOR_ENV} "
                              "(start one with `fastreduce coordinator --port PORT`)")
@@ -155,10 +159,11 @@ class Membership:
         start_step = found.step if found is not None else start_step
         self.me.state, self.me.build = dict(state), build
         self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
-        ticket = self.admission.take_ticket(start_step)
-        if ticket == self.settings.world_size:  # the last of the first members lays out epoch 0
-            members, refusals = self.admission.candidates(1, ticket, answered=False, start=start_step)
-            self.admission.propose(Epoch(0, members, start_step, ticket, () if found else members), refusals)
+        ticket, last_founder = self.admission.take_ticket(start_step)
+        if last_founder:  # the last of the first members lays out epoch 0
+            members, spares, refusals = self.admission.candidates(1, ticket, answered=False, start=start_step)
+            self.admission.propose(Epoch(0, members, start_step, ticket, () if found else members,
+                                         tuple(t for t, _ in spares)), refusals)
         epoch = self.admission.answer(ticket)
         self.me.founder = epoch.number == 0
         if self.me.founder:

@@ -134,7 +134,7 @@ def read_status(store: Any, ratio: float = STRAGGLER_RATIO, since: int = 0) -> d
     straggler = slowest if slowest is not None and busy[slowest] >= ratio * statistics.median(busy.values()) \
         else None
     return {"epoch": None if epoch is None else {"number": epoch.number, "step": epoch.step,
-                                                  "members": list(epoch.members)},
+                                                  "members": list(epoch.members), "spares": len(epoch.spares)},
             "members": members, "slowest": slowest, "straggler": straggler}
 
 
@@ -147,7 +147,8 @@ def format_status(status: dict[str, Any]) -> str:
     steps = [f["step"] for f in members.values() if f]
     rates = [1.0 / f["step_s"] for f in members.values() if f and f.get("step_s")]
     rate = f"{statistics.median(rates):.2f}" if rates else "-"
-    lines = [f"epoch {epoch['number']} (from step {epoch['step']}): {len(epoch['members'])} members, "
+    spares = f" ({epoch['spares']} warm spare{'s' * (epoch['spares'] != 1)} waiting)" if epoch.get("spares") else ""
+    lines = [f"epoch {epoch['number']} (from step {epoch['step']}): {len(epoch['members'])} members{spares}, "
              f"step {max(steps) if steps else '-'}, {rate} steps/s",
              f"{'rank':>4}  {'member':32}  {'step':>7}  {'step ms':>8}  {'wait ms':>8}  {'busy ms':>8}  {'seen':>6}"]
 

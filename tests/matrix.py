@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -65,9 +66,18 @@ def collect() -> dict[Cell, set[tuple[str, str]]]:
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
                    if "mark.cell(" in p.read_text())
     collector = _Collector()
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        code = pytest.main([*files, "--collect-only", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                            "-p", "no:xdist", "-W", "ignore"], plugins=[collector])
+    # every test that shows a cell, make test-all's too (tests/conftest.py FULL: CI runs a covering of them)
+    before = os.environ.get("FASTREDUCE_TEST_ALL")
+    os.environ["FASTREDUCE_TEST_ALL"] = "1"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            code = pytest.main([*files, "--collect-only", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                                "-p", "no:xdist", "-W", "ignore"], plugins=[collector])
+    finally:
+        if before is None:
+            os.environ.pop("FASTREDUCE_TEST_ALL")
+        else:
+            os.environ["FASTREDUCE_TEST_ALL"] = before
     if code not in (0, 5) or collector.errors:
         raise SystemExit(f"collecting the cell marks failed (pytest exit {code}):\n" +
                          "\n".join(collector.errors) + out.getvalue()[-3000:])

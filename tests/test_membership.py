@@ -624,6 +624,27 @@ def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_pa
     _same(final)
 
 
+@pytest.mark.parametrize("mode", ["fused", pytest.param("zero", marks=SLOW)])
+def test_a_warm_spare_waits_while_the_job_is_whole_and_takes_a_lost_members_place_at_once(tmp_path: Path,
+                                                                                         mode: str) -> None:
+    """A spare (``spare=True``) started with the job registers and waits: the job trains with
+    ``world_size`` members, never one more. Member 2 killed mid-step at step 10: the epoch the
+    survivors form at that loss holds the spare, with the state, so the world is back at full
+    size as they enter it (no poll later). Every final member bit-identical."""
+    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, release_after=[-1], spares=True, mode=mode)
+    final = [found[i] for i in (0, 1, 3)]
+    assert 2 not in found
+    for f in (found[0], found[1]):
+        worlds = {(e, w) for _, _, e, w in f["steps"]}
+        assert worlds == {(0, 3), (1, 3)}, worlds  # whole, then whole again at the loss's epoch: never 4, never 2
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1
+    spare = found[3]
+    assert spare["joined_at"] == 10 and {e for _, _, e, _ in spare["steps"]} == {1}
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True)
+    _same(final)
+
+
 @SLOW
 def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
     """The coordinator is the job's single point: killed mid-run, every member raises

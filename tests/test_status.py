@@ -8,7 +8,8 @@ members see it named a straggler through ``Membership.status()`` within 10 s, an
 ``fastreduce status HOST:PORT`` (the command, in this process, against the same coordinator
 while the job runs) prints the same. Before the slowdown, nobody is a straggler. With
 ``evict_slower_than=1.3, evict_for_s=2`` it is asked to leave and the other two go on
-without it; without it (the default), nothing changes: it stays. (Each member's step times
+without it (with a warm spare waiting, the spare takes its place at that poll: the job is 3
+again); without it (the default), nothing changes: it stays. (Each member's step times
 are kept in its facts: the pace before, during and after, which ``fastreduce bench`` would
 judge; a test asserts no timing.)
 """
@@ -32,7 +33,7 @@ SLOW_FROM = 10  # member 2's first slowed step
 LONGEST_S = 60.0  # each member trains until every member has seen the straggler named, at most this long
 
 
-def _member(index: int, port: int, out: str, evict: bool) -> None:
+def _member(index: int, port: int, out: str, evict: bool, spare: bool = False) -> None:
     import os
 
     os.environ["FASTREDUCE_HEARTBEAT_S"] = "0.5"
@@ -45,7 +46,8 @@ def _member(index: int, port: int, out: str, evict: bool) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     facts: dict[str, Any] = {"named": None, "before": [], "times": []}
     policy = {"evict_slower_than": 1.3, "evict_for_s": 2.0} if evict else {}  # (3 members on 2 cores blur the 2x)
-    m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, member=f"member{index}", wait_s=60, **policy)
+    m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, member=f"member{index}", wait_s=60, spare=spare,
+                   **policy)
     m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model))
     store = m.link.store  # (the test's own keys, beside the job's)
     slowed_at, stop_at, deadline = None, None, time.monotonic() + LONGEST_S
@@ -65,7 +67,7 @@ def _member(index: int, port: int, out: str, evict: bool) -> None:
             facts["before"].append(status["straggler"])
         elif facts["named"] is None and status["straggler"] is not None:
             facts["named"] = (status["straggler"], time.monotonic() - slowed_at)
-        done = m.world == 2 if evict else facts["named"] is not None  # (evicted: the other two at their pace)
+        done = m.counters.leaves > 0 if evict else facts["named"] is not None  # (evicted: the others at their pace)
         done = done and store.check(["test/seen"])  # and the command named it too (the test's look)
         if index == 0 and stop_at is None and (done or time.monotonic() > deadline):
             store.compare_set("test/stop_at", "", str(m.step + (30 if evict else 10)))  # every member stops there
@@ -77,11 +79,14 @@ def _member(index: int, port: int, out: str, evict: bool) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("evict", [False, True], ids=["policy-off", "evicted"])
-def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd, evict: bool) -> None:
+@pytest.mark.parametrize("evict, spare", [(False, False), (True, False), (True, True)],
+                         ids=["policy-off", "evicted", "evicted-spare"])
+def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_path: Path, capfd, evict: bool,
+                                                                        spare: bool) -> None:
     store = serve(0, "127.0.0.1")
     ctx = rank_context(__name__)  # forked from a server that imported torch and fastreduce once
-    members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path), evict)) for i in range(3)]
+    members = [ctx.Process(target=_member, args=(i, store.port, str(tmp_path), evict, i == 3))
+               for i in range(3 + spare)]
     for p in members:
         p.start()
     seen: list[dict[str, Any]] = []
@@ -114,5 +119,10 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         assert "member2" in table and "<- straggler" in table.split("member2", 1)[1].split("\n", 1)[0], table
         assert all(f["world"] == 3 and not f["left"] and f["leaves"] == 0 for f in facts), facts
         return
-    assert facts[2]["left"] and all(f["world"] == 2 and f["leaves"] == 1 for f in facts[:2]), facts
+    world = 3 if spare else 2  # (the spare in member 2's place)
+    assert facts[2]["left"] and all(f["world"] == world and f["leaves"] == 1 for f in facts[:2]), facts
     assert facts[0]["step"] == facts[1]["step"] > facts[2]["step"], [f["step"] for f in facts]  # the two went on
+    if spare:
+        taken = torch.load(tmp_path / "member3.pt")
+        assert taken["world"] == 3 and taken["step"] == facts[0]["step"] and not taken["left"], taken
+        assert all(w == 3 for _, w, _ in facts[0]["times"]), "the job was ever short of a member"

@@ -83,8 +83,11 @@ from .common import crash, machine_info
 
 __all__ = ["CONTENDERS", "FaultsConfig", "build_model", "format_text", "quick_config", "run_faults_bench"]
 
-CONTENDERS = ("fastreduce_gloo", "fastreduce_shm", "torchft", "checkpoint_restart")
-TRANSPORTS = {"fastreduce_gloo": "process_group", "fastreduce_shm": "shm"}
+CONTENDERS = ("fastreduce_gloo", "fastreduce_shm", "fastreduce_spare", "torchft", "checkpoint_restart")
+TRANSPORTS = {"fastreduce_gloo": "process_group", "fastreduce_shm": "shm", "fastreduce_spare": "process_group"}
+SPARE = "fastreduce_spare"
+"""fastreduce on Gloo whose replacement is a warm spare (``Membership(spare=True)``): it registers
+at the start and is admitted by the epoch the survivors form at the loss."""
 WIRES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("fused", "zero")
 """``--faults-mode``: fastreduce's mode under Membership (``zero``: ``ZeroOptimizer(redundant=True)``,
@@ -301,11 +304,12 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         zero = cfg.mode == "zero"
         shared.ready.wait(TIMEOUT_S)  # the replacement is imported before the members begin
-        if joiner:
+        spare = joiner and name == SPARE  # (registered from the start: it waits for the loss)
+        if joiner and not spare:
             shared.go.wait(TIMEOUT_S)
         record.join_start = time.time()
         m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"{cfg.mode} {cfg.wire}",
-                       wait_s=120)
+                       wait_s=120, spare=spare)
         if zero:  # the mode is the optimizer, rebuilt at every epoch
             m.join({"model": model}, lambda: fastreduce.ZeroOptimizer(
                 model.parameters(), torch.optim.AdamW, lr=LR, module=model, redundant=True,
@@ -573,7 +577,7 @@ def _elastic_job(cfg: FaultsConfig, name: str, out: Path) -> dict[str, Any]:
     for i in range(cfg.members + 1):
         f = out / f"{name}-{i}.json"
         records[i] = json.loads(f.read_text()) if f.exists() else None
-    return {"records": records, "first": shared.first.value}
+    return {"records": records, "first": shared.first.value, "name": name}
 
 
 def _restart_job(cfg: FaultsConfig, out: Path) -> dict[str, Any]:
@@ -642,6 +646,18 @@ def _loss_stall(record: dict[str, Any], median: float) -> float | None:
     return iters[after][1] - before - median
 
 
+def _full_again(record: dict[str, Any], members: int) -> float | None:
+    """From the end of the first step this survivor committed after the loss (its first in the
+    next epoch) to the end of its first committed with ``members`` members again."""
+    iters = record["iters"]
+    lost = next((i for i, it in enumerate(iters) if not it[2] or it[3] < members), None)
+    if lost is None:
+        return None
+    entered = next((it[1] for it in iters[lost:] if it[2]), None)
+    full = next((it[1] for it in iters[lost:] if it[2] and it[3] == members), None)
+    return None if entered is None or full is None else full - entered
+
+
 def _join_stall(record: dict[str, Any], joiner: dict[str, Any], median: float) -> float:
     """The excess over the median step of this member's steps that overlap the joiner's
     joining (from its start to its first commit), summed."""
@@ -688,9 +704,12 @@ def _elastic_figures(cfg: FaultsConfig, job: dict[str, Any]) -> dict[str, Any]:
     median = _median_step(survivors)
     stalls = [s for s in (_loss_stall(r, median) for r in survivors) if s is not None]
     discarded = max(sum(1 for it in r["iters"] if not it[2]) for r in survivors)
+    spare = job.get("name") == SPARE  # its join is the loss's epoch: its stall is the loss's, above
+    full = [f for f in (_full_again(r, cfg.members) for r in survivors) if f is not None]
     out = {"median_step_s": median, "loss_stall_s": max(stalls) if stalls else None, "discarded_steps": discarded,
-           "join_stall_s": max(_join_stall(r, joiner, median) for r in survivors),
-           "joiner_first_commit_s": joiner["first_commit"] - joiner["join_start"],
+           "join_stall_s": None if spare else max(_join_stall(r, joiner, median) for r in survivors),
+           "joiner_first_commit_s": None if spare else joiner["first_commit"] - joiner["join_start"],
+           "full_again_s": max(full) if full else None,
            "joiner_start_imports_s": joiner["imported"] - joiner["spawned"],
            "wall_s": max(r["iters"][-1][1] for r in finals) - job["first"],
            "final_steps": sorted({r["final_step"] for r in finals}), "no_failure": _ratio(finals)}
@@ -760,7 +779,10 @@ def run_faults_bench(cfg: FaultsConfig, out: Path | None = None) -> dict[str, An
 
 # ---------------------------------------------------------------- targets and the table
 
-LOSS_STALL_S = {"fastreduce_gloo": 2.0, "fastreduce_shm": 0.5}
+LOSS_STALL_S = {"fastreduce_gloo": 2.0, "fastreduce_shm": 0.5, SPARE: 2.0}
+FULL_AGAIN_S = 0.5
+"""Issue 62: with a warm spare, the world back at full size at most this long after the
+survivors enter their next epoch."""
 JOINER_S, JOIN_STALL_S, STEP_RATIO = 1.0, 0.5, 1.02
 
 
@@ -783,6 +805,9 @@ def judge(cfg: FaultsConfig, contenders: dict[str, dict[str, Any]]) -> dict[str,
         add(f"{name} joiner", f["joiner_first_commit_s"], "<=", JOINER_S,
             f"joiner's first commit after it starts joining (s, {cfg.params_m:g}M params)")
         add(f"{name} join stall", f["join_stall_s"], "<=", JOIN_STALL_S, "members' stall at the join (s)")
+        if name == SPARE:
+            add(f"{name} full again", f["full_again_s"], "<=", FULL_AGAIN_S,
+                "world at full size again after the survivors' first step in their next epoch (s)")
         alone = "ZeroOptimizer(redundant=True)" if cfg.mode == "zero" else "FusedReducer"
         add(f"{name} step", f["no_failure"].get("ratio"), "<=", STEP_RATIO, f"no-failure step / {alone} alone")
         for anchor in ("torchft", "checkpoint_restart"):
@@ -828,6 +853,12 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"{name}: Membership's counters: loss {_cell(f['membership_loss_stall_s'])} s, join "
                          f"{_cell(f['membership_join_stall_s'])} s, the joiner's healing "
                          f"{_cell(f['membership_joined_s'])} s")
+        if f.get("full_again_s") is not None:
+            cold = (f["joiner_start_imports_s"] or 0) + (f["joiner_first_commit_s"] or 0)
+            lines.append(f"{name}: at full size again {f['full_again_s']:.2f} s after the survivors' first step in "
+                         f"their next epoch" + ("" if name == SPARE else
+                                                f" (told to join {c['join_after']} steps after the loss; a cold "
+                                                f"replacement, started and joining at the loss: {cold:.2f} s)"))
         if "lost_per_failure_s" in f:
             lines.append(f"{name}: {f['lost_per_failure_s']:.2f} s lost per failure (back at the step it was at), "
                          f"relaunch to first commit {f['relaunch_to_first_commit_s']:.2f} s, "

@@ -554,7 +554,7 @@ def faults_config(args: argparse.Namespace) -> FaultsConfig:
     """The faults suite's settings: ``--quick`` is :func:`~.faults.quick_config`."""
     given: dict[str, Any] = {"wire": args.faults_wire, "mode": args.faults_mode}
     if args.faults_mode == "zero" and args.faults_contenders is None:
-        given["contenders"] = ("fastreduce_gloo", "fastreduce_shm")
+        given["contenders"] = ("fastreduce_gloo", "fastreduce_shm", "fastreduce_spare")
     names = _names(args, "faults_contenders", FAULTS_CONTENDERS)
     if names is not None:
         given["contenders"] = names

@@ -5,7 +5,8 @@ with ``redundant=True``, the mode and the optimizer in one).
     python -m fastreduce.bench.user.member STEPS [MODE] [OUT]
 
 The job's size comes from ``FASTREDUCE_WORLD_SIZE`` (default 3), its floor from
-``FASTREDUCE_MIN_RANKS`` (default 2), the member's name from ``FASTREDUCE_MEMBER`` where set.
+``FASTREDUCE_MIN_RANKS`` (default 2), the member's name from ``FASTREDUCE_MEMBER`` where set;
+``FASTREDUCE_SPARE=1`` makes it a warm spare (it waits until a member is missing).
 It prints ``step N world W`` as it commits and its parameters' digest at the end; with
 ``OUT``, it also keeps ``OUT/<member>.json`` current (its step, world, losses counted,
 digest and Slurm step id). A pause of 50 ms a step stands in for a real model's work. It is
@@ -38,7 +39,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = fastreduce.Membership(world_size=int(os.environ.get("FASTREDUCE_WORLD_SIZE", "3")),
-                              min_ranks=int(os.environ.get("FASTREDUCE_MIN_RANKS", "2")), tag=mode, member=name)
+                              min_ranks=int(os.environ.get("FASTREDUCE_MIN_RANKS", "2")), tag=mode, member=name,
+                              spare=os.environ.get("FASTREDUCE_SPARE") == "1")
     if mode == "zero":
         m.join({"model": model}, lambda: fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
                                                                   module=model, redundant=True))
