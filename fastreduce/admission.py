@@ -89,6 +89,17 @@ class Admission:
         last_founder = not spare and self.link.call(self.link.store.add, _FOUNDERS, 1) == self.me.settings.world_size
         return ticket, last_founder
 
+    def founding(self, start: int) -> tuple[tuple[str, ...], tuple[int, ...], int, dict[int, str | None]]:
+        """Epoch 0's members: the first ``world_size`` tickets that are not a spare's, in ticket
+        order (which the last of them to count itself need not hold: the tickets and the count
+        are two requests); the spares' tickets before them; the last ticket it handles; the refusals."""
+        regular, t = 0, 0
+        while regular < self.me.settings.world_size:
+            t += 1
+            regular += not self._ticket(t).get("spare")
+        members, spares, refusals = self.candidates(1, t, answered=False, start=start)
+        return members, tuple(k for k, _ in spares), t, refusals
+
     def tickets(self) -> int:
         """How many tickets were taken so far."""
         return int(self.link.call(self.link.store.add, _TICKETS, 0))

@@ -160,10 +160,9 @@ class Membership:
         self.me.state, self.me.build = dict(state), build
         self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
         ticket, last_founder = self.admission.take_ticket(start_step)
-        if last_founder:  # the last of the first members lays out epoch 0
-            members, spares, refusals = self.admission.candidates(1, ticket, answered=False, start=start_step)
-            self.admission.propose(Epoch(0, members, start_step, ticket, () if found else members,
-                                         tuple(t for t, _ in spares)), refusals)
+        if last_founder:  # the last of the first members to count itself lays out epoch 0
+            members, spares, last, refusals = self.admission.founding(start_step)
+            self.admission.propose(Epoch(0, members, start_step, last, () if found else members, spares), refusals)
         epoch = self.admission.answer(ticket)
         self.me.founder = epoch.number == 0
         if self.me.founder:
