@@ -43,6 +43,7 @@ class Admission:
         self.me, self.link = me, link
         self._refused: set[int] = set()
         self._tickets: dict[int, dict[str, Any]] = {}
+        self._spares: set[int] = set()  # the spares' tickets found admissible, waiting while the job is whole
         self._print: dict[str, Any] | None = None
 
     def fingerprint(self) -> dict[str, Any]:
@@ -136,11 +137,14 @@ class Admission:
         epoch, waiting = self.me.current(), False
         short = epoch.world < self.me.settings.world_size
         for t in (*(epoch.spares if short else ()), *range(epoch.tickets + 1, self.tickets() + 1)):
-            if t in self._refused or self.link.call(self.link.store.check, [_admit(t)]):
-                continue
+            if t in self._refused or (not short and t in self._spares) or \
+                    self.link.call(self.link.store.check, [_admit(t)]):
+                continue  # (a spare checked once: no request at each poll while the job is whole)
             ticket = self._ticket(t)
             bad = self.differs(ticket["print"], self.fingerprint())
             if bad is None:
+                if ticket.get("spare"):
+                    self._spares.add(t)
                 waiting = waiting or short or not ticket.get("spare")
             else:
                 self._refused.add(t)

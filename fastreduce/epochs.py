@@ -109,13 +109,12 @@ class EpochChanges:
             tickets = old.tickets if redo else self.admission.tickets()
             joiners, spares, refusals = self.admission.candidates(  # (not refused already)
                 old.tickets + 1, tickets, spares=() if redo else old.spares)
-            members = tuple(healed) + unhealed + joiners
             # the warm spares where a member is missing; the rest wait on (a redone sync: all of them)
-            taken = [m for _, m in spares[:max(0, self.settings.world_size - len(members))]]
-            waiting = old.spares if redo else tuple(t for t, m in spares if m not in taken)
-            members += tuple(taken)
-            proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners + tuple(taken),
-                             waiting)
+            room = max(0, self.settings.world_size - len(healed) - len(unhealed) - len(joiners))
+            joiners += tuple(m for _, m in spares[:room])
+            members = tuple(healed) + unhealed + joiners
+            proposal = Epoch(n, members, top, tickets, members if founding else unhealed + joiners,
+                             old.spares if redo else tuple(t for t, _ in spares[room:]))
             if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:

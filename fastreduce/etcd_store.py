@@ -14,10 +14,11 @@ store's requests onto etcd's (through etcd3gw, the maintained client of etcd's J
   ``delete_key``, ``num_keys``, ``multi_get`` and ``multi_set``: puts, ranges and
   transactions of ranges (one request for many keys);
 * ``compare_set``: one transaction comparing the value (or the key's absence);
-* ``add``: a read and a transaction comparing the key's revision, retried on a conflict. A
-  request whose answer was lost (its endpoint died after applying it) is not applied twice:
-  each ``add`` writes a record of its own beside the key in the same transaction
-  (``ops/<client>/<key>``), which the retry reads first.
+* ``add``: a transaction comparing the key's revision with the one this client last saw
+  (one request for a counter only it adds to, a heartbeat's), which on a conflict answers the
+  key's value and revision for the next try. A request whose answer was lost (its endpoint
+  died after applying it) is not applied twice: each ``add`` writes a record of its own beside
+  the key in the same transaction (``ops/<client>/<key>``), which a failed try reads back.
 
 Every request goes to one endpoint; an endpoint that refuses, times out or answers that it has
 no leader is left for the next, until one answers or none has for ``unavailable_after_s``
@@ -207,7 +208,7 @@ class EtcdStore(dist.Store):
         """Each key's value or ``None``, in one request."""
         ranges = [{"request_range": {"key": _b64(self._k(k))}} for k in keys]
         got = self._conn.request("kv/txn", {"compare": [], "success": ranges, "failure": []})
-        return [(lambda kvs: _value(kvs[0]) if kvs else None)(self._kvs(r)) for r in got.get("responses", [])]
+        return [_value(kv) if (kv := next(iter(self._kvs(r)), None)) else None for r in got.get("responses", [])]
 
     def _until(self, ready: Callable[[], bool], timeout: timedelta, keys: list[str]) -> None:
         deadline, pause = time.monotonic() + timeout.total_seconds(), _POLL_S[0]
@@ -220,8 +221,10 @@ class EtcdStore(dist.Store):
 
 
 class _Connection:
-    """The HTTP connections to ``endpoints`` that a store and its clones share: one request at a
-    time, at the endpoint that answered last; this client's name for its ``add`` records."""
+    """A client's HTTP connections to ``endpoints``: one request at a time, at the endpoint that
+    answered last; its name for its ``add`` records; the counters' revisions it last saw.
+    (Each clone has one of its own: an epoch's heartbeat clones once, a socket an epoch kept,
+    not yet bounded.)"""
 
     def __init__(self, endpoints: list[str], request_timeout_s: float, unavailable_after_s: float):
         if importlib.util.find_spec("etcd3gw") is None:  # the optional extra, named where it is missing

@@ -112,6 +112,20 @@ def test_addresses_and_a_cluster_out_of_reach_are_clear_errors() -> None:
         EtcdStore(["127.0.0.1:1"], unavailable_after_s=0.2).set("k", "v")
 
 
+def _wait_steps(cluster: EtcdCluster, job: str, steps: int, procs: list) -> None:
+    """Until every member published (its status, about once a second) ``steps`` committed steps:
+    each phase of the job trains as much on a loaded machine as on a quiet one."""
+    from fastreduce.status import read_status
+
+    store, deadline = EtcdStore(*parse_address(cluster.address(job))), time.monotonic() + 120
+    while True:
+        seen = [f.get("step", 0) for f in read_status(store)["members"].values()]
+        if len(seen) == 4 and min(seen) >= steps:
+            return
+        assert time.monotonic() < deadline and all(p.is_alive() for p in procs), f"the job did not reach {steps}"
+        time.sleep(0.2)
+
+
 def _stall(times: dict[int, float], at: float, within: float = 4.0) -> float:
     """The stall a failure at ``at`` cost a member: the longest time between two steps it
     committed in a row from then on (``within`` s), less its usual step (the median)."""
@@ -148,7 +162,7 @@ def test_a_job_on_etcd_outlives_its_leader_and_another_member_and_stops_without_
             while not all((tmp_path / f"member{i}.joined").exists() for i in range(4)):
                 assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not start"
                 time.sleep(0.1)
-            time.sleep(2.0)
+            _wait_steps(cluster, "outlives", 20, procs)
             kills = []
             first = cluster.leader()
             kills.append(time.time())
@@ -156,10 +170,11 @@ def test_a_job_on_etcd_outlives_its_leader_and_another_member_and_stops_without_
             time.sleep(4.0)
             cluster.start(first)
             second = next(i for i in range(3) if i != first)  # a member that was not the first one
-            time.sleep(2.0)
+            _wait_steps(cluster, "outlives", 40, procs)
             kills.append(time.time())
             cluster.kill(second)
             time.sleep(4.0)
+            _wait_steps(cluster, "outlives", 60, procs)
             quorum_lost = time.time()
             for i in cluster.alive()[:2]:
                 cluster.kill(i)

@@ -83,11 +83,11 @@ from .common import crash, machine_info
 
 __all__ = ["CONTENDERS", "FaultsConfig", "build_model", "format_text", "quick_config", "run_faults_bench"]
 
-CONTENDERS = ("fastreduce_gloo", "fastreduce_shm", "fastreduce_spare", "torchft", "checkpoint_restart")
-TRANSPORTS = {"fastreduce_gloo": "process_group", "fastreduce_shm": "shm", "fastreduce_spare": "process_group"}
 SPARE = "fastreduce_spare"
 """fastreduce on Gloo whose replacement is a warm spare (``Membership(spare=True)``): it registers
 at the start and is admitted by the epoch the survivors form at the loss."""
+CONTENDERS = ("fastreduce_gloo", "fastreduce_shm", SPARE, "torchft", "checkpoint_restart")
+TRANSPORTS = {"fastreduce_gloo": "process_group", "fastreduce_shm": "shm", SPARE: "process_group"}
 WIRES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("fused", "zero")
 """``--faults-mode``: fastreduce's mode under Membership (``zero``: ``ZeroOptimizer(redundant=True)``,
@@ -635,8 +635,7 @@ def _loss_stall(record: dict[str, Any], median: float) -> float | None:
     or the first with fewer members) to the end of the first committed at or after it,
     less one median step."""
     iters = record["iters"]
-    world = iters[0][3] if iters else 0
-    lost = next((i for i, it in enumerate(iters) if not it[2] or it[3] < world), None)
+    lost = _lost_at(iters, iters[0][3] if iters else 0)
     if lost is None:
         return None
     after = next((i for i in range(lost, len(iters)) if iters[i][2]), None)
@@ -646,11 +645,16 @@ def _loss_stall(record: dict[str, Any], median: float) -> float | None:
     return iters[after][1] - before - median
 
 
+def _lost_at(iters: list[Any], world: int) -> int | None:
+    """The index of the first step a loss touched: discarded, or with fewer than ``world``."""
+    return next((i for i, it in enumerate(iters) if not it[2] or it[3] < world), None)
+
+
 def _full_again(record: dict[str, Any], members: int) -> float | None:
     """From the end of the first step this survivor committed after the loss (its first in the
     next epoch) to the end of its first committed with ``members`` members again."""
     iters = record["iters"]
-    lost = next((i for i, it in enumerate(iters) if not it[2] or it[3] < members), None)
+    lost = _lost_at(iters, members)
     if lost is None:
         return None
     entered = next((it[1] for it in iters[lost:] if it[2]), None)
