@@ -90,6 +90,9 @@ FULL: dict[str, tuple[str, ...]] = {
     "a partitioned host named": _cells("test_partition.py::test_partitioned_host_is_named_by_the_others_within_seconds",
                                        "fused-2hosts", "overlap-2hosts", "local-2hosts", "diloco-2hosts", "zero-2hosts"),
     # kept: the fused default (every mode in the Accelerate loop: test_accelerate_modes.py)
+    # kept: the HF Trainer compiled by aot_eager, Lightning by inductor (the HF Trainer's inductor run
+    # is a run of the compile fixture's launch: tests/test_transformers.py COMPILE_RUNS)
+    "a trainer compiled by each backend": ("test_transformers.py::test_compiled_*[fused_inductor]",),
     "the Accelerate example per mode": _cells("test_transformers.py::test_accelerate_example", "zero", "diloco"),
     # The bench's own suites (the library is tested above; a smoke proves a suite still runs over
     # its public API): CI runs those whose figures the open issues name (reduce, step, optim,

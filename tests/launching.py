@@ -19,6 +19,9 @@ run inductor beside aot_eager. ``.ci/run`` sets ``FASTREDUCE_TEST_INDUCTOR=0`` o
 stack: its users compile with Habana's backend, for which aot_eager (AOT autograd, then the
 same kernels) stands in on a CPU; inductor, the CUDA and CPU users' backend, runs on the
 default stack (and the newest, by hand). Read by the torchrun workers too (inherited)."""
+TEST_ALL = os.environ.get("FASTREDUCE_TEST_ALL") == "1"
+"""make test-all: the product's cells make test leaves out (tests/conftest.py FULL), where a
+module fixture's launch, not a test id, holds the cell."""
 
 
 def torchrun(script: str | Path, world: int, *args: str, timeout: float) -> str:

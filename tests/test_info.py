@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import fastreduce
 from fastreduce.cli import main
 from fastreduce.buckets import default_bucket_mb
+from fastreduce.info import INTEGRATIONS, format_text
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,18 +51,16 @@ def _run(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None 
     return proc
 
 
-def _json(env: dict[str, str] | None = None, integrations: bool = True) -> dict[str, Any]:
-    """What ``info --json`` says under ``env``: one run per environment, shared by the tests
-    that read it (each costs seconds, an interpreter importing torch and the integrations:
-    ``integrations=False`` for a test that reads none of them, ``--no-integrations``, about
-    a third of the CPU)."""
-    return copy.deepcopy(_json_under(tuple(sorted((env or {}).items())), integrations))
+def _json(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What ``info --no-integrations --json`` says under ``env``: one run per environment,
+    shared by the tests that read it (each costs seconds, an interpreter importing torch; the
+    integrations' imports would take four times the CPU: the tests that read them run them)."""
+    return copy.deepcopy(_json_under(tuple(sorted((env or {}).items()))))
 
 
 @functools.cache
-def _json_under(env: tuple[tuple[str, str], ...], integrations: bool) -> dict[str, Any]:
-    flags = () if integrations else ("--no-integrations",)
-    return json.loads(_run("--json", *flags, env=dict(env)).stdout)  # the whole of stdout is one JSON object
+def _json_under(env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    return json.loads(_run("--json", "--no-integrations", env=dict(env)).stdout)  # the whole of stdout is one JSON object
 
 
 def _shm_writable() -> bool:
@@ -113,7 +111,7 @@ def test_forced_cpu_is_gloo_with_shared_memory() -> None:
 
 
 def test_transport_from_the_environment() -> None:
-    info = _json({"FASTREDUCE_DEVICE": "cpu", "FASTREDUCE_TRANSPORT": "process_group"}, integrations=False)
+    info = _json({"FASTREDUCE_DEVICE": "cpu", "FASTREDUCE_TRANSPORT": "process_group"})
     tr = info["transport"]
     assert (tr["name"], tr["setting"], tr["FASTREDUCE_TRANSPORT"]) == ("process_group", "process_group",
                                                                        "process_group")
@@ -124,7 +122,7 @@ def test_transport_from_the_environment() -> None:
 
 
 def test_bad_settings_are_reported_not_raised() -> None:
-    info = _json({"FASTREDUCE_TRANSPORT": "carrier-pigeon", "FASTREDUCE_DEVICE": "tpu"}, integrations=False)
+    info = _json({"FASTREDUCE_TRANSPORT": "carrier-pigeon", "FASTREDUCE_DEVICE": "tpu"})
     assert info["transport"]["name"] is None and "carrier-pigeon" in info["transport"]["error"]
     assert info["device"]["type"] is None and "tpu" in info["device"]["error"]
     assert info["backend"]["name"] is None
@@ -187,7 +185,7 @@ def test_mode_defaults_are_the_codes() -> None:
 
 
 def test_local_world_size_reaches_the_decentralized_mode() -> None:
-    info = _json({"FASTREDUCE_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "4"}, integrations=False)
+    info = _json({"FASTREDUCE_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "4"})
     assert info["modes"]["decentralized"]["resolved"]["local_world_size"] == "4"
 
 
@@ -197,7 +195,7 @@ def test_local_world_size_reaches_the_decentralized_mode() -> None:
 def test_text_mentions_the_same() -> None:
     env = {"FASTREDUCE_DEVICE": "cpu"}
     info = _json(env)
-    text = _run(env=env).stdout
+    text = _run(env=env).stdout  # with the integrations' section
     assert not text.lstrip().startswith("{")
     for section in ("device", "graph capture", "transport", "modes", "integrations"):
         assert f"\n{section}" in text, section
@@ -212,7 +210,7 @@ def test_text_mentions_the_same() -> None:
     assert "bucket_mb=auto," in text and f"auto: {info['modes']['overlapped']['resolved']['auto']}" in text
     assert "bucket_mb=None (auto here)" in text
     assert "wire_dtype=bfloat16" in text
-    for name in info["integrations"]:
+    for name, _, _ in INTEGRATIONS:
         assert name in lines, name
 
 
@@ -251,7 +249,7 @@ def test_integrations_report_why_they_fail(tmp_path: Path) -> None:
     assert oh["error"] == "RuntimeError: check_synapse_version: no Habana software here"
     acc = info["integrations"]["accelerate"]
     assert acc["installed"] is True and acc["imports"] is True and acc["version"]
-    text = _run(env={"FASTREDUCE_DEVICE": "cpu"}, pythonpath=root).stdout
+    text = format_text(info)  # the text run's stdout is as clean as --json's (test_text_mentions_the_same)
     assert "fails to import: RuntimeError: check_synapse_version" in " ".join(text.split())  # wrapped
     assert "accelerate says hello" not in text
     for name, module in (("transformers", "transformers"), ("lightning", "lightning")):
@@ -259,8 +257,7 @@ def test_integrations_report_why_they_fail(tmp_path: Path) -> None:
 
 
 def test_no_integrations_flag() -> None:
-    proc = _run("--json", "--no-integrations", env={"FASTREDUCE_DEVICE": "cpu"})
-    assert "integrations" not in json.loads(proc.stdout)
+    assert "integrations" not in _json({"FASTREDUCE_DEVICE": "cpu"})
 
 
 # ---------------------------------------------------------------------- cost
@@ -280,17 +277,17 @@ def test_no_process_group_no_leftovers() -> None:
     json.dumps(got)  # serializable as it is
 
 
-def test_fast_and_lazy() -> None:
-    """The command imports neither the bench suites nor anything that starts a device;
-    wall time is reported, bounded loosely (the target, < 3 s, holds on a 2-core CPU)."""
+def test_lazy() -> None:
+    """The command imports neither the bench suites nor anything that starts a device, and
+    without its integrations' report none of the trainers' packages (what keeps it quick:
+    the run's time is the bench's to measure, not an assertion's)."""
     code = ("import io, sys, contextlib; from fastreduce.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()): rc = main(['info', '--json'])\n"
-            "assert rc == 0; assert 'fastreduce.bench' not in sys.modules, 'bench imported'\n")
-    t0 = time.perf_counter()
+            "with contextlib.redirect_stdout(io.StringIO()): rc = main(['info', '--json', '--no-integrations'])\n"
+            "assert rc == 0; assert 'fastreduce.bench' not in sys.modules, 'bench imported'\n"
+            "heavy = sorted(m for m in ('transformers', 'lightning', 'accelerate', 'optimum') if m in sys.modules)\n"
+            "assert not heavy, f'imported {heavy}'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
-    assert elapsed < 30, f"fastreduce info took {elapsed:.1f} s"
 
 
 def test_bench_subcommand_still_parses(capsys: pytest.CaptureFixture[str]) -> None:
