@@ -47,8 +47,9 @@ def make_model(width: int = 16) -> nn.Module:
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "diloco-streaming", "gossip")
 
 
-def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
-    """The mode, over the current epoch's group (Membership calls this at each new epoch)."""
+def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer, redundant: bool | int = True) -> Any:
+    """The mode, over the current epoch's group (Membership calls this at each new epoch);
+    ``redundant``: ZeRO's copies of each shard."""
     import fastreduce
 
     if mode == "localsgd":
@@ -57,9 +58,9 @@ def build(mode: str, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         return fastreduce.DiLoCo(model, opt, outer, sync_every=4, fragments=2,
                                  fragment_delay=int(mode == "diloco-streaming"))
-    if mode == "zero":  # the mode is the optimizer (``opt`` is not used); each shard also on the next rank
+    if mode == "zero":  # the mode is the optimizer (``opt`` is not used); each shard also on the next rank(s)
         return fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model,
-                                        redundant=True, bucket_mb=0.0005)
+                                        redundant=redundant, bucket_mb=0.0005)
     if mode == "gossip":  # each bucket's AdamW inside the mode (``opt`` is not used)
         return fastreduce.DecentralizedDataParallel(
             model, lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2), topology="ring")
@@ -146,7 +147,7 @@ reaching the point where it is killed and the next one released."""
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
            compiled: str = "", released: Any = None, device: str = "cpu", checkpoints: str = "",
-           accelerate: bool = False, poll_s: float = 0.2, spare: bool = False) -> None:
+           accelerate: bool = False, poll_s: float = 0.2, spare: bool = False, redundant: bool | int = True) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -156,6 +157,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
+    ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
+    of ``ranks``: given to every member, several ranks lost at once, chosen by rank),
     a replacement's ``admitted`` (as it is admitted, before it enters its first epoch),
     ``healing`` (as its healing begins, the member sending it the state), ``first-step``
     (after its first backward, before its first commit),
@@ -172,7 +175,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     Accelerate user writes (the model prepared by an ``Accelerator``, which sees one process and adds
     no DDP, the backward through it, the optimizer it wraps stepped in the commit); ``poll_s``: the
     Membership's (how often the members vote; on etcd, whose every request is a quorum's write or read,
-    about a second); ``spare``: a warm spare (admitted where a member is missing, at once at a loss)."""
+    about a second); ``spare``: a warm spare (admitted where a member is missing, at once at a loss);
+    ``redundant``: ZeRO's copies of each shard."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -213,7 +217,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
-               lambda: flapping(build(mode, wrapped, opt), m, kill, mode))
+               lambda: flapping(build(mode, wrapped, opt, redundant), m, kill, mode))
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members met, its shard not stepped
@@ -242,7 +246,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
 
             def forward_backward(net: nn.Module) -> None:
                 backward(nn.functional.mse_loss(net(x).squeeze(-1), x.sum(1).sin()))
-                if kill == ("mid-step", m.step) or (kill is not None and kill[0] == "first-step"):
+                if kill == ("mid-step", m.step) or (kill is not None and kill[0] == "first-step") or \
+                        (kill is not None and kill[0] == "ranks-mid-step" and kill[1] == m.step and m.rank in kill[2]
+                         and m.epoch.number == 0):
                     say(f"dies mid-step, at step {m.step}")
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
@@ -282,7 +288,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                                                     for s in st.values()] or [torch.zeros(0)]),
                      devices=sorted({str(t.device) for t in [*model.parameters(), *(s["exp_avg"] for s in st.values())]}),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
-                     epoch=m.epoch.number, world=m.world, graphs=graphs())
+                     epoch=m.epoch.number, world=m.world, graphs=graphs(),
+                     hosts=len(set(m.mode.placement.hosts)) if getattr(m.mode, "placement", None) else None)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         m.close()
     except MembershipError as err:
@@ -297,12 +304,12 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
            release_after: list[int] | None = None, compiled: str = "", members: int = 3,
            device: str = "cpu", checkpoints: str = "", accelerate: bool = False,
-           spares: bool = False) -> dict[int, dict]:
+           spares: bool = False, redundant: bool | int = True) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
-    -1: at once, an extra member, or with ``spares`` a warm spare); ``checkpoints``, ``accelerate``:
-    see :func:`member`; returns what each member saved."""
+    -1: at once, an extra member, or with ``spares`` a warm spare); ``checkpoints``, ``accelerate``,
+    ``redundant``: see :func:`member`; returns what each member saved."""
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -311,7 +318,8 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
     ctx = rank_context("keep_training", "torch._dynamo")
     released = ctx.Event()  # every replacement told to join: the members' last steps wait for it (HOLD_STEPS)
     settings = {"steps": steps, "verbose": verbose, "mode": mode, "compiled": compiled, "world": members,
-                "released": released, "device": device, "checkpoints": checkpoints, "accelerate": accelerate}
+                "released": released, "device": device, "checkpoints": checkpoints, "accelerate": accelerate,
+                "redundant": redundant}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
                             kwargs=settings) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]

@@ -12,8 +12,8 @@ any shard steps (``all_arrived()``), and polls as the reducing modes do: a loss 
 meeting completes anywhere discards the step; once it has completed on a survivor, the step
 stands (every shard's averaged gradients were on two members; a survivor whose wait failed
 steps them as the next epoch forms), and the next epoch reshards the survivors' shards over
-the new world (:mod:`.modes.zero_mirror`); two neighbouring ranks lost at once lose a shard:
-:class:`~fastreduce.MembershipError`.
+the new world (:mod:`.modes.zero_mirror`); a shard lost with every holder (``redundant=k``: more
+than k ranks at once, its copies' holders among them) is a :class:`~fastreduce.MembershipError`.
 Gossip, which steps and exchanges inside forward and backward, gives ``commit()`` them (a
 closure): at a loss each survivor drops the exchanges in flight and keeps its own
 parameters and optimizer state (a gossip rank's are its own anyway), and the ring or

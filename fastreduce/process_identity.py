@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any, Callable
 
-__all__ = ["exited_here", "identity", "proc_stat", "running_here", "served_here", "who_of"]
+__all__ = ["exited_here", "host_key", "identity", "proc_stat", "running_here", "served_here", "who_of"]
 
 
 def who_of(records: dict[int, str]) -> dict[int, str]:
@@ -26,6 +26,17 @@ def identity() -> str:
             return "-"
     ns = [read(lambda k=k: os.stat(f"/proc/self/ns/{k}").st_ino) for k in ("net", "pid")]
     return " ".join([socket.gethostname(), str(os.getpid()), *ns, read(lambda: proc_stat(os.getpid())[19])])
+
+
+def host_key() -> str:
+    """This process's host as its peers tell hosts apart: the host name and the network
+    namespace (the namespace's inode; ``-`` where unknown), so that processes in the network
+    namespaces of one machine, each a host to the others, count as on hosts of their own."""
+    try:
+        net = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        net = "-"
+    return f"{socket.gethostname()} {net}"
 
 
 def proc_stat(pid: int | str) -> list[str]:

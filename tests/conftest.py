@@ -90,6 +90,8 @@ FULL: dict[str, tuple[str, ...]] = {
     "a partitioned host named": _cells("test_partition.py::test_partitioned_host_is_named_by_the_others_within_seconds",
                                        "fused-2hosts", "overlap-2hosts", "local-2hosts", "diloco-2hosts", "zero-2hosts"),
     # kept: the fused default (every mode in the Accelerate loop: test_accelerate_modes.py)
+    # kept: 4 hosts of 2 with one copy (a copy on another host is what outlives a host)
+    "a host lost whole under ZeRO": ("test_membership_hosts.py::test_a_whole_host_lost_at_once_loses_no_zero_shard[8hosts-k2]",),
     # kept: the HF Trainer compiled by aot_eager, Lightning by inductor (the HF Trainer's inductor run
     # is a run of the compile fixture's launch: tests/test_transformers.py COMPILE_RUNS)
     "a trainer compiled by each backend": ("test_transformers.py::test_compiled_*[fused_inductor]",),
@@ -117,7 +119,7 @@ INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_re
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
                "test_optimum_habana.py", "test_membership.py", "test_membership_partition.py",
                "test_trainers_membership.py", "test_gaudi_trainer_membership.py", "test_store_load.py",
-               "test_exits.py")
+               "test_exits.py", "test_membership_hosts.py")
 """Files whose tests share no module fixture or cache: a group per test."""
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link

@@ -225,6 +225,36 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
+@pytest.mark.parametrize("copies", [2, 1])
+@pytest.mark.cell("loop", "train", membership=True, modes=("zero",))
+def test_zero_with_k_copies_trains_on_through_k_ranks_lost_at_once(tmp_path: Path, copies: int) -> None:
+    """ZeRO (AdamW, a bucket per layer) on 5 members, ranks 1 and 2 killed in the same step
+    (mid-step, step 10: neighbours, rank 2 holding rank 1's first copy). ``redundant=2``: rank
+    1's shard goes on from its second copy on rank 3, that step is discarded, the 3 survivors
+    train on, bit-identical and equal to torch.optim.AdamW on the mean gradient (10 steps of 5,
+    then 3) within 1e-6. ``redundant=True`` (one copy): the two lose rank 1's shard; every
+    survivor stops with a MembershipError naming it, and no two members ever committed
+    different parameters at one step."""
+    found = launch(tmp_path, "process_group", {i: ("ranks-mid-step", 10, (1, 2)) for i in range(5)}, joiners=0,
+                   mode="zero", members=5, redundant=copies)
+    assert not [f["error"] for f in found.values() if "error" in f]
+    assert len(found) == 3, sorted(found)  # the two killed saved nothing
+    for step in {s for f in found.values() for s in f["digests"]}:
+        assert len({f["digests"][step] for f in found.values() if step in f["digests"]}) == 1, step
+    final = list(found.values())
+    if copies == 1:
+        for f in final:
+            assert "old rank(s) [1]" in f.get("refused", ""), f.get("refused")
+            assert max(f["digests"]) == 10  # 10 steps committed; the one the two died in, discarded
+        return
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+        assert f["counters"]["discarded_steps"] == 1, f["counters"]
+    _same(final)
+    want = adamw_on_the_mean([5] * 10 + [3] * (STEPS - 10))
+    assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
+
+
 def _by_hand(rank: int, world: int, transport: str, mode_name: str) -> torch.Tensor:
     """A mode in a hand-written loop on a plain group: the model, batches and settings of
     the members' (examples/keep_training.py), no Membership; the final parameters."""

@@ -347,15 +347,15 @@ def flat_state(inner: Any, b: int) -> dict[str, torch.Tensor]:
 
 
 def mirror_case(rank: int, world: int) -> dict:
-    """``redundant=True``: the same run as without it (bit for bit), rank r's copy of rank
-    r - 1's shard equal to it after clipped steps, what the ranks hold moved
-    (:func:`~fastreduce.modes.zero_mirror.reshard`) into a fresh optimizer of the same
-    bucketing or another equal to ``state_dict()`` (the parameters with it, where they are
-    marked stale), and a shard whose both holders are gone named."""
+    """``redundant=True`` and ``redundant=2``: the same run as without (bit for bit), rank r's
+    j-th copy (of rank r - j's shard, all on one host) equal to that shard after clipped steps,
+    what the ranks hold moved (:func:`~fastreduce.modes.zero_mirror.reshard`) into a fresh
+    optimizer of the same bucketing or another equal to ``state_dict()`` (the parameters with it,
+    where they are marked stale), and a shard whose every holder is gone named."""
     from fastreduce.modes import zero_mirror
 
-    runs = {}
-    for redundant in (False, True):
+    runs, opts = {}, {}
+    for redundant in (False, True, 2):
         model = odd_model(SEED)
         opt = zero_opt(model.parameters(), module=model, bucket_mb=SMALL_BUCKET_MB, redundant=redundant)
         for step in range(MIRROR_STEPS):
@@ -364,15 +364,31 @@ def mirror_case(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
         opt.wait_params()
-        runs[redundant] = params_of(model)
-    mine = [(s.master.clone(), flat_state(opt.inner, b)) for b, s in enumerate(opt.shards)]
-    mirror = [(m.clone(), flat_state(opt.mirror.inner, b)) for b, m in enumerate(opt.mirror.masters)]
-    got: list[Any] = [None] * world
-    dist.all_gather_object(got, mine)
-    prev = got[(rank - 1) % world]
-    copies_equal = len(prev) == len(mirror) > 1 and all(
-        torch.equal(a, b) and a_st.keys() == b_st.keys() and all(torch.equal(a_st[k], b_st[k]) for k in a_st)
-        for (a, a_st), (b, b_st) in zip(prev, mirror))
+        runs[redundant], opts[redundant] = params_of(model), opt
+    out = {"same_run": all(torch.equal(runs[k][n], runs[False][n]) for k in (True, 2) for n in runs[False])}
+    for redundant in (True, 2):
+        out[str(redundant)] = _copies_case(opts[redundant], redundant, rank, world, zero_mirror)
+    return out
+
+
+def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: Any) -> dict:
+    """:func:`mirror_case`'s checks of one ``redundant=``."""
+    copies = min(int(redundant), world - 1)
+
+    def shards_of(o: Any) -> list[Any]:  # every rank's shards: (master, flat state) per bucket
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, [(s.master.clone(), flat_state(o.inner, b)) for b, s in enumerate(o.shards)])
+        return got
+
+    def copies_equal(o: Any, buckets: int) -> bool:
+        every = shards_of(o)
+        return len(o.mirrors) == copies and all(
+            m.k == (rank - m.j) % world and len(every[m.k]) == len(m.masters) >= buckets and all(
+                torch.equal(a, x) and a_st.keys() == (b_st := flat_state(m.inner, b)).keys()
+                and all(torch.equal(a_st[key], b_st[key]) for key in a_st)
+                for b, ((a, a_st), x) in enumerate(zip(every[m.k], m.masters)))
+            for m in o.mirrors)
+
     want = opt.state_dict()
     params = [p for pg in opt.param_groups for p in pg["params"]]
 
@@ -380,7 +396,7 @@ def mirror_case(rank: int, world: int) -> dict:
         """Into a fresh optimizer whose model started elsewhere, the parameters marked stale:
         its state and its parameters (all-gathered from the masters moved) equal."""
         fresh_model = odd_model(SEED + 1)
-        fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=True, bucket_mb=bucket_mb)
+        fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=redundant, bucket_mb=bucket_mb)
         pieces = zero_mirror.held(opt)
         pieces["stale"] = True
         zero_mirror.reshard(fresh, pieces)
@@ -391,24 +407,20 @@ def mirror_case(rank: int, world: int) -> dict:
     joined_equal = moved_stale(SMALL_BUCKET_MB)  # the same bucketing
     loaded_equal = moved_stale(None)  # another bucketing
     other_model = odd_model(SEED + 1)  # point to point, each rank its own pieces, into another bucketing
-    other = zero_opt(other_model.parameters(), module=other_model, redundant=True)
+    other = zero_opt(other_model.parameters(), module=other_model, redundant=redundant)
     other_model.load_state_dict(dict(zip(params_of(other_model), params)))  # (its parameters: current)
     zero_mirror.reshard(other, zero_mirror.held(opt))
     moved = other.state_dict()
     resharded_equal = all(torch.equal(moved["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
-    theirs: list[Any] = [None] * world
-    dist.all_gather_object(theirs, [(s.master.clone(), flat_state(other.inner, b)) for b, s in enumerate(other.shards)])
-    resharded_equal &= all(torch.equal(a, m) and all(torch.equal(st[k], v) for k, v in flat_state(other.mirror.inner, b).items())
-                           for b, ((a, st), m) in enumerate(zip(theirs[(rank - 1) % world], other.mirror.masters)))
-    held = zero_mirror.held(opt)  # old rank 1 and its neighbour (the holders of chunk 1) both lost
+    resharded_equal &= copies_equal(other, 1)
+    held = zero_mirror.held(opt)  # old rank 1 and the ranks holding its copies all lost
     held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
     try:
         zero_mirror.reshard(other, held)
         lost = None
     except zero_mirror.ShardsLost as err:
         lost = str(err)
-    return {"same_run": all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False]),
-            "copies_equal": copies_equal, "joined_equal": joined_equal, "loaded_equal": loaded_equal,
+    return {"copies_equal": copies_equal(opt, 2), "joined_equal": joined_equal, "loaded_equal": loaded_equal,
             "resharded_equal": resharded_equal, "lost": lost}
 
 
@@ -608,19 +620,23 @@ def test_params_match_reference(parity, case: Case) -> None:
         assert zero["lrs"] == pytest.approx(ref["lrs"], rel=1e-12)
 
 
-def test_redundant_keeps_each_shard_on_the_next_rank_and_the_pieces_join(parity) -> None:
-    """``redundant=True`` (what fastreduce.Membership needs): the run is the same as
-    without it; rank r's copy of rank r - 1's shard equals it (masters and AdamW state,
-    bit for bit, after clipped steps over several buckets); the ranks' pieces go point to
-    point (each rank receiving its shard and its copy only) into an optimizer bucketed the
-    same or otherwise, equal to ``state_dict()`` (stale parameters mended from the
-    masters); a shard lost
-    with both its holders is named on every rank."""
+def test_redundant_keeps_each_shard_on_the_next_ranks_and_the_pieces_join(parity) -> None:
+    """``redundant=True`` (what fastreduce.Membership needs) and ``redundant=2``: the run is
+    the same as without; rank r's j-th copy, of rank r - j's shard (one host), equals it
+    (masters and AdamW state, bit for bit, after clipped steps over several buckets), 2 copies
+    on 3 ranks (every rank holding every shard), 1 on 2 (as many as there are other ranks); the
+    ranks' pieces go point to point (each rank receiving its shard and its copies only) into an
+    optimizer bucketed the same or otherwise, equal to ``state_dict()`` (stale parameters
+    mended from the masters), its copies equal too; a shard lost with every holder is named
+    on every rank."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "mirror")):
-        assert got["same_run"] and got["copies_equal"], (world, rank, got)
-        assert got["joined_equal"] and got["loaded_equal"] and got["resharded_equal"], (world, rank, got)
-        assert got["lost"] is not None and "old rank(s) [1]" in got["lost"], got["lost"]
+        assert got["same_run"], (world, rank)
+        for k in ("True", "2"):
+            c = got[k]
+            assert c["copies_equal"], (world, rank, k, c)
+            assert c["joined_equal"] and c["loaded_equal"] and c["resharded_equal"], (world, rank, k, c)
+            assert c["lost"] is not None and "old rank(s) [1]" in c["lost"], c["lost"]
 
 
 @pytest.mark.parametrize("wire", MOE_WIRES)
@@ -1737,3 +1753,35 @@ def test_module_keeps_grads_as_views_and_steps_as_adamw(views, zeroing: str, buc
             assert out["buckets"] >= 2, out
         elif out["shm"]:
             assert out["buckets"] == 1, out
+
+
+@pytest.mark.parametrize("hosts, ranks, copies", [(1, 4, 1), (1, 5, 3), (8, 2, 2), (8, 2, 1), (3, 3, 2), (4, 2, 5)])
+def test_copies_go_to_other_hosts_first(hosts: int, ranks: int, copies: int) -> None:
+    """:class:`~fastreduce.modes.zero_mirror.Placement` (no process): each rank holds ``copies``
+    copies (at most every other rank's shard) and each shard has that many, its holders
+    distinct; on one host the j-th copy of rank d's shard is rank d + j's; over hosts of
+    ``ranks`` ranks each (a host's ranks numbered together, as launchers number them, or taken
+    in turn), a shard and its copies sit on as many hosts as there are holders, so no shard is
+    lost with a whole host, nor with any ``copies`` ranks lost at once (every choice tried)."""
+    from itertools import combinations
+
+    from fastreduce.modes.zero_mirror import Placement
+
+    world = hosts * ranks
+    k = min(copies, world - 1)
+    for names in ([f"h{r // ranks}" for r in range(world)], [f"h{r % hosts}" for r in range(world)]):
+        pl = Placement(names, copies)
+        holders = {d: [d] + [pl.holder(d, j) for j in range(1, k + 1)] for d in range(world)}
+        assert pl.copies == k and all(len(set(h)) == k + 1 for h in holders.values())
+        for r in range(world):  # held() is holder()'s inverse
+            assert sum(pl.holder(d, j) == r for d in range(world) for j in range(1, k + 1)) == k
+            assert len(pl.held(r)) == k and all(pl.holder(d, j) == r for j, d in enumerate(pl.held(r), 1))
+        if hosts == 1:
+            assert all(pl.holder(d, j) == (d + j) % world for d in range(world) for j in range(1, k + 1))
+        else:
+            assert all(len({names[r] for r in h}) == min(k + 1, hosts) for h in holders.values()), holders
+            for host in set(names):  # a whole host lost at once
+                gone = {r for r in range(world) if names[r] == host}
+                assert all(set(h) - gone for h in holders.values()), (host, holders)
+        for gone in combinations(range(world), k):  # any k ranks lost at once
+            assert all(set(h) - set(gone) for h in holders.values()), gone

@@ -25,6 +25,8 @@ Every method runs on its own ``deepcopy`` of one seeded model, with AdamW at
  ``zero_adamw_redundant``   ``zero_adamw`` with ``redundant=True`` (each shard also kept
                             and stepped on the next rank: what ``fastreduce.Membership``
                             needs); its state bytes include that copy and its gradients
+ ``zero_adamw_redundant2``  ``redundant=2`` and ``3``: 2 and 3 copies of each shard (at
+ ``zero_adamw_redundant3``  most world - 1: on 2 ranks both are ``redundant=True``)
  ``fused_adamw``            ``FusedReducer(model, wire_dtype=None)`` (fp32, one fused
                             collective after backward: fastreduce's fastest setting on a
                             CPU box) + ``torch.optim.AdamW(fused=True)``, zeroed with
@@ -110,7 +112,10 @@ MODEL = "many"
 MODELS = (MODEL, "blocks")
 LR = 1e-3
 WEIGHT_DECAY = 0.01
-ZERO_METHODS = ("zero_adamw", "zero_adamw_nooverlap", "zero_adamw_redundant")
+COPIES = (2, 3)
+"""The ``redundant=k`` rows beside ``zero_adamw_redundant`` (k = 1): the cost of each copy."""
+ZERO_METHODS = ("zero_adamw", "zero_adamw_nooverlap", "zero_adamw_redundant",
+                *(f"zero_adamw_redundant{k}" for k in COPIES))
 DDP_BASELINE = "ddp_adamw"
 """Parameters are checked against it, speed is given relative to it ("vs DDP")."""
 PLAIN = "ddp_adamw"
@@ -225,14 +230,14 @@ def _plain_adamw(params: Any) -> torch.optim.AdamW:
 
 
 def zero_method(name: str, model: nn.Module, overlap: bool, bucket_mb: float | None,
-                set_to_none: bool = False, redundant: bool = False) -> OptimMethod:
+                set_to_none: bool = False, redundant: bool | int = False) -> OptimMethod:
     """``fastreduce.ZeroOptimizer`` (it reduces the gradients itself: no DDP, no reducer)."""
     zero_cls = getattr(fastreduce, "ZeroOptimizer", None)
     if zero_cls is None:
         return _skipped(name, "fastreduce.ZeroOptimizer not available")
     kwargs: dict[str, Any] = {"module": model, "overlap": overlap}
     if redundant:
-        kwargs["redundant"] = True
+        kwargs["redundant"] = redundant
     if bucket_mb is not None:
         kwargs["bucket_mb"] = bucket_mb
     opt = zero_cls(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
@@ -295,6 +300,7 @@ def build_methods(base: nn.Module, cfg: OptimConfig) -> list[OptimMethod]:
         *(zero_method(sweep_name(mb), twin(), True, mb, none) for mb in cfg.zero_bucket_mbs),
         zero_method("zero_adamw_nooverlap", twin(), False, cfg.bucket_mb, none),
         zero_method("zero_adamw_redundant", twin(), True, cfg.bucket_mb, none, redundant=True),
+        *(zero_method(f"zero_adamw_redundant{k}", twin(), True, cfg.bucket_mb, none, redundant=k) for k in COPIES),
         fused_method("fused_adamw", twin(), none),
         ddp_adamw_method(DDP_BASELINE, twin(), none),
         torch_zero_method("torch_zero_adamw", twin(), none),

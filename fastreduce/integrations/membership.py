@@ -76,7 +76,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..modes.contract import commit_style, membership_settings, settings_refusal, state_scope
+from ..modes.contract import commit_style, meets, membership_settings, settings_refusal, state_scope
 from .committing import CommittingOptimizer
 from .membership_data import MembershipSampler
 from .modes import TrainerMode
@@ -98,7 +98,7 @@ def check_mode(mode: TrainerMode, who: str) -> None:
         raise ValueError(f"{who}: a mode's own group= does not run under fastreduce.Membership, whose members "
                          "form a new default group at each epoch: drop group=")
     for key, value in membership_settings(mode.cls).items():  # (ZeRO: redundant=True, or a shard dies with its rank)
-        if mode.config.get(key, value) != value:
+        if not meets(mode.config.get(key, value), value):
             raise ValueError(f"{who}: under fastreduce.Membership fastreduce mode {mode.name!r} runs with "
                              f"{key}={value!r} (set for you): drop {key}={mode.config[key]!r}")
 
@@ -289,7 +289,8 @@ class TrainerMembership:
                              "with the world): set max_steps")
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
-        self.mode.config.update(membership_settings(self.mode.cls))
+        for key, value in membership_settings(self.mode.cls).items():  # (ZeRO's redundant=2 kept as given)
+            self.mode.config.setdefault(key, value)
         self.mode.failures, self.mode.optimizer_kept = self.keep, True
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "data": self.sampler, "booked": self.booked}
         state.update({f"scheduler{k}": s for k, s in enumerate(self.schedulers)})

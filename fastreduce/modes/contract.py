@@ -33,8 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership",
-           "commit_style", "membership_settings", "mode_name", "optimizer_role", "settings_refusal", "state_scope",
-           "wait_seconds"]
+           "commit_style", "meets", "membership_settings", "mode_name", "optimizer_role", "settings_refusal",
+           "state_scope", "wait_seconds"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -125,6 +125,15 @@ def membership_settings(mode: Any) -> dict[str, Any]:
     return dict(getattr(_class(mode), "membership_settings", {}))
 
 
+def meets(have: Any, want: Any) -> bool:
+    """Whether a setting's value ``have`` is what a Membership needs (``want``, from
+    ``membership_settings``): equal, or where ``True`` is needed any count of at least 1
+    (ZeRO's ``redundant=k``: k copies of each shard)."""
+    if want is True and isinstance(have, int) and not isinstance(have, bool):
+        return have >= 1
+    return have == want
+
+
 def check_membership(mode: Any) -> None:
     """Refuse, on every member alike, a mode (built) that a Membership cannot keep training:
     not a mode, a setting its class requires under one (``membership_settings``) set otherwise,
@@ -133,7 +142,7 @@ def check_membership(mode: Any) -> None:
         raise TypeError(f"fastreduce.Membership runs the fused, overlapped, ZeRO, gossip, LocalSGD and DiLoCo modes, "
                         f"not {type(mode).__name__}")
     for key, want in membership_settings(mode).items():
-        if getattr(mode, key) != want:
+        if not meets(getattr(mode, key), want):
             raise ValueError(f"{type(mode).__name__} under fastreduce.Membership needs {key}={want!r}: "
                              f"{getattr(_class(mode), 'membership_why', '')}")
     refusal = getattr(mode, "membership_refusal", None)

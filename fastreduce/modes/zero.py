@@ -62,7 +62,7 @@ from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb,
 from .zero_finite import ZeroFinite
 from .zero_grads import ZeroGradients
 from .zero_join import ZeroJoin
-from .zero_mirror import ZeroMirror
+from .zero_mirror import Placement, ZeroMirror, copies_of
 from .zero_state import ZeroCheckpointing
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "zero_bucket_mb"]
@@ -109,10 +109,12 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
             With it, too, gradients that ``zero_grad()`` set to ``None`` come back as zeroed
             views of the flat buffer at the next forward in grad mode (:mod:`.zero_grads`),
             so backward allocates none (and ``bucket_mb="auto"`` on one host is one bucket).
-        redundant: also keep rank r - 1's shard on rank r and step it alongside
-            (:mod:`.zero_mirror`): no shard is lost with one rank, what
-            :class:`~fastreduce.Membership` needs to train on after a loss. Costs 4P/N
-            more memory per rank with AdamW and P/N more bytes sent per step; no ``scaler``.
+        redundant: keep each shard on ``k`` more ranks (``True``: 1; at most every other
+            rank) and step the copies alongside (:mod:`.zero_mirror`): no shard is lost with
+            any k ranks, nor with a whole host where the group spans more than k hosts (the
+            copies go to other hosts first), what :class:`~fastreduce.Membership` needs to
+            train on after a loss. Costs 4P/N more memory per rank and copy with AdamW and
+            kP/N more bytes sent per step; no ``scaler``.
         scaler: the ``torch.amp.GradScaler`` that drives this optimizer, if any: the
             inf/NaN check then spans every rank's shard.
         nonfinite: averaged gradients holding inf/NaN at :meth:`step`: ``ignore`` (no
@@ -145,8 +147,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
     optimizer_role = "self"
     mode_name = "zero"
     membership_settings = {"redundant": True}
-    membership_why = ("each rank's optimizer shard is then also kept on the next rank, so it is not lost with its "
-                      "rank (4P/N more memory per rank with AdamW)")
+    membership_why = ("each rank's optimizer shard is then also kept on another rank (redundant=k: on k others), "
+                      "so it is not lost with its rank (4P/N more memory per rank and copy with AdamW)")
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
@@ -154,11 +156,12 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                  accumulate_dtype: torch.dtype | None = None, overlap: bool = True,
                  bucket_mb: float | str | None = None, transport: str | None = None,
                  module: torch.nn.Module | None = None, scaler: Any = None, nonfinite: NonFinite = "ignore",
-                 error_feedback: bool = False, gather_dtype: torch.dtype | None = None, redundant: bool = False,
+                 error_feedback: bool = False, gather_dtype: torch.dtype | None = None, redundant: bool | int = False,
                  **defaults: Any):
         quant = check_settings(optimizer_class, wire_dtype, accumulate_dtype, bucket_mb, error_feedback, gather_dtype)
-        if redundant and scaler is not None:
-            raise ValueError("ZeroOptimizer(redundant=True) takes no GradScaler (the mirror of a shard would need "
+        copies = copies_of(redundant)
+        if copies and scaler is not None:
+            raise ValueError("ZeroOptimizer(redundant=...) takes no GradScaler (a shard's copies would need "
                              "the scaler's verdict too): train in bf16, or without redundant=")
         self.gather_dtype = gather_dtype
         self.nonfinite = check_nonfinite(nonfinite)
@@ -194,14 +197,17 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self._forward_waits: bool | None = False  # module= given: forward pre-hooks (and compiled code) wait
         self._graph_waits = False  # dynamo's DDP pass puts the waits into compiled code
         self.redundant = redundant
-        self.mirror: ZeroMirror | None = None
+        self.mirrors: list[ZeroMirror] = []  # this rank's copies of other ranks' shards (redundant=)
+        self.placement: Placement | None = None
         self._commit_point: Callable[[], None] | None = None  # commit_point(): e.g. Membership's vote
         self._held: tuple[bool, list[bool] | None] | None = None  # (skip, used) of a step its commit point ended
         self.params_stale = False
         """The shards stepped but their all-gather has not completed: the parameters are
         partly the last step's (what :func:`.zero_mirror.reshard` mends)."""
         self._build(module, wire_dtype, accumulate_dtype, bucket_mb, transport, quant, error_feedback)
-        self.mirror = ZeroMirror(self) if redundant and self.world_size > 1 else None
+        if copies and self.world_size > 1:
+            self.placement = Placement.of_group(group, copies)
+            self.mirrors = [ZeroMirror(self, j) for j in range(1, self.placement.copies + 1)]
         self._check = FiniteCheck(self.device)  # nonfinite's and the scaler's one fused check
         self._init_join(group, self.device)
         self._clip_args: tuple[float, float] | None = None  # this step's clip_grad_norm_, for Join
@@ -283,13 +289,13 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shard's state and fp32 masters;
-        with ``redundant=True`` also its copy of rank r - 1's: masters, state, gradients)."""
+        with ``redundant=`` also its copies of other ranks': masters, state, gradients)."""
         n = sum(t.nbytes for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
         n += sum(s.master.nbytes for s in self.shards if s.low)
-        if self.mirror is not None:
-            n += sum(t.nbytes for st in self.mirror.inner.state.values() for t in st.values() if torch.is_tensor(t))
-            n += sum(m.nbytes for m in self.mirror.masters) + sum(b.nbytes for b in self.mirror.recv.values())
-            n += sum(b.nbytes for b in self.mirror.send.values())
+        for m in self.mirrors:
+            n += sum(t.nbytes for st in m.inner.state.values() for t in st.values() if torch.is_tensor(t))
+            n += sum(x.nbytes for x in m.masters) + sum(b.nbytes for b in m.recv.values())
+            n += sum(b.nbytes for b in m.send.values())
         return n
 
     @guarded("{cls}.clip_grad_norm_()", "This step's gradients are averaged but not clipped; the "
@@ -306,7 +312,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self._reduce()
         self._unscale_for_scaler()
         grads = [s.master.grad for s in self.shards]
-        mirrored = grads + (self.mirror.grads() if self.mirror is not None else [])  # scaled alike
+        mirrored = grads + [g for m in self.mirrors for g in m.grads()]  # scaled alike
         norm_type = float(norm_type)
         self._clip_args = (max_norm, norm_type)
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
@@ -410,8 +416,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self.params_stale = True  # until every bucket's all-gather has completed
         with span("fastreduce::shard_step"):
             self.inner.step(used)
-            if self.mirror is not None:  # (its hyperparameters synced above)
-                self.mirror.inner.step(used)
+            for m in self.mirrors:  # (their hyperparameters synced above)
+                m.inner.step(used)
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather launched by the last :meth:`step`."""
@@ -472,9 +478,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
 
     def _sync_hyperparameters(self) -> None:
         """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups
-        (and to those of the copy of rank r - 1's, ``redundant=True``)."""
-        inners = [self.inner] if self.mirror is None else [self.inner, self.mirror.inner]
-        for inner in inners:
+        (and to those of its copies of other ranks', ``redundant=``)."""
+        for inner in [self.inner, *(m.inner for m in self.mirrors)]:
             for ours, theirs in zip(self.param_groups, inner.param_groups):
                 for k, v in ours.items():
                     if k != "params":

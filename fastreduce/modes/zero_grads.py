@@ -35,6 +35,7 @@ from ..faults import guarded
 from ..grads import Reattach, adopt
 from ..hooks import optional_before_forward
 from ..profiling import span
+from .zero_mirror import exchange
 
 __all__ = ["GradStats", "ZeroGradients"]
 
@@ -51,7 +52,7 @@ class ZeroGradients:
     """The gradient half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
 
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
-    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirror``, ``stats``, and
+    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirrors``, ``stats``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
     ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``, and sets
     ``_used_mask`` in :meth:`_reduce` (which parameters some rank's backward reached this step;
@@ -205,12 +206,11 @@ class ZeroGradients:
                 if used is not None:
                     complete(used)
                 self._used_mask = flags > 0
-                if self.mirror is not None:  # my chunk of the mean to rank r + 1, for its copy of my shard
-                    self.mirror.exchange()
+                if self.mirrors:  # my chunk of the mean to the holders of my shard's copies
+                    exchange(self)
             self.stats.wire_bytes += self.quantized.wire_bytes if self.quantized is not None else \
                 sum(b.wire.nbytes for b in self.buckets)
-            if self.mirror is not None:
-                self.stats.wire_bytes += sum(r.nbytes for r in self.mirror.recv.values())
+            self.stats.wire_bytes += sum(r.nbytes for m in self.mirrors for r in m.recv.values())
         self._reduced = True
 
     @guarded("{cls}.all_arrived()", "Some rank may not have got this far; nothing was stepped here.")

@@ -1,23 +1,28 @@
-"""A second copy of every ZeRO shard, on the next rank: what lets training go on when a
-rank is lost (:class:`~fastreduce.Membership`) without losing its optimizer state.
+"""Copies of every ZeRO shard on other ranks: what lets training go on when ranks are lost
+(:class:`~fastreduce.Membership`) without losing their optimizer state.
 
-``ZeroOptimizer(..., redundant=True)``: rank r also holds rank r - 1's shard (its master
-weights and optimizer state: the *mirror*) and steps it as rank r - 1 steps its own. After
-each step's reduce-scatter, every rank sends its chunk of the averaged gradients to rank
-r + 1 (one point-to-point message of P/N elements per step, beside the 2(N - 1)/N P of
-the reduce-scatter and all-gather), clipping scales both alike, and the step runs the
-torch optimizer on both: the same kernel on the same bits, so rank r's mirror equals rank
-r - 1's shard bit for bit at every step. Memory: a second master, optimizer state and
-gradient chunk, 4P/N more per rank with AdamW (P/N each for the master and gradient,
-2P/N for the moments; P/N more for a buffer to send from where a dtype has several buckets).
+``ZeroOptimizer(..., redundant=k)`` (``True``: 1): each shard is also held by k other ranks
+(its master weights and optimizer state: the *mirrors*), each stepping its copy as the owner
+steps the shard. After each step's reduce-scatter, every rank sends its chunk of the averaged
+gradients to the k holders of its copies (k point-to-point messages of P/N elements per step,
+beside the 2(N - 1)/N P of the reduce-scatter and all-gather), clipping scales all alike, and
+the step runs the torch optimizer on each: the same kernel on the same bits, so every copy
+equals its shard bit for bit at every step. Memory: per copy a master, optimizer state and
+gradient chunk, 4P/N more per rank and copy with AdamW (P/N each for the master and gradient,
+2P/N for the moments; P/N more, once, for a buffer to send from where a dtype has several buckets).
 
-After a loss the survivors hold every shard so long as no two ranks lost at once were
-neighbours (r and r + 1); :func:`held` is what a rank holds, per parameter (torch.optim's
-index) as ranges of the parameter's elements: the masters and the optimizer state.
-:func:`reshard` moves those pieces into a ZeroOptimizer built over the new group, at any
-world size: each rank receives, point to point, only what it holds there, and where some
-member's parameters were stale (a step's all-gather failed after its shards stepped) the
-parameters are all-gathered again from the masters.
+Where the copies sit (:class:`Placement`): the ranks are taken one of each host in turn (the
+hosts in the order of their first rank), and a shard's copies go to the k ranks after its owner
+in that order. On one host that is ranks r + 1, ..., r + k; over hosts, each copy on another
+host than the owner's and the other copies' wherever the hosts are as many as k + 1, so a whole
+host lost at once loses no shard, and any k ranks lost at once never do. A host is a host name
+and a network namespace (:func:`~fastreduce.process_identity.host_key`).
+
+:func:`held` is what a rank holds, per parameter (torch.optim's index) as ranges of the
+parameter's elements: the masters and the optimizer state. :func:`reshard` moves those pieces
+into a ZeroOptimizer built over the new group, at any world size: each rank receives, point to
+point, only what it holds there, and where some member's parameters were stale (a step's
+all-gather failed after its shards stepped) the parameters are all-gathered again from the masters.
 """
 
 from __future__ import annotations
@@ -28,23 +33,66 @@ import torch
 import torch.distributed as dist
 
 from ..comm import complete
+from ..process_identity import host_key
 from .zero_pieces import ShardOptimizer
 from .zero_state import MASTER_KEY
 
-__all__ = ["ShardsLost", "ZeroMirror", "held", "reshard"]
+__all__ = ["Placement", "ShardsLost", "ZeroMirror", "copies_of", "exchange", "held", "reshard"]
 
 
 class ShardsLost(RuntimeError):
-    """Some shard's both holders were lost: its optimizer state is gone."""
+    """Some shard's every holder was lost: its optimizer state is gone."""
+
+
+def copies_of(redundant: bool | int) -> int:
+    """The copies of each shard ``redundant=`` asks for: ``False`` 0, ``True`` 1, or a count."""
+    if isinstance(redundant, bool):
+        return int(redundant)
+    if isinstance(redundant, int) and redundant >= 0:
+        return redundant
+    raise ValueError(f"redundant must be True, False or a count of copies of each shard (an int >= 0), "
+                     f"got {redundant!r}")
+
+
+class Placement:
+    """Which ranks hold each shard's copies (see the module doc): ``order`` takes one rank of
+    each host in turn; the j-th copy of rank d's shard is on the j-th rank after d in it."""
+
+    def __init__(self, hosts: list[str], copies: int):
+        columns: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            columns.setdefault(h, []).append(r)
+        tall = max(map(len, columns.values()))
+        self.order = [c[i] for i in range(tall) for c in columns.values() if i < len(c)]
+        self._at = {r: p for p, r in enumerate(self.order)}
+        self.world, self.copies, self.hosts = len(hosts), min(copies, len(hosts) - 1), list(hosts)
+
+    @classmethod
+    def of_group(cls, group: Any, copies: int) -> Placement:
+        """The placement over ``group``'s ranks, from each one's host (collective)."""
+        hosts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, host_key(), group=group)
+        return cls(hosts, copies)
+
+    def holder(self, d: int, j: int) -> int:
+        """The rank that holds the j-th copy (1 ... copies) of rank ``d``'s shard."""
+        return self.order[(self._at[d] + j) % self.world]
+
+    def held(self, r: int) -> list[int]:
+        """The ranks whose shards rank ``r`` holds a copy of: the j-th copy's first."""
+        return [self.order[(self._at[r] - j) % self.world] for j in range(1, self.copies + 1)]
 
 
 class ZeroMirror:
-    """Rank r's copy of rank r - 1's shard (see the module doc), built from ``opt``."""
+    """This rank's ``j``-th copy: of the shard of the rank ``k`` that :class:`Placement` puts
+    j ranks before it (see the module doc), built from ``opt``."""
 
-    def __init__(self, opt: Any):
-        self.opt = opt
-        W, r = opt.world_size, opt.rank
-        self.k, self.next, self.prev = (r - 1) % W, (r + 1) % W, (r - 1) % W
+    def __init__(self, opt: Any, j: int):
+        self.opt, self.j = opt, j
+        r = opt.rank
+        self.k = self.prev = opt.placement.held(r)[j - 1]  # its owner, who sends it the gradients
+        self.next = opt.placement.holder(r, j)  # the holder of my shard's j-th copy
+        W = opt.world_size
         self.masters: list[torch.Tensor] = []
         sizes: dict[torch.dtype, int] = {}
         for s in opt.shards:
@@ -53,9 +101,11 @@ class ZeroMirror:
             sizes[s.master.grad.dtype] = sizes.get(s.master.grad.dtype, 0) + c
         # The gradients: per dtype one flat buffer received whole, each master's a view.
         self.recv = {d: torch.zeros(n, dtype=d, device=opt.device) for d, n in sizes.items()}
-        # What is sent: a dtype's one gradient chunk as it is, several joined in a buffer of their own.
+        # What is sent: a dtype's one gradient chunk as it is, several joined in a buffer of their own
+        # (the first copy's; every copy's holder is sent the same).
         self._grads = {d: [s.master.grad.reshape(-1) for s in opt.shards if s.master.grad.dtype == d] for d in sizes}
-        self.send = {d: torch.empty(n, dtype=d, device=opt.device) for d, n in sizes.items() if len(self._grads[d]) > 1}
+        self.send = {d: torch.empty(n, dtype=d, device=opt.device) for d, n in sizes.items()
+                     if len(self._grads[d]) > 1 and j == 1}
         at = dict.fromkeys(sizes, 0)
         for m, s in zip(self.masters, opt.shards):
             d = s.master.grad.dtype
@@ -64,21 +114,15 @@ class ZeroMirror:
         self.inner = ShardOptimizer(opt.optimizer_class, opt.param_groups, [s.group for s in opt.shards], self.masters,
                                     [opt._chunk_pieces(s, self.k) for s in range(len(opt.shards))], opt._kwargs)
 
-    def exchange(self) -> None:
-        """My chunk of the averaged gradients to rank r + 1, rank r - 1's into the mirror's."""
-        for d, recv in self.recv.items():
-            grads = self._grads[d]
-            send = grads[0] if len(grads) == 1 else torch.cat(grads, out=self.send[d])
-            complete((self.opt.comm.send_recv({self.next: send}, {self.prev: recv}), None))
-
     def grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.masters]
 
     @torch.no_grad()
     def pull(self) -> None:
-        """Rank r - 1's shard as it is now (after a load): its masters and optimizer
-        state, sent from there (collective): per bucket the master, the state laid out
-        flat (:meth:`~fastreduce.modes.zero_pieces.ShardOptimizer.pack`) and its pieces' scalars."""
+        """Rank k's shard as it is now (after a load): its masters and optimizer state, sent
+        from there (collective: every rank's j-th copy at once): per bucket the master, the
+        state laid out flat (:meth:`~fastreduce.modes.zero_pieces.ShardOptimizer.pack`) and its
+        pieces' scalars."""
         opt, inner = self.opt, self.opt.inner
         for s, shard in enumerate(opt.shards):
             flats, table = inner.pack(s)
@@ -91,20 +135,36 @@ class ZeroMirror:
             self.inner.unpack(s, got, recvs[-1])
 
 
+def exchange(opt: Any) -> None:
+    """My chunk of the averaged gradients to the holders of its copies, the chunks of the
+    shards I hold copies of into those copies' gradients (one exchange per dtype)."""
+    first = opt.mirrors[0]
+    for d in first.recv:
+        grads = first._grads[d]
+        send = grads[0] if len(grads) == 1 else torch.cat(grads, out=first.send[d])
+        complete((opt.comm.send_recv({m.next: send for m in opt.mirrors}, {m.prev: m.recv[d] for m in opt.mirrors}),
+                  None))
+
+
+def _copies(opt: Any, d: int) -> list[tuple[str, int]]:
+    """What rank ``d`` of ``opt``'s layout holds: ``(which, k)``, its own chunk and its copies'."""
+    return [("own", d)] + ([(f"copy{j}", k) for j, k in enumerate(opt.placement.held(d), 1)] if opt.mirrors else [])
+
+
 def _holdings(opt: Any) -> list[tuple[str, int, int, Any]]:
     """What rank ``opt.rank`` holds, per bucket ``s``: ``(which, s, k, inner)``: its chunk
-    ``k`` (``own``) and, with a mirror, rank r - 1's (``mirror``); ``inner``: the
+    ``k`` (``own``) and its copies of other ranks' (``copy1``, ...); ``inner``: the
     :class:`~fastreduce.modes.zero_pieces.ShardOptimizer` that holds it (its master ``inner.masters[s]``)."""
     out = [("own", s, opt.rank, opt.inner) for s in range(len(opt.shards))]
-    if opt.mirror is not None:
-        out += [("mirror", s, opt.mirror.k, opt.mirror.inner) for s in range(len(opt.shards))]
+    for m in opt.mirrors:
+        out += [(f"copy{m.j}", s, m.k, m.inner) for s in range(len(opt.shards))]
     return out
 
 
 @torch.no_grad()
 def held(opt: Any) -> dict[str, Any]:
     """What this rank holds of the job's ZeRO state, as copies that outlive ``opt`` and its
-    group: per chunk it holds (its own, and with ``redundant=True`` rank r - 1's), per
+    group: per chunk it holds (its own, and with ``redundant=`` its copies of others'), per
     parameter piece (torch.optim's index, the range of its elements in that chunk) its
     master weights and optimizer state (zeros and no scalars where it has none yet);
     whether the parameters are stale (:attr:`~fastreduce.ZeroOptimizer.params_stale`); the
@@ -120,7 +180,8 @@ def held(opt: Any) -> dict[str, Any]:
             scalars = {key: v.clone() if torch.is_tensor(v) else v for key, v in st.items() if key not in inner.keys}
             pieces.append((p.index, p.start, p.n, tensors, scalars if st else None))
         chunks[f"{s}/{k}"] = {"dtype": master.dtype, "keys": sorted([*inner.keys, MASTER_KEY]), "pieces": pieces}
-    return {"world": opt.world_size, "buckets": len(opt.shards), "chunks": chunks, "stale": opt.params_stale,
+    return {"world": opt.world_size, "buckets": len(opt.shards), "copies": len(opt.mirrors), "chunks": chunks,
+            "stale": opt.params_stale,
             "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups]}
 
 
@@ -128,10 +189,9 @@ def _moves(opt: Any, d: int, pieces: dict[int, list[tuple[int, int, str]]]) -> l
     """What rank ``d`` of ``opt``'s layout holds, out of a source's ``pieces`` (per parameter,
     its held ``(offset, length, chunk)``): ``(which, s, at, index, offset, n, chunk)``: ``n``
     elements of parameter ``index`` from ``offset``, held in ``chunk``, to ``at`` in ``d``'s
-    chunk of bucket ``s`` (``which``: its own, or its copy of rank d - 1's)."""
-    W = opt.world_size
+    chunk of bucket ``s`` (``which``: its own, or one of its copies)."""
     out = []
-    for which, k in [("own", d)] + ([("mirror", (d - 1) % W)] if opt.redundant and W > 1 else []):
+    for which, k in _copies(opt, d):
         for s in range(len(opt.shards)):
             for p in opt._chunk_pieces(s, k):
                 for off, n, chunk in pieces.get(p.index, ()):
@@ -145,13 +205,13 @@ def _moves(opt: Any, d: int, pieces: dict[int, list[tuple[int, int, str]]]) -> l
 def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     """The members' :func:`held` pieces (``None`` on a joiner) into ``opt`` (built over the
     new default group, any world size): each rank receives only what it holds in the new
-    layout (its shard and, with ``redundant=True``, its copy of rank r - 1's), point to
+    layout (its shard and, with ``redundant=``, its copies of others'), point to
     point from one holder of each piece; nothing is gathered whole. Where some member's
     parameters were stale, the parameters are then all-gathered from the masters.
     Collective. :class:`ShardsLost` on every rank alike where some piece has no holder."""
     world, rank = dist.get_world_size(), dist.get_rank()
     head = None if mine is None else {
-        **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")},
+        **{k: mine[k] for k in ("world", "buckets", "copies", "stale", "param_groups")},
         "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"],
                        "pieces": [(i, o, n, sc) for i, o, n, _, sc in h["pieces"]]} for c, h in mine["chunks"].items()}}
     heads: list[Any] = [None] * world
@@ -166,8 +226,8 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     first = holders[0]
     missing = sorted({k for s in range(first["buckets"]) for k in range(first["world"]) if f"{s}/{k}" not in source})
     if missing:
-        raise ShardsLost(f"the ZeRO shards of old rank(s) {missing} were lost with both their holders (that rank "
-                         "and the next: two neighbouring ranks lost at once)")
+        raise ShardsLost(f"the ZeRO shards of old rank(s) {missing} were lost with every rank that held them (the "
+                         f"rank and the {first.get('copies', 1)} holding copies of its shard, lost at once)")
     chunks = {c: heads[r]["chunks"][c] for c, r in source.items()}
     keys = chunks[min(chunks)]["keys"]
     if any(h["keys"] != keys for h in chunks.values()):

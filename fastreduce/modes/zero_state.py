@@ -39,7 +39,7 @@ class ZeroCheckpointing:
     :class:`~fastreduce.modes.zero_shard.Shard` per bucket), ``inner`` (the
     :class:`~fastreduce.modes.zero_pieces.ShardOptimizer` of the shard's pieces),
     ``param_groups``, ``world_size``, ``rank``, ``group``, ``device``; and calls its
-    ``_wait_gathers()`` and ``_sync_hyperparameters()``; after a load, ``mirror.pull()``
+    ``_wait_gathers()`` and ``_sync_hyperparameters()``; after a load, each of ``mirrors``' ``pull()``
     (``redundant=True``: rank r + 1's copy of the shard).
 
     Each parameter has a state of its own (torch.optim's), on the ranks that hold a piece
@@ -185,8 +185,8 @@ class ZeroCheckpointing:
         for pg, src in zip(self.param_groups, state_dict["param_groups"]):
             pg.update({a: b for a, b in src.items() if a != "params"})
         self._sync_hyperparameters()
-        if self.mirror is not None:  # rank r + 1's copy of this shard, as loaded
-            self.mirror.pull()
+        for m in self.mirrors:  # the copies of other ranks' shards, as loaded
+            m.pull()
 
     def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
@@ -285,8 +285,8 @@ class ZeroCheckpointing:
         self._sync_hyperparameters()
         fresh = state_dict.get("fresh", False)  # a bool: saved before fastreduce kept it per parameter
         self._template = frozenset(self._index()[0]) if fresh is True else frozenset(fresh or ())
-        if self.mirror is not None:
-            self.mirror.pull()
+        for m in self.mirrors:
+            m.pull()
 
     def _materialize_state(self) -> None:
         """Give every parameter without state one: a step at lr=0 of those alone, on zero
@@ -297,8 +297,8 @@ class ZeroCheckpointing:
         """Before a step: template states go, so those parameters start from none."""
         if self._template:
             self.inner.drop(self._template)
-            if self.mirror is not None:  # it pulled the templates too
-                self.mirror.inner.drop(self._template)
+            for m in self.mirrors:  # they pulled the templates too
+                m.inner.drop(self._template)
             self._template = frozenset()
 
 
