@@ -786,7 +786,7 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
         check_membership(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
     unmirrored = type("Zero", (ZeroOptimizer,), {"__init__": lambda self: setattr(self, "redundant", False)})()
     with pytest.raises(ValueError, match="Zero under fastreduce.Membership needs redundant=True: each rank's optimizer "
-                       "shard is then also kept on the next rank"):
+                       "shard is then also kept on another rank"):
         check_membership(unmirrored)  # as ZeroOptimizer(redundant=False)
 
 
