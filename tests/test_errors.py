@@ -11,6 +11,7 @@ tests below run the rows whose test is in this file, for each mode the row lists
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import queue
 import re
@@ -70,9 +71,10 @@ def test_the_table_has_every_row_the_issue_asks_for() -> None:
     assert not missing, f"docs/errors.md has no row for {missing}"
 
 
+@functools.cache
 def _messages() -> list[str]:
     """Every string literal in fastreduce, adjacent literals joined as Python joins them,
-    an f-string's fields written ``{...}``."""
+    an f-string's fields written ``{...}`` (parsed once per run: every row reads them)."""
     out = []
     for path in (ROOT / "fastreduce").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -88,6 +90,7 @@ def _says(words: str, text: str) -> bool:
     return re.search(re.escape(words).replace(r"\{\.\.\.\}", ".*?"), text, re.S) is not None
 
 
+@functools.cache
 def _defined_tests(path: Path) -> set[str]:
     return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
 
