@@ -19,7 +19,7 @@ STACK_GOAL ?= test
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastreduce-installed
 
-.PHONY: install demo test test-all test-quick test-stack test-durations test-mutations test-scale test-stress test-gpu bench lint clean
+.PHONY: install demo test test-all test-quick test-stack test-durations test-mutations test-scale test-stress test-losses test-gpu bench lint clean
 
 install: $(STAMP)
 
@@ -103,6 +103,12 @@ test-mutations: $(STAMP)
 # (QUICK in tests/conftest.py). The full suite (make test) is what CI runs.
 test-quick: $(STAMP)
 	$(PYTEST) -m quick $(PYTEST_ARGS)
+
+# One survivor through 1,000 losses (make test: 25), its descriptors and threads flat (about
+# 2 s a loss on 2 cores).
+LOSSES ?= 1000
+test-losses: $(STAMP)
+	FASTREDUCE_LOSSES=$(LOSSES) $(BIN)/python -m pytest -q -s -p no:randomly tests/test_loss_loop.py $(PYTEST_ARGS)
 
 # The stress test at full length: 10,000 random steps per group (make test runs 500).
 test-stress: $(STAMP)

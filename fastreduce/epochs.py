@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from .kept import kept_state, settled_step
 from .modes import zero_mirror
 from .modes.contract import check_membership, commit_style
 from .member import Member
-from .presence import Pulse, Watch, pulses
+from .presence import Pulse, Watch, all_exited, pulses
 from .votes import Votes, done_key
 
 __all__ = ["EpochChanges"]
@@ -73,7 +73,8 @@ class EpochChanges:
         self.pulse.up()  # alive to the others until this member has entered the next epoch
         self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
-        self.leave_group(abandon=why == "loss")
+        self.leave_group(abandon=why == "loss", gone=all_exited(self.store, self.call, [m for m in old.members if m != self.me.name])
+                         if why == "loss" else None)
         said = self.gather(old, lost, why, beats)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
@@ -252,8 +253,8 @@ class EpochChanges:
                 try:
                     zero_mirror.reshard(self.me.mode, pieces)
                 except zero_mirror.ShardsLost as err:
-                    raise MembershipError(f"fastreduce: {err}: ZeroOptimizer(redundant=True) keeps each shard on two "
-                                          "ranks, so the job cannot go on; restart it from the last checkpoint") \
+                    raise MembershipError(f"fastreduce: {err}, so the job cannot go on: restart it from the last "
+                                          "checkpoint (ZeroOptimizer(redundant=k) keeps k copies of each shard)") \
                         from err
             self._hold_launches(True)
             if commit_style(self.me.mode) == "local":  # a sync in flight across steps: each member's
@@ -460,10 +461,10 @@ class EpochChanges:
         self.me.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)
         self.me.mode = None
 
-    def leave_group(self, abandon: bool) -> None:
+    def leave_group(self, abandon: bool, gone: Callable[[], bool] | None = None) -> None:
         if dist.is_initialized():
             if abandon:  # a collective may still wait on a lost peer: never join its thread
-                faults_watchdog.abandon_groups()
+                faults_watchdog.abandon_groups(gone)
             quiet_backends()  # (lifecycle.shutdown's note: a Gloo thread still letting go of a work)
             dist.destroy_process_group()
         torch_internals.release_abandoned()  # the groups abandoned a timeout ago: their sockets closed

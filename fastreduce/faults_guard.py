@@ -69,7 +69,10 @@ def guard(where: str, state: str) -> Iterator[None]:
         lost = as_rank_lost(err, where, state)
         if lost is None:
             raise
-        raise lost from err
+        try:
+            raise lost from err
+        finally:  # this frame, in lost's traceback, must not hold it: a cycle the collector frees late
+            del lost  # (with the failed mode, its group's sockets and threads in it)
 
 
 def guarded(where: str, state: str) -> Callable[[F], F]:
@@ -92,6 +95,9 @@ def guarded(where: str, state: str) -> Callable[[F], F]:
                 lost = as_rank_lost(err, where.format(cls=type(self).__name__), state)
                 if lost is None:
                     raise
-                raise lost from err
+                try:
+                    raise lost from err
+                finally:  # (as in guard)
+                    del lost
         return inner  # type: ignore[return-value]
     return wrap

@@ -174,19 +174,20 @@ def watch_heartbeats(beat: Heartbeat, done: threading.Event) -> None:
 
 
 
-def abandon_groups() -> None:
+def abandon_groups(gone: Callable[[], bool] | None = None) -> None:
     """After a watchdog found a rank lost: let this process exit. A collective waiting on
     a peer that will never answer holds a Gloo thread in a socket read, and destroying
     its process group (at the latest, the interpreter's exit) joins that thread: the
     process would hang there. So every process group is aborted where the backend can
     (the pending work fails, its thread returns) and pinned: not destroyed until its
     timeout has passed and every collective of it has returned, then let go of at the next
-    abandonment or epoch (:func:`.torch_internals.abandon_groups`, ``release_abandoned``).
-    The group is of no further use either way: a job that lost a rank restarts (torchrun
-    --max-restarts), or under a Membership goes on in a new group."""
+    abandonment or epoch (:func:`.torch_internals.abandon_groups`, ``release_abandoned``),
+    or as soon as ``gone()`` says every peer of them has exited. The group is of no further
+    use either way: a job that lost a rank restarts (torchrun --max-restarts), or under a
+    Membership goes on in a new group."""
     global _waiter_caller
 
-    torch_internals.abandon_groups()
+    torch_internals.abandon_groups(gone)
     with _lock:  # its thread may wait for good on an abandoned work: later groups' waits get a new one
         if _waiter_caller is not None:
             _waiter_caller.close()  # (it ends once free)

@@ -36,7 +36,7 @@ from .faults import exited_here
 from .lifecycle import disown, own
 from .reach import SecondConnection
 
-__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "exited_here", "pulses"]
+__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "all_exited", "exited_here", "pulses"]
 
 EXIT_CHECK_S = 0.02
 """How often a waiting member looks whether a watched member's process on this host has
@@ -173,3 +173,19 @@ def pulses(store: Any, call: Callable[..., Any], members: list[str]) -> dict[str
     if keys and call(store.check, keys):
         return dict(zip(members, (int(v) for v in call(faults_heartbeat.read_all, store, keys))))
     return {m: int(call(store.add, k, 0)) for m, k in zip(members, keys)}
+
+
+def all_exited(store: Any, call: Callable[..., Any], members: list[str]) -> Callable[[], bool] | None:
+    """Whether every one of ``members`` has exited, from their processes' records (read once,
+    now): a check on this host alone (a process that ran here and is gone), or ``None`` where
+    one has no record or the coordinator does not answer. An abandoned group's resources go
+    once it says so (:func:`fastreduce.torch_internals.release_abandoned`)."""
+    watch = Watch(store, call, members)
+    try:
+        watch.exited()  # (reads their records)
+    except Exception:  # noqa: BLE001 - the coordinator unreachable: the groups' timeout then
+        return None
+    records, me = dict(watch.records), watch.me
+    if not members or not all(records.get(m) for m in members):
+        return None
+    return lambda: all(exited_here(records[m], me) for m in members)

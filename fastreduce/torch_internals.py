@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,25 +64,30 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> float:
 RELEASE_AFTER_S = 5.0
 """How long past its timeout an abandoned group is kept (:func:`release_abandoned`)."""
 
-_pinned: list[tuple[Any, float]] = []  # (an abandoned group, when it may be let go)
+_pinned: list[list[Any]] = []  # [an abandoned group, when it may be let go, gone(): whether it may be now]
 _pinning = threading.Lock()
 
 
-def abandon_groups() -> None:
+def abandon_groups(gone: Callable[[], bool] | None = None) -> None:
     """Every process group of this process aborted where the backend can and pinned: not
     destroyed while a collective of it may still wait on a peer gone silent (destroying it
     joins that thread, and Gloo's abort does not end it: torch 2.13), so neither a group
     destroyed now nor one let go of at the interpreter's teardown hangs the process
     (:func:`fastreduce.faults_watchdog.abandon_groups` says why). Pinned, each keeps its
-    sockets (4 descriptors on 2 ranks) and threads until :func:`release_abandoned` lets it go."""
+    sockets (4 descriptors on 2 ranks) and threads until :func:`release_abandoned` lets it go:
+    its timeout past, or sooner where ``gone()`` says every peer of these groups (the groups
+    of this process now: one epoch's, under a Membership) has exited, so that no thread of
+    theirs can wait on one (a peer's sockets close with its process)."""
     import ctypes
 
     release_abandoned()
     with _pinning:
         for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
-            if any(p is pg for p, _ in _pinned):
+            entry = next((e for e in _pinned if e[0] is pg), None)
+            if entry is not None:  # (pinned by a watchdog earlier in the step)
+                entry[2] = entry[2] or gone
                 continue
-            _pinned.append((pg, time.monotonic() + group_timeout(pg) + RELEASE_AFTER_S))
+            _pinned.append([pg, time.monotonic() + group_timeout(pg) + RELEASE_AFTER_S, gone])
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # outlives the interpreter's teardown
             try:
                 pg.abort()
@@ -90,17 +95,27 @@ def abandon_groups() -> None:
                 pass
 
 
+def _may_go(entry: list[Any], now: float) -> bool:
+    if entry[1] <= now:
+        return True
+    try:
+        return entry[2] is not None and bool(entry[2]())
+    except Exception:  # noqa: BLE001 - a peer's record unreadable: its timeout then
+        return False
+
+
 def release_abandoned() -> int:
-    """Let go of the abandoned groups whose timeout has passed since they were abandoned: by
-    then every collective of theirs has returned or timed out, so destroying one joins no
-    thread that waits (milliseconds), and its sockets and threads are freed (a process that
-    loses members again and again keeps the descriptors of one timeout's losses, not of all).
+    """Let go of the abandoned groups whose timeout has passed since they were abandoned, or
+    whose peers have all exited (:func:`abandon_groups`): by then every collective of theirs
+    has returned or failed, so destroying one joins no thread that waits (milliseconds), and
+    its sockets and threads are freed (a process that loses members again and again keeps
+    the descriptors of one timeout's losses at most, and none of peers known to have exited).
     Returns how many are still pinned. Called at each abandonment and each new epoch."""
     import ctypes
 
     now = time.monotonic()
     with _pinning:
-        due = [entry for entry in _pinned if entry[1] <= now]
+        due = [entry for entry in _pinned if _may_go(entry, now)]
         for entry in due:
             _pinned.remove(entry)
             ctypes.pythonapi.Py_DecRef(ctypes.py_object(entry[0]))
