@@ -211,7 +211,8 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     Collective. :class:`ShardsLost` on every rank alike where some piece has no holder."""
     world, rank = dist.get_world_size(), dist.get_rank()
     head = None if mine is None else {
-        **{k: mine[k] for k in ("world", "buckets", "copies", "stale", "param_groups")},
+        **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")},
+        "copies": mine.get("copies", 1),  # (a job checkpoint saved before redundant=k: one copy)
         "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"],
                        "pieces": [(i, o, n, sc) for i, o, n, _, sc in h["pieces"]]} for c, h in mine["chunks"].items()}}
     heads: list[Any] = [None] * world
