@@ -129,6 +129,10 @@ class ChaosConfig:
     joiner_runs: int = 0
     """``--joiner-runs N``: instead of the chaos run, :mod:`.joiner_kills`: a replacement killed at
     each point of its joining, ``N`` jobs per mode, transport and point."""
+    spares: bool = False
+    """``--spares``: the replacements are warm spares (``Membership(spare=True)``), registered from
+    the start and taken in by the epoch the survivors form at each loss, not told to join
+    ``join_after`` steps later."""
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -142,6 +146,9 @@ class ChaosConfig:
             raise ValueError(f"joiner_runs must be >= 0 (0: the chaos run), got {self.joiner_runs}")
         if self.members < 3:
             raise ValueError(f"members must be at least 3 (two survivors go on), got {self.members}")
+        if self.spares and len(self.kinds) >= self.members:
+            raise ValueError(f"with spares each kill takes a first member: at most {self.members - 1} kills for "
+                             f"{self.members} members, got {len(self.kinds)}")
         if not self.params_m > 0 or self.batch < 1 or self.join_after < 1 or self.sync_every < 1:
             raise ValueError("params_m must be positive; batch, join_after and sync_every at least 1")
         if "diloco" in self.modes and self.steps % self.sync_every:
@@ -171,7 +178,9 @@ def quick_config(**given: Any) -> ChaosConfig:
 def schedule(cfg: ChaosConfig, mode: str) -> list[dict[str, Any]]:
     """The kills: ``kind``, ``step`` (the victim dies at its first chance at or after this many
     committed steps), ``victim`` (a process index: ``0..members-1`` the first members, then the
-    replacements in order) and the ``replacement`` that joins ``join_after`` steps later."""
+    replacements in order; with ``spares``, a first member: which spare a loss takes in is not
+    known beforehand) and the ``replacement`` that joins ``join_after`` steps later (a spare:
+    at some loss)."""
     rng = random.Random(cfg.seed)
     kinds = list(cfg.kinds)
     rng.shuffle(kinds)
@@ -183,7 +192,8 @@ def schedule(cfg: ChaosConfig, mode: str) -> list[dict[str, Any]]:
             step += -(step + 1) % cfg.sync_every  # inner step step + 1 syncs
         victim = rng.choice(alive)
         alive.remove(victim)
-        alive.append(cfg.members + k)
+        if not cfg.spares:  # (spares: which one a loss takes in is the coordinator's choice; the first members die)
+            alive.append(cfg.members + k)
         kills.append({"kind": kind, "step": step, "victim": victim, "replacement": cfg.members + k})
     return kills
 
@@ -293,10 +303,12 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
         if mode == "diloco":  # before the mode's own hook (registered later): the step done, the sync not begun
             opt.register_step_post_hook(lambda *_: crash() if armed("in-flight") else None)
         shared[0].ready.wait(TIMEOUT_S)  # every process imported and built before the first step
-        if go is not None:
+        spare = go is not None and cfg.spares  # (a spare waits registered: taken in at a loss)
+        if go is not None and not spare:
             shared[go].go.wait(TIMEOUT_S)
         record.join_start = time.time()
-        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}", wait_s=120)
+        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}",
+                       wait_s=TIMEOUT_S if spare else 120, spare=spare)
         if kill is not None and kill["kind"] in ("admitted", "healing"):
             _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
@@ -640,7 +652,9 @@ def format_text(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [f"chaos suite: {c['members']} members, MLP of {report['model_params'] / 1e6:.2f}M params, AdamW "
              f"(lr {c['lr']:g}, cosine), batch {c['batch']}/rank, {c['steps']} committed steps, seed {c['seed']}; "
-             f"each kill replaced {c['join_after']} steps later; held-out loss on {c['heldout']} rows against a "
+             + ("each kill's place taken by a warm spare at the loss (a spare's join counted from its registration)"
+                if c.get("spares") else f"each kill replaced {c['join_after']} steps later")
+             + f"; held-out loss on {c['heldout']} rows against a "
              f"failure-free run (same data and seeds), tolerance {c['tolerance_pct']:g}%", ""]
     for mode, kills in report["schedule"].items():
         lines.append(f"kills ({mode}): " + "; ".join(

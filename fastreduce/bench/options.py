@@ -159,6 +159,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--chaos-joiner-runs", "instead of the chaos run: a replacement killed as it is admitted, as it is "
            "healed and in its first step, N jobs per mode, transport and point", inside="--joiner-runs",
            kwargs={"type": int, "metavar": "N"}),
+    Option("--chaos-spares", "the replacements are warm spares (Membership(spare=True)), taken in at each loss",
+           inside="--spares", kwargs={"action": "store_true"}),
     Option("--seed", "draws the kills (steps, victims, order) and the data", kwargs={"type": int}),
     Option("--eval-every", "steps between held-out evaluations", kwargs={"type": int}),
     Option("--train-mb", "MiB of stdlib source to train on (the next MiB is held out)", kwargs={"type": float}),
@@ -226,7 +228,8 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
               ("chaos_transports", ",".join(CHAOS_TRANSPORTS) + "; shm with --quick"),
               ("steps", "300; 30 with --quick"), ("seed", "0"),
               ("params_m", "0.1; 0.05 with --quick", "the MLP's size in millions of parameters"),
-              ("batch", "64; 32 with --quick"), ("chaos_joiner_runs", "0: the chaos run")),
+              ("batch", "64; 32 with --quick"), ("chaos_joiner_runs", "0: the chaos run"),
+              ("chaos_spares", None)),
     "store": (("store_clients", "64,256,1024; 16 with --quick"),
               ("store_scenarios", "all: " + ",".join(STORE_SCENARIOS) + "; beat,watch with --quick"),
               ("store_seconds", f"{StoreConfig().seconds:g}; 2 with --quick"),
@@ -573,7 +576,8 @@ def chaos_config(args: argparse.Namespace) -> ChaosConfig:
         if names is not None:
             given[key] = names
     for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
-                       ("seed", args.seed), ("joiner_runs", getattr(args, "chaos_joiner_runs", None))):
+                       ("seed", args.seed), ("joiner_runs", getattr(args, "chaos_joiner_runs", None)),
+                       ("spares", getattr(args, "chaos_spares", None) or None)):
         if value is not None:
             given[key] = value
     return chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
