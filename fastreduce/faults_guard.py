@@ -66,13 +66,20 @@ def guard(where: str, state: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        lost = as_rank_lost(err, where, state)
-        if lost is None:
-            raise
-        try:
-            raise lost from err
-        finally:  # this frame, in lost's traceback, must not hold it: a cycle the collector frees late
-            del lost  # (with the failed mode, its group's sockets and threads in it)
+        _raise_lost(err, where, state)
+        raise
+
+
+def _raise_lost(err: RuntimeError, where: str, state: str) -> None:
+    """Raise ``err`` as the :class:`RankLostError` a diagnosis makes of it; return where it
+    finds no lost rank (the caller re-raises ``err``)."""
+    lost = as_rank_lost(err, where, state)
+    if lost is None:
+        return
+    try:
+        raise lost from err
+    finally:  # this frame, in lost's traceback, must not hold it: a cycle the collector frees late
+        del lost  # (with the failed mode, its group's sockets and threads in it)
 
 
 def guarded(where: str, state: str) -> Callable[[F], F]:
@@ -92,12 +99,7 @@ def guarded(where: str, state: str) -> Callable[[F], F]:
             try:
                 return fn(self, *args, **kwargs)
             except RuntimeError as err:
-                lost = as_rank_lost(err, where.format(cls=type(self).__name__), state)
-                if lost is None:
-                    raise
-                try:
-                    raise lost from err
-                finally:  # (as in guard)
-                    del lost
+                _raise_lost(err, where.format(cls=type(self).__name__), state)
+                raise
         return inner  # type: ignore[return-value]
     return wrap
