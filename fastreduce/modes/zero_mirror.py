@@ -90,7 +90,7 @@ class ZeroMirror:
     def __init__(self, opt: Any, j: int):
         self.opt, self.j = opt, j
         r = opt.rank
-        self.k = self.prev = opt.placement.held(r)[j - 1]  # its owner, who sends it the gradients
+        self.k = opt.placement.held(r)[j - 1]  # its owner, who sends it the gradients
         self.next = opt.placement.holder(r, j)  # the holder of my shard's j-th copy
         W = opt.world_size
         self.masters: list[torch.Tensor] = []
@@ -131,7 +131,7 @@ class ZeroMirror:
             recvs = [self.masters[s]] + [got[k] for k in inner.keys] + \
                 [torch.empty(len(self.inner.pieces[s]), table.shape[1], dtype=table.dtype)]
             for a, b in zip(sends, recvs):
-                complete((opt.comm.send_recv({self.next: a.contiguous()}, {self.prev: b}), None))
+                complete((opt.comm.send_recv({self.next: a.contiguous()}, {self.k: b}), None))
             self.inner.unpack(s, got, recvs[-1])
 
 
@@ -142,7 +142,7 @@ def exchange(opt: Any) -> None:
     for d in first.recv:
         grads = first._grads[d]
         send = grads[0] if len(grads) == 1 else torch.cat(grads, out=first.send[d])
-        complete((opt.comm.send_recv({m.next: send for m in opt.mirrors}, {m.prev: m.recv[d] for m in opt.mirrors}),
+        complete((opt.comm.send_recv({m.next: send for m in opt.mirrors}, {m.k: m.recv[d] for m in opt.mirrors}),
                   None))
 
 
