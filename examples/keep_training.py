@@ -289,7 +289,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                      devices=sorted({str(t.device) for t in [*model.parameters(), *(s["exp_avg"] for s in st.values())]}),
                      adam_step=[float(s["step"]) for s in st.values()], counters=vars(m.counters),
                      epoch=m.epoch.number, world=m.world, graphs=graphs(),
-                     hosts=len(set(m.mode.placement.hosts)) if getattr(m.mode, "placement", None) else None)
+                     hosts=len(set(m.mode.placement.hosts)) if mode == "zero" and m.world > 1 else None)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         m.close()
     except MembershipError as err:

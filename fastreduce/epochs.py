@@ -73,8 +73,8 @@ class EpochChanges:
         self.pulse.up()  # alive to the others until this member has entered the next epoch
         self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
-        self.leave_group(abandon=why == "loss", gone=all_exited(self.store, self.call, [m for m in old.members if m != self.me.name])
-                         if why == "loss" else None)
+        peers = [m for m in old.members if m != self.me.name]
+        self.leave_group(abandon=why == "loss", gone=all_exited(self.store, self.call, peers) if why == "loss" else None)
         said = self.gather(old, lost, why, beats)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends

@@ -69,9 +69,7 @@ def survivor(port: int, out: str, losses: int, timeout_s: float) -> None:
         import traceback
 
         facts["error"] = traceback.format_exc()
-    import torch as _torch
-
-    _torch.save(facts, Path(out) / "survivor.pt")
+    torch.save(facts, Path(out) / "survivor.pt")
 
 
 def flapper(port: int, timeout_s: float) -> None:
