@@ -70,6 +70,15 @@ FULL: dict[str, tuple[str, ...]] = {
     "trainers under a Membership": _cells("test_trainers_membership.py::test_a_trainer_goes_on_through_a_loss_and_a_join",
                                           "hf-overlap", "hf-diloco", "lightning-fused", "lightning-zero",
                                           "lightning-localsgd", "lightning-overlap"),
+    # kept: hf-{fused,zero,gossip,diloco}, lightning-{overlap,zero,localsgd} (every mode, ZeRO's
+    # sharded state in both trainers; gossip under a Membership in both: through a loss, above)
+    "a trainer's job resumed": _cells(
+        "test_trainers_membership.py::test_a_trainer_job_saved_as_it_trains_resumes_as_if_it_had_never_stopped",
+        "hf-overlap", "hf-localsgd", "lightning-fused", "lightning-gossip", "lightning-diloco"),
+    # kept: each mode on one transport (fused on both), every point of a joiner's admission in each
+    "a joiner lost as it joins": _cells(
+        "test_membership.py::test_a_joiner_lost_as_it_is_admitted_healed_or_in_its_first_step_is_a_loss_like_any_other",
+        "overlap-process_group", "zero-shm", "localsgd-process_group", "diloco-shm", "gossip-process_group"),
     # kept: gossip through a loss (the HF Trainer runs the others above); zero resumed
     "the GaudiTrainer under a Membership": _cells(
         "test_gaudi_trainer_membership.py::test_the_gaudi_trainer_under_a_membership_goes_on_through_a_loss_and_a_join",
