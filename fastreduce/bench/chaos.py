@@ -49,6 +49,11 @@ per mode and transport), ``chaos_steps.csv`` (a row per member and step), ``chao
 and world size against wall time, a panel per mode; the ``plot`` extra, else skipped with a
 note). ``--quick``: 3 members, 30 steps, one kill (``in-flight``) and one join, the
 overlapped mode on shared memory.
+
+Two more failure kinds (:mod:`.chaos_events`): ``--straggler F`` (a first member no kill takes
+works ``F`` times as long per step for a window; ``--evict``: the job asks it to leave, and
+with ``--spares`` a spare takes its place) and ``--coordinator etcd`` (a 3-member etcd cluster
+as the coordinator, its leader killed mid-run).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .chaos_events import (Slowdown, check_events, coordinator, coordinator_figures, draw_events, etcd_missing,
+                           event_checks, event_lines, event_title, events_for, legend_handles, membership_policy,
+                           only_untaken, eviction_epoch, straggler_figures, summary_cells, summary_fields,
+                           timeline_events)
 from .common import crash, machine_info
 from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
 
@@ -133,6 +142,21 @@ class ChaosConfig:
     """``--spares``: the replacements are warm spares (``Membership(spare=True)``), registered from
     the start and taken in by the epoch the survivors form at each loss, not told to join
     ``join_after`` steps later."""
+    straggler: float = 0.0
+    """``--straggler F``: a first member no kill takes works ``F`` times as long per step for a
+    window of steps (0: none; :mod:`.chaos_events`)."""
+    straggler_steps: int = 0
+    """``--straggler-steps N``: the straggler's window (0: a fifth of the steps)."""
+    evict: bool = False
+    """``--evict``: every member runs ``Membership(evict_slower_than=..., evict_for_s=...)``, so the
+    straggler is asked to leave (with ``spares``, a spare more is started to take its place)."""
+    evict_slower_than: float = 1.5
+    """The eviction's ratio: a member busy this many times the members' median per step."""
+    evict_for_s: float = 3.0
+    """Seconds the straggler is named before it is asked to leave (``--evict``)."""
+    coordinator: str = "builtin"
+    """``--coordinator etcd``: the job's coordinator is a 3-member etcd cluster, its leader killed
+    (SIGKILL) at a step drawn in the middle third of the run; ``builtin``: the launcher's."""
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -157,6 +181,7 @@ class ChaosConfig:
         if self._segment() <= self.join_after + self.sync_every + 2:
             raise ValueError(f"steps={self.steps} leaves no room for {len(self.kinds)} kills, each replaced "
                              f"{self.join_after} steps later")
+        check_events(self, schedule)
 
     def _segment(self) -> int:
         return (self.steps - self._start() - max(3, self.steps // 10)) // len(self.kinds)
@@ -214,6 +239,11 @@ class ChaosRecord(Record):
     heldout: float | None = None
     heldout_initial: float | None = None
     killed: str = ""  # where this process was killed (its record saved as it died)
+    killed_s: float = 0.0  # when (time.time())
+    slowed_steps: list[int] = field(default_factory=list)  # the straggler: its first and last slowed step
+    slowed_s: list[float] = field(default_factory=list)  # the first's begin and the last's end (time.time())
+    left_at: int = -1  # evicted: the committed steps when it was out (m.left)
+    left_s: float = 0.0  # and when
 
     def finish(self, m: Any) -> None:
         c = m.counters
@@ -255,11 +285,14 @@ def _heldout(cfg: ChaosConfig, model: nn.Module) -> float:
         return nn.functional.mse_loss(model(x), y).item()
 
 
-def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: dict[str, str], spawned: float,
-           kill: dict[str, Any] | None, go: int | None, shared: list[Shared]) -> None:
+def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, env: dict[str, str], spawned: float,
+           kill: dict[str, Any] | None, go: int | None, shared: list[Shared],
+           events: dict[str, Any] | None = None) -> None:
     """One process: a first member, or (``go``) the replacement told to join by ``shared[go]``;
-    ``kill``: where and at which step it dies."""
+    ``kill``: where and at which step it dies; ``port``: the coordinator's (or its address,
+    ``etcd://...``); ``events``: the straggler and the eviction policy (:mod:`.chaos_events`)."""
     record = ChaosRecord(**asdict(_enter(env, spawned, index)))
+    slow = Slowdown(events, index)
     try:
         import fastreduce
         from fastreduce.membership import Membership
@@ -276,7 +309,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 return False  # (a replacement as the victim: at its first chance once it has joined)
             if kind == "in-flight" and mode == "diloco" and (m.step + 1) % cfg.sync_every:
                 return False  # a sync step
-            record.killed = kind
+            record.killed, record.killed_s = kind, time.time()
             record.finish(m)
             record.save(Path(out) / f"{index}.json")
             return True
@@ -307,22 +340,25 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
         if go is not None and not spare:
             shared[go].go.wait(TIMEOUT_S)
         record.join_start = time.time()
-        m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"chaos {mode}",
-                       wait_s=TIMEOUT_S if spare else 120, spare=spare)
+        m = Membership(port if isinstance(port, str) else f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2,
+                       tag=f"chaos {mode}", wait_s=TIMEOUT_S if spare else 120, spare=spare,
+                       **membership_policy(events))
         if kill is not None and kill["kind"] in ("admitted", "healing"):
             _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
         record.joined_step = m.step
+        if go is not None:  # admitted (the launcher may end one never admitted once the job is done)
+            (Path(out) / f"{index}.joined").touch()
         if go is not None:  # healed: the members' parameters after that step
             record.digests[str(m.step)] = _digest(model)
-        while m.step < cfg.steps:
+        while m.step < cfg.steps and not m.left:
             if armed("between"):
                 crash()
-            t0, before = time.time(), m.step
+            t0, before, since = time.time(), m.step, time.perf_counter()  # (since: the straggler's work)
             shared[0].started(t0)
             x, y = batch_for(cfg, m.step, m.rank)  # type: ignore[arg-type]
             if mode == "gossip":  # the mode steps and exchanges inside forward and backward: commit runs them
-                ok, loss = _gossip_step(m, x, y, armed)
+                ok, loss = _gossip_step(m, x, y, armed, lambda: slow.sleep(before, since))
             else:
                 stepper = m.mode if mode == "zero" else opt  # ZeRO: the mode is the optimizer
                 for group in stepper.param_groups:
@@ -331,9 +367,13 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
                 train_loss.backward()
                 if armed("mid-step") or armed("first-step"):
                     crash()
+                slow.sleep(before, since)
                 ok, loss = m.commit(stepper.step), train_loss.item()
                 (m.mode if mode == "zero" else opt).zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
+            if m.left:  # evicted (asked to leave at this step's poll): out, its step committed with the others'
+                record.left_at, record.left_s = m.step, time.time()
+            slow.note(record, before)
             for s in shared[1:]:
                 s.committed(m.step, record.iters[-1][1])
             record.epochs.append(m.epoch.number)
@@ -342,6 +382,11 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int, out: str, env: di
             if ok and m.step > before and _one_model(cfg, mode, m):
                 record.digests[str(m.step)] = _digest(model)
             time.sleep(cfg.pace_s)
+        if m.left:  # evicted: its model is not the job's; out cleanly
+            record.finish(m)
+            m.close()
+            record.save(Path(out) / f"{index}.json")
+            return
         if mode == "gossip":  # every rank's parameters := their exact mean, the model evaluated
             m.mode.global_avg()
             record.lr_steps = sorted({s.last_epoch for s in scheds[-m.mode.num_buckets:]})
@@ -358,16 +403,17 @@ def _die_joining(m: Any, kind: str, record: ChaosRecord, path: Path) -> None:
     """Make this replacement die (SIGKILL to itself) as it is admitted (``admitted``) or as
     its healing begins (``healing``: only a joiner receives the state), its record saved first."""
     def die(_epoch: Any) -> None:
-        record.killed = kind
+        record.killed, record.killed_s = kind, time.time()
         record.save(path)
         crash()
 
     m.at("enter" if kind == "admitted" else "sync_state", die)
 
 
-def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[bool, float]:
+def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any, slow: Any = None) -> tuple[bool, float]:
     """One gossip step through ``m.commit``: forward and backward through ``m.mode`` (a new
-    wrapper each epoch); the training loss, NaN where the step failed before it."""
+    wrapper each epoch); the training loss, NaN where the step failed before it. ``slow``:
+    called after the backward (the straggler sleeps there)."""
     box = [math.nan]
 
     def forward_backward() -> None:
@@ -376,6 +422,8 @@ def _gossip_step(m: Any, x: torch.Tensor, y: torch.Tensor, armed: Any) -> tuple[
         box[0] = loss.item()
         if armed("mid-step") or armed("first-step"):  # its buckets stepped, their exchanges in flight
             crash()
+        if slow is not None:
+            slow()
 
     return m.commit(forward_backward), box[0]
 
@@ -389,23 +437,35 @@ def _one_model(cfg: ChaosConfig, mode: str, m: Any) -> bool:
     return mode != "diloco" or m.step % cfg.sync_every == 0
 
 
-def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, Any]], out: Path) -> dict[str, Any]:
-    """The coordinator, ``members`` processes and one replacement per kill; their records."""
+def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, Any]], out: Path,
+            events: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The coordinator (the launcher's, or an etcd cluster), ``members`` processes, one
+    replacement per kill (and a spare for the straggler's eviction); their records.
+    ``events``: the straggler, the coordinator and its leader's kill (:func:`.chaos_events.events_for`)."""
     from ..launch import rank_context
     from ..membership import serve
 
+    events = events or {}
+    plan = events.get("straggler")
+    extra = plan["spare"] if plan else None
     ctx = rank_context("fastreduce.bench.chaos")
-    n = cfg.members + len(kills)
+    n = cfg.members + len(kills) + (extra is not None)
     shared = [Shared.make(ctx, k["step"] + cfg.join_after, n) for k in kills] or [Shared.make(ctx, cfg.steps + 1, n)]
     env = _env(FASTREDUCE_HEARTBEAT_S=str(cfg.heartbeat_s), FASTREDUCE_TRANSPORT=transport)
-    server = serve(0, "127.0.0.1")
     victims = {k["victim"]: k for k in kills}
-    procs = start_members(ctx, n, cfg, mode, server.port, out, env, victims, shared)
-    try:
-        _watch(procs, out, set(victims), time.time() + TIMEOUT_S)
-    finally:
-        _wait(procs, time.time())
-    return {"records": records_of(out, n), "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+    # a spare more than the losses; on etcd (a vote about once a second), a replacement told late
+    waiting = set(range(cfg.members, n)) if extra is not None or events.get("coordinator") == "etcd" else set()
+    with coordinator(events, lambda: serve(0, "127.0.0.1"), shared[0].progress) as (where, leader_kill):
+        procs = start_members(ctx, n, cfg, mode, where, out, env, victims, shared, events=events)
+        try:
+            _watch(procs, out, set(victims), time.time() + TIMEOUT_S, waiting, cfg.steps)
+        finally:
+            _wait(procs, time.time())
+    job = {"records": records_of(out, n), "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+    if events:  # a spare never taken (no eviction), or a replacement never admitted, was ended here
+        job.update(untaken=[i for i in sorted(waiting) if job["records"][i] is None and
+                            not (out / f"{i}.joined").exists()], coordinator_kill=leader_kill.get("kill"))
+    return job
 
 
 def records_of(out: Path, n: int) -> dict[int, dict[str, Any] | None]:
@@ -422,13 +482,19 @@ def failed(procs: list[Any], out: Path, victims: set[int]) -> bool:
     return False
 
 
-def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float) -> None:
+def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float, waiting: set[int] = frozenset(),
+           steps: int = 0) -> None:
     """Until every process has ended, or one that is no victim has ended without its
     record or with an error in it (the others, waiting for a step or a signal that will
-    never come, are then given 5 s and killed), or the deadline."""
+    never come, are then given 5 s and killed), or the deadline. ``waiting``: spares one of
+    which may never be taken (the straggler's, where it was not evicted), or (etcd: a vote
+    about once a second) replacements told to join near the end: once a final member has
+    trained ``steps`` and only those never admitted are left, they are ended."""
     while time.time() < deadline and any(p.is_alive() for p in procs):
         if failed(procs, out, victims):
             deadline = min(deadline, time.time() + 5)
+        if waiting and only_untaken(procs, out, waiting, steps):
+            return
         time.sleep(0.2)
 
 
@@ -454,12 +520,13 @@ def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
     return events
 
 
-def _losses(records: dict[int, dict[str, Any]], median: float) -> list[dict[str, Any]]:
+def _losses(records: dict[int, dict[str, Any]], median: float, left: int | None = None) -> list[dict[str, Any]]:
     """Per loss (the epoch it formed, in order): the largest stall and discard count over
-    the members that saw it, and Membership's own stall (its counters, the largest)."""
+    the members that saw it, and Membership's own stall (its counters, the largest).
+    ``left``: the epoch formed without the evicted straggler (its shrink is a leave, not a loss)."""
     by_epoch: dict[int, list[dict[str, Any]]] = {}
     for r in records.values():
-        events = _loss_events(r, median)
+        events = [e for e in _loss_events(r, median) if e["epoch"] != left or e["discarded"]]
         own = [s for why, s in r["counters"].get("stalls", []) if why == "loss"]
         for k, e in enumerate(events):
             e["membership_stall_s"] = own[k] if len(own) == len(events) else None
@@ -493,44 +560,60 @@ def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], pe
         ds = by_step.get(str(j["joined_step"]), {})
         heals.append({"replacement": k["replacement"], "step": j["joined_step"], "compared": len(ds),
                       "equal": len(ds) > 1 and len(set(ds.values())) == 1})
-    final = {r["final_digest"] for r in records.values() if not r["killed"]}
+    final = {r["final_digest"] for r in records.values() if not r["killed"] and r.get("left_at", -1) < 0}
     return {"steps_compared": sum(1 for ds in by_step.values() if len(ds) > 1) if per_step else 0,
             "steps_differ": differ[:20], "heals": heals, "final_equal": len(final) == 1,
             "equal": not differ and all(h["equal"] for h in heals) and len(final) == 1}
 
 
-def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], mode: str = "") -> dict[str, Any]:
-    """One run's figures (a chaos run, or the failure-free one with ``kills`` empty)."""
-    records = job["records"]
+def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], mode: str = "",
+            events: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's figures (a chaos run, or the failure-free one with ``kills`` empty); ``events``:
+    the straggler and the coordinator's (:mod:`.chaos_events`)."""
+    untaken = set(job.get("untaken", ()))  # a spare or replacement the job ended without
+    records = {i: r for i, r in job["records"].items() if i not in untaken}
     errors = {i: r["error"] for i, r in records.items() if r and r["error"]}
     missing = [i for i, r in records.items() if r is None]
     if errors or missing:
         text = "\n".join(f"process {i}: {e}" for i, e in errors.items())
         return {"error": (text or f"processes {missing} left no record (killed by the launcher's timeout?)")[-4000:],
                 "codes": job["codes"]}
-    final = {i: r for i, r in records.items() if not r["killed"]}
+    seen = {i: r for i, r in records.items() if not r["killed"]}  # Membership's counters: the evicted's too
+    final = {i: r for i, r in seen.items() if r["left_at"] < 0}  # (evicted: out)
     median = _median_step(list(final.values()))
-    losses = _losses(records, median)
-    joins = []
-    for k in kills:
-        j = records[k["replacement"]]
-        joins.append({"replacement": k["replacement"], "joined_step": j["joined_step"],
+    plan = (events or {}).get("straggler")
+    losses = _losses(records, median, eviction_epoch(records, plan))
+    joins, spare = [], plan["spare"] if plan else None
+    for i in [k["replacement"] for k in kills] + ([spare] if spare is not None else []):
+        j = records.get(i)
+        if j is None:  # a spare never taken, or a replacement the job ended before admitting
+            joins.append({"replacement": i, "joined_step": -1, "first_commit_s": None, "members_stall_s": None,
+                          "membership_joined_s": None})
+            continue
+        joins.append({"replacement": i, "joined_step": j["joined_step"],
                       # (none where it was killed before its first commit: a later kill's victim)
                       "first_commit_s": j["first_commit"] - j["join_start"] if j["first_commit"] else None,
-                      "members_stall_s": max(_join_stall(r, j, median) for i, r in records.items() if i != k["replacement"]),
+                      "members_stall_s": max(_join_stall(r, j, median) for o, r in records.items() if o != i),
                       "membership_joined_s": next((s for w, s in j["counters"]["stalls"] if w == "joined"), None)})
+    healed = [k for k in kills if k["replacement"] not in untaken] if spare is None else \
+        [{"replacement": j["replacement"]} for j in joins if j["joined_step"] >= 0]
     first = job["first"]
     heldout = sorted({r["heldout"] for r in final.values()})
-    return {"median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
+    extra: dict[str, Any] = {}
+    if plan:
+        extra["straggler"] = straggler_figures(plan, records, final, first, median, losses, len(kills))
+    if (events or {}).get("coordinator_kill_step") is not None:
+        extra["coordinator"] = coordinator_figures(job.get("coordinator_kill"), final, median, first)
+    return {**extra, "median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
             "final_world": sorted({r["counters"]["world"] for r in final.values()}),
-            "losses": max(r["counters"]["losses"] for r in final.values()),
-            "joins": max(r["counters"]["joins"] for r in final.values()),
+            "losses": max(r["counters"]["losses"] for r in seen.values()),
+            "joins": max(r["counters"]["joins"] for r in seen.values()),
             "replacements_joined": sum(1 for j in joins if j["joined_step"] >= 0),
-            "resyncs": max(r["counters"]["resyncs"] for r in final.values()),
-            "discarded_steps": max(r["counters"]["discarded_steps"] for r in final.values()),
+            "resyncs": max(r["counters"]["resyncs"] for r in seen.values()),
+            "discarded_steps": max(r["counters"]["discarded_steps"] for r in seen.values()),
             "per_loss": losses, "per_join": joins,
             "max_stall_s": max((e["stall_s"] for e in losses), default=None),
-            "digests": _digests(records, kills, per_step=mode != "gossip"),
+            "digests": _digests(records, healed, per_step=mode != "gossip"),
             "lr_steps": sorted({n for r in final.values() for n in r["lr_steps"]}),
             "heldout": heldout[0], "heldout_equal": len(heldout) == 1,
             "heldout_initial": next(iter(final.values()))["heldout_initial"],
@@ -544,18 +627,19 @@ def _timeline(r: dict[str, Any], first: float) -> dict[str, Any]:
     rows = [[round(t0 - first, 4), round(t1 - first, 4), ok, world, e, a, b,
              None if math.isnan(loss) else round(loss, 6)]
             for (t0, t1, ok, world), e, (a, b), loss in zip(r["iters"], r["epochs"], r["at"], r["losses"])]
-    return {"joined_step": r["joined_step"], "killed": r["killed"], "steps": rows}
+    return {"joined_step": r["joined_step"], "killed": r["killed"], "steps": rows, **timeline_events(r, first)}
 
 
-def start_members(ctx: Any, n: int, cfg: ChaosConfig, mode: str, port: int, out: Any, env: dict[str, str],
-                  kills: dict[int, Any], shared: list) -> list:
+def start_members(ctx: Any, n: int, cfg: ChaosConfig, mode: str, port: int | str, out: Any, env: dict[str, str],
+                  kills: dict[int, Any], shared: list, events: dict[str, Any] | None = None) -> list:
     """The job's ``n`` member processes, started: the first ``cfg.members`` join at once, the
-    others are replacements told when to join through ``shared``; ``kills``: index -> its kill."""
+    others are replacements told when to join through ``shared``; ``kills``: index -> its kill;
+    ``events``: the straggler and the eviction policy (:func:`member`)."""
     procs = []
     for i in range(n):
         go = i - cfg.members if i >= cfg.members else None
-        p = ctx.Process(target=member, args=(i, cfg, mode, port, str(out), env, time.time(), kills.get(i), go, shared),
-                        daemon=True)
+        p = ctx.Process(target=member, args=(i, cfg, mode, port, str(out), env, time.time(), kills.get(i), go, shared,
+                                             events), daemon=True)
         p.start()
         procs.append(p)
     return procs
@@ -566,19 +650,26 @@ def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
     (With ``joiner_runs`` the suite runs :mod:`.joiner_kills` instead: :mod:`fastreduce.bench` picks.)"""
     import tempfile
 
+    if cfg.coordinator == "etcd" and (why := etcd_missing()):
+        raise RuntimeError(why)  # before anything starts
     t0 = time.perf_counter()
     report: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info(),
                               "model_params": sum(p.numel() for p in build_model(cfg.params_m).parameters()),
                               "schedule": {m: schedule(cfg, m) for m in cfg.modes},
                               "runs": {}}
+    new_events = bool(cfg.straggler) or cfg.coordinator != "builtin"
+    if new_events:  # the straggler and the coordinator's leader, per mode (the chaos runs')
+        report["events"] = {m: events_for(cfg, report["schedule"][m]) for m in cfg.modes}
     for mode in cfg.modes:
         kills = report["schedule"][mode]
         for transport in cfg.transports:
             run: dict[str, Any] = {"mode": mode, "transport": transport}
             for name, ks in (("chaos", kills), ("failure_free", [])):
+                events = events_for(cfg, ks, chaos=name == "chaos") if new_events else None
                 with tempfile.TemporaryDirectory(prefix=f"fastreduce-chaos-{mode}-{transport}-") as tmp:
                     try:
-                        run[name] = figures(cfg, run_job(cfg, mode, transport, ks, Path(tmp)), ks, mode)
+                        job = run_job(cfg, mode, transport, ks, Path(tmp), events)
+                        run[name] = figures(cfg, job, ks, mode, events)
                     except Exception:  # noqa: BLE001 - one run's failure is a row of the report
                         run[name] = {"error": traceback.format_exc()[-4000:]}
             chaos, free = run["chaos"], run["failure_free"]
@@ -600,6 +691,8 @@ def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]
             targets[f"{key} ran"] = {"value": "failed", "limit": "ran", "op": "==", "pass": False, "what": "the run"}
             continue
         n = len(report["schedule"][run["mode"]])
+        strag = c.get("straggler")
+        spare = int(bool(strag and strag["spare"] is not None and strag["evicted"]))  # taken in at the eviction
         checks = [("held-out", abs(run["heldout_diff_pct"]), "<=", cfg.tolerance_pct,
                    "|held-out loss - failure-free's| (%)"),
                   ("digests", int(not c["digests"]["equal"] or not c["heldout_equal"]), "<=", 0,
@@ -608,8 +701,10 @@ def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]
                   ("discarded", max((e["discarded"] for e in c["per_loss"]), default=0), "<=", 1,
                    "steps discarded at one loss (the most)"),
                   ("losses", len(c["per_loss"]), "==", n, "losses seen (one per kill)"),
-                  ("joins", c["replacements_joined"], "==", n, "replacements joined (one per kill)"),
+                  ("joins", c["replacements_joined"], "==", n + spare, "replacements joined (one per kill"
+                   + (", and the spare at the eviction)" if spare else ")")),
                   ("steps", min(c["final_steps"]), "==", cfg.steps, "committed steps of the final members")]
+        checks += event_checks(strag, c.get("coordinator"))
         for name, value, op, limit, what in checks:
             ok = value <= limit if op == "<=" else value == limit
             targets[f"{key} {name}"] = {"value": value, "limit": limit, "op": op, "pass": bool(ok), "what": what}
@@ -637,7 +732,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                      "discarded_steps": sum(e["discarded"] for e in c["per_loss"]), "resyncs": c["resyncs"],
                      "max_stall_s": c["max_stall_s"], "heldout": c["heldout"], "heldout_failure_free": f["heldout"],
                      "heldout_diff_pct": run["heldout_diff_pct"], "digests_equal": c["digests"]["equal"],
-                     "wall_s": c["wall_s"], "wall_failure_free_s": f["wall_s"], "median_step_ms": 1e3 * c["median_step_s"]})
+                     "wall_s": c["wall_s"], "wall_failure_free_s": f["wall_s"],
+                     "median_step_ms": 1e3 * c["median_step_s"], **summary_cells(c)})
     return rows
 
 
@@ -659,6 +755,8 @@ def format_text(report: dict[str, Any]) -> str:
     for mode, kills in report["schedule"].items():
         lines.append(f"kills ({mode}): " + "; ".join(
             f"{k['kind']} at step {k['step']} (process {k['victim']}, replaced by {k['replacement']})" for k in kills))
+    plans, happened = event_lines(report)
+    lines += plans
     lines += ["", f"{'mode':<11}{'transport':<14}{'steps':>6}{'losses':>7}{'joins':>6}{'discard':>8}{'max stall':>10}"
                   f"{'held-out':>10}{'no-fail':>9}{'diff':>8}{'digests':>8}{'wall s':>8}{'no-fail s':>10}"]
     for row in summary_rows(report):
@@ -688,9 +786,15 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {key:<24} each bucket's lr scheduler stepped {'/'.join(map(str, ch['lr_steps']))} "
                          f"times (committed steps: {min(ch['final_steps'])})")
         for j in ch["per_join"]:
+            if j["members_stall_s"] is None:  # the straggler's spare never taken, or a replacement never admitted
+                lines.append(f"  {key:<24} {j['replacement']} never admitted before the last step (ended by the "
+                             "launcher)")
+                continue
             first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
                          f"{first} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
+    if happened:
+        lines += ["straggler and coordinator:", *happened]
     if c["quick"]:
         lines.append("(--quick: one kill, one join, a tiny model and 30 steps: proves the suite runs)")
     if report["targets"]:
@@ -736,7 +840,9 @@ def _curve(run: dict[str, Any], every: int = 10) -> tuple[list[float], list[floa
 
 def write_chart(report: dict[str, Any], path: Path) -> str | None:
     """Training loss and world size against wall time, a panel per mode, a colour per
-    transport (the failure-free run dashed, the kills marked); ``None`` when written."""
+    transport (the failure-free run dashed), the chaos runs' events marked (each kill, each
+    replacement's first step, the straggler's slowed steps and its eviction, the etcd
+    leader's kill: :func:`.chaos_events.draw_events`, in the legend); ``None`` when written."""
     from .report import pyplot
 
     plt = pyplot()
@@ -746,6 +852,7 @@ def write_chart(report: dict[str, Any], path: Path) -> str | None:
     fig, axes = plt.subplots(len(modes), 1, figsize=(10, 3.8 * len(modes)), squeeze=False)
     for ax, mode in zip(axes[:, 0], modes):
         twin = ax.twinx()
+        drawn: set[str] = set()
         for n, run in enumerate(r for r in report["runs"].values() if r["mode"] == mode):
             colour = f"C{n}"
             for name, style in (("chaos", "-"), ("failure_free", "--")):
@@ -756,16 +863,18 @@ def write_chart(report: dict[str, Any], path: Path) -> str | None:
                 ax.plot(t, loss, style, color=colour, lw=1.2 if name == "chaos" else 0.9, label=label)
                 if name == "chaos":
                     twin.step(tw, w, where="post", color=colour, alpha=0.45, lw=1.0)
+                    drawn |= draw_events(ax, run[name])
         failed = [r["transport"] for r in report["runs"].values() if r["mode"] == mode and "error" in r["chaos"]]
         ax.set(xlabel="wall time, s (from the first step)", ylabel="training loss (mean of members, 10 steps)",
                title=f"{mode}: {report['config']['steps']} committed steps, kills: "
                      + ", ".join(f"{k['kind']} @{k['step']}" for k in report["schedule"][mode])
+                     + event_title(report.get("events", {}).get(mode))
                      + (f"\nthe chaos run FAILED on {', '.join(failed)} (see the report)" if failed else ""))
         twin.set_ylabel("world size (thin)")
         twin.set_ylim(0, report["config"]["members"] + 1)
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + legend_handles(drawn), fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -775,7 +884,8 @@ def write_chart(report: dict[str, Any], path: Path) -> str | None:
 def write_outputs(report: dict[str, Any], out: Path) -> dict[str, Any]:
     """``chaos.csv``, ``chaos_steps.csv`` and ``chaos.png`` (or a note) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "chaos.csv", SUMMARY_FIELDS, summary_rows(report))
+    rows = summary_rows(report)
+    _write(out / "chaos.csv", summary_fields(SUMMARY_FIELDS, rows), rows)
     _write(out / "chaos_steps.csv", STEP_FIELDS, step_rows(report))
     note = write_chart(report, out / "chaos.png")
     return {"chaos_csv": str(out / "chaos.csv"), "chaos_steps_csv": str(out / "chaos_steps.csv"),

@@ -26,6 +26,8 @@ from .chaos import MODES as CHAOS_MODES
 from .chaos import TRANSPORTS as CHAOS_TRANSPORTS
 from .chaos import ChaosConfig
 from .chaos import quick_config as chaos_quick_config
+from .chaos_events import COORDINATORS as CHAOS_COORDINATORS
+from .chaos_events import etcd_missing as chaos_etcd_missing
 from .compression import CompressionConfig
 from .convergence import DEFAULT_WORLD_SIZES as CONVERGENCE_WORLD_SIZES
 from .convergence import METHODS as CONVERGENCE_METHODS
@@ -161,6 +163,20 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            kwargs={"type": int, "metavar": "N"}),
     Option("--chaos-spares", "the replacements are warm spares (Membership(spare=True)), taken in at each loss",
            inside="--spares", kwargs={"action": "store_true"}),
+    Option("--chaos-straggler", "a first member no kill takes works F times as long per step for a window of "
+           "steps drawn from --seed", inside="--straggler", kwargs={"type": float, "metavar": "F"}),
+    Option("--chaos-straggler-steps", "the straggler's window, in committed steps", inside="--straggler-steps",
+           kwargs={"type": int, "metavar": "N"}),
+    Option("--chaos-evict", "every member runs Membership(evict_slower_than=R, evict_for_s=S): the straggler is "
+           "asked to leave (with --spares, a spare more takes its place)", inside="--evict",
+           kwargs={"action": "store_true"}),
+    Option("--chaos-evict-slower-than", "R: a member busy R times the members' median per step is evicted",
+           inside="--evict-slower-than", kwargs={"type": float, "metavar": "R"}),
+    Option("--chaos-evict-for-s", "seconds the straggler is named before it is asked to leave",
+           inside="--evict-for-s", kwargs={"type": float, "metavar": "S"}),
+    Option("--chaos-coordinator", "the job's coordinator: the launcher's, or a 3-member etcd cluster whose leader "
+           "is killed (SIGKILL) mid-run (apt-get install etcd-server; pip install 'fastreduce[etcd]')",
+           inside="--coordinator", kwargs={"choices": CHAOS_COORDINATORS}),
     Option("--seed", "draws the kills (steps, victims, order) and the data", kwargs={"type": int}),
     Option("--eval-every", "steps between held-out evaluations", kwargs={"type": int}),
     Option("--train-mb", "MiB of stdlib source to train on (the next MiB is held out)", kwargs={"type": float}),
@@ -229,7 +245,10 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
               ("steps", "300; 30 with --quick"), ("seed", "0"),
               ("params_m", "0.1; 0.05 with --quick", "the MLP's size in millions of parameters"),
               ("batch", "64; 32 with --quick"), ("chaos_joiner_runs", "0: the chaos run"),
-              ("chaos_spares", None)),
+              ("chaos_spares", None), ("chaos_straggler", "0: none"),
+              ("chaos_straggler_steps", "a fifth of the steps"), ("chaos_evict", None),
+              ("chaos_evict_slower_than", f"{ChaosConfig.evict_slower_than:g}"),
+              ("chaos_evict_for_s", f"{ChaosConfig.evict_for_s:g}"), ("chaos_coordinator", "builtin")),
     "store": (("store_clients", "64,256,1024; 16 with --quick"),
               ("store_scenarios", "all: " + ",".join(STORE_SCENARIOS) + "; beat,watch with --quick"),
               ("store_seconds", f"{StoreConfig().seconds:g}; 2 with --quick"),
@@ -577,10 +596,19 @@ def chaos_config(args: argparse.Namespace) -> ChaosConfig:
             given[key] = names
     for key, value in (("steps", args.steps), ("params_m", args.params_m), ("batch", args.batch),
                        ("seed", args.seed), ("joiner_runs", getattr(args, "chaos_joiner_runs", None)),
-                       ("spares", getattr(args, "chaos_spares", None) or None)):
+                       ("spares", getattr(args, "chaos_spares", None) or None),
+                       ("straggler", getattr(args, "chaos_straggler", None)),
+                       ("straggler_steps", getattr(args, "chaos_straggler_steps", None)),
+                       ("evict", getattr(args, "chaos_evict", None) or None),
+                       ("evict_slower_than", getattr(args, "chaos_evict_slower_than", None)),
+                       ("evict_for_s", getattr(args, "chaos_evict_for_s", None)),
+                       ("coordinator", getattr(args, "chaos_coordinator", None))):
         if value is not None:
             given[key] = value
-    return chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
+    cfg = chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
+    if cfg.coordinator == "etcd" and (why := chaos_etcd_missing()):
+        raise ValueError(why)  # before anything starts
+    return cfg
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
