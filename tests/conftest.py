@@ -98,6 +98,9 @@ FULL: dict[str, tuple[str, ...]] = {
     # kept: zero over 3 hosts, gossip over 2 (a collective mode and the peer-to-peer one)
     "a partitioned host named": _cells("test_partition.py::test_partitioned_host_is_named_by_the_others_within_seconds",
                                        "fused-2hosts", "overlap-2hosts", "local-2hosts", "diloco-2hosts", "zero-2hosts"),
+    # kept: inductor's cut in these two splits, aot_eager's in every other (the cut is made before the backend)
+    "the backward cut by each backend": _cells("test_compile.py::test_backward_is_cut_at_buckets",
+                                               "aot_eager-compile_backend", "aot_eager-plain-before"),
     # kept: a partition named within seconds (above); a minute of waiting on a 4 Mbit/s link
     "a long collective is no partition": ("test_partition.py::test_a_minute_long_collective_over_a_slow_link_is_no_partition",),
     # kept: 2+2 (the coordinator's side trains on without a majority)
