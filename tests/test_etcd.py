@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastreduce.bench.etcd import EtcdCluster, etcd_binary
+from fastreduce.bench.etcd import LAN, EtcdCluster, etcd_binary, temporary_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -31,15 +31,11 @@ from fastreduce.coordinator import MembershipError, connect  # noqa: E402
 from fastreduce.etcd_store import EtcdStore, parse_address  # noqa: E402
 from fastreduce.faults_errors import StoreUnreachable  # noqa: E402
 
-TMPFS = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory: pytest.TempPathFactory) -> EtcdCluster:
     """A one-member etcd cluster for the store's semantics."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=TMPFS) as root, EtcdCluster(1, root) as cluster:
+    with temporary_cluster(1) as cluster:
         yield cluster
 
 
@@ -141,16 +137,12 @@ def test_a_job_on_etcd_outlives_its_leader_and_another_member_and_stops_without_
     commits at most 2 s, no epoch change (no member lost). Then 2 of 3 killed: every member
     stops with MembershipError naming etcd's quorum within 10 s. At every step, every member
     that committed it committed the same parameters."""
-    import tempfile
 
     from keep_training import member
 
     from fastreduce.launch import rank_context
 
-    # etcd tuned for a LAN (its tuning guide: a heartbeat near the round trip, an election 10
-    # of them): 50 ms and 500 ms; at its defaults (100 ms, 1 s) an election takes 1-2 s more
-    with tempfile.TemporaryDirectory(dir=TMPFS) as root, EtcdCluster(3, root, heartbeat_ms=50,
-                                                                     election_ms=500) as cluster:
+    with temporary_cluster(3, **LAN) as cluster:  # (tuned for a LAN: its elections a second shorter)
         ctx = rank_context("keep_training")
         procs = [ctx.Process(target=member, args=(i, cluster.address("outlives"), str(tmp_path), "process_group",
                                                   None, None), kwargs={"steps": 100_000, "world": 4, "poll_s": 1.0})

@@ -35,14 +35,13 @@ import json
 import math
 import random
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 __all__ = ["COORDINATORS", "LeaderKill", "Slowdown", "check_events", "coordinator",
-           "coordinator_figures", "draw_events", "etcd_coordinator", "etcd_missing", "event_checks", "event_lines",
+           "coordinator_figures", "draw_events", "etcd_missing", "event_checks", "event_lines",
            "event_title", "eviction_epoch", "events_for", "legend_handles", "membership_policy", "only_untaken",
            "straggler_figures", "straggler_plan", "summary_cells", "summary_fields", "timeline_events"]
 
@@ -213,17 +212,6 @@ class Slowdown:
 # ---------------------------------------------------------------- the launcher
 
 @contextlib.contextmanager
-def etcd_coordinator() -> Iterator[Any]:
-    """A 3-member etcd cluster on tmpfs (where there is one), killed and removed on exit."""
-    from .etcd import EtcdCluster
-
-    tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="fastreduce-chaos-etcd-", dir=tmpfs) as root, \
-            EtcdCluster(ETCD_MEMBERS, root, heartbeat_ms=50, election_ms=500) as cluster:
-        yield cluster
-
-
-@contextlib.contextmanager
 def coordinator(events: dict[str, Any], serve: Callable[[], Any], progress: Any) -> Iterator[tuple[Any, dict]]:
     """A run's coordinator: ``(where, box)``, ``where`` the built-in one's port (``serve()``) or
     the etcd cluster's address; where the etcd leader dies, a :class:`LeaderKill` watching
@@ -233,7 +221,9 @@ def coordinator(events: dict[str, Any], serve: Callable[[], Any], progress: Any)
         server = serve()  # (kept alive to the end of the block)
         yield server.port, box
         return
-    with etcd_coordinator() as cluster:
+    from .etcd import LAN, temporary_cluster
+
+    with temporary_cluster(ETCD_MEMBERS, "fastreduce-chaos-etcd-", **LAN) as cluster:
         killer = None
         if events.get("coordinator_kill_step") is not None:
             killer = LeaderKill(cluster, events["coordinator_kill_step"], progress)
