@@ -347,10 +347,9 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
             _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
         record.joined_step = m.step
-        if go is not None:  # admitted (the launcher may end one never admitted once the job is done)
+        if go is not None:  # admitted (the launcher may end one never admitted once the job is done), healed:
             (Path(out) / f"{index}.joined").touch()
-        if go is not None:  # healed: the members' parameters after that step
-            record.digests[str(m.step)] = _digest(model)
+            record.digests[str(m.step)] = _digest(model)  # the members' parameters after that step
         while m.step < cfg.steps and not m.left:
             if armed("between"):
                 crash()
