@@ -66,10 +66,11 @@ def _cells(test: str, *ids: str) -> tuple[str, ...]:
 
 
 FULL: dict[str, tuple[str, ...]] = {
-    # kept: hf-{fused,zero,localsgd,gossip}, lightning-{diloco,gossip}
+    # kept: hf-{fused,zero,localsgd}, lightning-{diloco,gossip} (gossip in the HF Trainer: the
+    # GaudiTrainer's, below, and its job resumed)
     "trainers under a Membership": _cells("test_trainers_membership.py::test_a_trainer_goes_on_through_a_loss_and_a_join",
                                           "hf-overlap", "hf-diloco", "lightning-fused", "lightning-zero",
-                                          "lightning-localsgd", "lightning-overlap"),
+                                          "lightning-localsgd", "lightning-overlap", "hf-gossip"),
     # kept: hf-{fused,zero,gossip,diloco}, lightning-{overlap,zero,localsgd} (every mode, ZeRO's
     # sharded state in both trainers; gossip under a Membership in both: through a loss, above)
     "a trainer's job resumed": _cells(
@@ -115,10 +116,11 @@ FULL: dict[str, tuple[str, ...]] = {
     "the Accelerate example per mode": _cells("test_transformers.py::test_accelerate_example", "zero", "diloco"),
     # The bench's own suites (the library is tested above; a smoke proves a suite still runs over
     # its public API): CI runs those whose figures the open issues name (reduce, step, optim,
-    # faults, chaos, trainers); these run their --quick configs in make test-all and at every
+    # faults, chaos); these run their --quick configs in make test-all and at every
     # fastreduce bench.
     "the bench's other suites": tuple(f"test_bench.py::{t}" for t in (
-        "test_local_suite_quick_smoke", "test_network_suite_quick_smoke", "test_network_steps_on_one_host_smoke",
+        "test_trainers_suite_quick_smoke", "test_local_suite_quick_smoke", "test_network_suite_quick_smoke",
+        "test_network_steps_on_one_host_smoke",
         "test_convergence_suite_quick_smoke", "test_compression_suite_quick_smoke",
         "test_decentralized_suite_runs_and_reports_the_like_for_like_row",
         "test_chaos_quick_with_a_straggler_slows_it_for_its_window_and_ends_the_unused_spare")),
@@ -133,7 +135,7 @@ FULL: dict[str, tuple[str, ...]] = {
 # default stack, make test-durations), so that none of them is the tail of the run; the
 # rest follow in pytest-randomly's order.
 
-INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_readme.py",
+INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py",
                "test_error_feedback.py", "test_multihost.py", "test_backends.py", "test_compat.py",
                "test_optimum_habana.py", "test_membership.py", "test_membership_partition.py",
                "test_trainers_membership.py", "test_gaudi_trainer_membership.py", "test_store_load.py",
@@ -143,7 +145,7 @@ INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py", "test_re
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
          "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
          "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
-         "test_shm.py", "test_overlap.py", "test_lightning.py", "test_partition.py::*")
+         "test_shm.py", "test_overlap.py", "test_lightning.py", "test_readme.py", "test_partition.py::*")
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
 
 
@@ -232,6 +234,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(made, ignore_errors=True)
 
 
+MATRIX_TEST = "test_matrix.py::test_the_trainers_support_matrix"
+MATRIX_CELLS = pytest.StashKey[Any]()
+"""The cell marks of this run's own collection (tests/matrix.py's Collector), read by
+tests/test_matrix.py: every worker collects every test, so no second collection is needed."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     patterns = quick_patterns()
@@ -245,6 +253,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmatched -= hits
     if config.getoption("markexpr") == "quick" and unmatched:  # a renamed test must not drop out silently
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {sorted(unmatched)}")
+    if any(_node(i).startswith(MATRIX_TEST) for i in items):  # before make test-all's cells are left out
+        import matrix
+
+        collector = matrix.Collector()
+        collector.pytest_collection_modifyitems(items)
+        config.stash[MATRIX_CELLS] = collector
     if os.environ.get("FASTREDUCE_TEST_ALL") != "1":
         full = [i for i in items if any(matches(_node(i), p) for p in full_patterns())]
         if full:

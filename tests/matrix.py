@@ -32,18 +32,26 @@ Cell = tuple[str, str, bool, str]  # mode, way, under a Membership, aspect
 AGAINST = {"reference": "tested", "equal": "ranks equal"}  # what a marked test compares with, as the table says it
 
 
-class _Collector:
-    """A pytest plugin that reads the ``cell`` marks of the collected tests."""
+def marked_files() -> set[str]:
+    """The test files (relative to the root) whose tests carry cell marks."""
+    return {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.cell(" in p.read_text()}
+
+
+class Collector:
+    """A pytest plugin that reads the ``cell`` marks of the collected tests (also called by
+    tests/conftest.py on a run's own collection, before make test leaves make test-all's out)."""
 
     def __init__(self) -> None:
         self.cells: dict[Cell, set[tuple[str, str]]] = defaultdict(set)  # (test, against)
         self.errors: list[str] = []
+        self.files: set[str] = set()  # the files collected
 
     def pytest_collection_modifyitems(self, items: list[Any]) -> None:
         from fastreduce.integrations.cells import ASPECTS, WAYS
         from fastreduce.integrations.modes import MODES
 
         for item in items:
+            self.files.add(item.nodeid.split("::", 1)[0])
             params = getattr(getattr(item, "callspec", None), "params", {})
             for mark in item.iter_markers("cell"):
                 way, aspects = (mark.args[0], mark.args[1:]) if mark.args else (None, ())
@@ -63,9 +71,8 @@ def collect() -> dict[Cell, set[tuple[str, str]]]:
     """Every cell a test shows, with the tests (file::function) that show it."""
     import pytest
 
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                   if "mark.cell(" in p.read_text())
-    collector = _Collector()
+    files = sorted(marked_files())
+    collector = Collector()
     # every test that shows a cell, make test-all's too (tests/conftest.py FULL: CI runs a covering of them)
     before = os.environ.get("FASTREDUCE_TEST_ALL")
     os.environ["FASTREDUCE_TEST_ALL"] = "1"
@@ -82,6 +89,15 @@ def collect() -> dict[Cell, set[tuple[str, str]]]:
         raise SystemExit(f"collecting the cell marks failed (pytest exit {code}):\n" +
                          "\n".join(collector.errors) + out.getvalue()[-3000:])
     return collector.cells
+
+
+def stale(cells: dict[Cell, set[tuple[str, str]]]) -> str | None:
+    """What is wrong with docs/trainers.md's matrix against ``cells``, or None where it is current."""
+    text = DOC.read_text()
+    start, end = _section(text)
+    if text[start:end] != "\n\n" + render(cells) + "\n\n":
+        return f"{DOC.relative_to(ROOT)}'s matrix is stale: run `python tests/matrix.py --write`"
+    return None
 
 
 def render(cells: dict[Cell, set[tuple[str, str]]]) -> str:
@@ -117,8 +133,8 @@ def render(cells: dict[Cell, set[tuple[str, str]]]) -> str:
         out.append("")
     out += ["*tested*: against a reference (DDP, the mode in a hand-written loop, `torch.optim` on the mean "
             "gradient, the run without a checkpoint, the eager model, the HF `Trainer` in the same mode); *ranks equal*: the ranks (or members) end "
-            "bit for bit the same, with no reference run; *no test*: nothing shows it yet. The tests (CI runs "
-            "them all):", ""]
+            "bit for bit the same, with no reference run; *no test*: nothing shows it yet. The tests (`make "
+            "test-all` runs them all; `make test`, CI's, a covering of them: tests/conftest.py `FULL`):", ""]
     out += [f"- T{number[t]}: `{t}`" for t in tests]
     out += ["", "Refusals (each raised with these words, on every rank, before training):", ""]
     out += [f"- R{k}: {why}" for why, k in reasons.items()]
@@ -137,17 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="write the matrix into docs/trainers.md")
     ap.add_argument("--check", action="store_true", help="exit 1 where docs/trainers.md's matrix is not this one")
     args = ap.parse_args(argv)
-    table = "\n\n" + render(collect()) + "\n\n"
+    cells = collect()
+    table = "\n\n" + render(cells) + "\n\n"
     if not (args.write or args.check):
         print(table.strip())
         return 0
+    if args.check:
+        problem = stale(cells)
+        print(problem or "current", file=sys.stderr if problem else sys.stdout)
+        return 1 if problem else 0
     text = DOC.read_text()
     start, end = _section(text)
-    if args.check:
-        if text[start:end] != table:
-            print(f"{DOC.relative_to(ROOT)}'s matrix is stale: run `python tests/matrix.py --write`", file=sys.stderr)
-            return 1
-        return 0
     DOC.write_text(text[:start] + table + text[end:])
     return 0
 

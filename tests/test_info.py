@@ -1,5 +1,6 @@
 """``fastreduce info`` (also ``python -m fastreduce info``, ``--json``): what fastreduce would
-do on this machine, run as a user runs it, in a subprocess.
+do on this machine, run as a user runs it, in a subprocess (its variants under other
+environment variables collected in this process: :data:`AS_RUN`).
 
 Every expectation is computed here, independently of the command: the process-group
 backend from torch's own availability queries, the transport from whether ``/dev/shm``
@@ -51,16 +52,35 @@ def _run(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None 
     return proc
 
 
+AS_RUN = {"FASTREDUCE_DEVICE": "cpu"}
+"""The environment under which ``info --no-integrations --json`` runs as a user runs it, in a
+subprocess; under the others, what it reports is collected here (the same function, its
+environment variables set for the call): each subprocess costs seconds, an interpreter
+importing torch."""
+
+
 def _json(env: dict[str, str] | None = None) -> dict[str, Any]:
     """What ``info --no-integrations --json`` says under ``env``: one run per environment,
-    shared by the tests that read it (each costs seconds, an interpreter importing torch; the
-    integrations' imports would take four times the CPU: the tests that read them run them)."""
+    shared by the tests that read it (the integrations' imports would take four times the CPU:
+    the tests that read them run them)."""
     return copy.deepcopy(_json_under(tuple(sorted((env or {}).items()))))
 
 
 @functools.cache
 def _json_under(env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    return json.loads(_run("--json", "--no-integrations", env=dict(env)).stdout)  # the whole of stdout is one JSON object
+    if dict(env) == AS_RUN:
+        return json.loads(_run("--json", "--no-integrations", env=dict(env)).stdout)  # stdout: one JSON object
+    from fastreduce.info import collect
+
+    saved = {k: os.environ.pop(k, None) for k in _ENV}
+    os.environ.update(env)
+    try:
+        return json.loads(json.dumps(collect(integrations=False)))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def _shm_writable() -> bool:

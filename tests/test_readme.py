@@ -14,8 +14,10 @@ Each runnable snippet's text, exactly as on its page, is executed (``exec`` of t
 block compiled under that file's path and its own line numbers, so a traceback points
 at the page and line, e.g. docs/trainers.md line 40) on 2 ranks: this file is the
 torchrun script (``torchrun --standalone --nproc-per-node 2``, Gloo on CPU, one torch
-thread per rank), launched once per snippet from a temporary working directory, as
-tests/test_transformers.py and tests/test_lightning.py launch theirs. The snippet runs in a namespace that holds
+thread per rank), launched from a temporary working directory as
+tests/test_transformers.py and tests/test_lightning.py launch theirs, once per family of
+snippets (``FAMILIES``: the snippets of one library run one after the other in the same
+ranks, as a notebook runs two cells; each its own model, trainer and checks). The snippet runs in a namespace that holds
 only the names it assumes but does not define (listed per snippet in ``ASSUMED``,
 built by the ``prelude_*`` functions below: the user's model, data and optimizer);
 ``torch``, ``fastreduce``, ``contextlib`` and everything else it uses it must
@@ -167,11 +169,19 @@ def test_command_help_is_plain_text() -> None:
 
 # ============================================================== the snippets on 2 ranks
 
-def torchrun(name: str, cwd: Path, timeout: float) -> str:
-    """Run this file's worker for snippet ``name`` on 2 ranks from ``cwd``; its output."""
+FAMILIES = {"plain": ("call", "quickstart"), "hf": ("hf_trainer", "readme_hf"), "accelerate": ("accelerate",),
+            "lightning": ("lightning", "readme_lightning")}
+"""The snippets launched together: one library's, each after the other in the same two ranks
+(the interpreter, imports and process group started once; the Accelerate snippet alone:
+its ``Accelerator(cpu=True, ...)`` is a per-process singleton the HF Trainer's would set)."""
+
+
+def torchrun(names: str, cwd: Path, timeout: float) -> str:
+    """Run this file's worker for the snippets ``names`` (comma-separated) on 2 ranks from
+    ``cwd``; its output."""
     torchrun_bin = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun_bin)] if torchrun_bin.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = [*launcher, "--standalone", "--nproc-per-node", str(WORLD), str(Path(__file__).resolve()), name, str(cwd)]
+    cmd = [*launcher, "--standalone", "--nproc-per-node", str(WORLD), str(Path(__file__).resolve()), names, str(cwd)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
@@ -182,15 +192,33 @@ def torchrun(name: str, cwd: Path, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"snippet {name} did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
-    print(f"snippet {name}: torchrun took {time.perf_counter() - t0:.1f}s")
-    assert proc.returncode == 0, f"snippet {name} failed (exit {proc.returncode}):\n{out[-8000:]}"
+        pytest.fail(f"snippets {names} did not finish in {timeout:.0f}s; output:\n{out[-6000:]}")
+    print(f"snippets {names}: torchrun took {time.perf_counter() - t0:.1f}s")
+    assert proc.returncode == 0, f"snippets {names} failed (exit {proc.returncode}):\n{out[-8000:]}"
     return out
 
 
-def run_snippet(name: str, tmp_path: Path, timeout: float = 100) -> dict:
-    torchrun(name, tmp_path, timeout)
-    return json.loads((tmp_path / "facts.json").read_text())
+@pytest.fixture(scope="module")
+def run_snippet(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """``run_snippet(name)``: the facts its postlude reported, from its family's one launch (the
+    launch's failure, if it failed, fails each of its snippets' tests)."""
+    launched: dict[str, Path | BaseException] = {}
+
+    def facts(name: str) -> dict:
+        family = next(f for f, names in FAMILIES.items() if name in names)
+        if family not in launched:
+            cwd = tmp_path_factory.mktemp(family)
+            try:
+                torchrun(",".join(FAMILIES[family]), cwd, timeout=60 + 40 * len(FAMILIES[family]))
+                launched[family] = cwd
+            except BaseException as failed:  # pytest.fail's outcome too
+                launched[family] = failed
+        got = launched[family]
+        if isinstance(got, BaseException):
+            raise got
+        return json.loads((got / f"facts-{name}.json").read_text())
+
+    return facts
 
 
 def check_common(facts: dict) -> None:
@@ -207,24 +235,24 @@ def check_overlapped(facts: dict) -> None:
         assert facts["launched_in_backward"] > 0, facts
 
 
-@pytest.mark.timeout(120)
-def test_call(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_call(run_snippet: Callable[[str], dict]) -> None:
     """The README's first example, ``all_reduce_gradients`` after each backward: one
     reduction per step, and the parameters those of the same optimizer stepped on the
     ranks' mean gradient (computed here in fp32 from every rank's batches; the bf16 wire
     keeps them within 5% of how far training moved them, where a rank's own gradient or a
     sum instead of the mean moves them by about as much again)."""
-    facts = run_snippet("call", tmp_path)
+    facts = run_snippet("call")
     check_common(facts)
     assert facts["reduces"] == facts["batches"] > 0, facts
     assert facts["err_vs_reference"] <= 0.05 * facts["moved"], facts
 
 
-@pytest.mark.timeout(120)
-def test_quickstart(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_quickstart(run_snippet: Callable[[str], dict]) -> None:
     """The README's mode example: the overlapped reducer's loop, and gradient
     accumulation under ``no_sync()``."""
-    facts = run_snippet("quickstart", tmp_path)
+    facts = run_snippet("quickstart")
     check_common(facts)
     assert facts["reduces"] == facts["batches"] + 1, facts      # one per loop step, one after no_sync
     check_overlapped(facts)
@@ -233,24 +261,24 @@ def test_quickstart(tmp_path: Path) -> None:
     assert facts["grad_err_vs_mean"] <= 2e-2 * facts["grad_scale"], facts
 
 
-@pytest.mark.timeout(120)
-def test_readme_hf_trainer_zero(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_readme_hf_trainer_zero(run_snippet: Callable[[str], dict]) -> None:
     """The README's Hugging Face block: ``fastreduce_mode="zero"`` trains with the sharded
     optimizer, every rank from rank 0's weights to the same parameters."""
     pytest.importorskip("transformers", reason=HF_REASON)
     pytest.importorskip("accelerate", reason=HF_REASON)
-    facts = run_snippet("readme_hf", tmp_path)
+    facts = run_snippet("readme_hf")
     check_common(facts)
     assert facts["started_different"], facts
     assert facts["mode"] == "ZeroOptimizer" and facts["global_step"] == facts["max_steps"], facts
 
 
-@pytest.mark.timeout(120)
-def test_readme_lightning_zero(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_readme_lightning_zero(run_snippet: Callable[[str], dict]) -> None:
     """The README's Lightning block: ``strategy="fastreduce_zero"`` is known once
     fastreduce is imported and trains with the sharded optimizer."""
     pytest.importorskip("lightning", reason=LIGHTNING_REASON)
-    facts = run_snippet("readme_lightning", tmp_path)
+    facts = run_snippet("readme_lightning")
     check_common(facts)
     assert facts["started_different"], facts
     assert facts["optimizer"] == "ZeroOptimizer" and facts["global_step"] == facts["batches"] > 0, facts
@@ -289,11 +317,11 @@ def test_membership(tmp_path: Path) -> None:
     assert err <= 0.05 * moved, (err, moved)
 
 
-@pytest.mark.timeout(120)
-def test_hf_trainer(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_hf_trainer(run_snippet: Callable[[str], dict]) -> None:
     pytest.importorskip("transformers", reason=HF_REASON)
     pytest.importorskip("accelerate", reason=HF_REASON)
-    facts = run_snippet("hf_trainer", tmp_path)
+    facts = run_snippet("hf_trainer")
     check_common(facts)
     assert facts["started_different"], facts
     assert facts["wrapped"] == "GPT2LMHeadModel", facts          # no DDP wrapper
@@ -301,21 +329,21 @@ def test_hf_trainer(tmp_path: Path) -> None:
     check_overlapped(facts)
 
 
-@pytest.mark.timeout(120)
-def test_accelerate(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_accelerate(run_snippet: Callable[[str], dict]) -> None:
     pytest.importorskip("transformers", reason=HF_REASON)
     pytest.importorskip("accelerate", reason=HF_REASON)
-    facts = run_snippet("accelerate", tmp_path)
+    facts = run_snippet("accelerate")
     check_common(facts)
     assert facts["started_different"], facts
     assert facts["reduces"] == facts["sync_steps"] > 0, facts   # once per accumulation window
     assert facts["batches"] == 2 * facts["sync_steps"], facts
 
 
-@pytest.mark.timeout(120)
-def test_lightning(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_lightning(run_snippet: Callable[[str], dict]) -> None:
     pytest.importorskip("lightning", reason=LIGHTNING_REASON)
-    facts = run_snippet("lightning", tmp_path)
+    facts = run_snippet("lightning")
     check_common(facts)
     assert facts["started_different"], facts
     assert facts["not_wrapped"], facts
@@ -561,26 +589,28 @@ def postlude_lightning(ns: dict, ctx: dict) -> dict:
     return facts
 
 
-def worker(name: str, out: Path) -> None:
-    """One rank: build the assumed names, run the page's block verbatim, check, report."""
+def worker(names: str, out: Path) -> None:
+    """One rank: for each snippet of ``names`` in turn, build the assumed names, run the page's
+    block verbatim, check, report."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(EXAMPLES))  # the examples' models and data
-    prelude: Callable[[], tuple[dict, dict]] = globals()[f"prelude_{name}"]
-    postlude: Callable[[dict, dict], dict] = globals()[f"postlude_{name}"]
-    ns, ctx = prelude()
-    assert set(ns) == ASSUMED[name], (sorted(ns), sorted(ASSUMED[name]))
-    path, first, text = snippets()[name]
-    code = compile("\n" * (first - 1) + text, str(path), "exec")  # tracebacks name the page and its lines
-    ns = {"__name__": "__main__", "__builtins__": builtins, **ns}
-    exec(code, ns)
-    facts = postlude(ns, ctx)
-    if dist.get_rank() == 0:
-        (out / "facts.json").write_text(json.dumps(facts, indent=1))
-        print(f"snippet {name} ({shown(path, first)}): {facts}", flush=True)
-    dist.barrier()
+    for name in names.split(","):
+        prelude: Callable[[], tuple[dict, dict]] = globals()[f"prelude_{name}"]
+        postlude: Callable[[dict, dict], dict] = globals()[f"postlude_{name}"]
+        ns, ctx = prelude()
+        assert set(ns) == ASSUMED[name], (sorted(ns), sorted(ASSUMED[name]))
+        path, first, text = snippets()[name]
+        code = compile("\n" * (first - 1) + text, str(path), "exec")  # tracebacks name the page and its lines
+        ns = {"__name__": "__main__", "__builtins__": builtins, **ns}
+        exec(code, ns)
+        facts = postlude(ns, ctx)
+        if dist.get_rank() == 0:
+            (out / f"facts-{name}.json").write_text(json.dumps(facts, indent=1))
+            print(f"snippet {name} ({shown(path, first)}): {facts}", flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 
