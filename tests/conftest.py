@@ -144,8 +144,8 @@ INDEPENDENT = ("test_partition.py", "test_stress.py", "test_faults.py",
 
 FIRST = ("test_partition.py::test_a_minute_long*",  # ~70 s, mostly waiting on a 4 Mbit/s link
          "test_scale.py", "test_stress.py::*-4]", "test_decentralized.py", "test_bench.py", "test_elastic.py",
-         "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py", "test_fused.py", "test_stress.py::*",
-         "test_shm.py", "test_overlap.py", "test_lightning.py", "test_readme.py", "test_partition.py::*")
+         "test_transformers.py", "test_trainer_modes.py", "test_compile.py", "test_zero.py*", "test_fused.py*",
+         "test_stress.py::*", "test_shm.py", "test_overlap.py", "test_lightning.py", "test_readme.py", "test_partition.py::*")
 """Patterns of the groups that start first, longest first (30-70 s each, the rest under 25)."""
 
 
@@ -159,12 +159,23 @@ in every launch's own server: about 10 s of CPU a launch on 2 cores). A module t
 import there (an extra not installed) is left to the members, as the fork server does."""
 
 
+BY_WORLD = ("test_zero.py", "test_fused.py")
+"""Files whose rank groups per world size are module fixtures of their own (``world2``,
+``world3`` in the test ids), shared with no test of another id: a group per world size and
+one for the rest (test_zero's alone was the process-group pass's longest group, 247 of its
+295 s). (test_overlap.py's 2-rank group serves tests of both kinds.)"""
+
+
 def xdist_group(node: str) -> str:
-    """The file, or the test itself where its file's tests share nothing (:data:`INDEPENDENT`).
-    (The bench's smoke runs stay on one worker: each spawns its ranks, and three of them at
-    once on 2 cores took twice as long each, for no earlier end.)"""
+    """The file, or the test itself where its file's tests share nothing (:data:`INDEPENDENT`),
+    or the file's tests of one world size (:data:`BY_WORLD`). (The bench's smoke runs stay on
+    one worker: each spawns its ranks, and three of them at once on 2 cores took twice as long
+    each, for no earlier end.)"""
     file = node.split("::", 1)[0]
-    return node if file in INDEPENDENT else file
+    if file in INDEPENDENT:
+        return node
+    world = re.search(r"[\[-](world\d+)[-\]]", node) if file in BY_WORLD else None
+    return f"{file}[{world.group(1)}]" if world else file
 
 
 def _node(item: pytest.Item) -> str:
