@@ -175,7 +175,7 @@ def xdist_group(node: str) -> str:
     if file in INDEPENDENT:
         return node
     world = re.search(r"[\[-](world\d+)[-\]]", node) if file in BY_WORLD else None
-    return f"{file}[{world.group(1)}]" if world else file
+    return f"{file}/{world.group(1)}" if world else file  # (no "]" after the "@": xdist's split would drop the group)
 
 
 def _node(item: pytest.Item) -> str:
