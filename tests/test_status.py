@@ -2,7 +2,7 @@
 evicted where the job asks for it.
 
 Three real members (processes, a real coordinator, Gloo) train a small MLP in the fused
-mode; from its step 10 on, member 2 sleeps in each step as long as its step's work took
+mode; from its step 30 on, member 2 sleeps in each step as long as its step's work took
 before (a member slowed to about 2x: a throttled accelerator, a noisy neighbour). The
 members see it named a straggler through ``Membership.status()`` within 10 s, and
 ``fastreduce status HOST:PORT`` (the command, in this process, against the same coordinator
@@ -30,7 +30,8 @@ from fastreduce.coordinator import serve
 from fastreduce.launch import rank_context
 from fastreduce.status import STRAGGLER_RATIO
 
-SLOW_FROM = 10  # member 2's first slowed step
+SLOW_FROM = 30  # member 2's first slowed step (the pace before it: the median of steps 5-28)
+AFTER = 60  # the steps every member takes after the straggler's eviction (its pace: the last 40)
 LONGEST_S = 60.0  # each member trains until every member has seen the straggler named, at most this long
 
 
@@ -71,7 +72,7 @@ def _member(index: int, port: int, out: str, evict: bool, spare: bool = False) -
         done = m.counters.leaves > 0 if evict else facts["named"] is not None  # (evicted: the others at their pace)
         done = done and store.check(["test/seen"])  # and the command named it too (the test's look)
         if index == 0 and stop_at is None and (done or time.monotonic() > deadline):
-            store.compare_set("test/stop_at", "", str(m.step + (30 if evict else 10)))  # every member stops there
+            store.compare_set("test/stop_at", "", str(m.step + (AFTER if evict else 10)))  # every member stops there
         if stop_at is None and store.check(["test/stop_at"]):
             stop_at = int(store.get("test/stop_at"))
     facts.update(step=m.step, left=m.left, world=m.world, leaves=m.counters.leaves)
@@ -127,7 +128,7 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         taken = torch.load(tmp_path / "member3.pt")
         assert taken["world"] == 3 and taken["step"] == facts[0]["step"] and not taken["left"], taken
         assert all(w == 3 for _, w, _ in facts[0]["times"]), "the job was ever short of a member"
-        before = statistics.median(t for _, _, t in facts[0]["times"][2:SLOW_FROM - 1])
-        after = statistics.median(t for _, _, t in facts[0]["times"][-20:])  # the last 20 of the 30 after the eviction
+        before = statistics.median(t for _, _, t in facts[0]["times"][5:SLOW_FROM - 1])
+        after = statistics.median(t for _, _, t in facts[0]["times"][-(AFTER - 20):])  # the spare's first 20 apart
         print(f"evicted-spare: median step {1e3 * before:.1f} ms before the slowdown, {1e3 * after:.1f} ms after the "
               f"eviction ({after / before:.3f}x; a figure, not asserted)")
