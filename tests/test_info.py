@@ -26,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -72,15 +73,11 @@ def _json_under(env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
         return json.loads(_run("--json", "--no-integrations", env=dict(env)).stdout)  # stdout: one JSON object
     from fastreduce.info import collect
 
-    saved = {k: os.environ.pop(k, None) for k in _ENV}
-    os.environ.update(env)
-    try:
-        return json.loads(json.dumps(collect(integrations=False)))
-    finally:
-        for k, v in saved.items():
+    with mock.patch.dict(os.environ):  # (restored whole on the way out)
+        for k in _ENV:
             os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+        os.environ.update(env)
+        return json.loads(json.dumps(collect(integrations=False)))
 
 
 def _shm_writable() -> bool:
