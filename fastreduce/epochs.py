@@ -451,6 +451,7 @@ class EpochChanges:
     def depart(self) -> None:
         """This member leaves the job at a poll: its mode put away as the others' are at an
         epoch change (gossip completes its exchanges with them), its group ended."""
+        self.me.put_away = self.me.mode
         self.stash_mode(after_loss=False)
         self.leave_group(abandon=False)
         self.pulse.down()

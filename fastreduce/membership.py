@@ -131,7 +131,8 @@ class Membership:
     member = property(lambda self: self.me.name, doc="This member's name at the coordinator.")
     epoch = property(lambda self: self.me.epoch, doc="The epoch this member is in (``None`` before join()).")
     step = property(lambda self: self.me.step, doc="The steps committed.")
-    mode = property(lambda self: self.me.mode, doc="The mode built for this epoch.")
+    mode = property(lambda self: self.me.put_away if self.me.left else self.me.mode, doc="The mode built for "
+                    "this epoch; once this member left (:attr:`left`), the last one, put away (closed).")
     counters = property(lambda self: self.me.counters, doc="Losses (and whom each named), joins, leaves, discarded steps, stalls.")
     left = property(lambda self: self.me.left, doc="Whether this member left the job (leave()).")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")

@@ -529,7 +529,7 @@ def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: 
     _same(final)
 
 
-@pytest.mark.parametrize("mode", ["fused", pytest.param("diloco", marks=SLOW)])  # (gossip passed at stop 53)
+@pytest.mark.parametrize("mode", ["fused", "zero", pytest.param("diloco", marks=SLOW)])  # (gossip passed at stop 53)
 def test_a_member_that_leaves_is_out_at_the_next_poll_with_nothing_discarded(tmp_path: Path, mode: str) -> None:
     """Member 2 asks to leave at step 10 (a spot instance's notice): it trains on until the
     members' next poll (DiLoCo: its next sync), then is out; the others go on at 2 without

@@ -368,8 +368,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
                     crash()
                 slow.sleep(before, since)
                 ok, loss = m.commit(stepper.step), train_loss.item()
-                if not m.left:  # (evicted at this step's poll: its mode put away, ZeRO's with it)
-                    (m.mode if mode == "zero" else opt).zero_grad()
+                (m.mode if mode == "zero" else opt).zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
             if m.left:  # evicted (asked to leave at this step's poll): out, its step committed with the others'
                 record.left_at, record.left_s = m.step, time.time()
