@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+import fastreduce.comm.collectives as collectives
 import fastreduce.comm.shm as shm_mod
 from fastreduce.comm import Comm, get_comm
 from fastreduce.comm.collectives import exchange_ops
@@ -106,19 +107,27 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
         # where the transport carries one, the buffer's result bit for bit the same
         mine, total = torch.arange(1.0, 6.0) * (rank + 1), comm.buffer(5, torch.float32).fill_(float("nan"))
         out["carries_riders"] = comm.carries_riders(buf)
-        for key, into in ((f"rider_{name}", None), (f"rider_wide_{name}", torch.zeros(n // world))):
+        # (and the ring's messages cut in pieces of 3 elements: the rider behind the last)
+        for key, into, piece_bytes in ((f"rider_{name}", None, None), (f"rider_wide_{name}", torch.zeros(n // world), None),
+                                       (f"rider_pieces_{name}", None, 3 * buf.element_size())):
             buf.copy_(src)
+            total.fill_(float("nan"))
+            if piece_bytes is not None:
+                collectives.__dict__["RING_PIECE_BYTES"], piece_bytes = piece_bytes, collectives.RING_PIECE_BYTES
             try:
                 work, then = comm.reduce_scatter(buf, into, fp32_sum=into is not None, rider=(mine, total))
             except ValueError as e:
                 out[key] = str(e)
                 continue
+            finally:
+                if piece_bytes is not None:
+                    collectives.__dict__["RING_PIECE_BYTES"] = piece_bytes
             work.wait()
             if then is not None:
                 then()
             got = buf[chunk] if into is None else into
-            out[key] = (got.clone(), out[f"rs{key[5:]}_exact"][0], total.clone(),
-                        torch.arange(1.0, 6.0) * world * (world + 1) / 2)
+            alone = out[f"rs_wide_{name}_exact" if into is not None else f"rs_{name}_exact"][0]
+            out[key] = (got.clone(), alone, total.clone(), torch.arange(1.0, 6.0) * world * (world + 1) / 2)
         # all-gather in place: chunk k of every rank's buffer from rank k
         buf.copy_(src)
         mine = buf[chunk].clone()
@@ -242,12 +251,13 @@ def test_reduce_scatter_goes_around_a_ring_over_gloo_beyond_two_ranks(results) -
         assert r["rs_bf16_kind"] != "RingReduceScatter" and r["rs_wide_bf16_kind"] != "RingReduceScatter"
 
 
-@pytest.mark.parametrize("key", ["rider_fp32", "rider_wide_fp32", "rider_bf16", "rider_wide_bf16"])
+@pytest.mark.parametrize("key", ["rider_fp32", "rider_wide_fp32", "rider_pieces_fp32", "rider_bf16", "rider_wide_bf16"])
 def test_a_rider_is_summed_in_the_reduce_scatters_own_messages(results, key: str) -> None:
     """``reduce_scatter(rider=(mine, total))`` (ZeroOptimizer's unused-parameter flags):
-    over Gloo, around the ring and in the direct exchange, and on shared memory between
-    the buffer's own barriers, ``total`` is every rank's ``mine`` summed and the buffer's
-    result is bit for bit the one without a rider."""
+    over Gloo, around the ring (behind the last of its pieces, however many) and in the
+    direct exchange, and on shared memory between the buffer's own barriers, ``total`` is
+    every rank's ``mine`` summed and the buffer's result is bit for bit the one without a
+    rider."""
     transport, per_rank = results
     for r in per_rank:
         assert r["carries_riders"]

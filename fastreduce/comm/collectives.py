@@ -221,8 +221,9 @@ class RingReduceScatter:
     sends nothing more).
 
     ``rider`` = ``(mine, total)``: ``total`` := the sum of every rank's ``mine`` (a few
-    fp32 counts), carried around the same ring behind each step's pieces (no message
-    round of its own; :class:`~fastreduce.Comm.reduce_scatter`).
+    fp32 counts), carried around the same ring at the end of each step's last piece: no
+    message of its own (step 0's last piece goes from a copy with ``mine`` behind it, the
+    later steps' straight from the receive buffer, whose rows have room for it).
     """
 
     def __init__(self, rows: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
@@ -230,49 +231,49 @@ class RingReduceScatter:
         self.rows, self.out, self.group, self.rider = rows, out, group, rider
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]
-        self.recv = recv[:(w - 1) * n].view(w - 1, n)
-        self.step = max(1, RING_PIECE_BYTES // rows.element_size())
+        m = 0 if rider is None else rider[0].numel()
+        if recv.numel() < (w - 1) * (n + m):
+            raise ValueError(f"a ring reduce-scatter needs a receive buffer of {(w - 1) * (n + m)} elements")
+        self.n, self.recv = n, recv[:(w - 1) * (n + m)].view(w - 1, n + m)
+        step = max(1, RING_PIECE_BYTES // rows.element_size())
+        starts = list(range(0, n, step)) or [0]
+        self.pieces = list(zip(starts, starts[1:] + [n + m]))  # the last one carries the rider
         self.next, self.prev = global_rank((r + 1) % w), global_rank((r - 1) % w)
         jobs, launches = _ring_of(group)
         self.tag0 = RING_TAG + (next(launches) * w) % (1 << 22)
         self.error: BaseException | None = None
         self.abandoned = False
         self.future: torch.futures.Future = torch.futures.Future()
-        self.recvs = [[dist.irecv(self.recv[s, a:a + self.step], self.prev, group, self.tag0 + s)
-                       for a in range(0, n, self.step)] for s in range(w - 1)]
-        first = rows[(r - 1) % w]  # step 0 sends my own row
-        self.sends = [dist.isend(first[a:a + self.step], self.next, group, self.tag0) for a in range(0, n, self.step)]
-        if rider is not None:  # each step's last message, on its tag
-            self.rider_recv = rider[0].new_empty(w - 1, rider[0].numel())
-            self.rider_recvs = [dist.irecv(self.rider_recv[s], self.prev, group, self.tag0 + s) for s in range(w - 1)]
-            self.sends.append(dist.isend(rider[0], self.next, group, self.tag0))
+        self.recvs = [[dist.irecv(self.recv[s, a:b], self.prev, group, self.tag0 + s) for a, b in self.pieces]
+                      for s in range(w - 1)]
+        first = rows[(r - 1) % w]  # step 0 sends my own row, my rider behind its last piece
+        tail = self.pieces[-1][0]
+        if rider is not None:
+            self.first_tail = torch.cat([first[tail:], rider[0].to(first.dtype)])
+        self.sends = [dist.isend(first[a:b] if b <= n else self.first_tail, self.next, group, self.tag0)
+                      for a, b in self.pieces]
         jobs.put(self.run)
 
     def run(self) -> None:
         """The steps after the first (on the ring thread)."""
-        r, w = self.rank, self.world
+        r, w, n = self.rank, self.world, self.n
         try:
             for s in range(w - 1):
                 own = self.rows[(r - 2 - s) % w]
-                for k, work in enumerate(self.recvs[s]):
+                for (a, b), work in zip(self.pieces, self.recvs[s]):
                     work.wait()
                     if self.abandoned:
                         return
-                    a = k * self.step
-                    piece = self.recv[s, a:a + self.step].add_(own[a:a + self.step])
+                    got = self.recv[s, a:b]  # the piece, and the rider's running sum behind the last one
+                    piece = got[:min(b, n) - a].add_(own[a:min(b, n)])
+                    if b > n:
+                        got[n - a:].add_(self.rider[0])
                     if s < w - 2:
-                        self.sends.append(dist.isend(piece, self.next, self.group, self.tag0 + s + 1))
-                    else:
-                        torch.div(piece, w, out=self.out[a:a + self.step])
-                if self.rider is not None:
-                    self.rider_recvs[s].wait()
-                    if self.abandoned:
-                        return
-                    carried = self.rider_recv[s].add_(self.rider[0])
-                    if s < w - 2:
-                        self.sends.append(dist.isend(carried, self.next, self.group, self.tag0 + s + 1))
-                    else:
-                        self.rider[1].copy_(carried)
+                        self.sends.append(dist.isend(got, self.next, self.group, self.tag0 + s + 1))
+                        continue
+                    torch.div(piece, w, out=self.out[a:min(b, n)])
+                    if b > n:
+                        self.rider[1].copy_(got[n - a:])
             for work in self.sends:
                 work.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread

@@ -240,8 +240,9 @@ class Comm:
                 with span("fastreduce::pack"):
                     pack()
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
-                return RingReduceScatter(buf.view(self.world, n), out, self._scratch_like(buf, "recv"), self.group,
-                                         self._global, rider), None
+                extra = 0 if rider is None else (self.world - 1) * rider[0].numel()  # room for the rider
+                recv = self._scratch_like(buf, "recv", numel=buf.numel() + extra)
+                return RingReduceScatter(buf.view(self.world, n), out, recv, self.group, self._global, rider), None
             if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
                 if rider is None:
@@ -396,11 +397,12 @@ class Comm:
         return buf.numel() // self.world
 
     def _scratch_like(self, buf: torch.Tensor, role: str, dtype: torch.dtype | None = None,
-                      device: torch.device | None = None) -> torch.Tensor:
-        key = (role, buf.data_ptr(), buf.numel(), dtype or buf.dtype)
+                      device: torch.device | None = None, numel: int | None = None) -> torch.Tensor:
+        numel = buf.numel() if numel is None else numel
+        key = (role, buf.data_ptr(), numel, dtype or buf.dtype)
         t = self._scratch.get(key)
         if t is None:
-            t = self._scratch[key] = torch.empty(buf.numel(), dtype=dtype or buf.dtype, device=device or buf.device)
+            t = self._scratch[key] = torch.empty(numel, dtype=dtype or buf.dtype, device=device or buf.device)
         return t
 
     def sum_rows(self, recv: torch.Tensor, out: torch.Tensor) -> None:
