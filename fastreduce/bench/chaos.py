@@ -297,6 +297,8 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
         import fastreduce
         from fastreduce.membership import Membership
 
+        for name in ("FusedReducer", "ZeroOptimizer", "DiLoCo", "DecentralizedDataParallel"):
+            getattr(fastreduce, name)  # imported now (names load on first use), not in a timed join
         model = build_model(cfg.params_m)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         outer = torch.optim.SGD(model.parameters(), lr=1.0)

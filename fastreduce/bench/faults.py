@@ -303,6 +303,7 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
         model = build_model(cfg.params_m)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         zero = cfg.mode == "zero"
+        mode_class = fastreduce.ZeroOptimizer if zero else fastreduce.FusedReducer  # (imported on first use)
         shared.ready.wait(TIMEOUT_S)  # the replacement is imported before the members begin
         spare = joiner and name == SPARE  # (registered from the start: it waits for the loss)
         if joiner and not spare:
@@ -311,12 +312,11 @@ def fastreduce_member(index: int, cfg: FaultsConfig, port: int, out: str, name: 
         m = Membership(f"127.0.0.1:{port}", world_size=cfg.members, min_ranks=2, tag=f"{cfg.mode} {cfg.wire}",
                        wait_s=120, spare=spare)
         if zero:  # the mode is the optimizer, rebuilt at every epoch
-            m.join({"model": model}, lambda: fastreduce.ZeroOptimizer(
+            m.join({"model": model}, lambda: mode_class(
                 model.parameters(), torch.optim.AdamW, lr=LR, module=model, redundant=True,
                 wire_dtype=WIRES[cfg.wire]))
         else:
-            m.join({"model": model, "optimizer": opt},
-                   lambda: fastreduce.FusedReducer(model, wire_dtype=WIRES[cfg.wire]))
+            m.join({"model": model, "optimizer": opt}, lambda: mode_class(model, wire_dtype=WIRES[cfg.wire]))
 
         def stepper() -> Any:
             return m.mode if zero else opt
