@@ -43,6 +43,8 @@ import os
 import threading
 import time
 
+from .process_identity import proc_named_stat
+
 __all__ = ["native_threads_running", "quiet_backends"]
 
 QUIET_S = 1.0
@@ -76,9 +78,8 @@ def native_threads_running() -> int:
         if int(tid) in pythons:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                name, _, fields = f.read().partition("(")[2].rpartition(")")
-            running += name not in TRANSPORT_LOOPS and fields.split()[0] == "R"
+            name, fields = proc_named_stat(tid)
+            running += name not in TRANSPORT_LOOPS and fields[0] == "R"
         except (OSError, IndexError):  # the thread ended meanwhile
             continue
     return running

@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any, Callable
 
-__all__ = ["exited_here", "host_key", "identity", "proc_stat", "running_here", "served_here", "who_of"]
+__all__ = ["exited_here", "host_key", "identity", "proc_named_stat", "proc_stat", "running_here", "served_here", "who_of"]
 
 
 def who_of(records: dict[int, str]) -> dict[int, str]:
@@ -41,8 +41,15 @@ def host_key() -> str:
 
 def proc_stat(pid: int | str) -> list[str]:
     """``/proc/<pid>/stat``'s fields from the state on (the name, which may hold spaces, cut off)."""
+    return proc_named_stat(pid)[1]
+
+
+def proc_named_stat(pid: int | str) -> tuple[str, list[str]]:
+    """``/proc/<pid>/stat``'s name (a thread's too: ``/proc/<tid>`` serves a thread as it does a
+    process) and its fields from the state on."""
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
+        name, _, fields = f.read().partition("(")[2].rpartition(")")
+    return name, fields.split()
 
 
 def running_here(record: str, me: str | None = None) -> bool:
