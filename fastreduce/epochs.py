@@ -52,8 +52,11 @@ def _poll_s(members: int, polls: int | None = None) -> float:
     that many of a meeting's, whose members come within milliseconds of each other (one
     more after 1, 1, 2, 4 ms, then at the usual pace; never more often than the coordinator
     was sized for)."""
-    pace = members / POLLS_PER_S
-    return max(0.005, pace) if polls is None else min(max(0.005, pace), max(pace, 0.001 * 2 ** (polls - 1)))
+    pace = members / POLLS_PER_S  # the coordinator's sizing: no member polls more often
+    usual = max(0.005, pace)
+    if polls is None:
+        return usual
+    return min(usual, max(pace, 0.001 * 2 ** max(0, polls - 1)))
 
 
 class EpochChanges:
