@@ -190,6 +190,22 @@ def _each(message: torch.Tensor | tuple[torch.Tensor, ...] | None) -> tuple[torc
     return message if isinstance(message, tuple) else (message,)
 
 
+def _ring_pieces(n: int, m: int, itemsize: int) -> list[tuple[int, int]]:
+    """The ``[a, b)`` pieces of a row of ``n`` elements that :class:`RingReduceScatter` sends
+    one by one, the last one ``m`` longer (the rider behind it)."""
+    step = max(1, RING_PIECE_BYTES // itemsize)
+    starts = list(range(0, n, step)) or [0]
+    return list(zip(starts, starts[1:] + [n + m]))
+
+
+def ring_scratch_numel(world: int, n: int, m: int = 0, itemsize: int = 4) -> int:
+    """How long :class:`RingReduceScatter`'s receive buffer must be for rows of ``n``
+    elements (of ``itemsize`` bytes) and a rider of ``m``: a row per step with room for the
+    rider, and where there is one, step 0's last piece staged with it."""
+    tail = 0 if m == 0 else n + m - _ring_pieces(n, m, itemsize)[-1][0]
+    return (world - 1) * (n + m) + tail
+
+
 RING_TAG = 1 << 24
 """The first point-to-point tag of :class:`RingReduceScatter`'s messages: each step of
 each launch has a tag of its own (from here up), apart from the other exchanges' (0)."""
@@ -232,12 +248,11 @@ class RingReduceScatter:
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]
         m = 0 if rider is None else rider[0].numel()
-        if recv.numel() < (w - 1) * (n + m):
-            raise ValueError(f"a ring reduce-scatter needs a receive buffer of {(w - 1) * (n + m)} elements")
+        need = ring_scratch_numel(w, n, m, rows.element_size())
+        if recv.numel() < need:
+            raise ValueError(f"a ring reduce-scatter needs a receive buffer of {need} elements")
         self.n, self.recv = n, recv[:(w - 1) * (n + m)].view(w - 1, n + m)
-        step = max(1, RING_PIECE_BYTES // rows.element_size())
-        starts = list(range(0, n, step)) or [0]
-        self.pieces = list(zip(starts, starts[1:] + [n + m]))  # the last one carries the rider
+        self.pieces = _ring_pieces(n, m, rows.element_size())  # the last one carries the rider
         self.next, self.prev = global_rank((r + 1) % w), global_rank((r - 1) % w)
         jobs, launches = _ring_of(group)
         self.tag0 = RING_TAG + (next(launches) * w) % (1 << 22)
@@ -247,10 +262,13 @@ class RingReduceScatter:
         self.recvs = [[dist.irecv(self.recv[s, a:b], self.prev, group, self.tag0 + s) for a, b in self.pieces]
                       for s in range(w - 1)]
         first = rows[(r - 1) % w]  # step 0 sends my own row, my rider behind its last piece
-        tail = self.pieces[-1][0]
-        if rider is not None:
-            self.first_tail = torch.cat([first[tail:], rider[0].to(first.dtype)])
-        self.sends = [dist.isend(first[a:b] if b <= n else self.first_tail, self.next, group, self.tag0)
+        if rider is not None:  # (that piece from the scratch's end: the same launch's, no allocation)
+            tail = self.pieces[-1][0]
+            at = (w - 1) * (n + m)
+            staged = recv[at:at + n + m - tail]
+            staged[:n - tail].copy_(first[tail:])
+            staged[n - tail:].copy_(rider[0])
+        self.sends = [dist.isend(first[a:b] if b <= n else staged, self.next, group, self.tag0)
                       for a, b in self.pieces]
         jobs.put(self.run)
 

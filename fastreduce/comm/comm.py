@@ -59,7 +59,8 @@ from ..codecs.quant import divisor
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduceScatter, all_gather_flat,
-                          exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, start_all_reduce)
+                          exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, ring_scratch_numel,
+                          start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 
 __all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport", "wants_shm"]
@@ -240,8 +241,9 @@ class Comm:
                 with span("fastreduce::pack"):
                     pack()
             if self.by_exchange and self.world > 2 and out.dtype == buf.dtype and buf.dtype.itemsize >= 4:
-                extra = 0 if rider is None else (self.world - 1) * rider[0].numel()  # room for the rider
-                recv = self._scratch_like(buf, "recv", numel=buf.numel() + extra)
+                m = 0 if rider is None else rider[0].numel()
+                recv = self._scratch_like(buf, "recv", numel=max(buf.numel(), ring_scratch_numel(
+                    self.world, n, m, buf.element_size())))
                 return RingReduceScatter(buf.view(self.world, n), out, recv, self.group, self._global, rider), None
             if self.by_all_to_all or (fp32_sum and buf.dtype.itemsize < 4):  # Gloo, or a sum in fp32
                 recv = self._scratch_like(buf, "recv")
