@@ -15,7 +15,6 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 import fastreduce.faults as faults
@@ -27,7 +26,7 @@ from .admission import Admission
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
-from .heal import broadcast_state, recv_state, send_state
+from .heal import sync_state
 from .kept import kept_state, settled_step
 from .modes import zero_mirror
 from .modes.contract import check_membership, commit_style
@@ -240,7 +239,7 @@ class EpochChanges:
         joining = self.me.name in epoch.receivers
         fresh = joining and not self.me.healed  # a new process (a survivor one step behind keeps its mode's state)
         if epoch.receivers:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
-            got, sent_kind = self._sync_state(epoch, own if kind in ("local", "gossip") else None, kind)
+            got, sent_kind = sync_state(self.me, epoch, own if kind in ("local", "gossip") else None, kind)
             if fresh:  # rank 0's mode state came only if its mode keeps one per rank
                 own, kind = got, sent_kind
         lost = self._meet(epoch, "built")  # (the mode's construction runs collectives: every member alive and here)
@@ -399,38 +398,6 @@ class EpochChanges:
         said = self.call(self.store.compare_set, word, "", json.dumps(sorted(lost)) if lost else "go")
         if said not in (b"go", "go"):  # (bytes from a TCPStore)
             raise _Missing(set(json.loads(said)))
-
-    def _device(self) -> torch.device:
-        """Where the state travels: the model's device (Gloo: the CPU)."""
-        first = next((p for v in self.me.state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
-        return torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
-
-    def _sync_state(self, epoch: Epoch, mode_state: dict[str, Any] | None, kind: str) -> tuple[Any, str]:
-        """Rank 0's whole state (and its mode's, ``mode_state``, and the mode's kind) to
-        the members of ``epoch`` that join it, its tensors as one flat block per dtype: a
-        broadcast where every other rank joins (the first epoch), else point to point to
-        each (:mod:`fastreduce.heal`), the other members going on to build the mode. A
-        joiner loads it and gets the mode's state and kind back, to load once its mode is
-        built."""
-        self.me.passing("sync_state", epoch)
-        rank, device = dist.get_rank(), self._device()
-        to = [r for r in map(epoch.members.index, epoch.receivers) if r != 0]
-        mine = None
-        if rank == 0:
-            mine = {"step": self.me.step, "state": {k: v.state_dict() for k, v in self.me.state.items()},
-                    "mode": mode_state, "kind": kind}
-        if len(to) == epoch.world - 1:
-            got = broadcast_state(mine, device)
-        elif rank == 0:
-            send_state(mine, device, to)
-        elif rank in to:
-            got = recv_state(device, 0)
-        if rank not in to:
-            return None, kind
-        for k, obj in self.me.state.items():
-            obj.load_state_dict(got["state"][k])
-        self.me.step = int(got["step"])
-        return got["mode"], got["kind"]
 
     def stash_mode(self, after_loss: bool) -> None:
         """Keep the mode's state until the next epoch is entered (a failed entry must not

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,11 @@ import fastreduce.faults as faults
 
 from .nested import map_leaves
 
-__all__ = ["broadcast_state", "recv_state", "send_state"]
+if TYPE_CHECKING:
+    from .coordinator import Epoch
+    from .member import Member
+
+__all__ = ["broadcast_state", "recv_state", "send_state", "sync_state"]
 
 
 class _Slot:
@@ -144,3 +148,36 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
             _broadcast(block, src)
         blocks[dtype] = block
     return state if dist.get_rank() == src else _fill(skeleton, blocks)
+
+
+def _device(me: Member) -> torch.device:
+    """Where the state travels: the model's device (Gloo: the CPU)."""
+    first = next((p for v in me.state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()), None)
+    return torch.device("cpu") if dist.get_backend() == "gloo" or first is None else first.device
+
+
+def sync_state(me: Member, epoch: Epoch, mode_state: dict[str, Any] | None, kind: str) -> tuple[Any, str]:
+    """Rank 0's whole state (``me.state``'s, its mode's, ``mode_state``, and the mode's
+    kind) to the members of ``epoch`` that join it: a broadcast where every other rank
+    joins (the first epoch), else point to point to each, the other members going on to
+    build the mode. A joiner loads it into ``me`` and gets the mode's state and kind back,
+    to load once its mode is built; the others get ``(None, kind)``."""
+    me.passing("sync_state", epoch)
+    rank, device = dist.get_rank(), _device(me)
+    to = [r for r in map(epoch.members.index, epoch.receivers) if r != 0]
+    mine = None
+    if rank == 0:
+        mine = {"step": me.step, "state": {k: v.state_dict() for k, v in me.state.items()},
+                "mode": mode_state, "kind": kind}
+    if len(to) == epoch.world - 1:
+        got = broadcast_state(mine, device)
+    elif rank == 0:
+        send_state(mine, device, to)
+    elif rank in to:
+        got = recv_state(device, 0)
+    if rank not in to:
+        return None, kind
+    for k, obj in me.state.items():
+        obj.load_state_dict(got["state"][k])
+    me.step = int(got["step"])
+    return got["mode"], got["kind"]
