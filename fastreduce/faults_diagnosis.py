@@ -63,6 +63,8 @@ def _diagnose(beat: Heartbeat, wait: float) -> tuple[list[int], str, dict[int, s
         records: dict[int, str] = {}  # the silent ranks' registrations, read once (the grace, the message)
         found = _silent(beat, before, silent, start, wait, records)
         how = f"its heartbeat in the c10d store stopped for {wait:g} s (its process died, or its host is unreachable)"
+        if silent and len(beat.exited(silent, records)) == len(silent):
+            how = "its process exited (seen on its host)"
         who = who_of(beat.registered(silent, records))
     except Exception:  # noqa: BLE001 - the store itself does not answer
         # [Note: the store dies mid-diagnosis] The store's host (rank 0) may have exited
@@ -100,7 +102,10 @@ def _silent(beat: Heartbeat, before: dict[int, int], silent: list[int], start: f
     :data:`LOCAL_GRACE` times that; ``records`` caches their registrations); returns the ranks other ranks published lost meanwhile
     (:meth:`Heartbeat.verdict`), if any.
 
-    In a world every rank reads whole, another rank's finding ends the wait, and of the
+    In a world every rank reads whole, a silent rank that ran on this host and has exited
+    (:meth:`Heartbeat.exited`: a crash, an OOM kill) ends the wait at once, named lost alone
+    (a rank lost elsewhere at the same time is named at the next failure, or by a
+    Membership's next epoch), and the others read it published. Another rank's finding ends the wait, and of the
     ranks silent here only those it names are kept: a rank that found the loss first (a
     peer's process exited, a silent member at the vote) publishes it and leaves the
     group, its heartbeat stopping there; counted silent too, it was named lost with the
@@ -130,6 +135,13 @@ def _silent(beat: Heartbeat, before: dict[int, int], silent: list[int], start: f
         if found is not None and not sparse:  # another rank named the lost first; one silent here but not
             silent[:] = [r for r in silent if r in found[0]]  # named by it left the group after (see above)
             break
+        gone = beat.exited(silent, records) if silent and not sparse else []
+        if gone:  # ran on this host and exited: lost, no window waited (the live ones not waited for)
+            found = beat.call(beat.verdict) or found  # read after the exits: a survivor that published
+            if found is None:  # its finding and exited is named by it, not taken for lost
+                silent[:] = gone
+                break
+            continue
         if now_s >= start + wait and (not sparse or silent or found is not None or now_s >= start + 2 * wait) \
                 and not (silent and now_s < start + LOCAL_GRACE * wait and beat.slow_here(silent, records)):
             break

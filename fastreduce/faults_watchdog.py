@@ -145,8 +145,9 @@ def watch_heartbeats(beat: Heartbeat, done: threading.Event) -> None:
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it was last seen to move)
     records: dict[int, str] = {}  # the silent ranks' registrations, read once (:meth:`Heartbeat.slow_here`)
     unanswered = None  # since when the store has not answered
-    while not done.wait(min(beat.interval, 1.0)):
-        now = time.monotonic()
+    read = True  # at once (the wait has lasted a heartbeat: another rank may have published a loss), then a heartbeat apart
+    while read or not done.wait(min(beat.interval, 1.0)):
+        read, now = False, time.monotonic()
         try:
             silent = beat.silent(seen, window, records)
             found = beat.call(beat.verdict)
