@@ -387,6 +387,29 @@ def case_averaged_in_flight(rank: int, world: int) -> dict:
     return out
 
 
+def case_evaluate_on_the_mean(rank: int, world: int) -> dict:
+    """docs/gossip.md's evaluation: ``global_avg()``, evaluate (and save), ``revert_global_avg()``,
+    train on. The state saves on the mean and after the revert; the revert puts back this rank's
+    own parameters exactly; a revert with no average before it is a clear error."""
+    model = odd_model(SEED + rank)
+    ddp = make_ddp(model, "ring")
+    train(ddp, model, rank, range(3))
+    own = params_of(model)
+    ddp.global_avg()
+    on_mean = {k: v for k, v in ddp.state_dict().items() if k != "buckets"}
+    averaged = params_of(model)
+    ddp.revert_global_avg()
+    reverted, saved = params_of(model), ddp.state_dict()
+    try:
+        ddp.revert_global_avg()
+        again = ""
+    except RuntimeError as err:
+        again = str(err)
+    train(ddp, model, rank, range(3, 5))
+    return {"own": own, "averaged": averaged, "reverted": reverted, "again": again,
+            "saved_keys": sorted(saved), "mean_keys": sorted(on_mean), "trained": params_of(model)}
+
+
 def case_load_in_flight(rank: int, world: int) -> dict:
     """A checkpoint of step 1 loaded right after step 2's backward, its exchange in flight:
     the run from there is the same whether that exchange was quick or (on shared memory)
@@ -418,6 +441,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["zero_grad"] = guarded(case_zero_grad, rank, world)
         res["averaged_in_flight"] = guarded(case_averaged_in_flight, rank, world)
         res["load_in_flight"] = guarded(case_load_in_flight, rank, world)
+        res["evaluate_on_the_mean"] = guarded(case_evaluate_on_the_mean, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
     for case in TRAJ_CASES.get(world, []):
         res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
@@ -608,6 +632,20 @@ def test_global_avg_gives_every_rank_the_exact_mean(worlds, wc) -> None:
     for rank, o in enumerate(outs):   # the next forward sees the averaged parameters
         for n, t in o["avg"].items():
             assert torch.equal(o["snaps"][STEPS][n], t), f"rank {rank}: {n} changed between global_avg and forward"
+
+
+def test_a_rank_evaluates_on_the_mean_saves_and_trains_on_its_own_again(worlds) -> None:
+    outs = ok(worlds(2), "evaluate_on_the_mean")
+    mean = mean_of([o["own"] for o in outs])
+    for rank, o in enumerate(outs):
+        for n, t in o["own"].items():
+            close(o["averaged"][n], mean[n], f"rank {rank}: {n} after global_avg")
+            assert torch.equal(o["reverted"][n], t), f"rank {rank}: {n} not its own after revert_global_avg"
+        assert not all(torch.equal(o["trained"][n], t) for n, t in o["own"].items()), "it did not train on"
+        assert o["saved_keys"] and o["mean_keys"], o
+        assert "needs a global_avg() before it" in o["again"], o["again"]
+    assert not all(torch.equal(outs[0]["own"][n], outs[1]["own"][n]) for n in outs[0]["own"]), \
+        "the ranks agreed before the average: the test shows nothing"
 
 
 @pytest.mark.parametrize("wc", ALL_TRAJ, ids=tid)

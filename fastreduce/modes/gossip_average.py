@@ -20,7 +20,7 @@ class GossipAverage:
         """Every rank's parameters and float buffers := their exact mean over ranks
         (e.g. to evaluate); :meth:`revert_global_avg` puts this rank's own back."""
         self._drain()
-        self._saved = ([t.clone() for t in self._state_tensors()],
+        self._before_avg = ([t.clone() for t in self._state_tensors()],
                        [m.clone() for m in self._mixed] if self._built else [])
         for t in self._state_tensors():
             dist.all_reduce(t, group=self.group)
@@ -31,13 +31,13 @@ class GossipAverage:
     @torch.no_grad()
     def revert_global_avg(self) -> None:
         """Undo the last :meth:`global_avg` on this rank."""
-        saved = getattr(self, "_saved", None)
+        saved = getattr(self, "_before_avg", None)  # (not "_saved": GossipState's method of that name)
         if saved is None:
             raise RuntimeError("revert_global_avg() needs a global_avg() before it")
         tensors, mixed = saved
         for t, s in zip(self._state_tensors() + (self._mixed if self._built else []), tensors + mixed):
             t.copy_(s)
-        self._saved = None
+        self._before_avg = None
 
     @torch.no_grad()
     def consensus_distance(self) -> float:
