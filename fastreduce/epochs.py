@@ -55,7 +55,7 @@ def _poll_s(members: int, polls: int | None = None) -> float:
     usual = max(0.005, pace)
     if polls is None:
         return usual
-    return min(usual, max(pace, 0.001 * 2 ** max(0, polls - 1)))
+    return min(usual, max(pace, 0.001 * 2 ** min(max(0, polls - 1), 20)))  # (a long wait: no float overflow)
 
 
 class EpochChanges:

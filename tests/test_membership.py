@@ -746,6 +746,18 @@ def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_par
             JobCheckpoints(tmp_path, **bad)
 
 
+def test_a_meeting_polls_fast_at_first_then_at_the_usual_pace_however_long_it_waits() -> None:
+    """epochs._poll_s: a meeting's looks after 1, 1, 2, 4 ms, then the usual pace (5 ms at 4
+    members, never more often than the coordinator was sized for at 1,024), for as long as a
+    member is waited for (a peer compiling its model for minutes: a million looks)."""
+    from fastreduce.epochs import POLLS_PER_S, _poll_s
+
+    assert [_poll_s(4, n) for n in range(6)] == [0.001, 0.001, 0.002, 0.004, 0.005, 0.005]
+    assert _poll_s(4) == 0.005 and _poll_s(1024) == _poll_s(1024, 3) == 1024 / POLLS_PER_S
+    for polls in (1_100, 10**6):
+        assert _poll_s(4, polls) == 0.005 and _poll_s(1024, polls) == 1024 / POLLS_PER_S
+
+
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""
