@@ -48,6 +48,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+def test_a_closed_mode_leaves_no_hook_on_the_model_or_the_optimizer(runs: dict, mode: str) -> None:
+    """``TrainerMode.close()`` (a trainer's end, a second ``fit``, a Membership's epoch change)
+    takes off every hook the mode put on the model, its parameters and the optimizer."""
+    for run in (f"{mode}_loop", f"{mode}_accelerate"):
+        for r in runs[run]:
+            assert r["hooks_left"] == 0, (run, r["built_hooks"], r["hooks_left"])
+    if mode != "gossip":  # (gossip's hooks are on its wrapper module, not on the model)
+        assert all(r["built_hooks"] > 0 for r in runs[f"{mode}_loop"]), "the count sees no hook of the mode"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.cell("accelerate", "train")
 def test_the_accelerate_loop_equals_the_hand_written_loop(runs: dict, mode: str) -> None:
     for ours, ref in zip(runs[f"{mode}_accelerate"], runs[f"{mode}_loop"]):
@@ -119,6 +130,15 @@ def _worker(out: Path, what: str) -> None:
     def flat(model: torch.nn.Module) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
+    def hooks(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """The hooks on ``module``, its parameters and ``optimizer`` (torch's registries, read)."""
+        on_modules = sum(len(d) for m in module.modules() for d in (m._forward_pre_hooks, m._forward_hooks,
+                                                                     m._backward_hooks, m._backward_pre_hooks))
+        on_params = sum(len(getattr(p, a, None) or {}) for p in module.parameters()
+                        for a in ("_post_accumulate_grad_hooks", "_backward_hooks"))
+        return on_modules + on_params + len(optimizer._optimizer_step_pre_hooks) + \
+            len(optimizer._optimizer_step_post_hooks)
+
     def train(name: str, accelerate: bool, run: str, seed: int = 0, compiled: bool = False,
               resume: str | None = None, steps: int = STEPS) -> None:
         torch.manual_seed(seed)
@@ -132,11 +152,13 @@ def _worker(out: Path, what: str) -> None:
         broadcast_parameters(model)
         mode = make_mode(name, MODES[name])
         # (max_grad_norm: gossip steps each bucket in backward and clips it there; the others clip below)
-        optimizer = mode.build(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), max_grad_norm=CLIP)
+        adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        unhooked = hooks(inner, adamw)
+        optimizer = mode.build(model, adamw, max_grad_norm=CLIP)
         stepped = accelerator.prepare(optimizer) if accelerate else optimizer
         forward = mode.module_to_call(model)
         ckpt = mode.checkpointer(str(out / f"{name}_ckpt"), model, optimizer)  # (the module the mode is over)
-        facts: dict = {"start": flat(inner), "norms": [], "loaded": 0,
+        facts: dict = {"start": flat(inner), "norms": [], "loaded": 0, "built_hooks": hooks(inner, adamw) - unhooked,
                        "compiled": type(model).__name__ == "OptimizedModule"}
         start = 0
         if resume is not None:
@@ -175,6 +197,7 @@ def _worker(out: Path, what: str) -> None:
         mode.finish()
         facts["params"] = flat(inner)
         mode.close()
+        facts["hooks_left"] = hooks(inner, adamw) - unhooked
         torch.save(facts, out / f"{run}.rank{rank}.pt")
 
     if what == "train":

@@ -85,10 +85,6 @@ class Fused(TrainerMode):
             out["buckets"] = st.sizing.buckets
         return out
 
-    def close(self, drain: bool = True) -> None:
-        if self.obj is not None:
-            self.obj.close(drain)
-
 
 class Overlap(Fused):
     name = "overlap"
@@ -143,10 +139,6 @@ class Local(TrainerMode):
         m = self.obj
         return {"syncs": m.syncs, "skipped_steps": m.skipped_steps, "skipped_syncs": m.skipped_syncs,
                 **wire_counts(m.stats)}
-
-    def close(self, drain: bool = True) -> None:
-        if self.obj is not None:
-            self.obj.close(drain)
 
 
 class Diloco(Local):
@@ -274,10 +266,6 @@ class Gossip(TrainerMode):
 
     def finish(self) -> None:
         self.obj.global_avg()
-
-    def close(self, drain: bool = True) -> None:
-        if self.obj is not None:
-            self.obj.close(drain)
 
 
 MODES: dict[str, type[TrainerMode]] = {m.name: m for m in (Fused, Overlap, Zero, Local, Diloco, Gossip)}

@@ -209,8 +209,8 @@ class TrainerMode:
     def close(self, drain: bool = True) -> None:
         """Take the mode's hooks off the model and optimizer (``drain``: as the modes'
         ``close(drain)``: ``False`` drops what is in flight, a peer was lost)."""
-
-
+        if self.obj is not None:
+            self.obj.close(drain)
 
 
 def wire_counts(stats: CommStats) -> dict[str, float]:
