@@ -240,14 +240,26 @@ PERIODIC: dict[str, tuple[int, str, str, int, int, int, str]] = {
 }
 
 
+def hooks_on(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> int:
+    """The hooks on ``model``'s modules and parameters (and ``opt``'s step hooks): torch's
+    registries, read."""
+    count = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    count += sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    if opt is not None:
+        count += len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+    return count
+
+
 def case_periodic(rank: int, world: int, name: str, ref_group: Any) -> dict:
     _, model_name, opt_name, steps, H, warmup, buffers = PERIODIC[name]
     model = MODELS[model_name](SEED)
     opt = inner_opt(model, opt_name)
+    unhooked, model_unhooked = hooks_on(model, opt), hooks_on(model)
     mode = fastreduce.LocalSGD(model, opt, H, warmup_steps=warmup, buffers=buffers)
     fr = train_mode(model, opt, rank, range(1, steps + 1))
-    out = {"fr": fr["traj"], **counters(mode)}
+    out = {"fr": fr["traj"], **counters(mode), "model_hooks_after_warmup": hooks_on(model) - model_unhooked}
     mode.remove()
+    out["hooks_left"] = hooks_on(model, opt) - unhooked
     model = MODELS[model_name](SEED)
     ref = ref_local(rank, model, inner_opt(model, opt_name), steps, H, ref_group, warmup, buffers)
     return out | {"ref": ref["traj"], "ref_pre": ref["pre"]}
@@ -804,6 +816,15 @@ def test_periodic_averaging_matches_reference_loop(worlds, name) -> None:
                     f"{name}: after step {s} (averaged) the ranks' {n} differ"
         else:   # the reference itself: ranks apart mid-period (else the test proves little)
             assert max_diff(outs[0]["ref"][s - 1], outs[1]["ref"][s - 1]) > 1e-5, (name, s)
+
+
+@pytest.mark.parametrize("name", [n for n, c in PERIODIC.items() if c[5] > 0])
+def test_the_warm_up_leaves_no_hook_on_the_model_and_close_none_anywhere(worlds, name) -> None:
+    """Past the warm-up (every step reduced as DDP does), the model keeps none of its
+    reducer's hooks (their work grew with every later step); after close(), nothing is left."""
+    for rank, o in enumerate(per_rank(worlds(PERIODIC[name][0]), "periodic/" + name)):
+        assert o["model_hooks_after_warmup"] == 0, (rank, o["model_hooks_after_warmup"])
+        assert o["hooks_left"] == 0, (rank, o["hooks_left"])
 
 
 def test_buffers_local_are_left_alone_and_average_are_averaged(worlds) -> None:

@@ -248,9 +248,20 @@ class LocalSGD(LocalUpdates):
                 return
 
     def _end_warmup(self) -> None:
-        self._reducer = None  # its buffer is freed with the last grads that view it
+        self._close_reducer()
         remove_hooks(self._hooks[1:])
         del self._hooks[1:]
+
+    def _close_reducer(self) -> None:
+        """The warm-up's reducer off the model (its forward pre-hook, its gradient hooks);
+        its buffer is freed with the last grads that view it."""
+        if self._reducer is not None:
+            self._reducer.close()  # (it waits for every reduction it launches: nothing in flight)
+            self._reducer = None
+
+    def close(self, drain: bool = True) -> None:
+        super().close(drain)
+        self._close_reducer()  # closed in its warm-up
 
     def _sync(self, comm: Comm) -> None:
         if self._delta:  # x - anchor in the wire dtype, into x itself: x is replaced next
