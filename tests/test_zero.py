@@ -782,11 +782,13 @@ def no_sync_case(rank: int, world: int, overlap: bool, group: Any) -> dict:
     model = odd_model(SEED)
     ref = copy.deepcopy(model)
     opt = zero_opt(model.parameters(), overlap=overlap, bucket_mb=SMALL_BUCKET_MB)
-    zero, zero_norms = [], []
+    zero, zero_norms, launched = [], [], []
     for step in range(NO_SYNC_STEPS):
+        opt.hold_launches(step == 1)  # (a Membership's first step of an epoch: no launch before step())
         with opt.no_sync():
             loss_fn(model, batch_for(model, rank, 2 * step)).backward()
         loss_fn(model, batch_for(model, rank, 2 * step + 1)).backward()
+        launched.append(opt._schedule.next if opt._schedule is not None else 0)  # buckets launched in backward
         zero_norms.append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad()
@@ -801,7 +803,7 @@ def no_sync_case(rank: int, world: int, overlap: bool, group: Any) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         refs.append(params_of(ref))
-    return {"zero": zero, "ref": refs, "zero_norms": zero_norms, "ref_norms": ref_norms}
+    return {"zero": zero, "ref": refs, "zero_norms": zero_norms, "ref_norms": ref_norms, "launched": launched}
 
 
 SCALER_STEPS = 6
@@ -1055,6 +1057,8 @@ def test_no_sync_accumulation_matches_summed_grads(misc, overlap) -> None:
     for rank, out in enumerate(outs):
         assert_runs_close(out["zero"], out["ref"], f"rank {rank}")
         assert out["zero_norms"] == pytest.approx(out["ref_norms"], rel=1e-5, abs=1e-7)
+        # held launches stay held through no_sync(): none from the backward hooks at step 1
+        assert out["launched"][1] == 0 and (not overlap or out["launched"][2] > 0), out["launched"]
     assert_identical_on_ranks([o["zero"] for o in outs], "no_sync")
 
 

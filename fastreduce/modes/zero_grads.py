@@ -127,6 +127,7 @@ class ZeroGradients:
         """Accumulate gradients locally: nothing is communicated inside this block; the
         next backward outside it, then :meth:`step`, averages the accumulated grads."""
         self._syncing = False
+        launching = self._schedule is not None and self._schedule.sync  # (off already where launches are held)
         if self._schedule is not None:
             self._schedule.sync = False
         try:
@@ -134,7 +135,7 @@ class ZeroGradients:
         finally:
             self._syncing = True
             if self._schedule is not None:
-                self._schedule.sync = self.overlap
+                self._schedule.sync = launching
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
