@@ -758,6 +758,41 @@ def test_a_meeting_polls_fast_at_first_then_at_the_usual_pace_however_long_it_wa
         assert _poll_s(4, polls) == 0.005 and _poll_s(1024, polls) == 1024 / POLLS_PER_S
 
 
+def test_a_copied_state_keeps_every_container_as_it_was() -> None:
+    """fastreduce.nested (what a joiner's healing, a kept mode and a redone step copy through):
+    a MultiStepLR's milestones (a Counter) stay its milestones, so a scheduler loaded from the
+    copy decays where the original does; a defaultdict keeps its factory, a module's state its
+    _metadata, a namedtuple its fields."""
+    import collections
+
+    from fastreduce.nested import clone_state, map_leaves
+
+    def schedule(state: dict | None) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.1)
+        if state is not None:
+            sched.load_state_dict(state)
+        lrs = []
+        for _ in range(8):
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    saved = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.1).state_dict()
+    copied = clone_state(saved)
+    assert copied["milestones"] == saved["milestones"] and type(copied["milestones"]) is collections.Counter
+    assert schedule(copied) == schedule(saved) == schedule(None) and min(schedule(copied)) < 0.1
+    module_state = torch.nn.Linear(2, 2).state_dict()
+    Pair = collections.namedtuple("Pair", "a b")
+    nested = {"d": collections.defaultdict(list, x=[torch.ones(1)]), "m": module_state, "p": Pair(torch.ones(1), 2)}
+    out = map_leaves(nested, lambda t: t * 2)
+    assert out["d"].default_factory is list and torch.equal(out["d"]["x"][0], torch.full((1,), 2.0))
+    assert out["m"]._metadata == module_state._metadata and list(out["m"]) == list(module_state)
+    assert type(out["p"]) is Pair and out["p"].b == 2 and torch.equal(out["p"].a, torch.full((1,), 2.0))
+
+
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""
