@@ -131,8 +131,9 @@ def read_status(store: Any, ratio: float = STRAGGLER_RATIO, since: int = 0) -> d
         members[name] = figures
     busy = {m: f["busy_s"] for m, f in members.items() if "busy_s" in f}
     slowest = max(busy, key=busy.__getitem__) if len(busy) > 1 else None
-    straggler = slowest if slowest is not None and busy[slowest] >= ratio * statistics.median(busy.values()) \
-        else None
+    median = statistics.median(busy.values()) if busy else 0.0
+    straggler = slowest if slowest is not None and busy[slowest] > 0 and busy[slowest] >= ratio * median \
+        else None  # (all busy 0: no one is slower; a median of 0 names no one but a busy member)
     return {"epoch": None if epoch is None else {"number": epoch.number, "step": epoch.step,
                                                   "members": list(epoch.members), "spares": len(epoch.spares)},
             "members": members, "slowest": slowest, "straggler": straggler}

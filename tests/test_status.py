@@ -132,3 +132,41 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         after = statistics.median(t for _, _, t in facts[0]["times"][-(AFTER - 20):])  # the spare's first 20 apart
         print(f"evicted-spare: median step {1e3 * before:.1f} ms before the slowdown, {1e3 * after:.1f} ms after the "
               f"eviction ({after / before:.3f}x; a figure, not asserted)")
+
+
+def test_no_straggler_is_named_where_no_member_is_busier_than_the_others() -> None:
+    """read_status on a store the members published to: every member's wait as long as its
+    step (each busy 0 s, the median 0) names no straggler (a ratio of a median of 0 named the
+    first member, whom the eviction policy would ask to leave); one busy member among idle ones,
+    and one 2x the others, are named."""
+    from fastreduce.coordinator import Epoch, epoch_key
+    from fastreduce.status import STATUS_PREFIX, read_status
+
+    server = serve(0, "127.0.0.1")
+    server.set(epoch_key(0), Epoch(0, ("a", "b", "c"), 0, 1, ()).to_json())
+
+    def publish(busy: dict[str, float]) -> dict:
+        for name, b in busy.items():
+            server.set(STATUS_PREFIX + name, json.dumps({"at": time.time(), "step": 5, "step_s": 0.1 + b, "wait_s": 0.1}))
+        return read_status(server)
+
+    assert publish({"a": 0.0, "b": 0.0, "c": 0.0})["straggler"] is None
+    assert publish({"a": 0.0, "b": 0.0, "c": 0.05})["straggler"] == "c"
+    assert publish({"a": 0.05, "b": 0.1, "c": 0.05})["straggler"] == "b"
+    assert publish({"a": 0.05, "b": 0.06, "c": 0.05})["straggler"] is None
+
+
+def test_a_pulse_beats_at_its_pace_with_the_heartbeat_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FASTREDUCE_HEARTBEAT_S <= 0 turns the epochs' heartbeat off; a waiting member's pulse
+    (fastreduce.presence.Pulse) still beats every 0.25 s, not as fast as the store answers
+    (-1 made 428k requests in half a second)."""
+    from fastreduce.presence import Pulse, pulses
+
+    server = serve(0, "127.0.0.1")
+    for off in ("0", "-1"):
+        monkeypatch.setenv("FASTREDUCE_HEARTBEAT_S", off)
+        pulse = Pulse(server, f"m{off}", lambda fn, *args: fn(*args))
+        pulse.up()
+        time.sleep(0.6)
+        assert pulse.stop(timeout=2.0)
+        assert 2 <= pulses(server, lambda fn, *args: fn(*args), [f"m{off}"])[f"m{off}"] <= 5, off
