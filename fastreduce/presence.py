@@ -100,7 +100,8 @@ class Pulse:
         return not thread.is_alive()
 
     def _run(self, stopping: threading.Event) -> None:
-        interval = faults.heartbeat_interval() or 0.25
+        beat = faults.heartbeat_interval()
+        interval = beat if beat > 0 else 0.25  # (the heartbeat off, 0 or less: the pulse still beats)
         key = _pulse_key(self.member)
         own = self._own  # (made before the first thread starts)
         while not stopping.wait(interval):
