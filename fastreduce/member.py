@@ -84,6 +84,8 @@ class Member:
     it), whether it founded epoch 0, and the mode's state kept across an epoch change."""
 
     def __init__(self, name: str, settings: MembershipSettings):
+        if not name or any(c.isspace() or c == "," for c in name):  # (a vote's decision lists leavers by ",")
+            raise ValueError(f"a member's name must be non-empty, without spaces or commas, got {name!r}")
         self.name, self.settings = name, settings
         self.epoch: Epoch | None = None
         self.step = 0

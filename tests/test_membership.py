@@ -21,6 +21,7 @@ members train on undisturbed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -815,6 +816,9 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
         Membership(f"127.0.0.1:{server.port}", world_size=0)
     with pytest.raises(ValueError, match="coordinator must be 'host:port'"):
         Membership("nohostport", world_size=2)
+    for name in ("node 1", "node,1", ""):  # (a leaver's name in a vote's decision: "leave 7 a,b")
+        with pytest.raises(ValueError, match="without spaces or commas") if name else contextlib.nullcontext():
+            Membership(f"127.0.0.1:{server.port}", world_size=2, member=name).close()
     with pytest.raises(MembershipError, match="cannot reach the coordinator at 127.0.0.1:1"):
         from fastreduce.membership import connect
         connect("127.0.0.1:1", timeout_s=1)
