@@ -112,3 +112,58 @@ def noop_worker(rank: int, world: int, dtype_name: str) -> dict:
 def test_nothing_rounded_nothing_kept(dtype_name: str) -> None:
     for r in run_ranks(noop_worker, 2, dtype_name, timeout=120):
         assert r == {"same": True, "residuals": 0}
+
+
+def saved_after_load_worker(rank: int, world: int) -> dict:
+    """A reducer's residuals saved, loaded into a new one, and saved again before its first
+    reduce() (a Membership's mode rebuilt at an epoch and kept again at a loss before its first
+    step; a Checkpointer saving right after load_latest)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16, error_feedback=True)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    reducer.reduce()
+    saved = reducer.state_dict()
+    again = fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16, error_feedback=True)
+    reducer.close()
+    again.load_state_dict(saved)
+    resaved = again.state_dict()
+    return {"names": sorted(saved["residuals"]), "resaved": sorted(resaved["residuals"]),
+            "equal": all(torch.equal(saved["residuals"][n], resaved["residuals"][n]) for n in saved["residuals"]),
+            "nonzero": any(bool(t.any()) for t in saved["residuals"].values())}
+
+
+def test_residuals_loaded_before_the_first_reduce_are_saved_again() -> None:
+    for r in run_ranks(saved_after_load_worker, 2, timeout=120):
+        assert r["names"] and r["nonzero"], r  # the bf16 wire rounded something away
+        assert r["resaved"] == r["names"] and r["equal"], r
+
+
+def functional_wire_worker(rank: int, world: int) -> dict:
+    """all_reduce_gradients on an int8 wire with error feedback: its wire's residuals are in
+    the state a Checkpointer saves (functional_state), come back before any reducer exists
+    (and are saved as loaded), and reach the reducer made next."""
+    from fastreduce.modes.functional import functional_state, load_functional_state
+
+    def trained() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        return model
+
+    model = trained()
+    fastreduce.all_reduce_gradients(model, "int8", error_feedback=True)
+    saved = functional_state(model)
+    fresh = trained()
+    load_functional_state(fresh, saved)
+    before_any = functional_state(fresh)
+    fastreduce.all_reduce_gradients(fresh, "int8", error_feedback=True)  # (the reducer takes it, then reduces)
+    wire = saved.get("wire", {})
+    return {"wire": bool(wire) and any(bool(t.any()) for t in wire.values() if torch.is_tensor(t)),
+            "kept": before_any is saved or before_any == saved, "after": sorted(functional_state(fresh))}
+
+
+def test_a_quantized_wires_residuals_are_saved_and_restored_by_all_reduce_gradients() -> None:
+    for r in run_ranks(functional_wire_worker, 2, timeout=120):
+        assert r["wire"] and r["kept"], r
+        assert "wire" in r["after"], r

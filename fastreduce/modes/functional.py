@@ -117,22 +117,28 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
 
 def functional_state(model: nn.Module) -> dict[str, Any]:
     """The error-feedback residuals of the reducers ``all_reduce_gradients`` keeps on
-    ``model``, and PowerSGD's state (residuals, Q, step) of the one that compresses."""
+    ``model``, a quantized wire's (``"wire"``), and PowerSGD's state (residuals, Q, step) of
+    the one that compresses; where none was made yet, what :func:`load_functional_state`
+    handed to the next one."""
     residuals: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"residuals": residuals}
-    for reducer in model.__dict__.get("_fastreduce_reducers", {}).values():
+    cache = model.__dict__.get("_fastreduce_reducers", {})
+    if not cache and getattr(cache, "restore", None) is not None:
+        return cache.restore
+    for reducer in cache.values():
         mine = reducer.state_dict()
         for name, t in mine["residuals"].items():
             residuals.setdefault(name, t)
-        if "compression" in mine:
-            state.setdefault("compression", mine["compression"])
+        for kind in ("compression", "wire"):
+            if kind in mine:
+                state.setdefault(kind, mine[kind])
     return state
 
 
 def load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
     """Residuals (and PowerSGD's state) into the reducers on ``model`` that use them, or,
     if there is none yet, handed to the next one ``all_reduce_gradients`` makes."""
-    if not state["residuals"] and "compression" not in state:
+    if not state["residuals"] and "compression" not in state and not state.get("wire"):
         return
     cache = model.__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
     users = [r for r in cache.values() if r.config.error_feedback or r.config.compression is not None]
@@ -144,8 +150,10 @@ def load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
 
 def _its_part(reducer: FusedReducer, state: dict[str, Any]) -> dict[str, Any]:
     """What of a saved functional state ``reducer`` uses: residuals if it has error
-    feedback, PowerSGD's state if it compresses."""
+    feedback (a quantized wire's too), PowerSGD's state if it compresses."""
     part: dict[str, Any] = {"residuals": state["residuals"] if reducer.config.error_feedback else {}}
     if reducer.config.compression is not None and "compression" in state:
         part["compression"] = state["compression"]
+    if reducer.config.quant is not None and reducer.config.error_feedback and state.get("wire"):
+        part["wire"] = state["wire"]  # a quantized wire's residuals
     return part

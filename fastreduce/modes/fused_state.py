@@ -22,10 +22,12 @@ class ReducerState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's own state, for a checkpoint (``fastreduce.checkpoint.Checkpointer``
         saves it under a per-rank key): each parameter's error-feedback residual, flat, by
-        name (empty without ``error_feedback`` or before the first ``reduce()``), and with
+        name (empty without ``error_feedback`` or before the first ``reduce()``, but for what
+        :meth:`load_state_dict` loaded), and with
         ``compression=`` the codec's state under ``"compression"``."""
         built = self._built
-        state: dict[str, Any] = {"residuals": {} if built is None else built.buffer.residual_state(built.layout)}
+        state: dict[str, Any] = {"residuals": self.__dict__.get("_pending_state", {}) if built is None  # (loaded,
+                                 else built.buffer.residual_state(built.layout)}  # not yet placed: as loaded)
         if built is not None and built.compressed is not None:
             state["compression"] = built.compressed.codec.state_dict()
         elif "_pending_codec" in self.__dict__:
