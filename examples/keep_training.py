@@ -158,7 +158,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
-    of ``ranks``: given to every member, several ranks lost at once, chosen by rank),
+    of ``ranks``: given to every member, several ranks lost at once, chosen by rank; a fourth
+    element, ranks of the first epoch that die as epoch 1's ZeRO mode takes its shards),
     a replacement's ``admitted`` (as it is admitted, before it enters its first epoch),
     ``healing`` (as its healing begins, the member sending it the state), ``first-step``
     (after its first backward, before its first commit),
@@ -213,6 +214,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             die_joining(m, kill[0])
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1] (0: the first), before its group exists
             m.at("set_up", lambda e: die() if e.number == kill[1] else None)
+        first_rank: list[int] = []  # its rank in the first epoch (ranks-mid-step's fourth element)
+        if kill is not None and kill[0] == "ranks-mid-step" and len(kill) > 3:  # ZeRO: then as epoch 1's mode takes its shards
+            m.at("reshard", lambda e: die() if e.number == 1 and first_rank and first_rank[0] in kill[3] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)
@@ -225,6 +229,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
+        first_rank.append(m.rank if m.epoch.number == 0 else -1)
         (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "
             f"in {facts['joined_s']:.2f} s")

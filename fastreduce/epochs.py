@@ -220,6 +220,8 @@ class EpochChanges:
             lost = err.members if isinstance(err, _Missing) else self.votes.lost_in(err) if dist.is_initialized() else None
             if lost is None:
                 raise
+            if self.me.mode is not None:  # built in this entry, its state half loaded (ZeRO: half resharded):
+                self.close_mode(drain=False)  # dropped, so that the next epoch starts from the kept state
             self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
             self.me.counters.lose(lost)
             log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
@@ -256,6 +258,7 @@ class EpochChanges:
             if own is not None and (per_rank or not fresh):
                 self.me.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
             if kind == "zero":  # every shard's state (parameters too, where stale) resharded onto this epoch
+                self.me.passing("reshard", epoch)
                 try:
                     zero_mirror.reshard(self.me.mode, pieces)
                 except zero_mirror.ShardsLost as err:
