@@ -77,6 +77,9 @@ class Votes:
                 mine = f"go {self.poll_at} "
             written = self.link.call(store.compare_set, key + "/done", "", mine)
             value = mine if (written.decode() if isinstance(written, bytes) else written) == mine else None
+            if value is not None and decision == "join":  # the requests served: a process that joins
+                for m in leavers:  # later under a leaver's name is not taken for it
+                    self.link.submit(store.delete_key, f"{_LEAVING}/{m}")
             if self._polled is not None and self._polled[0] == epoch.number:  # every member read it: gone
                 old = MEMBERS_PREFIX + f"e{epoch.number}/s{self._polled[1]}"
                 for k in (old, old + "/done"):  # off the step's path (the next request queues behind)

@@ -812,6 +812,32 @@ def test_a_copied_state_keeps_every_container_as_it_was() -> None:
     assert type(out["p"]) is Pair and out["p"].b == 2 and torch.equal(out["p"].a, torch.full((1,), 2.0))
 
 
+def test_a_process_that_joins_under_a_leavers_name_is_not_taken_for_it() -> None:
+    """A member named "w3" (a StatefulSet's pod) asks to leave and is voted out; a new process
+    joining later as "w3" must not be voted out at the next poll by its old request."""
+    import time
+
+    from fastreduce.coordinator import MEMBERS_PREFIX, Epoch
+    from fastreduce.membership import Membership, serve
+
+    server = serve(0, "127.0.0.1")
+    address = f"127.0.0.1:{server.port}"
+    voter, leaver = (Membership(address, world_size=2, member=name) for name in ("w1", "w3"))
+    epoch = Epoch(0, ("w1", "w3"), 0, 0)
+    voter.me.epoch = leaver.me.epoch = epoch
+    leaver.votes.ask_to_leave()
+    server.add(MEMBERS_PREFIX + "e0/s0", 1)  # w3's ballot at the poll
+    assert voter.votes.vote(0) == ("join", {"w3"})
+    time.sleep(0.5)  # (the served request is deleted off the step's path)
+    newcomer = Membership(address, world_size=2, member="w1")  # a voter that never counted the requests
+    newcomer.me.epoch = Epoch(1, ("w1", "w3"), 1, 1)
+    server.add(MEMBERS_PREFIX + "e1/s1", 1)
+    decision, leavers = newcomer.votes.vote(1)
+    assert leavers == set(), (decision, leavers)
+    for m in (voter, leaver, newcomer):
+        m.close()
+
+
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""
