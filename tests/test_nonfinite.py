@@ -81,6 +81,39 @@ def test_every_rank_decides_alike(results, mode: str, wire: str, bad: str) -> No
             assert out["finite_after"][BAD_STEP] is False, (rank, out)  # left as it is
 
 
+def alone_worker(rank: int, world: int) -> dict:
+    """One rank (a Membership down to one member, LocalSGD's warm-up): a NaN gradient."""
+    out: dict[str, Any] = {}
+    for mode in ("skip", "raise", "ignore"):
+        model = nn.Linear(2, 1)
+        reducer = fastreduce.FusedReducer(model, nonfinite=mode)
+        model(torch.ones(1, 2)).sum().backward()
+        model.weight.grad[0, 0] = math.nan
+        try:
+            out[mode] = reducer.reduce(), reducer.stats.nonfinite
+        except fastreduce.NonFiniteGradError as err:
+            out[mode] = str(err)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = fastreduce.LocalSGD(model, opt, sync_every=2, warmup_steps=2, nonfinite="skip")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 2)).sum().backward()
+    model.weight.grad[0, 0] = math.nan
+    opt.step()
+    out["warmup"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters())), local.skipped_steps
+    return out
+
+
+def test_one_rank_checks_its_gradients_as_a_group_checks_their_average() -> None:
+    """FusedReducer at world size 1 returned True without a look: nonfinite="skip" stepped a
+    NaN (so did LocalSGD's warm-up) and "raise" raised nothing."""
+    out = run_ranks(alone_worker, 1, timeout=120)[0]
+    assert out["skip"] == (False, 1), out
+    assert "the gradients hold inf or NaN, first in parameter 'weight'" in out["raise"], out
+    assert out["ignore"] == (True, 0), out
+    assert out["warmup"] == (True, 1), out  # the step skipped: the parameters as they were
+
+
 def test_bad_setting_is_refused() -> None:
     with pytest.raises(ValueError, match="nonfinite must be"):
         fastreduce.ReducerConfig(nonfinite="warn")

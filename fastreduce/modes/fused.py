@@ -185,8 +185,8 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
                                "and each rank would step on its own gradients. Call reduce() "
                                "after the no_sync() block, once per accumulation window; the "
                                "gradients are left as they were")
-        if self.world_size == 1:
-            return True
+        if self.world_size == 1:  # nothing to average: the gradients themselves checked
+            return self.config.nonfinite == "ignore" or self._alone_finite()
         self._group_built.check("FusedReducer")
         return self._reduce(self._check_alone() if self._built is None else None)
 
@@ -262,6 +262,26 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         raise nonfinite_error("the averaged gradients", None if i is None else built.layout.names[i],
                               "some rank's gradient was not finite, or overflowed the wire dtype; this "
                               "step's gradients are lost.")
+
+    def _alone_finite(self) -> bool:
+        """At one rank (a Membership down to one member, LocalSGD's warm-up): the dense
+        gradients checked as :meth:`_finite` checks an average; ``raise`` or ``skip``."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.grad is not None and p.grad.layout == torch.strided]
+        if not named:
+            return True
+        if self._check is None:
+            self._check = FiniteCheck(named[0][1].device)
+        if self._check(tuple(g for _, g in named)):
+            return True
+        self.stats.nonfinite += 1
+        if self.config.nonfinite == "skip":
+            log.warning("fastreduce: the gradients hold inf or NaN; reduce() returns False: skip this optimizer "
+                        "step (nonfinite='skip')")
+            return False
+        i = first_nonfinite([g for _, g in named])
+        raise nonfinite_error("the gradients", None if i is None else named[i][0],
+                              "they are as the backward left them.")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
