@@ -954,6 +954,27 @@ def commit_point_case(rank: int, world: int, group: Any) -> dict:
     return out
 
 
+def stepped_after_close_case(rank: int, world: int) -> dict:
+    """A ZeroOptimizer stepped after close() (which takes its forward waits off): the step
+    waits for its own all-gather, so the next forward reads every rank's shard, as an open
+    one's does (it returned with the gather in flight and nothing waited: stale parameters)."""
+    runs = {}
+    for closing in (False, True):
+        model = odd_model(SEED)
+        opt = zero_opt(model.parameters(), module=model)
+        for step in range(3):
+            if closing and step == 2:
+                opt.close()
+            loss_fn(model, batch_for(model, rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            loss_of(model, batch_for(model, rank, 3))  # (an open one's forward waits for the gather here)
+        runs[closing] = (params_of(model), opt.params_stale)
+    return {"same": all(torch.equal(runs[True][0][n], t) for n, t in runs[False][0].items()),
+            "stale": runs[True][1]}
+
+
 def api_case(rank: int, world: int) -> dict:
     model = odd_model(SEED)
     params = list(model.parameters())
@@ -1000,6 +1021,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["closure"] = guarded(closure_case, rank, world, ref_group)
     out["commit_point"] = guarded(commit_point_case, rank, world, ref_group)
     out["api"] = guarded(api_case, rank, world)
+    out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
     return out
 
 
@@ -1060,6 +1082,11 @@ def test_no_sync_accumulation_matches_summed_grads(misc, overlap) -> None:
         # held launches stay held through no_sync(): none from the backward hooks at step 1
         assert out["launched"][1] == 0 and (not overlap or out["launched"][2] > 0), out["launched"]
     assert_identical_on_ranks([o["zero"] for o in outs], "no_sync")
+
+
+def test_a_step_after_close_leaves_no_parameter_stale(misc) -> None:
+    for out in per_rank(misc, "stepped_after_close"):
+        assert out == {"same": True, "stale": False}, out
 
 
 def scaler_outs(misc: list[dict], name: str) -> list[dict]:

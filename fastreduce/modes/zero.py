@@ -368,6 +368,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self._gathers = []
         remove_hooks(self._module_hooks + ([self._forward_reattach] if self._forward_reattach is not None else []))
         self._module_hooks, self._forward_reattach = [], None
+        self._forward_waits = False  # no forward waits for a gather now: a step() after this waits itself
         uncut_graphs(self)
         self._reattach.remove()
         if self._schedule is not None:
