@@ -18,7 +18,8 @@ store's requests onto etcd's (through etcd3gw, the maintained client of etcd's J
   (one request for a counter only it adds to, a heartbeat's), which on a conflict answers the
   key's value and revision for the next try. A request whose answer was lost (its endpoint
   died after applying it) is not applied twice: each ``add`` writes a record of its own beside
-  the key in the same transaction (``ops/<client>/<key>``), which a failed try reads back.
+  the key in the same transaction (``ops/<key>`` and a NUL and ``<client>``, deleted with the
+  key), which a failed try reads back.
 
 Every request goes to one endpoint; an endpoint that refuses, times out or answers that it has
 no leader is left for the next, until one answers or none has for ``unavailable_after_s``
@@ -136,7 +137,7 @@ class EtcdStore(dist.Store):
         self._until(lambda: self.check(keys), timeout if timeout is not None else self.timeout, keys)
 
     def add(self, key: str, amount: int) -> int:
-        k, op = self._k(key), f"{self._root}ops/{self._conn.client_id}/{key}"
+        k, op = self._k(key), f"{self._ops(key)}{self._conn.client_id}"
         conn = self._conn
         with conn.add_lock:
             mine = f"{next(conn.seq)}:"
@@ -172,7 +173,14 @@ class EtcdStore(dist.Store):
         return _value(kvs[0]) if kvs else expected
 
     def delete_key(self, key: str) -> bool:
-        return int(self._conn.request("kv/deleterange", {"key": _b64(self._k(key))}).get("deleted", 0)) > 0
+        """The key, and every client's record of its ``add``\ s (one transaction: a vote's
+        counter per poll left them behind, a key a member a poll, for good)."""
+        ops = self._ops(key)
+        got = self._conn.request("kv/txn", {"compare": [], "failure": [], "success": [
+            {"request_delete_range": {"key": _b64(self._k(key))}},
+            {"request_delete_range": {"key": _b64(ops), "range_end": _b64(ops[:-1] + "\x01")}}]})
+        first = (got.get("responses") or [{}])[0].get("response_delete_range") or {}
+        return int(first.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         start = f"{self._root}kv/"
@@ -200,6 +208,11 @@ class EtcdStore(dist.Store):
 
     def _k(self, key: str) -> str:
         return f"{self._root}kv/{key}"
+
+    def _ops(self, key: str) -> str:
+        """The prefix of the clients' records of their adds to ``key`` (a NUL ends the key: no
+        other key's records share it)."""
+        return f"{self._root}ops/{key}\x00"
 
     def _kvs(self, response: dict[str, Any]) -> list[dict[str, Any]]:
         return (response.get("response_range") or {}).get("kvs") or []

@@ -69,6 +69,26 @@ def test_the_etcd_store_answers_every_request_as_a_tcpstore_does(one: EtcdCluste
     assert not other.check(["m1"]) and other.num_keys() == 0  # jobs apart on one cluster
 
 
+def test_a_deleted_counter_leaves_nothing_behind_in_etcd(one: EtcdCluster) -> None:
+    """A vote's counter per poll: each member's add writes a record of its own beside the key
+    (against an add applied twice); deleting the key deletes them too, so a job's keys in etcd
+    stay as many as its live ones (they grew by a member a poll, for good)."""
+    import etcd3gw
+
+    host, _, port = one.endpoints[0].rpartition(":")
+    raw = etcd3gw.Etcd3Client(host=host, port=int(port), api_path="/v3/")
+    stores = [EtcdStore(*parse_address(one.address("no-leftovers"))) for _ in range(3)]
+    for poll in range(20):
+        for store in stores:
+            store.add(f"e0/s{poll}", 1)
+        stores[0].add(f"e0/s{poll}/x", 1)  # a key the counter's name begins
+        assert stores[0].delete_key(f"e0/s{poll}") and not stores[0].delete_key(f"e0/s{poll}")
+        assert stores[1].add(f"e0/s{poll}/x", 1) == 2  # another key's records left alone
+    left = [m["key"] for _, m in raw.get_prefix("/fastreduce/no-leftovers/")]
+    assert len(left) == 60, left  # the 20 "x" counters and 2 clients' records of each: no counter's records
+    assert sum(b"/kv/" in k for k in left) == 20 and all(b"/x" in k for k in left), left
+
+
 def _gloo_rank(rank: int, address: str, q: object) -> None:
     store = connect(address, timeout_s=30)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 3, timedelta(seconds=30))
