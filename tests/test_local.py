@@ -1073,3 +1073,42 @@ def test_group_of_two_ranks_in_a_world_of_four(worlds, kind) -> None:
         assert identical([o["init"], first]), f"rank {rank}: not the group's first rank's params"
         assert o["warned"], f"rank {rank}: ranks differed and no warning"
         assert_traj_close(o["fr"], o["ref"], f"group {GROUP_RANKS}, {kind}, rank {rank}")
+
+
+def warmup_again_worker(rank: int, world: int) -> dict:
+    """A LocalSGD past its warm-up loads a state saved in it (a Membership's kept state after
+    a loss, a checkpoint loaded into the running mode): its next steps are warm-up steps again,
+    gradients averaged, and nonfinite="skip" still judges the average (every rank alike)."""
+    from fastreduce.nested import clone_state
+
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+        for i in range(n):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(seed + 10 * i + rank)
+            model(torch.randn(4, 8, generator=g)).sum().backward()
+            if seed == 900 and i == 0 and rank == 1:
+                model[0].weight.grad[0, 0] = float("nan")  # one rank's: the average is not finite
+            opt.step()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = fastreduce.LocalSGD(model, opt, sync_every=100, warmup_steps=4, nonfinite="skip")
+    steps(model, opt, 2, 0)
+    saved, saved_opt = clone_state(mode.state_dict()), clone_state(opt.state_dict())
+    steps(model, opt, 4, 50)  # past the warm-up
+    mode.load_state_dict(saved)
+    opt.load_state_dict(saved_opt)
+    steps(model, opt, 2, 900)  # warm-up steps 3 and 4: the first skipped on both ranks
+    v = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(v) for _ in range(world)]
+    dist.all_gather(every, v)
+    mode.close()
+    return {"apart": float((every[0] - every[1]).abs().max()), "skipped": mode.skipped_steps,
+            "finite": bool(torch.isfinite(v).all())}
+
+
+def test_a_mode_past_its_warm_up_loads_a_state_in_it_and_warms_up_again() -> None:
+    for out in run_ranks(warmup_again_worker, 2, timeout=120):
+        assert out["finite"] and out["skipped"] == 1, out
+        assert out["apart"] == 0.0, out  # averaged steps from the same parameters: the ranks agree

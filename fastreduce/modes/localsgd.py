@@ -169,14 +169,9 @@ class LocalSGD(LocalUpdates):
                     accumulate_dtype=None, buffers=buffers, fragments=1, backup_device=None,
                     transport=transport, scratch=False, compression=compression, quant=quant,
                     error_feedback=error_feedback)
-        self._reducer = None
+        self._reducer, self._transport = None, transport
         if self.warmup_steps:
-            from .fused import (
-                FusedReducer,  # the fused mode averages the warm-up's gradients
-            )
-            self._reducer = FusedReducer(model, group=group, wire_dtype=None, nonfinite=self.nonfinite,
-                                         transport=resolve_transport(transport))
-            self._hooks += on_step(optimizer, pre=self._before_step)
+            self._start_warmup()
         self._guard_steps()
         if self.rank == 0:
             log.info("fastreduce: LocalSGD: %s; average every %s, warm-up %d steps, %d ranks",
@@ -221,6 +216,11 @@ class LocalSGD(LocalUpdates):
         self._load(state_dict)
         if self.steps >= self.warmup_steps and self._reducer is not None:
             self._end_warmup()
+        elif self.steps < self.warmup_steps and self._reducer is None:  # (a mode past its warm-up: back in it)
+            self._start_warmup()
+            if self._nonfinite_hooks:  # after the warm-up's, as at construction ([Note: skipping an inner step])
+                remove_hooks(self._nonfinite_hooks)
+                self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
 
     # ------------------------------------------------------------------ hooks
 
@@ -246,6 +246,14 @@ class LocalSGD(LocalUpdates):
             if count % period == 0:
                 self._sync(comm)
                 return
+
+    def _start_warmup(self) -> None:
+        """The fused mode averages the warm-up's gradients, before each optimizer step."""
+        from .fused import FusedReducer
+
+        self._reducer = FusedReducer(self.model, group=self.group, wire_dtype=None, nonfinite=self.nonfinite,
+                                     transport=resolve_transport(self._transport))
+        self._hooks += on_step(self.optimizer, pre=self._before_step)
 
     def _end_warmup(self) -> None:
         self._close_reducer()
