@@ -390,7 +390,8 @@ def case_averaged_in_flight(rank: int, world: int) -> dict:
 def case_evaluate_on_the_mean(rank: int, world: int) -> dict:
     """docs/gossip.md's evaluation: ``global_avg()``, evaluate (and save), ``revert_global_avg()``,
     train on. The state saves on the mean and after the revert; the revert puts back this rank's
-    own parameters exactly; a revert with no average before it is a clear error."""
+    own parameters exactly; a revert with no average before it is a clear error, and so is a
+    state saved before a mode's first step loaded into one that has stepped (nothing loaded)."""
     model = odd_model(SEED + rank)
     ddp = make_ddp(model, "ring")
     train(ddp, model, rank, range(3))
@@ -406,7 +407,18 @@ def case_evaluate_on_the_mean(rank: int, world: int) -> dict:
     except RuntimeError as err:
         again = str(err)
     train(ddp, model, rank, range(3, 5))
-    return {"own": own, "averaged": averaged, "reverted": reverted, "again": again,
+    fresh_model = odd_model(SEED + rank)
+    fresh = make_ddp(fresh_model, "ring")
+    unbuilt = fresh.state_dict()  # saved before its first step
+    fresh.close()
+    before = params_of(model)
+    try:
+        ddp.load_state_dict(unbuilt)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return {"own": own, "averaged": averaged, "reverted": reverted, "again": again, "refused": refused,
+            "kept": all(torch.equal(t, params_of(model)[n]) for n, t in before.items()),
             "saved_keys": sorted(saved), "mean_keys": sorted(on_mean), "trained": params_of(model)}
 
 
@@ -644,6 +656,7 @@ def test_a_rank_evaluates_on_the_mean_saves_and_trains_on_its_own_again(worlds) 
         assert not all(torch.equal(o["trained"][n], t) for n, t in o["own"].items()), "it did not train on"
         assert o["saved_keys"] and o["mean_keys"], o
         assert "needs a global_avg() before it" in o["again"], o["again"]
+        assert "saved before the mode's first step" in o["refused"] and o["kept"], o["refused"]
     assert not all(torch.equal(outs[0]["own"][n], outs[1]["own"][n]) for n in outs[0]["own"]), \
         "the ranks agreed before the average: the test shows nothing"
 

@@ -68,6 +68,10 @@ class GossipState:
         :meth:`state_dict` does (collective then: every rank loads at the same point): an
         exchange still reading this rank's parameter block, or writing its mix, would
         otherwise mix the loaded state with the old one."""
+        if not state_dict.get("built") and self._built:
+            raise ValueError("this state was saved before the mode's first step, and this mode has stepped since: "
+                             "its pending mixes, per-bucket optimizers and schedulers cannot go back to their start; "
+                             "load it into a new mode; nothing was loaded")
         if state_dict.get("built") and ("public_copies" in state_dict) != (self._quant is not None):
             raise ValueError("this state was saved with a quantized wire's public copies and this mode has no "
                              "quantized wire, or the other way round: resume with the same wire_dtype; nothing "
