@@ -1112,3 +1112,39 @@ def test_a_mode_past_its_warm_up_loads_a_state_in_it_and_warms_up_again() -> Non
     for out in run_ranks(warmup_again_worker, 2, timeout=120):
         assert out["finite"] and out["skipped"] == 1, out
         assert out["apart"] == 0.0, out  # averaged steps from the same parameters: the ranks agree
+
+
+def trainer_warmup_worker(rank: int, world: int) -> dict:
+    """The trainers' order with LocalSGD's warm-up (backward, the mode's after_backward, the
+    trainer's clipping, the step) against DDP's: clip(mean g), every warm-up step."""
+    from fastreduce.integrations.modes import make_mode
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    mode = make_mode("localsgd", {"sync_every": 4, "warmup_steps": 3})
+    opt = mode.build(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        model(batch(step)).pow(2).sum().backward()
+        mode.after_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        ref(batch(step)).pow(2).sum().backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    mode.close()
+    return {"gap": max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))}
+
+
+def test_a_trainers_clipping_sees_the_warm_ups_average_as_ddps_does() -> None:
+    for out in run_ranks(trainer_warmup_worker, 2, timeout=120):
+        assert out["gap"] <= 1e-6, out

@@ -135,6 +135,9 @@ class Local(TrainerMode):
         self.obj = LocalSGD(model, optimizer, **self.config)
         return optimizer
 
+    def after_backward(self) -> None:
+        self.obj.average_warmup_grads()  # (the trainer's clipping, next, sees the warm-up's average)
+
     def _counts(self):
         m = self.obj
         return {"syncs": m.syncs, "skipped_steps": m.skipped_steps, "skipped_syncs": m.skipped_syncs,
@@ -153,6 +156,8 @@ class Diloco(Local):
         if outer is not None and not (isinstance(outer, torch.optim.Optimizer) or callable(outer)):
             raise TypeError("outer_optimizer must be a torch optimizer over the model's parameters or a "
                             f"callable params -> optimizer, got {type(outer).__name__}")
+
+    after_backward = TrainerMode.after_backward  # (no warm-up)
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         config = dict(self.config)

@@ -170,6 +170,7 @@ class LocalSGD(LocalUpdates):
                     transport=transport, scratch=False, compression=compression, quant=quant,
                     error_feedback=error_feedback)
         self._reducer, self._transport = None, transport
+        self._warm_reduced = False  # this step's warm-up average done (average_warmup_grads)
         if self.warmup_steps:
             self._start_warmup()
         self._guard_steps()
@@ -224,7 +225,21 @@ class LocalSGD(LocalUpdates):
 
     # ------------------------------------------------------------------ hooks
 
+    def average_warmup_grads(self) -> None:
+        """In the warm-up, this step's gradient average now, not at the optimizer's step: a
+        trainer calls it after the backward, so that its clipping sees the average (DDP's
+        clip(mean g), not mean(clip g)); the step then averages nothing again. Collective;
+        outside the warm-up, nothing."""
+        if not self._warm_reduced:
+            self._warm_reduced = self._reduce_warmup()
+
     def _before_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if not self._warm_reduced:
+            self._reduce_warmup()
+        self._warm_reduced = False
+
+    def _reduce_warmup(self) -> bool:
+        """The warm-up's gradient average (``False`` past the warm-up: nothing done)."""
         if self._reducer is not None and self.steps < self.warmup_steps:
             st = self._reducer.stats
             sent, waited = st.bytes_reduced, st.wait_seconds
@@ -234,6 +249,8 @@ class LocalSGD(LocalUpdates):
             if self.nonfinite != "ignore":
                 self._warm_verdict = finite  # the same on every rank: skip (or not) alike
             self._reducer._scale_grads(self._reducer._built, self._join_factor())  # under Join
+            return True
+        return False
 
     def _after_step(self, s: int) -> None:
         if s <= self.warmup_steps:
