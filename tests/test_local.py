@@ -1148,3 +1148,35 @@ def trainer_warmup_worker(rank: int, world: int) -> dict:
 def test_a_trainers_clipping_sees_the_warm_ups_average_as_ddps_does() -> None:
     for out in run_ranks(trainer_warmup_worker, 2, timeout=120):
         assert out["gap"] <= 1e-6, out
+
+
+def closed_twice_worker(rank: int, world: int) -> dict:
+    """close(drain=False) (a peer lost: the work in flight dropped), then close() again (a
+    trainer's teardown after a Membership's epoch change): the second does nothing; it waited
+    for the dropped work, and gossip's finished a step (a collective) over the group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = fastreduce.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=4,
+                               fragments=2, fragment_delay=1)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        inner.step()
+        inner.zero_grad()
+    diloco.close(drain=False)
+    in_flight = sorted(k for k, v in diloco._in_flight.items() if v != (None, None))
+    diloco.close()
+    kept = sorted(k for k, v in diloco._in_flight.items() if v != (None, None))
+    gossip = fastreduce.DecentralizedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                                  lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
+    for _ in range(3):
+        gossip(torch.randn(3, 4)).sum().backward()
+    gossip.close(drain=False)
+    at = gossip.step
+    gossip.close()
+    return {"in_flight": in_flight, "kept": kept, "rounds": gossip.step - at}
+
+
+def test_a_mode_closed_without_draining_stays_closed() -> None:
+    for out in run_ranks(closed_twice_worker, 2, timeout=120):
+        assert out["in_flight"] and out["kept"] == out["in_flight"] and out["rounds"] == 0, out

@@ -258,7 +258,11 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
         """Take every hook of this mode off the model and its parameters (the order
         recorder, the gradient hooks, the compiled backward's cuts); the parameters stay
         where they are. The mode must not be used afterwards. ``drain=False``: the
-        exchanges in flight are dropped, not waited for (a peer is gone)."""
+        exchanges in flight are dropped, not waited for (a peer is gone). Once closed, a
+        second call does nothing (it would finish a step over a group a peer left)."""
+        if self.__dict__.get("_closed"):
+            return
+        self._closed = True
         if drain:
             self._drain()
         if self._recorder is not None:

@@ -261,7 +261,11 @@ class LocalUpdates(LocalState, JoinableMode):
         """Take the step hooks off: the optimizer steps without syncing from here on, and
         the mode must not be used afterwards. ``drain``: a fragment's sync in flight
         (DiLoCo's ``fragment_delay > 0``) is waited for first (``False``: dropped, a peer
-        was lost)."""
+        was lost). Once closed, a second call does nothing (it would wait for what the first
+        dropped)."""
+        if self.__dict__.get("_closed"):
+            return
+        self._closed = True
         if drain:
             self._drain()
         remove_hooks(self._hooks + self._join_hook + self._nonfinite_hooks)
