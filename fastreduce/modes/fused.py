@@ -253,15 +253,9 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         with span("fastreduce::nonfinite_check"):
             if self._check(tuple(built.buffer.flats) if built.compressed else (built.buffer.wire,)):
                 return True
-        self.stats.nonfinite += 1
-        if self.config.nonfinite == "skip":
-            log.warning("fastreduce: the averaged gradients hold inf or NaN; reduce() returns False: "
-                        "skip this optimizer step (nonfinite='skip')")
-            return False
-        i = first_nonfinite(built.buffer.wire_views)
-        raise nonfinite_error("the averaged gradients", None if i is None else built.layout.names[i],
-                              "some rank's gradient was not finite, or overflowed the wire dtype; this "
-                              "step's gradients are lost.")
+        return self._not_finite("the averaged gradients", built.buffer.wire_views, built.layout.names,
+                                "some rank's gradient was not finite, or overflowed the wire dtype; this step's "
+                                "gradients are lost.")
 
     def _alone_finite(self) -> bool:
         """At one rank (a Membership down to one member, LocalSGD's warm-up): the dense
@@ -274,14 +268,19 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
             self._check = FiniteCheck(named[0][1].device)
         if self._check(tuple(g for _, g in named)):
             return True
+        return self._not_finite("the gradients", [g for _, g in named], [n for n, _ in named],
+                                "they are as the backward left them.")
+
+    def _not_finite(self, what: str, tensors: list[torch.Tensor], names: list[str], state: str) -> bool:
+        """``what`` (``tensors``, named ``names``) held inf or NaN: counted; ``skip``: ``False``
+        and a warning; ``raise``: the error naming the first such tensor."""
         self.stats.nonfinite += 1
         if self.config.nonfinite == "skip":
-            log.warning("fastreduce: the gradients hold inf or NaN; reduce() returns False: skip this optimizer "
-                        "step (nonfinite='skip')")
+            log.warning("fastreduce: %s hold inf or NaN; reduce() returns False: skip this optimizer step "
+                        "(nonfinite='skip')", what)
             return False
-        i = first_nonfinite([g for _, g in named])
-        raise nonfinite_error("the gradients", None if i is None else named[i][0],
-                              "they are as the backward left them.")
+        i = first_nonfinite(tensors)
+        raise nonfinite_error(what, None if i is None else names[i], state)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
