@@ -728,7 +728,11 @@ def _elastic_figures(cfg: FaultsConfig, job: dict[str, Any]) -> dict[str, Any]:
 
 def _restart_figures(cfg: FaultsConfig, job: dict[str, Any]) -> dict[str, Any]:
     records, attempts = job["records"], job["attempts"]
-    errors = {k: r["error"] for k, r in records.items() if r and r["error"]}
+    failed = {str(i) for i, a in enumerate(attempts) if a["failed_at"] is not None}
+    # a failed attempt's survivors raise RankLostError (what the relaunch answers), unless the
+    # agent stopped them first: the others' errors are the bench's
+    errors = {k: r["error"] for k, r in records.items() if r and r["error"]
+              and not (k.split("-")[1] in failed and "RankLostError" in r["error"])}
     if errors or len(attempts) != 2 or attempts[-1]["failed_at"] is not None:
         return {"error": ("\n".join(f"rank-attempt {k}: {e}" for k, e in errors.items())[-4000:]
                           or f"expected one failure and one relaunch, got {attempts}")}
