@@ -140,12 +140,16 @@ class FusedBuffer:
     @torch.no_grad()
     def load_residuals(self, layout: GradLayout, residuals: dict[str, torch.Tensor]) -> None:
         """Copy :meth:`residual_state`'s entries (by name) into the residuals; names this
-        buffer has no residual for are ignored."""
+        buffer has no residual for are ignored, and a residual the state has none for is
+        zero (as before a first step: a state saved then has none)."""
         for seg, res in zip(layout.segments, self.residuals):
             if res is not None:
                 for s in seg.slots:
+                    part = res[s.offset:s.offset + s.numel]
                     if s.name in residuals:
-                        res[s.offset:s.offset + s.numel].copy_(residuals[s.name].reshape(-1))
+                        part.copy_(residuals[s.name].reshape(-1))
+                    else:
+                        part.zero_()
 
 
 def cast_in(wire: torch.Tensor, flat: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -128,7 +128,13 @@ def saved_after_load_worker(rank: int, world: int) -> dict:
     reducer.close()
     again.load_state_dict(saved)
     resaved = again.state_dict()
-    return {"names": sorted(saved["residuals"]), "resaved": sorted(resaved["residuals"]),
+    empty = fastreduce.FusedReducer(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), wire_dtype=torch.bfloat16,
+                                    error_feedback=True).state_dict()  # saved before any step: no residual
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    again.reduce()  # (now built, its residuals set)
+    again.load_state_dict(empty)
+    cleared = all(not bool(t.any()) for t in again.state_dict()["residuals"].values())
+    return {"names": sorted(saved["residuals"]), "resaved": sorted(resaved["residuals"]), "cleared": cleared,
             "equal": all(torch.equal(saved["residuals"][n], resaved["residuals"][n]) for n in saved["residuals"]),
             "nonzero": any(bool(t.any()) for t in saved["residuals"].values())}
 
@@ -137,6 +143,7 @@ def test_residuals_loaded_before_the_first_reduce_are_saved_again() -> None:
     for r in run_ranks(saved_after_load_worker, 2, timeout=120):
         assert r["names"] and r["nonzero"], r  # the bf16 wire rounded something away
         assert r["resaved"] == r["names"] and r["equal"], r
+        assert r["cleared"], r  # a state with none, loaded into a live reducer: every residual zero
 
 
 def functional_wire_worker(rank: int, world: int) -> dict:

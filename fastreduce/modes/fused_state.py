@@ -77,7 +77,7 @@ class ReducerState:
     def _restore(self, built: Any) -> None:
         """Copy what :meth:`load_state_dict` (or a rebuild: leniently) left waiting into ``built``."""
         pending = self.__dict__.pop("_pending_state", None)
-        if pending:
+        if pending is not None:  # (an empty one too: no residual, every one zero)
             built.buffer.load_residuals(built.layout, pending)
         wire = self.__dict__.pop("_pending_wire", None)
         if wire and hasattr(built.plan, "load_state_dict"):
