@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pickle
 import random
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .nested import map_leaves
 
 # ---------------------------------------------------------------------- per-rank trees
 
@@ -28,24 +28,14 @@ _TensorAt.__module__ = "fastreduce.checkpoint"  # the name pickled since format 
 
 def pack_tree(tree: Any, prefix: str) -> dict[str, Any]:
     """``tree`` as DCP entries: ``prefix/<i>`` per tensor, ``prefix/tree`` the pickled rest
-    (key types, tuples and plain values kept as they are)."""
+    (containers keep their types, :func:`fastreduce.nested.map_leaves`)."""
     tensors: list[torch.Tensor] = []
 
-    def strip(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x.detach())
-            return _TensorAt(len(tensors) - 1)
-        if isinstance(x, dict):
-            out = OrderedDict() if isinstance(x, OrderedDict) else {}
-            out.update((k, strip(v)) for k, v in x.items())
-            if hasattr(x, "_metadata"):  # a module state_dict's versions
-                out._metadata = x._metadata  # type: ignore[attr-defined]
-            return out
-        if type(x) in (list, tuple):
-            return type(x)(strip(v) for v in x)
-        return x
+    def strip(t: torch.Tensor) -> _TensorAt:
+        tensors.append(t.detach())
+        return _TensorAt(len(tensors) - 1)
 
-    skeleton = strip(tree)
+    skeleton = map_leaves(tree, strip)
     return {f"{prefix}/tree": pickle.dumps(skeleton), **{f"{prefix}/{i}": t for i, t in enumerate(tensors)}}
 
 
@@ -66,30 +56,17 @@ def staged_ranges(tree: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> 
     replaced by a copy for DCP to fill; ``pairs`` gets ``(live, copy)``."""
     from .modes.zero_state import RangeShard
 
-    if isinstance(tree, RangeShard):
-        copy = tree.local.clone()
-        pairs.append((tree.local, copy))
-        return RangeShard(copy, tree.offset, tree.shape[0])
-    if isinstance(tree, dict):
-        return {k: staged_ranges(v, pairs) for k, v in tree.items()}
-    if type(tree) in (list, tuple):
-        return type(tree)(staged_ranges(v, pairs) for v in tree)
-    return tree
+    def stage(shard: RangeShard) -> RangeShard:
+        copy = shard.local.clone()
+        pairs.append((shard.local, copy))
+        return RangeShard(copy, shard.offset, shard.shape[0])
+
+    return map_leaves(tree, stage, leaf=lambda x: isinstance(x, RangeShard))
 
 
 def unpack_tree(state: dict[str, Any], prefix: str) -> Any:
-    def fill(x: Any) -> Any:
-        if isinstance(x, _TensorAt):
-            return state[f"{prefix}/{x.index}"]
-        if isinstance(x, dict):
-            for k, v in x.items():
-                x[k] = fill(v)
-            return x
-        if type(x) in (list, tuple):
-            return type(x)(fill(v) for v in x)
-        return x
-
-    return fill(pickle.loads(state[f"{prefix}/tree"]))
+    return map_leaves(pickle.loads(state[f"{prefix}/tree"]), lambda at: state[f"{prefix}/{at.index}"],
+                      leaf=lambda x: isinstance(x, _TensorAt))
 
 
 # ---------------------------------------------------------------------- random generators

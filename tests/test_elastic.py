@@ -616,3 +616,24 @@ def test_killed_rank_restarts_and_ends_as_uninterrupted(root: str, tmp_path: Pat
     if mode in ("gossip", "local", "diloco"):  # per-rank parameters: each rank got its own back
         assert not _same({"p": killed[0]["params"]}, {"p": killed[1]["params"]})
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_packed_tree_comes_back_with_its_containers() -> None:
+    """What a checkpoint writes per rank (fastreduce.checkpoint_state's DCP entries and pickled
+    skeleton) and reads back: a MultiStepLR's milestones stay a Counter (its closed form,
+    step(epoch), asks .elements()), a module state keeps its _metadata, tensors their values."""
+    import collections
+    import pickle
+
+    from fastreduce.checkpoint_state import pack_tree, unpack_tree
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.1).state_dict()
+    module = torch.nn.Linear(2, 2).state_dict()
+    tree = {"sched": sched, "module": module, "opt": opt.state_dict()}
+    entries = pack_tree(tree, "t")
+    back = unpack_tree({k: (v.clone() if torch.is_tensor(v) else v) for k, v in entries.items()}, "t")
+    pickle.loads(entries["t/tree"])  # (the skeleton is plain pickle)
+    assert type(back["sched"]["milestones"]) is collections.Counter and back["sched"] == sched
+    assert back["module"]._metadata == module._metadata
+    assert all(torch.equal(back["module"][k], v) for k, v in module.items())
