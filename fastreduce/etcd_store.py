@@ -102,6 +102,7 @@ class EtcdStore(dist.Store):
         super().__init__()
         self._conn = _conn or _Connection(list(endpoints), request_timeout_s, unavailable_after_s)
         self.job = job
+        self._kept_by: list[EtcdStore] | None = None  # a clone: its origin's list that keeps it (see close)
         self._root = f"/fastreduce/{job}/"
         self.set_timeout(timeout)  # (c10d's own: a PrefixStore over this one sets it too)
 
@@ -173,7 +174,7 @@ class EtcdStore(dist.Store):
         return _value(kvs[0]) if kvs else expected
 
     def delete_key(self, key: str) -> bool:
-        """The key, and every client's record of its ``add``\ s (one transaction: a vote's
+        """The key, and every client's record of its adds (one transaction: a vote's
         counter per poll left them behind, a key a member a poll, for good)."""
         ops = self._ops(key)
         got = self._conn.request("kv/txn", {"compare": [], "failure": [], "success": [
@@ -194,7 +195,17 @@ class EtcdStore(dist.Store):
         twin = EtcdStore(self.endpoints, self.job, self.timeout,
                          _conn=_Connection(conn.endpoints, conn.request_timeout_s, conn.unavailable_after_s))
         conn.clones.append(twin)
+        twin._kept_by = conn.clones
         return twin
+
+    def close(self) -> None:
+        """Let go of this client's connections to etcd (their sockets; a later request opens
+        them again). A clone closed is no longer kept by the store it was cloned from: whoever
+        closes it keeps it while c10d's stores over it may still be asked."""
+        self._conn.close()
+        if self._kept_by is not None:
+            self._kept_by[:] = [s for s in self._kept_by if s is not self]
+            self._kept_by = None
 
     @property
     def host(self) -> str:
@@ -236,8 +247,7 @@ class EtcdStore(dist.Store):
 class _Connection:
     """A client's HTTP connections to ``endpoints``: one request at a time, at the endpoint that
     answered last; its name for its ``add`` records; the counters' revisions it last saw.
-    (Each clone has one of its own: an epoch's heartbeat clones once, a socket an epoch kept,
-    not yet bounded.)"""
+    (Each clone has one of its own: an epoch's heartbeat clones once and closes it at its end.)"""
 
     def __init__(self, endpoints: list[str], request_timeout_s: float, unavailable_after_s: float):
         if importlib.util.find_spec("etcd3gw") is None:  # the optional extra, named where it is missing
@@ -260,6 +270,14 @@ class _Connection:
         self.seen.move_to_end(key)
         if len(self.seen) > 1024:
             self.seen.popitem(last=False)
+
+    def close(self) -> None:
+        """Close the HTTP sessions (their sockets); the next request makes new ones."""
+        with self.lock:
+            clients, self._clients = self._clients, {}
+        for client in clients.values():
+            client.session.close()
+        self.seen.clear()
 
     def _client(self, endpoint: str) -> Any:
         if endpoint not in self._clients:

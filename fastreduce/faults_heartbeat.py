@@ -189,6 +189,7 @@ class Heartbeat:
         _forget(self)
         disown(self)
         self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
+        self._own.close()
 
     def stop(self, timeout: float | None = None, rest: bool = True) -> bool:
         """Stop beating (:func:`~.lifecycle.shutdown`); ``rest``: the counter rests

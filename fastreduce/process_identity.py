@@ -8,6 +8,8 @@ import os
 import socket
 from typing import Any, Callable
 
+from .reach import base_store
+
 __all__ = ["exited_here", "host_key", "identity", "proc_named_stat", "proc_stat", "running_here", "served_here", "who_of"]
 
 
@@ -84,9 +86,7 @@ def exited_here(record: str, me: str) -> bool:
 def served_here(store: Any) -> bool:
     """Whether ``store`` (a ``TCPStore``, or a ``PrefixStore`` over one) is served at an
     address of this process's own network namespace: one this process could bind."""
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    host = getattr(store, "host", None)
+    host = getattr(base_store(store), "host", None)
     if not host:
         return False
     try:

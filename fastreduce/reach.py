@@ -96,6 +96,9 @@ class SecondConnection:
     def __init__(self, store: Any, timeout_s: float, name: str, then: Callable[[Any], None] | None = None):
         self.conn: Any = None
         self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._kept: Any = None  # the store under conn, once closed (see close)
         self._thread = threading.Thread(target=self._make, args=(store, timeout_s, then), name=name, daemon=True)
         self._thread.start()
 
@@ -103,7 +106,11 @@ class SecondConnection:
         try:
             conn = store.clone()
             conn.set_timeout(timedelta(seconds=timeout_s))
-            self.conn = conn
+            with self._lock:
+                if not self._closed:
+                    self.conn = conn
+            if self.conn is None:  # closed while it was being made
+                self._release(conn)
         except Exception:  # noqa: BLE001 - an older torch, or a store that cannot clone
             pass
         try:
@@ -116,3 +123,26 @@ class SecondConnection:
         """The connection once it is made (``None``: it could not be, or not within ``timeout``)."""
         self.done.wait(timeout)
         return self.conn
+
+    def close(self) -> None:
+        """Let go of the connection, made or still being made: a store whose sockets are held in
+        Python (:class:`~fastreduce.etcd_store.EtcdStore`) closes them now, not at the process's
+        end (a heartbeat makes one per group: one per loss). torch's own stores close theirs with
+        their last reference."""
+        with self._lock:
+            self._closed, conn = True, self.conn
+        if conn is not None:
+            self._release(conn)
+
+    def _release(self, conn: Any) -> None:
+        base = base_store(conn)
+        if callable(getattr(base, "close", None)):
+            base.close()
+        self._kept = base  # a Python store lives while c10d's stores over it may still be asked
+
+
+def base_store(store: Any) -> Any:
+    """The store under ``store``'s ``PrefixStore`` layers (``store`` itself where it has none)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store

@@ -26,14 +26,14 @@ def _resources() -> tuple[int, int, int]:
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), threading.active_count()
 
 
-def _membership(port: int, timeout_s: float) -> Any:
+def _membership(coordinator: str, timeout_s: float) -> Any:
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT="process_group")
     import fastreduce
 
     torch.set_num_threads(1)
     model = make_model(16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    m = fastreduce.Membership(f"127.0.0.1:{port}", world_size=2, min_ranks=1, timeout_s=timeout_s, wait_s=60,
+    m = fastreduce.Membership(coordinator, world_size=2, min_ranks=1, timeout_s=timeout_s, wait_s=60,
                               poll_s=0.05)
     m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model, wire_dtype=torch.float32))
     return m, model, opt
@@ -48,12 +48,12 @@ def _step(m: Any, model: Any, opt: Any, dies: bool = False) -> None:
     opt.zero_grad()
 
 
-def survivor(port: int, out: str, losses: int, timeout_s: float) -> None:
+def survivor(coordinator: str, out: str, losses: int, timeout_s: float) -> None:
     """Train until ``losses`` members were lost; save ``[(losses, world, fds, os threads, threads)]``
     taken at the first step after each loss (and at the start, and at the end), and the step reached."""
     facts: dict[str, Any] = {"samples": []}
     try:
-        m, model, opt = _membership(port, timeout_s)
+        m, model, opt = _membership(coordinator, timeout_s)
         seen = -1
         (Path(out) / "survivor.joined").touch()
         while m.counters.losses < losses:
@@ -72,9 +72,9 @@ def survivor(port: int, out: str, losses: int, timeout_s: float) -> None:
     torch.save(facts, Path(out) / "survivor.pt")
 
 
-def flapper(port: int, timeout_s: float) -> None:
+def flapper(coordinator: str, timeout_s: float) -> None:
     """Join, commit :data:`STEPS_JOINED` steps, die mid-step (SIGKILL to itself)."""
-    m, model, opt = _membership(port, timeout_s)
+    m, model, opt = _membership(coordinator, timeout_s)
     joined = m.step
     while True:
         _step(m, model, opt, dies=m.step >= joined + STEPS_JOINED)

@@ -3,7 +3,8 @@ the second member a new process each time (forked from a server that imported to
 killed mid-step after a few steps, ``FASTREDUCE_LOSSES`` times (25 here; ``make test-losses``:
 1,000). The survivor's open file descriptors and threads (the OS's count: Gloo's and torch's
 native threads too), taken after each loss, stay flat: an abandoned group goes once its
-peers are known to have exited (its sockets and threads with it), not a group timeout later.
+peers are known to have exited (its sockets and threads with it), not a group timeout later;
+on the built-in coordinator and on etcd.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastreduce.bench.etcd import etcd_binary, temporary_cluster
 from loss_loop import flapper, survivor
 
 LOSSES = int(os.environ.get("FASTREDUCE_LOSSES", "25"))
@@ -33,17 +35,32 @@ def test_a_survivor_of_many_losses_keeps_its_descriptors_and_threads(tmp_path: P
     ending), and at most 2 above after the last; every loss counted, the survivor trained on to the end. With a group
     timeout of 600 s (the default), kept until then, each loss would add Gloo's sockets and
     threads."""
-    from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
     server = serve(0, "127.0.0.1")
+    _survive(f"127.0.0.1:{server.port}", tmp_path, LOSSES)
+
+
+@pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")
+def test_on_etcd_a_survivor_of_many_losses_keeps_its_descriptors_and_threads(tmp_path: Path) -> None:
+    """The same on an etcd coordinator: each epoch's heartbeat has a client of its own whose
+    socket Python holds (it was kept for the life of the process: one descriptor per loss)."""
+    pytest.importorskip("etcd3gw", reason="the etcd extra: pip install 'fastreduce[etcd]'")
+    with temporary_cluster(1) as cluster:
+        _survive(cluster.address("losses"), tmp_path, LOSSES)
+
+
+def _survive(coordinator: str, tmp_path: Path, losses: int) -> None:
+    """The survivor through ``losses`` flappers on ``coordinator``; its counts checked (above)."""
+    from fastreduce.launch import rank_context
+
     ctx = rank_context("keep_training", "loss_loop", "torch._dynamo")
-    main = ctx.Process(target=survivor, args=(server.port, str(tmp_path), LOSSES, 600.0))
+    main = ctx.Process(target=survivor, args=(coordinator, str(tmp_path), losses, 600.0))
     started = [main]
     main.start()
     try:
-        for k in range(LOSSES):
-            p = ctx.Process(target=flapper, args=(server.port, 600.0))
+        for k in range(losses):
+            p = ctx.Process(target=flapper, args=(coordinator, 600.0))
             started.append(p)
             p.start()
             p.join(60)
@@ -57,15 +74,15 @@ def test_a_survivor_of_many_losses_keeps_its_descriptors_and_threads(tmp_path: P
     facts = torch.load(tmp_path / "survivor.pt", weights_only=False)
     assert "error" not in facts, facts["error"]
     samples = facts["samples"]
-    assert facts["counters"]["losses"] == LOSSES, facts["counters"]
+    assert facts["counters"]["losses"] == losses, facts["counters"]
     grew, bases = {}, {}
     for n, world, *counts in samples:  # each against the first after WARM losses with as many members
         if n >= WARM:
             base = bases.setdefault(world, counts)
             if any(a - b > SPIKE for a, b in zip(counts, base)):
                 grew[n] = (world, counts)
-    assert len(samples) >= LOSSES // 2 and bases, samples
-    print(f"losses {LOSSES}: (fds, os threads, threads) after loss {WARM}, per world: {bases}; after the last "
+    assert len(samples) >= losses // 2 and bases, samples
+    print(f"losses {losses}: (fds, os threads, threads) after loss {WARM}, per world: {bases}; after the last "
           f"{samples[-1][2:]}; most {[max(s[i] for s in samples if s[0] >= WARM) for i in (2, 3, 4)]}")
     assert not grew, f"grew past {bases} after loss {WARM}: {grew}"
     last = samples[-1]
