@@ -13,12 +13,12 @@ on every rank and before anything is changed.
 
 Inside, as DCP keys::
 
-    model            the model's state_dict, where it is the same on every rank (DCP
+    model            the model's parameters, where they are the same on every rank (DCP
                      writes a key that several ranks hold once); loaded in place
     optimizer        a torch optimizer's state_dict (same on every rank), or a
                      ZeroOptimizer's sharded_state_dict (each rank writes its ranges;
                      loads onto any world size)
-    rank<r>/...      what rank r alone holds: random generators, extras, the mode's
+    rank<r>/...      what rank r alone holds: its buffers, random generators, extras, the mode's
                      state (error-feedback residuals; gossip, LocalSGD, DiLoCo: the
                      rank's own parameters, optimizer and mode state)
 
@@ -37,13 +37,15 @@ generators); this module saves and loads them.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -55,6 +57,7 @@ from .checkpoint_state import pack_tree, capture_rng_state, restore_rng_state, s
 from .checkpoint_state import _TensorAt  # noqa: F401 - pickled as fastreduce.checkpoint._TensorAt: found here
 from .modes.contract import commit_style, mode_name, optimizer_role, state_scope
 from .modes.functional import functional_state, load_functional_state
+from .nested import map_leaves
 
 __all__ = ["Checkpointer", "CheckpointDamagedError", "CheckpointMismatchError"]
 
@@ -63,7 +66,7 @@ log = logging.getLogger(__name__)
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the job loading it (another model, mode, optimizer or
-    world size); raised on every rank before anything is loaded."""
+    world size, or their settings); raised on every rank with nothing changed."""
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -92,7 +95,8 @@ class Checkpointer:
             :class:`~fastreduce.LocalSGD` or :class:`~fastreduce.DiLoCo`. ``None`` for
             ``all_reduce_gradients(model)`` (its reducers' error-feedback residuals are
             saved from the model) and for ZeRO.
-        keep: complete checkpoints kept; older ones are removed after each save.
+        keep: complete checkpoints kept; older ones are removed after each save (and, after
+            going back to an earlier one, those of later steps).
         extras: ``{name: object}`` with ``state_dict()`` / ``load_state_dict()`` (LR
             schedulers, a ``GradScaler``, a sampler), saved per rank.
 
@@ -253,8 +257,11 @@ class Checkpointer:
         state: dict[str, Any] = {}
         mine: dict[str, Any] = {"rng": capture_rng_state(), "extras": {k: o.state_dict() for k, o in self.extras.items()}}
         per_rank = self.scope == "per_rank"
-        if not per_rank:
-            state["model"] = self.model.state_dict()
+        if not per_rank:  # the parameters once; the buffers (BatchNorm's statistics) are each rank's own
+            model = self.model.state_dict()
+            own = _buffer_keys(self.model, model)
+            state["model"] = OrderedDict((k, v) for k, v in model.items() if k not in own)
+            mine["buffers"] = {k: model[k] for k in own}
         if self.scope == "sharded":
             state["optimizer"] = self.optimizer.sharded_state_dict()  # type: ignore[union-attr]
             mine["wire"] = self.optimizer.wire_state_dict()  # type: ignore[union-attr]
@@ -282,7 +289,9 @@ class Checkpointer:
         os.replace(tmp, os.path.join(path, MARKER))
         complete = complete_steps(self.directory)
         done = {p for _, p in complete}
-        stale = [p for _, p in complete[:-self.keep]]
+        # a save after loading an earlier checkpoint (a rollback) ends the timeline the later ones were of
+        stale = [p for s, p in complete if s > marker["step"]]
+        stale += [p for _, p in [c for c in complete if c[0] <= marker["step"]][:-self.keep]]
         stale += [p for _, p in step_folders(self.directory) if p not in done]
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
@@ -315,8 +324,7 @@ class Checkpointer:
     def _load(self, path: str, saved: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        rank, world = current_rank(), current_world()
-        same_world = saved["world_size"] == world
+        rank = current_rank()
         src = rank if rank < saved["world_size"] else 0  # a rank that did not exist: rank 0's extras
         metadata = dcp.FileSystemReader(path).read_metadata()
         per_rank = self.scope == "per_rank"
@@ -324,10 +332,10 @@ class Checkpointer:
         # all of it: a load that fails leaves the job as it was.
         state: dict[str, Any] = {}
         ranges: list[tuple[torch.Tensor, torch.Tensor]] = []  # ZeRO: (live range, staged copy)
-        if not per_rank:
+        if not per_rank:  # (a checkpoint of an earlier fastreduce holds the buffers once, with the parameters)
             live = self.model.state_dict()
-            state["model"] = OrderedDict((k, v.detach().clone()) for k, v in live.items())
-            state["model"]._metadata = getattr(live, "_metadata", None)  # type: ignore[attr-defined]
+            own = {k for k in _buffer_keys(self.model, live) if f"model.{k}" not in metadata.state_dict_metadata}
+            state["model"] = OrderedDict((k, v.detach().clone()) for k, v in live.items() if k not in own)
         if self.scope == "sharded":
             state["optimizer"] = staged_ranges(self.optimizer.sharded_state_dict(), ranges)  # type: ignore[union-attr]
             if "optimizer.fresh" not in metadata.state_dict_metadata:  # saved before fastreduce kept it
@@ -343,19 +351,74 @@ class Checkpointer:
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = f"{type(err).__name__}: {err}".strip()
         bad = every_rank_says(failure)
+        missing = next((m for _, f in bad if (m := _MISSING.search(f))), None)
+        if missing:  # an intact checkpoint of other settings (an optimizer's amsgrad, say): not damage
+            raise CheckpointMismatchError(f"checkpoint {path} does not fit this job: this job's state has "
+                                          f"{missing.group(1)}, the checkpoint does not (saved with other "
+                                          "optimizer or mode settings). Nothing was loaded")
         if bad:
-            why = "; ".join(f"rank {r}: {f[:500]}" for r, f in bad)
+            why = "; ".join(f"rank {r}: {_cause(f)}" for r, f in bad)
             raise CheckpointDamagedError(f"checkpoint {path} could not be read ({why}). Nothing was "
                                          "changed", path, [path])
+        undo = self._undo_point(ranges, src == rank)
+        try:
+            self._apply(path, saved, state, ranges, src)
+            failure = None
+        except Exception as err:  # noqa: BLE001 - this job's optimizer, extras or mode refuse the state
+            failure = f"{type(err).__name__}: {err}"
+        refused = every_rank_says(failure)
+        if refused:
+            undo()
+            why = "; ".join(f"rank {r}: {f}" for r, f in refused)
+            raise CheckpointMismatchError(f"checkpoint {path} does not fit this job ({why}). Nothing was changed; "
+                                          "resume with the settings it was saved with")
+
+    def _undo_point(self, ranges: list[tuple[torch.Tensor, torch.Tensor]], rng: bool) -> Callable[[], None]:
+        """What :meth:`_apply` sets, as it is now (copies in host memory; a torch optimizer's
+        state by reference: its ``load_state_dict`` puts new tensors in, never writes into
+        its own); the callable returned sets it all back. The mode's state is not kept: it
+        is loaded last, and a mode checks a state before it changes anything."""
+        model = map_leaves(self.model.state_dict(), _to_host)
+        kept = [(live, _to_host(live)) for live, _ in ranges]
+        sharded = map_leaves(self.optimizer.sharded_state_dict(), _to_host,  # type: ignore[union-attr]
+                             leaf=_plain_tensor) if self.scope == "sharded" else None
+        opt = self.optimizer.state_dict() if self.optimizer is not None and sharded is None else None
+        extras = {k: copy.deepcopy(o.state_dict()) for k, o in self.extras.items()}
+        generators = capture_rng_state() if rng else None
+
+        def undo() -> None:
+            self.model.load_state_dict(model)
+            for live, host in kept:
+                live.copy_(host)
+            if sharded is not None:
+                self.optimizer.load_sharded_state_dict(sharded)  # type: ignore[union-attr]
+            elif opt is not None:
+                self.optimizer.load_state_dict(opt)
+            for k, o in self.extras.items():
+                o.load_state_dict(extras[k])
+            if generators is not None:
+                restore_rng_state(generators)
+
+        return undo
+
+    def _apply(self, path: str, saved: dict[str, Any], state: dict[str, Any],
+               ranges: list[tuple[torch.Tensor, torch.Tensor]], src: int) -> None:
+        """Set what every rank has read (:meth:`_load`): the model, optimizer, extras, random
+        generators, and last the mode's state."""
+        rank, world = current_rank(), current_world()
+        same_world, per_rank = saved["world_size"] == world, self.scope == "per_rank"
+        mine = unpack_tree(state, f"rank{src}")
         if not per_rank:
-            self.model.load_state_dict(state["model"])
+            model = OrderedDict(state["model"])
+            model.update(mine.get("buffers", {}))
+            model._metadata = getattr(self.model.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
+            self.model.load_state_dict(model)
         for live, staged in ranges:
             live.copy_(staged)
         if self.scope == "sharded":
             self.optimizer.load_sharded_state_dict(state["optimizer"])  # type: ignore[union-attr]
         elif self.optimizer is not None and not per_rank:
             self.optimizer.load_state_dict(unpack_tree(state, "optimizer"))
-        mine = unpack_tree(state, f"rank{src}")
         if "model" in mine:
             self.model.load_state_dict(mine["model"])
         if per_rank and self.optimizer is not None:
@@ -376,6 +439,32 @@ class Checkpointer:
                         "residuals start at zero%s", path, saved["world_size"], world,
                         f"; ranks {saved['world_size']}.. keep their random generators and take rank 0's "
                         "extras" if world > saved["world_size"] else "")
+
+
+def _buffer_keys(model: nn.Module, state: dict[str, Any]) -> set[str]:
+    """The keys of ``model``'s state dict ``state`` that are buffers (persistent ones)."""
+    return {n for n, _ in model.named_buffers()} & set(state)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _plain_tensor(x: Any) -> bool:
+    """A tensor to copy (a ZeRO range's view is kept as it is: its tensor is copied apart)."""
+    from .modes.zero_state import RangeShard
+
+    return isinstance(x, torch.Tensor) and not isinstance(x, RangeShard)
+
+
+_MISSING = re.compile(r"Error: Missing key in checkpoint state_dict: (\S+?)\.?(?:'|\n|$)")
+
+
+def _cause(failure: str) -> str:
+    """A read's failure in one line: the last ``SomeError: ...`` line of it (DCP's message
+    opens with its ranks' tracebacks)."""
+    lines = [ln.strip() for ln in failure.splitlines() if re.match(r"\s*\w+(Error|Exception): ", ln)]
+    return (lines[-1] if lines else failure)[:500]
 
 
 # ---------------------------------------------------------------------- ranks agree

@@ -32,7 +32,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import fastreduce
-from fastreduce.checkpoint import MARKER, CheckpointMismatchError
+from fastreduce.checkpoint import MARKER, Checkpointer, CheckpointMismatchError
 from fastreduce.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,13 +375,96 @@ def none_readable(rank: int, root: str) -> dict[str, Any]:
     return {"raised": raised, "unchanged": _identical(before, whole_state(ckpt))}
 
 
+def _bn_job(kind: str) -> Job:
+    """A model with BatchNorm: each rank's running statistics its own (only gradients are averaged)."""
+    return Job(kind, nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)))
+
+
+def buffers_per_rank(rank: int, root: str) -> dict[str, Any]:
+    """Fused and ZeRO jobs save with every rank's statistics apart; a fresh job loads its own."""
+    out = {}
+    for kind in ("fused", "zero"):
+        torch.manual_seed(rank)
+        job = _bn_job(kind)
+        train(job, 2)
+        job.checkpointer(f"{root}/buffers-{kind}").save(2)
+        torch.manual_seed(50)
+        again = _bn_job(kind)
+        again.checkpointer(f"{root}/buffers-{kind}").load_latest()
+        out[kind] = {"saved": dict(job.model.named_buffers()), "loaded": dict(again.model.named_buffers())}
+    return out
+
+
+def _refusal(make: Callable[[], Checkpointer]) -> dict[str, Any]:
+    """Load the latest checkpoint through ``make()``; what it raised and whether anything changed."""
+    ckpt = make()
+    before = whole_state(ckpt)
+    try:
+        ckpt.load_latest()
+        raised: dict[str, Any] = {"type": None}
+    except Exception as err:  # noqa: BLE001
+        raised = {"type": type(err).__name__, "message": str(err)}
+    return {"raised": raised, "unchanged": _identical(before, whole_state(ckpt))}
+
+
+def other_settings(rank: int, root: str) -> dict[str, Any]:
+    """Checkpoints whose model, mode and optimizer class fit, but not their settings: the
+    reducer's error feedback, the optimizer's param groups, ZeRO's AdamW with amsgrad."""
+    out = {}
+    torch.manual_seed(0)
+    job = ReducerJob(make_net())
+    train(job, 2)
+    job.checkpointer(f"{root}/settings-reducer").save(2)
+    other = Job("overlap", make_net())
+    other.mode = fastreduce.FusedReducer(other.model, wire_dtype=torch.bfloat16)  # no error feedback
+    train(other, 1)
+    out["error_feedback"] = _refusal(lambda: Checkpointer(f"{root}/settings-reducer", other.model, other.opt,
+                                                          mode=other.mode))
+    fused = Job("fused", make_net())
+    train(fused, 1)
+    fused.checkpointer(f"{root}/settings-groups").save(1)
+    split = Job("fused", make_net())
+    decay, rest = [p for p in split.model.parameters() if p.dim() > 1], [p for p in split.model.parameters() if p.dim() < 2]
+    split.opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+    train(split, 1)
+    out["param_groups"] = _refusal(lambda: split.checkpointer(f"{root}/settings-groups"))
+    zero = Job("zero", make_net())
+    train(zero, 1)
+    zero.checkpointer(f"{root}/settings-amsgrad").save(1)
+    ams = Job("zero", make_net())
+    ams.opt = fastreduce.ZeroOptimizer(ams.model.parameters(), torch.optim.AdamW, lr=3e-3, amsgrad=True,
+                                       wire_dtype=torch.bfloat16, module=ams.model)
+    train(ams, 1)
+    out["amsgrad"] = _refusal(lambda: ams.checkpointer(f"{root}/settings-amsgrad"))
+    return out
+
+
+def rollback(rank: int, root: str) -> dict[str, Any]:
+    """Checkpoints at 2 and 4; back to 2, train, save 3: the checkpoint at 4 was of a
+    timeline given up, and the latest is 3."""
+    d = f"{root}/rollback"
+    job = fresh("fused", rank, 0)
+    ckpt = job.checkpointer(d, keep=3)
+    for s in (2, 4):
+        train(job, 2)
+        ckpt.save(s)
+    ckpt.load(2)
+    train(job, 1)
+    ckpt.save(3)
+    at_3 = params(job.model)
+    again = fresh("fused", rank, 100)
+    step = again.checkpointer(d, keep=3).load_latest()
+    return {"steps": ckpt.steps(), "latest": step, "same": _same(at_3, params(again.model))}
+
+
 def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {f"roundtrip-{k}": guarded(roundtrip, rank, root, k) for k in KINDS}
     out.update({f"damaged-{k}-{how}": guarded(damaged, rank, root, k, how) for k in KINDS for how in DAMAGE})
     out["none-readable"] = guarded(none_readable, rank, root)
     for name, fn in [("uncommitted", uncommitted), ("keep", keep_two), ("nothing", nothing_yet),
                      ("zero-before-fresh", zero_saved_before_fresh),
-                     ("mismatch", mismatches), ("saved-at-2", saved_at_2), ("reducer-errors", reducer_state_errors)]:
+                     ("mismatch", mismatches), ("saved-at-2", saved_at_2), ("reducer-errors", reducer_state_errors),
+                     ("buffers", buffers_per_rank), ("settings", other_settings), ("rollback", rollback)]:
         out[name] = guarded(fn, rank, root)
     return out
 
@@ -543,6 +626,37 @@ def test_checkpoint_from_another_model_raises_and_changes_nothing(root: str, why
         assert EXPECTED[why] in got["message"], got["message"]
         assert "Nothing was loaded" in got["message"]
         assert got["unchanged"]
+
+
+def test_each_rank_gets_back_its_own_buffers(root: str) -> None:
+    """BatchNorm's running statistics differ per rank (the fused modes and ZeRO average
+    gradients only): saved once, a load gave each rank a mix of ranks' (DCP picks a writer
+    per tensor)."""
+    results = at_two(root, "buffers")
+    for kind in ("fused", "zero"):
+        assert not _same(results[0][kind]["saved"], results[1][kind]["saved"]), "the ranks' statistics must differ"
+        for rank, r in enumerate(results):
+            assert_close(r[kind]["loaded"], r[kind]["saved"], rtol=0, atol=0,
+                         msg=lambda m, rank=rank, kind=kind: f"{kind}, rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("case", ["error_feedback", "param_groups", "amsgrad"])
+def test_a_checkpoint_of_other_settings_raises_naming_them_and_changes_nothing(root: str, case: str) -> None:
+    """The model, mode and optimizer class fit, their settings do not: CheckpointMismatchError
+    on every rank with the whole state as before (it raised a ValueError after the model,
+    optimizer and random generators were set, or called the checkpoint damaged)."""
+    cause = {"error_feedback": "error_feedback=True", "param_groups": "parameter groups",
+             "amsgrad": "max_exp_avg_sq"}[case]
+    for r in at_two(root, "settings"):
+        got = r[case]
+        assert got["raised"]["type"] == "CheckpointMismatchError", got["raised"]
+        assert cause in got["raised"]["message"], got["raised"]["message"]
+        assert got["unchanged"]
+
+
+def test_a_save_after_going_back_drops_the_later_checkpoints(root: str) -> None:
+    for r in at_two(root, "rollback"):
+        assert r == {"steps": [2, 3], "latest": 3, "same": True}
 
 
 @pytest.mark.cell("loop", "reshard", modes=("zero",))
