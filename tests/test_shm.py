@@ -609,6 +609,48 @@ def test_open_leaves_no_segment_file(group) -> None:
             assert out is None or out["left"] == [], case
 
 
+def _dies_mapping(rank: int, port: int, shm_dir: str, box: Any) -> None:
+    """Open a segment over 2 Gloo ranks, rank 1 SIGKILLed as it maps it (as by the OOM killer)."""
+    import signal
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=15))
+    dying = mock.Mock(side_effect=lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+    with mock.patch.object(fastreduce.comm.shm, "SHM_DIR", shm_dir), \
+            mock.patch.object(fastreduce.comm.shm.mmap, "mmap", dying) if rank == 1 else contextlib.nullcontext():
+        try:
+            ShmAllReduce.open(None, 1 << 20, required=True)
+            box.put("opened")
+        except Exception as err:  # noqa: BLE001 - what rank 0 meets, reported
+            box.put(type(err).__name__)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_as_it_maps_the_segment_leaves_no_file() -> None:
+    """Rank 0 made the segment; rank 1 dies before all have mapped it: rank 0's open() fails
+    and the file goes with it (it stayed in /dev/shm for good, fully allocated)."""
+    import multiprocessing
+
+    from fastreduce.launch import free_port
+
+    ctx, shm_dir = multiprocessing.get_context("spawn"), tempfile.mkdtemp(prefix="shm-test-", dir="/dev/shm")
+    box, ranks = ctx.Queue(), []
+    try:
+        port = free_port()
+        ranks = [ctx.Process(target=_dies_mapping, args=(r, port, shm_dir, box)) for r in range(2)]
+        for p in ranks:
+            p.start()
+        assert box.get(timeout=60) == "RuntimeError"
+        assert ranks[1].join(10) is None and ranks[1].exitcode == -9
+        assert os.listdir(shm_dir) == []
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 # ============================================================== through a FusedReducer
 
 @worlds(2)

@@ -311,24 +311,27 @@ class ShmAllReduce:
         region_bytes = _ceil(max(nbytes, 1), PAGE)
         size = _header_bytes(world) + region_bytes * world
         box: list[str | None] = list(create_segment(size)) if rank == 0 else [None, None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        path, why = box
-        segment = None
-        if path is not None:
-            try:
-                fd = os.open(path, os.O_RDWR)
+        made = box[0] if rank == 0 else None
+        try:  # (a peer lost before all have mapped it: rank 0 unlinks it all the same)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            path, why = box
+            segment = None
+            if path is not None:
                 try:
-                    segment = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-                # who I am, for the barriers' check on exited ranks (FlagBarrier._check)
-                struct.pack_into("qq", segment, rank * LINE + 8, os.getpid(), pid_namespace())
-            except OSError as err:
-                why = f"rank {rank} cannot map {path}: {err.strerror}"
-        ok = torch.tensor([segment is not None], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also: everyone has mapped it
-        if rank == 0 and path is not None:
-            os.unlink(path)
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        segment = mmap.mmap(fd, size)
+                    finally:
+                        os.close(fd)
+                    # who I am, for the barriers' check on exited ranks (FlagBarrier._check)
+                    struct.pack_into("qq", segment, rank * LINE + 8, os.getpid(), pid_namespace())
+                except OSError as err:
+                    why = f"rank {rank} cannot map {path}: {err.strerror}"
+            ok = torch.tensor([segment is not None], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also: everyone has mapped it
+        finally:
+            if made is not None:
+                os.unlink(made)
         if not ok.item():
             why = why or "the ranks do not share one /dev/shm (several hosts?)"
             if required:
