@@ -292,6 +292,45 @@ def test_bad_settings_fail_when_the_trainer_is_built(tmp_path: Path, mode: str, 
         FastReduceTrainer(model=torch.nn.Linear(2, 2), args=args, fastreduce_mode=mode, fastreduce_config=config)
 
 
+@pytest.mark.timeout(600)
+def test_gossip_follows_a_scheduler_of_the_users(runs: dict) -> None:
+    """optimizers=(opt, StepLR(opt)) under gossip: each bucket's optimizer steps with the lr the
+    user's scheduler set (it crashed on transformers 5, remade the scheduler as the Trainer's
+    default one before)."""
+    for rank in runs["users_sched"]:
+        assert rank["scheduler_kept"]
+        assert rank["used"] == [[LR * 0.5 ** k] * len(rank["used"][0]) for k in range(3)], rank["used"]
+
+
+@pytest.mark.timeout(600)
+def test_a_second_train_logs_its_own_figures(runs: dict) -> None:
+    """A second train() of the same trainer: the bytes per step of its first log are its own
+    (they were two runs' bytes over one step: the figures' mark stayed at the first run's end)."""
+    for rank in runs["users_sched"]:
+        first, second = rank["bytes_per_step"]
+        assert first and second == first and len(set(first)) == 1, rank["bytes_per_step"]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_several_ranks_resumed_in_one_process_is_refused(runs: dict, tmp_path: Path) -> None:
+    """A fused-mode checkpoint holds its optimizer in fastreduce's form; one process runs no
+    mode, and the Trainer's own loader, finding no optimizer.pt, loaded nothing and said
+    nothing (the LR schedule from its warm-up again, AdamW's moments empty)."""
+    from transformers import Trainer, TrainingArguments
+
+    from fastreduce.integrations.transformers import FastReduceMixin
+
+    class Plain(FastReduceMixin, Trainer):
+        pass
+
+    TinyConfig, Tiny, Data = hf_regression()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=STEPS,
+                             per_device_train_batch_size=BATCH, disable_tqdm=True, save_strategy="no")
+    trainer = Plain(model=Tiny(TinyConfig()), args=args, train_dataset=Data(64, 1), fastreduce_mode="fused")
+    with pytest.raises(ValueError, match="resume on several ranks"):
+        trainer.train(resume_from_checkpoint=str(runs["dir"] / "fused_trainer" / f"checkpoint-{SAVE}"))
+
+
 @pytest.mark.timeout(60)
 def test_zero_refuses_a_scheduler_built_over_the_optimizer_it_replaces(tmp_path: Path) -> None:
     from transformers import TrainingArguments
@@ -567,7 +606,39 @@ def _worker(out: Path, what: str) -> None:  # noqa: C901 (one script: the runs i
                 save(f"snippet_accelerate_{mode}", {**common_facts(ns["model"], ctx["start"]), "steps":
                                                     len(ns["loader"]) // names["accelerator"].gradient_accumulation_steps})
 
+    def users_scheduler_and_second_train() -> None:
+        """Gossip under a scheduler of the user's (``optimizers=(opt, sched)``): the lr each
+        bucket's optimizer stepped with, per step; and a second ``train()`` of a fused trainer:
+        its logged bytes per step (the fp32 wire: the same at every step)."""
+        model = fresh()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        trainer = Ordered(model=model, args=arguments("gossip_users_sched", steps=3), train_dataset=train_data,
+                          eval_dataset=eval_data,
+                          optimizers=(opt, sched), fastreduce_mode="gossip", fastreduce_config=MODES["gossip"])
+        used: list[list[float]] = []
+
+        class Lrs(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                state = trainer.fastreduce_mode.obj.local_state_dict()
+                used.append([o["param_groups"][0]["lr"] for o in state["optimizers"]])
+
+        trainer.add_callback(Lrs())
+        trainer.train()
+        twice = Ordered(model=fresh(), args=arguments("fused_twice", steps=10, sched="constant", warmup=0,
+                                                      clip=0.0), train_dataset=train_data, eval_dataset=eval_data,
+                        fastreduce_mode="fused", fastreduce_config={"wire_dtype": torch.float32})
+        bytes_per_step = []
+        for _ in range(2):
+            twice.train()
+            bytes_per_step.append([h["fastreduce/bytes_per_step"] for h in twice.state.log_history
+                                   if "fastreduce/bytes_per_step" in h])
+        save("users_sched", {"used": used, "scheduler_kept": trainer.lr_scheduler is sched or
+                             getattr(trainer.lr_scheduler, "scheduler", None) is sched,
+                             "bytes_per_step": bytes_per_step})
+
     if what == "train":
+        users_scheduler_and_second_train()
         for mode, config in MODES.items():
             trainer_run(f"{mode}_trainer", mode, config)
             trainer_run(f"{mode}_resumed", mode, config, resume=True)

@@ -160,7 +160,8 @@ class FastReduceMixin:
                                  "of committed optimizer steps (the LR schedule is over it, and the steps in a data "
                                  "epoch change with the world): set TrainingArguments(max_steps=...)")
             self.add_callback(membership_callback(self))
-        if optimizer_role(self.fastreduce_mode.cls) == "self" and getattr(self, "lr_scheduler", None) is not None \
+        self._fastreduce_users_scheduler = getattr(self, "lr_scheduler", None) is not None  # optimizers=(opt, sched)
+        if optimizer_role(self.fastreduce_mode.cls) == "self" and self._fastreduce_users_scheduler \
                 and self.fastreduce_membership is None:  # (under one, the Trainer's optimizer and scheduler stay)
             raise ValueError(f"{type(self).__name__}: fastreduce mode 'zero' replaces the Trainer's optimizer by "
                              "its sharded twin, and the scheduler passed in optimizers=(optimizer, scheduler) "
@@ -210,6 +211,8 @@ class FastReduceMixin:
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if self.fastreduce_membership is not None and resume:
             self._fastreduce_resume_job(resume)
+        if self.fastreduce_mode.obj is not None:  # a mode kept from an earlier train(): its figures from step 0
+            self.fastreduce_mode.start_figures(0)  # (a resume sets them at its step)
         result = super().train(*args, **kwargs)
         shutdown()
         return result
@@ -310,9 +313,15 @@ class FastReduceMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        folder = os.path.join(checkpoint or "", _FOLDER)
+        if checkpoint is not None and self.fastreduce_mode.obj is None and os.path.isdir(folder) \
+                and self.fastreduce_membership is None:  # (the Trainer's own files would be looked for, not found)
+            raise ValueError(f"{type(self).__name__}: {checkpoint} holds its optimizer's state in fastreduce's form "
+                             f"({_FOLDER}/, saved in mode {self.fastreduce_mode.name!r} on several ranks), and this "
+                             "run has one process, so no fastreduce mode runs to load it: resume on several ranks "
+                             "(the fused, overlapped and zero modes on any number of them)")
         if checkpoint is None or self.fastreduce_mode.obj is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        folder = os.path.join(checkpoint, _FOLDER)
         if not os.path.isdir(folder):
             raise ValueError(f"{checkpoint} holds no fastreduce state ({_FOLDER}/): it was not saved by a "
                              f"{type(self).__name__} in a fastreduce mode; resume it with the trainer that saved it")
@@ -347,10 +356,13 @@ class FastReduceMixin:
                 and self.args.ddp_find_unused_parameters:
             mode.config["unused_grads"] = "zero"
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
+        if self._fastreduce_users_scheduler:  # gossip: the user's scheduler drives the user's optimizer,
+            mode.optimizer_kept = True  # whose groups' lr each bucket's optimizer then reads
         built = mode.build(model, optimizer, getattr(self.accelerator, "scaler", None), self.args.max_grad_norm)
         if built is not optimizer:
             self.optimizer = built
-            if self.lr_scheduler is not None:  # transformers < 5 made it already, over the optimizer replaced
+            if self.lr_scheduler is not None and not self._fastreduce_users_scheduler:
+                # transformers < 5 made it already, over the optimizer replaced (a user's stays: above)
                 self.lr_scheduler = None
                 self.create_scheduler(num_training_steps=self._fastreduce_steps, optimizer=built)
         mode.start_figures(self.state.global_step)
