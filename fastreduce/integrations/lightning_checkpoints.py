@@ -54,6 +54,8 @@ class CheckpointMixin:
         if self._mode.obj is None:
             return super().load_optimizer_state_dict(checkpoint)
         folder = (self._resume_from or "") + _SUFFIX
+        if not os.path.isdir(folder):  # ModelCheckpoint(save_last="link"): last.ckpt links to a checkpoint saved
+            folder = os.path.realpath(self._resume_from or "") + _SUFFIX
         if not os.path.isdir(folder):
             raise ValueError(f"FastReduceStrategy: {self._resume_from} has no fastreduce state beside it "
                              f"({folder}): it was not saved by a FastReduceStrategy in a fastreduce mode; "
