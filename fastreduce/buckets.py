@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached, cast_in
-from .comm import Pending
+from .comm import Pending, complete
 from .faults import guarded
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
@@ -234,8 +234,15 @@ class OverlapSchedule:
                          "backward (unused parameters or a changed backward order); results "
                          "are complete, overlap is lost for them", len(self.buckets) - self.next,
                          len(self.buckets))
-            while self.next < len(self.buckets):
-                self._launch(self.next)
+            try:
+                while self.next < len(self.buckets):
+                    self._launch(self.next)
+            except BaseException:  # (a gradient missing: every rank alike) the step is dropped, the schedule
+                works = self.works  # ready for the next: what was launched is waited for, not unpacked
+                self._reset()
+                for work, _ in works:
+                    complete((work, None))
+                raise
         missing, works = self.missing, self.works
         if self._first_grad and len(self.backward_s) < 64:
             self.backward_s.append(self._last_grad - self._first_grad)

@@ -372,6 +372,29 @@ def second_backward_case(rank: int, world: int) -> dict:
     return res | {"calls": reducer.stats.calls}
 
 
+def missing_grad_case(rank: int, world: int) -> dict:
+    """A step where a layer got no gradient on every rank (unused_grads="error", the
+    default): reduce() raises naming it, and the steps after it average as DDP does (the
+    schedule was left mid-step: every later backward failed, "a second gradient")."""
+    model = skip_model(SEED, with_never=False)
+    ddp = DDP(copy.deepcopy(model))
+    reducer = overlapped(model, "fp32", SMALL_BUCKET_MB)
+    out: dict[str, Any] = {"fr": [], "ddp": []}
+    for step in range(5):
+        micro = window(model, rank, step, 1, lambda k: {"skip": {"sometimes"} if k == 2 else set()})
+        zero_grads(model, "none", reducer)
+        run_window(model, micro, reducer.no_sync)
+        if step == 2:
+            out["raised"] = expect_raises(RuntimeError, reducer.reduce)
+            continue
+        reducer.reduce()
+        ddp.zero_grad(set_to_none=True)
+        run_window(ddp, micro, ddp.no_sync)
+        out["fr"].append(grads_of(model))
+        out["ddp"].append(grads_of(ddp.module))
+    return out
+
+
 TIMING_MODELS = {"many": (many_tensor_model, BUCKET_MB), "mixed": (mixed_dtype_model, SMALL_BUCKET_MB)}
 TIMING_CASES = tuple(f"{m}-{w}" for m in TIMING_MODELS for w in WIRES)
 
@@ -547,6 +570,7 @@ def overlap_worker(rank: int, world: int) -> dict:
     if world == 2:  # one mechanism each: one world is enough
         out["no_sync"] = guarded(no_sync_case, rank, world)
         out["second_backward"] = guarded(second_backward_case, rank, world)
+        out["missing_grad"] = guarded(missing_grad_case, rank, world)
         out["ops"] = guarded(op_count_case, rank, world)
         out.update({f"timing-{c}": guarded(launch_timing_case, rank, world, c) for c in TIMING_CASES})
         out["profiler"] = guarded(profiler_case, rank, world)
@@ -772,6 +796,14 @@ def test_second_backward_without_no_sync_raises(w2) -> None:
         assert out["raised"] == "RuntimeError", out["message"]
         assert "no_sync" in out["message"] and "second gradient" in out["message"], out["message"]
         assert out["calls"] == 4  # two warm-up steps, the failed one, one more afterwards
+
+
+def test_a_step_missing_a_gradient_raises_and_the_next_ones_average(w2) -> None:
+    for rank, out in enumerate(per_rank(w2, "missing_grad")):
+        assert out["raised"]["raised"] == "RuntimeError", out["raised"]
+        assert "'sometimes.weight'" in out["raised"]["message"], out["raised"]["message"]
+        assert len(out["fr"]) == 4
+        assert_close(out["fr"], out["ddp"], rtol=0, atol=1e-6, msg=lambda m, rank=rank: f"rank {rank}: {m}")
 
 
 # ============================================================== 6. hook cost
