@@ -473,3 +473,72 @@ def test_every_mode_refuses_a_bad_setting_before_anything_else(build: str) -> No
     with pytest.raises(ValueError, match="nonfinite must be 'ignore', 'raise' or 'skip', got 'warn'"):
         make()
     assert _same(before, _params(model))
+
+
+# ====================================================================== state kept between steps
+#
+# A reducer that keeps state between steps (the wire cast's or a quantized wire's
+# error-feedback residuals; PowerSGD's Q, residuals and step count) skips (or raises at) a
+# step with one rank's NaN, beside a reducer of the same settings that never sees that step:
+# every later step gives the same gradients, bit for bit (the state is as before the bad step).
+
+RANK2 = {"rank": 2, "min_compression_rate": 0}
+STATEFUL = {"bf16-ef": {"wire_dtype": torch.bfloat16, "error_feedback": True},
+            "int8-ef": {"wire_dtype": "int8", "error_feedback": True},
+            "powersgd": {"compression": fastreduce.PowerSGD(**RANK2)},
+            "powersgd-noef": {"compression": fastreduce.PowerSGD(**RANK2, error_feedback=False)},
+            # compressing from the step after the bad one, if a skipped step is not counted
+            "powersgd-warmup": {"compression": fastreduce.PowerSGD(**RANK2, warmup_steps=BAD_STEP + 1)}}
+STATE_CASES = [(n, m, o) for n in STATEFUL for m in ("skip", "raise") for o in (False, True)]
+
+
+def stateful_case(rank: int, world: int, name: str, mode: str, overlap: bool) -> dict:
+    settings = dict(STATEFUL[name], overlap=overlap, bucket_mb=0.0002 if overlap else None)
+    if "compression" in settings:
+        settings["wire_dtype"] = torch.float32
+    model, ref = _model(), _model()
+    reducer = fastreduce.FusedReducer(model, nonfinite=mode, **settings)
+    ref_reducer = fastreduce.FusedReducer(ref, **settings)  # the reference: never sees the bad step
+    out: dict = {"verdicts": [], "same": []}
+    for step in range(STEPS):
+        x = _x(rank, step)
+        model.zero_grad()
+        handle = _spoil(model, rank, step, "nan")
+        model(x).pow(2).mean().backward()
+        if handle is not None:
+            handle.remove()
+        if step == BAD_STEP and mode == "raise":
+            out["error"] = expect_raises(fastreduce.NonFiniteGradError, reducer.reduce)
+        else:
+            out["verdicts"].append(reducer.reduce())
+        if step == BAD_STEP:
+            continue
+        ref.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_reducer.reduce()
+        out["same"].append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+    return out
+
+
+def stateful_worker(rank: int, world: int) -> dict:
+    return {c: guarded(stateful_case, rank, world, *c) for c in STATE_CASES}
+
+
+@pytest.fixture(scope="module")
+def stateful_results() -> list[dict]:
+    return run_ranks(stateful_worker, 2, timeout=240)
+
+
+@pytest.mark.parametrize("name,mode,overlap", STATE_CASES,
+                         ids=[f"{n}-{m}-{'overlap' if o else 'fused'}" for n, m, o in STATE_CASES])
+def test_a_skipped_step_leaves_the_state_as_before_it(stateful_results, name: str, mode: str, overlap: bool) -> None:
+    """The residuals and PowerSGD's Q were updated before the verdict: one NaN poisoned them,
+    and every later step was skipped too."""
+    for rank, out in enumerate(per_rank(stateful_results, (name, mode, overlap))):
+        if mode == "raise":
+            assert out["error"]["raised"] == "NonFiniteGradError", (rank, out)
+            assert out["verdicts"] == [True] * (STEPS - 1), (rank, out)
+        else:
+            assert out["verdicts"] == [s != BAD_STEP for s in range(STEPS)], (rank, out)
+        assert out["same"] == [True] * (STEPS - 1), (rank, out)  # as a run that never saw the step
+

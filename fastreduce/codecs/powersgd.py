@@ -339,6 +339,11 @@ class LowRank:
                 e[name] = batch.e[k].detach().clone()
         return {"step": self.step, "q": q, "error": e}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The Q memory and the residuals themselves (what a compressed step changes besides
+        :attr:`step` and the gradients), per group and shape."""
+        return [t for g in self.groups for b in g.batches for t in (b.qt, b.e) if t is not None]
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict`; checked first (``ValueError``, nothing changed).

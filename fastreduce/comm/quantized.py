@@ -244,6 +244,10 @@ class QuantMean:
         mean; empty without error feedback."""
         return {key: t.clone() for key, t in self._residuals().items()}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The residuals themselves (what a step changes and :meth:`state_dict` copies)."""
+        return list(self._residuals().values())
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict` (same world size and buffer); an empty dict resets."""
         mine = self._residuals()
@@ -288,6 +292,9 @@ class QuantMeans:
     def shm(self) -> Any:
         """The shared-memory segment the buckets live in (``None``: a process group)."""
         return self.means[0].shm
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.means for t in m.state_tensors()]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = [m.state_dict() for m in self.means]

@@ -251,11 +251,17 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         if self._check is None:
             self._check = FiniteCheck(built.buffer.wire.device)
         with span("fastreduce::nonfinite_check"):
-            if self._check(tuple(built.buffer.flats) if built.compressed else (built.buffer.wire,)):
-                return True
+            finite = self._check(tuple(built.buffer.flats) if built.compressed else (built.buffer.wire,))
+        if finite:
+            if built.undo is not None:  # the residuals and PowerSGD's state, for a later skipped step
+                built.undo.keep()
+            return True
+        if built.undo is not None:  # as before this step
+            built.undo.undo()
         return self._not_finite("the averaged gradients", built.buffer.wire_views, built.layout.names,
                                 "some rank's gradient was not finite, or overflowed the wire dtype; this step's "
-                                "gradients are lost.")
+                                "gradients are lost (error-feedback residuals and PowerSGD's state are as before "
+                                "it).")
 
     def _alone_finite(self) -> bool:
         """At one rank (a Membership down to one member, LocalSGD's warm-up): the dense

@@ -20,6 +20,7 @@ from ..comm.quantized import QuantMean, QuantMeans
 from ..grads import Reattach, check_grads, missing_message
 from ..layout import GradLayout, verify_across_ranks
 from .compressed import Compressed
+from .fused_state import StepUndo
 from .overlap import bucket_segments, overlap_schedule
 
 __all__ = ["Built", "FusedBuild"]
@@ -43,6 +44,7 @@ class Built:
     schedule: OverlapSchedule | None = None  # overlap mode only
     compressed: Compressed | None = None  # compression= only
     reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
+    undo: StepUndo | None = None  # nonfinite="raise"/"skip", with state kept between steps
 
 
 class FusedBuild:
@@ -138,6 +140,8 @@ class FusedBuild:
             self._record_order()
             raise ValueError(f"{err}. (The state was loaded before the first reduce(); it is dropped, "
                              "and this reduce() averaged nothing: the gradients are as they were.)") from err
+        if cfg.nonfinite != "ignore":  # a skipped step's residuals and Q put back
+            built.undo = StepUndo.of(built)
         return built
 
     @staticmethod

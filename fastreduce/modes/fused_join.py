@@ -58,6 +58,8 @@ class FusedJoin(JoinableMode):
             complete(pending)
         if path is not None:
             path.end_shadow()
+        if built.undo is not None:  # (what a later skipped step puts back)
+            built.undo.keep()
 
     def _join_finish(self, is_last_joiner: bool) -> None:
         """Joined ranks did not step: every rank takes a last joiner's parameters and

@@ -3,7 +3,9 @@ residuals (of the wire cast, or under ``"wire"`` a quantized wire's two) and, wi
 ``compression=``, the codec's state (residuals, Q, step count).
 
 The layout and buffers are learned again from the model, so a state loaded before the
-first ``reduce()`` waits until that call has built them.
+first ``reduce()`` waits until that call has built them. Under ``nonfinite="raise"`` or
+``"skip"`` the same state is also kept in memory after each step that stands
+(:class:`StepUndo`), and put back after one that does not.
 """
 
 from __future__ import annotations
@@ -12,7 +14,52 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReducerState"]
+from ..buffer import TensorBlock
+
+__all__ = ["ReducerState", "StepUndo"]
+
+
+class StepUndo:
+    """What a step changes besides the gradients (the error-feedback residuals of the wire
+    cast or of a quantized wire; PowerSGD's Q, residuals and step count), copied aside
+    after every step whose average is finite (:meth:`keep`: one fused copy per dtype) and
+    put back after one whose average is not (:meth:`undo`), so that a skipped step leaves
+    them as before it. Only under ``nonfinite="raise"`` or ``"skip"``: with ``"ignore"``
+    nothing is copied."""
+
+    def __init__(self, tensors: list[torch.Tensor], codec: Any, device: torch.device):
+        self.codec = codec
+        self.blocks = [TensorBlock([t for t in tensors if t.dtype == dtype],
+                                   lambda n, d: torch.empty(n, dtype=d, device=device), dtype)
+                       for dtype in dict.fromkeys(t.dtype for t in tensors)]
+        self.step = 0
+        self.keep()
+
+    @classmethod
+    def of(cls, built: Any) -> StepUndo | None:
+        """One for ``built`` (its state as it is now), or ``None`` where a step changes
+        nothing but the gradients."""
+        tensors = [r for r in built.buffer.residuals if r is not None]
+        if hasattr(built.plan, "state_tensors"):  # a quantized wire
+            tensors += built.plan.state_tensors()
+        codec = built.compressed.codec if built.compressed is not None else None
+        if codec is not None:
+            tensors += codec.state_tensors()
+        return cls(tensors, codec, built.buffer.wire.device) if tensors or codec is not None else None
+
+    def keep(self) -> None:
+        """The state now is what :meth:`undo` puts back."""
+        for block in self.blocks:
+            block.load()
+        if self.codec is not None:
+            self.step = self.codec.step
+
+    def undo(self) -> None:
+        """The state as :meth:`keep` last found it."""
+        for block in self.blocks:
+            block.store()
+        if self.codec is not None:
+            self.codec.step = self.step
 
 
 class ReducerState:
@@ -73,6 +120,8 @@ class ReducerState:
         self._pending_state = residuals
         if built is not None:
             self._restore(built)
+            if built.undo is not None:  # (what a skipped step puts back from now on)
+                built.undo.keep()
 
     def _restore(self, built: Any) -> None:
         """Copy what :meth:`load_state_dict` (or a rebuild: leniently) left waiting into ``built``."""
