@@ -28,6 +28,8 @@ from torch import nn
 import fastreduce
 from fastreduce.launch import run_ranks
 
+from test_fused import guarded, per_rank
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import error_feedback as example  # noqa: E402  (examples/error_feedback.py)
 
@@ -174,3 +176,58 @@ def test_a_quantized_wires_residuals_are_saved_and_restored_by_all_reduce_gradie
     for r in run_ranks(functional_wire_worker, 2, timeout=120):
         assert r["wire"] and r["kept"], r
         assert "wire" in r["after"], r
+
+
+REBUILD_AT = 3
+REBUILT = [("bf16", False), ("bf16", True), ("int8", False), ("int8", True), ("bf16-auto", True)]
+
+
+def rebuilt_case(rank: int, world: int, wire: str, overlap: bool) -> dict:
+    """Residuals (the wire cast's, or a quantized wire's) across a rebuild: ``rebuild()`` after
+    step REBUILD_AT, or (``-auto``) the automatic bucket sizing's, which lays the buckets out
+    again once it has timed REFRESH_AFTER backwards (it probes the link: on the process group
+    only); beside a reducer of the same settings whose layout is learned once."""
+    auto = wire == "bf16-auto"
+    settings = {"wire_dtype": "int8" if wire == "int8" else torch.bfloat16, "error_feedback": True,
+                "overlap": overlap, "bucket_mb": 0.002}  # (overlapped: a few buckets)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 5)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    if auto:
+        settings.update(transport="process_group", bucket_mb="auto")
+    reducer = fastreduce.FusedReducer(models[0], **settings)
+    if auto:  # the reference's buckets are never chosen again (at 2 ranks, bf16 sums alike in any bucket)
+        settings["bucket_mb"] = 25
+    ref = fastreduce.FusedReducer(models[1], **settings)
+    same, rebuilt = [], False
+    g = torch.Generator().manual_seed(rank)
+    for step in range(12):
+        x = torch.randn(8, 16, generator=g)
+        for m, r in zip(models, (reducer, ref)):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+            r.reduce()
+        rebuilt |= reducer._built is None  # (laid out again at the next reduce())
+        if step == REBUILD_AT and not auto:
+            reducer.rebuild()
+            rebuilt = True
+        same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(*(m.parameters() for m in models))))
+    return {"same": same, "rebuilt": rebuilt}
+
+
+def rebuilt_worker(rank: int, world: int) -> dict:
+    return {case: guarded(rebuilt_case, rank, world, *case) for case in REBUILT}
+
+
+@pytest.fixture(scope="module")
+def rebuilt_results() -> list[dict]:
+    return run_ranks(rebuilt_worker, 2, timeout=120)
+
+
+@pytest.mark.parametrize("wire,overlap", REBUILT, ids=[f"{w}-{'overlap' if o else 'fused'}" for w, o in REBUILT])
+def test_residuals_carry_across_a_rebuild(rebuilt_results, wire: str, overlap: bool) -> None:
+    """A rebuild (the automatic bucket sizing's too) kept PowerSGD's state but dropped the
+    residuals: the next step started from zero."""
+    for rank, out in enumerate(per_rank(rebuilt_results, (wire, overlap))):
+        assert out["rebuilt"], (rank, out)  # (the sizing did lay the buckets out again)
+        assert out["same"] == [True] * 12, (rank, out)  # as the reducer never rebuilt, bit for bit

@@ -352,9 +352,11 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
             self._recorder = None
 
     def rebuild(self) -> None:
-        """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks)."""
+        """Forget the layout; the next :meth:`reduce` learns it again (collective: all ranks).
+        The error-feedback residuals carry over by parameter, a quantized wire's where the
+        gradients keep their places, PowerSGD's state where it still fits."""
         log.info("fastreduce: rebuilding the gradient layout on the next reduce()")
-        self._keep_codec_state()
+        self._keep_state()
         self.close()
         self._built = None
         self._record_order()

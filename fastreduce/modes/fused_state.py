@@ -10,6 +10,7 @@ first ``reduce()`` waits until that call has built them. Under ``nonfinite="rais
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ import torch
 from ..buffer import TensorBlock
 
 __all__ = ["ReducerState", "StepUndo"]
+
+log = logging.getLogger("fastreduce.modes.fused")
 
 
 class StepUndo:
@@ -113,6 +116,7 @@ class ReducerState:
             built.plan.load_state_dict(wire)  # checked before anything is changed
         elif wire:
             self._pending_wire = wire
+            self.__dict__.pop("_wire_layout", None)  # (a rebuild's state replaced: this one must fit)
         if codec is not None and built is not None and built.compressed is not None:
             built.compressed.codec.load_state_dict(codec)  # checked before anything is changed
         elif codec is not None:
@@ -129,15 +133,32 @@ class ReducerState:
         if pending is not None:  # (an empty one too: no residual, every one zero)
             built.buffer.load_residuals(built.layout, pending)
         wire = self.__dict__.pop("_pending_wire", None)
+        laid = self.__dict__.pop("_wire_layout", None)  # a rebuild's: where its residuals were
         if wire and hasattr(built.plan, "load_state_dict"):
-            built.plan.load_state_dict(wire)
+            if laid is None or laid == _places(built.layout):
+                built.plan.load_state_dict(wire)
+            else:
+                log.info("fastreduce: the gradients were laid out anew; the quantized wire's residuals "
+                         "start at zero")
         codec = self.__dict__.pop("_pending_codec", None)
         lenient = self.__dict__.pop("_codec_lenient", False)
         if codec is not None and built.compressed is not None:
             built.compressed.codec.load_state_dict(codec, strict=not lenient)
 
-    def _keep_codec_state(self) -> None:
-        """Before a rebuild: the codec's state carries over to the new layout (what still fits)."""
+    def _keep_state(self) -> None:
+        """Before a rebuild: what the reducer keeps between steps carries over to the new layout
+        (as a state loaded before the first ``reduce()``): the residuals, by name; a quantized
+        wire's where the gradients keep their places; the codec's state, what still fits."""
         built = self._built
-        if built is not None and built.compressed is not None:
+        if built is None:
+            return
+        self._pending_state = built.buffer.residual_state(built.layout)
+        if hasattr(built.plan, "load_state_dict"):
+            self._pending_wire, self._wire_layout = built.plan.state_dict(), _places(built.layout)
+        if built.compressed is not None:
             self._pending_codec, self._codec_lenient = built.compressed.codec.state_dict(), True
+
+
+def _places(layout: Any) -> tuple:
+    """Where ``layout`` puts each gradient (a quantized wire's residuals are per place)."""
+    return layout.signature, layout.position, tuple(seg.numel for seg in layout.segments)
