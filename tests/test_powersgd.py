@@ -700,6 +700,46 @@ def test_load_state_dict_before_the_first_reduce() -> None:
         assert r["steps"][0] == r["steps"][1], r
 
 
+def fresh_state_case(rank: int, world: int) -> dict:
+    """A state saved before any reduce() (no "compression" entry) loaded into a reducer after 3
+    steps, beside a fresh reducer (the reference): whether the next steps' gradients are the same.
+    warmup_steps=1: the step count must be back at 0 too."""
+    comp = fastreduce.PowerSGD(**CKPT_COMP, warmup_steps=1)
+    out = {}
+    for mode in ("fused", "overlap"):
+        settings = {"wire_dtype": torch.float32, "compression": comp, "overlap": mode == "overlap",
+                    "bucket_mb": BUCKET_MB if mode == "overlap" else None}
+        unbuilt = fastreduce.FusedReducer(power_net(), **settings)
+        fresh = copy.deepcopy(unbuilt.state_dict())
+        a, c = power_net(), power_net()
+        ra = fastreduce.FusedReducer(a, **settings)
+        for step in range(3):
+            a.zero_grad()
+            loss_of(a, batch(rank, step)).backward()
+            ra.reduce()
+        ra.load_state_dict(fresh)
+        rc = fastreduce.FusedReducer(c, **settings)
+        same = []
+        for step in range(3, 6):
+            for m, r in ((a, ra), (c, rc)):
+                m.zero_grad()
+                loss_of(m, batch(rank, step)).backward()  # the same parameters: only grads move
+                r.reduce()
+            same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), c.parameters())))
+        for r in (unbuilt, ra, rc):
+            r.close()
+        out[mode] = {"same": same, "fresh": sorted(fresh)}
+    return out
+
+
+def test_a_state_saved_before_the_first_reduce_makes_a_live_reducer_fresh() -> None:
+    """With no "compression" entry, the live reducer kept its Q, residuals and step count."""
+    for r in run_ranks(fresh_state_case, 2, timeout=TIMEOUT):
+        for mode, out in r.items():
+            assert out["fresh"] == ["residuals"], (mode, out)
+            assert out["same"] == [True] * 3, (mode, out)
+
+
 # ============================================================== 8. bad settings
 
 def test_bad_codec_settings_raise_value_error() -> None:

@@ -60,7 +60,9 @@ codec itself is checked against a from-the-bits reference in tests/test_quant.py
 * Checkpoint: after 3 steps with error feedback, ``state_dict()`` (through torch.save)
   loaded into a fresh reducer before its first ``reduce()`` continues bit for bit with
   the original for 3 more steps (a fresh reducer without it does not); a state with a
-  "wire" entry does not load into a reducer without error feedback (``ValueError``).
+  "wire" entry does not load into a reducer without error feedback (``ValueError``); a
+  state saved before any ``reduce()``, loaded into a reducer after 3 steps, continues bit
+  for bit as a fresh reducer does.
 * ``stats.bytes_reduced`` grows by W (m + 4 m / 256) per call; bad settings
   (int4, PowerSGD, unknown names, an int dtype) raise ``ValueError``;
   ``all_reduce_gradients(model, torch.float8_e4m3fn)`` (and the other two) gives the
@@ -347,6 +349,31 @@ def ckpt_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     return out
 
 
+def fresh_case(rank: int, world: int, fmt: str, transport: str) -> dict:
+    """A state saved before any reduce() (its "wire" empty) loaded into a reducer after
+    CKPT_AT steps, beside a fresh reducer (the reference): the next steps' gradients."""
+    kw = {"wire_dtype": WIRES[fmt], "transport": transport, "error_feedback": True}
+    unbuilt = fastreduce.FusedReducer(make_model(), **kw)
+    fresh = saved_and_loaded(unbuilt.state_dict())
+    a = make_model()
+    ra = fastreduce.FusedReducer(a, **kw)
+    for step in range(CKPT_AT):
+        backward(a, batch(rank, step))
+        ra.reduce()
+    ra.load_state_dict(fresh)
+    c = make_model()
+    rc = fastreduce.FusedReducer(c, **kw)
+    out: dict[str, Any] = {"a": [], "c": [], "fresh": fresh}
+    for step in range(CKPT_AT, 2 * CKPT_AT):
+        for model, reducer, key in ((a, ra, "a"), (c, rc, "c")):
+            backward(model, batch(rank, step))
+            reducer.reduce()
+            out[key].append(grads_of(model))
+    for r in (unbuilt, ra, rc):
+        r.close()
+    return out
+
+
 def function_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     f, g = make_model(), make_model()
     rg = fastreduce.FusedReducer(g, wire_dtype=WIRES[fmt], transport=transport)
@@ -397,14 +424,15 @@ def cases(world: int) -> list[tuple]:
             if world in EF_WORLDS:
                 out.append(("ef", fmt, t))
             if world == 2:
-                out += [("fixed", fmt, t, False), ("fixed", fmt, t, True), ("ckpt", fmt, t), ("function", fmt, t)]
+                out += [("fixed", fmt, t, False), ("fixed", fmt, t, True), ("ckpt", fmt, t), ("fresh", fmt, t),
+                        ("function", fmt, t)]
     if world == 2:
         out.append(("bad",))
     return out
 
 
 CASE_FNS = {"exact": exact_case, "direct": direct_case, "ef": ef_case, "fixed": fixed_case,
-            "ckpt": ckpt_case, "function": function_case, "bad": bad_case}
+            "ckpt": ckpt_case, "fresh": fresh_case, "function": function_case, "bad": bad_case}
 
 
 run = case_runner(__name__, cases, SPAWN_TIMEOUT)
@@ -617,6 +645,17 @@ def test_checkpoint_resume_is_bit_for_bit(fmt: str, transport: str) -> None:
             assert torch.equal(out["state_a"][key], out["state_b"][key]), f"rank {rank} {key}"
         assert any(not torch.equal(a[k], c[k]) for a, c in zip(out["a"], out["c"]) for k in a), \
             "the control (no state loaded) gives the same gradients: the test shows nothing"
+
+
+@pytest.mark.parametrize("fmt,transport", W2_GRID)
+def test_a_state_saved_before_the_first_reduce_makes_a_live_reducer_fresh(fmt: str, transport: str) -> None:
+    """Its empty "wire" left the live reducer's residuals in place: the next steps differed
+    from a fresh reducer's. They are now the same, bit for bit."""
+    for rank, out in enumerate(per_rank(run(2), ("fresh", fmt, transport))):
+        assert out["fresh"] == {"residuals": {}, "wire": {}}, out["fresh"]
+        for step, (a, c) in enumerate(zip(out["a"], out["c"])):
+            for name in a:
+                assert torch.equal(a[name], c[name]), f"rank {rank} step {CKPT_AT + step} {name}"
 
 
 @pytest.mark.parametrize("fmt,transport", W2_GRID)

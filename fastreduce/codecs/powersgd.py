@@ -339,6 +339,13 @@ class LowRank:
                 e[name] = batch.e[k].detach().clone()
         return {"step": self.step, "q": q, "error": e}
 
+    def initial_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` as it is before a first step: step 0, each matrix's first ``Q``
+        (:func:`initial_q`), no residual."""
+        q = {name: initial_q(name, batch.qt.shape[2], batch.qt.shape[1], self.config.seed)
+             for name, (batch, _) in self._names.items()}
+        return {"step": 0, "q": q, "error": {}}
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The Q memory and the residuals themselves (what a compressed step changes besides
         :attr:`step` and the gradients), per group and shape."""

@@ -90,7 +90,8 @@ class ReducerState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: now, or, before the first ``reduce()``, when that
-        learns the layout. Checked first (``ValueError``, nothing changed)."""
+        learns the layout. Checked first (``ValueError``, nothing changed). What the state
+        has none of (a state saved before a first step) starts as in a fresh reducer."""
         residuals = state_dict.get("residuals") if isinstance(state_dict, dict) else None
         if not isinstance(residuals, dict):
             raise ValueError("not a FusedReducer.state_dict() (no 'residuals' entry)")
@@ -112,15 +113,24 @@ class ReducerState:
                              "built without a quantized wire_dtype and error_feedback=True; build it with the "
                              "settings it was saved with")
         built = self._built
-        if wire and built is not None:
-            built.plan.load_state_dict(wire)  # checked before anything is changed
-        elif wire:
-            self._pending_wire = wire
-            self.__dict__.pop("_wire_layout", None)  # (a rebuild's state replaced: this one must fit)
-        if codec is not None and built is not None and built.compressed is not None:
-            built.compressed.codec.load_state_dict(codec)  # checked before anything is changed
-        elif codec is not None:
-            self._pending_codec = codec
+        # A part the state has none of (saved before a first step) is as before a first step: a
+        # quantized wire's residuals zero; PowerSGD at step 0, with each matrix's first Q, no residual.
+        if self.config.quant is not None and self.config.error_feedback:
+            if built is not None:
+                built.plan.load_state_dict(wire or {})  # checked before anything is changed
+            else:
+                self._pending_wire = wire or {}
+                self.__dict__.pop("_wire_layout", None)  # (a rebuild's state replaced: this one must fit)
+        if self.config.compression is not None:
+            if built is not None:
+                lowrank = built.compressed.codec
+                lowrank.load_state_dict(lowrank.initial_state() if codec is None else codec)  # checked first
+            else:
+                self.__dict__.pop("_codec_lenient", None)  # (as above)
+                if codec is None:
+                    self.__dict__.pop("_pending_codec", None)
+                else:
+                    self._pending_codec = codec
         self._pending_state = residuals
         if built is not None:
             self._restore(built)
