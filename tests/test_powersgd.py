@@ -60,8 +60,9 @@ TOL = 1e-5                      # relative to the scale of the values compressed
 class PowerNet(nn.Module):
     """Matrices of equal shapes (b, c), wide (a: 24 x 64, e: 16 x 40, g: 5 x 16) and tall
     (d: 40 x 24), a 3-D conv weight (8 x 3 x 3, an 8 x 9 matrix), f (16 x 16: at rank 4
-    exactly on the default min_compression_rate, 256 == 2 * 32 * 4, so compressed), biases,
-    a loose vector, and optionally a bf16 matrix ``low`` (never compressed)."""
+    exactly on the default min_compression_rate, 256 == 2 * 32 * 4, so sent whole, as
+    torch's hook sends it), biases, a loose vector, and optionally a bf16 matrix ``low``
+    (never compressed)."""
 
     def __init__(self, bf16: bool = False):
         super().__init__()
@@ -105,14 +106,16 @@ def loss_of(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
 
 
 def compressed_ranks(model: nn.Module, comp: Any) -> dict[str, tuple[int, int, int]]:
-    """The spec's rule: ``{name: (n, m, r)}`` of the matrices ``comp`` compresses."""
+    """The spec's rule, torch's (``powerSGD_hook``'s ``_should_compress``): ``{name: (n, m, r)}``
+    of the matrices ``comp`` compresses, those whose factors hold more than
+    ``min_compression_rate`` times fewer values than the matrix."""
     out = {}
     for name, p in model.named_parameters():
         if p.dtype != torch.float32 or p.dim() < 2:
             continue
         n, m = p.shape[0], p.numel() // p.shape[0]
         r = min(comp.rank, n, m)
-        if n * m >= comp.min_compression_rate * (n + m) * r:
+        if comp.min_compression_rate * (n + m) * r < n * m:
             out[name] = (n, m, r)
     return out
 
@@ -499,9 +502,56 @@ def test_which_matrices_are_compressed() -> None:
     """The rule, on this file's model (a check of the test's own premise)."""
     model = power_net(bf16=True)
     assert sorted(compressed_ranks(model, fastreduce.PowerSGD(rank=4))) == [
-        "a.weight", "b.weight", "c.weight", "d.weight", "e.weight", "f.weight"]  # not conv (8 x 9), g (5 x 16)
+        "a.weight", "b.weight", "c.weight", "d.weight", "e.weight"]  # not conv (8 x 9), f (16 x 16), g (5 x 16)
     assert sorted(compressed_ranks(model, fastreduce.PowerSGD(rank=2, min_compression_rate=0))) == [
         "a.weight", "b.weight", "c.weight", "conv.weight", "d.weight", "e.weight", "f.weight", "g.weight"]
+
+
+def hook_case(rank: int, world: int) -> dict:
+    """torch's ``powerSGD_hook`` (one DDP bucket) beside fastreduce's PowerSGD, rank 4, the default
+    min_compression_rate (2), fp32 factors, 2 exact steps, on a 16 x 16 matrix (exactly on the
+    rate: 2 (16 + 16) 4 == 256) and a 17 x 16 one (just above: 264 < 272): per step and matrix,
+    each one's distance from the exact mean, relative to the mean's largest value."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+
+    def net() -> nn.Module:
+        torch.manual_seed(SEED)
+        return nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 17, bias=False))
+
+    model, plain = net(), net()
+    ddp = DDP(net())
+    ddp.register_comm_hook(hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                              start_powerSGD_iter=2, min_compression_rate=2), hook.powerSGD_hook)
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32,
+                                      compression=fastreduce.PowerSGD(rank=4, warmup_steps=2))
+    out: list[dict] = []
+    for step in range(4):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+        for m in (model, ddp, plain):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+        reducer.reduce()
+        dists = {}
+        for (name, p), q, mean in zip(model.named_parameters(), ddp.module.parameters(), plain.parameters()):
+            exact = mean.grad.clone()
+            dist.all_reduce(exact)
+            exact /= world
+            scale = float(exact.abs().max())
+            dists[name] = (float((p.grad - exact).abs().max()) / scale, float((q.grad - exact).abs().max()) / scale)
+        out.append(dists)
+    return out
+
+
+def test_a_matrix_exactly_on_the_rate_is_sent_whole_as_torchs_hook_sends_it() -> None:
+    """torch compresses only where rate (n + m) r < n m; fastreduce compressed where n m >=
+    rate (n + m) r, so a 16 x 16 matrix at rank 4 was a rank-4 approximation where the hook
+    sends it whole."""
+    for r in run_ranks(hook_case, 2, timeout=TIMEOUT):
+        for step, dists in enumerate(r):
+            for name, (ours, torchs) in dists.items():
+                whole = step < 2 or name == "0.weight"  # the warm-up; 16 x 16 at rank 4
+                assert (torchs <= 1e-6) == whole, (step, name, torchs)  # (the hook: the premise)
+                assert (ours <= 1e-6) == whole, (step, name, ours, torchs)
 
 
 def test_overlap_buckets_do_not_change_the_result(ref_run: list[dict]) -> None:

@@ -13,8 +13,8 @@ Per gradient matrix ``M`` (a gradient of two or more dimensions, its memory view
 
 Both means are linear in ``M``, so ``P Q^T`` is the same on every rank; at full rank
 (``r = min(n, m)``) it is the exact mean. A matrix is compressed only where it pays
-(``n m >= min_compression_rate (n + m) r``); vectors, small matrices and gradients
-that are not fp32 travel uncompressed in collective 1.
+(``min_compression_rate (n + m) r < n m``, torch's rule); vectors, small matrices and
+gradients that are not fp32 travel uncompressed in collective 1.
 
 Memory, per group of gradients (the whole model in the fused mode, one bucket in the
 overlapped one): the reducer lays out each group's gradients with the uncompressed
@@ -63,8 +63,9 @@ class PowerSGD:
         warm_start: start each step's power iteration from the last step's averaged
             ``Q`` (one iteration per step then tracks the top subspace); ``False`` draws
             a new random ``Q`` every step (the same on every rank).
-        min_compression_rate: compress an ``n x m`` matrix only if it sends at least this
-            many times fewer values (``n m / ((n + m) r)``); others go uncompressed.
+        min_compression_rate: compress an ``n x m`` matrix only if it sends more than this
+            many times fewer values (``n m / ((n + m) r)``, as torch's ``powerSGD_hook``);
+            others go uncompressed.
         seed: seeds the initial ``Q`` of every matrix (:func:`initial_q`).
 
     Example::
@@ -98,7 +99,7 @@ class PowerSGD:
             return 0
         n, m = shape[0], math.prod(shape[1:])
         r = min(self.rank, n, m)
-        if r == 0 or n * m < self.min_compression_rate * (n + m) * r:
+        if r == 0 or not self.min_compression_rate * (n + m) * r < n * m:  # torch's rule (_should_compress)
             return 0
         return r
 
