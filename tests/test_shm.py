@@ -363,6 +363,38 @@ def two_reducers_case(rank: int, world: int) -> dict:
     return out
 
 
+def _mapped_segments() -> int:
+    """Bytes of fastreduce's shared-memory segments this process maps (unlinked ones too)."""
+    with open("/proc/self/maps") as f:
+        spans = [line.split()[0].split("-") for line in f if "/dev/shm/fastreduce-" in line]
+    return sum(int(b, 16) - int(a, 16) for a, b in spans)
+
+
+def rebuilds_case(rank: int, world: int) -> dict:
+    """A reducer on shm rebuilt 6 times (a layer frozen and unfrozen, rebuild() as its error
+    says), then closed: the segments mapped, after each step and after close()."""
+    import gc
+
+    before = _mapped_segments()
+    model = linear_stack(SEED, 8)
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, transport="shm")
+    after: list[int] = []
+    for step in range(7):
+        if step:
+            model.layers[0].requires_grad_(step % 2 == 0)
+            reducer.rebuild()
+        model.zero_grad(set_to_none=True)  # (a frozen layer's grad would hold the last build's segment)
+        loss_of(model, batch_for(model, rank, step)).backward()
+        reducer.reduce()
+        gc.collect()
+        after.append(_mapped_segments() - before)
+    reducer.close()
+    model.zero_grad(set_to_none=True)  # (the grads were views into the segment)
+    del reducer
+    gc.collect()
+    return {"after_steps": after, "after_close": _mapped_segments() - before}
+
+
 def subgroup_case(rank: int, world: int) -> list:
     """World 4, a reducer per rank on its pair {0, 2} or {1, 3}, through shm."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
@@ -397,6 +429,7 @@ def worker(rank: int, world: int, dirs: dict) -> dict:
         for wire, mode in PARITY:
             out[f"parity-{wire}-{mode}"] = guarded(parity_case, rank, world, wire, mode == "overlap")
         out["two reducers"] = guarded(two_reducers_case, rank, world)
+        out["rebuilds"] = guarded(rebuilds_case, rank, world)
     if world == 4:
         out["subgroup"] = guarded(subgroup_case, rank, world)
     return out
@@ -717,6 +750,16 @@ def test_two_reducers_share_the_worker_and_stay_correct(group) -> None:
         for step, s in enumerate(out["steps"]):
             for k, (got, ref, scale) in s.items():
                 assert_within(got, ref, scale, tol[k], f"rank {rank} step {step} reducer {k}")
+
+
+@worlds(2)
+def test_a_rebuilt_reducer_keeps_no_segment_of_its_old_builds(group) -> None:
+    """Each build's segment goes with the build (a rebuild; the reducer closed and dropped):
+    they stayed mapped, one per build, for the group's life."""
+    for out in per_rank(group, "rebuilds"):
+        one = out["after_steps"][0]
+        assert one > 0 and out["after_steps"] == [one] * 7, out
+        assert out["after_close"] == 0, out
 
 
 @worlds(4)

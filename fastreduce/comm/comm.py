@@ -141,6 +141,22 @@ class Comm:
                 return shm.region(dtype, numel)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
+    def release(self, buf: torch.Tensor) -> None:
+        """Forget ``buf`` (from :meth:`buffer`; its user is done with it): its shared-memory
+        segment, freed once no tensor maps it any more, and what was kept for it (scratch,
+        accumulators). A reducer rebuilt again and again kept a segment per build for the
+        group's life."""
+        shm = self.shm_of(buf)
+        if shm is not None:
+            self.shms.remove(shm)
+            base = shm.regions[shm.rank]
+            start, end = base.data_ptr(), base.data_ptr() + shm.region_bytes
+        else:
+            start, end = buf.data_ptr(), buf.data_ptr() + buf.nbytes
+        for cache in (self._scratch, self._accumulators):
+            for key in [k for k in cache if start <= k[1] < end]:
+                del cache[key]
+
     def everyones(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's counterpart of ``t``, a buffer from :meth:`buffer` on shared memory
         (:meth:`ShmAllReduce.everyones`); ``None`` elsewhere."""

@@ -347,6 +347,7 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
             self._built.reattach.remove()
             if self._built.schedule is not None:
                 self._built.schedule.remove()
+            self._built.comm.release(self._built.buffer.wire)  # (its shared-memory segment, if any)
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
