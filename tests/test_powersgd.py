@@ -732,15 +732,23 @@ def state_dict_roundtrip(rank: int, world: int) -> dict:
     sd = copy.deepcopy(ra.state_dict())
     rb = fastreduce.FusedReducer(b, wire_dtype=torch.float32, compression=comp)
     rb.load_state_dict(sd)
-    same = []
-    for step in range(3, 6):
-        for m, r in ((a, ra), (b, rb)):
-            m.zero_grad()
-            loss_of(m, batch(rank, step)).backward()  # the same parameters: only grads move
-            r.reduce()
-        same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())))
+    same = same_grads_ahead(rank, (a, ra), (b, rb))
     st = rb.state_dict()["compression"]
     return {"same": same, "keys": sorted(st), "steps": (ra.state_dict()["compression"]["step"], st["step"])}
+
+
+def same_grads_ahead(rank: int, *pairs: tuple[torch.nn.Module, Any]) -> list[bool]:
+    """Steps 3 to 5 through each (model, reducer) of two pairs with the same parameters (only
+    grads move): whether their averaged gradients are equal at each."""
+    same = []
+    for step in range(3, 6):
+        for m, r in pairs:
+            m.zero_grad()
+            loss_of(m, batch(rank, step)).backward()
+            r.reduce()
+        (a, _), (b, _) = pairs
+        same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())))
+    return same
 
 
 def test_load_state_dict_before_the_first_reduce() -> None:
@@ -769,13 +777,7 @@ def fresh_state_case(rank: int, world: int) -> dict:
             ra.reduce()
         ra.load_state_dict(fresh)
         rc = fastreduce.FusedReducer(c, **settings)
-        same = []
-        for step in range(3, 6):
-            for m, r in ((a, ra), (c, rc)):
-                m.zero_grad()
-                loss_of(m, batch(rank, step)).backward()  # the same parameters: only grads move
-                r.reduce()
-            same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), c.parameters())))
+        same = same_grads_ahead(rank, (a, ra), (c, rc))
         for r in (unbuilt, ra, rc):
             r.close()
         out[mode] = {"same": same, "fresh": sorted(fresh)}
