@@ -48,7 +48,7 @@ from . import __version__
 from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
 from .sizing import AUTO, AUTO_RULE, GOSSIP_AUTO_RULE, ZERO_AUTO_RULE
-from .comm.comm import TRANSPORT_ENV, resolve_transport
+from .comm.transport import TRANSPORT_ENV, resolve_transport
 from .comm.shm import PAGE, SHM_DIR, create_segment
 from .modes.diloco import DiLoCo
 from .modes.fused import ReducerConfig

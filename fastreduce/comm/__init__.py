@@ -9,8 +9,9 @@ CPU ranks on one host.
 
 from .collectives import (Fp32Accumulate, MeanPlan, Pending, Waitable, advance, all_gather_flat, broadcast_from_rank0,
                           complete, reduce_scatter_flat)
-from .comm import TRANSPORT_ENV, TRANSPORTS, Comm, Transport, get_comm, resolve_transport, wants_shm
+from .comm import Comm, get_comm
 from .shm import ShmAllReduce
+from .transport import TRANSPORT_ENV, TRANSPORTS, Transport, resolve_transport, wants_shm
 
 __all__ = ["Comm", "Fp32Accumulate", "MeanPlan", "Pending", "ShmAllReduce", "TRANSPORTS", "TRANSPORT_ENV",
            "Transport", "Waitable", "advance", "all_gather_flat", "broadcast_from_rank0", "complete", "get_comm",

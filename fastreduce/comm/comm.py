@@ -47,10 +47,9 @@ Gloo path needs (one buffer's worth per buffer, allocated on first use, never pe
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import deque
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -62,29 +61,11 @@ from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduc
                           exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, ring_scratch_numel,
                           start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
+from .transport import resolve_transport, wants_shm
 
-__all__ = ["Comm", "TRANSPORTS", "TRANSPORT_ENV", "Transport", "get_comm", "resolve_transport", "wants_shm"]
+__all__ = ["Comm", "get_comm"]
 
-Transport = Literal["auto", "shm", "process_group"]
-TRANSPORTS = ("auto", "shm", "process_group")
-TRANSPORT_ENV = "FASTREDUCE_TRANSPORT"
 _CHUNK_ALIGN = 64  # elements: no two ranks' chunks share a cache line
-
-
-def resolve_transport(transport: str | None) -> str:
-    """``transport``, or ``$FASTREDUCE_TRANSPORT``, or ``auto``; validated."""
-    value = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
-    if value not in TRANSPORTS:
-        raise ValueError(f"unknown transport {value!r} (argument or ${TRANSPORT_ENV}); "
-                         f"choose one of {', '.join(TRANSPORTS)}")
-    return value
-
-
-def wants_shm(transport: str | None, device: torch.device) -> bool:
-    """Whether buffers on ``device`` go through shared memory where the ranks share a host
-    (``transport`` as given to a mode; the segment's opening decides, collectively)."""
-    transport = resolve_transport(transport)
-    return transport == "shm" or (transport == "auto" and device.type == "cpu")
 
 
 class Comm:
