@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from .torch_internals import compiled_inner
+
 __all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_waits", "on_grad_ready", "on_step",
            "optional_before_forward", "remove_hooks", "stand_down"]
 
@@ -101,8 +103,7 @@ def optional_before_forward(module: torch.nn.Module, fn: Callable[[], None]) -> 
 
 def compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``-d (the returned wrapper, or ``module.compile()``)."""
-    return (type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")) \
-        or getattr(module, "_compiled_call_impl", None) is not None
+    return compiled_inner(module) is not module or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def on_step(optimizer: torch.optim.Optimizer, *, pre: Callable[..., Any] | None = None,
@@ -176,7 +177,7 @@ def forward_waits(module: torch.nn.Module, bucket_of: dict[int, int], wait: Call
 
         skip_code(before.__code__)
         skip_code(hook.__code__)
-    for m in getattr(module, "_orig_mod", module).modules():
+    for m in compiled_inner(module).modules():
         mine = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}))
         if mine:
             handles.append(before_forward(m, partial(hook, mine=mine), traced=True))

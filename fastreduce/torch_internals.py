@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
-__all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "ddp_first_bucket_bytes", "default_store",
+__all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
+           "default_store",
            "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass", "profiler_enabled",
            "release_abandoned", "store_base", "unsafe_preserve_version_counter"]
 
@@ -122,6 +123,12 @@ def release_abandoned() -> int:
         left = len(_pinned)
     del due  # the last references to them: destroyed here, or with the last holder's
     return left
+
+
+def compiled_inner(module: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else ``module``
+    itself: the wrapper names each parameter ``_orig_mod.<its name>``."""
+    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
 
 
 def ddp_first_bucket_bytes() -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..comm import Transport
 from ..grads import NonFinite
+from ..torch_internals import compiled_inner
 from ..codecs.powersgd import PowerSGD
 from .fused import FusedReducer, UnusedGrads
 
@@ -92,9 +93,10 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
         ...         optimizer.step()
         ...         optimizer.zero_grad()
     """
-    cache = model.__dict__.get("_fastreduce_reducers")
+    held = compiled_inner(model).__dict__  # (a compiled model's reducers are its module's)
+    cache = held.get("_fastreduce_reducers")
     if cache is None:
-        cache = model.__dict__["_fastreduce_reducers"] = _ReducerCache()
+        cache = held["_fastreduce_reducers"] = _ReducerCache()
     pg = group if group is not None else dist.group.WORLD  # None before init: the reducer says so
     # the group held weakly: the model must not keep a group alive that its user destroyed
     key = (pg if pg is None else weakref.ref(pg), fusion_buffer_dtype,
@@ -122,7 +124,7 @@ def functional_state(model: nn.Module) -> dict[str, Any]:
     handed to the next one."""
     residuals: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"residuals": residuals}
-    cache = model.__dict__.get("_fastreduce_reducers", {})
+    cache = compiled_inner(model).__dict__.get("_fastreduce_reducers", {})
     if not cache and getattr(cache, "restore", None) is not None:
         return cache.restore
     for reducer in cache.values():
@@ -140,7 +142,7 @@ def load_functional_state(model: nn.Module, state: dict[str, Any]) -> None:
     if there is none yet, handed to the next one ``all_reduce_gradients`` makes."""
     if not state["residuals"] and "compression" not in state and not state.get("wire"):
         return
-    cache = model.__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
+    cache = compiled_inner(model).__dict__.setdefault("_fastreduce_reducers", _ReducerCache())
     users = [r for r in cache.values() if r.config.error_feedback or r.config.compression is not None]
     for reducer in users:
         reducer.load_state_dict(_its_part(reducer, state))

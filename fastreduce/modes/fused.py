@@ -47,6 +47,7 @@ from ..grads import FiniteCheck, NonFiniteGradError, adopt, attach_used, first_n
 from ..layout import GradLayout
 from ..profiling import span
 from ..sizing import AUTO, AutoSizer, Sizing
+from ..torch_internals import compiled_inner
 from .fused_build import FusedBuild, Built
 from .fused_config import ReducerConfig, UnusedGrads
 from .fused_join import FusedJoin
@@ -266,7 +267,7 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
     def _alone_finite(self) -> bool:
         """At one rank (a Membership down to one member, LocalSGD's warm-up): the dense
         gradients checked as :meth:`_finite` checks an average; ``raise`` or ``skip``."""
-        named = [(n, p.grad) for n, p in self.model.named_parameters()
+        named = [(n, p.grad) for n, p in self._named_parameters()
                  if p.requires_grad and p.grad is not None and p.grad.layout == torch.strided]
         if not named:
             return True
@@ -429,8 +430,14 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
             st.compressed += compressed
         st.bytes_reduced += path.nbytes if compressed else getattr(built.plan, "wire_bytes", built.buffer.nbytes)
 
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters by name: a ``torch.compile`` wrapper's under the names of the
+        module it wraps, so that a compiled model and the plain one are reduced alike (PowerSGD
+        seeds each matrix's first Q from its name) and load each other's states."""
+        return compiled_inner(self.model).named_parameters()
+
     def _raise_unfrozen(self, built: Built) -> None:
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in self._named_parameters()}
         thawed = [names.get(id(p), "?") for p in built.frozen if p.requires_grad]
         raise RuntimeError(f"parameter(s) {thawed[:3]} now require grad but were frozen when "
                            "fastreduce learned the layout, so their gradients would not be "

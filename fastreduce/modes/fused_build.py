@@ -61,7 +61,7 @@ class FusedBuild:
 
     def _check_alone(self) -> tuple[list, torch.device, Comm]:
         """The first reduce()'s checks a rank does alone, before the guard's heartbeat touches the store."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("no parameter of the model requires grad: nothing to reduce")
         device = check_grads(named)

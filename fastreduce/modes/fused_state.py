@@ -98,7 +98,7 @@ class ReducerState:
         if residuals and not self.config.error_feedback:
             raise ValueError("this state holds error-feedback residuals but the reducer was built "
                              "without error_feedback=True; build it with the settings it was saved with")
-        sizes = {n: p.numel() for n, p in self.model.named_parameters() if p.requires_grad}
+        sizes = {n: p.numel() for n, p in self._named_parameters() if p.requires_grad}
         for name, t in residuals.items():
             if not torch.is_tensor(t) or sizes.get(name) != t.numel():
                 raise ValueError(f"the residual saved for {name!r} does not fit this model (its trainable "
