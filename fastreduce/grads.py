@@ -141,12 +141,20 @@ def check_grads(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     return device
 
 
-def missing_message(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return (f"parameter(s) {shown} require grad but have no gradient after backward. "
-            "Freeze parameters you do not train (param.requires_grad_(False)), or pass "
+def missing_message(layout: GradLayout, indices: Sequence[int]) -> str:
+    """Why the parameters ``indices`` of ``layout`` have no gradient, and what to do."""
+    frozen = [layout.names[i] for i in indices if not layout.params[i].requires_grad]
+    if frozen:  # frozen since the layout was learned
+        return (f"parameter(s) {_shown(frozen)} were trainable when fastreduce learned the layout and are "
+                "frozen now; call reducer.rebuild() on every rank after changing requires_grad")
+    return (f"parameter(s) {_shown([layout.names[i] for i in indices])} require grad but have no gradient "
+            "after backward. Freeze parameters you do not train (param.requires_grad_(False)), or pass "
             "unused_grads='zero' to count a missing gradient as zero (like DDP's "
             "find_unused_parameters=True)")
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def attach_used(layout: GradLayout, buffer: FusedBuffer, flags: torch.Tensor, missing: list[int]) -> None:
@@ -181,7 +189,7 @@ def adopt(layout: GradLayout, buffer: FusedBuffer, indices: Sequence[int], *, di
             check_grad(layout.names[i], layout.params[i], device)
             moved.append(i)
     if missing and not missing_ok:
-        raise RuntimeError(missing_message([layout.names[i] for i in missing]))
+        raise RuntimeError(missing_message(layout, missing))
     cast = buffer.cast
     direct = direct and bool(moved) and sum(map(cast.__getitem__, moved)) == sum(map(cast.__getitem__, indices))
     if moved:
@@ -243,6 +251,8 @@ class Reattach:
         fresh = [i for i, p in enumerate(params) if p.grad is None]
         if not fresh:
             return  # re-allocated ones (not None): reduce() copies them in
+        if not all(params[i].requires_grad for i in fresh):
+            return  # one frozen since the layout was learned: reduce() says to rebuild()
         if len(fresh) == len(params):
             self.buffer.zero_()
         else:

@@ -467,7 +467,11 @@ def unfreeze_case(rank: int, world: int) -> dict:
     failed["changed"] = changed_since(snap, model)
     reducer.rebuild()
     reducer.reduce()
-    return {"failed": failed, "layout_after_rebuild": reducer.layout.names}
+    model.backbone[2].requires_grad_(False)  # and frozen again: its grad goes missing
+    model.zero_grad(set_to_none=True)
+    loss_of(model, batch_for(model, rank, 2)).backward()
+    refrozen = expect_raises(RuntimeError, reducer.reduce)
+    return {"failed": failed, "layout_after_rebuild": reducer.layout.names, "refrozen": refrozen}
 
 
 def op_trace_case(rank: int, world: int) -> dict:
@@ -595,6 +599,9 @@ def test_unfreezing_after_first_call_needs_rebuild(misc) -> None:
         assert "backbone.2" in failed["message"] and "rebuild()" in failed["message"]
         assert failed["changed"] == []
         assert "backbone.2.weight" in out["layout_after_rebuild"]
+        refrozen = out["refrozen"]  # (it said "require grad but have no gradient": freeze what you do not train)
+        assert refrozen["raised"] == "RuntimeError" and "frozen now" in refrozen["message"], refrozen["message"]
+        assert "rebuild()" in refrozen["message"] and "backbone.2.weight" in refrozen["message"]
 
 
 ALLOCATING_OPS = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",

@@ -94,7 +94,7 @@ class FusedBuild:
         present = tuple(p.grad is not None for p in layout.params)
         verify_across_ranks(layout, self.group, device, present if cfg.unused_grads == "error" else None)
         if cfg.unused_grads == "error" and not all(present):
-            raise RuntimeError(missing_message([layout.names[i] for i, ok in enumerate(present) if not ok]))
+            raise RuntimeError(missing_message(layout, [i for i, ok in enumerate(present) if not ok]))
         pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
         plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant and not cfg.overlap else \
