@@ -542,3 +542,77 @@ def test_a_skipped_step_leaves_the_state_as_before_it(stateful_results, name: st
             assert out["verdicts"] == [s != BAD_STEP for s in range(STEPS)], (rank, out)
         assert out["same"] == [True] * (STEPS - 1), (rank, out)  # as a run that never saw the step
 
+
+
+# ====================================================================== a local mode's state kept between syncs
+#
+# LocalSGD and DiLoCo with state between syncs (a quantized wire's error-feedback residuals,
+# SparseLoCo's accumulator) skip (or raise at) a sync whose average holds rank 1's inf, beside
+# a mode of the same settings that never sees the steps since the last sync: every rank
+# returns to the last synced parameters, and every later step gives the same parameters and
+# state, bit for bit (the state is as after the last sync that stood).
+
+SYNC_STATEFUL = {"int8-ef": {"wire_dtype": "int8", "error_feedback": True},
+                 "sparseloco": {"compression": fastreduce.SparseLoCo()}}
+SYNC_STATE_CASES = [(k, n, m) for k in ("diloco", "localsgd") for n in SYNC_STATEFUL for m in ("skip", "raise")]
+SYNC_STATE_STEPS = 8  # syncs after steps 1, 3, 5, 7; the one after SYNC_STEP (3) sees the inf
+
+
+def sync_state_case(rank: int, world: int, kind: str, name: str, mode: str) -> dict:
+    def build(model: nn.Module, nonfinite: str, spoil: bool) -> tuple[torch.optim.Optimizer, Any]:
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the skipped steps leave none behind
+        if spoil:  # (its post-hook before the mode's)
+            _corrupt_before_sync(model, inner, rank, "inf")
+        if kind == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
+            return inner, fastreduce.DiLoCo(model, inner, outer, 2, nonfinite=nonfinite, **SYNC_STATEFUL[name])
+        return inner, fastreduce.LocalSGD(model, inner, 2, nonfinite=nonfinite, **SYNC_STATEFUL[name])
+
+    def state(m: Any) -> dict:
+        return {k: v for k, v in m.state_dict().items() if k in ("params", "anchor", "wire_residuals", "sparse")}
+
+    model, ref = _model(), _model()
+    opt, local = build(model, mode, True)
+    ref_opt, ref_local = build(ref, "ignore", False)  # the reference: never sees the steps before the bad sync
+    out: dict = {"same": []}
+    for step in range(SYNC_STATE_STEPS):
+        x = _x(rank, step)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if step == SYNC_STEP and mode == "raise":
+            out["error"] = expect_raises(fastreduce.NonFiniteGradError, opt.step)
+        else:
+            opt.step()
+        if step in (SYNC_STEP - 1, SYNC_STEP):
+            continue
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        out["same"].append(_same(_params(model), _params(ref)))
+    out["same_state"] = same_state(state(local), state(ref_local))
+    out["counted"] = (local.skipped_syncs, local.syncs)
+    local.close()
+    ref_local.close()
+    return out
+
+
+def sync_state_worker(rank: int, world: int) -> dict:
+    return {c: guarded(sync_state_case, rank, world, *c) for c in SYNC_STATE_CASES}
+
+
+@pytest.fixture(scope="module")
+def sync_state_results() -> list[dict]:
+    return run_ranks(sync_state_worker, 2, timeout=240)
+
+
+@pytest.mark.parametrize("kind,name,mode", SYNC_STATE_CASES, ids=["-".join(c) for c in SYNC_STATE_CASES])
+def test_a_skipped_sync_leaves_the_codecs_state_as_before_it(sync_state_results, kind: str, name: str,
+                                                              mode: str) -> None:
+    """The residuals and accumulators took the inf before the verdict: every later sync was
+    skipped too, and the ranks never averaged again."""
+    for rank, out in enumerate(per_rank(sync_state_results, (kind, name, mode))):
+        if mode == "raise":
+            assert out["error"]["raised"] == "NonFiniteGradError", (rank, out)
+        assert out["counted"] == (1, 3), (rank, out)
+        assert out["same"] == [True] * (SYNC_STATE_STEPS - 2) and out["same_state"], (rank, out)
+

@@ -184,6 +184,10 @@ class SparseState:
     def state_dict(self) -> dict[str, Any]:
         return {"acc": self.acc[:self.numel].clone()}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The accumulator itself (what an encode changes and :meth:`state_dict` copies)."""
+        return [self.acc]
+
     def fits(self, state: Any) -> bool:
         acc = state.get("acc") if isinstance(state, dict) else None
         return torch.is_tensor(acc) and acc.numel() == self.numel

@@ -92,7 +92,8 @@ class DiLoCo(LocalUpdates):
             averaged pseudo-gradient is checked once it lands (one fused kernel; it is
             the same on every rank, so every rank decides alike with no collective):
             ``skip`` skips the outer step and every rank's parameters of the fragment
-            return to the last synced ones (outer optimizer untouched,
+            return to the last synced ones (outer optimizer untouched, the quantized
+            wire's residuals or SparseLoCo's accumulator as before the sync,
             :attr:`skipped_syncs` counts it); ``raise`` does the same and raises on every
             rank, naming the parameter.
 

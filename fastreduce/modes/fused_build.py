@@ -20,8 +20,9 @@ from ..comm.quantized import QuantMean, QuantMeans
 from ..grads import Reattach, check_grads, missing_message
 from ..layout import GradLayout, verify_across_ranks
 from .compressed import Compressed
-from .fused_state import StepUndo
+from .fused_state import step_undo
 from .overlap import bucket_segments, overlap_schedule
+from .step_undo import StepUndo
 
 __all__ = ["Built", "FusedBuild"]
 
@@ -141,7 +142,7 @@ class FusedBuild:
             raise ValueError(f"{err}. (The state was loaded before the first reduce(); it is dropped, "
                              "and this reduce() averaged nothing: the gradients are as they were.)") from err
         if cfg.nonfinite != "ignore":  # a skipped step's residuals and Q put back
-            built.undo = StepUndo.of(built)
+            built.undo = step_undo(built)
         return built
 
     @staticmethod

@@ -5,7 +5,7 @@ residuals (of the wire cast, or under ``"wire"`` a quantized wire's two) and, wi
 The layout and buffers are learned again from the model, so a state loaded before the
 first ``reduce()`` waits until that call has built them. Under ``nonfinite="raise"`` or
 ``"skip"`` the same state is also kept in memory after each step that stands
-(:class:`StepUndo`), and put back after one that does not.
+(:func:`step_undo`), and put back after one that does not.
 """
 
 from __future__ import annotations
@@ -15,54 +15,24 @@ from typing import Any
 
 import torch
 
-from ..buffer import TensorBlock
+from .step_undo import StepUndo
 
-__all__ = ["ReducerState", "StepUndo"]
+__all__ = ["ReducerState", "step_undo"]
 
 log = logging.getLogger("fastreduce.modes.fused")
 
 
-class StepUndo:
-    """What a step changes besides the gradients (the error-feedback residuals of the wire
-    cast or of a quantized wire; PowerSGD's Q, residuals and step count), copied aside
-    after every step whose average is finite (:meth:`keep`: one fused copy per dtype) and
-    put back after one whose average is not (:meth:`undo`), so that a skipped step leaves
-    them as before it. Only under ``nonfinite="raise"`` or ``"skip"``: with ``"ignore"``
-    nothing is copied."""
-
-    def __init__(self, tensors: list[torch.Tensor], codec: Any, device: torch.device):
-        self.codec = codec
-        self.blocks = [TensorBlock([t for t in tensors if t.dtype == dtype],
-                                   lambda n, d: torch.empty(n, dtype=d, device=device), dtype)
-                       for dtype in dict.fromkeys(t.dtype for t in tensors)]
-        self.step = 0
-        self.keep()
-
-    @classmethod
-    def of(cls, built: Any) -> StepUndo | None:
-        """One for ``built`` (its state as it is now), or ``None`` where a step changes
-        nothing but the gradients."""
-        tensors = [r for r in built.buffer.residuals if r is not None]
-        if hasattr(built.plan, "state_tensors"):  # a quantized wire
-            tensors += built.plan.state_tensors()
-        codec = built.compressed.codec if built.compressed is not None else None
-        if codec is not None:
-            tensors += codec.state_tensors()
-        return cls(tensors, codec, built.buffer.wire.device) if tensors or codec is not None else None
-
-    def keep(self) -> None:
-        """The state now is what :meth:`undo` puts back."""
-        for block in self.blocks:
-            block.load()
-        if self.codec is not None:
-            self.step = self.codec.step
-
-    def undo(self) -> None:
-        """The state as :meth:`keep` last found it."""
-        for block in self.blocks:
-            block.store()
-        if self.codec is not None:
-            self.codec.step = self.step
+def step_undo(built: Any) -> StepUndo | None:
+    """A :class:`~fastreduce.modes.step_undo.StepUndo` of what a step of ``built`` changes
+    besides the gradients (its state as it is now), or ``None`` where a step changes
+    nothing else."""
+    tensors = [r for r in built.buffer.residuals if r is not None]
+    if hasattr(built.plan, "state_tensors"):  # a quantized wire
+        tensors += built.plan.state_tensors()
+    codec = built.compressed.codec if built.compressed is not None else None
+    if codec is not None:
+        tensors += codec.state_tensors()
+    return StepUndo(tensors, codec, built.buffer.wire.device) if tensors or codec is not None else None
 
 
 class ReducerState:

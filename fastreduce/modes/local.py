@@ -46,6 +46,7 @@ from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
 from .comm_stats import CommStats
 from .local_state import RESEND, LocalState
+from .step_undo import StepUndo
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
            "require_distributed", "trainable"]
@@ -399,8 +400,14 @@ class LocalUpdates(LocalState, JoinableMode):
         self._step_error: NonFiniteGradError | None = None
         self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
         self._nonfinite_hooks: list[Any] = []
+        # per fragment, what a sync changes besides the parameters (the quantized wire's
+        # residuals, SparseLoCo's accumulator): put back after a sync that is skipped
+        self._undo: list[StepUndo] = []
         if self.nonfinite != "ignore":
             self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
+            state = [(self._quant_means[k].state_tensors() if self._quant_means else [])
+                     + (self._sparse[k].state_tensors() if self._sparse else []) for k in range(len(self._frag_wire))]
+            self._undo = [StepUndo(tensors, None, self.device) for tensors in state] if any(state) else []
 
     def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         verdict, self._warm_verdict = self._warm_verdict, None
@@ -440,9 +447,17 @@ class LocalUpdates(LocalState, JoinableMode):
         finite; one fused check, and every rank holds the same average, so every rank
         decides alike with no collective. If not, the outer step is skipped: every
         rank's parameters of the fragment := the last synced ones (the anchor, the
-        parameters the outer step would have updated), outer optimizer untouched."""
-        if self.nonfinite == "ignore" or self._check((self._frag_wire[k],)):
+        parameters the outer step would have updated), outer optimizer untouched, and
+        the codec's state (error-feedback residuals, SparseLoCo's accumulator) as after
+        the last sync that stood."""
+        if self.nonfinite == "ignore":
             return True
+        if self._check((self._frag_wire[k],)):
+            if self._undo:
+                self._undo[k].keep()
+            return True
+        if self._undo:
+            self._undo[k].undo()
         self.skipped_syncs += 1
         for j in self._frag_segments[k]:
             self._flats[j].copy_(self._anchor[j], non_blocking=True)
@@ -455,7 +470,7 @@ class LocalUpdates(LocalState, JoinableMode):
         i = first_nonfinite([slot_view(self._wire[j], slot) for j, slot in slots])
         raise nonfinite_error("the averaged pseudo-gradients (anchor - x)", None if i is None else slots[i][1].name,
                               "the sync is lost on every rank: the fragment's parameters are reset to the last "
-                              "synced ones, the outer optimizer did not step.")
+                              "synced ones, the outer optimizer did not step, the codec's state is as before it.")
 
     def _apply(self, k: int, mix: bool) -> None:
         raise NotImplementedError

@@ -123,6 +123,8 @@ class LocalState:
                 self._sent = t.clone()
                 self._in_flight[int(k)] = RESEND  # this rank's own payload: averaged again over this group
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        for undo in self._undo:  # (what a skipped sync puts back from now on)
+            undo.keep()
 
     def _settle(self) -> None:
         """Nothing left in flight before a state is loaded: a collective still running is

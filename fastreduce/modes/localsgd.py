@@ -117,9 +117,10 @@ class LocalSGD(LocalUpdates):
             checks the averaged gradients (the fused reducer's check): every rank skips
             or raises alike. A sync checks what is averaged, the same on every rank: with
             ``wire_dtype`` the averaged change (``skip``: every rank returns to the last
-            averaged parameters); without, each rank's parameters before the in-place
-            average, agreed by a one-element MAX all-reduce per sync (``skip``: no rank
-            averages, each keeps its own); ``raise`` raises on every rank.
+            averaged parameters, the codec's state as before the sync); without, each
+            rank's parameters before the in-place average, agreed by a one-element MAX
+            all-reduce per sync (``skip``: no rank averages, each keeps its own);
+            ``raise`` raises on every rank.
             :attr:`skipped_syncs` counts skipped syncs.
 
     Example::
