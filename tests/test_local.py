@@ -1150,6 +1150,56 @@ def test_a_trainers_clipping_sees_the_warm_ups_average_as_ddps_does() -> None:
         assert out["gap"] <= 1e-6, out
 
 
+def skipped_warmup_step_worker(rank: int, world: int) -> dict:
+    """The trainers' order in LocalSGD's warm-up (backward, average_warmup_grads, clipping)
+    with a GradScaler, which skips the step whose average holds rank 0's inf, against DDP's
+    order on a copy (every backward's gradients averaged, the same step skipped); with and
+    without nonfinite="skip" (whose verdict on the average is the step's too)."""
+    ref_group = dist.new_group(backend="gloo")
+    out = {}
+    for nonfinite in ("ignore", "skip"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        local = fastreduce.LocalSGD(model, opt, sync_every=4, warmup_steps=10, nonfinite=nonfinite)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+        def ref_average() -> None:
+            all_mean_([p.grad for p in ref.parameters()], ref_group)
+
+        for m, o, average in ((model, opt, local.average_warmup_grads), (ref, ref_opt, ref_average)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+            for step in range(5):
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+                scaler.scale(m(x).pow(2).mean()).backward()
+                if step == 2 and rank == 0:
+                    m[0].weight.grad[0, 0] = float("inf")  # an fp16-style overflow on one rank
+                average()
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                scaler.step(o)  # skipped at step 2 on every rank: the average holds the inf
+                scaler.update()
+                o.zero_grad()
+        v = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.zeros_like(v) for _ in range(world)]
+        dist.all_gather(every, v)
+        local.close()
+        out[nonfinite] = {"apart": float((every[0] - every[1]).abs().max()), "steps": local.steps,
+                          "skipped": local.skipped_steps,
+                          "gap": max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))}
+    return out
+
+
+def test_a_warm_up_step_skipped_after_its_average_leaves_the_next_one_averaged() -> None:
+    """The mark that the step's average was done outlived the skipped step: the next step
+    averaged nothing, and the ranks' parameters parted in the warm-up."""
+    for out in run_ranks(skipped_warmup_step_worker, 2, timeout=120):
+        for nonfinite, o in out.items():
+            assert o["apart"] == 0.0 and o["gap"] <= ATOL, (nonfinite, o)
+            assert o["steps"] == 4 and o["skipped"] == 0, (nonfinite, o)  # the scaler's skip: no step at all
+
+
 def closed_twice_worker(rank: int, world: int) -> dict:
     """close(drain=False) (a peer lost: the work in flight dropped), then close() again (a
     trainer's teardown after a Membership's epoch change): the second does nothing; it waited

@@ -28,7 +28,7 @@ from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
 from ..faults import all_reduce_watched, guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
-from ..hooks import on_step, remove_hooks
+from ..hooks import on_grad_ready, on_step, remove_hooks
 from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, require_distributed, trainable
 
 __all__ = ["LocalSGD"]
@@ -171,7 +171,8 @@ class LocalSGD(LocalUpdates):
                     transport=transport, scratch=False, compression=compression, quant=quant,
                     error_feedback=error_feedback)
         self._reducer, self._transport = None, transport
-        self._warm_reduced = False  # this step's warm-up average done (average_warmup_grads)
+        self._warm_reduced = False  # this backward's warm-up average done (average_warmup_grads)
+        self._warm_hooks: list[Any] = []  # gradient hooks: a new backward's gradients undo the mark
         if self.warmup_steps:
             self._start_warmup()
         self._guard_steps()
@@ -230,9 +231,21 @@ class LocalSGD(LocalUpdates):
         """In the warm-up, this step's gradient average now, not at the optimizer's step: a
         trainer calls it after the backward, so that its clipping sees the average (DDP's
         clip(mean g), not mean(clip g)); the step then averages nothing again. Collective;
-        outside the warm-up, nothing."""
+        outside the warm-up, nothing. The average is of this backward's gradients: where
+        the step is skipped after it (a GradScaler's inf), the next backward's first
+        gradient undoes the mark, and the next call (or step) averages again."""
         if not self._warm_reduced:
             self._warm_reduced = self._reduce_warmup()
+            if self._warm_reduced and not self._warm_hooks:  # on first use: a loop without it pays nothing
+                self._warm_hooks = on_grad_ready([p for _, p in self._named], self._new_backward)
+                self._hooks += self._warm_hooks  # (taken off with the warm-up's hooks, or by close())
+
+    def _new_backward(self, _i: int) -> None:
+        """A gradient of a backward after :meth:`average_warmup_grads`: that average (and
+        its verdict on inf/NaN) is of gradients this backward adds to."""
+        if self._warm_reduced:
+            self._warm_reduced = False
+            self._warm_verdict = None
 
     def _before_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if not self._warm_reduced:
@@ -277,6 +290,7 @@ class LocalSGD(LocalUpdates):
         self._close_reducer()
         remove_hooks(self._hooks[1:])
         del self._hooks[1:]
+        self._warm_hooks = []
 
     def _close_reducer(self) -> None:
         """The warm-up's reducer off the model (its forward pre-hook, its gradient hooks);
