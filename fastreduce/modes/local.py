@@ -27,31 +27,28 @@ pseudo-gradient's sign pinned by a test against the paper's equations.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buffer import TensorBlock, slot_view, params_as_views
+from ..buffer import TensorBlock, params_as_views
 from ..codecs.quant import BlockQuant
 from ..codecs.sparse import SparseLoCo, SparseState
 from ..comm import Comm, Pending, advance, complete, get_comm
 from ..comm.quantized import QuantMean
 from ..faults import guarded
-from ..grads import FiniteCheck, NonFiniteGradError, first_nonfinite, nonfinite_error, one_device, start_from_rank0
+from ..grads import one_device, start_from_rank0
 from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
 from .comm_stats import CommStats
+from .local_nonfinite import LocalNonFinite
 from .local_state import RESEND, LocalState
-from .step_undo import StepUndo
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
            "require_distributed", "trainable"]
-
-log = logging.getLogger(__name__)
 
 BUFFERS = ("average", "local")
 
@@ -112,7 +109,7 @@ SYNC_LOST = ("The parameters are lost: the sync may have left them partly averag
               "its pseudo-gradient (anchor - x) instead of weights.")
 
 
-class LocalUpdates(LocalState, JoinableMode):
+class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
     """Parameters as flat blocks, cut into fragments; anchors, wire, step hooks, state.
 
     The modes subclass it with :meth:`_after_step` (when to sync) and, for DiLoCo, how
@@ -382,95 +379,6 @@ class LocalUpdates(LocalState, JoinableMode):
             return
         self._apply(k, mix)
         self.syncs += 1
-
-    # ------------------------------------------------------------------ non-finite values
-
-    def _guard_steps(self) -> None:
-        """``nonfinite``: hooks around the inner optimizer's step, registered after the
-        mode's own. [Note: skipping an inner step] A pre-hook checks the gradients the
-        step will use (in warm-up, the fused reducer's verdict on the average; else this
-        rank's own, one fused kernel per dtype); to skip, it sets every gradient of the
-        optimizer to ``None`` for the call (torch's optimizers then leave a parameter and
-        its state alone) and :meth:`_on_step` puts them back, so every step hook still
-        runs: the step counter advances and the syncs stay matched across ranks."""
-        self.skipped_steps = 0  # inner steps this rank skipped for inf/NaN gradients
-        self.skipped_syncs = 0  # syncs every rank skipped for an inf/NaN average
-        self._check = FiniteCheck(self.device)
-        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._step_error: NonFiniteGradError | None = None
-        self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
-        self._nonfinite_hooks: list[Any] = []
-        # per fragment, what a sync changes besides the parameters (the quantized wire's
-        # residuals, SparseLoCo's accumulator): put back after a sync that is skipped
-        self._undo: list[StepUndo] = []
-        if self.nonfinite != "ignore":
-            self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
-            state = [(self._quant_means[k].state_tensors() if self._quant_means else [])
-                     + (self._sparse[k].state_tensors() if self._sparse else []) for k in range(len(self._frag_wire))]
-            self._undo = [StepUndo(tensors, None, self.device) for tensors in state] if any(state) else []
-
-    def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        verdict, self._warm_verdict = self._warm_verdict, None
-        local = verdict is None
-        if local:  # no communication in this step: this rank's gradients, this rank's verdict
-            grads = [p.grad for _, p in self._named if p.grad is not None]
-            verdict = not grads or self._check(grads)
-        if verdict:
-            return
-        self.skipped_steps += 1
-        if local and self.nonfinite == "raise":
-            i = first_nonfinite([p.grad if p.grad is not None else p.detach()[:0] for _, p in self._named])
-            self._step_error = nonfinite_error(
-                f"rank {self.rank}'s gradients", None if i is None else self._named[i][0],
-                "no collective is involved in an inner step, so only this rank raises; it skipped the step "
-                "(parameters and optimizer state as before it) and counted it, so the syncs stay matched.")
-        elif self.nonfinite == "skip":
-            log.warning("fastreduce: %s: rank %d's %s gradients hold inf or NaN; the inner step is skipped "
-                        "(nonfinite='skip')", type(self).__name__, self.rank, "own" if local else "averaged")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._stash = [(p, p.grad) for p in params]
-        for p in params:  # the skip path only: torch's optimizers pass over a parameter with no grad
-            p.grad = None
-
-    def _unstash(self) -> None:
-        stash, self._stash = self._stash, []
-        for p, g in stash:
-            p.grad = g
-
-    def _raise_step_error(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        err, self._step_error = self._step_error, None
-        if err is not None:
-            raise err
-
-    def _average_finite(self, k: int) -> bool:
-        """``nonfinite``: whether fragment ``k``'s averaged pseudo-gradient (the wire) is
-        finite; one fused check, and every rank holds the same average, so every rank
-        decides alike with no collective. If not, the outer step is skipped: every
-        rank's parameters of the fragment := the last synced ones (the anchor, the
-        parameters the outer step would have updated), outer optimizer untouched, and
-        the codec's state (error-feedback residuals, SparseLoCo's accumulator) as after
-        the last sync that stood."""
-        if self.nonfinite == "ignore":
-            return True
-        if self._check((self._frag_wire[k],)):
-            if self._undo:
-                self._undo[k].keep()
-            return True
-        if self._undo:
-            self._undo[k].undo()
-        self.skipped_syncs += 1
-        for j in self._frag_segments[k]:
-            self._flats[j].copy_(self._anchor[j], non_blocking=True)
-        if self.nonfinite == "skip":
-            log.warning("fastreduce: %s: the averaged pseudo-gradient holds inf or NaN; the sync is skipped "
-                        "on every rank, which return to the last synced parameters (nonfinite='skip')",
-                        type(self).__name__)
-            return False
-        slots = [(j, slot) for j in self._frag_segments[k] for slot in self.layout.segments[j].slots]
-        i = first_nonfinite([slot_view(self._wire[j], slot) for j, slot in slots])
-        raise nonfinite_error("the averaged pseudo-gradients (anchor - x)", None if i is None else slots[i][1].name,
-                              "the sync is lost on every rank: the fragment's parameters are reset to the last "
-                              "synced ones, the outer optimizer did not step, the codec's state is as before it.")
 
     def _apply(self, k: int, mix: bool) -> None:
         raise NotImplementedError
