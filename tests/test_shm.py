@@ -38,7 +38,7 @@ import fastreduce.comm.shm
 from fastreduce.launch import run_ranks
 from fastreduce.comm.shm import ShmAllReduce
 
-from models import batch_for, linear_stack, loss_of, many_tensor_model
+from models import batch_for, batchnorm_model, linear_stack, loss_of, many_tensor_model
 from test_fused import (ALLOCATING_OPS, SEED, OpRecorder, changed_since, expect_raises, grads_of, guarded,
                         per_rank, reducer_of, snapshot)
 
@@ -395,6 +395,44 @@ def rebuilds_case(rank: int, world: int) -> dict:
     return {"after_steps": after, "after_close": _mapped_segments() - before}
 
 
+LOCAL_BUILDS = {  # each mode's buffers from the communication layer: the float buffers' block too
+    "localsgd": lambda m, o: fastreduce.LocalSGD(m, o, 2, transport="shm"),  # the parameter blocks
+    "diloco": lambda m, o: fastreduce.DiLoCo(m, o, torch.optim.SGD(m.parameters(), lr=0.7), 2,
+                                             transport="shm"),  # the wire
+    "diloco-sparseloco": lambda m, o: fastreduce.DiLoCo(m, o, torch.optim.SGD(m.parameters(), lr=1.0), 2,
+                                                        transport="shm", compression=fastreduce.SparseLoCo()),
+}
+
+
+def local_rebuilds_case(rank: int, world: int) -> dict:
+    """LocalSGD and DiLoCo on shm built 4 times over one model (a second run, a trainer's
+    second train()), each trained to a sync and closed: the segments mapped while the first
+    is open, after each close, and once the model is dropped."""
+    import gc
+
+    out = {}
+    for kind, build in LOCAL_BUILDS.items():
+        before = _mapped_segments()
+        model = batchnorm_model(SEED)
+        opened, after = 0, []
+        for _ in range(4):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            mode = build(model, opt)
+            for step in range(2):
+                opt.zero_grad(set_to_none=True)
+                loss_of(model, batch_for(model, rank, step)).backward()
+                opt.step()
+            opened = opened or _mapped_segments() - before
+            mode.close()
+            del mode, opt
+            gc.collect()
+            after.append(_mapped_segments() - before)
+        del model
+        gc.collect()
+        out[kind] = {"open": opened, "after_close": after, "after_drop": _mapped_segments() - before}
+    return out
+
+
 def subgroup_case(rank: int, world: int) -> list:
     """World 4, a reducer per rank on its pair {0, 2} or {1, 3}, through shm."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
@@ -430,6 +468,7 @@ def worker(rank: int, world: int, dirs: dict) -> dict:
             out[f"parity-{wire}-{mode}"] = guarded(parity_case, rank, world, wire, mode == "overlap")
         out["two reducers"] = guarded(two_reducers_case, rank, world)
         out["rebuilds"] = guarded(rebuilds_case, rank, world)
+        out["local rebuilds"] = guarded(local_rebuilds_case, rank, world)
     if world == 4:
         out["subgroup"] = guarded(subgroup_case, rank, world)
     return out
@@ -760,6 +799,17 @@ def test_a_rebuilt_reducer_keeps_no_segment_of_its_old_builds(group) -> None:
         one = out["after_steps"][0]
         assert one > 0 and out["after_steps"] == [one] * 7, out
         assert out["after_close"] == 0, out
+
+
+@worlds(2)
+def test_a_local_mode_built_again_keeps_no_segment_of_its_old_builds(group) -> None:
+    """LocalSGD's parameter blocks, DiLoCo's wire, SparseLoCo's gather buffer and the float
+    buffers' block stayed mapped, a set per build, for the group's life. LocalSGD's
+    parameters view their last build's segment until the model is dropped."""
+    for out in per_rank(group, "local rebuilds"):
+        for kind, o in out.items():
+            assert o["open"] > 0 and o["after_close"] == [o["after_close"][0]] * 4, (kind, o)
+            assert o["after_drop"] == 0, (kind, o)
 
 
 @worlds(4)

@@ -141,6 +141,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         members = _fragments(named, fragments)  # checks a rank does alone (get_comm's too) before the all-gather
         self.comm: Comm = get_comm(group, self.device, transport)
         verify_model(named, group, self.device, type(self).__name__)
+        self._buffers: list[tuple[Comm, torch.Tensor]] = []  # what comm.buffer gave: close() releases it
         self.buffers = buffers
         self.wire_dtype = wire_dtype
         self.steps = 0
@@ -186,7 +187,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
                 self._anchor = [a.pin_memory() for a in self._anchor]
             sizes = [sum(self.layout.segments[j].numel for j in segs) for segs in self._frag_segments]
             assert wire_dtype is not None
-            wire = self.comm.buffer(max(sizes), torch.float32 if quant else wire_dtype)
+            wire = self._buffer_of(self.comm)(max(sizes), torch.float32 if quant else wire_dtype)
             self._frag_wire = [wire[:n] for n in sizes]
             for segs in self._frag_segments:
                 at = 0
@@ -200,8 +201,8 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
             self._quant_means = [QuantMean(self.comm, w, quant, error_feedback) for w in self._frag_wire] if quant else []
             # A codec: each fragment's dense pseudo-gradient is staged in the wire, and what
             # travels is the codec's (an all-gather of every rank's sparse payload).
-            self._sparse = [SparseState(compression, n, self.device, self.comm.buffer, self.world_size, self.rank)
-                            for n in sizes] if compression is not None else []
+            self._sparse = [SparseState(compression, n, self.device, self._buffer_of(self.comm), self.world_size,
+                                        self.rank) for n in sizes] if compression is not None else []
             if scratch:
                 self._scratch = self._blocks_per_dtype()
         self._buffer_block: TensorBlock | None = None
@@ -215,7 +216,15 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         return torch.zeros(n, dtype=dtype, device=self.device)
 
     def _param_alloc(self) -> Callable[[int, torch.dtype], torch.Tensor]:
-        return self.comm.buffer
+        return self._buffer_of(self.comm)
+
+    def _buffer_of(self, comm: Comm) -> Callable[[int, torch.dtype], torch.Tensor]:
+        """``comm.buffer``, each buffer it gives noted for :meth:`close` to release."""
+        def alloc(n: int, dtype: torch.dtype) -> torch.Tensor:
+            buf = comm.buffer(n, dtype)
+            self._buffers.append((comm, buf))
+            return buf
+        return alloc
 
     def _blocks_per_dtype(self) -> dict[torch.dtype, torch.Tensor]:
         """Device scratch as long as the largest fragment's part of each dtype."""
@@ -259,8 +268,10 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         """Take the step hooks off: the optimizer steps without syncing from here on, and
         the mode must not be used afterwards. ``drain``: a fragment's sync in flight
         (DiLoCo's ``fragment_delay > 0``) is waited for first (``False``: dropped, a peer
-        was lost). Once closed, a second call does nothing (it would wait for what the first
-        dropped)."""
+        was lost). The buffers the communication layer gave (the parameter blocks, the
+        wire) are released to it: a shared-memory segment goes with the last tensor that
+        maps it (LocalSGD's parameters view theirs until they are rebuilt or dropped).
+        Once closed, a second call does nothing (it would wait for what the first dropped)."""
         if self.__dict__.get("_closed"):
             return
         self._closed = True
@@ -269,6 +280,9 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         remove_hooks(self._hooks + self._join_hook + self._nonfinite_hooks)
         self._hooks, self._join_hook = [], []
         self._nonfinite_hooks = []
+        for comm, buf in self._buffers:
+            comm.release(buf)
+        self._buffers = []
 
     def remove(self) -> None:
         """The step hooks off, a sync in flight dropped: ``close(drain=False)``, under the
@@ -305,7 +319,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         if self.buffers != "average" or not bufs:
             return
         if self._buffer_block is None:
-            self._buffer_block = TensorBlock(bufs, self.comm.buffer)
+            self._buffer_block = TensorBlock(bufs, self._buffer_of(self.comm))
         block = self._buffer_block
         block.load()
         self._average([block.flat], comm)

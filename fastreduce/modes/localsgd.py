@@ -188,7 +188,7 @@ class LocalSGD(LocalUpdates):
                              "hierarchy) or give every rank the same number of batches")
 
     def _param_alloc(self) -> Callable[[int, torch.dtype], torch.Tensor]:
-        return self._levels[0][1].buffer  # the most frequent level's transport holds them
+        return self._buffer_of(self._levels[0][1])  # the most frequent level's transport holds them
 
     # ------------------------------------------------------------------ public
 
