@@ -269,6 +269,42 @@ def ckpt_case(rank: int, world: int, transport: str) -> dict:
     return out
 
 
+def live_load_case(rank: int, world: int, transport: str) -> dict:
+    """int8 with error feedback, 2 fragments, fragment_delay=1: the state saved after step 5
+    loaded after step 7, fragment 1 on the wire, into the same mode, and into a fresh one
+    (another init: every value from the state); both then run 8 more steps."""
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model = make_model(seed)
+        inner = torch.optim.SGD(model.parameters(), lr=INNER_LR, momentum=0.9)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        return model, inner, fastreduce.DiLoCo(model, inner, outer, H, fragments=2, fragment_delay=1,
+                                               wire_dtype="int8", error_feedback=True, transport=transport)
+
+    (a, ia, ma), (b, ib, mb) = build(SEED), build(SEED + 1)
+    for step in range(5):
+        inner_step(a, ia, rank, step)
+    saved = saved_and_loaded({"mode": ma.state_dict(), "inner": ia.state_dict()})
+    for step in range(5, 7):
+        inner_step(a, ia, rank, step)
+    out: dict[str, Any] = {"in_flight": sorted(k for k, v in ma._in_flight.items() if v != (None, None))}
+    for inner, mode in ((ia, ma), (ib, mb)):
+        state = saved_and_loaded(saved)
+        inner.load_state_dict(state["inner"])
+        mode.load_state_dict(state["mode"])
+    out["residuals"] = [{k: torch.equal(t, r[k]) for k, t in q.state_dict().items()}
+                        for q, r in zip(ma._quant_means, saved["mode"]["wire_residuals"])]
+    out["same"] = []
+    for step in range(5, 13):
+        inner_step(a, ia, rank, step)
+        inner_step(b, ib, rank, step)
+        out["same"].append(all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())))
+    out["same_residuals"] = all(torch.equal(x[k], y[k]) for x, y in zip(ma.state_dict()["wire_residuals"],
+                                                                       mb.state_dict()["wire_residuals"]) for k in x)
+    ma.remove()
+    mb.remove()
+    return out
+
+
 def bytes_case(rank: int, world: int) -> dict:
     """bytes_per_sync (and the layout) of the wide model with every wire, 1 and 2 fragments."""
     out = {}
@@ -382,13 +418,15 @@ def cases(world: int) -> list[tuple]:
     if world == 2:
         for t in TRANSPORTS:
             out.append(("ckpt", t))
+            out.append(("live_load", t))
             for ef in (False, True):
                 out.append(("fixed", "int4", t, ef))
         out.append(("bad",))
     return out
 
 
-CASE_FNS = {"traj": trajectory_case, "ckpt": ckpt_case, "bytes": bytes_case, "fixed": fixed_case, "bad": bad_case}
+CASE_FNS = {"traj": trajectory_case, "ckpt": ckpt_case, "live_load": live_load_case, "bytes": bytes_case,
+            "fixed": fixed_case, "bad": bad_case}
 
 
 run = case_runner(__name__, cases, SPAWN_TIMEOUT)
@@ -583,6 +621,18 @@ def test_diloco_resume_with_error_feedback_is_bit_for_bit(transport: str) -> Non
             assert torch.equal(out["a_residuals"][0][key], out["b_residuals"][0][key]), f"rank {rank} {key}"
         assert any(not torch.equal(x[k], z[k]) for x, z in zip(out["a"], out["c"]) for k in x), \
             "zeroing the saved residuals changes nothing: the test shows nothing about them"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_state_loaded_with_a_fragment_on_the_wire_keeps_its_residuals(transport: str) -> None:
+    """A live DiLoCo (int8, error feedback) loads a state while a fragment is on the wire:
+    the residuals are the saved ones, and the next 8 steps equal a fresh mode's that loaded
+    the same state, bit for bit. The fragment's completion wrote its owner's mean residual
+    over the loaded one."""
+    for rank, out in enumerate(per_rank(run(2), ("live_load", transport))):
+        assert out["in_flight"] == [1], out  # the load met a fragment on the wire
+        assert out["residuals"] == [{"residual": True, "mean_residual": True}] * 2, (rank, out["residuals"])
+        assert out["same"] == [True] * 8 and out["same_residuals"], (rank, out)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -248,22 +248,27 @@ class QuantMean:
         """The residuals themselves (what a step changes and :meth:`state_dict` copies)."""
         return list(self._residuals().values())
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`state_dict` (same world size and buffer); an empty dict resets."""
-        mine = self._residuals()
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """``ValueError`` where :meth:`load_state_dict` would refuse ``state``; nothing changes."""
         if not state:
-            for t in mine.values():
-                t.zero_()
             return
-        for key, t in mine.items():
+        for key, t in self._residuals().items():
             saved = state.get(key)
             if not torch.is_tensor(saved):
                 raise ValueError(f"not a quantized wire's state: no tensor {key!r}")
             if saved.shape != t.shape:
                 raise ValueError(f"quantized wire state {key!r} holds {tuple(saved.shape)} values, this "
                                  f"reducer {tuple(t.shape)}: resume on the same world size and model")
-        for key, t in mine.items():
-            t.copy_(state[key])
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (same world size and buffer), checked first; an empty
+        dict resets."""
+        self.check_state_dict(state)
+        for key, t in self._residuals().items():
+            if state:
+                t.copy_(state[key])
+            else:
+                t.zero_()
 
 
 class QuantMeans:

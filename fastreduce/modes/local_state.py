@@ -106,8 +106,18 @@ class LocalState:
             raise ValueError("this state_dict was saved with" + ("out" if quantized else "") + " a quantized wire's "
                              "error-feedback residuals; build the mode with the wire_dtype and error_feedback it was "
                              "saved with")
-        for q, t in zip(self._quant_means, state.get("wire_residuals", ())):
-            q.load_state_dict(t)  # checked (sizes) before the rest is changed; a mismatch raises
+        residuals = list(state.get("wire_residuals", ()))
+        if quantized and len(residuals) != len(self._quant_means):
+            raise ValueError("this state_dict's quantized wire residuals do not fit this mode's fragments")
+        for q, t in zip(self._quant_means, residuals):
+            q.check_state_dict(t)
+        # Checked: from here on the mode changes. A fragment still in flight lands first, so
+        # that what its completion writes (the wire, a quantized wire's mean residual) is
+        # replaced by the state, not the other way round.
+        with torch.no_grad():
+            self._settle()
+        for q, t in zip(self._quant_means, residuals):
+            q.load_state_dict(t)
         for sparse, t in zip(self._sparse, saved):
             sparse.load_state_dict(t)
         with torch.no_grad():
@@ -115,7 +125,6 @@ class LocalState:
                 f.copy_(t)
             for a, t in zip(self._anchor, anchor):
                 a.copy_(t)
-            self._settle()
             for k, t in wires["in_flight"].items():
                 self._frag_wire[int(k)].copy_(t)
                 self._in_flight[int(k)] = (None, None)  # averaged already: applied at its step
