@@ -413,6 +413,7 @@ def case_diloco(rank: int, world: int, name: str, ref_group: Any) -> dict:
     c = counters(mode)
     out = {"fr": fr["traj"], "grads_kept": fr["grads_kept"], **c, "phases": phases,
            "two_phase": mode._plan.fp32_accumulate,
+           "communicates": [s for s in range(1, steps + 1) if mode.communicates_at(s)],
            "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
            "numel": {n: p.numel() for n, p in model.named_parameters()}}
     mode.remove()
@@ -955,6 +956,23 @@ def test_diloco_issues_the_second_collective_halfway_through_the_delay(worlds) -
         want = [(s + d, k, "all-to-all" if d < 2 else "gather") for s, k in launches for d in range(3)
                 if s + d <= DILOCO[name][3]]
         assert o["phases"] == want, f"rank {rank}: {o['phases']} != {want}"
+
+
+def test_diloco_says_it_communicates_where_the_second_collective_waits_on_the_first(worlds) -> None:
+    """communicates_at() (where a Membership puts its commit vote) holds every step that
+    runs a collective and no other: the launches, the applies, every H-th step (the float
+    buffers) and, for the two-collective average, the step that waits for the all-to-all
+    and issues the gather, which it left out (a peer lost there raised out of a step with
+    no vote and no guard)."""
+    name = "F2-H8-tau3-bf16acc"
+    steps, H, tau = DILOCO[name][3], DILOCO[name][4], DILOCO[name][6]
+    for rank, o in enumerate(per_rank(worlds(2), "diloco/" + name)):
+        launched = {s for s, _ in o["launches"]}
+        waits = {s + (tau + 1) // 2 for s in launched} if o["two_phase"] else set()
+        want = launched | {s for s, _ in o["applies"]} | waits | set(range(H, steps + 1, H))
+        assert o["communicates"] == sorted(s for s in want if s <= steps), f"rank {rank}: {o['communicates']}"
+        if o["two_phase"]:
+            assert {s for s, _, what in o["phases"] if what == "gather"} - launched <= set(o["communicates"]), o
 
 
 @pytest.mark.parametrize("name", list(DILOCO))

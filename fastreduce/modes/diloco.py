@@ -231,10 +231,16 @@ class DiLoCo(LocalUpdates):
         self._average_buffers(self.comm)
 
     def communicates_at(self, s: int) -> bool:
-        """Whether inner step ``s`` (counted from 1) launches or lands a fragment's sync
-        (:class:`fastreduce.Membership` puts a commit vote at those steps only)."""
+        """Whether inner step ``s`` (counted from 1) runs a collective: it launches or lands
+        a fragment's sync, or, where the average is two collectives (a bf16 wire summed in
+        fp32 over a process group, ``fragment_delay >= 2``), waits for a fragment's first
+        and issues its second (:class:`fastreduce.Membership` puts a commit vote at those
+        steps only)."""
         H, tau = self.sync_every, self.fragment_delay
-        return any((s + tau) % H == t or (tau and s % H == t) for t in self._apply_at) or s % H == 0 or \
+        half = (tau + 1) // 2
+        two_phase = half < tau and self._plan.fp32_accumulate and not (self._sparse or self._quant_means)
+        return any((s + tau) % H == t or (tau and s % H == t) or (two_phase and (s + tau - half) % H == t)
+                   for t in self._apply_at) or s % H == 0 or \
             any(pending is RESEND for pending in self._in_flight.values())  # sent again at its next advance or landing
 
     def state_dict(self) -> dict[str, Any]:
