@@ -485,11 +485,36 @@ def case_resume_load(rank: int, world: int, name: str, path: str, load_mode: boo
     return {"loaded": loaded, "steps_loaded": steps_loaded, "out": out}
 
 
+def case_resume_outer_groups(rank: int, world: int, path: str) -> dict:
+    """The saved "diloco-fragments" state loaded into a DiLoCo whose outer optimizer holds the
+    parameters in 2 groups (the saved one in 1), 3 steps into its run (a fragment on the
+    wire); beside it an identical mode that never sees the call. Both then train on."""
+    _, opt_name, H, steps, _, kw = RESUME["diloco-fragments"]
+    state = torch.load(resume_files(path, "diloco-fragments", rank)["mode"])
+    out: dict[str, Any] = {}
+    trajs = []
+    for attempt in (True, False):
+        model = odd_model(SEED + 1)
+        inner = inner_opt(model, opt_name)
+        params = trainable(model)
+        outer = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.7, momentum=0.9)
+        mode = fastreduce.DiLoCo(model, inner, outer, H, **kw)
+        train_mode(model, inner, rank, range(1, 4))
+        if attempt:
+            out["load"] = expect_raises(ValueError, lambda: mode.load_state_dict(state))
+            out["steps"] = mode.steps
+        trajs.append(train_mode(model, inner, rank, range(4, steps + 1))["traj"])
+        mode.remove()
+    out["same"] = [same_state(a, b) for a, b in zip(*trajs)]
+    return out
+
+
 def resume_worker(rank: int, world: int, path: str) -> dict:
     res = {}
     for name in RESUME:
         res[name] = guarded(case_resume_load, rank, world, name, path, True)
         res[name + "/without-mode-state"] = guarded(case_resume_load, rank, world, name, path, False)
+    res["outer-groups"] = guarded(case_resume_outer_groups, rank, world, path)
     return res
 
 
@@ -1022,6 +1047,16 @@ def test_resume_without_the_modes_state_differs(worlds, resumed, name) -> None:
     saved = per_rank(worlds(2), "resume_save/" + name)
     bare = per_rank(resumed, name + "/without-mode-state")
     assert max(max_diff(b["out"], s["full"]) for s, b in zip(saved, bare)) > 1e-4
+
+
+def test_a_diloco_state_its_outer_optimizer_cannot_take_changes_nothing(worlds, resumed) -> None:
+    """The outer optimizer's load raised after the mode's own state was in: the parameters,
+    anchor, step count and fragment on the wire were the saved ones. Now the call raises
+    first, and the mode trains on as an identical one that never saw it, bit for bit."""
+    for rank, out in enumerate(per_rank(resumed, "outer-groups")):
+        assert out["load"]["raised"] == "ValueError", (rank, out["load"])
+        assert "parameter groups" in out["load"]["message"], out["load"]["message"]
+        assert out["steps"] == 3 and out["same"] == [True] * len(out["same"]), (rank, out)
 
 
 # ============================================================== errors

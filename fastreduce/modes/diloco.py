@@ -253,9 +253,13 @@ class DiLoCo(LocalUpdates):
         return {"mode": "DiLoCo", "sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (build the model, both optimizers and the mode first)."""
+        """Resume from :meth:`state_dict` (build the model, both optimizers and the mode first).
+        Checked first (the outer optimizer's parameter groups against the saved ones, as
+        torch's ``load_state_dict`` checks them): a state that does not fit raises
+        ``ValueError`` and changes nothing."""
         if state_dict.get("mode") != "DiLoCo":
             raise ValueError(f"not a DiLoCo state_dict (mode {state_dict.get('mode')!r})")
+        _check_outer(self.outer_optimizer, state_dict.get("outer_optimizer"))
         self._load(state_dict)
         self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
 
@@ -322,3 +326,17 @@ class DiLoCo(LocalUpdates):
                     p.data = g
             for p, g in zip(params, saved):
                 p.grad = g
+
+
+def _check_outer(outer: torch.optim.Optimizer, saved: Any) -> None:
+    """``ValueError`` where ``outer.load_state_dict(saved)`` would refuse ``saved`` for its
+    parameter groups (torch's checks, made before the mode's own state is loaded)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) or \
+            not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise ValueError("this state_dict holds no outer optimizer state ('outer_optimizer': an optimizer's "
+                         "state_dict()); not a DiLoCo.state_dict()?")
+    ours, theirs = [len(g["params"]) for g in outer.param_groups], [len(g["params"]) for g in groups]
+    if ours != theirs:
+        raise ValueError(f"the outer optimizer was saved with parameter groups of {theirs} parameters, this one "
+                         f"has {ours}: build it with the parameter groups it was saved with")
