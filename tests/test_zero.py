@@ -1009,6 +1009,38 @@ def api_case(rank: int, world: int) -> dict:
     }
 
 
+def moe_sgd_case(rank: int, world: int) -> dict:
+    """SGD with momentum over :class:`ExpertsModel` (expert 3 first routed at step 5, after
+    the other parameters have momentum buffers) against ``torch.optim.SGD`` (its default
+    implementation) on the mean gradient, every rank's batch run here; ZeRO's shard takes
+    torch's fused SGD at 2 ranks, which cannot step buffers and no buffers in one list.
+    Small buckets: each rank holds pieces of expert 3 and of the others (copies too)."""
+    torch.manual_seed(SEED)
+    ref = ExpertsModel()
+    ref_opt = torch.optim.SGD(ref.parameters(), **HPARAMS["sgd"])
+    refs = []
+    for step in range(MOE_STEPS):
+        for r in range(world):
+            (moe_loss(ref, step, r) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        refs.append(params_of(ref))
+    torch.manual_seed(SEED)
+    model = ExpertsModel()
+    opt = zero_opt(model.parameters(), "sgd", module=model, bucket_mb=SMALL_BUCKET_MB, redundant=True)
+    runs = []
+    for step in range(MOE_STEPS):
+        moe_loss(model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.wait_params()
+        runs.append(params_of(model))
+    out = {"ref": refs, "ref_state": ref_opt.state_dict(), "runs": runs, "state": opt.state_dict(),
+           "fused": [g.get("fused") for g in opt.inner.param_groups]}
+    opt.close()
+    return out
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1022,6 +1054,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["commit_point"] = guarded(commit_point_case, rank, world, ref_group)
     out["api"] = guarded(api_case, rank, world)
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
+    out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
     return out
 
 
@@ -1144,6 +1177,20 @@ def test_one_rank_subgroup_is_exactly_the_plain_optimizer(misc, opt_name) -> Non
         for step, (z, r) in enumerate(zip(out["zero"], out["ref"])):
             for name in r:
                 assert torch.equal(z[name], r[name]), f"rank {rank} step {step} {name}"
+
+
+def test_sgd_momentum_steps_a_parameter_first_used_late_as_torch_sgd(misc) -> None:
+    """An expert first routed at step 5, when the other parameters have momentum buffers:
+    ZeroOptimizer(SGD, momentum=0.9) on torch's fused kernel (its pieces without a buffer
+    stepped apart from those with one) steps as torch.optim.SGD on the mean gradient, every
+    parameter after each of 20 steps and the momentum buffers within 1e-6."""
+    for rank, got in enumerate(per_rank(misc, "moe_sgd")):
+        assert got["fused"] == [True], got["fused"]
+        assert_runs_close(got["runs"], got["ref"], f"rank {rank}", rtol=0, atol=1e-6)
+        ref_state, state = got["ref_state"]["state"], got["state"]["state"]
+        assert state.keys() == ref_state.keys()
+        for i, st in ref_state.items():
+            assert_close(state[i]["momentum_buffer"], st["momentum_buffer"], rtol=0, atol=1e-6)
 
 
 def test_api_surface(misc) -> None:

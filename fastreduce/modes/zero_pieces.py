@@ -17,7 +17,7 @@ the form in which ranks send it to each other and checkpoints gather it;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import torch
 
@@ -70,6 +70,7 @@ class ShardOptimizer:
             **defaults)
         self.keys, self._scalars = _probe(optimizer_class, hypers, defaults, masters[0])
         self.scalar_keys = sorted(self._scalars)
+        self.groups, self._count = list(groups), sum(map(len, self.views))
         self._attached: bool | None = None  # every view's gradient attached (True), or as some mask left them
 
     @property
@@ -81,19 +82,52 @@ class ShardOptimizer:
         return self.optimizer.param_groups
 
     def step(self, used: Sequence[bool] | None = None) -> None:
-        """Step every piece whose parameter (layout slot) is ``used`` (``None``: all)."""
-        if used is None or all(used):
-            if self._attached is not True:
-                self._attach(None)
-        else:
+        """Step every piece whose parameter (layout slot) is ``used`` (``None``: all).
+
+        A fused kernel steps a param group's list as one: torch's fused SGD cannot step a
+        list where some parameters have a momentum buffer and others none yet (their first
+        gradient), so where the kernel is fused such a group's pieces without state are
+        stepped apart, after those with state (the same update: a piece's step reads only
+        its own state)."""
+        if used is not None and all(used):
+            used = None
+        new = self._unstated(used)
+        if new:
+            self._attach(used, leave=new)
+            self.optimizer.step()
+            self._attach(used, only=new)
+        elif used is not None:
             self._attach(used)
+        elif self._attached is not True:
+            self._attach(None)
         self.optimizer.step()
 
-    def _attach(self, used: Sequence[bool] | None) -> None:
-        for ps, vs, gs in zip(self.pieces, self.views, self._grads):
-            for p, v, g in zip(ps, vs, gs):
-                v.grad = g if used is None or used[p.slot] else None
-        self._attached = used is None
+    def _unstated(self, used: Sequence[bool] | None) -> set[tuple[int, int]]:
+        """The pieces, as (chunk, piece), stepped now without state in a fused param group
+        where others stepped now have state (none at all once every piece has state)."""
+        state, groups = self.optimizer.state, self.optimizer.param_groups
+        if not state or len(state) >= self._count or not any(g.get("fused") for g in groups):
+            return set()
+        has: dict[int, set[bool]] = {}
+        stepped = []
+        for s, (ps, vs) in enumerate(zip(self.pieces, self.views)):
+            g = self.groups[s]
+            for j, (p, v) in enumerate(zip(ps, vs)):
+                if groups[g].get("fused") and (used is None or used[p.slot]):
+                    stated = bool(state.get(v))
+                    stepped.append((g, s, j, stated))
+                    has.setdefault(g, set()).add(stated)
+        return {(s, j) for g, s, j, stated in stepped if not stated and len(has[g]) == 2}
+
+    def _attach(self, used: Sequence[bool] | None, leave: Collection[tuple[int, int]] = (),
+                only: Collection[tuple[int, int]] | None = None) -> None:
+        """Each view's gradient: attached where its parameter is ``used`` (``None``: every
+        one), but not for the pieces ``leave``, and (``only``) for those alone."""
+        for s, (ps, vs, gs) in enumerate(zip(self.pieces, self.views, self._grads)):
+            for j, (p, v, g) in enumerate(zip(ps, vs, gs)):
+                on = (used is None or used[p.slot]) and (s, j) not in leave and (only is None or (s, j) in only)
+                v.grad = g if on else None
+        self._attached = used is None and not leave and only is None
 
     def state_of(self, s: int, j: int) -> dict[str, Any]:
         """Piece ``j`` of chunk ``s``'s state (empty: never stepped)."""
