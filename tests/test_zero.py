@@ -1041,6 +1041,49 @@ def moe_sgd_case(rank: int, world: int) -> dict:
     return out
 
 
+ROUND_TRIPS = {"bf16": None, "gather_bf16": torch.bfloat16}  # bf16 parameters | fp32 ones gathered in bf16
+PLAIN_STEPS = 5
+
+
+def plain_round_trip_case(rank: int, world: int, kind: str) -> dict:
+    """ZeRO's ``state_dict()`` (fp32 masters in it) into a plain ``torch.optim.AdamW`` that
+    steps PLAIN_STEPS times on the mean gradient (every rank's batch run here), its parameters
+    and ``state_dict()`` (the masters still as loaded) back into the ZeroOptimizer, then one
+    more step of each: the masters after the load as each rank sees them, the parameters
+    after that step."""
+    model = odd_model(SEED)
+    if kind == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = zero_opt(model.parameters(), gather_dtype=ROUND_TRIPS[kind], hparams={"weight_decay": 0.0})
+    for step in range(3):
+        loss_fn(model, batch_for(model, rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    twin = copy.deepcopy(model)
+    plain = torch.optim.AdamW(twin.parameters(), lr=HPARAMS["adamw"]["lr"], weight_decay=0.0)
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+    def plain_step(step: int) -> None:
+        for r in range(world):
+            (loss_fn(twin, batch_for(twin, r, step)) / world).backward()
+        plain.step()
+        plain.zero_grad()
+
+    for step in range(3, 3 + PLAIN_STEPS):
+        plain_step(step)
+    model.load_state_dict(twin.state_dict())
+    opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+    masters = [st["fastreduce_master"] for _, st in sorted(opt.state_dict()["state"].items())]
+    loaded = params_of(model)
+    step = 3 + PLAIN_STEPS
+    loss_fn(model, batch_for(model, rank, step)).backward()
+    opt.step()
+    opt.zero_grad()
+    plain_step(step)
+    return {"masters": masters, "loaded": loaded, "zero": params_of(model),
+            "plain": params_of(twin)}
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1055,6 +1098,8 @@ def misc_worker(rank: int, world: int) -> dict:
     out["api"] = guarded(api_case, rank, world)
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
+    for kind in ROUND_TRIPS:
+        out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
 
 
@@ -1191,6 +1236,21 @@ def test_sgd_momentum_steps_a_parameter_first_used_late_as_torch_sgd(misc) -> No
         assert state.keys() == ref_state.keys()
         for i, st in ref_state.items():
             assert_close(state[i]["momentum_buffer"], st["momentum_buffer"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(ROUND_TRIPS))
+def test_a_plain_optimizer_round_trip_resumes_from_its_parameters(misc, kind: str) -> None:
+    """ZeRO's state into a plain AdamW, which steps the parameters and keeps the masters as
+    loaded, and back: each master loaded rounds to its parameter (a stale one is not taken;
+    with gather_dtype the fp32 parameter the plain AdamW left is the master), and the next step lands where the plain AdamW's own next step does, within a
+    bf16 rounding of the result (the plain AdamW over bf16 parameters computes in bf16)."""
+    for rank, got in enumerate(per_rank(misc, f"round_trip-{kind}")):
+        for master, (name, p) in zip(got["masters"], got["loaded"].items()):
+            assert torch.equal(master.to(p.dtype), p), f"rank {rank}: {name}'s master is stale"
+        for name, want in got["plain"].items():
+            tol = bf16_ulp(want) + (0.02 * HPARAMS["adamw"]["lr"] if kind == "bf16" else 0.0)
+            diff = (got["zero"][name].float() - want.float()).abs()
+            assert (diff <= tol).all(), f"rank {rank} {name}: {diff.max():.3g} from the plain AdamW's step"
 
 
 def test_api_surface(misc) -> None:

@@ -157,19 +157,24 @@ class ZeroCheckpointing:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim's per-parameter format: from :meth:`state_dict` at any world
         size, or from a plain optimizer of the same class. Checked first: a mismatch
-        raises ``ValueError`` and changes nothing."""
+        raises ``ValueError`` and changes nothing. Load the model's parameters first: each
+        fp32 master (bf16/fp16 parameters, ``gather_dtype``) is its parameter's value, or the
+        saved ``fastreduce_master`` where that still rounds to the parameter (a plain
+        optimizer that loaded it keeps it as it was while it steps the parameters)."""
         self._wait_gathers()
         index, per_group = self._index()
         self._check_loadable(state_dict, index, per_group)
         saved = state_dict["state"]
         inner = self.inner
         for s, shard in enumerate(self.shards):
+            if shard.low:
+                self._load_master(s, saved)
             for j, (p, v) in enumerate(zip(inner.pieces[s], inner.views[s])):
                 entry = saved.get(p.index, {})
                 st: dict[str, Any] = {}
                 for key, value in entry.items():
                     if key == MASTER_KEY:
-                        shard.master[p.at:p.at + p.n].copy_(value.reshape(-1)[p.start:p.start + p.n])
+                        continue
                     elif torch.is_tensor(value) and value.dim() > 0:
                         st[key] = value.reshape(-1)[p.start:p.start + p.n].to(v.device, v.dtype, copy=True)
                     else:
@@ -178,15 +183,28 @@ class ZeroCheckpointing:
                     inner.state[v] = st
                 else:
                     inner.state.pop(v, None)
-            if shard.low and not any(MASTER_KEY in saved.get(p.index, {}) for p in inner.pieces[s]):
-                c = shard.params.numel() // self.world_size  # no masters saved: from the parameters
-                shard.master.copy_(shard.params[self.rank * c:(self.rank + 1) * c])
         self._template = frozenset()
         for pg, src in zip(self.param_groups, state_dict["param_groups"]):
             pg.update({a: b for a, b in src.items() if a != "params"})
         self._sync_hyperparameters()
         for m in self.mirrors:  # the copies of other ranks' shards, as loaded
             m.pull()
+
+    def _load_master(self, s: int, saved: dict[int, dict[str, Any]]) -> None:
+        """Chunk ``s``'s fp32 master from the parameters as they are, and from a saved master
+        where it still rounds to them: a plain optimizer keeps the masters as it loaded
+        them, so after its steps they are stale wherever it moved the parameters."""
+        shard = self.shards[s]
+        c = shard.params.numel() // self.world_size
+        now = shard.params[self.rank * c:(self.rank + 1) * c]
+        shown = shard.params.dtype if shard.send is None else shard.send.dtype  # what the parameters hold it as
+        shard.master.copy_(now)
+        for p in self.inner.pieces[s]:
+            value = saved.get(p.index, {}).get(MASTER_KEY)
+            if value is not None:
+                kept = value.reshape(-1)[p.start:p.start + p.n].to(shard.master.device, shard.master.dtype)
+                master = shard.master[p.at:p.at + p.n]
+                master.copy_(torch.where(kept.to(shown).to(now.dtype) == now[p.at:p.at + p.n], kept, master))
 
     def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
