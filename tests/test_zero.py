@@ -1084,6 +1084,46 @@ def plain_round_trip_case(rank: int, world: int, kind: str) -> dict:
             "plain": params_of(twin)}
 
 
+def unstepped_export_case(rank: int, world: int) -> dict:
+    """bf16 :class:`ExpertsModel` (expert 3 first routed at step 5): ZeroOptimizer and
+    ``torch.optim.AdamW`` (on the mean gradient, every rank's batch run here) 3 steps each,
+    then ZeRO's ``state_dict()`` into a plain AdamW over ZeRO's parameters, which steps on
+    to step 8 (expert 3's first gradients): each one's state keys per parameter, and the
+    step counts the plain AdamW reaches."""
+    def loss(m: nn.Module, step: int, r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        return nn.functional.mse_loss(m(x.bfloat16(), step, r).float(), y)
+
+    def plain_steps(m: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            for r in range(world):
+                (loss(m, step, r) / world).backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(SEED)
+    model = ExpertsModel().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    plain_steps(ref, ref_opt, range(3))
+    ref_keys = {i: sorted(st) for i, st in ref_opt.state_dict()["state"].items()}
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_mb=SMALL_BUCKET_MB)
+    for step in range(3):
+        loss(model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = copy.deepcopy(opt.state_dict())
+    opt.close()  # its hooks off: the plain AdamW takes its parameters on
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain.load_state_dict(sd)
+    plain_steps(model, plain, range(3, 8))
+    plain_steps(ref, ref_opt, range(3, 8))
+    return {"keys": {i: sorted(st) for i, st in sd["state"].items()}, "ref_keys": ref_keys,
+            "steps": {i: float(st["step"]) for i, st in plain.state_dict()["state"].items()},
+            "ref_steps": {i: float(st["step"]) for i, st in ref_opt.state_dict()["state"].items()}}
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1098,6 +1138,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["api"] = guarded(api_case, rank, world)
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
+    out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
     for kind in ROUND_TRIPS:
         out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
@@ -1251,6 +1292,16 @@ def test_a_plain_optimizer_round_trip_resumes_from_its_parameters(misc, kind: st
             tol = bf16_ulp(want) + (0.02 * HPARAMS["adamw"]["lr"] if kind == "bf16" else 0.0)
             diff = (got["zero"][name].float() - want.float()).abs()
             assert (diff <= tol).all(), f"rank {rank} {name}: {diff.max():.3g} from the plain AdamW's step"
+
+
+def test_a_bf16_state_dict_with_a_parameter_never_stepped_loads_into_plain_adamw(misc) -> None:
+    """bf16 parameters, an expert not routed yet: ZeRO's ``state_dict()`` has a state for the
+    parameters torch.optim.AdamW has one for (its keys and ``fastreduce_master``), none for
+    the expert, so a plain AdamW loads it and steps on through the expert's first gradients
+    to the step counts of an AdamW that ran from the start."""
+    for rank, got in enumerate(per_rank(misc, "unstepped_export")):
+        assert got["keys"] == {i: sorted([*k, "fastreduce_master"]) for i, k in got["ref_keys"].items()}, rank
+        assert got["steps"] == got["ref_steps"], rank
 
 
 def test_api_surface(misc) -> None:

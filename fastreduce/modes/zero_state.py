@@ -117,8 +117,9 @@ class ZeroCheckpointing:
         """torch.optim's own per-parameter format, whole on every rank (collective).
 
         Loads into a plain optimizer of the same class over the same parameters; for
-        bf16/fp16 parameters each state also holds the fp32 master (``fastreduce_master``).
-        A parameter never stepped has no state, as in torch.optim. For big models prefer
+        bf16/fp16 parameters (or ``gather_dtype``) each state also holds the fp32 master
+        (``fastreduce_master``). A parameter never stepped has no state, as in torch.optim,
+        so no master either (a load takes its value for one). For big models prefer
         :meth:`sharded_state_dict`, which gathers nothing.
         """
         self._wait_gathers()
@@ -129,18 +130,13 @@ class ZeroCheckpointing:
         for s, shard in enumerate(self.shards):
             seg = self.layout.segments[s]
             flats, _ = self.inner.pack(s) if scalars else ({}, None)  # no state anywhere: none gathered
-            if shard.low:
+            if shard.low and scalars:
                 flats[MASTER_KEY] = shard.master
             fulls = {key: self._all_gather_state(v, seg.numel) for key, v in flats.items()}
             for i in self.buckets[s].slots:
-                st: dict[str, Any] = {}
-                if i in scalars:
-                    st.update(scalars[i])
-                    st.update({key: slot_view(fulls[key], self.layout.slots[i]).clone() for key in self.inner.keys})
-                if shard.low:
-                    st[MASTER_KEY] = slot_view(fulls[MASTER_KEY], self.layout.slots[i]).clone()
-                if st:
-                    state[by_slot[i]] = st
+                if i in scalars:  # a parameter never stepped has none, its master neither
+                    state[by_slot[i]] = {**scalars[i], **{key: slot_view(full, self.layout.slots[i]).clone()
+                                                          for key, full in fulls.items()}}
         groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": ids}
                   for pg, ids in zip(self.param_groups, per_group)]
         return {"state": state, "param_groups": groups}
