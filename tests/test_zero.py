@@ -371,24 +371,23 @@ def mirror_case(rank: int, world: int) -> dict:
     return out
 
 
+def copies_equal(o: Any, rank: int, world: int, copies: int, buckets: int) -> bool:
+    """Whether ``o`` holds ``copies`` copies and its j-th, of rank r - j's shard (one host),
+    equals that shard: master and flat state of each of its (at least ``buckets``) buckets
+    (collective: every rank's shards gathered)."""
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, [(s.master.clone(), flat_state(o.inner, b)) for b, s in enumerate(o.shards)])
+    return len(o.mirrors) == copies and all(
+        m.k == (rank - m.j) % world and len(every[m.k]) == len(m.masters) >= buckets and all(
+            torch.equal(a, x) and a_st.keys() == (b_st := flat_state(m.inner, b)).keys()
+            and all(torch.equal(a_st[key], b_st[key]) for key in a_st)
+            for b, ((a, a_st), x) in enumerate(zip(every[m.k], m.masters)))
+        for m in o.mirrors)
+
+
 def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: Any) -> dict:
     """:func:`mirror_case`'s checks of one ``redundant=``."""
     copies = min(int(redundant), world - 1)
-
-    def shards_of(o: Any) -> list[Any]:  # every rank's shards: (master, flat state) per bucket
-        got: list[Any] = [None] * world
-        dist.all_gather_object(got, [(s.master.clone(), flat_state(o.inner, b)) for b, s in enumerate(o.shards)])
-        return got
-
-    def copies_equal(o: Any, buckets: int) -> bool:
-        every = shards_of(o)
-        return len(o.mirrors) == copies and all(
-            m.k == (rank - m.j) % world and len(every[m.k]) == len(m.masters) >= buckets and all(
-                torch.equal(a, x) and a_st.keys() == (b_st := flat_state(m.inner, b)).keys()
-                and all(torch.equal(a_st[key], b_st[key]) for key in a_st)
-                for b, ((a, a_st), x) in enumerate(zip(every[m.k], m.masters)))
-            for m in o.mirrors)
-
     want = opt.state_dict()
     params = [p for pg in opt.param_groups for p in pg["params"]]
 
@@ -412,7 +411,7 @@ def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: A
     zero_mirror.reshard(other, zero_mirror.held(opt))
     moved = other.state_dict()
     resharded_equal = all(torch.equal(moved["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items())
-    resharded_equal &= copies_equal(other, 1)
+    resharded_equal &= copies_equal(other, rank, world, copies, 1)
     held = zero_mirror.held(opt)  # old rank 1 and the ranks holding its copies all lost
     held["chunks"] = {c: v for c, v in held["chunks"].items() if not c.endswith("/1")}
     try:
@@ -420,7 +419,7 @@ def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: A
         lost = None
     except zero_mirror.ShardsLost as err:
         lost = str(err)
-    return {"copies_equal": copies_equal(opt, 2), "joined_equal": joined_equal, "loaded_equal": loaded_equal,
+    return {"copies_equal": copies_equal(opt, rank, world, copies, 2), "joined_equal": joined_equal, "loaded_equal": loaded_equal,
             "resharded_equal": resharded_equal, "lost": lost}
 
 
@@ -1124,6 +1123,79 @@ def unstepped_export_case(rank: int, world: int) -> dict:
             "ref_steps": {i: float(st["step"]) for i, st in ref_opt.state_dict()["state"].items()}}
 
 
+def group_keys_case(rank: int, world: int) -> dict:
+    """Adam with ``amsgrad=True`` in one param group only (its state alone keeps
+    ``max_exp_avg_sq``), ``redundant=True``, each group's bucket on both ranks: 5 steps
+    against ``torch.optim.Adam`` on the mean gradient (every rank's batch run here), then its
+    state every way out and in: ``state_dict()``; torch's state loaded into a fresh
+    ZeroOptimizer (its copies pulled), and into one built without amsgrad (the loaded
+    groups' hyperparameters hold, as torch.optim's load takes them), stepped once more
+    beside torch's; ``sharded_state_dict()`` through DCP on disk into
+    another; a Membership's :func:`~fastreduce.modes.zero_mirror.reshard` into another."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from fastreduce.modes import zero_mirror
+
+    def groups(m: nn.Module, amsgrad: bool = True) -> list[dict]:
+        ps = list(m.parameters())
+        return [{"params": ps[:3], "amsgrad": amsgrad}, {"params": ps[3:], "lr": 2e-2}]
+
+    model = odd_model(SEED)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(groups(ref), lr=1e-2)
+    opt = fastreduce.ZeroOptimizer(groups(model), torch.optim.Adam, lr=1e-2, redundant=True)
+    runs, refs = [], []
+    for step in range(5):
+        loss_fn(model, batch_for(model, rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+        runs.append(params_of(model))
+        for r in range(world):
+            (loss_fn(ref, batch_for(ref, r, step)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        refs.append(params_of(ref))
+    out: dict[str, Any] = {"runs": runs, "refs": refs, "want": copy.deepcopy(ref_opt.state_dict()),
+                           "state": opt.state_dict()}
+
+    def other(amsgrad: bool = True, twin: nn.Module | None = None) -> fastreduce.ZeroOptimizer:
+        """Over a copy of the model (or ``twin``), in other buckets than opt's."""
+        return fastreduce.ZeroOptimizer(groups(copy.deepcopy(model) if twin is None else twin, amsgrad),
+                                        torch.optim.Adam, lr=1e-2, bucket_mb=SMALL_BUCKET_MB, redundant=True)
+    loaded = other()
+    loaded.load_state_dict(copy.deepcopy(out["want"]))
+    out["loaded"], out["loaded_copies"] = loaded.state_dict(), copies_equal(loaded, rank, world, 1, 1)
+    twin = copy.deepcopy(ref)  # built without amsgrad: the loaded groups' hyperparameters say which keys
+    unlike = other(amsgrad=False, twin=twin)
+    unlike.load_state_dict(copy.deepcopy(out["want"]))
+    out["unlike"], out["unlike_copies"] = unlike.state_dict(), copies_equal(unlike, rank, world, 1, 1)
+    loss_fn(twin, batch_for(twin, rank, 5)).backward()
+    unlike.step()
+    for r in range(world):
+        (loss_fn(ref, batch_for(ref, r, 5)) / world).backward()
+    ref_opt.step()
+    out["unlike_step"], out["ref_step"] = params_of(twin), params_of(ref)
+    box = [tempfile.mkdtemp(prefix="fastreduce-keys-") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=box[0])
+    from_disk = other()
+    sd = from_disk.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=box[0])
+    from_disk.load_sharded_state_dict(sd)
+    out["dcp"], out["dcp_copies"] = from_disk.state_dict(), copies_equal(from_disk, rank, world, 1, 1)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0])
+    moved = other()
+    zero_mirror.reshard(moved, zero_mirror.held(opt))
+    out["resharded"], out["resharded_copies"] = moved.state_dict(), copies_equal(moved, rank, world, 1, 1)
+    for o in (opt, loaded, unlike, from_disk, moved):
+        o.close()
+    return out
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1139,6 +1211,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
     out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
+    out["group_keys"] = guarded(group_keys_case, rank, world)
     for kind in ROUND_TRIPS:
         out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
@@ -1302,6 +1375,27 @@ def test_a_bf16_state_dict_with_a_parameter_never_stepped_loads_into_plain_adamw
     for rank, got in enumerate(per_rank(misc, "unstepped_export")):
         assert got["keys"] == {i: sorted([*k, "fastreduce_master"]) for i, k in got["ref_keys"].items()}, rank
         assert got["steps"] == got["ref_steps"], rank
+
+
+def test_param_groups_with_different_state_keys_save_load_and_copy_as_torch_adam(misc) -> None:
+    """Adam with amsgrad in one param group only: ZeroOptimizer steps as torch.optim.Adam
+    (1e-6), its ``state_dict()`` has torch's keys per parameter (``max_exp_avg_sq`` in the
+    amsgrad group alone) and values (1e-6); torch's state loaded (also into a ZeroOptimizer
+    built without amsgrad, which then steps as torch's), the DCP round trip and a reshard
+    give back that state bit for bit, and every copy (``redundant=True``) equals its shard."""
+    for rank, got in enumerate(per_rank(misc, "group_keys")):
+        assert_runs_close(got["runs"], got["refs"], f"rank {rank}", rtol=0, atol=1e-6)
+        want, state = got["want"]["state"], got["state"]["state"]
+        assert {i: sorted(st) for i, st in state.items()} == {i: sorted(st) for i, st in want.items()}, rank
+        for i, st in want.items():
+            for k, v in st.items():
+                assert_close(state[i][k], v, rtol=0, atol=1e-6, msg=lambda m, i=i, k=k: f"rank {rank} [{i}][{k}]: {m}")
+        assert_state_dicts_equal(got["loaded"], got["want"], f"rank {rank} loaded")
+        assert_state_dicts_equal(got["unlike"], got["want"], f"rank {rank} loaded into one without amsgrad")
+        assert_params_close(got["unlike_step"], got["ref_step"], f"rank {rank} the step after", rtol=0, atol=1e-6)
+        assert_state_dicts_equal(got["dcp"], got["state"], f"rank {rank} dcp")
+        assert_state_dicts_equal(got["resharded"], got["state"], f"rank {rank} resharded")
+        assert all(got[f"{k}_copies"] for k in ("loaded", "unlike", "dcp", "resharded")), rank
 
 
 def test_api_surface(misc) -> None:

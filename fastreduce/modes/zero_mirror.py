@@ -126,9 +126,10 @@ class ZeroMirror:
         opt, inner = self.opt, self.opt.inner
         for s, shard in enumerate(opt.shards):
             flats, table = inner.pack(s)
-            sends = [shard.master] + [flats[k] for k in inner.keys] + [table]
-            got = {k: torch.empty_like(self.masters[s]) for k in inner.keys}
-            recvs = [self.masters[s]] + [got[k] for k in inner.keys] + \
+            keys = inner.keys_of(s)  # (its copy's too: the same param group)
+            sends = [shard.master] + [flats[k] for k in keys] + [table]
+            got = {k: torch.empty_like(self.masters[s]) for k in keys}
+            recvs = [self.masters[s]] + [got[k] for k in keys] + \
                 [torch.empty(len(self.inner.pieces[s]), table.shape[1], dtype=table.dtype)]
             for a, b in zip(sends, recvs):
                 complete((opt.comm.send_recv({self.next: a.contiguous()}, {self.k: b}), None))
@@ -166,7 +167,8 @@ def held(opt: Any) -> dict[str, Any]:
     """What this rank holds of the job's ZeRO state, as copies that outlive ``opt`` and its
     group: per chunk it holds (its own, and with ``redundant=`` its copies of others'), per
     parameter piece (torch.optim's index, the range of its elements in that chunk) its
-    master weights and optimizer state (zeros and no scalars where it has none yet);
+    master weights and optimizer state, every param group's keys (zeros where it has no
+    such key, and no scalars where it has no state yet);
     whether the parameters are stale (:attr:`~fastreduce.ZeroOptimizer.params_stale`); the
     hyperparameters."""
     chunks: dict[str, Any] = {}
@@ -175,7 +177,7 @@ def held(opt: Any) -> dict[str, Any]:
         pieces = []
         for j, p in enumerate(inner.pieces[s]):
             st = {} if p.index in opt._template else inner.state_of(s, j)
-            tensors = {key: st[key].clone() if st else master.new_zeros(p.n) for key in inner.keys}
+            tensors = {key: st[key].clone() if key in st else master.new_zeros(p.n) for key in inner.keys}
             tensors[MASTER_KEY] = master[p.at:p.at + p.n].clone()
             scalars = {key: v.clone() if torch.is_tensor(v) else v for key, v in st.items() if key not in inner.keys}
             pieces.append((p.index, p.start, p.n, tensors, scalars if st else None))
@@ -235,10 +237,11 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
         raise RuntimeError(f"fastreduce: the ZeRO shards hold different optimizer state keys "
                            f"({sorted({tuple(h['keys']) for h in chunks.values()})}): a bug, please report it")
     scalars = {i: sc for h in chunks.values() for i, _, _, sc in h["pieces"]}  # per parameter; None: no state yet
+    opt._load_hyperparameters(first["param_groups"])  # (which state keys each group keeps follows them)
     targets = {}  # (which, s, index) -> (piece, its master's range, its state: filled in place)
     for which, s, _, inner in _holdings(opt):
         for p, v in zip(inner.pieces[s], inner.views[s]):
-            st = {k: torch.zeros_like(v) for k in keys if k != MASTER_KEY}
+            st = {k: torch.zeros_like(v) for k in inner.keys_of(s)}  # (the moves carry every group's keys)
             st.update({k: inner.scalar(k, float(x)) for k, x in (scalars.get(p.index) or {}).items()})
             inner.state[v] = st
             targets[(which, s, p.index)] = (p, v, st)
@@ -279,15 +282,13 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
             for which, s, at, i, _, n, _ in moves:
                 p, v, st = targets[(which, s, i)]
                 for k in keys:
-                    (v if k == MASTER_KEY else st[k])[at - p.at:at - p.at + n].copy_(buf[at_:at_ + n])
+                    if k == MASTER_KEY or k in st:
+                        (v if k == MASTER_KEY else st[k])[at - p.at:at - p.at + n].copy_(buf[at_:at_ + n])
                     at_ += n
     unstepped = {i for i, sc in scalars.items() if sc is None}
     for inner in {id(h[3]): h[3] for h in _holdings(opt)}.values():  # what had no state yet has none
         inner.drop(unstepped)
     opt._template = frozenset()
-    for pg, src in zip(opt.param_groups, first["param_groups"]):
-        pg.update(src)
-    opt._sync_hyperparameters()
     if any(h["stale"] for h in holders):  # the parameters from the masters (full-precision ones hold them already)
         opt._gather()
         opt.wait_params()

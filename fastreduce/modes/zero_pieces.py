@@ -7,9 +7,12 @@ Chunk k of a bucket holds a contiguous range of each parameter that overlaps it 
 :class:`Piece`, possibly a whole parameter, possibly one element). :class:`ShardOptimizer`
 gives the torch optimizer one view of the chunk's master per piece; its gradient is the
 matching view of the chunk's averaged gradient, or ``None`` for a parameter unused on
-every rank. The state is torch's own, per piece. :meth:`ShardOptimizer.pack` lays one
-chunk's state out flat (per key one tensor of the chunk's length, zero where a piece has
-no state; a table of the pieces' scalars such as ``step``, and whether each has state):
+every rank. The state is torch's own, per piece. Which tensors it holds depends on the
+param group's hyperparameters (Adam's ``max_exp_avg_sq`` only with ``amsgrad=True``): a
+chunk is one param group's, and :attr:`ShardOptimizer.group_keys` says each group's, the
+same on every rank. :meth:`ShardOptimizer.pack` lays one chunk's state out flat (per key
+of its group one tensor of the chunk's length, zero where a piece has no state; a table
+of the pieces' scalars such as ``step``, and whether each has state):
 the form in which ranks send it to each other and checkpoints gather it;
 :meth:`ShardOptimizer.unpack` puts such a form back.
 """
@@ -68,10 +71,19 @@ class ShardOptimizer:
         self.optimizer = optimizer_class(
             [{**h, "params": [v for vs, g in zip(self.views, groups) if g == i for v in vs]} for i, h in enumerate(hypers)],
             **defaults)
-        self.keys, self._scalars = _probe(optimizer_class, hypers, defaults, masters[0])
-        self.scalar_keys = sorted(self._scalars)
+        self._defaults = defaults
+        self.probe_keys()
         self.groups, self._count = list(groups), sum(map(len, self.views))
         self._attached: bool | None = None  # every view's gradient attached (True), or as some mask left them
+
+    def probe_keys(self) -> None:
+        """Which state keys each param group keeps (:attr:`group_keys`, :attr:`keys`: every
+        group's, :attr:`scalar_keys`), from its hyperparameters as they are now: at
+        construction, and after a load replaced them (``amsgrad`` may be another's)."""
+        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.group_keys, self._scalars = _probe(type(self.optimizer), hypers, self._defaults, self.masters[0])
+        self.keys = sorted({k for keys in self.group_keys for k in keys})
+        self.scalar_keys = sorted(self._scalars)
 
     @property
     def state(self) -> Any:
@@ -129,6 +141,10 @@ class ShardOptimizer:
                 v.grad = g if on else None
         self._attached = used is None and not leave and only is None
 
+    def keys_of(self, s: int) -> list[str]:
+        """The tensor keys of chunk ``s``'s state: those its param group keeps."""
+        return self.group_keys[self.groups[s]]
+
     def state_of(self, s: int, j: int) -> dict[str, Any]:
         """Piece ``j`` of chunk ``s``'s state (empty: never stepped)."""
         return self.optimizer.state.get(self.views[s][j], {})
@@ -159,13 +175,15 @@ class ShardOptimizer:
         return table
 
     def pack(self, s: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Chunk ``s``'s state, flat: per tensor key the chunk's length (zero where a piece has
-        no state), and :meth:`table`."""
-        flats = {k: torch.zeros_like(self.masters[s]) for k in self.keys}
+        """Chunk ``s``'s state, flat: per tensor key of :meth:`keys_of` the chunk's length
+        (zero where a piece has no state, or no such key), and :meth:`table`."""
+        keys = self.keys_of(s)
+        flats = {k: torch.zeros_like(self.masters[s]) for k in keys}
         for j, p in enumerate(self.pieces[s]):
             st = self.state_of(s, j)
-            for k in self.keys if st else ():
-                flats[k][p.at:p.at + p.n].copy_(st[k])
+            for k in keys:
+                if k in st:
+                    flats[k][p.at:p.at + p.n].copy_(st[k])
         return flats, self.table(s)
 
     def unpack(self, s: int, flats: dict[str, torch.Tensor], table: torch.Tensor) -> None:
@@ -174,7 +192,7 @@ class ShardOptimizer:
             if not table[j, 0]:
                 self.optimizer.state.pop(v, None)
                 continue
-            st = {k: flats[k][p.at:p.at + p.n].to(v.dtype, copy=True) for k in self.keys}
+            st = {k: flats[k][p.at:p.at + p.n].to(v.dtype, copy=True) for k in self.keys_of(s)}
             st.update({k: self.scalar(k, float(table[j, c])) for c, k in enumerate(self.scalar_keys, 1)
                        if table[j, c] == table[j, c]})  # NaN: the piece has no such scalar
             self.optimizer.state[v] = st
@@ -203,20 +221,19 @@ class ShardOptimizer:
 
 
 def _probe(optimizer_class: type[torch.optim.Optimizer], hypers: list[dict[str, Any]], defaults: dict[str, Any],
-           like: torch.Tensor) -> tuple[list[str], dict[str, tuple[torch.dtype, torch.device] | None]]:
+           like: torch.Tensor) -> tuple[list[list[str]], dict[str, tuple[torch.dtype, torch.device] | None]]:
     """The state keys ``optimizer_class`` keeps per parameter, from one step on one element
-    per param group: those of the parameter's shape, and the scalars (``step``, ...), with
-    their dtype and device (``None``: a Python number)."""
-    keys: set[str] = set()
+    per param group: per group those of the parameter's shape, and every group's scalars
+    (``step``, ...), with their dtype and device (``None``: a Python number)."""
+    keys: list[list[str]] = []
     scalars: dict[str, tuple[torch.dtype, torch.device] | None] = {}
     for h in hypers:
         x = torch.zeros(1, dtype=like.dtype, device=like.device)
         x.grad = torch.zeros_like(x)
         probe = optimizer_class([{**h, "params": [x]}], **defaults)
         probe.step()
-        for k, v in probe.state[x].items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                keys.add(k)
-            else:
-                scalars[k] = (v.dtype, v.device) if torch.is_tensor(v) else None
-    return sorted(keys), scalars
+        state = probe.state[x]
+        keys.append(sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0))
+        scalars.update({k: (v.dtype, v.device) if torch.is_tensor(v) else None
+                        for k, v in state.items() if k not in keys[-1]})
+    return keys, scalars

@@ -180,9 +180,7 @@ class ZeroCheckpointing:
                 else:
                     inner.state.pop(v, None)
         self._template = frozenset()
-        for pg, src in zip(self.param_groups, state_dict["param_groups"]):
-            pg.update({a: b for a, b in src.items() if a != "params"})
-        self._sync_hyperparameters()
+        self._load_hyperparameters(state_dict["param_groups"])
         for m in self.mirrors:  # the copies of other ranks' shards, as loaded
             m.pull()
 
@@ -201,6 +199,15 @@ class ZeroCheckpointing:
                 kept = value.reshape(-1)[p.start:p.start + p.n].to(shard.master.device, shard.master.dtype)
                 master = shard.master[p.at:p.at + p.n]
                 master.copy_(torch.where(kept.to(shown).to(now.dtype) == now[p.at:p.at + p.n], kept, master))
+
+    def _load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
+        """The loaded param groups' hyperparameters (not their parameters) into
+        :attr:`param_groups` and the shard's optimizers, whose state keys follow them."""
+        for pg, src in zip(self.param_groups, groups):
+            pg.update({k: v for k, v in src.items() if k != "params"})
+        self._sync_hyperparameters()
+        for inner in [self.inner, *(m.inner for m in self.mirrors)]:
+            inner.probe_keys()
 
     def _check_loadable(self, sd: dict[str, Any], index: dict[int, int], per_group: list[list[int]]) -> None:
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
@@ -255,7 +262,7 @@ class ZeroCheckpointing:
                 p = None if j is None else inner.pieces[s][j]
                 st = {} if j is None else inner.state_of(s, j)
                 entry: dict[str, Any] = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(i, {}).items()}
-                ranges = {key: st[key] if p is not None else shard.master.new_empty(0) for key in inner.keys}
+                ranges = {key: st[key] if p is not None else shard.master.new_empty(0) for key in inner.keys_of(s)}
                 if shard.low:
                     ranges[MASTER_KEY] = shard.master[p.at:p.at + p.n] if p is not None else shard.master.new_empty(0)
                 for key, v in ranges.items():
@@ -294,9 +301,7 @@ class ZeroCheckpointing:
                             st[key].copy_(v)
                         else:
                             st[key] = v
-        for pg, src in zip(self.param_groups, groups):
-            pg.update({k: v for k, v in src.items() if k != "params"})
-        self._sync_hyperparameters()
+        self._load_hyperparameters(groups)
         fresh = state_dict.get("fresh", False)  # a bool: saved before fastreduce kept it per parameter
         self._template = frozenset(self._index()[0]) if fresh is True else frozenset(fresh or ())
         for m in self.mirrors:
