@@ -57,7 +57,7 @@ import fastreduce
 from fastreduce.launch import run_ranks
 from fastreduce.modes.topology import consensus_rounds, make_topology
 
-from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, twice_model
+from models import batch_for, batchnorm_model, frozen_backbone_model, odd_model, skip_model, twice_model
 from test_fused import expect_raises, guarded, spawn_once
 
 SEED = 11
@@ -330,19 +330,25 @@ def case_group(rank: int, world: int) -> dict | None:
 
 
 def case_zero_grad(rank: int, world: int) -> dict:
-    """The same 4 steps, once as above and once with ``model.zero_grad()`` after each
-    backward (a trainer's order): the first step is taken as its backward ends, so the
-    zeroing loses nothing."""
+    """The same 4 steps without ``model.zero_grad()``, with it after each backward (a
+    trainer's order) and with it before each forward (the usual loop's), on a model whose
+    parameters all get gradients and on one with a layer no forward uses (its one bucket
+    is never complete during the backward): every step is taken as its backward ends, so
+    the zeroing loses nothing."""
     out = {}
-    for zero in (False, True):
-        model = MODELS["odd"](SEED + 100 * rank)
-        ddp = make_ddp(model, "ring")
-        for k in range(4):
-            out_loss(ddp(*batch_for(model, rank, k))).backward()
-            if zero:
-                model.zero_grad()
-        ddp.close()
-        out[zero] = params_of(model)
+    for name, make in (("odd", MODELS["odd"]), ("unused", skip_model)):
+        for zero in ("none", "after", "before"):
+            model = make(SEED + 100 * rank)
+            ddp = make_ddp(model, "ring")
+            for k in range(4):
+                if zero == "before":
+                    model.zero_grad()
+                out_loss(ddp(*batch_for(model, rank, k))).backward()
+                if zero == "after":
+                    model.zero_grad()
+            ddp.close()
+            out[name, zero] = params_of(model)
+        out[name, "init"] = params_of(make(SEED))
     return out
 
 
@@ -689,11 +695,18 @@ def test_clipping_case_clips_and_schedules(worlds) -> None:
 
 
 def test_zero_grad_between_steps_loses_no_step(worlds) -> None:
-    """``zero_grad()`` after each backward (before the next forward) ends where the run
-    without it ends, bit for bit: no step's gradients, the first one's included, are lost."""
-    for o in ok(worlds(2), "zero_grad"):
-        for n, kept in o[False].items():
-            assert torch.equal(o[True][n], kept), n
+    """``zero_grad()`` between steps, after the backward or before the forward, ends where
+    the run without it ends, bit for bit: no step's gradients, the first one's included,
+    are lost, also where a layer no forward uses keeps the bucket from completing during
+    the backward."""
+    for rank, o in enumerate(ok(worlds(2), "zero_grad")):
+        for model, last in (("odd", "c.weight"), ("unused", "out.weight")):
+            kept = o[model, "none"]
+            assert not torch.equal(kept[last], o[model, "init"][last]), f"{model} did not train"
+            for zero in ("after", "before"):
+                for n, p in kept.items():
+                    got = o[model, zero][n]
+                    assert torch.equal(got, p), (rank, model, zero, n, float((got - p).abs().max()))
 
 
 def test_an_evaluation_on_the_mean_waits_for_the_exchange_in_flight(worlds) -> None:

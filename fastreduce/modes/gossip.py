@@ -17,7 +17,8 @@ overlaps the next step's forward and backward. Communication pattern, per step::
 so a step's update is ``x <- mix(x) - lr * grad(x)``: with a doubly stochastic ``W`` the
 mean over ranks follows SGD on the mean of the local gradients. Buckets launch in the
 same order on every rank (the overlapped mode's schedule), a bucket whose gradients did
-not all arrive is stepped at the next forward. Parameters are views of one flat block
+not all arrive (unused parameters) is stepped as the backward ends, before a ``zero_grad()``
+can clear them (a compiled backward's: at the next forward). Parameters are views of one flat block
 per bucket, and the mix lands in a second block, so the next forward never reads
 memory being written; applying the mix swaps the two blocks (the parameters become
 views of the other one: no copy). A rank sends its parameter block itself (both blocks
@@ -189,7 +190,9 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
         self._broadcast_from_rank0()
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
         self._synced_backward = False  # the first step is taken after a backward outside no_sync
-        self._first_queued = self._first_owes_close = False  # taken as that backward ends; closed in forward
+        self._first_queued = False  # the first step is taken as that backward ends
+        self._end_queued = False  # a synced backward's end is to finish its step (_end_backward)
+        self._owes_close = False  # a step taken as its backward ended, closed in the next forward
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
         if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
             cut_graphs(self, self.bucket_mb, (p for _, p in named))  # steps during a compiled backward
@@ -302,19 +305,43 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
         self._build(order)
         for b in range(len(self._buckets)):
             self._update(b, False)
-        self._first_owes_close = True
+        self._owes_close = True
+
+    def _grad_arrived(self, _i: int) -> None:
+        """Every gradient hook of the built schedule: the first of a synced backward has
+        :meth:`_end_backward` run as that backward ends (a compiled backward's step is
+        finished by the next forward instead, as :meth:`_mark_synced` leaves its first)."""
+        if self._accumulating or self._end_queued:
+            return
+        if self._owes_close:  # nothing changed yet: the step taken stands, this backward adds nothing
+            raise RuntimeError("a second backward before the next forward: every step of "
+                               "DecentralizedDataParallel is one forward and one backward; run every "
+                               "backward but the last of an accumulation under no_sync()")
+        if in_backward() and not torch.compiler.is_compiling():
+            self._end_queued = True
+            at_backward_end(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """A synced backward's end: step the buckets whose gradients did not all arrive
+        (unused parameters) on this backward's gradients, before the caller may zero them
+        (``zero_grad()`` before the next forward); the next forward closes the step."""
+        self._end_queued = False
+        self._schedule.finish(quiet=True)
+        self._owes_close = True
 
     def _catch_up(self) -> None:
         """Close the last step: build after the first backward, or step the buckets whose
-        gradients did not all arrive (unused parameters), then advance the round."""
+        gradients did not all arrive where the backward's end did not (a compiled backward),
+        then mix the float buffers and advance the round."""
+        self._end_queued = False  # (a backward that raised never ran its end)
         if not self._built:
             if self._recorder is None or not self._synced_backward:
                 return
             self._first_step()
             self._close_step()
             return
-        if self._first_owes_close or self._join_owes_close:
-            self._first_owes_close = self._join_owes_close = False
+        if self._owes_close or self._join_owes_close:
+            self._owes_close = self._join_owes_close = False
             self._close_step()
             return
         sched = self._schedule
@@ -326,7 +353,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
         """Whether :meth:`_catch_up` has a step to close (collectives to run)."""
         if not self._built:
             return self._recorder is not None and self._synced_backward
-        return (self._first_owes_close or self._join_owes_close or any(self._schedule.fired)
+        return (self._owes_close or self._join_owes_close or any(self._schedule.fired)
                 or bool(self._schedule.next))
 
     def _join_shadow(self) -> None:

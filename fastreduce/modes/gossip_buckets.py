@@ -81,7 +81,8 @@ class GossipBuckets:
         self._scheds = [self.lr_scheduler_fn(o) if self.lr_scheduler_fn else None for o in self._optims]
         self.grad_norms: list[torch.Tensor | None] = [None] * len(self._optims)  # each bucket's, before clipping
         self._exchanges: list[Pending | None] = [None] * len(self._buckets)
-        self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False))
+        self._schedule = OverlapSchedule(layout, self._buckets, self._update, lambda idx, direct: ([], False),
+                                         on_grad=self._grad_arrived)
         self._schedule.sync = not self._accumulating
         self._built = True
         if self.rank == 0:
