@@ -452,6 +452,22 @@ def case_load_in_flight(rank: int, world: int) -> dict:
     return out
 
 
+def case_eval_mode(rank: int, world: int) -> dict:
+    """The same 5 steps with the model in ``train()`` and in ``eval()`` (a fine-tuning with
+    BatchNorm frozen): OddModel's forward is the same in both, so the runs must be too,
+    one-peer-exp's rounds (a matrix per round) included."""
+    out = {}
+    for training in (True, False):
+        model = MODELS["odd"](SEED + 100 * rank)
+        ddp = make_ddp(model, "one-peer-exp")
+        ddp.train(training)
+        for k in range(5):
+            out_loss(ddp(*batch_for(model, rank, k))).backward()
+        out[training] = {"rounds": ddp.step, "params": params_of(model)}
+        ddp.close()
+    return out
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -461,6 +477,8 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["load_in_flight"] = guarded(case_load_in_flight, rank, world)
         res["evaluate_on_the_mean"] = guarded(case_evaluate_on_the_mean, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
+    if world == 3:
+        res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
         res["traj/" + traj_key(*case)] = guarded(case_traj, rank, world, *case)
     for topology, lws in CONSENSUS_CASES.get(world, []):
@@ -707,6 +725,16 @@ def test_zero_grad_between_steps_loses_no_step(worlds) -> None:
                 for n, p in kept.items():
                     got = o[model, zero][n]
                     assert torch.equal(got, p), (rank, model, zero, n, float((got - p).abs().max()))
+
+
+def test_a_model_trained_in_eval_mode_steps_as_in_train_mode(worlds) -> None:
+    """A forward with grad enabled closes the step whatever the module's ``training``: 3
+    ranks of one-peer-exp held in ``eval()`` take every round's matrix, bit for bit as in
+    ``train()`` (and do not raise at the third backward)."""
+    for rank, o in enumerate(ok(worlds(3), "eval_mode")):
+        assert o[False]["rounds"] == o[True]["rounds"] == 4, (rank, o[False]["rounds"], o[True]["rounds"])
+        for n, p in o[True]["params"].items():
+            assert torch.equal(o[False]["params"][n], p), (rank, n, float((o[False]["params"][n] - p).abs().max()))
 
 
 def test_an_evaluation_on_the_mean_waits_for_the_exchange_in_flight(worlds) -> None:

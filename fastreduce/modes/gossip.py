@@ -212,8 +212,10 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
     def forward_through(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The wrapper's forward, calling ``module`` in place of the module it wraps: the same
         module compiled (``torch.compile(model)``, as a trainer compiles it), its parameters
-        the wrapped module's."""
-        if self.module.training and torch.is_grad_enabled():
+        the wrapped module's. A forward with grad enabled closes the last step, whatever
+        the module's ``training`` (a model fine-tuned in ``eval()``, BatchNorm frozen, steps
+        as in ``train()``); one under ``no_grad`` (an evaluation) leaves it open."""
+        if torch.is_grad_enabled():
             self._before_forward()  # eager (eager_methods): a graph break where the wrapper is compiled
         return module(*args, **kwargs)
 
