@@ -33,7 +33,6 @@ in one forward is fine (autograd accumulates it once).
 
 from __future__ import annotations
 
-import logging
 import os
 from contextlib import contextmanager
 from functools import partial
@@ -49,8 +48,7 @@ from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..compiling import cut_graphs, keep_cut, uncut_graphs
 from ..faults import guarded
-from ..grads import (FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, first_nonfinite, nonfinite_error,
-                     one_device, start_from_rank0)
+from ..grads import FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, one_device, start_from_rank0
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
 from ..layout import verify_model
@@ -60,17 +58,16 @@ from .comm_stats import CommStats
 from .gossip_average import GossipAverage
 from .gossip_buckets import GossipBuckets
 from .gossip_state import DONE, GossipState
+from .gossip_step import GossipStep
 from .topology import Topology, make_topology
 
 __all__ = ["DecentralizedDataParallel"]
-
-log = logging.getLogger(__name__)
 
 OptimFn = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
 
-class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Module, JoinableMode):
+class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, GossipStep, nn.Module, JoinableMode):
     """Gossip data parallelism over a time-varying topology (see the module doc).
 
     Args:
@@ -429,52 +426,6 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, nn.Mo
             p.data = m
             views[k] = (p, m, a)
         return flat, mixed
-
-    def _step_optimizer(self, b: int) -> None:
-        opt = self._optims[b]
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if self.scaler is not None:
-            if self.grad_clip_norm > 0:
-                self.scaler.unscale_(opt)
-                self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
-            self.scaler.step(opt)
-            if b == len(self._optims) - 1:
-                self.scaler.update()
-        elif self._finite(b, params):
-            if self.grad_clip_norm > 0:
-                self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
-            opt.step()
-        opt.zero_grad(set_to_none=False)  # kept: freeing them costs a fresh allocation (page faults) in every backward
-        if self._scheds[b] is not None:
-            self._scheds[b].step()
-
-    def _finite(self, b: int, params: list[nn.Parameter]) -> bool:
-        """``nonfinite``: whether bucket ``b``'s gradients are finite (one fused check of
-        them); if not, count it and, under ``raise``, arrange for the error."""
-        if self.nonfinite == "ignore":
-            return True
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads or self._check(grads):
-            return True
-        self.skipped_steps += 1
-        if self.nonfinite == "skip":
-            log.warning("fastreduce: DecentralizedDataParallel: rank %d's gradients hold inf or NaN; its step "
-                        "of bucket %d is skipped (nonfinite='skip')", self.rank, b)
-        elif self._nonfinite_error is None:
-            names = [self._names[i] for i in self._buckets[b].slots]
-            i = first_nonfinite([p.grad if p.grad is not None else p.detach()[:0] for p in params])
-            self._nonfinite_error = nonfinite_error(
-                f"rank {self.rank}'s gradients", None if i is None else names[i],
-                "this rank skipped that bucket's optimizer step and sent its parameters as usual: the "
-                "parameters and optimizer state are as before the step, and the other ranks go on.")
-            if in_backward():  # raise as it ends
-                at_backward_end(self._raise_nonfinite)
-        return False
-
-    def _raise_nonfinite(self) -> None:
-        err, self._nonfinite_error = self._nonfinite_error, None
-        if err is not None:
-            raise err
 
     @guarded("the wait for {cls}'s exchanges in flight", "The exchange in flight is lost; the parameters are this "
              "rank's own, unmixed with the other ranks' since the last exchange that completed.")
