@@ -468,6 +468,28 @@ def case_eval_mode(rank: int, world: int) -> dict:
     return out
 
 
+def case_scaler_unused(rank: int, world: int) -> dict:
+    """A GradScaler (its scale a power of two: scaling and unscaling are exact) and a layer
+    no forward uses, in buckets of its own (the last ones): the same 4 steps with and
+    without the scaler, on torch's loop (``foreach=False``) and on the fused kernel."""
+    out = {}
+    for kernel, kw in (("loop", {"foreach": False}), ("fused", {})):
+        for scaled in (False, True):
+            model = skip_model(SEED)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scaled else None
+            ddp = fastreduce.DecentralizedDataParallel(
+                model, lambda named, kw=kw: torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9, **kw),
+                topology="ring", scaler=scaler, bucket_mb=SMALL_BUCKET_MB)
+            for k in range(4):
+                loss = out_loss(ddp(*batch_for(model, rank, k)))
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            ddp.close()
+            out[kernel, scaled] = {
+                "params": params_of(model), "scale": None if scaler is None else float(scaler.get_scale()),
+                "empty": [all(p.grad is None for g in o.param_groups for p in g["params"]) for o in ddp._optims]}
+    return out
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -477,6 +499,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["load_in_flight"] = guarded(case_load_in_flight, rank, world)
         res["evaluate_on_the_mean"] = guarded(case_evaluate_on_the_mean, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
+        res["scaler_unused"] = guarded(case_scaler_unused, rank, world)
     if world == 3:
         res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
@@ -1025,6 +1048,21 @@ def scaler_worker(rank: int, world: int) -> dict:
         out[name] = {"params": params_of(model), "scale": float(scaler.get_scale()),
                      "fused": ddp._optims[0].param_groups[0]["fused"]}
     return out
+
+
+def test_a_scaler_skips_a_bucket_without_gradients(worlds) -> None:
+    """A bucket no gradient reached is not stepped (the scaler would raise: no inf check
+    recorded), as torch.optim skips a None gradient; the others step as without the
+    scaler, bit for bit, and the scaler updates once per step, the last bucket's
+    emptiness notwithstanding: four steps with growth_interval=2 double the scale twice."""
+    for rank, o in enumerate(ok(worlds(2), "scaler_unused")):
+        for kernel in ("loop", "fused"):
+            scaled, plain = o[kernel, True], o[kernel, False]
+            assert scaled["empty"][-1] and not all(scaled["empty"]), scaled["empty"]
+            assert scaled["scale"] == 2.0**12, (rank, kernel, scaled["scale"])
+            for n, p in plain["params"].items():
+                got = scaled["params"][n]
+                assert torch.equal(got, p), (rank, kernel, n, float((got - p).abs().max()))
 
 
 def test_scaler_with_the_fused_kernel_matches_torchs_loop() -> None:

@@ -76,7 +76,8 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         lr_scheduler_fn: ``lr_scheduler_fn(optimizer) -> scheduler``, per bucket, or ``None``.
         topology: a name in :data:`fastreduce.modes.topology.TOPOLOGIES` or a
             :class:`~fastreduce.modes.topology.Topology`.
-        scaler: a ``torch.amp.GradScaler`` (each rank steps it on its own buckets).
+        scaler: a ``torch.amp.GradScaler`` (each rank steps it on its own buckets, but for a
+            bucket no gradient reached; it is updated once per step).
         grad_clip_norm: clip each bucket's gradients to this norm before its step (0: off).
         group: process group (default: the world).
         bucket_mb: bucket size in MB; ``"auto"`` (the default; ``None`` is the same):

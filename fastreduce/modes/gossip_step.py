@@ -23,15 +23,20 @@ class GossipStep:
     mixin: it reads the mode's optimizers, schedulers, scaler and settings, and sets
     ``grad_norms``, ``skipped_steps`` and the error ``nonfinite="raise"`` raises)."""
 
+    _scaler_stepped = False  # some bucket's scaler.step() since the scaler's last update()
+
     def _step_optimizer(self, b: int) -> None:
         opt = self._optims[b]
         params = [p for g in opt.param_groups for p in g["params"]]
         if self.scaler is not None:
-            if self.grad_clip_norm > 0:
-                self.scaler.unscale_(opt)
-                self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
-            self.scaler.step(opt)
-            if b == len(self._optims) - 1:
+            if any(p.grad is not None for p in params):  # none: skipped, as torch.optim skips a None grad
+                if self.grad_clip_norm > 0:
+                    self.scaler.unscale_(opt)
+                    self.grad_norms[b] = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+                self.scaler.step(opt)
+                self._scaler_stepped = True
+            if b == len(self._optims) - 1 and self._scaler_stepped:  # once per step, if a bucket stepped
+                self._scaler_stepped = False
                 self.scaler.update()
         elif self._finite(b, params):
             if self.grad_clip_norm > 0:
