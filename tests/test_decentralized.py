@@ -42,6 +42,7 @@ snapshots (no long reference trajectories), so errors are a few fp32 ulps of |x|
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fastreduce
+from fastreduce.comm import get_comm
 from fastreduce.launch import run_ranks
 from fastreduce.modes.topology import consensus_rounds, make_topology
 
@@ -490,6 +492,41 @@ def case_scaler_unused(rank: int, world: int) -> dict:
     return out
 
 
+def shm_maps() -> int:
+    """This process's mappings of files in /dev/shm (a shared-memory segment is one)."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/" in line for line in f)
+
+
+def case_release(rank: int, world: int) -> dict:
+    """A mode's communication blocks over its life (on shared memory: a segment each): a
+    rebuild by ``load_state_dict`` (a state laid out in other buckets) gives back the
+    last layout's, ``close()`` all of them, and the parameters leave them, so that with
+    the mode dropped and its model kept nothing stays mapped."""
+    gc.collect()
+    comm = get_comm(None, torch.device("cpu"))
+    base, maps = len(comm.shms), shm_maps()
+    other = make_ddp(batchnorm_model(SEED), "ring", bucket_mb=SMALL_BUCKET_MB)
+    train(other, other.module, rank, range(2))
+    state = other.state_dict()
+    other.close()
+    del other
+    model = batchnorm_model(SEED)
+    ddp = make_ddp(model, "ring")
+    train(ddp, model, rank, range(2))
+    trained = len(comm.shms)
+    ddp.load_state_dict(state)
+    loaded = len(comm.shms)
+    del state  # (its model entries view the other mode's parameter block)
+    train(ddp, model, rank, range(2, 4))
+    ddp.close()
+    closed = {"params": params_of(model), "kept": len(comm.shms)}
+    del ddp
+    gc.collect()
+    return {"base": base, "trained": trained, "loaded": loaded, "closed": closed, "maps": (maps, shm_maps()),
+            "params": params_of(model), "shm": comm.wants_shm}
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -500,6 +537,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["evaluate_on_the_mean"] = guarded(case_evaluate_on_the_mean, rank, world)
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
         res["scaler_unused"] = guarded(case_scaler_unused, rank, world)
+        res["release"] = guarded(case_release, rank, world)
     if world == 3:
         res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
@@ -1048,6 +1086,20 @@ def scaler_worker(rank: int, world: int) -> dict:
         out[name] = {"params": params_of(model), "scale": float(scaler.get_scale()),
                      "fused": ddp._optims[0].param_groups[0]["fused"]}
     return out
+
+
+def test_close_and_a_rebuild_give_the_shared_memory_back(worlds) -> None:
+    """Shared memory: training maps segments (the two parameter blocks, the float buffers'),
+    a rebuild by load_state_dict takes as many as it gives back, and after close() (the
+    parameters moved out, their values kept) and the mode dropped, the model kept,
+    every segment the mode took is unmapped (on other transports: no segment at all)."""
+    for rank, o in enumerate(ok(worlds(2), "release")):
+        assert o["trained"] == o["base"] + (3 if o["shm"] else 0), (rank, o["base"], o["trained"])
+        assert o["loaded"] == o["trained"], (rank, o["trained"], o["loaded"])
+        assert o["closed"]["kept"] == o["base"], (rank, o["base"], o["closed"]["kept"])
+        assert o["maps"][1] == o["maps"][0], (rank, o["maps"])
+        for n, p in o["closed"]["params"].items():
+            assert torch.equal(o["params"][n], p), (rank, n)
 
 
 def test_a_scaler_skips_a_bucket_without_gradients(worlds) -> None:

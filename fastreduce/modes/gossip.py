@@ -182,6 +182,8 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
+        self._comm_blocks: list[torch.Tensor] = []  # what comm.buffer gave the buckets' layout
+        self._buffer_comm_blocks: list[torch.Tensor] = []  # and the float buffers' mix
         self._round = 0  # the round of the next exchange
         self._accumulating = False
         self._built = False
@@ -259,10 +261,13 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
 
     def close(self, drain: bool = True) -> None:
         """Take every hook of this mode off the model and its parameters (the order
-        recorder, the gradient hooks, the compiled backward's cuts); the parameters stay
-        where they are. The mode must not be used afterwards. ``drain=False``: the
-        exchanges in flight are dropped, not waited for (a peer is gone). Once closed, a
-        second call does nothing (it would finish a step over a group a peer left)."""
+        recorder, the gradient hooks, the compiled backward's cuts) and give the
+        communication layer back the blocks it gave the mode (shared memory on one host);
+        the parameters keep their values, moved to memory of their own, so that the
+        shared memory is freed with the mode. The mode must not be used afterwards.
+        ``drain=False``: the exchanges in flight are dropped, not waited for (a peer is
+        gone). Once closed, a second call does nothing (it would finish a step over a
+        group a peer left)."""
         if self.__dict__.get("_closed"):
             return
         self._closed = True
@@ -275,6 +280,9 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self._marks = []
         if self._built:
             self._schedule.remove()
+            self._own_memory()
+        self._give_back(self._comm_blocks)
+        self._give_back(self._buffer_comm_blocks)
         uncut_graphs(self)
 
     # ------------------------------------------------------------------ build
@@ -380,7 +388,8 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
             return
         if self._buffer_blocks is None:  # made on the first step
             private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
-            self._buffer_blocks = (TensorBlock(bufs, self.comm.buffer), TensorBlock(bufs, private))
+            shared = self._taking(self._buffer_comm_blocks)
+            self._buffer_blocks = (TensorBlock(bufs, shared), TensorBlock(bufs, private))
         send, out = self._buffer_blocks
         send.load()
         pending = self.comm.mix(send.flat, out.flat, self.topology.mixing(self._round))

@@ -31,6 +31,7 @@ class GossipBuckets:
     blocks, views, buckets, optimizers and schedule)."""
 
     def _build(self, order: list[int], sizes: list[int] | None = None) -> None:
+        self._give_back(self._comm_blocks)  # a rebuild (a state laid out in other buckets): the last layout's
         if self._recorder is not None:  # built from a checkpoint: no order to learn
             self._recorder.remove()
             self._recorder = None
@@ -58,15 +59,15 @@ class GossipBuckets:
         in_place = quant is None and (self.wire_dtype is None or all(seg.dtype == self.wire_dtype
                                                                      for seg in layout.segments))
         private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
-        alloc = self.comm.buffer if in_place else private
+        shared = self._taking(self._comm_blocks)
+        alloc = shared if in_place else private
         self._flats = params_as_views(layout, alloc)
         self._mixed = self._blocks_like([f.dtype for f in self._flats], alloc)
         # Per bucket, each parameter's view of either block: the mix lands in the block
         # the parameters do not use, and applying it swaps the two (no copy).
         self._views = [[(s.param, slot_view(f, s), slot_view(m, s)) for s in seg.slots]
                        for seg, f, m in zip(layout.segments, self._flats, self._mixed)]
-        sends = self._flats if in_place or quant else self._blocks_like([self.wire_dtype] * len(self._flats),
-                                                                       self.comm.buffer)
+        sends = self._flats if in_place or quant else self._blocks_like([self.wire_dtype] * len(self._flats), shared)
         self._sends = None if in_place or quant else sends
         self._qmix = None if quant is None else [QuantMix(self.comm, f.numel(), quant, self.device, self._compensate)
                                                  for f in self._flats]
@@ -106,3 +107,27 @@ class GossipBuckets:
             out.append(whole[d][offsets[d]:offsets[d] + f.numel()])
             offsets[d] += f.numel()
         return out
+
+    def _taking(self, into: list[torch.Tensor]) -> Callable[[int, torch.dtype], torch.Tensor]:
+        """:meth:`~fastreduce.comm.Comm.buffer`, each block it gives also put in ``into``
+        (for :meth:`_give_back`)."""
+        def alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            into.append(self.comm.buffer(numel, dtype))
+            return into[-1]
+        return alloc
+
+    def _give_back(self, blocks: list[torch.Tensor]) -> None:
+        """Release ``blocks`` (:meth:`~fastreduce.comm.Comm.release`): the communication
+        layer forgets them and what it kept for them, and a shared-memory segment is
+        unmapped once no tensor views it any more."""
+        for block in blocks:
+            self.comm.release(block)
+        blocks.clear()
+
+    @torch.no_grad()
+    def _own_memory(self) -> None:
+        """Every parameter of the buckets into memory of its own (a copy, its strides kept):
+        none views a block any more, so the blocks go with the mode."""
+        for views in self._views:
+            for p, _, _ in views:
+                p.data = p.data.clone()
