@@ -208,6 +208,14 @@ class TensorBlock:
         self.flat = alloc(sum(t.numel() for t in self.tensors), dtype)
         self.views = [v.view_as(t) for v, t in zip(self.flat.split([t.numel() for t in self.tensors]), self.tensors)]
 
+    @classmethod
+    def per_dtype(cls, tensors: Sequence[torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor]
+                  ) -> list[TensorBlock]:
+        """One block per dtype of ``tensors`` (in the order they first appear), each in that
+        dtype: nothing is rounded on its way in."""
+        return [cls([t for t in tensors if t.dtype == dtype], alloc, dtype)
+                for dtype in dict.fromkeys(t.dtype for t in tensors)]
+
     def load(self) -> None:
         """The block := the tensors (one fused copy, casting to the block's dtype)."""
         foreach_copy(self.views, self.tensors)

@@ -527,6 +527,24 @@ def case_release(rank: int, world: int) -> dict:
             "params": params_of(model), "shm": comm.wants_shm}
 
 
+def case_buffer_dtypes(rank: int, world: int) -> dict:
+    """Float buffers of two dtypes (BatchNorm's float32 statistics, a float64 buffer), each
+    rank's own after construction (momentum 0: a forward leaves the statistics alone), mixed
+    by ``complete``: each buffer before the first mix, and after two steps."""
+    model = batchnorm_model(SEED)
+    model.bn.momentum = 0.0
+    model.register_buffer("f64", torch.zeros(7, dtype=torch.float64))
+    ddp = make_ddp(model, "complete")
+    g = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for b in (model.bn.running_mean, model.bn.running_var, model.f64):
+            b.copy_(torch.rand(b.shape, generator=g, dtype=torch.float64) + 0.5)
+    own = buffers_of(model)
+    train(ddp, model, rank, range(2))
+    ddp.wait_exchanges()
+    return {"own": own, "mixed": buffers_of(model)}
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -538,6 +556,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["bad_bucket_mb"] = guarded(case_bad_bucket_mb, rank, world)
         res["scaler_unused"] = guarded(case_scaler_unused, rank, world)
         res["release"] = guarded(case_release, rank, world)
+        res["buffer_dtypes"] = guarded(case_buffer_dtypes, rank, world)
     if world == 3:
         res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
@@ -1100,6 +1119,21 @@ def test_close_and_a_rebuild_give_the_shared_memory_back(worlds) -> None:
         assert o["maps"][1] == o["maps"][0], (rank, o["maps"])
         for n, p in o["closed"]["params"].items():
             assert torch.equal(o["params"][n], p), (rank, n)
+
+
+def test_float_buffers_are_mixed_in_their_own_dtype(worlds) -> None:
+    """A mean is a mean: with ``complete`` over 2 ranks every float buffer becomes
+    ``(a + b) / 2`` computed in its own dtype, bit for bit, a float64 buffer's too (mixed
+    in float32 it was off by float32's rounding); the integer counter is left alone."""
+    outs = ok(worlds(2), "buffer_dtypes")
+    for rank, o in enumerate(outs):
+        for n, mine in o["own"].items():
+            got = o["mixed"][n]
+            if not mine.is_floating_point():
+                assert torch.equal(got, mine + 2), (rank, n)  # two forwards counted, never mixed
+                continue
+            want = (outs[0]["own"][n] + outs[1]["own"][n]) * 0.5
+            assert got.dtype == want.dtype and torch.equal(got, want), (rank, n, float((got - want).abs().max()))
 
 
 def test_a_scaler_skips_a_bucket_without_gradients(worlds) -> None:

@@ -181,7 +181,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self._buffer_blocks: tuple[TensorBlock, TensorBlock] | None = None  # (sent, mixed)
+        self._buffer_blocks: list[tuple[TensorBlock, TensorBlock]] | None = None  # per dtype: (sent, mixed)
         self._comm_blocks: list[torch.Tensor] = []  # what comm.buffer gave the buckets' layout
         self._buffer_comm_blocks: list[torch.Tensor] = []  # and the float buffers' mix
         self._round = 0  # the round of the next exchange
@@ -382,21 +382,23 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
     @torch.no_grad()
     def _mix_buffers(self) -> None:
         """``buffers="mix"``: this round's mix of the float buffers, synchronously (they
-        are small, and the forward about to run reads them)."""
+        are small, and the forward about to run reads them), one block per dtype (each
+        mixed in its own: a float64 mean is not rounded to float32)."""
         bufs = self._float_buffers
         if self.buffer_mode != "mix" or not bufs:
             return
         if self._buffer_blocks is None:  # made on the first step
             private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
-            shared = self._taking(self._buffer_comm_blocks)
-            self._buffer_blocks = (TensorBlock(bufs, shared), TensorBlock(bufs, private))
-        send, out = self._buffer_blocks
-        send.load()
-        pending = self.comm.mix(send.flat, out.flat, self.topology.mixing(self._round))
-        self.stats.wire_bytes += send.flat.nbytes
-        with self.stats.waiting():
-            complete(pending)
-        out.store()
+            self._buffer_blocks = list(zip(TensorBlock.per_dtype(bufs, self._taking(self._buffer_comm_blocks)),
+                                           TensorBlock.per_dtype(bufs, private)))
+        matrix = self.topology.mixing(self._round)
+        for send, out in self._buffer_blocks:
+            send.load()
+            pending = self.comm.mix(send.flat, out.flat, matrix)
+            self.stats.wire_bytes += send.flat.nbytes
+            with self.stats.waiting():
+                complete(pending)
+            out.store()
 
     # ------------------------------------------------------------------ every bucket, every step
 

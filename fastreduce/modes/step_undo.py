@@ -23,9 +23,7 @@ class StepUndo:
 
     def __init__(self, tensors: list[torch.Tensor], codec: Any, device: torch.device):
         self.codec = codec
-        self.blocks = [TensorBlock([t for t in tensors if t.dtype == dtype],
-                                   lambda n, d: torch.empty(n, dtype=d, device=device), dtype)
-                       for dtype in dict.fromkeys(t.dtype for t in tensors)]
+        self.blocks = TensorBlock.per_dtype(tensors, lambda n, d: torch.empty(n, dtype=d, device=device))
         self.step = 0
         self.keep()
 
