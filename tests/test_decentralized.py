@@ -545,6 +545,24 @@ def case_buffer_dtypes(rank: int, world: int) -> dict:
     return {"own": own, "mixed": buffers_of(model)}
 
 
+def case_split_mix(rank: int, world: int) -> dict:
+    """lr = 0, ``complete``, each rank's parameters shifted by its own amount after
+    construction: the block the first step sent, the block its exchange mixed into, and
+    the ranks that split that exchange (reads the private ``_flats``, ``_mixed`` and
+    ``_exchanges``: the first exchange's work)."""
+    model = odd_model(SEED)
+    ddp = make_ddp(model, "complete", lr=0.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.37 * (rank + 1))
+    train(ddp, model, rank, range(1))
+    work = ddp._exchanges[0][0]
+    sent = ddp._flats[0].clone()
+    ddp.wait_exchanges()
+    return {"shm": ddp.comm.shm_of(ddp._flats[0]) is not None, "split": tuple(getattr(work, "share", ())),
+            "sent": sent, "mixed": ddp._mixed[0].clone()}
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -557,6 +575,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["scaler_unused"] = guarded(case_scaler_unused, rank, world)
         res["release"] = guarded(case_release, rank, world)
         res["buffer_dtypes"] = guarded(case_buffer_dtypes, rank, world)
+        res["split_mix"] = guarded(case_split_mix, rank, world)
     if world == 3:
         res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
@@ -1134,6 +1153,18 @@ def test_float_buffers_are_mixed_in_their_own_dtype(worlds) -> None:
                 continue
             want = (outs[0]["own"][n] + outs[1]["own"][n]) * 0.5
             assert got.dtype == want.dtype and torch.equal(got, want), (rank, n, float((got - want).abs().max()))
+
+
+def test_a_uniform_shared_memory_mix_is_split_between_its_ranks(worlds) -> None:
+    """docs/gossip.md: on shared memory, ranks whose rows are one mean (``complete``'s) split
+    the mix, each summing a chunk and writing it into every member's output block (a
+    segment other than the parameters'); the result is the mean of what the ranks sent,
+    bit for bit: ``(a + b) / 2`` (on other transports: the mean alone)."""
+    outs = ok(worlds(2), "split_mix")
+    want = (outs[0]["sent"] + outs[1]["sent"]) * 0.5
+    for rank, o in enumerate(outs):
+        assert o["split"] == ((0, 1) if o["shm"] else ()), (rank, o["shm"], o["split"])
+        assert torch.equal(o["mixed"], want), (rank, float((o["mixed"] - want).abs().max()))
 
 
 def test_a_scaler_skips_a_bucket_without_gradients(worlds) -> None:

@@ -316,7 +316,9 @@ class Comm:
         first; ``out`` is as long as ``buf`` and apart from it (it may be another
         buffer of :meth:`buffer`, to be sent in a later round).
 
-        Shared memory: each rank reads its row's sources straight from their regions.
+        Shared memory: each rank reads its row's sources straight from their regions; where
+        ``out`` is a buffer of :meth:`buffer` too, the ranks whose rows are one mean split
+        the sum, each writing its chunk into every one's ``out``.
         Process groups: a uniform matrix (every rank averages with every rank) on an
         fp32 ``buf`` is one averaging all-reduce (of a copy in ``out``: ``buf`` is never
         written); any other is point-to-point, ``buf`` sent to the ranks whose
@@ -332,8 +334,9 @@ class Comm:
         row, col, uniform, share = self.rows_of(matrix)
         shm = self.shm_of(buf)
         with span("fastreduce::mix"):
-            if shm is not None:
-                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row), share=share), None
+            if shm is not None:  # a clique's outputs, in whichever segment holds ``out`` (not always buf's)
+                outs = self.everyones(out) if share else None
+                return shm.start(buf, pack, kind=MIX, out=out, weights=tuple(row), share=share, outs=outs), None
             if pack is not None:
                 with span("fastreduce::pack"):
                     pack()

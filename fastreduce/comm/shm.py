@@ -353,7 +353,7 @@ class ShmAllReduce:
     def start(self, buf: torch.Tensor, before: Callable[[], None] | None = None,
               after: Callable[[], None] | None = None, *, kind: str = ALL_REDUCE,
               out: torch.Tensor | None = None, weights: tuple[float, ...] = (),
-              share: tuple[int, ...] = (),
+              share: tuple[int, ...] = (), outs: Sequence[torch.Tensor] | None = None,
               rider: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None) -> ShmWork:
         """Queue a collective on ``buf``, a contiguous slice of :meth:`region`.
 
@@ -363,8 +363,10 @@ class ShmAllReduce:
         two ``buf`` must split into world-size equal chunks; or ``mix`` (``out``, as long
         as ``buf`` and apart from it, := the ``weights``-weighted sum of every rank's
         ``buf``; where ``share`` names the ranks whose rows are all this same mean and
-        ``out`` lies in the region too, those ranks split the work, each writing its
-        chunk into every member's ``out``).
+        ``outs`` gives every rank's ``out`` in shared memory, in rank order (the
+        :meth:`everyones` of the segment that holds ``out``, which may be another than
+        ``buf``'s), those ranks split the work, each writing its chunk into every
+        member's ``out``).
         ``before`` and ``after`` (e.g. the slice's pack and unpack) run on the worker
         too, right before and after the collective, off the caller's thread.
         ``rider`` = ``(mine, slots)`` (``reduce_scatter``): ``slots`` every rank's
@@ -396,9 +398,9 @@ class ShmAllReduce:
             work.weights = tuple(float(w) for w in weights)
             # per launch, never per plan: every member of a clique must agree to split it
             # (a plan made in a round without one would keep no outputs)
-            outs = self.everyones(out) if share and self.rank in share and \
-                all(0 <= j < self.world for j in share) and out is not None else None
-            work.share, work.outs = (share, tuple(outs)) if outs else ((), ())
+            split = bool(share) and self.rank in share and all(0 <= j < self.world for j in share) \
+                and outs is not None and len(outs) == self.world
+            work.share, work.outs = (share, tuple(outs)) if split else ((), ())
         self.started += 1
         self.channel.put(work)
         return work
