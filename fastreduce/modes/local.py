@@ -205,7 +205,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
                                         self.rank) for n in sizes] if compression is not None else []
             if scratch:
                 self._scratch = self._blocks_per_dtype()
-        self._buffer_block: TensorBlock | None = None
+        self._buffer_blocks: list[TensorBlock] | None = None
         self._hooks = on_step(optimizer, post=self._on_step)
         # Under Join: every inner step is an iteration; its notify precedes any collective
         # of the step (the warm-up's gradient average runs in a later pre-hook).
@@ -318,12 +318,13 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         bufs = self._float_buffers
         if self.buffers != "average" or not bufs:
             return
-        if self._buffer_block is None:
-            self._buffer_block = TensorBlock(bufs, self._buffer_of(self.comm))
-        block = self._buffer_block
-        block.load()
-        self._average([block.flat], comm)
-        block.store()
+        if self._buffer_blocks is None:  # one per dtype: a float64 buffer is averaged in float64
+            self._buffer_blocks = TensorBlock.per_dtype(bufs, self._buffer_of(self.comm))
+        for block in self._buffer_blocks:
+            block.load()
+        self._average([block.flat for block in self._buffer_blocks], comm)
+        for block in self._buffer_blocks:
+            block.store()
 
     def _launch(self, k: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient ``anchor - x`` through the wire.
