@@ -59,6 +59,8 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> bool:
         return False
     if len({(p.device, p.dtype) for p in params}) != 1:
         return False
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in groups):
+        return False  # torch's fused SGD cannot step a parameter's first momentum beside others' (torch 2.13)
     try:  # what the constructor takes (AdamW's defaults hold Adam's decoupled_weight_decay, which it does not)
         takes = inspect.signature(type(optimizer).__init__).parameters
     except (TypeError, ValueError):

@@ -1189,3 +1189,23 @@ def test_scaler_with_the_fused_kernel_matches_torchs_loop() -> None:
         for n, t in o["plain"]["params"].items():
             assert torch.isfinite(t).all(), f"rank {rank}: {n} took the overflowing step"
             close(t, o["loop"]["params"][n], f"rank {rank}: {n}: fused against torch's loop, with a scaler")
+
+
+def test_a_bucket_optimizer_sgd_with_momentum_keeps_torchs_default_kernel() -> None:
+    """torch's fused SGD cannot step a list where some parameters have a momentum buffer and
+    others not yet (a parameter first used at a later step: TypeError, torch 2.13), so the
+    buckets' optimizers take it for Adam and AdamW, not for SGD with momentum; that one
+    steps a parameter first used late as torch's default does."""
+    from fastreduce.optim_kernels import prefer_fused
+
+    params = [nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))]
+    ref = [nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))]
+    opt, plain = (torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (params, ref))
+    assert not prefer_fused(opt)
+    for used in ([0], [0, 1], [0, 1]):
+        for ps, o in ((params, opt), (ref, plain)):
+            for i in used:
+                ps[i].grad = torch.full((4,), float(i + 1))
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, ref))
+    assert prefer_fused(torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=0.1))
