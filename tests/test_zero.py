@@ -458,16 +458,13 @@ def moe_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x, step, rank), y)
 
 
-def moe_case(rank: int, world: int) -> dict:
-    """ZeroOptimizer over :class:`ExpertsModel` (AdamW, weight_decay=0.1) against
-    ``torch.optim.AdamW`` on the mean gradient (every rank's batch run here; a parameter
-    no rank's backward reached has no gradient, one reached on some rank the mean with
-    zeros): per wire, the parameters after every step and the final state dicts; and
-    whether expert 2's parameters and moments were untouched at each step it had no
-    gradient anywhere, as torch leaves them."""
+
+def moe_reference(world: int, make: Callable[[Any], torch.optim.Optimizer]) -> tuple[torch.optim.Optimizer, list]:
+    """``make``'s torch optimizer over :class:`ExpertsModel` on the mean gradient of every
+    rank's batch (all run here), ``MOE_STEPS`` steps: the optimizer and the parameters after each."""
     torch.manual_seed(SEED)
     ref = ExpertsModel()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = make(ref.parameters())
     refs = []
     for step in range(MOE_STEPS):
         for r in range(world):
@@ -475,6 +472,16 @@ def moe_case(rank: int, world: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         refs.append(params_of(ref))
+    return ref_opt, refs
+
+def moe_case(rank: int, world: int) -> dict:
+    """ZeroOptimizer over :class:`ExpertsModel` (AdamW, weight_decay=0.1) against
+    ``torch.optim.AdamW`` on the mean gradient (every rank's batch run here; a parameter
+    no rank's backward reached has no gradient, one reached on some rank the mean with
+    zeros): per wire, the parameters after every step and the final state dicts; and
+    whether expert 2's parameters and moments were untouched at each step it had no
+    gradient anywhere, as torch leaves them."""
+    ref_opt, refs = moe_reference(world, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
     out: dict[str, Any] = {"ref": refs, "ref_state": ref_opt.state_dict()}
     for wire, dtype in MOE_WIRES.items():
         torch.manual_seed(SEED)
@@ -1014,16 +1021,7 @@ def moe_sgd_case(rank: int, world: int) -> dict:
     implementation) on the mean gradient, every rank's batch run here; ZeRO's shard takes
     torch's fused SGD at 2 ranks, which cannot step buffers and no buffers in one list.
     Small buckets: each rank holds pieces of expert 3 and of the others (copies too)."""
-    torch.manual_seed(SEED)
-    ref = ExpertsModel()
-    ref_opt = torch.optim.SGD(ref.parameters(), **HPARAMS["sgd"])
-    refs = []
-    for step in range(MOE_STEPS):
-        for r in range(world):
-            (moe_loss(ref, step, r) / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        refs.append(params_of(ref))
+    ref_opt, refs = moe_reference(world, lambda ps: torch.optim.SGD(ps, **HPARAMS["sgd"]))
     torch.manual_seed(SEED)
     model = ExpertsModel()
     opt = zero_opt(model.parameters(), "sgd", module=model, bucket_mb=SMALL_BUCKET_MB, redundant=True)
