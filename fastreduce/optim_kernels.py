@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .torch_internals import scaler_steps_fused
+
 __all__ = ["fused_if_possible", "prefer_fused"]
 
 
@@ -71,5 +73,5 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> bool:
     for g in groups:
         g["fused"] = True
     optimizer.defaults["fused"] = True
-    optimizer._step_supports_amp_scaling = True  # as torch's constructor sets it for fused=True
+    scaler_steps_fused(optimizer)  # as torch's constructor does for fused=True
     return True

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_store",
-           "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass", "profiler_enabled",
-           "release_abandoned", "store_base", "unsafe_preserve_version_counter"]
+           "default_store", "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass",
+           "profiler_enabled", "release_abandoned", "scaler_steps_fused", "store_base",
+           "unsafe_preserve_version_counter"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -123,6 +123,13 @@ def release_abandoned() -> int:
         left = len(_pinned)
     del due  # the last references to them: destroyed here, or with the last holder's
     return left
+
+
+def scaler_steps_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer``, switched to its fused kernel after construction, as torch's
+    constructor marks one built with ``fused=True``: a ``GradScaler`` hands it the scale
+    and the inf flag instead of unscaling its gradients first."""
+    optimizer._step_supports_amp_scaling = True
 
 
 def compiled_inner(module: Any) -> Any:
