@@ -398,6 +398,8 @@ class TrainerMembership:
 
         try:
             self.committed = self.m.commit(step)
+            if self.committed:  # (ZeRO: a member whose meeting failed steps its held shards as the next
+                sampler.advance(pending)  # epoch forms, its closure ended there; once per step)
         finally:
             self.failed = None
             sampler.redraw()

@@ -109,10 +109,14 @@ class MembershipSampler(DistributedSampler):
         self._drawn = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "through": self.through, "seed": self.seed, "size": self.size}
+        """The position, and what this member drew since the last commit (a sync redone over
+        the survivors puts this state back, then moves the position past those draws)."""
+        return {"position": self.position, "through": self.through, "seed": self.seed, "size": self.size,
+                "drawn": self._drawn, "world": self._world}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if state["size"] != self.size or state["seed"] != self.seed:
             raise ValueError(f"MembershipSampler: the members' dataset has {state['size']} samples and seed "
                              f"{state['seed']}, this process's {self.size} and {self.seed}: the same data is needed")
-        self.position, self.through, self._drawn = int(state["position"]), int(state["through"]), 0
+        self.position, self.through = int(state["position"]), int(state["through"])
+        self._drawn, self._world = int(state.get("drawn", 0)), int(state.get("world", self._world))
