@@ -997,7 +997,19 @@ def api_case(rank: int, world: int) -> dict:
     sd = swapped.state_dict()
     other = odd_model(SEED)
     default = fastreduce.ZeroOptimizer(other.parameters(), lr=1e-2)  # optimizer_class defaults to AdamW
+    # Each group's params a generator (read once; the device probe must not take the first)
+    gm = odd_model(SEED)
+    owners = [m for m in gm.modules() if any(True for _ in m.parameters(recurse=False))]
+    generated = fastreduce.ZeroOptimizer([{"params": m.parameters(recurse=False)} for m in owners],
+                                         torch.optim.AdamW, lr=1e-2)
+    before = [p.detach().clone() for p in gm.parameters()]
+    loss_fn(gm, batch_for(gm, rank, 0)).backward()
+    generated.step()
+    generated.wait_params()
     return {
+        "generated_groups": [len(g["params"]) for g in generated.param_groups],
+        "generated_want": [len(list(m.parameters(recurse=False))) for m in owners],
+        "generated_stepped": [not torch.equal(b, p) for b, p in zip(before, gm.parameters())],
         "sd_group_params": [g["params"] for g in sd["param_groups"]],
         "sd_group_lrs": [g["lr"] for g in sd["param_groups"]],
         "sd_shapes": {i: tuple(st["exp_avg"].shape) for i, st in sd["state"].items()},
@@ -1407,6 +1419,8 @@ def test_api_surface(misc) -> None:
         assert {"lr", "betas", "eps", "weight_decay", "params"} <= set(out["default_group_keys"])
         assert out["default_weight_decay"] == 0.01  # AdamW's own default
         assert out["default_same_params"]
+        assert out["generated_groups"] == out["generated_want"]  # a group's generator read once, all of it
+        assert all(out["generated_stepped"]), out["generated_stepped"]
         # state_dict(): int index in param_groups order, each group's index list
         assert out["sd_group_params"] == [list(range(5)), [5, 6]]
         assert out["sd_group_lrs"] == [1e-2, 1e-3]

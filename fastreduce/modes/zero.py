@@ -172,7 +172,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
                                "(or torch.distributed.init_process_group) on every rank first")
-        params = list(params)
+        params = [{**g, "params": _listed(g["params"])} if isinstance(g, dict) and "params" in g else g
+                  for g in params]  # (read more than once below: a group's generator too)
         if dist.get_world_size(group) > 1:  # one rank: the plain optimizer, its own kernel
             defaults = fused_if_possible(optimizer_class, params, defaults)
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks defaults
@@ -485,3 +486,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                 for k, v in ours.items():
                     if k != "params":
                         theirs[k] = v
+
+
+def _listed(params: Any) -> Any:
+    """A param group's ``params`` as torch.optim takes them, read once: an iterator or a
+    generator (``model.parameters()``) made a list; a tensor and a set left to torch's checks."""
+    return params if torch.is_tensor(params) or isinstance(params, (set, list, tuple)) else list(params)
