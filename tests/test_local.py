@@ -539,6 +539,19 @@ def case_warn(rank: int, world: int, kind: str, differ: bool) -> dict:
             "constructed": constructed, "after": after}
 
 
+def case_strided(rank: int, world: int) -> dict:
+    """Ranks differing in a frozen parameter that is a column slice of a wider table and a
+    buffer that is every other element of a longer one (neither contiguous): after
+    LocalSGD's construction each holds rank 0's values, as DDP's construction gives."""
+    model = odd_model(SEED)
+    table = torch.arange(32.0).view(4, 8) * (rank + 1)
+    model.frozen = nn.Parameter(table[:, :4], requires_grad=False)
+    model.register_buffer("strided", (torch.arange(16.0) * (rank + 1))[::2])
+    mode = fastreduce.LocalSGD(model, inner_opt(model, "sgd"), 4)
+    mode.remove()
+    return {"frozen": model.frozen.detach().clone(), "strided": model.strided.clone()}
+
+
 # ------------------------------------------------------------------ errors
 
 def snapshot(model: nn.Module) -> list[tuple]:
@@ -737,6 +750,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         for kind in ("local", "diloco"):
             for differ in (True, False):
                 res[f"warn/{kind}-{'differ' if differ else 'same'}"] = guarded(case_warn, rank, world, kind, differ)
+        res["strided"] = guarded(case_strided, rank, world)
     for name, spec in ERRORS.items():
         if spec[0] == world:
             res["error/" + name] = guarded(case_error, rank, world, name)
@@ -1103,6 +1117,12 @@ def test_differing_ranks_get_rank0_params_and_a_warning(worlds, kind) -> None:
         assert identical([o["constructed"], rank0]), f"rank {rank}: params after construction are not rank 0's"
         if kind == "diloco":   # inner lr 0: nothing moves if the anchor is rank 0's params too
             assert identical([o["after"], rank0]), f"rank {rank}: the anchor is not rank 0's params"
+
+
+def test_strided_frozen_params_and_buffers_get_rank0_values(worlds) -> None:
+    want = {"frozen": torch.arange(32.0).view(4, 8)[:, :4], "strided": torch.arange(16.0)[::2]}
+    for rank, o in enumerate(per_rank(worlds(2), "strided")):  # (rank 1 got rank 0's memory as it lay, before)
+        assert identical([o, want]), f"rank {rank}: {o} against rank 0's {want}"
 
 
 @pytest.mark.parametrize("kind", ["local", "diloco"])

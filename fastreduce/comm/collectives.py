@@ -456,16 +456,20 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup |
     rank0 = dist.get_rank(group) == 0
     differed = False
     for t in tensors:
-        pieces = t.view(-1).split(_BROADCAST_CHUNK) if t.is_contiguous() else (t,)
-        for piece in pieces:
+        whole = t.contiguous()  # (a strided view goes as a dense copy: Gloo sends the memory as it lies)
+        changed = False
+        for piece in whole.view(-1).split(_BROADCAST_CHUNK):
             if rank0:
                 dist.broadcast(piece, src=src, group=group)
                 continue
             got = torch.empty_like(piece)
             dist.broadcast(got, src=src, group=group)
             if not torch.equal(got, piece):
-                differed = True
+                changed = True
                 piece.copy_(got)
+        if changed and whole is not t:
+            t.copy_(whole)
+        differed = differed or changed
     device = tensors[0].device if tensors else torch.device("cpu")
     flag = torch.tensor([float(differed)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
