@@ -6,6 +6,8 @@ each own their own bookkeeping and change this one object.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,10 +51,11 @@ class MembershipSettings:
     a loss; it waits registered until then, without a limit."""
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or not 1 <= self.min_ranks:
-            raise ValueError(f"world_size and min_ranks must be >= 1, got {self.world_size} and {self.min_ranks}")
-        if not self.poll_s >= 0:
-            raise ValueError(f"poll_s must be >= 0 seconds (0: a poll at every step), got {self.poll_s}")
+        if self.world_size < 1 or not 1 <= self.min_ranks <= self.world_size:
+            raise ValueError(f"world_size and min_ranks must be >= 1, min_ranks at most world_size (the job starts "
+                             f"with world_size members), got {self.world_size} and {self.min_ranks}")
+        if not 0 <= self.poll_s < math.inf:
+            raise ValueError(f"poll_s must be a finite number of seconds >= 0 (0: a poll at every step), got {self.poll_s}")
         if self.evict_slower_than is not None and not (self.evict_slower_than > 1 and self.evict_for_s > 0):
             raise ValueError(f"evict_slower_than must be > 1 (times the median member's work) and evict_for_s > 0 "
                              f"seconds, got {self.evict_slower_than} and {self.evict_for_s}")

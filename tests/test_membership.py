@@ -858,6 +858,10 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     server = serve(0, "127.0.0.1")
     with pytest.raises(ValueError, match="world_size and min_ranks must be >= 1"):
         Membership(f"127.0.0.1:{server.port}", world_size=0)
+    with pytest.raises(ValueError, match="min_ranks at most world_size"):  # (epoch 0 would form below it)
+        Membership(f"127.0.0.1:{server.port}", world_size=2, min_ranks=3)
+    with pytest.raises(ValueError, match="poll_s must be a finite number"):  # (an OverflowError at the 2nd poll)
+        Membership(f"127.0.0.1:{server.port}", world_size=2, poll_s=float("inf"))
     with pytest.raises(ValueError, match="coordinator must be 'host:port'"):
         Membership("nohostport", world_size=2)
     for name in ("node 1", "node,1", ""):  # (a leaver's name in a vote's decision: "leave 7 a,b")
