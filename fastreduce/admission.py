@@ -124,8 +124,8 @@ class Admission:
         mine = self.fingerprint()
         checked = [(t, self._ticket(t)) for t in (*spares, *range(first, last + 1))
                    if not answered or not self.link.call(self.link.store.check, [_admit(t)])]
-        refusals = {t: self.differs(j["print"], mine) or _starts_elsewhere(j.get("start", 0), start)
-                    for t, j in checked}
+        refusals = {t: self.differs(j["print"], mine) or  # (a spare joins later: its own start_step is not asked)
+                    (None if j.get("spare") else _starts_elsewhere(j.get("start", 0), start)) for t, j in checked}
         ok = [(t, j) for t, j in checked if refusals[t] is None]
         return (tuple(j["member"] for t, j in ok if not j.get("spare")),
                 sorted((t, j["member"]) for t, j in ok if j.get("spare")), refusals)

@@ -66,9 +66,9 @@ class StepCommits:
                 me.mode.reduce()
         except RuntimeError as err:
             return self._lost_step(self.votes.aborted_by(err), start)
-        me.step += 1
         if kind != "gossip":
-            step()
+            step()  # (one that raises counts no step: m.step stays the optimizer's count)
+        me.step += 1
         self._save()
         self._poll(s, start)
         return True
