@@ -68,6 +68,9 @@ class FusedBuffer:
             raise ValueError(f"wire storage must be {numel} x {wire_dtype} on {device}, got "
                              f"{tuple(wire.shape)} x {wire.dtype} on {wire.device}")
         self.wire = wire
+        self._spans = [(start, slot.offset, slot.numel) for start, seg in zip(
+            [sum(s.numel for s in layout.segments[:k]) for k in range(len(layout.segments))], layout.segments)
+            for slot in seg.slots]  # (segment start, offset, numel): where gradients land (gaps())
         self.flats: list[torch.Tensor] = []  # per segment: the grads' storage
         self.wires: list[torch.Tensor] = []  # per segment: its slice of the wire buffer
         self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat, wire) pairs that differ
@@ -104,6 +107,19 @@ class FusedBuffer:
         """Elements of the wire buffer: the layout, padded with a zero tail so that it
         splits into ``pad_multiple`` equal chunks."""
         return -(-layout.numel // pad_multiple) * pad_multiple
+
+    def gaps(self, part: torch.Tensor) -> torch.Tensor | None:
+        """The elements of ``part`` (a slice of the wire) no gradient lands in (alignment and
+        the padding tail), as indices into it; ``None`` where there are none. A block codec
+        spreads an inf or NaN over its whole block, gaps included: a quantized wire zeroes
+        them before each encoding (:class:`~fastreduce.comm.quantized.QuantMean`), or one
+        non-finite step would leave them NaN, and every later step's mean with them."""
+        data = torch.zeros(self.wire.numel(), dtype=torch.bool)
+        for start, offset, numel in self._spans:
+            data[start + offset:start + offset + numel] = True
+        at = part.storage_offset() - self.wire.storage_offset()
+        gaps = (~data[at:at + part.numel()]).nonzero().flatten()
+        return gaps.to(part.device) if gaps.numel() else None
 
     @property
     def nbytes(self) -> int:
@@ -156,13 +172,21 @@ def cast_in(wire: torch.Tensor, flat: torch.Tensor, residual: torch.Tensor | Non
     """``wire`` := ``flat`` cast to the wire's dtype. With a ``residual`` (error feedback,
     1-bit-Adam style): ``wire`` := cast(``flat`` + residual), and residual := what that
     cast rounded away, so a rank's rounding errors cancel over steps instead of adding
-    up. Three in-place ops on persistent buffers (graph-safe), never an allocation."""
+    up. An inf or NaN (an fp16 overflow a GradScaler skips) leaves 0 in the residual, not
+    a NaN that would poison every later step. In-place ops on persistent buffers
+    (graph-safe), never an allocation."""
     if residual is None:
         wire.copy_(flat)
         return
     residual.add_(flat)
     wire.copy_(residual)
-    residual.sub_(wire)
+    finite_residual(residual.sub_(wire))
+
+
+def finite_residual(residual: torch.Tensor) -> torch.Tensor:
+    """An error-feedback residual after its update, with 0 where a non-finite value went
+    through (inf - inf is NaN, kept it would be sent at every later step), in place."""
+    return residual.nan_to_num_(0.0, 0.0, 0.0)
 
 
 def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> list[torch.Tensor]:

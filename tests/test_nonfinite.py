@@ -520,8 +520,52 @@ def stateful_case(rank: int, world: int, name: str, mode: str, overlap: bool) ->
     return out
 
 
+# Under the default nonfinite="ignore" a GradScaler decides: one rank's overflow makes every
+# rank skip that step, as under DDP, and only that step. A block codec spreads the inf over
+# its block, the wire's padding and alignment gaps too; kept there (or in an error-feedback
+# residual as inf - inf), it made every later mean NaN: the scaler skipped every step after.
+SCALER_WIRES = {"bf16-ef": {"wire_dtype": torch.bfloat16, "error_feedback": True},
+                "int8": {"wire_dtype": "int8"}, "int8-ef": {"wire_dtype": "int8", "error_feedback": True},
+                "fp8": {"wire_dtype": torch.float8_e4m3fn}}
+SCALER_CASES = [(n, o, t) for n in SCALER_WIRES for o in (False, True) for t in ("shm", "process_group")]
+
+
+def scaler_skips(rank: int, model: nn.Module, reduce: Callable[[], Any], forward: nn.Module | None = None) -> list[bool]:
+    """Which steps a GradScaler (SGD) skipped, rank 1's gradient overflowing at BAD_STEP
+    (``forward``: what runs the model, DDP's wrapper)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    skipped = []
+    for step in range(STEPS):
+        handle = model.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), math.inf)) \
+            if rank == 1 and step == BAD_STEP else None  # (in the block the wire's padding is in)
+        scaler.scale((forward or model)(_x(rank, step)).pow(2).mean()).backward()
+        if handle is not None:
+            handle.remove()
+        reduce()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(scaler.get_scale() < before)
+    return skipped
+
+
+def scaler_case(rank: int, world: int, name: str, overlap: bool, transport: str, ref_group: Any) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    reducer = fastreduce.FusedReducer(model, **SCALER_WIRES[name], overlap=overlap, transport=transport,
+                                      bucket_mb=0.0002 if overlap else None)
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=ref_group)
+    return {"skipped": scaler_skips(rank, model, reducer.reduce), "ddp": scaler_skips(rank, ref, lambda: None, ddp)}
+
+
 def stateful_worker(rank: int, world: int) -> dict:
-    return {c: guarded(stateful_case, rank, world, *c) for c in STATE_CASES}
+    ref_group = dist.new_group(backend="gloo")
+    out = {c: guarded(stateful_case, rank, world, *c) for c in STATE_CASES}
+    out.update({("scaler", *c): guarded(scaler_case, rank, world, *c, ref_group) for c in SCALER_CASES})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -541,6 +585,15 @@ def test_a_skipped_step_leaves_the_state_as_before_it(stateful_results, name: st
         else:
             assert out["verdicts"] == [s != BAD_STEP for s in range(STEPS)], (rank, out)
         assert out["same"] == [True] * (STEPS - 1), (rank, out)  # as a run that never saw the step
+
+
+@pytest.mark.parametrize("name,overlap,transport", SCALER_CASES,
+                         ids=[f"{n}-{'overlap' if o else 'fused'}-{t}" for n, o, t in SCALER_CASES])
+def test_a_grad_scaler_skips_the_overflow_step_and_only_it_as_under_ddp(stateful_results, name: str, overlap: bool,
+                                                                        transport: str) -> None:
+    for rank, out in enumerate(per_rank(stateful_results, ("scaler", name, overlap, transport))):
+        assert out["ddp"] == [s == BAD_STEP for s in range(STEPS)], (rank, out)  # (the reference's)
+        assert out["skipped"] == out["ddp"], (rank, out)
 
 
 

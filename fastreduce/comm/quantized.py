@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..buffer import finite_residual
 from ..codecs.quant import BlockQuant
 from ..faults import wait_watched
 from ..profiling import span
@@ -71,7 +72,7 @@ class _Piece:
             q.codec.encode(q.rows[:, a:b], out=self.send)
             if q.residual is not None:
                 q.codec.decode(self.send, out=self.decoded)
-                q.residual.view(q.world, q.m)[:, a:b].sub_(self.decoded)
+                finite_residual(q.residual.view(q.world, q.m)[:, a:b].sub_(self.decoded))
         with span("fastreduce::all_reduce"):
             self.first = q.comm.exchange(self.send, self.recv)
 
@@ -95,7 +96,7 @@ class _Piece:
             row = self.gathered.view(q.world, self.row_bytes)[q.rank]
             q.codec.encode(mean, out=row)
             if res is not None:
-                res.sub_(q.codec.decode(row, out=self.own))
+                finite_residual(res.sub_(q.codec.decode(row, out=self.own)))
         with span("fastreduce::all_gather"):
             self.second, _ = q.comm.all_gather(self.gathered)
 
@@ -124,12 +125,14 @@ class QuantMean:
     """Nothing is divided before the exchange (the owner divides the fp32 sum)."""
 
     def __init__(self, comm: Comm, buf: torch.Tensor, codec: BlockQuant, error_feedback: bool = False,
-                 piece_bytes: int | None = None, out: torch.Tensor | None = None):
+                 piece_bytes: int | None = None, out: torch.Tensor | None = None,
+                 gaps: torch.Tensor | None = None):
         world = comm.world
         if buf.dtype != torch.float32 or buf.dim() != 1 or buf.numel() % (world * codec.block):
             raise ValueError(f"a quantized mean needs a flat fp32 buffer of a multiple of {world} x "
                              f"{codec.block} elements; got {tuple(buf.shape)} x {buf.dtype}")
         self.comm, self.buf, self.codec, self.world, self.rank = comm, buf, codec, world, comm.rank
+        self.gaps = gaps  # the elements no gradient lands in, zeroed at each start (FusedBuffer.gaps)
         self.m = buf.numel() // world
         self.rows = buf.view(world, self.m)
         self.row_bytes = codec.row_bytes(self.m)
@@ -172,6 +175,8 @@ class QuantMean:
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
+        if self.gaps is not None:  # (a non-finite block of the last mean spread into them)
+            self.buf.index_fill_(0, self.gaps, 0.0)
         if self.residual is not None:
             self.buf.add_(self.residual)
             self.residual.copy_(self.buf)
@@ -179,7 +184,7 @@ class QuantMean:
             with span("fastreduce::quantize"):
                 self.codec.decode(self.codec.encode(self.rows), out=self.rows)  # the round trip, in place
                 if self.residual is not None:
-                    self.residual.sub_(self.buf)
+                    finite_residual(self.residual.sub_(self.buf))
             with span("fastreduce::all_reduce"):
                 work, then = self.comm.reduce_scatter(self.buf, out=self.mean)
             if hold:
@@ -227,7 +232,7 @@ class QuantMean:
             self.mean_residual.copy_(self.mean)
         self.codec.decode(self.codec.encode(self.mean), out=mine)
         if self.mean_residual is not None:
-            self.mean_residual.sub_(mine)
+            finite_residual(self.mean_residual.sub_(mine))
         work, _ = self.comm.all_gather(self.buf)
         wait_watched(work)
         if unpack is not None:

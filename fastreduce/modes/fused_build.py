@@ -98,9 +98,9 @@ class FusedBuild:
             raise RuntimeError(missing_message(layout, [i for i, ok in enumerate(present) if not ok]))
         pad = self.world_size * quant.block if quant else self.world_size if cfg.accumulate_dtype is not None else 1
         wire = comm.buffer(FusedBuffer.wire_numel(layout, pad), wire_dtype)
-        plan = QuantMean(comm, wire, quant, cfg.error_feedback) if quant and not cfg.overlap else \
-            comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         buffer = FusedBuffer(layout, wire_dtype, device, pad, wire, cfg.error_feedback and not quant)
+        plan = QuantMean(comm, wire, quant, cfg.error_feedback, gaps=buffer.gaps(wire)) \
+            if quant and not cfg.overlap else comm.plan(wire_dtype, cfg.accumulate_dtype, wire)
         backend = select_backend(cfg.backend, device, cfg.use_graphs)
         sizing = self._sizer and self._sizer.build(bool(comm.shms), buffer.nbytes, backward_s, self.group, device)
         self.stats.sizing = sizing  # (overlap mode only: None in fused mode)

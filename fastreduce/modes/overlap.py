@@ -66,14 +66,14 @@ def all_reduce_launcher(comm: Comm, plan: MeanPlan, buckets: list[Bucket]) -> La
     return launch
 
 
-def quant_launcher(comm: Comm, codec: BlockQuant, error_feedback: bool, buckets: list[Bucket]
-                   ) -> tuple[Launch, QuantMeans]:
+def quant_launcher(comm: Comm, codec: BlockQuant, error_feedback: bool, buckets: list[Bucket],
+                   buffer: FusedBuffer) -> tuple[Launch, QuantMeans]:
     """Each bucket's launch through a quantized wire (a :class:`QuantMean` per bucket,
     every bucket an fp32 segment of whole blocks per rank): its pack, encoding and
     exchange; then the previous bucket's sum and all-gather (its ``advance``), so that
     one bucket's sum runs while the next one's exchange is on the wire, in launch order
     on every rank. ``reduce()`` decodes each bucket and launches the last one's gather."""
-    means = QuantMeans([QuantMean(comm, b.wire, codec, error_feedback) for b in buckets])
+    means = QuantMeans([QuantMean(comm, b.wire, codec, error_feedback, gaps=buffer.gaps(b.wire)) for b in buckets])
     packs = [None if b.flat is b.wire else b.pack for b in buckets]
     unpacks = [None if b.flat is b.wire else b.unpack for b in buckets]
 
@@ -103,7 +103,7 @@ def overlap_schedule(layout: GradLayout, buffer: FusedBuffer, comm: Comm, plan: 
     size = 2**62 if per_segment else int((bucket_mb or default_bucket_mb(pg_backend)) * 2**20)
     buckets = make_buckets(layout, buffer, size, first and int(first * 2**20))
     if isinstance(plan, BlockQuant):
-        launch, means = quant_launcher(comm, plan, error_feedback, buckets)
+        launch, means = quant_launcher(comm, plan, error_feedback, buckets, buffer)
     else:
         launch, means = all_reduce_launcher(comm, plan, buckets), None
 
