@@ -65,7 +65,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 
 class Samples(torch.utils.data.Dataset):
-    """``SAMPLES`` seeded (x, y) pairs, y = sin(sum x)."""
+    """``SAMPLES`` seeded (x, y) pairs, y = sin(sum x), each with its index (what a member
+    trained: :class:`Draws`)."""
 
     def __init__(self, as_dict: bool):
         g = torch.Generator().manual_seed(7)
@@ -77,7 +78,7 @@ class Samples(torch.utils.data.Dataset):
         return SAMPLES
 
     def __getitem__(self, i: int) -> Any:
-        return {"x": self.x[i], "y": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+        return {"x": self.x[i], "y": self.y[i], "i": i} if self.as_dict else (self.x[i], self.y[i], i)
 
 
 def net() -> nn.Module:
@@ -144,6 +145,30 @@ def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
         module.register_forward_pre_hook(torch.compiler.disable(lambda *_: die() if step() == kill else None))
 
 
+class Draws:
+    """What a member trained at each step it stepped, a discarded one too (``attempts``): the
+    step, the data position, world and rank it drew its samples at, and those samples in the
+    order drawn. A discarded step's samples are drawn again at the same step; a committed
+    step's are never drawn again in that data epoch (tests/test_trainers_membership.py).
+    ``glue()``: the trainer's ``TrainerMembership``."""
+
+    def __init__(self, glue: Any) -> None:
+        self.glue, self.attempts, self.drawn, self.at = glue, [], [], (0, 0, 0, 0)
+        self.trained = torch.compiler.disable(self._trained)  # (left out of a compiled step, as _die_at)
+
+    def _trained(self, samples: torch.Tensor) -> None:
+        """A micro-batch's forward."""
+        if not self.drawn:
+            glue = self.glue()
+            self.at = (glue.m.step + 1, glue.sampler.position, glue.m.world, glue.m.rank)
+        self.drawn += samples.tolist()
+
+    def stepped(self) -> None:
+        """The trainer's optimizer step (before its commit)."""
+        self.attempts.append((*self.at, self.drawn))
+        self.drawn = []
+
+
 # ====================================================================== Hugging Face
 
 
@@ -152,7 +177,7 @@ class Regressor(nn.Module):
         super().__init__()
         self.net = net()
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, i: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {"loss": nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
 
 
@@ -184,10 +209,14 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
                              report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
                              **({"torch_compile": True, "torch_compile_backend": compiled} if compiled else {}))
     lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
+    draws = Draws(lambda: trainer.fastreduce_membership)
+    model.register_forward_pre_hook(torch.compiler.disable(lambda module, _, kw: draws.trained(kw["i"])
+                                                           if module.training else None), with_kwargs=True)
 
     class Record(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             lrs.append((trainer.fastreduce_membership.m.step + 1, opt.param_groups[0]["lr"]))  # the step's lr
+            draws.stepped()
             _pause(trainer.fastreduce_membership.m, world, out)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -204,7 +233,8 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
     logs = [e for e in trainer.state.log_history if "loss" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
     return {"global_step": trainer.state.global_step, "lrs": lrs, "logs": logs, "evals": evals,
-            "joined_at": glue.joined_at, "graphs": graphs(),
+            "joined_at": glue.joined_at, "graphs": graphs(), "draws": draws.attempts,
+            "position": glue.sampler.position, "seed": glue.sampler.seed,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
             "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
@@ -222,6 +252,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
     from fastreduce.integrations.lightning import FastReduceStrategy
 
     lrs: list[tuple[int, float]] = []  # (step, its lr), discarded ones too
+    draws = Draws(lambda: strategy.membership)
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -232,7 +263,8 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
             return self.net(x)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
+            x, y, i = batch
+            draws.trained(i)
             return nn.functional.mse_loss(self(x).squeeze(-1), y)  # (through forward: what a compiled module compiles)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -241,7 +273,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
             self.log("loss", outputs["loss"])
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:  # each member's own, on every sample
-            x, y = batch
+            x, y, _ = batch
             self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
         def configure_optimizers(self) -> Any:
@@ -250,6 +282,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             lrs.append((self.trainer.strategy.membership.m.step + 1, optimizer.param_groups[0]["lr"]))
+            draws.stepped()
             _pause(self.trainer.strategy.membership.m, world, out)
 
         def on_train_start(self) -> None:  # (the strategy's, which joins, comes next: Lightning's fit loop)
@@ -269,9 +302,9 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | Non
                 torch.utils.data.DataLoader(Samples(as_dict=False), batch_size=16))
     glue = strategy.membership
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
-    return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged,
-            "joined_at": glue.joined_at, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
-            "graphs": graphs(),
+    return {"global_step": trainer.global_step, "lrs": lrs, "logged": logged, "draws": draws.attempts,
+            "position": glue.sampler.position, "seed": glue.sampler.seed, "joined_at": glue.joined_at,
+            "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]), "graphs": graphs(),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
             "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
 

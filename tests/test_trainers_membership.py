@@ -14,10 +14,12 @@ committed steps), every final member's parameters are equal bit for bit (fused m
 every step; LocalSGD / DiLoCo: after the last step's sync), the lr of every step each
 member trained (a discarded one too) is the failure-free schedule's at that step, the
 replacement joined mid-run and the survivors counted the loss, the join and the step
-discarded (none in the local modes: the sync is redone), and the logs went on (the HF
-Trainer's every ``logging_steps``, Lightning's logged metrics with the Membership's figures),
-evaluation too (each member's own, with no collective: every ``eval_steps`` in the HF
-Trainer, Lightning's validation with ``sync_dist=True`` logging).
+discarded (none in the local modes: the sync is redone), no sample trained at two committed
+steps within a data epoch (the data position moved past each committed step's samples, the
+local modes' redone sync's too), and the logs went on (the HF Trainer's every
+``logging_steps``, Lightning's logged metrics with the Membership's figures), evaluation too
+(each member's own, with no collective: every ``eval_steps`` in the HF Trainer, Lightning's
+validation with ``sync_dist=True`` logging).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from keep_training_trainers import EVAL_EVERY, LOG_EVERY, SAVE_EVERY, STEPS, expected_lrs, launch  # noqa: E402
+from keep_training_trainers import (EVAL_EVERY, LOG_EVERY, SAMPLES, SAVE_EVERY, STEPS,  # noqa: E402
+                                    expected_lrs, launch)
 
 SLOW = pytest.mark.slow  # the default stack runs them all; the Gaudi stack one case per trainer
 KILL_AT = 10  # member 2 dies in the forward of the step after the 10th committed one
@@ -52,6 +55,31 @@ def _final(trainer: str, tmp_path: Path, mode: str, compiled: str = "") -> list[
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     assert 2 not in found and set(found) == {0, 1, 3}, sorted(found)  # member 2 died; the others finished
     return [found[i] for i in (0, 1, 3)]
+
+
+def _trained_once(final: list[dict], steps: int = STEPS) -> None:
+    """No sample trained at two committed steps within a data epoch (by one member or two),
+    and every member ends at the same data position: each committed step moved the position
+    past every member's draws, once. A member's committed step is the last it stepped at that
+    count (one discarded before it drew its samples again); its ``j``-th sample came from the
+    stream position ``position + j * world + rank``, which holds that sample (data epoch ``e``:
+    a permutation seeded ``seed + e``; MembershipSampler)."""
+    perms: dict[int, torch.Tensor] = {}
+    seen: dict[tuple[int, int], tuple[int, int]] = {}
+    for f in final:
+        committed = {step: drew for step, *drew in f["draws"]}  # the last attempt at each step
+        assert sorted(committed) == list(range(f["joined_at"] + 1, steps + 1)), (f["index"], sorted(committed))
+        for step, (position, world, rank, samples) in committed.items():
+            for j, sample in enumerate(samples):
+                epoch, at = divmod(position + j * world + rank, SAMPLES)
+                if epoch not in perms:
+                    perms[epoch] = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(f["seed"] + epoch))
+                assert sample == perms[epoch][at], (f["index"], step, position, world, rank, j, sample)
+                assert (epoch, sample) not in seen, \
+                    f"sample {sample} trained twice in data epoch {epoch}: (member, step) {seen[epoch, sample]} " \
+                    f"and {(f['index'], step)}"
+                seen[epoch, sample] = (f["index"], step)
+    assert len({f["position"] for f in final}) == 1, [(f["index"], f["position"]) for f in final]
 
 
 @pytest.mark.timeout(200)
@@ -92,6 +120,7 @@ def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: st
     assert joiner["counters"]["stalls"][0][0] == "joined", joiner["counters"]
     for f in final[1:]:  # bit for bit (the local modes: after the last step's sync)
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+    _trained_once(final)  # (the local modes: the sync redone over the survivors moved the data position too)
     for f in final:  # the logs went on
         if trainer == "hf":
             steps = [e["step"] for e in f["logs"]]
