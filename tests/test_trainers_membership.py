@@ -144,6 +144,32 @@ def test_a_trainer_goes_on_through_a_loss_and_a_join(tmp_path: Path, trainer: st
             assert logged["fastreduce/joins"] == (0 if f is joiner else 1), logged
 
 
+@pytest.mark.timeout(120)
+def test_a_zero_member_whose_meeting_failed_moves_its_data_position_with_the_others(tmp_path: Path) -> None:
+    """ZeRO under a trainer's Membership, 3 members (a loop driving ``TrainerMembership`` as the
+    HF Trainer does, tests/trainer_loop.py: 15-19 s on 2 cores, the HF Trainer's own 45 s):
+    member 1's meeting at step 5 (``all_arrived``) completes on every member, then fails on
+    member 1 alone (a link that flapped: ``keep_training.flapping``).
+    The others step their shards; member 1 steps the gradients it holds as the next epoch
+    forms, after the trainer's step ended at the failure: the step stands on member 1 too, and
+    its data position moves past that step's samples as the others' does (none trained twice
+    in the data epoch, every member at the same position), the parameters equal."""
+    from trainer_loop import launch as loop
+
+    steps = 8  # 12 samples a step: one data epoch
+    found = loop(tmp_path, "zero", steps, flap_at=4)  # (after 4 committed steps)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    final = [found[i] for i in (0, 1, 2)]
+    for f in final:
+        c = f["counters"]
+        assert f["global_step"] == steps and f["world"] == 3 and c["losses"] == 1 and c["joins"] == 0, (f["index"], c)
+    assert final[1]["counters"]["discarded_steps"] == 0, final[1]["counters"]  # healed forward: its step stood
+    _trained_once(final, steps)
+    for f in final[1:]:
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+
+
 @pytest.mark.timeout(60)
 def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     """Checked by each process alone, before it joins: modes a Membership cannot run, a
