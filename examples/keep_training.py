@@ -126,6 +126,10 @@ def flapping(mode: Any, m: Any, kill: tuple[str, int] | None, name: str) -> Any:
     return mode
 
 
+def _user_error() -> None:
+    raise ValueError("fastreduce demo: the optimizer's step failed (injected by examples/keep_training.py)")
+
+
 def _flap() -> None:
     from fastreduce.faults import TransportError
 
@@ -147,7 +151,8 @@ reaching the point where it is killed and the next one released."""
 def member(index: int, port: int | str, out: str, transport: str, kill: tuple[str, int] | None, go: Any,
            width: int = 16, steps: int = STEPS, world: int = 3, verbose: bool = False, mode: str = "fused",
            compiled: str = "", released: Any = None, device: str = "cpu", checkpoints: str = "",
-           accelerate: bool = False, poll_s: float = 0.2, spare: bool = False, redundant: bool | int = True) -> None:
+           accelerate: bool = False, poll_s: float = 0.2, spare: bool = False, redundant: bool | int = True,
+           start_step: int = 0) -> None:
     """One process of the job: join, train to ``steps`` committed steps, save what it saw
     to ``out/member<index>.pt`` (``kill``: ``(where, step)`` to die at, ``where`` one of
     ``mid-step``, ``between``, ``in-backward`` (as the first layer's gradient is computed,
@@ -164,7 +169,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``healing`` (as its healing begins, the member sending it the state), ``first-step``
     (after its first backward, before its first commit),
     ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
-    (not killed: that step takes 3 s more);
+    (not killed: that step takes 3 s more), ``step-raises`` (not killed: the optimizer's step raises
+    ``ValueError`` in that step's commit, given to every member: a user's error; the member takes the
+    step again, its batch the same);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: a
     ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``), the forward through
@@ -177,7 +184,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     no DDP, the backward through it, the optimizer it wraps stepped in the commit); ``poll_s``: the
     Membership's (how often the members vote; on etcd, whose every request is a quorum's write or read,
     about a second); ``spare``: a warm spare (admitted where a member is missing, at once at a loss);
-    ``redundant``: ZeRO's copies of each shard."""
+    ``redundant``: ZeRO's copies of each shard; ``start_step``: a first member's ``join(start_step=)`` (a job
+    resumed at that step, with no checkpoint read: the model as made here)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT=transport)
     import fastreduce
     from fastreduce.membership import Membership, MembershipError
@@ -221,7 +229,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt},
-               lambda: flapping(build(mode, wrapped, opt, redundant), m, kill, mode))
+               lambda: flapping(build(mode, wrapped, opt, redundant), m, kill, mode), start_step=start_step)
         if kill is not None and kill[0] == "in-heal":  # the first member to send a joiner the state dies doing it
             die_as_source(Path(out) / "source-died", m)
         if kill is not None and kill[0] == "after-vote":  # ZeRO: the members met, its shard not stepped
@@ -265,8 +273,16 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             else:
                 forward_backward(net)
                 dies = kill == ("after-reduce", m.step)  # its reduction succeeded everywhere
+                raises, before = kill == ("step-raises", m.step) and "raised" not in facts, m.step  # (once)
                 stepper = m.mode if mode == "zero" else stepped
-                ok = m.commit(lambda: die() if dies else stepper.step())  # the reduction (or the sync), the step
+                try:  # the reduction (or the sync), the step
+                    ok = m.commit(lambda: die() if dies else _user_error() if raises else stepper.step())
+                except ValueError:
+                    if not raises:
+                        raise
+                    facts["raised"] = (before, m.step)  # the step counted by the commit that raised (none)
+                    stepper.zero_grad()
+                    continue
             (m.mode if mode == "zero" else stepped).zero_grad()
             if m.epoch.number != epoch or not ok:
                 why, stall = m.counters.stalls[-1] if m.counters.stalls else ("", 0.0)
@@ -309,12 +325,14 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
            joiner_width: int = 16, steps: int = STEPS, verbose: bool = False, mode: str = "fused",
            release_after: list[int] | None = None, compiled: str = "", members: int = 3,
            device: str = "cpu", checkpoints: str = "", accelerate: bool = False,
-           spares: bool = False, redundant: bool | int = True) -> dict[int, dict]:
+           spares: bool = False, redundant: bool | int = True, start_step: int = 0) -> dict[int, dict]:
     """A coordinator, ``members`` members (``kills``: index -> (where, step); the replacements
     are numbered after them) and ``joiners`` replacements, each told to join once the next
     dying member's process is gone (of ``release_after``, default: the killed ones in order;
-    -1: at once, an extra member, or with ``spares`` a warm spare); ``checkpoints``, ``accelerate``,
-    ``redundant``: see :func:`member`; returns what each member saved."""
+    -1: at once, an extra member, or with ``spares`` a warm spare, which then holds its ticket before
+    the members start: it is among the tickets that found epoch 0); ``checkpoints``, ``accelerate``,
+    ``redundant``, ``start_step`` (the first members'): see :func:`member`; returns what each member saved."""
+    from fastreduce.coordinator import MEMBERS_PREFIX
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -326,16 +344,27 @@ def launch(out: Path, transport: str, kills: dict[int, tuple[str, int]], joiners
                 "released": released, "device": device, "checkpoints": checkpoints, "accelerate": accelerate,
                 "redundant": redundant}
     procs = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), None),
-                            kwargs=settings) for i in range(members)}
+                            kwargs={**settings, "start_step": start_step}) for i in range(members)}
     gos = [ctx.Event() for _ in range(joiners)]
     late = {i: ctx.Process(target=member, args=(i, server.port, str(out), transport, kills.get(i), gos[i - members]),
                            kwargs={**settings, "width": joiner_width, "spare": spares})
             for i in range(members, members + joiners)}
     everyone = [*late.values(), *procs.values()]
-    for p in everyone:
-        p.start()
+    order = (sorted(kills) if release_after is None else release_after)[:joiners]
+    early = [k for k, i in enumerate(order) if i < 0 and spares]  # warm spares started with the job
     try:
-        for k, i in enumerate((sorted(kills) if release_after is None else release_after)[:joiners]):
+        for p in late.values():
+            p.start()
+        for k in early:
+            gos[k].set()
+        for _ in range(600):  # their tickets taken before the members start (up to 10 s each: see below)
+            if server.add(MEMBERS_PREFIX + "tickets", 0) >= len(early) or \
+                    not all(late[members + k].is_alive() for k in early):
+                break
+            time.sleep(0.1)
+        for p in procs.values():
+            p.start()
+        for k, i in enumerate(order):
             if i >= 0:  # (-1: an extra process, told to join at once)
                 {**procs, **late}[i].join(120)
             gos[k].set()

@@ -311,14 +311,22 @@ def test_a_mode_under_a_membership_equals_it_in_a_hand_written_loop(tmp_path: Pa
     style), their model compiled (``torch.compile(model, backend="aot_eager")``; gossip's
     wrapping the compiled model), end where the same mode in a hand-written loop on a plain
     group of 3 with the eager model ends, on the same batches (1e-6; DiLoCo streaming: each
-    fragment's all-reduce over the next step)."""
+    fragment's all-reduce over the next step). The fused mode's commit of step 10 raises on
+    every member (its optimizer step: a ValueError, the user's): it counts no step (``m.step``
+    stays 10, the optimizer's count), and each member takes step 10 again: the job still ends
+    where the hand-written loop does, every step committed once, AdamW's count 40."""
     from fastreduce.launch import run_ranks
 
-    found = run(tmp_path, "process_group", {}, joiners=0, mode=mode, compiled="aot_eager")
+    raises = {i: ("step-raises", 10) for i in range(3)} if mode == "fused" else {}
+    found = run(tmp_path, "process_group", raises, joiners=0, mode=mode, compiled="aot_eager")
     final = [found[i] for i in sorted(found)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["counters"]["losses"] == 0
         assert f["graphs"] > 0, f["graphs"]  # (compiled, graphs captured)
+        if raises:  # m.step before and after the commit that raised; then every step committed once
+            assert f.get("raised") == (10, 10), f"the commit that raised moved m.step: {f.get('raised')}"
+            assert [s for s, ok, _, _ in f["steps"] if ok] == list(range(1, STEPS + 1))
+            assert f["adam_step"] == [float(STEPS)] * len(f["adam_step"]), f["adam_step"]
     want = run_ranks(_by_hand, 3, "process_group", mode, timeout=120)[0]  # (every rank's the same at the end)
     for f in final:
         assert torch.allclose(f["params"], want, rtol=0, atol=1e-6), (mode, float((f["params"] - want).abs().max()))
@@ -673,20 +681,25 @@ def test_a_joiner_with_another_layout_is_refused_and_the_members_train_on(tmp_pa
     _same(final)
 
 
-@pytest.mark.parametrize("mode", ["fused", pytest.param("zero", marks=SLOW)])
+@pytest.mark.parametrize("mode, start", [("fused", 5), pytest.param("zero", 0, marks=SLOW)])
 def test_a_warm_spare_waits_while_the_job_is_whole_and_takes_a_lost_members_place_at_once(tmp_path: Path,
-                                                                                         mode: str) -> None:
+                                                                                         mode: str, start: int) -> None:
     """A spare (``spare=True``) started with the job registers and waits: the job trains with
     ``world_size`` members, never one more. Member 2 killed mid-step at step 10: the epoch the
     survivors form at that loss holds the spare, with the state, so the world is back at full
-    size as they enter it (no poll later). Every final member bit-identical."""
-    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, release_after=[-1], spares=True, mode=mode)
+    size as they enter it (no poll later). Every final member bit-identical. The spare's ticket
+    is taken before the first members', so epoch 0's founding sees it; the fused job is one
+    resumed at step 5 (``join(start_step=5)`` on the first members; the spare, a joiner, gives
+    none): the spare is not refused for starting elsewhere."""
+    found = run(tmp_path, "process_group", {2: ("mid-step", 10)}, release_after=[-1], spares=True, mode=mode,
+                start_step=start)
+    assert "refused" not in found[3], found[3]["refused"]
     final = [found[i] for i in (0, 1, 3)]
     assert 2 not in found
     for f in (found[0], found[1]):
         worlds = {(e, w) for _, _, e, w in f["steps"]}
         assert worlds == {(0, 3), (1, 3)}, worlds  # whole, then whole again at the loss's epoch: never 4, never 2
-        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1 and f["steps"][0][0] == start + 1
     spare = found[3]
     assert spare["joined_at"] == 10 and {e for _, _, e, _ in spare["steps"]} == {1}
     for f in final:
