@@ -5,6 +5,7 @@ answered within a bound or :class:`MembershipError` (the job's one documented si
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,11 +85,24 @@ def connect(coordinator: str, timeout_s: float = 30.0, *, connect_timeout_s: flo
     why = reach.wait_for_listener(host.strip("[]"), int(port), waited)
     if why is not None:
         raise MembershipError(_not_reached(coordinator, port, f"{why}; tried for {waited:g} s"))
+    # c10d's client, made on a thread of its own and waited for timeout_s: its handshake with
+    # a listener that never answers (an etcd endpoint given without etcd://, another service)
+    # blocks in C++ for good, past its own timeout. Where it does, the thread is left behind
+    # (nothing can end a C++ call) and ends once c10d gives up or the listener closes; the
+    # caller is closed now, so no shutdown() waits on it, and it holds only the address and
+    # the store it may still make, dropped as its job ends (nothing the process needs).
+    caller = faults.StoreCaller("fastreduce-connect")
     try:
-        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return caller.call(functools.partial(dist.TCPStore, host.strip("[]"), int(port), is_master=False,
+                                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False),
+                           seconds=timeout_s)
+    except faults.TransportError:
+        raise MembershipError(_not_a_coordinator(coordinator, port, f"no answer to a coordinator's handshake within "
+                                                                    f"{timeout_s:g} s")) from None
     except Exception as err:  # noqa: BLE001 - torch raises several kinds
-        raise MembershipError(_not_reached(coordinator, port, str(err))) from err
+        raise MembershipError(_not_a_coordinator(coordinator, port, str(err).splitlines()[0])) from err
+    finally:
+        caller.close()
 
 
 def default_poll_s(coordinator: str | dist.Store | None) -> float:
@@ -102,6 +116,12 @@ def _not_reached(coordinator: str, port: str, why: str) -> str:
     return (f"fastreduce: cannot reach the coordinator at {coordinator} ({why}); start it first: "
             f"`fastreduce coordinator --port {port}` on that host, and pass its address (a slow network: "
             f"${reach.CONNECT_TIMEOUT_ENV}=SECONDS waits longer)")
+
+
+def _not_a_coordinator(coordinator: str, port: str, why: str) -> str:
+    return (f"fastreduce: something listens at {coordinator} but is not a fastreduce coordinator ({why}): an etcd "
+            f"endpoint? give it as etcd://{coordinator}[/job]; else the coordinator's port is another "
+            f"(`fastreduce coordinator --port {port}` serves one there)")
 
 
 def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:

@@ -1,7 +1,7 @@
 """What fastreduce runs in the background, and the one place that stops it.
 
 fastreduce starts a few daemon threads: the heartbeat (:mod:`.faults`), the threads that
-make store requests with a deadline (``fastreduce-store``, ``-waiter``, ``-coordinator``),
+make store requests with a deadline (``fastreduce-store``, ``-waiter``, ``-coordinator``, ``-connect``),
 the shared-memory transport's worker per process group (``fastreduce-shm``) and the
 point-to-point ring's (``fastreduce-ring``). Each is a :class:`Worker` (or, the heartbeat,
 owns one) and is listed here while it runs. :func:`shutdown` stops them all, the last

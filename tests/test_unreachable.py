@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,6 +110,44 @@ def test_a_rank_whose_master_addr_does_not_listen_raises_naming_it_and_rank_0() 
     assert line.startswith("DistNetworkError: fastreduce: rank 1 of 2 cannot reach the job's store at "
                            f"MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} (connection refused"), line
     assert "start the process with RANK=0" in line and "torchrun" in line, line
+
+
+@contextmanager
+def silent_listener() -> Iterator[int]:
+    """A port of 127.0.0.1 where a connection is accepted and never answered (as an etcd
+    endpoint answers c10d's handshake: not at all), while held."""
+    sock, held = socket.socket(socket.AF_INET, socket.SOCK_STREAM), []
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+        for conn in held:
+            conn.close()
+
+
+def test_a_listener_that_is_not_a_coordinator_is_named_within_the_timeout() -> None:
+    """An address where something listens but no c10d store answers (an etcd endpoint given
+    without etcd://): c10d's handshake blocked there for good (``fastreduce status HOST:PORT``
+    and ``Membership(coordinator=...)`` hung); now MembershipError within ``timeout_s``, saying
+    what it likely is, and the process exits."""
+    with silent_listener() as port:
+        seconds, line = _raises_quietly(f"fastreduce.membership.connect('127.0.0.1:{port}', timeout_s=2)",
+                                        "fastreduce.MembershipError")
+    assert seconds < 12, seconds  # (the first use imports torch: seconds on a loaded machine)
+    assert line.startswith(f"MembershipError: fastreduce: something listens at 127.0.0.1:{port} but is not a "
+                           "fastreduce coordinator (no answer to a coordinator's handshake within 2 s)"), line
+    assert f"give it as etcd://127.0.0.1:{port}[/job]" in line, line
 
 
 def test_the_connect_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
