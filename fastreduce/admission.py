@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
+from .coordinator import MEMBERS_PREFIX, TICKETS, CoordinatorLink, Epoch, MembershipError, epoch_key, ticket_key
 from .member import Member
+from .presence import Pulse
+from .reruns import start_clean
 from .version import __version__
 
 __all__ = ["Admission"]
 
-_TICKETS = MEMBERS_PREFIX + "tickets"
 _FOUNDERS = MEMBERS_PREFIX + "founders"  # the tickets that are not a spare's: the world_size-th forms epoch 0
 
 
@@ -37,10 +38,11 @@ def _starts_elsewhere(theirs: int, ours: int | None) -> str | None:
 
 
 class Admission:
-    """The tickets, as one member sees them; it owns the tickets it refused."""
+    """The tickets, as one member sees them; it owns the tickets it refused. ``pulse``: this
+    member's, up from before its ticket is taken."""
 
-    def __init__(self, me: Member, link: CoordinatorLink):
-        self.me, self.link = me, link
+    def __init__(self, me: Member, link: CoordinatorLink, pulse: Pulse):
+        self.me, self.link, self.pulse = me, link, pulse
         self._refused: set[int] = set()
         self._tickets: dict[int, dict[str, Any]] = {}
         self._spares: set[int] = set()  # the spares' tickets found admissible, waiting while the job is whole
@@ -81,10 +83,15 @@ class Admission:
     def take_ticket(self, start: int = 0) -> tuple[int, bool]:
         """This process's ticket, with its layout and the step it would start the job at
         (``start``: a first member's, resumed from a checkpoint); and whether it is the last of
-        the first ``world_size`` members' (the one that lays out epoch 0; a spare's never is)."""
+        the first ``world_size`` members' (the one that lays out epoch 0; a spare's never is).
+        An earlier run of the job whose keys the coordinator kept is cleared first, where every
+        process of it is gone (:mod:`.reruns`), and this member's pulse is up before its ticket:
+        admitted, it is watched before its group exists."""
+        start_clean(self.link)
+        self.pulse.up()
         spare = self.me.settings.spare
-        ticket = self.link.call(self.link.store.add, _TICKETS, 1)
-        self.link.call(self.link.store.set, MEMBERS_PREFIX + f"ticket/{ticket}",
+        ticket = self.link.call(self.link.store.add, TICKETS, 1)
+        self.link.call(self.link.store.set, ticket_key(ticket),
                        json.dumps({"member": self.me.name, "print": self.fingerprint(), "start": start,
                                    "spare": spare}))
         last_founder = not spare and self.link.call(self.link.store.add, _FOUNDERS, 1) == self.me.settings.world_size
@@ -103,12 +110,12 @@ class Admission:
 
     def tickets(self) -> int:
         """How many tickets were taken so far."""
-        return int(self.link.call(self.link.store.add, _TICKETS, 0))
+        return int(self.link.call(self.link.store.add, TICKETS, 0))
 
     def _ticket(self, t: int) -> dict[str, Any]:
         """Ticket ``t``'s record (written once: read once; a spare's is looked at every poll)."""
         if t not in self._tickets:
-            self._tickets[t] = json.loads(self.link.await_key(MEMBERS_PREFIX + f"ticket/{t}", self.me.settings.wait_s,
+            self._tickets[t] = json.loads(self.link.await_key(ticket_key(t), self.me.settings.wait_s,
                                                               f"joiner ticket {t}"))
         return self._tickets[t]
 
@@ -173,7 +180,8 @@ class Admission:
         while not self.link.wait(key, settings.wait_s):
             if not settings.spare:
                 raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
-                                      "reach a step boundary, or the job is not running (wait_s= waits longer)")
+                                      "reach a step boundary, or the job is not running (wait_s= waits longer; "
+                                      "a job run again at an address that kept an earlier run: docs/faults.md)")
         answer = self.link.call(self.link.store.get, key).decode()
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")

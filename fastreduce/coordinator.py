@@ -20,7 +20,8 @@ import fastreduce.reach as reach
 from fastreduce.etcd_store import ETCD_SCHEME, EtcdStore, parse_address
 from fastreduce.faults_errors import StoreUnreachable
 
-__all__ = ["COORDINATOR_ENV", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s", "serve"]
+__all__ = ["COORDINATOR_ENV", "TICKETS", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s",
+           "serve", "ticket_key"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
@@ -30,6 +31,15 @@ MEMBERS_PREFIX = "fastreduce/members/"
 def epoch_key(number: int) -> str:
     """The coordinator's key of epoch ``number`` (its :class:`Epoch` as JSON, once formed)."""
     return MEMBERS_PREFIX + f"epoch/{number}"
+
+
+TICKETS = MEMBERS_PREFIX + "tickets"
+"""The coordinator's count of the tickets taken (the last one's number)."""
+
+
+def ticket_key(t: int) -> str:
+    """The coordinator's key of ticket ``t``'s record (its member, layout, start step, whether a spare)."""
+    return MEMBERS_PREFIX + f"ticket/{t}"
 
 
 class MembershipError(RuntimeError):

@@ -189,6 +189,24 @@ class EtcdStore(dist.Store):
                                          "count_only": True})
         return int(got.get("count", 0))
 
+    def created(self, key: str) -> int:
+        """The etcd revision at which ``key`` was created (0: it is missing)."""
+        kvs = self._conn.request("kv/range", {"key": _b64(self._k(key))}).get("kvs") or []
+        return int(kvs[0].get("create_revision", 0)) if kvs else 0
+
+    def clear_job(self, key: str, created: int) -> bool:
+        """Every key of this job (``/fastreduce/<job>/``) deleted, in one transaction, where
+        ``key`` was still the one created at revision ``created`` (:meth:`created`, read
+        before: no other process cleared the job, or started it again, since); whether it was."""
+        root = self._root
+        got = self._conn.request("kv/txn", {
+            "compare": [{"key": _b64(self._k(key)), "result": "EQUAL", "target": "CREATE",
+                         "create_revision": created}],
+            "success": [{"request_delete_range": {"key": _b64(root), "range_end": _b64(root[:-1] + "0")}}],
+            "failure": []})  # ('0' follows '/': every key under the root)
+        self._conn.seen.clear()
+        return bool(got.get("succeeded"))
+
     def clone(self) -> EtcdStore:
         """The same job over connections of its own (see the class)."""
         conn = self._conn

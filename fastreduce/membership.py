@@ -120,9 +120,9 @@ class Membership:
         faults_heartbeat.default_interval(self.settings.heartbeat_s)
         self.link = CoordinatorLink(coordinator, timeout_s)
         self.me = Member(member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}", self.settings)
-        self.admission = Admission(self.me, self.link)
-        self.votes = Votes(self.me, self.link, self.admission)
         pulse = Pulse(self.link.store, self.me.name, self.link.call)  # alive to the others while it has no heartbeat
+        self.admission = Admission(self.me, self.link, pulse)
+        self.votes = Votes(self.me, self.link, self.admission)
         self.epochs = EpochChanges(self.me, self.link, self.admission, self.votes, pulse)
         self.commits = StepCommits(self.me, self.votes, self.epochs)
 
@@ -159,7 +159,6 @@ class Membership:
         found = saves.newest(start_step) if saves is not None else None
         start_step = found.step if found is not None else start_step
         self.me.state, self.me.build = dict(state), build
-        self.epochs.pulse.up()  # from the ticket on: admitted, it is watched before its group exists
         ticket, last_founder = self.admission.take_ticket(start_step)
         if last_founder:  # the last of the first members to count itself lays out epoch 0
             members, spares, last, refusals = self.admission.founding(start_step)

@@ -36,18 +36,20 @@ from .faults import exited_here
 from .lifecycle import disown, own
 from .reach import SecondConnection
 
-__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "all_exited", "exited_here", "pulses"]
+__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "all_exited", "exited_here", "pulse_key", "pulses", "who_key"]
 
 EXIT_CHECK_S = 0.02
 """How often a waiting member looks whether a watched member's process on this host has
 exited (a read of ``/proc/<pid>/stat`` each)."""
 
 
-def _pulse_key(member: str) -> str:
+def pulse_key(member: str) -> str:
+    """The coordinator's key of ``member``'s pulse (a count)."""
     return MEMBERS_PREFIX + f"pulse/{member}"
 
 
-def _who_key(member: str) -> str:
+def who_key(member: str) -> str:
+    """The coordinator's key of ``member``'s process record (:func:`~.process_identity.identity`)."""
     return MEMBERS_PREFIX + f"who/{member}"
 
 
@@ -73,9 +75,9 @@ class Pulse:
             if self._thread is not None and self._thread.is_alive():
                 return
             if not self._said:
-                self.call(self.store.set, _who_key(self.member), process_identity.identity())
+                self.call(self.store.set, who_key(self.member), process_identity.identity())
                 self._said = True
-            self.call(self.store.add, _pulse_key(self.member), 1)
+            self.call(self.store.add, pulse_key(self.member), 1)
             if self._own is None:  # the member's requests (a long wait for admission) never delay a beat
                 self._own = SecondConnection(self.store, max(5.0, 2 * faults.lost_after()), "fastreduce-pulse-connect")
             self._stopping = threading.Event()
@@ -102,7 +104,7 @@ class Pulse:
     def _run(self, stopping: threading.Event) -> None:
         beat = faults.heartbeat_interval()
         interval = beat if beat > 0 else 0.25  # (the heartbeat off, 0 or less: the pulse still beats)
-        key = _pulse_key(self.member)
+        key = pulse_key(self.member)
         own = self._own  # (made before the first thread starts)
         while not stopping.wait(interval):
             try:
@@ -156,7 +158,7 @@ class Watch:
         missing = [m for m in self.members if not self.records.get(m)]
         if not missing:
             return
-        keys = [_who_key(m) for m in missing]
+        keys = [who_key(m) for m in missing]
         if self.call(self.store.check, keys):
             self.records.update(zip(missing, (v.decode() for v in self.call(faults_heartbeat.read_all, self.store, keys))))
         else:  # (a member that never beat: its pulse reads 0 below and stands still)
@@ -170,7 +172,7 @@ class Watch:
 
 def pulses(store: Any, call: Callable[..., Any], members: list[str]) -> dict[str, int]:
     """Each member's pulse count (0 where it never beat): one request where all have beaten."""
-    keys = [_pulse_key(m) for m in members]
+    keys = [pulse_key(m) for m in members]
     if keys and call(store.check, keys):
         return dict(zip(members, (int(v) for v in call(faults_heartbeat.read_all, store, keys))))
     return {m: int(call(store.add, k, 0)) for m, k in zip(members, keys)}

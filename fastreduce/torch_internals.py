@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_store", "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass",
+           "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass",
            "profiler_enabled", "release_abandoned", "scaler_steps_fused", "store_base",
            "unsafe_preserve_version_counter"]
 
@@ -36,6 +36,14 @@ def default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - not initialized, or destroyed
         return None
+
+
+def default_group_store(store: Any) -> dist.PrefixStore:
+    """The store that ``init_process_group(store=store)`` gives its default group, for a
+    reader outside that group (an epoch's heartbeats, read by a process that never joined
+    it): torch keeps a group's keys under its name, and names the first group a process
+    makes (again after ``destroy_process_group()``, as every epoch's is) ``"0"``."""
+    return dist.PrefixStore("0/", store)
 
 
 def store_base(store: Any) -> Any:

@@ -10,10 +10,12 @@ each recording the digest of its parameters at every step it commits and when.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,6 +113,125 @@ def test_a_gloo_group_rendezvouses_through_etcd(one: EtcdCluster) -> None:
     for p in procs:
         p.join(30)
     assert got == {r: [6.0] * 4 for r in range(3)}
+
+
+def _rerun_member(index: int, address: str, q: object) -> None:
+    import fastreduce
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = fastreduce.Membership(address, world_size=2, wait_s=30, poll_s=1.0, member=f"m{index}")
+    try:
+        m.join({"model": model, "opt": opt}, lambda: fastreduce.FusedReducer(model))
+        while m.step < 3:
+            model(torch.ones(2, 4)).sum().backward()
+            m.commit(opt.step)
+            opt.zero_grad()
+        q.put((index, m.step, m.epoch.number))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        q.put((index, f"{type(err).__name__}: {err}", None))
+    finally:
+        m.close()
+
+
+def test_a_job_run_again_at_the_same_address_starts_clean(one: EtcdCluster) -> None:
+    """A job run a second time at the same etcd address (docs/faults.md: after etcd lost its
+    quorum, restart the job from its last checkpoint): the first run's keys stayed, the second
+    run's founders took tickets 3 and 4 and every member waited wait_s for an admission that
+    never came. Now the first run's processes are found gone and its keys cleared: the second
+    run forms its own epoch 0 and trains."""
+    from fastreduce.launch import rank_context
+
+    ctx = rank_context()
+    for run in range(2):
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_rerun_member, args=(i, one.address("run-again"), q)) for i in range(2)]
+        for p in procs:
+            p.start()
+        got = sorted(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+        assert got == [(0, 3, 0), (1, 3, 0)], (run, got)
+
+
+def _an_ended_run(store: dist.Store, members: tuple[str, ...], waiting: tuple[str, ...] = ()) -> Any:
+    """An earlier run's keys as its members leave them, its processes on another host: epoch 0
+    of ``members``, tickets for them and the ``waiting``, each one's record, pulse and (a
+    member's) heartbeat. Returns the epoch's heartbeat store."""
+    from fastreduce.coordinator import MEMBERS_PREFIX, TICKETS, Epoch, epoch_key, ticket_key
+    from fastreduce.presence import pulse_key, who_key
+    from fastreduce.torch_internals import default_group_store
+
+    beats = default_group_store(dist.PrefixStore(MEMBERS_PREFIX + "e0/pg/", store))
+    store.set(epoch_key(0), Epoch(0, members, 0, len(members), members).to_json())
+    for t, name in enumerate((*members, *waiting), 1):
+        store.set(ticket_key(t), json.dumps({"member": name, "print": {}, "start": 0, "spare": False}))
+        store.set(who_key(name), f"another-host {1000 + t} 1 2 3")
+        store.add(pulse_key(name), 5)
+    store.add(TICKETS, len(members) + len(waiting))
+    for r in range(len(members)):
+        beats.add(f"fastreduce/heartbeat/{r}", 7)
+    return beats
+
+
+def test_an_earlier_run_is_cleared_only_once_every_process_of_it_is_gone(
+        one: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run on another host (its processes cannot be looked at here): a member whose heartbeat
+    moves within the window keeps the job (a process joining it is a joiner); all standing still,
+    the job's keys are deleted, by one of several new founders (one transaction compares the
+    tickets' count read); members gone while a process still pulses, waiting to join:
+    MembershipError at once; on the built-in coordinator, which cannot delete: MembershipError
+    saying to restart it."""
+    import threading
+
+    from fastreduce.coordinator import CoordinatorLink, epoch_key, serve
+    from fastreduce.presence import pulse_key
+    from fastreduce.reruns import start_clean
+
+    monkeypatch.setenv("FASTREDUCE_LOST_AFTER_S", "0.5")  # (the window: 2 s)
+    link = CoordinatorLink(one.address("ended"), 10)
+    beats = _an_ended_run(link.store, ("a", "b"))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            beats.add("fastreduce/heartbeat/1", 1)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        start_clean(link)  # b beats: a running job
+    finally:
+        stop.set()
+        beating.join()
+    assert link.store.check([epoch_key(0)])
+    created = link.store.created("fastreduce/members/tickets")
+    t0 = time.monotonic()
+    start_clean(link)  # both still: cleared
+    assert 2 <= time.monotonic() - t0 < 10 and not link.store.check([epoch_key(0)]) and link.store.num_keys() == 0
+    assert not link.store.clear_job("fastreduce/members/tickets", created)  # a second founder's try: done already
+    _an_ended_run(link.store, ("a", "b"), waiting=("spare",))
+    stop.clear()
+    def pulse(store: EtcdStore) -> None:
+        while not stop.wait(0.2):
+            store.add(pulse_key("spare"), 1)
+
+    pulsing = threading.Thread(target=pulse, args=(link.store.clone(),))
+    pulsing.start()
+    try:
+        with pytest.raises(MembershipError, match=r"whose members are all gone \(epoch 0: a, b\), but 1 process\(es\) "
+                                                  r"still wait to join it \(spare\).*etcdctl del --prefix "
+                                                  r"/fastreduce/ended/"):
+            start_clean(link)
+    finally:
+        stop.set()
+        pulsing.join()
+    server = serve(0, "127.0.0.1")
+    _an_ended_run(server, ("a", "b"))
+    with pytest.raises(MembershipError, match=r"holds an earlier run of this job whose processes are all gone "
+                                              r"\(epoch 0: a, b; exited, or silent for 2 s\).*restart the coordinator"):
+        start_clean(CoordinatorLink(server, 10))
 
 
 def test_addresses_and_a_cluster_out_of_reach_are_clear_errors() -> None:
