@@ -17,7 +17,7 @@ import fastreduce.faults as faults
 import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
-from fastreduce.etcd_store import ETCD_SCHEME, EtcdStore, parse_address
+from fastreduce.etcd_store import ETCD_SCHEME, EtcdSpaceExceeded, EtcdStore, parse_address
 from fastreduce.faults_errors import StoreUnreachable
 
 __all__ = ["COORDINATOR_ENV", "TICKETS", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s",
@@ -207,6 +207,10 @@ class CoordinatorLink:
 
     def unreachable(self, err: BaseException) -> MembershipError:
         faults_watchdog.abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
+        if isinstance(err, EtcdSpaceExceeded):
+            return MembershipError(f"fastreduce: the coordinator's etcd cluster ({self.where}) is out of space "
+                                   f"({err}); this member cannot go on. Restart the job from the last checkpoint once "
+                                   "etcd takes writes again")
         if self.where.startswith(ETCD_SCHEME) or isinstance(err, StoreUnreachable):
             return MembershipError(f"fastreduce: the coordinator's etcd cluster ({self.where}) stopped answering "
                                    f"({type(err).__name__}: {err}): it lost its quorum (a majority of its members) or "

@@ -24,7 +24,9 @@ store's requests onto etcd's (through etcd3gw, the maintained client of etcd's J
 Every request goes to one endpoint; an endpoint that refuses, times out or answers that it has
 no leader is left for the next, until one answers or none has for ``unavailable_after_s``
 (then :class:`~fastreduce.faults_errors.StoreUnreachable`). A missing key waited for past the
-store's timeout raises torch's ``DistStoreError`` ("wait timeout"), as a ``TCPStore`` does.
+store's timeout raises torch's ``DistStoreError`` ("wait timeout"), as a ``TCPStore`` does. A
+write refused because etcd's database is over its space quota (its NOSPACE alarm: an etcd whose
+history is never compacted fills up) raises :class:`EtcdSpaceExceeded` at once.
 
 The address form is ``etcd://host:port[,host:port...][/job]``: the job's keys live under
 ``/fastreduce/<job>/`` (default job ``default``), so that jobs can share one etcd cluster.
@@ -46,7 +48,7 @@ import torch.distributed as dist
 
 from .faults_errors import StoreUnreachable
 
-__all__ = ["ETCD_SCHEME", "EtcdStore", "parse_address"]
+__all__ = ["ETCD_SCHEME", "EtcdSpaceExceeded", "EtcdStore", "parse_address"]
 
 ETCD_SCHEME = "etcd://"
 REQUEST_TIMEOUT_S = 1.0
@@ -56,6 +58,13 @@ UNAVAILABLE_AFTER_S = 4.0
 """How long no endpoint answering means the cluster is unavailable (an election takes about a
 second at etcd's default 1 s election timeout)."""
 _POLL_S = (0.005, 0.1)  # a missing key is read again after 5 ms, then up to every 100 ms
+
+
+class EtcdSpaceExceeded(StoreUnreachable):
+    """etcd refuses every write: its database reached its space quota (``--quota-backend-bytes``,
+    2 GiB by default) and its NOSPACE alarm is raised. Reads are still answered. A job's every
+    heartbeat, vote and status is a write, each kept as a revision until etcd compacts its
+    history (``--auto-compaction-retention``): an etcd that never compacts fills up."""
 
 
 def parse_address(address: str) -> tuple[list[str], str]:
@@ -320,6 +329,13 @@ class _Connection:
                 self.down = None
                 return answer
             except Exception as err:  # noqa: BLE001 - etcd3gw's and requests' errors, sorted below
+                detail = getattr(err, "detail_text", None) or str(err)
+                if "space exceeded" in detail:  # (a quota of the cluster's: no other endpoint takes it either)
+                    raise EtcdSpaceExceeded(
+                        f"fastreduce: the etcd cluster refuses every write: its database is over its space quota "
+                        f"(etcd's NOSPACE alarm, at {endpoint}: {detail[:200]}). Compact and defragment it and disarm "
+                        "the alarm (etcdctl compact <revision>, etcdctl defrag, etcdctl alarm disarm), and run etcd "
+                        "with --auto-compaction-retention so that it stays bounded (docs/faults.md)") from err
                 if not _retryable(err):
                     raise RuntimeError(f"fastreduce: etcd refused a request at {endpoint}: "
                                        f"{getattr(err, 'detail_text', None) or err}") from err

@@ -234,6 +234,35 @@ def test_an_earlier_run_is_cleared_only_once_every_process_of_it_is_gone(
         start_clean(CoordinatorLink(server, 10))
 
 
+def test_an_etcd_out_of_space_is_named_at_once_and_the_shipped_etcd_compacts(tmp_path: Path) -> None:
+    """Every heartbeat, pulse, vote and status is an etcd revision, kept until etcd compacts its
+    history; an etcd that never does reaches its space quota, raises its NOSPACE alarm and refuses
+    every write. That refusal was retried as a busy endpoint for 4 s and then called a lost
+    quorum; now a member's next request raises MembershipError at once saying the cluster is out
+    of space and what to do (reads still work). The etcd that fastreduce starts (the tests', the
+    bench's) compacts its history, as docs/faults.md says to run one."""
+    import os
+
+    from fastreduce.bench.etcd import COMPACTION
+    from fastreduce.coordinator import CoordinatorLink
+
+    with EtcdCluster(1, tmp_path, quota_bytes=2_000_000) as cluster:
+        assert " ".join(COMPACTION) in " ".join(cluster.procs[0].args)
+        link = CoordinatorLink(cluster.address("full"), 10)
+        filler = EtcdStore(*parse_address(cluster.address("filler")))
+        with pytest.raises(StoreUnreachable, match="over its space quota"):
+            for n in range(100_000):
+                filler.set(f"k{n % 50}", os.urandom(1500))
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match=r"etcd cluster \(etcd://.*/full\) is out of space .*NOSPACE alarm.*"
+                                                  r"--auto-compaction-retention"):
+            link.call(link.store.add, "fastreduce/members/tickets", 1)
+        assert time.monotonic() - t0 < 2, time.monotonic() - t0
+        assert link.call(filler.get, "k1")  # reads: answered
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "faults.md").read_text()
+    assert "--auto-compaction-retention" in docs and "--quota-backend-bytes" in docs
+
+
 def test_addresses_and_a_cluster_out_of_reach_are_clear_errors() -> None:
     assert parse_address("etcd://h1:2379,h2:2380/job") == (["h1:2379", "h2:2380"], "job")
     assert parse_address("etcd://h1:2379") == (["h1:2379"], "default")

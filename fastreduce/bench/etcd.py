@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["LAN", "EtcdCluster", "etcd_binary", "temporary_cluster"]
+__all__ = ["COMPACTION", "LAN", "EtcdCluster", "etcd_binary", "temporary_cluster"]
 
 LAN = {"heartbeat_ms": 50, "election_ms": 500}
 """etcd tuned for a LAN (its tuning guide: a heartbeat near the round trip, an election 10 of
@@ -48,16 +48,26 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+COMPACTION = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m")
+"""etcd's history compacted every 5 minutes, keeping 5 minutes: a job writes a revision per
+heartbeat, pulse, vote and status (about 10 a second per member), which etcd keeps until it
+compacts, and an etcd that never does reaches its space quota and refuses every write
+(docs/faults.md)."""
+
+
 class EtcdCluster:
     """``n`` etcd members on 127.0.0.1 under ``root`` (``root/e<i>``: data and log). Elections
-    at etcd's defaults (100 ms heartbeat, 1 s election timeout). :meth:`close` kills them all."""
+    at etcd's defaults (100 ms heartbeat, 1 s election timeout), its history compacted
+    (:data:`COMPACTION`); ``quota_bytes``: etcd's space quota (``--quota-backend-bytes``; its
+    default, 2 GiB). :meth:`close` kills them all."""
 
-    def __init__(self, n: int, root: str | Path, *, election_ms: int = 1000, heartbeat_ms: int = 100):
+    def __init__(self, n: int, root: str | Path, *, election_ms: int = 1000, heartbeat_ms: int = 100,
+                 quota_bytes: int | None = None):
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd server on PATH: apt-get install etcd-server (Debian, Ubuntu)")
         self.binary, self.root, self.n = binary, Path(root), n
-        self.election_ms, self.heartbeat_ms = election_ms, heartbeat_ms
+        self.election_ms, self.heartbeat_ms, self.quota_bytes = election_ms, heartbeat_ms, quota_bytes
         ports = _free_ports(2 * n)
         self.client_ports, self.peer_ports = ports[:n], ports[n:]
         self.procs: list[subprocess.Popen | None] = [None] * n
@@ -90,7 +100,9 @@ class EtcdCluster:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self._cluster, "--initial-cluster-token", f"fastreduce-{os.getpid()}",
                 "--initial-cluster-state", "new", "--heartbeat-interval", str(self.heartbeat_ms),
-                "--election-timeout", str(self.election_ms), "--log-level", "warn", "--logger", "zap"]
+                "--election-timeout", str(self.election_ms), *COMPACTION, "--log-level", "warn", "--logger", "zap"]
+        if self.quota_bytes is not None:
+            args += ["--quota-backend-bytes", str(self.quota_bytes)]
         log = open(folder / "etcd.log", "ab")
         try:
             self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
