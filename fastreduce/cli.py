@@ -136,12 +136,22 @@ def _status(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=_show_status)
 
 
+_LOOK_S = 30.0
+"""``fastreduce status``: how long one look at the coordinator may take before it is called gone."""
+
+
 def _show_status(args: argparse.Namespace) -> int:
     import json
     import time
 
+    if "torch" not in sys.modules:  # this command's own process: its errors are its one line, not c10d's C++ logs
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # (read once, as torch loads)
+    import torch.distributed as dist
+
     from .coordinator import MembershipError, connect
-    from .status import format_status, read_status
+    from .faults import StoreCaller, TransportError
+    from .faults_errors import StoreUnreachable
+    from .status import STRAGGLER_RATIO, format_status, read_status
 
     if not args.coordinator:
         raise ValueError("no coordinator: give HOST:PORT or set $FASTREDUCE_COORDINATOR")
@@ -150,10 +160,17 @@ def _show_status(args: argparse.Namespace) -> int:
     except MembershipError as err:
         print(f"fastreduce status: {err}", file=sys.stderr)
         return 1
+    caller = StoreCaller("fastreduce-status")  # each look bounded: a silent link blocks a TCPStore's read for minutes
     try:
         since = 0
         while True:
-            status = read_status(store, since=since)
+            try:
+                status = caller.call(read_status, store, STRAGGLER_RATIO, since, seconds=_LOOK_S)
+            except (dist.DistError, StoreUnreachable, TransportError) as err:  # (the coordinator gone mid-watch)
+                why = (str(err).strip().splitlines() or [""])[0][:300]
+                print(f"fastreduce status: the coordinator at {args.coordinator} stopped answering "
+                      f"({type(err).__name__}: {why})", file=sys.stderr)
+                return 1
             since = status["epoch"]["number"] if status["epoch"] is not None else 0
             print(json.dumps(status) if args.json else format_status(status), file=args.stdout, flush=True)
             if args.watch <= 0:
@@ -161,6 +178,8 @@ def _show_status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
+    finally:
+        caller.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,12 +1,12 @@
 """What fastreduce runs in the background, and the one place that stops it.
 
 fastreduce starts a few daemon threads: the heartbeat (:mod:`.faults`), the threads that
-make store requests with a deadline (``fastreduce-store``, ``-waiter``, ``-coordinator``, ``-connect``),
-the shared-memory transport's worker per process group (``fastreduce-shm``) and the
-point-to-point ring's (``fastreduce-ring``). Each is a :class:`Worker` (or, the heartbeat,
-owns one) and is listed here while it runs. :func:`shutdown` stops them all, the last
-started first, each after the work queued on it is done and within a bound; the next use
-of any of them starts it again. It runs:
+make store requests with a deadline (``fastreduce-store``, ``-waiter``, ``-coordinator``,
+``-connect``, ``fastreduce status``'s ``-status``), the shared-memory transport's worker per
+process group (``fastreduce-shm``) and the point-to-point ring's (``fastreduce-ring``). Each
+is a :class:`Worker` (or, the heartbeat, owns one) and is listed here while it runs.
+:func:`shutdown` stops them all, the last started first, each after the work queued on it is
+done and within a bound; the next use of any of them starts it again. It runs:
 
 * at the interpreter's exit (``atexit``), before Python finalizes: there a daemon thread
   still inside a torch call is ended abruptly when it takes the GIL back, through C++

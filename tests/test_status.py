@@ -170,3 +170,35 @@ def test_a_pulse_beats_at_its_pace_with_the_heartbeat_turned_off(monkeypatch: py
         time.sleep(0.6)
         assert pulse.stop(timeout=2.0)
         assert 2 <= pulses(server, lambda fn, *args: fn(*args), [f"m{off}"])[f"m{off}"] <= 5, off
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_says_in_one_line_that_its_coordinator_went_away() -> None:
+    """``fastreduce status --watch`` whose coordinator goes away mid-watch (its server closed):
+    one line on stderr and exit 1, as when it cannot connect; it printed a Python traceback
+    (after c10d's C++ backtrace) instead."""
+    import gc
+    import subprocess
+    import sys
+
+    from fastreduce.coordinator import Epoch, epoch_key
+
+    server = serve(0, "127.0.0.1")
+    port = server.port
+    server.set(epoch_key(0), Epoch(0, ("a", "b"), 0, 2).to_json())
+    watch = subprocess.Popen([sys.executable, "-m", "fastreduce", "status", f"127.0.0.1:{port}", "--watch", "0.2"],
+                             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert watch.stdout.readline().startswith("epoch 0 (from step 0): 2 members")
+        del server  # the coordinator gone
+        gc.collect()
+        out, err = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 1, (watch.returncode, err[-3000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fastreduce status: the coordinator at 127.0.0.1:{port} stopped "
+                                                   "answering ("), err[-3000:]
