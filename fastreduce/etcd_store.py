@@ -13,7 +13,8 @@ store's requests onto etcd's (through etcd3gw, the maintained client of etcd's J
 * ``set``, ``get`` (waiting for a missing key, as a ``TCPStore`` does), ``check``, ``wait``,
   ``delete_key``, ``num_keys``, ``multi_get`` and ``multi_set``: puts, ranges and
   transactions of ranges (one request for many keys);
-* ``compare_set``: one transaction comparing the value (or the key's absence);
+* ``compare_set``: one transaction comparing the value (or the key's absence, and then its
+  empty value: as a ``TCPStore``, which stores ``desired`` over an empty value);
 * ``add``: a transaction comparing the key's revision with the one this client last saw
   (one request for a counter only it adds to, a heartbeat's), which on a conflict answers the
   key's value and revision for the next try. A request whose answer was lost (its endpoint
@@ -169,18 +170,26 @@ class EtcdStore(dist.Store):
                     return int(_value(record).decode()[len(mine):])  # applied on a first try whose answer was lost
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        """c10d's: ``desired`` stored where the value is ``expected`` (or the key is missing
-        and ``expected`` empty); the value stored after the call (a missing key: ``expected``)."""
+        """c10d's, as a ``TCPStore`` answers it: ``desired`` stored where the value is
+        ``expected`` (an empty value too), or where the key is missing and ``expected`` is
+        empty; the value stored after the call (a missing key left missing: ``expected``).
+        etcd compares a value only on a key that exists, so an empty ``expected`` is one
+        transaction for a missing key and, where the key holds an empty value, a second."""
         k, expected, desired = self._k(key), _bytes(expected), _bytes(desired)
-        compare = ({"key": _b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0} if not expected
-                   else {"key": _b64(k), "result": "EQUAL", "target": "VALUE", "value": _b64(expected)})
-        got = self._conn.request("kv/txn", {"compare": [compare],
-                                       "success": [{"request_put": {"key": _b64(k), "value": _b64(desired)}}],
-                                       "failure": [{"request_range": {"key": _b64(k)}}]})
-        if got.get("succeeded"):
-            return desired
-        kvs = self._kvs(got["responses"][0])
-        return _value(kvs[0]) if kvs else expected
+        absent = {"key": _b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        holds = {"key": _b64(k), "result": "EQUAL", "target": "VALUE", "value": _b64(expected)}
+        put, read = {"request_put": {"key": _b64(k), "value": _b64(desired)}}, {"request_range": {"key": _b64(k)}}
+        while True:
+            for compare in ([absent, holds] if not expected else [holds]):
+                got = self._conn.request("kv/txn", {"compare": [compare], "success": [put], "failure": [read]})
+                if got.get("succeeded"):
+                    return desired
+                kvs = self._kvs(got["responses"][0])
+                if not kvs and expected:
+                    return expected  # missing, and not to be created
+                if kvs and _value(kvs[0]) != expected:
+                    return _value(kvs[0])
+                # (an empty value where the key was to be missing: compared next; a key deleted meanwhile: again)
 
     def delete_key(self, key: str) -> bool:
         """The key, and every client's record of its adds (one transaction: a vote's

@@ -48,6 +48,8 @@ def _requests(store: dist.Store) -> list:
     out += [store.get("a"), store.add("n", 2), store.add("n", 3), store.get("n"), store.add("n", -5)]
     out += [store.compare_set("c", "", "v1"), store.compare_set("c", "zz", "v2"), store.compare_set("c", "v1", "v2"),
             store.compare_set("missing", "e", "d"), store.get("c")]
+    store.set("empty", b"")  # an empty value is compared as a value, not as the key's absence
+    out += [store.compare_set("empty", "", "v"), store.get("empty"), store.compare_set("empty", "", "w")]
     out += [store.check(["a", "n"]), store.check(["a", "nope"]), store.multi_get(["a", "n"])]
     store.multi_set(["m1", "m2"], ["1", b"\x00\xff"])
     out += [store.get("m1"), store.get("m2"), store.num_keys()]
@@ -62,10 +64,14 @@ def _requests(store: dist.Store) -> list:
 
 def test_the_etcd_store_answers_every_request_as_a_tcpstore_does(one: EtcdCluster) -> None:
     """The same requests to the embedded default (a TCPStore) and to etcd: the same answers,
-    a missing key waited for raising c10d's "wait timeout" after the store's timeout."""
+    a missing key waited for raising c10d's "wait timeout" after the store's timeout, and
+    compare_set over an empty value storing ``desired`` as a TCPStore does."""
     tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1))
     store = EtcdStore(*parse_address(one.address("same-answers")), timeout=timedelta(seconds=1))
     assert _requests(store) == _requests(tcp)
+    store.set("log", b"")
+    store.append("log", b"x")  # c10d's append over compare_set (looped for good on an empty value)
+    assert store.get("log") == b"x"
     assert store.clone().get("m1") == b"1"  # a clone: the same job
     other = EtcdStore(*parse_address(one.address("another-job")))
     assert not other.check(["m1"]) and other.num_keys() == 0  # jobs apart on one cluster
