@@ -129,7 +129,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTIONS["status"]
     parser.add_argument("coordinator", nargs="?", default=os.environ.get("FASTREDUCE_COORDINATOR"),
-                        help="the coordinator's HOST:PORT (default: $FASTREDUCE_COORDINATOR)")
+                        help="the coordinator's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT...][/JOB] "
+                             "(default: $FASTREDUCE_COORDINATOR)")
     parser.add_argument("--watch", type=float, default=0.0, metavar="S",
                         help="show it again every S seconds until Ctrl-C (default: once)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (per look) and nothing else")

@@ -167,6 +167,35 @@ def test_command_help_is_plain_text() -> None:
     assert not raw, "rst markup in --help:\n" + "\n".join(f"{name} --help: {line}" for name, line in raw)
 
 
+def test_every_status_and_coordinator_command_in_the_docs_parses() -> None:
+    """Each ``fastreduce status ...`` and ``fastreduce coordinator ...`` the README and docs/
+    show (inline code, or a line of a code block) is a command line the parser takes: the
+    coordinator is the status command's positional argument (docs/faults.md once showed
+    ``fastreduce status --coordinator etcd://...``, which argparse refuses)."""
+    import contextlib
+    import io
+    import shlex
+
+    from fastreduce.cli import build_parser
+
+    shown = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        found = re.findall(r"`(fastreduce (?:status|coordinator)\b[^`]*)`", text)
+        found += re.findall(r"(?m)^\s*(fastreduce (?:status|coordinator)\b[^#\n`]*)", text)
+        shown += [(page.name, command.strip()) for command in found]
+    assert any("status" in c for _, c in shown) and any("coordinator" in c for _, c in shown), shown
+    refused = []
+    for page, command in shown:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                build_parser().parse_args(shlex.split(command.replace("{...}", "1"))[1:])  # (errors.md's blanks)
+        except SystemExit:
+            refused.append(f"{page}: `{command}`: {err.getvalue().strip().splitlines()[-1]}")
+    assert not refused, "commands the parser refuses:\n" + "\n".join(refused)
+
+
 # ============================================================== the snippets on 2 ranks
 
 FAMILIES = {"plain": ("call", "quickstart"), "hf": ("hf_trainer", "readme_hf"), "accelerate": ("accelerate",),
