@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward", "make_wrapper_subclass",
-           "profiler_enabled", "release_abandoned", "scaler_steps_fused", "store_base",
-           "unsafe_preserve_version_counter"]
+           "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward",
+           "make_wrapper_subclass", "profiler_enabled", "release_abandoned", "scale_handed", "scale_handed_back",
+           "scaler_always_steps", "scaler_steps_fused", "store_base", "unsafe_preserve_version_counter"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -138,6 +138,45 @@ def scaler_steps_fused(optimizer: torch.optim.Optimizer) -> None:
     constructor marks one built with ``fused=True``: a ``GradScaler`` hands it the scale
     and the inf flag instead of unscaling its gradients first."""
     optimizer._step_supports_amp_scaling = True
+
+
+_MARK = "_step_supports_amp_scaling"
+_UNSET = object()
+
+
+def scaler_always_steps(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """Mark ``optimizer`` as one that handles a ``GradScaler``'s scale itself (the mark
+    :func:`scaler_steps_fused` sets): the scaler then calls its ``step()`` every time, an
+    inf found or not, with ``optimizer.grad_scale`` (``None`` where ``scaler.unscale_``
+    ran) and ``optimizer.found_inf`` set for the call, and ``update()`` reads the inf
+    flags it recorded itself. Returns what puts the optimizer's own mark back."""
+    before = optimizer.__dict__.get(_MARK, _UNSET)
+    optimizer._step_supports_amp_scaling = True
+
+    def undo() -> None:
+        if before is _UNSET:
+            optimizer.__dict__.pop(_MARK, None)
+        else:
+            setattr(optimizer, _MARK, before)
+    return undo
+
+
+def scale_handed(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """What a ``GradScaler`` stepping ``optimizer`` (marked by :func:`scaler_always_steps`)
+    handed it for this ``step()`` call: ``(grad_scale, found_inf)``, taken off the
+    optimizer (torch's optimizers that do not scale themselves refuse a step that has
+    them) until :func:`scale_handed_back`; ``None`` where no scaler steps it now."""
+    found_inf = optimizer.__dict__.get("found_inf")
+    if found_inf is None:
+        return None
+    grad_scale = optimizer.__dict__.pop("grad_scale", None)
+    del optimizer.found_inf
+    return grad_scale, found_inf
+
+
+def scale_handed_back(optimizer: torch.optim.Optimizer, handed: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+    """Put back what :func:`scale_handed` took (the scaler deletes both after the step)."""
+    optimizer.grad_scale, optimizer.found_inf = handed
 
 
 def compiled_inner(module: Any) -> Any:

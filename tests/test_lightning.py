@@ -118,6 +118,52 @@ except TypeError as exc:
 """
 
 
+_SCALED_LOCAL_SCRIPT = """
+import torch
+import lightning as L
+from lightning.pytorch.plugins.precision import MixedPrecision
+from fastreduce.integrations.lightning import FastReduceStrategy
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.norms = []
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).square().mean()
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append(float(torch.cat([p.grad.reshape(-1) for p in self.parameters()]).norm()))
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+torch.manual_seed(0)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+net = Net()
+trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, gradient_clip_val=0.5, logger=False,
+                    strategy=FastReduceStrategy("localsgd", sync_every=2, warmup_steps=1),
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))],
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(net, data)
+print("fit", trainer.global_step, trainer.strategy.mode.obj.steps, max(net.norms) < 10.0)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_grad_scaler_unscales_before_clipping_under_localsgd(tmp_path: Path) -> None:
+    """LocalSGD has a GradScaler always step its optimizer (marked as one that unscales itself,
+    as a fused one is), which Lightning's MixedPrecision reads to skip its unscaling and refuse
+    clipping ("... performs unscaling of gradients internally"); the strategy keeps Lightning's
+    order for it: unscaled after the backward, before on_before_optimizer_step and clipping."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "scaled_local.py"
+    script.write_text(_SCALED_LOCAL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                            "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "fit 4 4 True" in proc.stdout, proc.stdout[-3000:]  # (scaled, the norms would be over 500)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("order", ["fastreduce first", "lightning first"])
 def test_strategy_names_known_to_a_script_that_imports_lightning_and_fastreduce(tmp_path: Path, order: str) -> None:

@@ -1223,12 +1223,11 @@ def test_a_trainers_clipping_sees_the_warm_ups_average_as_ddps_does() -> None:
         assert out["gap"] <= 1e-6, out
 
 
-def skipped_warmup_step_worker(rank: int, world: int) -> dict:
+def skipped_warmup_step_worker(rank: int, world: int, ref_group: Any) -> dict:
     """The trainers' order in LocalSGD's warm-up (backward, average_warmup_grads, clipping)
     with a GradScaler, which skips the step whose average holds rank 0's inf, against DDP's
     order on a copy (every backward's gradients averaged, the same step skipped); with and
     without nonfinite="skip" (whose verdict on the average is the step's too)."""
-    ref_group = dist.new_group(backend="gloo")
     out = {}
     for nonfinite in ("ignore", "skip"):
         torch.manual_seed(0)
@@ -1241,6 +1240,7 @@ def skipped_warmup_step_worker(rank: int, world: int) -> dict:
         def ref_average() -> None:
             all_mean_([p.grad for p in ref.parameters()], ref_group)
 
+        scales = []
         for m, o, average in ((model, opt, local.average_warmup_grads), (ref, ref_opt, ref_average)):
             scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
             for step in range(5):
@@ -1254,23 +1254,169 @@ def skipped_warmup_step_worker(rank: int, world: int) -> dict:
                 scaler.step(o)  # skipped at step 2 on every rank: the average holds the inf
                 scaler.update()
                 o.zero_grad()
+            scales.append(scaler.get_scale())
         v = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         every = [torch.zeros_like(v) for _ in range(world)]
         dist.all_gather(every, v)
         local.close()
         out[nonfinite] = {"apart": float((every[0] - every[1]).abs().max()), "steps": local.steps,
-                          "skipped": local.skipped_steps,
-                          "gap": max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))}
+                          "skipped": local.skipped_steps, "scales": scales,
+                          "gap": max(float((p - q).detach().abs().max())
+                                     for p, q in zip(model.parameters(), ref.parameters()))}
     return out
+
+
+SCALED_OVERFLOWS = {"local": {(1, 1), (1, 4), (0, 6)}, "diloco": {(1, 1), (0, 4)}}  # (rank, step): an inf
+
+
+def scaled_plain_loop(rank: int, kind: str, nonfinite: str, unscale: bool, ref_group: Any) -> dict:
+    """The plain loop (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``,
+    with ``unscale``: ``scaler.unscale_(opt)`` before the step) under LocalSGD (warm-up 3,
+    sync every 2) or DiLoCo (fp32 wire, outer SGD lr 0.7, sync every 2), one rank's
+    gradients overflowing at chosen steps (in the warm-up and after it), against torch's
+    optimizer on a copy with its own scaler: in the warm-up each rank's gradients unscaled
+    by its own scale, averaged, the step skipped on every rank if the average holds an inf;
+    after it (and in DiLoCo) the scaler's own skip on the rank that overflowed, and every
+    rank (one that skipped too) averaging at the same counts."""
+    W, H, steps, lr_out = (3, 2, 9, None) if kind == "local" else (0, 2, 6, 0.7)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    if kind == "local":
+        mode = fastreduce.LocalSGD(model, opt, sync_every=H, warmup_steps=W, nonfinite=nonfinite)
+    else:
+        mode = fastreduce.DiLoCo(model, opt, torch.optim.SGD(model.parameters(), lr=lr_out), sync_every=H,
+                                 wire_dtype=torch.float32, nonfinite=nonfinite)
+    anchor = [p.detach().clone() for p in ref.parameters()]
+    got: dict[str, list] = {"gap": [], "scales": [], "ref_scales": []}
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=3) for _ in range(2))
+    for s in range(1, steps + 1):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * s + rank))
+        for m, sc in ((model, scaler), (ref, ref_scaler)):
+            sc.scale(m(x).pow(2).mean()).backward()
+            if (rank, s) in SCALED_OVERFLOWS[kind]:
+                m[0].weight.grad[0, 0] = float("inf")  # an fp16-style overflow on this rank only
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        with torch.no_grad():
+            if s <= W:  # the reference's warm-up: own scale off, then the average decides for all
+                ref_scaler.unscale_(ref_opt)
+                all_mean_([p.grad for p in ref.parameters()], ref_group)
+                if all(bool(torch.isfinite(p.grad).all()) for p in ref.parameters()):
+                    ref_opt.step()
+            else:
+                ref_scaler.step(ref_opt)  # skipped on this rank alone where it overflowed
+            ref_scaler.update()
+            ref_opt.zero_grad()
+            if s > W and (s - W) % H == 0:
+                if lr_out is None:
+                    all_mean_(list(ref.parameters()), ref_group)
+                else:  # DiLoCo: x := anchor - lr * mean(anchor - x); anchor := x
+                    deltas = [a - p for a, p in zip(anchor, ref.parameters())]
+                    all_mean_(deltas, ref_group)
+                    for p, a, d in zip(ref.parameters(), anchor, deltas):
+                        p.copy_(a - lr_out * d)
+                        a.copy_(p)
+        got["gap"].append(max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(),
+                                                                                   ref.parameters())))
+        got["scales"].append(scaler.get_scale())
+        got["ref_scales"].append(ref_scaler.get_scale())
+    v = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(v) for _ in range(2)]
+    dist.all_gather(every, v)
+    mode.close()
+    return {**got, "apart": float((every[0] - every[1]).abs().max()), "steps": mode.steps, "syncs": mode.syncs,
+            "skipped": mode.skipped_steps, "finite": bool(torch.isfinite(v).all()),
+            "marked": getattr(opt, "_step_supports_amp_scaling", False)}
+
+
+def scaled_sparse_grads(rank: int, ref_group: Any) -> dict:
+    """The plain loop under a GradScaler with an embedding's sparse gradients (the mode
+    unscales their values, as the scaler does), rank 1 overflowing at step 1: LocalSGD
+    against torch's SGD with its own scaler and the parameters averaged every 2 steps."""
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=True)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    mode = fastreduce.LocalSGD(model, opt, sync_every=2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) for _ in range(2)]
+    for s in range(1, 5):
+        idx = torch.tensor([rank, s, 2 * s + rank, rank])
+        for m, o, sc in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            sc.scale(m(idx).pow(2).sum()).backward()
+            if (rank, s) == (1, 1):
+                m.weight.grad = m.weight.grad.coalesce()
+                m.weight.grad.values()[0, 0] = float("inf")
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+        if s % 2 == 0:
+            all_mean_(list(ref.parameters()), ref_group)
+    mode.close()
+    return {"gap": float((model.weight - ref.weight).detach().abs().max()), "steps": mode.steps,
+            "skipped": mode.skipped_steps, "scales": [sc.get_scale() for sc in scalers]}
+
+
+SCALED_CASES = [("local", "ignore", False), ("local", "skip", False), ("local", "ignore", True),
+                ("diloco", "ignore", False)]
+
+
+def scaler_worker(rank: int, world: int) -> dict:
+    """A GradScaler driving LocalSGD and DiLoCo: the trainers' order in the warm-up, and the
+    plain loop with one rank overflowing in the warm-up and after it (SCALED_CASES)."""
+    ref_group = dist.new_group(backend="gloo")
+    out = {"trainer": guarded(skipped_warmup_step_worker, rank, world, ref_group)}
+    for case in SCALED_CASES:
+        out["/".join(map(str, case))] = guarded(scaled_plain_loop, rank, *case, ref_group)
+    out["sparse"] = guarded(scaled_sparse_grads, rank, ref_group)
+    return out
+
+
+def scaled(key: str) -> list[dict]:
+    """Every rank's result of the ``scaler_worker`` sub-case ``key``."""
+    ranks = spawn_once(_RESULTS, "scaler", lambda: run_ranks(scaler_worker, 2, timeout=150))
+    return [unwrap(r[key]) for r in ranks]
 
 
 def test_a_warm_up_step_skipped_after_its_average_leaves_the_next_one_averaged() -> None:
     """The mark that the step's average was done outlived the skipped step: the next step
-    averaged nothing, and the ranks' parameters parted in the warm-up."""
-    for out in run_ranks(skipped_warmup_step_worker, 2, timeout=120):
+    averaged nothing, and the ranks' parameters parted in the warm-up. The scaler's skip
+    still counts as a step (skipped), as nonfinite="skip"'s does, and the scales stay equal
+    (the scaler checks the average)."""
+    for out in scaled("trainer"):
         for nonfinite, o in out.items():
             assert o["apart"] == 0.0 and o["gap"] <= ATOL, (nonfinite, o)
-            assert o["steps"] == 4 and o["skipped"] == 0, (nonfinite, o)  # the scaler's skip: no step at all
+            assert o["steps"] == 5 and o["skipped"] == 1, (nonfinite, o)
+            assert o["scales"][0] == o["scales"][1] == 0.5, (nonfinite, o)  # one backoff, on every rank
+
+
+@pytest.mark.parametrize("case", ["/".join(map(str, c)) for c in SCALED_CASES])
+def test_a_grad_scaler_skip_on_one_rank_keeps_the_syncs_matched(case: str) -> None:
+    """The plain loop under a GradScaler, one rank overflowing: the scaler calls step() on
+    every rank (the count and the syncs go on there; its update is skipped), against torch's
+    optimizer and scaler per rank with dist averaging. Before, the scaler skipped step() on
+    the rank that overflowed: its count fell behind and the next collective hung."""
+    kind = case.split("/")[0]
+    outs = scaled(case)
+    for rank, o in enumerate(outs):
+        assert max(o["gap"]) <= ATOL, (rank, o)
+        assert o["scales"] == o["ref_scales"], (rank, o)  # each rank's scaler: its own gradients' overflows
+        assert o["finite"] and o["apart"] == 0.0 and not o["marked"], (rank, o)  # (close() took the mark off)
+        assert o["skipped"] == sum(r == rank or s <= (3 if kind == "local" else 0)
+                                   for r, s in SCALED_OVERFLOWS[kind]), (rank, o)
+    assert [o["steps"] for o in outs] == [9 if kind == "local" else 6] * 2, outs
+    assert [o["syncs"] for o in outs] == [3] * 2, outs
+
+
+def test_a_grad_scaler_unscales_sparse_gradients_as_its_own_step_does() -> None:
+    for rank, o in enumerate(scaled("sparse")):
+        assert o["gap"] <= ATOL and o["steps"] == 4 and o["skipped"] == rank, (rank, o)
+        assert o["scales"][0] == o["scales"][1] == 2.0 ** (4 - rank), (rank, o)
 
 
 def closed_twice_worker(rank: int, world: int) -> dict:

@@ -1,6 +1,7 @@
 """The configured optimizer under a mode of the Lightning strategy: its LR schedulers re-pointed
-at the mode's optimizer where the mode replaces it (ZeRO), and Lightning's clipping routed to
-the mode's where the mode holds the gradients its own way."""
+at the mode's optimizer where the mode replaces it (ZeRO), Lightning's clipping routed to the
+mode's where the mode holds the gradients its own way, and a GradScaler's unscaling kept before
+the clipping where the mode has the scaler always step its optimizer (LocalSGD, DiLoCo)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ class OptimizerMixin:
         global norm); clipping by value is refused there."""
         self._unpatch_clipping()
         mode, plugin = self._mode, self.precision_plugin
+        if mode.scaler_steps and getattr(plugin, "scaler", None) is not None:
+            _unscale_before_clipping(plugin)
+            self._clip_patched = plugin
         if not mode.clips:
             return
 
@@ -61,8 +65,34 @@ class OptimizerMixin:
     def _unpatch_clipping(self) -> None:
         plugin, self._clip_patched = self._clip_patched, None
         if plugin is not None:
-            for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+            for name in ("clip_grad_by_norm", "clip_grad_by_value", "optimizer_step", "clip_gradients"):
                 plugin.__dict__.pop(name, None)
+
+
+def _unscale_before_clipping(plugin: Any) -> None:
+    """Lightning's ``MixedPrecision`` unscales the gradients after the closure (backward),
+    before ``on_before_optimizer_step`` and clipping, unless the optimizer unscales itself
+    (``_step_supports_amp_scaling``, a fused one's mark), where it refuses clipping. A local
+    mode marks its inner optimizer so that the scaler always steps it, but a scaler that
+    unscaled first is as good to it: both of the plugin's methods are shadowed on this
+    instance to unscale as for any optimizer, in Lightning's own order (2.6.6 tested)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    cls, scaler = type(plugin), plugin.scaler
+
+    def optimizer_step(optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        def closure_then_unscale() -> Any:
+            result = closure()
+            if result is not None or not model.automatic_optimization:  # (Lightning's: a backward ran)
+                scaler.unscale_(optimizer)
+            return result
+        return cls.optimizer_step(plugin, optimizer, model, closure_then_unscale, **kwargs)
+
+    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        Precision.clip_gradients(plugin, optimizer, *args, **kwargs)  # (without the fused optimizer's refusal)
+
+    plugin.optimizer_step = optimizer_step
+    plugin.clip_gradients = clip_gradients
 
 
 def by_norm_only(mode: TrainerMode) -> str:

@@ -130,6 +130,7 @@ class Local(TrainerMode):
     name, cls = "localsgd", LocalSGD
     fixed = ("model", "optimizer")
     per_rank = True
+    scaler_steps = True
 
     def build(self, model, optimizer, scaler=None, max_grad_norm=0.0):
         self.obj = LocalSGD(model, optimizer, **self.config)

@@ -45,6 +45,11 @@ class TrainerMode:
     clips: ClassVar[bool] = False
     """The mode clips the gradients its own way (:meth:`clip_grad_norm_`: ZeRO's global norm
     over the shards, gossip's per rank): the trainers route their clipping to it."""
+    scaler_steps: ClassVar[bool] = False
+    """A ``GradScaler`` steps the mode's optimizer every time and hands it the scale (torch's
+    protocol for an optimizer that unscales itself, as a fused one does: LocalSGD and DiLoCo,
+    modes/local_scaler.py); a trainer that would unscale first only for other optimizers
+    still does (Lightning: its clipping sees unscaled gradients)."""
 
     wraps_module: ClassVar[bool] = False
     """The trainer calls the mode's wrapper (:meth:`module_to_call`), not the model (gossip)."""

@@ -54,7 +54,8 @@ class DiLoCo(LocalUpdates):
 
     Args:
         model: the module every rank trains.
-        inner_optimizer: the rank's optimizer (e.g. AdamW); its ``step()`` drives the mode.
+        inner_optimizer: the rank's optimizer (e.g. AdamW); its ``step()`` drives the mode,
+            under a ``GradScaler`` too (as :class:`LocalSGD`'s ``optimizer``).
         outer_optimizer: a torch optimizer over exactly the model's trainable parameters
             (the paper: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``); it steps each
             fragment's last synced parameters with the averaged pseudo-gradient as grad.

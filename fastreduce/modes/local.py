@@ -3,7 +3,8 @@
 The mechanism shared by :class:`~fastreduce.modes.localsgd.LocalSGD` and
 :class:`~fastreduce.modes.diloco.DiLoCo` (each module states its own communication
 pattern): both are driven by the inner optimizer's ``step()`` (step hooks: nothing else
-for the user to call); step ``s`` counts the inner optimizer's steps from 1.
+for the user to call); step ``s`` counts the inner optimizer's steps from 1 (under a
+``GradScaler``, every ``scaler.step()``, an inf found or not: :mod:`.local_scaler`).
 
 What both keep, beside the model (``P`` = the trainable parameters' bytes):
 
@@ -45,6 +46,7 @@ from ..join import JoinableMode
 from ..layout import GradLayout, verify_model
 from .comm_stats import CommStats
 from .local_nonfinite import LocalNonFinite
+from .local_scaler import LocalScaler
 from .local_state import RESEND, LocalState
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
@@ -109,7 +111,7 @@ SYNC_LOST = ("The parameters are lost: the sync may have left them partly averag
               "its pseudo-gradient (anchor - x) instead of weights.")
 
 
-class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
+class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
     """Parameters as flat blocks, cut into fragments; anchors, wire, step hooks, state.
 
     The modes subclass it with :meth:`_after_step` (when to sync) and, for DiLoCo, how
@@ -211,6 +213,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         # of the step (the warm-up's gradient average runs in a later pre-hook).
         self._init_join(group, self.device)
         self._join_hook = on_step(optimizer, pre=lambda *_: self._join_notify())
+        self._take_scaler_steps()  # a GradScaler steps it every time (modes/local_scaler.py)
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=self.device)
@@ -256,6 +259,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
 
     @guarded("the sync after {cls}'s optimizer step", SYNC_LOST)
     def _on_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._scale_back()
         self._unstash()  # a step skipped for inf/NaN gradients: they come back for the user
         self.steps += 1
         with torch.no_grad():
@@ -280,6 +284,7 @@ class LocalUpdates(LocalState, LocalNonFinite, JoinableMode):
         remove_hooks(self._hooks + self._join_hook + self._nonfinite_hooks)
         self._hooks, self._join_hook = [], []
         self._nonfinite_hooks = []
+        self._release_scaler()
         for comm, buf in self._buffers:
             comm.release(buf)
         self._buffers = []

@@ -1,8 +1,9 @@
 """Inf/NaN in a local-update mode (:class:`~fastreduce.modes.local.LocalUpdates`:
-LocalSGD, DiLoCo) under ``nonfinite="raise"`` or ``"skip"``: an inner step skipped on the
-rank whose gradients hold one (every rank in LocalSGD's warm-up), a sync skipped on every
-rank when the average holds one, the parameters back at the last synced ones and the
-codecs' state (error-feedback residuals, SparseLoCo's accumulator) as before it.
+LocalSGD, DiLoCo) under ``nonfinite="raise"`` or ``"skip"``, or found by a ``GradScaler``
+(:mod:`.local_scaler`): an inner step skipped on the rank whose gradients hold one (every
+rank in LocalSGD's warm-up), a sync skipped on every rank when the average holds one, the
+parameters back at the last synced ones and the codecs' state (error-feedback residuals,
+SparseLoCo's accumulator) as before it.
 """
 
 from __future__ import annotations
@@ -33,30 +34,36 @@ class LocalNonFinite:
         rank's own, one fused kernel per dtype); to skip, it sets every gradient of the
         optimizer to ``None`` for the call (torch's optimizers then leave a parameter and
         its state alone) and :meth:`_on_step` puts them back, so every step hook still
-        runs: the step counter advances and the syncs stay matched across ranks."""
-        self.skipped_steps = 0  # inner steps this rank skipped for inf/NaN gradients
+        runs: the step counter advances and the syncs stay matched across ranks. A
+        GradScaler's inf skips a step the same way, whatever ``nonfinite`` is (so the hooks
+        are there under ``"ignore"`` too)."""
+        self.skipped_steps = 0  # inner steps this rank skipped for inf/NaN gradients (nonfinite's or a scaler's)
         self.skipped_syncs = 0  # syncs every rank skipped for an inf/NaN average
         self._check = FiniteCheck(self.device)
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._step_error: NonFiniteGradError | None = None
         self._warm_verdict: bool | None = None  # LocalSGD's warm-up: the average's verdict
-        self._nonfinite_hooks: list[Any] = []
+        self._nonfinite_hooks: list[Any] = on_step(self.optimizer, pre=self._check_step,
+                                                   post=self._raise_step_error)
         # per fragment, what a sync changes besides the parameters (the quantized wire's
         # residuals, SparseLoCo's accumulator): put back after a sync that is skipped
         self._undo: list[StepUndo] = []
         if self.nonfinite != "ignore":
-            self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
             state = [(self._quant_means[k].state_tensors() if self._quant_means else [])
                      + (self._sparse[k].state_tensors() if self._sparse else []) for k in range(len(self._frag_wire))]
             self._undo = [StepUndo(tensors, None, self.device) for tensors in state] if any(state) else []
 
     def _check_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         verdict, self._warm_verdict = self._warm_verdict, None
+        scaler_skips = self._scaler_skips()
         local = verdict is None
-        if local:  # no communication in this step: this rank's gradients, this rank's verdict
+        if local and self.nonfinite != "ignore":  # no communication in this step: this rank's verdict
             grads = [p.grad for _, p in self._named if p.grad is not None]
             verdict = not grads or self._check(grads)
-        if verdict:
+        if verdict is None or verdict:
+            if scaler_skips:  # the scaler's inf (nonfinite's check, if any, found none or does not run)
+                self.skipped_steps += 1
+                self._skip_update(optimizer)
             return
         self.skipped_steps += 1
         if local and self.nonfinite == "raise":
@@ -68,6 +75,11 @@ class LocalNonFinite:
         elif self.nonfinite == "skip":
             log.warning("fastreduce: %s: rank %d's %s gradients hold inf or NaN; the inner step is skipped "
                         "(nonfinite='skip')", type(self).__name__, self.rank, "own" if local else "averaged")
+        self._skip_update(optimizer)
+
+    def _skip_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """This step's update skipped: every gradient ``None`` for the call (put back by
+        :meth:`_unstash`), so torch's optimizers leave every parameter and its state alone."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._stash = [(p, p.grad) for p in params]
         for p in params:  # the skip path only: torch's optimizers pass over a parameter with no grad

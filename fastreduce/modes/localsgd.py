@@ -82,7 +82,9 @@ class LocalSGD(LocalUpdates):
         model: the module every rank trains (its trainable parameters and float buffers
             are averaged).
         optimizer: the rank's optimizer over the model's parameters; its ``step()``
-            drives the mode (step hooks).
+            drives the mode (step hooks). A ``GradScaler`` calls it every time (the mode
+            marks it as an optimizer that unscales itself: :mod:`.local_scaler`), and an
+            inf skips its update on that rank, counted in :attr:`skipped_steps`.
         sync_every: average after every ``sync_every``-th step (``H``).
         warmup_steps: the first steps are synchronous data parallel (post-local SGD):
             the gradients are averaged before each of them, as DDP does.
@@ -221,9 +223,9 @@ class LocalSGD(LocalUpdates):
             self._end_warmup()
         elif self.steps < self.warmup_steps and self._reducer is None:  # (a mode past its warm-up: back in it)
             self._start_warmup()
-            if self._nonfinite_hooks:  # after the warm-up's, as at construction ([Note: skipping an inner step])
-                remove_hooks(self._nonfinite_hooks)
-                self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
+            # the inf/NaN check after the warm-up's average, as at construction ([Note: skipping an inner step])
+            remove_hooks(self._nonfinite_hooks)
+            self._nonfinite_hooks = on_step(self.optimizer, pre=self._check_step, post=self._raise_step_error)
 
     # ------------------------------------------------------------------ hooks
 
@@ -232,8 +234,10 @@ class LocalSGD(LocalUpdates):
         trainer calls it after the backward, so that its clipping sees the average (DDP's
         clip(mean g), not mean(clip g)); the step then averages nothing again. Collective;
         outside the warm-up, nothing. The average is of this backward's gradients: where
-        the step is skipped after it (a GradScaler's inf), the next backward's first
-        gradient undoes the mark, and the next call (or step) averages again."""
+        the loop does not step after it, the next backward's first gradient undoes the
+        mark, and the next call (or step) averages again. Under a ``GradScaler`` the
+        gradients it averages are still scaled: every rank's scale must be the same (it is
+        where every warm-up step calls this, so that the scaler checks the average)."""
         if not self._warm_reduced:
             self._warm_reduced = self._reduce_warmup()
             if self._warm_reduced and not self._warm_hooks:  # on first use: a loop without it pays nothing
@@ -248,8 +252,8 @@ class LocalSGD(LocalUpdates):
             self._warm_verdict = None
 
     def _before_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if not self._warm_reduced:
-            self._reduce_warmup()
+        if not self._warm_reduced and self._reduce_warmup():  # a scaler's inf flag: now the average's
+            self._rechecked([p.grad for _, p in self._named if p.grad is not None])
         self._warm_reduced = False
 
     def _reduce_warmup(self) -> bool:
