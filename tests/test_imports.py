@@ -232,6 +232,6 @@ def test_quick_tier_runs_every_mode() -> None:
     # pieces of gossip, ZeRO, the local modes, the reducer
     parts = {"__init__", "topology", "zero_shard", "zero_state", "zero_config", "zero_grads", "zero_mirror", "zero_pieces",
              "zero_finite", "zero_join", "local", "local_state", "local_nonfinite", "fused_state", "fused_config",
-             "fused_build", "comm_stats", "gossip_average", "gossip_buckets", "gossip_step", "step_undo"}
+             "fused_build", "comm_stats", "gossip_average", "gossip_buckets", "gossip_step", "step_undo", "local_scaler"}
     missing = sorted(modes - parts - set(QUICK))
     assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"
