@@ -108,17 +108,23 @@ def _gloo_rank(rank: int, address: str, q: object) -> None:
 def test_a_gloo_group_rendezvouses_through_etcd(one: EtcdCluster) -> None:
     """Three processes set up a Gloo group over the etcd store (c10d calls it from C++) and
     all-reduce: the sum on every rank."""
+    got = dict(_processes(_gloo_rank, [(r, one.address("gloo")) for r in range(3)], 60))
+    assert got == {r: [6.0] * 4 for r in range(3)}
+
+
+def _processes(target: Any, args: list[tuple], timeout: float) -> list[Any]:
+    """``target(*a, q)`` in a process of its own for each ``a`` of ``args``: what each put on ``q``."""
     from fastreduce.launch import rank_context
 
     ctx = rank_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, one.address("gloo"), q)) for r in range(3)]
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=60) for _ in procs)
+    got = [q.get(timeout=timeout) for _ in procs]
     for p in procs:
         p.join(30)
-    assert got == {r: [6.0] * 4 for r in range(3)}
+    return got
 
 
 def _rerun_member(index: int, address: str, q: object) -> None:
@@ -147,17 +153,8 @@ def test_a_job_run_again_at_the_same_address_starts_clean(one: EtcdCluster) -> N
     run's founders took tickets 3 and 4 and every member waited wait_s for an admission that
     never came. Now the first run's processes are found gone and its keys cleared: the second
     run forms its own epoch 0 and trains."""
-    from fastreduce.launch import rank_context
-
-    ctx = rank_context()
     for run in range(2):
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_rerun_member, args=(i, one.address("run-again"), q)) for i in range(2)]
-        for p in procs:
-            p.start()
-        got = sorted(q.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(30)
+        got = sorted(_processes(_rerun_member, [(i, one.address("run-again")) for i in range(2)], 120))
         assert got == [(0, 3, 0), (1, 3, 0)], (run, got)
 
 
