@@ -196,6 +196,9 @@ def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
         glue.make_sampler(list(range(8)), step_samples=2, seed=0, sized=True)
         glue.join(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), [],
                   last_step=0)
+    with pytest.raises(ValueError, match="fp16 with a GradScaler does not run under fastreduce.Membership"):
+        glue.join(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), [],
+                  last_step=4, scaler=torch.amp.GradScaler("cpu"))
     old = os.environ.get("TORCHELASTIC_RUN_ID")
     os.environ["TORCHELASTIC_RUN_ID"] = "x"
     try:

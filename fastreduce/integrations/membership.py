@@ -287,6 +287,11 @@ class TrainerMembership:
             raise ValueError(f"{self.who}: under fastreduce.Membership the run's length is its number of committed "
                              "optimizer steps (the LR schedule is over it, and the steps in a data epoch change "
                              "with the world): set max_steps")
+        if scaler is not None:  # (a CommittingOptimizer the scaler did not step commits nothing on that rank)
+            raise ValueError(f"{self.who}: fp16 with a GradScaler does not run under fastreduce.Membership: the "
+                             "scaler skips the optimizer's step on a member whose gradients overflowed, where every "
+                             "member must commit it (and the trainer counts a step the job did not commit): train "
+                             "in bf16 (bf16=True, precision='bf16-mixed') or fp32")
         self.last_step, self.schedulers = last_step, [s for s in schedulers if s is not None]
         self._build_args = (model, optimizer, scaler, max_grad_norm, on_epoch)
         for key, value in membership_settings(self.mode.cls).items():  # (ZeRO's redundant=2 kept as given)
