@@ -6,7 +6,9 @@ make store requests with a deadline (``fastreduce-store``, ``-waiter``, ``-coord
 process group (``fastreduce-shm``) and the point-to-point ring's (``fastreduce-ring``). Each
 is a :class:`Worker` (or, the heartbeat, owns one) and is listed here while it runs.
 :func:`shutdown` stops them all, the last started first, each after the work queued on it is
-done and within a bound; the next use of any of them starts it again. It runs:
+done and within a bound; the next use of any of them starts it again. (A worker of one
+process group's also ends once that group is gone: :meth:`Worker.let_go`, from a
+finalizer.) :func:`shutdown` runs:
 
 * at the interpreter's exit (``atexit``), before Python finalizes: there a daemon thread
   still inside a torch call is ended abruptly when it takes the GIL back, through C++
@@ -124,6 +126,9 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
+_LET_GO = object()  # Worker.let_go()'s end mark
+
+
 class Worker:
     """A daemon thread that runs the callables handed to it (:meth:`put`), one at a time, in
     order. Started by the first :meth:`put`, listed (:func:`own`) while it runs; :meth:`stop`
@@ -146,12 +151,30 @@ class Worker:
                 own(self)
             self._jobs.put(job)
 
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
+    def let_go(self) -> None:
+        """Stop the thread once the callables queued before are done, without waiting and
+        without taking a lock: for a ``weakref.finalize`` of what the thread serves (a
+        process group), which may run inside any code, a lock's holder included. The
+        thread un-lists itself as it ends (a callable put after this is run first)."""
+        jobs = self._jobs
+        if jobs is not None:
+            jobs.put(_LET_GO)  # (SimpleQueue.put is reentrant: safe from a finalizer)
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
         while True:
             job = jobs.get()
             if job is None:
                 return
+            if job is _LET_GO:
+                with self._lock:  # (a put() takes the lock: none lands in this queue after the check)
+                    if self._jobs is not jobs:
+                        continue  # stopped meanwhile: its end mark follows
+                    if not jobs.empty():
+                        jobs.put(_LET_GO)  # put() after the mark: those first
+                        continue
+                    self._thread = self._jobs = None
+                    disown(self)  # under the lock: a put() right after lists its new thread
+                    return
             try:
                 job()
             except Exception:  # noqa: BLE001 - reported; the worker goes on with the next

@@ -9,6 +9,12 @@ rows) in fp32 and with a bf16 wire into an fp32 output.
 
 from __future__ import annotations
 
+import gc
+import os
+import threading
+import time
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +24,7 @@ import fastreduce.comm.collectives as collectives
 import fastreduce.comm.shm as shm_mod
 from fastreduce.comm import Comm, get_comm
 from fastreduce.comm.collectives import exchange_ops
+from fastreduce.exit_quiet import quiet_backends
 from fastreduce.launch import run_ranks
 
 WORLDS = (2, 3, 4)
@@ -199,7 +206,43 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     out["p2p_got"] = {j: (recvs[j], torch.arange(10.0) + 100 * j + rank) for j in peers}
+    out["let_go"] = _groups_let_go(world, transport)
     return out
+
+
+GROUP_ROUNDS = 3
+
+
+def _groups_let_go(world: int, transport: str) -> tuple[int, list[tuple[bool, int, int, int]]]:
+    """Rounds of a new group used through the Comm layer (its Comm, a cached plan, the
+    reduce-scatter: at 3+ ranks over Gloo the ring's thread, on shared memory the
+    channel's), then destroyed and let go of by its user: the count of fastreduce's
+    threads before, and per round whether the group was freed, and this process's
+    descriptors, OS threads and fastreduce threads after it."""
+    ours = ("fastreduce-ring", "fastreduce-shm")
+    before = sum(t.name in ours for t in threading.enumerate())  # the default group's
+    rounds = []
+    for _ in range(GROUP_ROUNDS):
+        group = dist.new_group(list(range(world)))
+        gone = weakref.ref(group)
+        comm = get_comm(group, torch.device("cpu"), transport)
+        buf = comm.buffer(comm.shard_multiple, torch.float32)
+        for work, then in (comm.all_reduce(buf, comm.plan(torch.float32)), comm.reduce_scatter(buf)):
+            work.wait()
+            if then is not None:
+                then()
+        del comm, buf, work, then
+        dist.barrier()
+        quiet_backends()  # (what fastreduce.shutdown() ends with before a destroy: exit_quiet's note)
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+        deadline = time.monotonic() + 10  # a thread let go of ends after its queue
+        while sum(t.name in ours for t in threading.enumerate()) > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rounds.append((gone() is None, len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
+                       sum(t.name in ours for t in threading.enumerate())))
+    return before, rounds
 
 
 @pytest.fixture(scope="module", params=[(w, t) for w in WORLDS for t in TRANSPORTS], ids=lambda p: f"w{p[0]}-{p[1]}")
@@ -327,3 +370,19 @@ def test_point_to_point_posts_every_receive_before_any_send(results) -> None:
         assert [(p, n) for _, p, n in r["p2p_order"]] == froms + tos
         for j, (got, want) in r["p2p_got"].items():
             assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_group_its_user_let_go_of_is_freed_and_its_threads_end(results) -> None:
+    """A group used through the Comm layer, then destroyed and let go of by its user, is
+    freed (get_comm's cache, keyed by the group, held a Comm and plans that held it: every
+    group a mode was given lived on with its sockets and threads, about 5 descriptors a
+    round at 2 ranks), and the thread the layer ran for it ends (the ring's over Gloo at 3+
+    ranks, the shared-memory channel's: one more for good per group, a Membership's every
+    epoch). Descriptors and threads flat over rounds of a new group each."""
+    _, per_rank = results
+    for rank, r in enumerate(per_rank):
+        before, rounds = r["let_go"]
+        assert all(freed for freed, *_ in rounds), f"rank {rank}: groups kept alive: {rounds}"
+        assert [ours for *_, ours in rounds] == [before] * GROUP_ROUNDS, f"rank {rank}: threads left: {rounds}"
+        # (the OS's threads only shown: one that just ended can still be listed a moment)
+        assert rounds[-1][1] <= rounds[0][1], f"rank {rank}: (freed, fds, OS threads, ours) {rounds}"

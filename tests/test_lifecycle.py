@@ -35,6 +35,28 @@ def test_a_worker_runs_in_order_finishes_its_queue_at_stop_and_starts_again() ->
     assert lifecycle.shutdown() == [] and done[-1] == 5 and not w.alive
 
 
+def test_a_worker_let_go_of_ends_after_its_queue_and_unlists_itself() -> None:
+    """``let_go()`` (what a group's finalizer calls: no lock, no wait) ends the thread once
+    the jobs queued before, and those put after it, are done; it is no longer listed, and
+    the next ``put()`` starts a new one."""
+    done: list[int] = []
+    gate = threading.Event()
+    w = lifecycle.Worker("fastreduce-test")
+    w.put(gate.wait)
+    w.put(lambda: done.append(0))
+    thread = next(t for t in threading.enumerate() if t.name == "fastreduce-test")
+    w.let_go()
+    w.put(lambda: done.append(1))  # after the mark, before the thread reaches it: run too
+    gate.set()
+    thread.join(5.0)
+    assert not thread.is_alive() and done == [0, 1]
+    assert not w.alive and "fastreduce-test" not in lifecycle.running()
+    w.let_go()  # no thread: nothing to do
+    w.put(lambda: done.append(2))
+    assert w.alive and "fastreduce-test" in lifecycle.running()
+    assert lifecycle.shutdown() == [] and done == [0, 1, 2] and not w.alive
+
+
 def _threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("fastreduce-") and t.is_alive())
 

@@ -35,7 +35,7 @@ from ..profiling import span
 from .shm import ShmAllReduce, sum_order
 
 __all__ = ["Fp32Accumulate", "MeanPlan", "Messages", "Pending", "RingReduceScatter", "Waitable", "advance", "all_gather_flat",
-           "broadcast_from_rank0", "complete", "gather_by_exchange", "plan_mean", "reduce_scatter_flat",
+           "broadcast_from_rank0", "complete", "gather_by_exchange", "held_group", "plan_mean", "reduce_scatter_flat",
            "start_all_reduce"]
 
 _BROADCAST_CHUNK = 1 << 24  # elements received at a time when checking what rank 0 sends
@@ -75,21 +75,40 @@ class MeanPlan:
     (``fp32_accumulate``) the all-to-all scheme of :class:`Fp32Accumulate`, or (``shm``)
     through shared memory, which averages by itself."""
 
-    __slots__ = ("group", "world", "op", "prescale", "fp32_accumulate", "shm")
+    __slots__ = ("_group", "world", "op", "prescale", "fp32_accumulate", "shm")
 
     def __init__(self, group: dist.ProcessGroup | None, world: int, use_avg: bool,
                  fp32_accumulate: bool = False, shm: ShmAllReduce | None = None):
-        self.group = group
+        self._group = None if group is None else weakref.ref(group)  # a Comm caches plans: see held_group
         self.world = world
         self.op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
         self.prescale = not (use_avg or fp32_accumulate or shm is not None)
         self.fp32_accumulate = fp32_accumulate
         self.shm = shm
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return held_group(self._group)
+
     def __repr__(self) -> str:
         how = ("shared memory" if self.shm is not None else "fp32 accumulate" if self.fp32_accumulate else
                "divide then SUM" if self.prescale else "AVG")
         return f"MeanPlan(world={self.world}, {how})"
+
+
+def held_group(ref: weakref.ref | None) -> dist.ProcessGroup | None:
+    """The process group behind a weak reference (``None``: the default group). A
+    :class:`~.comm.Comm` and its plans hold their group weakly: :func:`~.comm.get_comm`'s
+    cache is keyed by the group, and a strong reference there kept every group ever given
+    to a mode alive, with its sockets and threads, after its user destroyed it. A mode holds
+    its group itself, so a Comm in use always finds it."""
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError("fastreduce: this mode's process group is gone (destroyed, and nothing refers "
+                           "to it any more); build the mode again on a live group")
+    return group
 
 
 def _avg_works(group: dist.ProcessGroup | None, device: torch.device) -> bool:
@@ -324,12 +343,14 @@ _ring_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _ring_of(group: dist.ProcessGroup | None) -> tuple[Worker, Iterator[int]]:
     """``group``'s ring thread (a :class:`~fastreduce.lifecycle.Worker`: started on first
-    use, stopped by ``fastreduce.shutdown()``), and its count of launches (the same on every
+    use, stopped by ``fastreduce.shutdown()`` or once the group is gone: a launch in its queue
+    holds the group, so none is left then), and its count of launches (the same on every
     rank: they launch in the same order)."""
     pg = group or dist.group.WORLD
     ring = _ring_queues.get(pg)
     if ring is None:
         ring = _ring_queues[pg] = (Worker("fastreduce-ring"), itertools.count())
+        weakref.finalize(pg, ring[0].let_go).atexit = False  # at the exit, shutdown() stops it
     return ring
 
 

@@ -42,7 +42,8 @@ How the bytes travel, per buffer:
 
 One :class:`Comm` per (group, device, transport), shared by every mode that asks
 (:func:`get_comm`); it holds the shared-memory segments it opened and the scratch the
-Gloo path needs (one buffer's worth per buffer, allocated on first use, never per call).
+Gloo path needs (one buffer's worth per buffer, allocated on first use, never per call),
+and its group only weakly (the cache is keyed by it): a group its user let go of is freed.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ from ..codecs.quant import divisor
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduceScatter, all_gather_flat,
-                          exchange_ops, gather_by_exchange, plan_mean, reduce_scatter_flat, ring_scratch_numel,
-                          start_all_reduce)
+                          exchange_ops, gather_by_exchange, held_group, plan_mean, reduce_scatter_flat,
+                          ring_scratch_numel, start_all_reduce)
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 from .transport import resolve_transport, wants_shm
 
@@ -76,7 +77,10 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, transport: str):
-        self.group, self.device, self.transport = group, device, resolve_transport(transport)
+        # The group held weakly: get_comm's cache is keyed by it, so a strong reference here
+        # kept every group ever given to a mode alive (its sockets and threads), destroyed or not.
+        self._group = None if group is None else weakref.ref(group)
+        self.device, self.transport = device, resolve_transport(transport)
         if self.transport == "shm" and device.type != "cpu":
             raise ValueError(f"transport='shm' needs CPU tensors, these are on {device}; "
                              "use transport='auto' or 'process_group'")
@@ -95,6 +99,11 @@ class Comm:
         self._accumulators: dict[tuple, Fp32Accumulate] = {}
         self._backlog: deque[Fp32Accumulate] = deque()  # launched, sum and gather not yet issued
         self._rows: dict[int, tuple] = {}  # mixing matrix -> (it, row, column, uniform)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (``None``: the default one); whoever uses this Comm holds it."""
+        return held_group(self._group)
 
     @property
     def shard_multiple(self) -> int:

@@ -293,7 +293,7 @@ class ShmAllReduce:
         head = torch.frombuffer(segment, dtype=torch.uint8, count=header)
         self.barrier = (FlagBarrier(head, self.rank, self.world, group_timeout(group),
                                      dist.get_process_group_ranks(group or dist.group.WORLD))
-                        if FLAG_BARRIERS else self.channel.barrier)
+                        if FLAG_BARRIERS else self.channel.gloo_barrier())
         self.region_bytes = region_bytes
         self.scratch: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 (or wider) sums
         self.works: dict[tuple[int, int, torch.dtype], ShmWork] = {}

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,12 +147,21 @@ class _Channel:
     """
 
     def __init__(self, group: dist.ProcessGroup | None):
-        # Gloo barriers (where flag barriers are not safe) get a group of their own, so
-        # they never meet the user's collectives.
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.sync = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.sync: dist.ProcessGroup | None = None  # Gloo barriers' group (gloo_barrier())
         self.worker = Worker("fastreduce-shm")  # stopped by lifecycle.shutdown(), started again by a job
+        weakref.finalize(self, self.worker.let_go).atexit = False  # or once this channel is gone
         self.tick = torch.zeros(1, dtype=torch.int32)
+
+    def gloo_barrier(self) -> Callable[[], None]:
+        """The barrier through Gloo, where flag barriers are not safe: on a group of its own,
+        so that it never meets the user's collectives, made by the first call (collective
+        over the ranks: called as a segment is opened). Only then: torch keeps a group until
+        it is destroyed, and a channel made for each of the user's groups made one whose
+        sockets and threads outlived the user's group, used or not."""
+        if self.sync is None:
+            self.sync = dist.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
+        return self.barrier
 
     def barrier(self) -> None:
         dist.all_reduce(self.tick, group=self.sync)
