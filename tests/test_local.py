@@ -45,8 +45,10 @@ atol 1e-6, rtol 0.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
@@ -335,6 +337,22 @@ def case_hierarchy(rank: int, world: int, hierarchy_name: str) -> dict:
     out = {"fr": fr, "steps": mode.steps}
     mode.remove()
     return out
+
+
+def case_hierarchy_rebuilt(rank: int, world: int) -> dict:
+    """LocalSGD(hierarchy=) built, trained, closed and dropped again and again: this
+    process's descriptors and Python threads after each build."""
+    counts = []
+    for _ in range(3):
+        model = odd_model(SEED)
+        opt = inner_opt(model, "sgd")
+        mode = fastreduce.LocalSGD(model, opt, 2, hierarchy={1: 2})
+        train_mode(model, opt, rank, range(1, 5))
+        mode.close()
+        del mode, model, opt
+        gc.collect()
+        counts.append((len(os.listdir("/proc/self/fd")), threading.active_count()))
+    return {"counts": counts}
 
 
 def case_torch_hierarchy(rank: int, world: int) -> dict:
@@ -744,6 +762,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         for name in HIERARCHIES:
             res["hierarchy/" + name] = guarded(case_hierarchy, rank, world, name)
         res["torch_hierarchy"] = guarded(case_torch_hierarchy, rank, world)
+        res["hierarchy_rebuilt"] = guarded(case_hierarchy_rebuilt, rank, world)
     if world == 2:
         for name in RESUME:
             res["resume_save/" + name] = guarded(case_resume_save, rank, world, name, path)
@@ -912,6 +931,17 @@ def test_hierarchy_matches_torch_hierarchical_model_averager(worlds, hierarchy) 
     at2 = [r["ref"][1] for r in ref]
     assert identical(at2[:2]) and identical(at2[2:]) and not identical(at2)
     assert identical([r["ref"][3] for r in ref])
+
+
+def test_hierarchy_rebuilt_again_and_again_keeps_its_descriptors_and_threads(worlds) -> None:
+    """Each LocalSGD(hierarchy=) made its level's subgroups anew, and torch keeps a group
+    until it is destroyed: every build kept one more for the process's life, with its
+    sockets (about 5 descriptors at 2 ranks) and, on shared memory, a thread. The subgroups
+    are made once per group now, for every build."""
+    for rank, r in enumerate(per_rank(worlds(4), "hierarchy_rebuilt")):
+        counts = r["counts"]
+        assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], \
+            f"rank {rank}: (descriptors, threads) after each build: {counts}"
 
 
 def test_bf16_wire_is_close_to_fp32_and_keeps_fp32_params(worlds) -> None:

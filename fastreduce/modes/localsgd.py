@@ -17,6 +17,7 @@ Communication pattern (step ``s`` counts the inner optimizer's steps from 1)::
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -63,16 +64,29 @@ def _levels(hierarchy: dict[int, int] | None, sync_every: int, world: int) -> li
     return levels
 
 
+_subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {size: this rank's subgroup}
+
+
 def _subgroup(group: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup | None:
     """The group of ``size`` consecutive ranks of ``group`` this rank belongs to (as
-    torch's ``new_subgroups``); only that group's ranks take part in making it."""
+    torch's ``new_subgroups``); only that group's ranks take part in making it. Made once
+    per group and size, for every LocalSGD built on them: torch keeps a group until it is
+    destroyed (with the default group), and a new one per build kept its sockets and
+    threads for the process's life. (Not destroyed here: torch names a group made with
+    ``use_local_synchronization`` by its ranks and the count of groups this process holds,
+    torch 2.13, so a group destroyed at a moment that is not the same on every rank, as
+    when its parent is let go of, would have the next one named apart on the ranks, each
+    then waiting for the others for good.)"""
     world = dist.get_world_size(group)
     if size == world:
         return group
-    rank = dist.get_rank(group)
-    start = rank // size * size
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(start, start + size)]
-    return dist.new_group(ranks, use_local_synchronization=True)
+    parent = group or dist.group.WORLD
+    made = _subgroups.setdefault(parent, {})
+    if size not in made:
+        start = dist.get_rank(group) // size * size
+        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(start, start + size)]
+        made[size] = dist.new_group(ranks, use_local_synchronization=True)
+    return made[size]
 
 
 class LocalSGD(LocalUpdates):
