@@ -88,6 +88,8 @@ def start_clean(link: CoordinatorLink) -> None:
         created = call(etcd.created, TICKETS) if etcd is not None else 0
         epoch = latest_epoch(link)
         taken = int(call(store.get, TICKETS))
+        if epoch is None and not taken:
+            return  # a new job: no ticket taken yet (the count read as 0 made the key)
         members = list(epoch.members) if epoch is not None else []
         tickets = [*epoch.spares, *range(epoch.tickets + 1, taken + 1)] if epoch is not None else range(1, taken + 1)
         waiting = []
