@@ -224,6 +224,14 @@ class OverlapSchedule:
         self.works.append(self.launch(b, packed))
         self.next = b + 1
 
+    def drop(self) -> None:
+        """Drop this step: what backward launched is waited for, not unpacked (the gradients
+        stay as they were), and the schedule is ready for the next backward."""
+        works = self.works
+        self._reset()
+        for work, _ in works:
+            complete((work, None))
+
     def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:
         """Launch the buckets still waiting, in order; return the missing grads and, per
         bucket, its collective and what to run once it is done (its unpack)."""
@@ -237,11 +245,8 @@ class OverlapSchedule:
             try:
                 while self.next < len(self.buckets):
                     self._launch(self.next)
-            except BaseException:  # (a gradient missing: every rank alike) the step is dropped, the schedule
-                works = self.works  # ready for the next: what was launched is waited for, not unpacked
-                self._reset()
-                for work, _ in works:
-                    complete((work, None))
+            except BaseException:  # (a gradient missing: every rank alike) the step is dropped
+                self.drop()
                 raise
         missing, works = self.missing, self.works
         if self._first_grad and len(self.backward_s) < 64:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -228,10 +228,14 @@ class Reattach:
             on the first re-attach, so that a loop zeroing with ``reducer.zero_grad()``
             never pays for a Python hook per gradient; ``False`` where another owner's
             hooks call :meth:`grad_ready` already (the overlapped schedule's).
+        held: whether the layout's parameters are still the model's
+            (:class:`~fastreduce.layout.ParamsHeld`): where not, nothing is re-attached.
     """
 
-    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: Any, *, grad_hooks: bool):
+    def __init__(self, layout: GradLayout, buffer: FusedBuffer, stats: Any, *, grad_hooks: bool,
+                 held: Callable[[], bool] | None = None):
         self.params, self.views, self.buffer, self.stats = layout.params, buffer.views, buffer, stats
+        self.held = held
         self.written = [False] * len(layout)  # per grad: backward wrote it since it was re-attached
         self.fresh: list[int] = []  # re-attached since the last reduce
         self.queued = False
@@ -251,8 +255,8 @@ class Reattach:
         fresh = [i for i, p in enumerate(params) if p.grad is None]
         if not fresh:
             return  # re-allocated ones (not None): reduce() copies them in
-        if not all(params[i].requires_grad for i in fresh):
-            return  # one frozen since the layout was learned: reduce() says to rebuild()
+        if not all(params[i].requires_grad for i in fresh) or (self.held is not None and not self.held()):
+            return  # one frozen, replaced or moved since the layout was learned: reduce() says to rebuild()
         if len(fresh) == len(params):
             self.buffer.zero_()
         else:

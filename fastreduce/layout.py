@@ -13,14 +13,17 @@ ranks with one small all-gather (:func:`verify_across_ranks`); a mismatch raises
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "Slot", "Segment", "bucket_runs", "counted", "verify_across_ranks",
-           "verify_model", "wire_word"]
+from .torch_internals import parameter_slots
+
+__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
+           "verify_across_ranks", "verify_model", "wire_word"]
 
 ALIGN = 32
 """Every parameter's offset in its segment is a multiple of this many elements."""
@@ -113,6 +116,52 @@ class GradLayout:
         what = f"{len(self.slots)} {next(iter(per))} grads" if len(per) == 1 else \
             f"{len(self.slots)} grads ({', '.join(f'{k} {d}' for d, k in per.items())})"
         return f"{what}, {n:,} elements"
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class ParamsHeld:
+    """Whether a layout's parameters are still ``root``'s, on the storage they had when the
+    layout was learned: a call is two C-speed passes (each parameter's ``data_ptr`` against
+    the one noted, each owner's entry by identity), no Python loop per parameter.
+
+    What it catches: a parameter replaced by another object (``load_state_dict(assign=True)``,
+    ``module.weight = nn.Parameter(...)``), or given new storage (``model.double()``,
+    ``model.to(device)``, ``p.data = t``: the gradient keeps its identity but not its place in
+    the flat buffer). A gradient layout keeps the parameters it learned; reduced as they
+    were, such parameters would never be averaged."""
+
+    __slots__ = ("params", "names", "owners", "keys", "ptrs")
+
+    def __init__(self, layout: GradLayout, root: torch.nn.Module):
+        self.params, self.names = layout.params, layout.names
+        paths = [name.rpartition(".") for name in layout.names]
+        self.owners = tuple(parameter_slots(root.get_submodule(path)) for path, _, _ in paths)
+        self.keys = tuple(key for _, _, key in paths)
+        self.ptrs = tuple(map(_data_ptr, self.params))
+
+    def __call__(self) -> bool:
+        """True while every parameter is the one learned, on the same storage."""
+        return tuple(map(_data_ptr, self.params)) == self.ptrs and \
+            all(map(operator.is_, map(dict.get, self.owners, self.keys), self.params))
+
+    def changed(self) -> list[str]:
+        """The names of the parameters replaced or moved (the error path)."""
+        return [n for n, p, owner, key, ptr in zip(self.names, self.params, self.owners, self.keys, self.ptrs)
+                if owner.get(key) is not p or p.data_ptr() != ptr]
+
+    def error(self) -> RuntimeError:
+        """What :meth:`__call__` found, and what to do."""
+        names = self.changed()
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return RuntimeError(
+            f"parameter(s) {shown} changed since fastreduce learned the gradient layout: replaced by new "
+            "Parameter objects (e.g. load_state_dict(..., assign=True)) or moved to new storage (e.g. "
+            "model.double(), model.to(...)), so their gradients would not be averaged. Call reducer.rebuild() "
+            "on every rank after changing the model's parameters (for all_reduce_gradients(model): "
+            "fastreduce.gradient_reducer(model, <the same arguments>).rebuild()); nothing was reduced in this "
+            "call and the gradients are as they were")
 
 
 def counted(n: int, noun: str) -> str:

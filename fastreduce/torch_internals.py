@@ -22,8 +22,9 @@ from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
            "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward",
-           "make_wrapper_subclass", "profiler_enabled", "release_abandoned", "scale_handed", "scale_handed_back",
-           "scaler_always_steps", "scaler_steps_fused", "store_base", "unsafe_preserve_version_counter"]
+           "make_wrapper_subclass", "parameter_slots", "profiler_enabled", "release_abandoned", "scale_handed",
+           "scale_handed_back", "scaler_always_steps", "scaler_steps_fused", "store_base",
+           "unsafe_preserve_version_counter"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -183,6 +184,12 @@ def compiled_inner(module: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else ``module``
     itself: the wrapper names each parameter ``_orig_mod.<its name>``."""
     return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """The dict in which ``module`` holds its own parameters by name (``Module._parameters``):
+    the entry that ``setattr`` and ``load_state_dict(assign=True)`` replace, read at C speed."""
+    return module._parameters
 
 
 def ddp_first_bucket_bytes() -> int:

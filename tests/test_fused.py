@@ -474,6 +474,59 @@ def unfreeze_case(rank: int, world: int) -> dict:
     return {"failed": failed, "layout_after_rebuild": reducer.layout.names, "refrozen": refrozen}
 
 
+REPLACED_CASES = {  # name: (how the parameters change, overlap, how grads are zeroed before it)
+    "assign": ("assign", False, "grads"),
+    "double": ("double", False, "grads"),
+    "double-after-none": ("double", False, "none"),
+    "overlap-assign": ("assign", True, "none"),
+    "overlap-double": ("double", True, "reducer"),
+    "overlap-double-after-none": ("double", True, "none"),
+}
+
+
+def replaced_case(rank: int, world: int, name: str) -> dict:
+    """Parameters replaced (load_state_dict(assign=True)) or moved to new storage (model.double())
+    after the layout was learned: a clear error on every rank, nothing touched; averaged again after
+    rebuild()."""
+    how, overlap, zero = REPLACED_CASES[name]
+    model = linear_stack(SEED, 6)
+    kw = {"overlap": True, "bucket_mb": 1e-4, "transport": "process_group"} if overlap else {}
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, **kw)
+    dtype = torch.float32
+
+    def backward(step: int) -> None:
+        (x,) = batch_for(model, rank, step)
+        loss_of(model, (x.to(dtype),)).backward()
+
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        backward(step)
+        reducer.reduce()
+    if zero == "none":
+        model.zero_grad(set_to_none=True)
+    elif zero == "reducer":
+        reducer.zero_grad()
+    if how == "assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    else:
+        model.double()
+        dtype = torch.float64
+    failed = expect_raises(RuntimeError, lambda: backward(2))  # (overlap after set_to_none: from backward)
+    if failed["raised"] is None:
+        snap = snapshot(model)
+        failed = expect_raises(RuntimeError, reducer.reduce) | {"changed": changed_since(snap, model)}
+    reducer.rebuild()
+    model.zero_grad(set_to_none=True)
+    backward(3)
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    reducer.reduce()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        dist.all_reduce(local[n])
+        worst = max(worst, float((p.grad - local[n] / world).abs().max()))
+    return {"failed": failed, "after_rebuild": worst, "dtype": str(model.layers[0].weight.grad.dtype)}
+
+
 def op_trace_case(rank: int, world: int) -> dict:
     """The ops one warm reduce() dispatches, per (wire, number of tensors, zero mode)."""
     traces = {}
@@ -547,6 +600,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out = {f"mixed-{w}": guarded(mixed_dtype_case, rank, world, w) for w in MIXED_WIRES}
     out["frozen"] = guarded(frozen_case, rank, world)
     out["unfreeze"] = guarded(unfreeze_case, rank, world)
+    out.update({f"replaced-{n}": guarded(replaced_case, rank, world, n) for n in REPLACED_CASES})
     out["ops"] = guarded(op_trace_case, rank, world)
     out.update({f"train-{n}": guarded(train_case, rank, world, n) for n in TRAIN_CASES})
     return out
@@ -602,6 +656,19 @@ def test_unfreezing_after_first_call_needs_rebuild(misc) -> None:
         refrozen = out["refrozen"]  # (it said "require grad but have no gradient": freeze what you do not train)
         assert refrozen["raised"] == "RuntimeError" and "frozen now" in refrozen["message"], refrozen["message"]
         assert "rebuild()" in refrozen["message"] and "backbone.2.weight" in refrozen["message"]
+
+
+@pytest.mark.parametrize("name", list(REPLACED_CASES))
+def test_parameters_replaced_after_the_layout_raise_on_every_rank_until_rebuild(misc, name) -> None:
+    for rank, out in enumerate(per_rank(misc, f"replaced-{name}")):
+        failed = out["failed"]
+        assert failed["raised"] == "RuntimeError", f"rank {rank}: {failed['raised']}: {failed['message']}"
+        assert "changed since fastreduce learned the gradient layout" in failed["message"], failed["message"]
+        assert "'layers.0.bias'" in failed["message"] and "rebuild()" in failed["message"], failed["message"]
+        assert failed.get("changed", []) == [], f"rank {rank}: a failed call changed {failed['changed']}"
+        assert failed["elapsed"] < 10.0
+        assert out["after_rebuild"] < 1e-6, out["after_rebuild"]
+        assert out["dtype"] == ("torch.float64" if "double" in name else "torch.float32")
 
 
 ALLOCATING_OPS = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",

@@ -2,6 +2,7 @@
 
 Per call, once warm::
 
+    parameters still the ones learned?     (identity and storage, no kernels; else: rebuild())
     grads still views of the flat buffer?  (identity check, no kernels)
       no  -> copy the re-allocated ones in with one _foreach_copy_, re-attach views
     pack    (replayed graph: cast each non-wire-dtype segment into the wire buffer)
@@ -189,7 +190,12 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         if self.world_size == 1:  # nothing to average: the gradients themselves checked
             return self.config.nonfinite == "ignore" or self._alone_finite()
         self._group_built.check("FusedReducer")
-        return self._reduce(self._check_alone() if self._built is None else None)
+        built = self._built
+        if built is not None and not built.held():  # replaced or moved parameters: raised before any collective
+            if built.schedule is not None:
+                built.schedule.drop()  # (what backward launched, waited for and not unpacked)
+            raise built.held.error()
+        return self._reduce(self._check_alone() if built is None else None)
 
     @guarded("{cls}.reduce()", "This step's gradients are lost: param.grad may hold this rank's own "
              "gradients, a partial average or stale values (do not step the optimizer); the parameters "
@@ -368,7 +374,11 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
     # ------------------------------------------------------------------ every call
 
     def _adopt(self, built: Built, indices: list[int] | range, direct: bool = False) -> tuple[list[int], bool]:
-        """:func:`~fastreduce.grads.adopt` under this reducer's ``unused_grads``."""
+        """:func:`~fastreduce.grads.adopt` under this reducer's ``unused_grads``; a parameter
+        replaced or moved since the layout was learned is an error (in overlap mode from
+        backward's hook, before that bucket launches)."""
+        if not built.held():
+            raise built.held.error()
         missing, moved, direct = adopt(built.layout, built.buffer, indices, direct=direct,
                                        missing_ok=self.config.unused_grads == "zero")
         self.stats.reattached += moved

@@ -18,7 +18,8 @@ from ..buffer import FusedBuffer
 from ..comm import Comm, MeanPlan, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..grads import Reattach, check_grads, missing_message
-from ..layout import GradLayout, verify_across_ranks
+from ..layout import GradLayout, ParamsHeld, verify_across_ranks
+from ..torch_internals import compiled_inner
 from .compressed import Compressed
 from .fused_state import step_undo
 from .overlap import bucket_segments, overlap_schedule
@@ -42,6 +43,7 @@ class Built:
     unpack: Callable[[], None] | None
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
     frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
+    held: ParamsHeld | None = None  # are the layout's parameters still the model's, on their storage?
     schedule: OverlapSchedule | None = None  # overlap mode only
     compressed: Compressed | None = None  # compression= only
     reattach: Reattach | None = None  # its forward pre-hook (and gradient hooks)
@@ -111,8 +113,9 @@ class FusedBuild:
         # Overlap mode packs and unpacks per bucket, eagerly: only the fused mode captures.
         pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
-        built = Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen)
-        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not overlap)
+        built = Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen,
+                      held=ParamsHeld(layout, compiled_inner(self.model)))
+        built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not overlap, held=built.held)
         if overlap:
             built.schedule, means = overlap_schedule(
                 layout, buffer, comm, quant or plan, pg_backend=pg, per_segment=cfg.per_bucket,
