@@ -12,10 +12,11 @@ ranks with one small all-gather (:func:`verify_across_ranks`); a mismatch raises
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from .torch_internals import parameter_slots
 
 __all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
-           "verify_across_ranks", "verify_model", "wire_word"]
+           "holding_dtype", "verify_across_ranks", "verify_model", "wire_word"]
 
 ALIGN = 32
 """Every parameter's offset in its segment is a multiple of this many elements."""
@@ -167,6 +168,14 @@ class ParamsHeld:
 def counted(n: int, noun: str) -> str:
     """``1 bucket``, ``3 buckets``: a count as the logs say it."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def holding_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The narrowest dtype that holds every one of ``dtypes`` (the wire of ``wire_dtype=None``
+    on a mixed model): the widest of them where it holds the others, float32 for float16
+    with bfloat16, neither of which holds the other (fp16 lacks bf16's range, bf16 fp16's
+    precision): torch's type promotion."""
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def wire_word(wire: object) -> str:

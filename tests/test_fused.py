@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -426,6 +427,23 @@ def mixed_dtype_case(rank: int, world: int, wire_name: str | None) -> dict:
     return out
 
 
+def fp16_bf16_case(rank: int, world: int) -> dict:
+    """wire_dtype=None on fp16 and bf16 parameters (neither dtype holds the other): an fp32 wire,
+    so a bf16 gradient beyond fp16's range and an fp16 one below bf16's precision both arrive."""
+    model = nn.ParameterList([nn.Parameter(torch.ones(4, dtype=torch.float16)),
+                              nn.Parameter(torch.ones(4, dtype=torch.bfloat16))])
+    reducer = fastreduce.FusedReducer(model, wire_dtype=None)
+    (model[0].float() * (1 + 2.0**-10) * (rank + 1)).sum().backward()
+    (model[1].float() * 1e5 * (rank + 1)).sum().backward()
+    want = []
+    for p in model:
+        g = p.grad.float()
+        dist.all_reduce(g)
+        want.append((g / world).to(p.dtype))
+    reducer.reduce()
+    return {"wire": reducer._built.buffer.wire.dtype, "got": [p.grad.clone() for p in model], "want": want}
+
+
 def frozen_case(rank: int, world: int) -> dict:
     """Frozen params are left alone, even with a stale (rank-specific) grad on one."""
     model = frozen_backbone_model(SEED)
@@ -599,6 +617,7 @@ def train_case(rank: int, world: int, name: str) -> dict:
 def misc_worker(rank: int, world: int) -> dict:
     out = {f"mixed-{w}": guarded(mixed_dtype_case, rank, world, w) for w in MIXED_WIRES}
     out["frozen"] = guarded(frozen_case, rank, world)
+    out["fp16_bf16"] = guarded(fp16_bf16_case, rank, world)
     out["unfreeze"] = guarded(unfreeze_case, rank, world)
     out.update({f"replaced-{n}": guarded(replaced_case, rank, world, n) for n in REPLACED_CASES})
     out["ops"] = guarded(op_trace_case, rank, world)
@@ -635,6 +654,13 @@ def test_mixed_dtype_model_matches_manual_all_reduce(misc, wire) -> None:
                 tol = "fp32" if want.dtype == torch.float32 and wire in ("fp32", None) else "bf16"
                 assert_grads_close({name: out["fr"][step][name]}, {name: want}, out["scale"][step],
                                    tol, f"rank {rank} step {step}")
+
+
+def test_no_wire_dtype_sends_fp16_with_bf16_in_fp32(misc) -> None:
+    for out in per_rank(misc, "fp16_bf16"):
+        for got, want in zip(out["got"], out["want"]):
+            assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+        assert out["wire"] == torch.float32
 
 
 def test_frozen_params_untouched(misc) -> None:

@@ -981,6 +981,25 @@ def stepped_after_close_case(rank: int, world: int) -> dict:
             "stale": runs[True][1]}
 
 
+def fp16_bf16_case(rank: int, world: int) -> dict:
+    """The default wire (None) on fp16 and bf16 parameters, neither of which holds the other: an fp32
+    reduce-scatter, so a bf16 gradient beyond fp16's range is stepped on as torch steps on its mean."""
+    params = [nn.Parameter(torch.ones(64, dtype=torch.float16)), nn.Parameter(torch.ones(64, dtype=torch.bfloat16))]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = fastreduce.ZeroOptimizer(params, torch.optim.SGD, lr=1e-5)
+    ref_opt = torch.optim.SGD(ref, lr=1e-5)
+    for p, q, scale in zip(params, ref, (1 + 2.0**-10, 1e5)):
+        p.grad = torch.full_like(p, scale * (rank + 1))
+        g = p.grad.float()
+        dist.all_reduce(g)
+        q.grad = (g / world).to(q.dtype)
+    opt.step()
+    opt.wait_params()
+    ref_opt.step()
+    opt.close()
+    return {"got": [p.detach().clone() for p in params], "want": [q.detach().clone() for q in ref]}
+
+
 def api_case(rank: int, world: int) -> dict:
     model = odd_model(SEED)
     params = list(model.parameters())
@@ -1218,6 +1237,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["closure"] = guarded(closure_case, rank, world, ref_group)
     out["commit_point"] = guarded(commit_point_case, rank, world, ref_group)
     out["api"] = guarded(api_case, rank, world)
+    out["fp16_bf16"] = guarded(fp16_bf16_case, rank, world)
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
     out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
@@ -1284,6 +1304,13 @@ def test_no_sync_accumulation_matches_summed_grads(misc, overlap) -> None:
         # held launches stay held through no_sync(): none from the backward hooks at step 1
         assert out["launched"][1] == 0 and (not overlap or out["launched"][2] > 0), out["launched"]
     assert_identical_on_ranks([o["zero"] for o in outs], "no_sync")
+
+
+def test_no_wire_dtype_steps_fp16_with_bf16_on_an_fp32_wire(misc) -> None:
+    for out in per_rank(misc, "fp16_bf16"):  # (bf16 parameters step on fp32 masters: within a bf16 ulp)
+        for got, want in zip(out["got"], out["want"]):
+            assert got.dtype == want.dtype
+            assert_close(got, want, rtol=2.0**-7, atol=0)
 
 
 def test_a_step_after_close_leaves_no_parameter_stale(misc) -> None:

@@ -18,7 +18,7 @@ from ..buffer import FusedBuffer
 from ..comm import Comm, MeanPlan, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..grads import Reattach, check_grads, missing_message
-from ..layout import GradLayout, ParamsHeld, verify_across_ranks
+from ..layout import GradLayout, ParamsHeld, holding_dtype, verify_across_ranks
 from ..torch_internals import compiled_inner
 from .compressed import Compressed
 from .fused_state import step_undo
@@ -81,8 +81,7 @@ class FusedBuild:
         elif cfg.overlap and cfg.quant is not None:
             named = named[::-1]  # roughly the backward order (see _record_order)
         quant = cfg.quant  # a quantized wire: fp32 buffer, the codec runs in QuantMean
-        wire_dtype = torch.float32 if quant else cfg.wire_dtype or max((p.dtype for _, p in named),
-                                                                      key=lambda d: torch.finfo(d).bits)
+        wire_dtype = torch.float32 if quant else cfg.wire_dtype or holding_dtype(p.dtype for _, p in named)
         pg = dist.get_backend(self.group)
         comp = cfg.compression
         if comp is not None and not cfg.overlap:  # uncompressed first, then the matrices by shape

@@ -28,7 +28,8 @@ class ReducerConfig:
 
     wire_dtype: torch.dtype | str | None = torch.bfloat16
     """dtype sent over the network; ``None`` sends each gradient in its own dtype
-    (mixed-dtype models then use the widest one). A quantized wire,
+    (mixed-dtype models then use the one that holds them all: the widest, float32 for
+    fp16 with bf16, :func:`~fastreduce.layout.holding_dtype`). A quantized wire,
     ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``"int8"``, sends codes with one
     fp32 scale per block of 256 values; the sum is exact fp32 of the decoded values,
     the mean encoded once more (:mod:`fastreduce.comm.quantized`; overlapped: per

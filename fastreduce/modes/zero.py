@@ -52,7 +52,7 @@ from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, check_grad, check_nonfinite, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
-from ..layout import GradLayout, bucket_runs, counted, verify_across_ranks, wire_word
+from ..layout import GradLayout, bucket_runs, counted, holding_dtype, verify_across_ranks, wire_word
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
 from .comm_stats import CommStats
@@ -84,8 +84,8 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         optimizer_class: an element-wise torch optimizer (:data:`ELEMENTWISE_OPTIMIZERS`
             or a subclass): SGD, Adam, AdamW, Adagrad, RMSprop, ...
         group: process group (default: the world).
-        wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own, the widest
-            if they differ); bf16/fp16 halve the bytes; ``torch.float8_e4m3fn``,
+        wire_dtype: dtype of the reduce-scatter (``None``: the gradients' own; where they differ, the
+            one that holds them all, float32 for fp16 with bf16); bf16/fp16 halve the bytes; ``torch.float8_e4m3fn``,
             ``torch.float8_e5m2`` or ``"int8"`` quarter them (encoded chunks, a scale per
             256, summed in fp32 by each shard's owner: one rounding).
         gather_dtype: dtype of the parameters' all-gather (default: their own); bf16
@@ -242,8 +242,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                 check_grad(n, p, device)
         self.device = device
         comm = self.comm = get_comm(self.group, device, transport)
-        wire = torch.float32 if quant else wire_dtype or max((p.dtype for _, p in named),
-                                                             key=lambda d: torch.finfo(d).bits)
+        wire = torch.float32 if quant else wire_dtype or holding_dtype(p.dtype for _, p in named)
         # Reverse registration order: roughly the order backward produces the grads.
         order = list(range(len(named)))[::-1]
         named = [named[i] for i in order]
