@@ -108,6 +108,7 @@ class OrderRecorder:
     the seconds from the first to the last (``backward_s``: the backward's length)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
         self.order: list[int] = []
         self.times: list[float] = []
         self.handles = on_grad_ready(params, self._ready)
@@ -129,12 +130,19 @@ class OrderRecorder:
                 order.append(i)
         return order
 
+    def among(self, order: list[int], params: list[torch.nn.Parameter]) -> list[int]:
+        """``order`` (indices into the parameters recorded) as indices into ``params``: those
+        trainable when the layout is learned, which may differ from those at construction
+        (layers frozen since are left out; one unfrozen since was never seen)."""
+        where = {id(p): k for k, p in enumerate(params)}
+        return [where[id(self.params[i])] for i in order if id(self.params[i]) in where]
+
 
 def agreed_order(order: list[int], n: int, group: dist.ProcessGroup | None) -> list[int]:
     """Rank 0's backward order (then the params it never saw, in model order), on every rank."""
     box = [order]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    order = box[0]
+    order = [i for i in box[0] if i < n]  # (rank 0 holding more: the layout check says so next)
     seen = set(order)
     return order + [i for i in range(n) if i not in seen]
 

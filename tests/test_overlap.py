@@ -525,14 +525,38 @@ def rebuild_case(rank: int, world: int) -> dict:
 
 
 def rebuild_first_case(rank: int, world: int) -> dict:
-    """rebuild() before the first reduce (e.g. after freezing layers right after building
-    the reducer): afterwards each parameter holds one hook, the schedule's."""
+    """rebuild() before the first reduce: afterwards each parameter holds one hook, the schedule's."""
     model = many_tensor_model(SEED)
     reducer = overlapped(model, "fp32", BUCKET_MB)
     reducer.rebuild()
     warm_up(model, reducer, rank, steps=3)
     return {"hooks": hook_counts(model), "in_backward": reducer.stats.launched_in_backward,
             "num_buckets": reducer.num_buckets}
+
+
+def frozen_after_build_case(rank: int, world: int) -> dict:
+    """Layers frozen after the reducer was built, before the first backward (as a fine-tuning
+    script does): the order the first step records is mapped onto the parameters trainable
+    then, the frozen ones left out, and every step averages the rest."""
+    model = many_tensor_model(SEED)
+    plain = copy.deepcopy(model)  # (the overlapped grads are averaged in place as backward runs)
+    reducer = overlapped(model, "fp32", SMALL_BUCKET_MB)
+    for m in (model, plain):
+        m.conv.requires_grad_(False)
+        m.norms[0].requires_grad_(False)
+    worst = 0.0
+    for step in range(3):
+        for m in (model, plain):
+            m.zero_grad(set_to_none=True)
+            loss_of(m, batch_for(m, rank, step)).backward()
+        reducer.reduce()
+        for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+            if p.requires_grad:
+                dist.all_reduce(q.grad)
+                worst = max(worst, float((p.grad - q.grad / world).abs().max()))
+    return {"worst": worst, "layout": reducer.layout.names, "in_backward": reducer.stats.launched_in_backward,
+            "num_buckets": reducer.num_buckets,
+            "frozen_grads": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]}
 
 
 TRAIN_STEPS = 5
@@ -576,6 +600,7 @@ def overlap_worker(rank: int, world: int) -> dict:
         out["profiler"] = guarded(profiler_case, rank, world)
         out["rebuild"] = guarded(rebuild_case, rank, world)
         out["rebuild_first"] = guarded(rebuild_first_case, rank, world)
+        out["frozen_after_build"] = guarded(frozen_after_build_case, rank, world)
         out.update({f"train-{n}": guarded(train_case, rank, world, n) for n in TRAIN_CASES})
     return out
 
@@ -894,6 +919,14 @@ def test_rebuild_before_first_reduce_leaves_one_hook_per_param(w2) -> None:
     for out in per_rank(w2, "rebuild_first"):
         assert out["in_backward"] == 2 * out["num_buckets"]
         assert out["hooks"] == [1] * len(out["hooks"]), Counter(out["hooks"])
+
+
+def test_layers_frozen_after_building_before_the_first_backward_are_left_out(w2) -> None:
+    for out in per_rank(w2, "frozen_after_build"):
+        assert out["worst"] < 1e-6, out["worst"]
+        assert not any(n.startswith(("conv.", "norms.0.")) for n in out["layout"]), out["layout"]
+        assert out["frozen_grads"] == []
+        assert out["num_buckets"] > 1 and out["in_backward"] == 2 * out["num_buckets"]
 
 
 def solo_worker(rank: int, world: int) -> dict:

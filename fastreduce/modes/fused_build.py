@@ -77,6 +77,7 @@ class FusedBuild:
         backward_s = recorder.backward_s if recorder is not None else 0.0
         seen = recorder.remove() if recorder is not None else None
         if seen is not None and cfg.quant is None:  # lay the buffer out in backward order
+            seen = recorder.among(seen, [p for _, p in named])  # (trainable now, maybe fewer than then)
             named = [named[i] for i in agreed_order(seen, len(named), self.group)]
         elif cfg.overlap and cfg.quant is not None:
             named = named[::-1]  # roughly the backward order (see _record_order)
