@@ -245,17 +245,26 @@ def bucket_runs(named: list[tuple[str, torch.nn.Parameter]], group_of: list[int]
     """Cut ``named`` into buckets: runs of one group (``group_of[k]``, e.g. a param group)
     and dtype, in ``named`` order, of about ``limit`` elements (the first one closed, of
     ``first_limit`` if given); ordered by their last member (when its gradient is
-    expected, if ``named`` is in backward order)."""
+    expected, if ``named`` is in backward order). Zero-size parameters never make a run
+    of their own (an empty bucket is an empty collective, which a quantized wire cannot
+    encode): they join the next run of their group and dtype, or, left over at the end,
+    the one before them; alone in theirs, they stay a run of their own."""
     open_runs: dict[tuple[int, torch.dtype], list[int]] = {}
     sizes: dict[tuple[int, torch.dtype], int] = {}
+    last: dict[tuple[int, torch.dtype], list[int]] = {}  # each key's last closed run
     done: list[list[int]] = []
     for k, (_, p) in enumerate(named):
         key = (group_of[k], p.dtype)
         run = open_runs.setdefault(key, [])
         run.append(k)
         sizes[key] = sizes.get(key, 0) + p.numel()
-        if sizes[key] >= (limit if done or first_limit is None else first_limit):
-            done.append(open_runs.pop(key))
+        if sizes[key] and sizes[key] >= (limit if done or first_limit is None else first_limit):
+            last[key] = open_runs.pop(key)
+            done.append(last[key])
             sizes[key] = 0
-    done += [run for run in open_runs.values() if run]
+    for key, run in open_runs.items():
+        if run and not sizes[key] and key in last:
+            last[key] += run  # zero-size parameters left over: into the run before them
+        elif run:
+            done.append(run)
     return sorted(done, key=max)  # by when the last grad of each is expected

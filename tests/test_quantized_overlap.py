@@ -306,6 +306,25 @@ def compiled_case(rank: int, world: int) -> dict:
     return out
 
 
+def empty_case(rank: int, world: int, transport: str) -> dict:
+    """Zero-size parameters: an fp32 one left alone at the end of the (reversed) model order, after
+    the run before it closed, and a bf16 one, the only bf16 parameter. The fp32 one joins the run
+    before it (no empty bucket); the bf16 one's bucket is empty and sends nothing."""
+    torch.manual_seed(SEED)
+    model = nn.ParameterList([nn.Parameter(torch.zeros(0, 16)), nn.Parameter(torch.zeros(0, 4, dtype=torch.bfloat16)),
+                              nn.Parameter(torch.randn(300)), nn.Parameter(torch.randn(600))])
+    reducer = fastreduce.FusedReducer(model, wire_dtype="int8", overlap=True, bucket_mb=0.001, transport=transport)
+    worst = 0.0
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        sum((p.float() * (rank + 1 + step)).sum() for p in model).backward()
+        reducer.reduce()
+        worst = max(worst, *(float((p.grad - (1.5 + step)).abs().max()) for p in model[2:]))
+    out = {"worst": worst, "segments": segments_of(reducer), "empty_grads": [tuple(p.grad.shape) for p in model[:2]]}
+    reducer.close()
+    return out
+
+
 def cases(world: int) -> list[tuple]:
     out: list[tuple] = []
     for t in TRANSPORTS:
@@ -315,12 +334,14 @@ def cases(world: int) -> list[tuple]:
             out += [("ef", fmt, t) for fmt in EF_FORMATS]
             out += [("ckpt", fmt, t) for fmt in EF_FORMATS]
             out.append(("cross", t))
+            out.append(("empty", t))
     if world == 2:
         out.append(("compiled",))
     return out
 
 
-CASE_FNS = {"exact": exact_case, "ef": ef_case, "ckpt": ckpt_case, "cross": cross_case, "compiled": compiled_case}
+CASE_FNS = {"exact": exact_case, "ef": ef_case, "ckpt": ckpt_case, "cross": cross_case, "compiled": compiled_case,
+            "empty": empty_case}
 
 
 run = case_runner(__name__, cases, SPAWN_TIMEOUT)
@@ -591,3 +612,16 @@ def test_compiled_model_gives_the_same_parameters() -> None:
         assert torch.equal(b, a), (f"rank {rank}: {first_diff(b, a)}; buckets plain "
                                    f"{[[n for n, _, _ in s] for _, s, _ in out[False]['segments']]}, compiled "
                                    f"{[[n for n, _, _ in s] for _, s, _ in out[True]['segments']]}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_zero_size_parameters_make_no_empty_bucket(transport: str) -> None:
+    """A zero-size parameter never makes a bucket of its own where its dtype has others (an empty
+    segment crashed the codec on every rank); alone in its dtype, its empty bucket sends nothing."""
+    for out in per_rank(run(2), ("empty", transport)):
+        assert out["worst"] < 2e-2, out["worst"]
+        assert out["empty_grads"] == [(0, 16), (0, 4)]
+        sizes = {dtype: [n for d, _, n in out["segments"] if d == dtype] for dtype, _, _ in out["segments"]}
+        assert 0 not in sizes["torch.float32"] and sizes["torch.bfloat16"] == [0], out["segments"]
+        slots = [[name for name, _, _ in s] for _, s, _ in out["segments"]]
+        assert ["2", "0"] in slots, slots  # (the reversed model order: 3, 2, 1, 0)

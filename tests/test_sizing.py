@@ -301,6 +301,18 @@ def test_first_bucket_has_its_own_limit() -> None:
     assert bucket_runs(named, [0] * 6, 300, first_limit=100) == [[0], [1, 2, 3], [4, 5]]
 
 
+def test_zero_size_parameters_make_no_bucket_of_their_own() -> None:
+    """They join the next run of their dtype, or the one before them when left over at the end;
+    alone in their dtype they stay one (tests/test_quantized_overlap.py runs that)."""
+    from fastreduce.layout import bucket_runs
+    sizes = [300, 0, 0, 300, 0]
+    named = [(str(k), nn.Parameter(torch.zeros(n))) for k, n in enumerate(sizes)]
+    assert bucket_runs(named, [0] * 5, 300) == [[0], [1, 2, 3, 4]]
+    assert bucket_runs(named, [0] * 5, 0) == [[0], [1, 2, 3, 4]]  # (a limit of 0: one run per parameter)
+    named.append(("5", nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))))
+    assert bucket_runs(named, [0] * 6, 300) == [[0], [1, 2, 3, 4], [5]]
+
+
 # ============================================================== compiled
 
 def compiled_steps(rank: int, world: int, segment: bool) -> dict[str, Any]:

@@ -146,7 +146,7 @@ class QuantMean:
         self.mean = torch.empty(self.m, dtype=torch.float32, device=buf.device) if out is None else out
         self.shm = comm.shm_of(buf)
         self.pieces: list[_Piece] = []
-        if self.shm is None:  # pipelined: piece k's sum and gather overlap piece k+1's exchange
+        if self.shm is None and self.m:  # pipelined: piece k's sum and gather overlap piece k+1's exchange
             blocks = self.m // codec.block
             count = max(1, min(PIECES, self.row_bytes // (piece_bytes or PIECE_BYTES), blocks))
             edges = [codec.block * (blocks * k // count) for k in range(count + 1)]
@@ -171,7 +171,10 @@ class QuantMean:
 
         The work returned is the first piece's exchange, for the caller to wait on (once:
         Gloo's point-to-point work takes one wait); with ``hold`` it is ``None`` and
-        ``then`` waits for everything itself, so that :meth:`advance` may run before it."""
+        ``then`` waits for everything itself, so that :meth:`advance` may run before it.
+        An empty buffer (a bucket of zero-size parameters, alone in their dtype) sends nothing."""
+        if not self.m:
+            return None, unpack
         if pack is not None:
             with span("fastreduce::pack"):
                 pack()
