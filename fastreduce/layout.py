@@ -133,7 +133,7 @@ class ParamsHeld:
     the flat buffer). A gradient layout keeps the parameters it learned; reduced as they
     were, such parameters would never be averaged."""
 
-    __slots__ = ("params", "names", "owners", "keys", "ptrs")
+    __slots__ = ("params", "names", "owners", "keys", "ptrs", "fresh")
 
     def __init__(self, layout: GradLayout, root: torch.nn.Module):
         self.params, self.names = layout.params, layout.names
@@ -141,11 +141,19 @@ class ParamsHeld:
         self.owners = tuple(parameter_slots(root.get_submodule(path)) for path, _, _ in paths)
         self.keys = tuple(key for _, _, key in paths)
         self.ptrs = tuple(map(_data_ptr, self.params))
+        self.fresh = False  # checked already this step (every bucket's adopt asks; one pass a step)
 
     def __call__(self) -> bool:
-        """True while every parameter is the one learned, on the same storage."""
-        return tuple(map(_data_ptr, self.params)) == self.ptrs and \
-            all(map(operator.is_, map(dict.get, self.owners, self.keys), self.params))
+        """True while every parameter is the one learned, on the same storage: looked at once
+        a step (until :meth:`expire`)."""
+        if not self.fresh:
+            self.fresh = tuple(map(_data_ptr, self.params)) == self.ptrs and \
+                all(map(operator.is_, map(dict.get, self.owners, self.keys), self.params))
+        return self.fresh
+
+    def expire(self) -> None:
+        """The step is over: the next call looks again (the model may change between steps)."""
+        self.fresh = False
 
     def changed(self) -> list[str]:
         """The names of the parameters replaced or moved (the error path)."""

@@ -195,7 +195,11 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
             if built.schedule is not None:
                 built.schedule.drop()  # (what backward launched, waited for and not unpacked)
             raise built.held.error()
-        return self._reduce(self._check_alone() if built is None else None)
+        try:
+            return self._reduce(self._check_alone() if built is None else None)
+        finally:
+            if self._built is not None:
+                self._built.held.expire()
 
     @guarded("{cls}.reduce()", "This step's gradients are lost: param.grad may hold this rank's own "
              "gradients, a partial average or stale values (do not step the optimizer); the parameters "
