@@ -458,6 +458,16 @@ def moe_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x, step, rank), y)
 
 
+def moe_steps(model: nn.Module, opt: fastreduce.ZeroOptimizer, rank: int) -> Any:
+    """``MOE_STEPS`` steps of ``opt`` over :class:`ExpertsModel`: each step's index and the
+    parameters after it (gathered)."""
+    for step in range(MOE_STEPS):
+        moe_loss(model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.wait_params()
+        yield step, params_of(model)
+
 
 def moe_reference(world: int, make: Callable[[Any], torch.optim.Optimizer]) -> tuple[torch.optim.Optimizer, list]:
     """``make``'s torch optimizer over :class:`ExpertsModel` on the mean gradient of every
@@ -491,12 +501,8 @@ def moe_case(rank: int, world: int) -> dict:
                                        bucket_mb=SMALL_BUCKET_MB)
         expert2 = [i for i, (n, _) in enumerate(model.named_parameters()) if n.startswith("experts.2.")]
         runs, untouched, before = [], [], None
-        for step in range(MOE_STEPS):
-            moe_loss(model, step, rank).backward()
-            opt.step()
-            opt.zero_grad()
-            opt.wait_params()
-            runs.append(params_of(model))
+        for step, params in moe_steps(model, opt, rank):
+            runs.append(params)
             if step == 3 and wire == "fp32-redundant":  # expert 3 not stepped yet: it has no state
                 out["unstepped"] = moe_moved(opt, model)
             if dtype is not None:
@@ -1056,13 +1062,7 @@ def moe_sgd_case(rank: int, world: int) -> dict:
     torch.manual_seed(SEED)
     model = ExpertsModel()
     opt = zero_opt(model.parameters(), "sgd", module=model, bucket_mb=SMALL_BUCKET_MB, redundant=True)
-    runs = []
-    for step in range(MOE_STEPS):
-        moe_loss(model, step, rank).backward()
-        opt.step()
-        opt.zero_grad()
-        opt.wait_params()
-        runs.append(params_of(model))
+    runs = [params for _, params in moe_steps(model, opt, rank)]
     out = {"ref": refs, "ref_state": ref_opt.state_dict(), "runs": runs, "state": opt.state_dict(),
            "fused": [g.get("fused") for g in opt.inner.param_groups]}
     opt.close()
