@@ -91,6 +91,7 @@ class Admission:
         self.pulse.up()
         spare = self.me.settings.spare
         ticket = self.link.call(self.link.store.add, TICKETS, 1)
+        self.pulse.said_again()  # (a clear of an earlier run between up() and the ticket took them)
         self.link.call(self.link.store.set, ticket_key(ticket),
                        json.dumps({"member": self.me.name, "print": self.fingerprint(), "start": start,
                                    "spare": spare}))

@@ -85,6 +85,13 @@ class Pulse:
             self._thread.start()
             own(self)
 
+    def said_again(self) -> None:
+        """This member's record and a beat written once more: another process clearing an
+        earlier run of the job (:mod:`.reruns`) between this member's :meth:`up` and its ticket
+        deleted them with that run's keys (after the ticket, such a clear no longer holds)."""
+        self.call(self.store.set, who_key(self.member), process_identity.identity())
+        self.call(self.store.add, pulse_key(self.member), 1)
+
     def down(self) -> None:
         """Stop beating (the epoch's heartbeat shows this member alive from here on)."""
         self.stop(timeout=0)
