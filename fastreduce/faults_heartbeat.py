@@ -161,13 +161,30 @@ class Heartbeat:
         # a connection of its own for the beats and reads: never queued behind a long wait on
         # the group's; its timeout past the reads' deadline (the deadline decides). Made apart
         # (reach.SecondConnection: it can take 10 s), the rank registered and beating meanwhile.
-        self._own = SecondConnection(default, max(5.0, 2 * lost_after()) * self.store_windows,
+        self._own: SecondConnection | None = SecondConnection(default, max(5.0, 2 * lost_after()) * self.store_windows,
                                      "fastreduce-store-connect", then=self._take)
         self.connected = self._own.done
         """Set once the beats and reads go over a connection of their own (or it could not be made)."""
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
         own(self)
+
+    @classmethod
+    def simulated(cls, store: Any, rank: int, world: int, interval: float, me: str) -> "Heartbeat":
+        """A heartbeat of ``rank`` of ``world`` that is not this process's (``fastreduce bench
+        store`` runs many in one process, with no process group): ``store`` is its connection
+        of its own already, it counts as current whatever the default group, its thread is
+        not started (the caller runs :meth:`_run`), registered as ``__init__`` registers a rank."""
+        beat = cls.__new__(cls)
+        beat.default, beat.interval, beat.rank, beat.world, beat.me = None, interval, rank, world, me
+        beat.store, beat.store_windows, beat.lost, beat.host_waits = store, 1, {}, True
+        beat.caller = StoreCaller("bench-store")
+        beat.name, beat._stopping = "bench-heartbeat", threading.Event()
+        beat._own, beat.connected = None, threading.Event()  # (its caller owns ``store``)
+        beat.connected.set()
+        store.set(f"{STORE_PREFIX}host/{rank}", me)
+        store.add(beat.key, 1)
+        return beat
 
     @property
     def key(self) -> str:
@@ -189,7 +206,8 @@ class Heartbeat:
         _forget(self)
         disown(self)
         self.caller.close()  # its thread and this connection end with the heartbeat (one per group made)
-        self._own.close()
+        if self._own is not None:
+            self._own.close()
 
     def stop(self, timeout: float | None = None, rest: bool = True) -> bool:
         """Stop beating (:func:`~.lifecycle.shutdown`); ``rest``: the counter rests
@@ -199,7 +217,8 @@ class Heartbeat:
         self._stopping.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
-            self._own.wait(0 if timeout is None else timeout)  # (a stopped one takes no connection it makes)
+            if self._own is not None:
+                self._own.wait(0 if timeout is None else timeout)  # (a stopped one takes no connection it makes)
         with _lock:
             if _beat is self:
                 _beat = None
@@ -212,8 +231,9 @@ class Heartbeat:
         return not self.thread.is_alive()
 
     def current(self) -> bool:
-        """Whether this heartbeat's group is still this process's default group."""
-        return _is_current(self.default)
+        """Whether this heartbeat's group is still this process's default group (a
+        :meth:`simulated` one's always is)."""
+        return self.default is None or _is_current(self.default)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a read of the store) within the loss window (:data:`LOCAL_GRACE` of

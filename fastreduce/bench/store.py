@@ -169,22 +169,10 @@ class Counted:
 # ---------------------------------------------------------------- one simulated rank
 
 def _heartbeat(store: Any, rank: int, world: int, interval: float) -> Any:
-    """A ``faults_heartbeat.Heartbeat`` over ``store`` for ``rank`` of ``world`` (its thread not
-    started), registered in the store as ``Heartbeat.__init__`` registers a rank. It counts
-    as current whatever this process's default group (none in the bench's client
-    processes), so its real ``_run`` loop beats until the store raises."""
-    beat = object.__new__(faults_heartbeat.Heartbeat)
-    beat.interval, beat.rank, beat.world = interval, rank, world
-    beat.current = lambda: True
-    beat.name, beat._stopping = "bench-heartbeat", threading.Event()  # as __init__ sets them
-    beat.connected = threading.Event()
-    beat.connected.set()  # ``store`` is its own connection already
-    beat.store, beat.caller, beat.lost, beat.host_waits = store, faults.StoreCaller("bench-store"), {}, True
-    beat.me = f"bench {os.getpid()}"  # no process of its own: never seen running (process_identity.running_here)
-    beat.store_windows = 1  # a read's deadline as on a host other than the store's (process_identity.served_here)
-    store.set(f"{faults_heartbeat.STORE_PREFIX}host/{rank}", beat.me)
-    store.add(f"{faults_heartbeat.STORE_PREFIX}heartbeat/{rank}", 1)
-    return beat
+    """A heartbeat of ``rank`` of ``world`` over ``store`` (its thread not started: the
+    caller runs its real ``_run`` loop, which beats until the store raises). Its identity
+    names no process (never seen running: ``process_identity.running_here``)."""
+    return faults_heartbeat.Heartbeat.simulated(store, rank, world, interval, f"bench {os.getpid()}")
 
 
 def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> Any:
