@@ -120,6 +120,9 @@ class GradLayout:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_REBUILD = ("Call reducer.rebuild() on every rank after changing the model's parameters (for "
+            "all_reduce_gradients(model): fastreduce.gradient_reducer(model, <the same arguments>).rebuild()); "
+            "nothing was reduced in this call and the gradients are as they were")
 
 
 class ParamsHeld:
@@ -131,15 +134,19 @@ class ParamsHeld:
     ``module.weight = nn.Parameter(...)``), or given new storage (``model.double()``,
     ``model.to(device)``, ``p.data = t``: the gradient keeps its identity but not its place in
     the flat buffer). A gradient layout keeps the parameters it learned; reduced as they
-    were, such parameters would never be averaged."""
+    were, such parameters would never be averaged. Without ``root`` (or for a parameter
+    ``root`` does not hold under its layout name) only the storage is watched.
 
-    __slots__ = ("params", "names", "owners", "keys", "ptrs", "fresh")
+    ``remedy``: what the error tells the user to do (the owner's way to learn the layout again)."""
 
-    def __init__(self, layout: GradLayout, root: torch.nn.Module):
-        self.params, self.names = layout.params, layout.names
-        paths = [name.rpartition(".") for name in layout.names]
-        self.owners = tuple(parameter_slots(root.get_submodule(path)) for path, _, _ in paths)
-        self.keys = tuple(key for _, _, key in paths)
+    __slots__ = ("params", "names", "owned", "owners", "keys", "ptrs", "fresh", "remedy")
+
+    def __init__(self, layout: GradLayout, root: torch.nn.Module | None, remedy: str = _REBUILD):
+        self.params, self.names, self.remedy = layout.params, layout.names, remedy
+        found = [] if root is None else [(p, owner, key) for p, (path, _, key) in
+                                         zip(self.params, (n.rpartition(".") for n in self.names))
+                                         for owner in [_slots_at(root, path)] if owner.get(key) is p]
+        self.owned, self.owners, self.keys = (tuple(x) for x in zip(*found)) if found else ((), (), ())
         self.ptrs = tuple(map(_data_ptr, self.params))
         self.fresh = False  # checked already this step (every bucket's adopt asks; one pass a step)
 
@@ -148,7 +155,7 @@ class ParamsHeld:
         a step (until :meth:`expire`)."""
         if not self.fresh:
             self.fresh = tuple(map(_data_ptr, self.params)) == self.ptrs and \
-                all(map(operator.is_, map(dict.get, self.owners, self.keys), self.params))
+                all(map(operator.is_, map(dict.get, self.owners, self.keys), self.owned))
         return self.fresh
 
     def expire(self) -> None:
@@ -157,8 +164,8 @@ class ParamsHeld:
 
     def changed(self) -> list[str]:
         """The names of the parameters replaced or moved (the error path)."""
-        return [n for n, p, owner, key, ptr in zip(self.names, self.params, self.owners, self.keys, self.ptrs)
-                if owner.get(key) is not p or p.data_ptr() != ptr]
+        replaced = {id(p) for p, owner, key in zip(self.owned, self.owners, self.keys) if owner.get(key) is not p}
+        return [n for n, p, ptr in zip(self.names, self.params, self.ptrs) if id(p) in replaced or p.data_ptr() != ptr]
 
     def error(self) -> RuntimeError:
         """What :meth:`__call__` found, and what to do."""
@@ -167,10 +174,16 @@ class ParamsHeld:
         return RuntimeError(
             f"parameter(s) {shown} changed since fastreduce learned the gradient layout: replaced by new "
             "Parameter objects (e.g. load_state_dict(..., assign=True)) or moved to new storage (e.g. "
-            "model.double(), model.to(...)), so their gradients would not be averaged. Call reducer.rebuild() "
-            "on every rank after changing the model's parameters (for all_reduce_gradients(model): "
-            "fastreduce.gradient_reducer(model, <the same arguments>).rebuild()); nothing was reduced in this "
-            "call and the gradients are as they were")
+            f"model.double(), model.to(...)), so their gradients would not be averaged. {self.remedy}")
+
+
+def _slots_at(root: torch.nn.Module, path: str) -> dict[str, Any]:
+    """The parameter dict of ``root``'s submodule at ``path`` (empty where there is none:
+    a name that is not a module path, e.g. an optimizer's ``param_groups[0][1]``)."""
+    try:
+        return parameter_slots(root.get_submodule(path))
+    except AttributeError:
+        return {}
 
 
 def counted(n: int, noun: str) -> str:

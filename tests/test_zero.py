@@ -1611,6 +1611,40 @@ def bad_state_dict_case(rank: int, world: int, kind: str) -> dict:
     return res | {"changed": changed_since(snap, model), "state_same": state_same}
 
 
+def replaced_case(rank: int, world: int, how: str, overlap: bool) -> dict:
+    """Parameters replaced (``assign``: ``load_state_dict(assign=True)``) or given new storage
+    (``moved``: ``p.data = ...``, as ``model.to()`` does) after the optimizer was built: its
+    shards would step the flat buffers and the model would never see it. ``step()`` (overlap:
+    backward's first bucket) raises, the parameters as they were; an optimizer built again
+    takes the old one's state_dict() and steps."""
+    model = odd_model(SEED)
+    opt = zero_opt(model.parameters(), module=model, overlap=overlap)
+    loss_fn(model, batch_for(model, rank, 0)).backward()
+    opt.step()
+    opt.wait_params()  # (the all-gather into the parameters is done before they are copied)
+    opt.zero_grad()
+    if how == "assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    else:
+        last = list(model.parameters())[-1]
+        last.data = last.data.clone()
+    snap = snapshot(model)
+
+    def run() -> None:
+        loss_fn(model, batch_for(model, rank, 1)).backward()
+        opt.step()
+
+    res = expect_raises(RuntimeError, run)
+    changed = changed_since(snap, model, grads=False)
+    opt.close()  # (its hooks off the parameters)
+    again = zero_opt(model.parameters(), module=model, overlap=overlap)
+    again.load_state_dict(opt.state_dict())
+    again.zero_grad()
+    loss_fn(model, batch_for(model, rank, 1)).backward()
+    again.step()
+    return res | {"changed": changed, "stepped": changed_since(snap, model, grads=False) != []}
+
+
 ERROR_CASES: dict[str, tuple[Callable[..., dict], tuple, str, list[str]]] = {
     # name: (case, extra args, exception, words its message must contain (case-insensitive))
     "lbfgs": (lbfgs_case, (), "ValueError", ["element-wise"]),
@@ -1618,6 +1652,9 @@ ERROR_CASES: dict[str, tuple[Callable[..., dict], tuple, str, list[str]]] = {
     "layout_mismatch": (layout_case, (), "LayoutMismatchError", []),
     "state_dict_wrong_shape": (bad_state_dict_case, ("wrong_shape",), "ValueError", []),
     "state_dict_other_model": (bad_state_dict_case, ("other_model",), "ValueError", []),
+    **{f"replaced_{how}-{'overlap' if o else 'no_overlap'}": (replaced_case, (how, o), "RuntimeError",
+                                                               ["changed", "ZeroOptimizer again"])
+       for how in ("assign", "moved") for o in (False, True)},
     # Last: an error raised from inside backward (overlap=True) is the likeliest to leave
     # something pending in the group.
     "sparse-no_overlap": (sparse_case, (False,), "ValueError", ["sparse"]),
@@ -1647,6 +1684,8 @@ def test_error_raised_on_every_rank_and_nothing_changed(errors, name) -> None:
         assert not res.get("hooks_left"), f"rank {rank}: a failed construction left hooks behind"
         if "state_same" in res:
             assert res["state_same"], f"rank {rank}: a failed load_state_dict changed the optimizer state"
+        if "stepped" in res:
+            assert res["stepped"], f"rank {rank}: the optimizer built again left the parameters as they were"
 
 
 def test_no_process_group_raises() -> None:

@@ -268,7 +268,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self.inner = ShardOptimizer(self.optimizer_class, self.param_groups, [s.group for s in self.shards],
                                     [s.master for s in self.shards],
                                     [self._chunk_pieces(s, self.rank) for s in range(len(self.shards))], self._kwargs)
-        self._build_grads(accumulate_dtype, quant, error_feedback)
+        self._build_grads(module, accumulate_dtype, quant, error_feedback)
         if module is not None:  # its forward waits for the gathers, compiled or not
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
             self._graph_waits = wait_in_graphs(self._wait_gathers, bucket_of)

@@ -33,11 +33,15 @@ from ..comm import Pending, complete
 from ..comm.quantized import QuantMean, QuantMeans
 from ..faults import guarded
 from ..grads import Reattach, adopt
+from ..layout import ParamsHeld
 from ..hooks import optional_before_forward
 from ..profiling import span
 from .zero_mirror import exchange
 
 __all__ = ["GradStats", "ZeroGradients"]
+
+_REBUILD = ("After changing the model's parameters, close() this optimizer and build the ZeroOptimizer "
+            "again on every rank (this one's state_dict() loads into it); nothing was stepped")
 
 
 @dataclass(slots=True)
@@ -67,12 +71,16 @@ class ZeroGradients:
         self._forward_reattach = None if module is None else optional_before_forward(module, self.reattach)
         return self._forward_reattach is not None
 
-    def _build_grads(self, accumulate_dtype: torch.dtype | None, quant: Any, error_feedback: bool) -> None:
-        """The re-attach and (several ranks) the schedule of the buckets' reduce-scatters."""
+    def _build_grads(self, module: torch.nn.Module | None, accumulate_dtype: torch.dtype | None, quant: Any,
+                     error_feedback: bool) -> None:
+        """The re-attach and (several ranks) the schedule of the buckets' reduce-scatters;
+        ``module``: whose parameters the layout's are (watched with their storage: the
+        parameters are views of the flat buffers now)."""
         layout, comm, W = self.layout, self.comm, self.world_size
         self._schedule: OverlapSchedule | None = None
         self.quantized: QuantMeans | None = None
-        self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1)
+        self._params_held = held = ParamsHeld(layout, module, _REBUILD)
+        self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1, held=held)
         if W == 1:
             return
         # A flag per parameter, > 0 where some rank's backward reached it: summed with the last
@@ -170,6 +178,8 @@ class ZeroGradients:
         return scaled
 
     def _adopt(self, indices: list[int], direct: bool) -> tuple[list[int], bool]:
+        if not self._params_held():  # (overlapped: from backward's hook, before this bucket launches)
+            raise self._params_held.error()
         missing, _, direct = adopt(self.layout, self.buffer, indices, direct=direct)
         return missing, direct
 
@@ -188,6 +198,11 @@ class ZeroGradients:
             raise RuntimeError("a parameter that was frozen (requires_grad=False) when ZeroOptimizer "
                                "was built now requires grad; its shard does not exist: build the "
                                "optimizer again after changing requires_grad")
+        if not self._params_held():  # replaced or moved parameters: raised before any collective of step()
+            if self._schedule is not None:
+                self._schedule.drop()  # (what backward launched: waited for, left unused)
+            raise self._params_held.error()
+        self._params_held.expire()  # (the next step looks again)
         self._reattach.settle(done=True)  # re-attached but never written by backward: None again
         if self._schedule is None:  # one rank: the grads are the average
             self._used_mask = self._local_used() > 0
