@@ -82,6 +82,10 @@ class Placement:
         """The ranks whose shards rank ``r`` holds a copy of: the j-th copy's first."""
         return [self.order[(self._at[r] - j) % self.world] for j in range(1, self.copies + 1)]
 
+    def kept_without(self, gone: set[int]) -> bool:
+        """Whether every rank's shard keeps a holder (the rank or a copy's) outside ``gone``."""
+        return all({d, *(self.holder(d, j) for j in range(1, self.copies + 1))} - gone for d in range(self.world))
+
 
 class ZeroMirror:
     """This rank's ``j``-th copy: of the shard of the rank ``k`` that :class:`Placement` puts
