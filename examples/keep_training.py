@@ -168,7 +168,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     a replacement's ``admitted`` (as it is admitted, before it enters its first epoch),
     ``healing`` (as its healing begins, the member sending it the state), ``first-step``
     (after its first backward, before its first commit),
-    ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``slow``
+    ``leaves`` (asks to leave at that step: :meth:`~fastreduce.Membership.leave`), ``ranks-leave``
+    (``(where, step, ranks)``: asks to leave at that step if its rank in the first epoch is one of
+    ``ranks``: given to every member, several asking at once, chosen by rank), ``slow``
     (not killed: that step takes 3 s more), ``step-raises`` (not killed: the optimizer's step raises
     ``ValueError`` in that step's commit, given to every member: a user's error; the member takes the
     step again, its batch the same);
@@ -248,7 +250,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     released = None
                 else:
                     time.sleep(0.5)
-            if kill == ("leaves", m.step):  # asks to leave: out at the members' next poll
+            if kill == ("leaves", m.step) or (kill is not None and kill[:2] == ("ranks-leave", m.step)
+                                              and m.epoch.number == 0 and m.rank in kill[2]):  # out at the next poll
                 say(f"asks to leave at step {m.step}")
                 m.leave()
             if kill == ("between", m.step):

@@ -18,6 +18,7 @@ from .admission import Admission
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink
 from .faults import RankLostError
 from .member import Member
+from .modes.contract import leaving_now
 from .presence import EXIT_CHECK_S, Watch
 from .process_identity import who_of
 from .status import Evictions, StatusReport
@@ -102,13 +103,19 @@ class Votes:
         self.link.call(self.link.store.add, _LEAVING, 1)
 
     def _leavers(self) -> list[str]:
-        """The members that asked to leave, looked for when the count of such requests
-        changed since this member last looked."""
+        """The members that leave at this poll: those that asked, looked for when the count of
+        such requests changed since this member last looked (or it kept some for a later poll),
+        less those the mode keeps for a later poll (:func:`~.modes.contract.leaving_now`: a
+        ZeRO shard and its only copy, asked away together, go one poll apart)."""
         asked = int(self.link.call(self.link.store.add, _LEAVING, 0))
         if asked == self._leaves_seen:
             return []
-        self._leaves_seen = asked
-        return [m for m in self.me.current().members if self.link.call(self.link.store.check, [f"{_LEAVING}/{m}"])]
+        epoch = self.me.current()
+        found = [r for r, m in enumerate(epoch.members) if self.link.call(self.link.store.check, [f"{_LEAVING}/{m}"])]
+        now = leaving_now(self.me.mode, found, epoch.world)
+        if len(now) == len(found):  # (otherwise looked for again at the next poll)
+            self._leaves_seen = asked
+        return [epoch.members[r] for r in now]
 
     def _await_decision(self, done: str) -> tuple[str, set[str]]:
         """The vote's decision; ``"abort"`` (and the silent members) where a member's

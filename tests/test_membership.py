@@ -560,19 +560,37 @@ def test_the_joiners_source_lost_while_it_heals_it_heals_from_another(tmp_path: 
 def test_a_member_that_leaves_is_out_at_the_next_poll_with_nothing_discarded(tmp_path: Path, mode: str) -> None:
     """Member 2 asks to leave at step 10 (a spot instance's notice): it trains on until the
     members' next poll (DiLoCo: its next sync), then is out; the others go on at 2 without
-    a loss, no step discarded, within a fraction of a second."""
-    found = run(tmp_path, "process_group", {2: ("leaves", 10)}, joiners=0, mode=mode)
-    leaver = found[2]
-    assert "error" not in leaver and leaver["left_at"] >= 10 and leaver["counters"]["leaves"] == 1, leaver
-    final = [found[0], found[1]]
+    a loss, no step discarded, within a fraction of a second. ZeRO (``redundant=True``, 4
+    members): ranks 1 and 2 ask at the same step, rank 2 holding the only copy of rank 1's
+    shard: rank 1 is out at the poll, rank 2 at the next one (the next epoch's first, its
+    copies placed again), nothing lost; the 2 left bit-identical and equal to
+    torch.optim.AdamW on the mean gradient (4 members, then 3, then 2)."""
+    if mode == "zero":  # (both at once, the 2 left lost rank 1's shard: MembershipError)
+        found = run(tmp_path, "process_group", {i: ("ranks-leave", 10, (1, 2)) for i in range(4)}, joiners=0,
+                    mode=mode, members=4)
+        leavers = [f for f in found.values() if "left_at" in f]
+        final = [f for f in found.values() if "left_at" not in f]
+        assert len(leavers) == 2 and len(final) == 2, sorted(found)
+    else:
+        found = run(tmp_path, "process_group", {2: ("leaves", 10)}, joiners=0, mode=mode)
+        leavers, final = [found[2]], [found[0], found[1]]
+    for leaver in leavers:
+        assert leaver["left_at"] >= 10 and leaver["counters"]["leaves"] >= 1, leaver
     for f in final:
+        assert "refused" not in f, f["refused"]
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2, (f["steps"][-3:], f["world"])
         assert all(ok for _, ok, _, _ in f["steps"])
         c = f["counters"]
-        assert c["losses"] == 0 and c["discarded_steps"] == 0 and c["leaves"] == 1, c
+        assert c["losses"] == 0 and c["discarded_steps"] == 0 and c["leaves"] == len(leavers), c
         assert max(sec for why, sec in c["stalls"] if why == "leave") < 1.0, c["stalls"]
     if mode == "fused":
         _same(final)
+    elif mode == "zero":
+        _same(final)
+        a, b = sorted(f["left_at"] for f in leavers)
+        assert a < b, (a, b)  # one poll apart
+        want = adamw_on_the_mean([4] * a + [3] * (b - a) + [2] * (STEPS - b))
+        assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
     else:
         assert torch.equal(final[0]["params"], final[1]["params"])
 
@@ -848,6 +866,40 @@ def test_a_process_that_joins_under_a_leavers_name_is_not_taken_for_it() -> None
     decision, leavers = newcomer.votes.vote(1)
     assert leavers == set(), (decision, leavers)
     for m in (voter, leaver, newcomer):
+        m.close()
+
+
+def test_members_asked_away_together_whose_going_would_lose_a_shard_leave_one_poll_apart() -> None:
+    """A sharded mode's (ZeRO's) members "w2" and "w3" ask to leave at once, rank 2 holding the
+    only copy of rank 1's shard: the poll takes w2 alone; the next epoch's first poll takes
+    w3, voted by the same member (which looks for the request again, the count of requests
+    unchanged). The vote's decision asks the mode (modes/contract.py: leaving_now)."""
+    from fastreduce.coordinator import MEMBERS_PREFIX, Epoch
+    from fastreduce.membership import Membership, serve
+
+    class Sharded:  # a mode whose shard of rank 1 is held by ranks 1 and 2 alone (in epoch 0)
+        commit_style, state_scope = "zero", "sharded"
+
+        def __init__(self, epoch: int):
+            self.epoch = epoch
+
+        def kept_without(self, ranks: set[int]) -> bool:
+            return self.epoch > 0 or not {1, 2} <= ranks
+
+    server = serve(0, "127.0.0.1")
+    address = f"127.0.0.1:{server.port}"
+    voter, *leavers = (Membership(address, world_size=3, member=name) for name in ("w1", "w2", "w3"))
+    voter.me.epoch, voter.me.mode = Epoch(0, ("w1", "w2", "w3"), 0, 0), Sharded(0)
+    for m in leavers:
+        m.me.epoch = voter.me.epoch
+        m.votes.ask_to_leave()
+    server.add(MEMBERS_PREFIX + "e0/s0", 2)  # the leavers' ballots at the poll
+    assert voter.votes.vote(0) == ("join", {"w2"})
+    voter.me.epoch, voter.me.mode = Epoch(1, ("w1", "w3"), 1, 1), Sharded(1)
+    server.add(MEMBERS_PREFIX + "e1/s1", 1)
+    assert voter.votes.vote(1) == ("join", {"w3"})
+    voter.me.mode = None  # (no mode to close)
+    for m in (voter, *leavers):
         m.close()
 
 

@@ -2146,3 +2146,59 @@ def test_copies_go_to_other_hosts_first(hosts: int, ranks: int, copies: int) -> 
                 assert all(set(h) - gone for h in holders.values()), (host, holders)
         for gone in combinations(range(world), k):  # any k ranks lost at once
             assert all(set(h) - set(gone) for h in holders.values()), gone
+
+
+def _spread(ring: list[str], k: int) -> tuple[int, bool]:
+    """A cyclic order's hosts ``ring`` (the j-th copy of a shard on the j-th rank after its
+    owner's): how many of every shard's copies, the first ones, sit on hosts other than its
+    owner's and each other's (the fewest over the shards), and whether every shard keeps a
+    holder off its owner's host (a whole host lost at once loses none)."""
+    n, fewest, kept = len(ring), k, True
+    for p in range(n):
+        seen = [ring[p]]
+        for j in range(1, k + 1):
+            if ring[(p + j) % n] in seen:
+                fewest = min(fewest, j - 1)
+                break
+            seen.append(ring[(p + j) % n])
+        kept = kept and any(ring[(p + j) % n] != ring[p] for j in range(1, k + 1))
+    return fewest, kept
+
+
+def test_copies_are_spread_over_uneven_hosts_as_well_as_any_placement_can() -> None:
+    """:class:`~fastreduce.modes.zero_mirror.Placement` over every layout of up to 7 ranks on
+    hosts of any sizes (as a job's hosts become after losses: 2+2+2 then 2+1+1), the ranks
+    numbered host by host (the smallest host first) or taken in turn, and every count of
+    copies: as many of each shard's copies on other hosts than its owner's and each other's,
+    and a holder of every shard off its owner's host wherever any cyclic order has them
+    (every one tried). That is, as docs/zero.md says: every copy on hosts apart wherever no
+    host holds more than n/(k + 1) of the n ranks, the first copy on another host wherever
+    none holds more than half, a holder off the owner's host wherever none holds more than
+    k/(k + 1). ([A, A, B, C] with one copy put rank 1's on rank 0, on its host, before.)"""
+    from itertools import permutations
+
+    from fastreduce.modes.zero_mirror import Placement
+
+    def sizes(n: int, most: int) -> Any:  # every way to split n ranks into hosts, the largest first
+        if n == 0:
+            yield []
+        for c in range(min(n, most), 0, -1):
+            for rest in sizes(n - c, c):
+                yield [c, *rest]
+
+    for n in range(2, 8):
+        for split in sizes(n, n):
+            names = [f"h{i}" for i, c in enumerate(split) for _ in range(c)]
+            rings = {p for p in permutations(names) if p[0] == "h0"}  # (every cyclic order, turned to start at h0)
+            tall = split[0]
+            for k in range(1, n):
+                spreads = [_spread(list(r), k) for r in rings]
+                fewest, kept = max(f for f, _ in spreads), any(h for _, h in spreads)
+                assert (fewest == k) == ((k + 1) * tall <= n) and (fewest >= 1) == (2 * tall <= n), (split, k)
+                assert kept == (tall <= k * (n - tall)), (split, k)
+                for hosts in (names[::-1], [names[i] for i in sorted(range(n), key=lambda i: i % len(split))]):
+                    pl = Placement(hosts, k)
+                    holders = {d: [d] + [pl.holder(d, j) for j in range(1, k + 1)] for d in range(n)}
+                    assert sorted(pl.order) == list(range(n)) and all(len(set(h)) == k + 1 for h in holders.values())
+                    assert all(pl.holder(d, j) == r for r in range(n) for j, d in enumerate(pl.held(r), 1))
+                    assert _spread([hosts[r] for r in pl.order], k) == (fewest, kept), (hosts, k, pl.order)

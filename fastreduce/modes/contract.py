@@ -16,6 +16,9 @@ What every mode declares today:
   of its own settings a Membership cannot keep training** (``membership_refusal``: a
   reason, or ``None``; ``membership_refusal_for(settings)`` where the class can tell before
   it is built), asked by :func:`check_membership` and :func:`settings_refusal`;
+* **who may leave at once** (a ``sharded`` mode): ``kept_without(ranks)``, whether every
+  shard keeps a holder (its rank or a copy's) when ``ranks`` leave, asked by
+  :func:`leaving_now`;
 * **how a mode closes**: ``close(drain=True)``, its hooks off the model, what is in flight
   waited for (``drain=False``: dropped, a peer was lost);
 * **its state after a loss** (the styles ``gossip`` and ``local``): ``local_state_dict()``,
@@ -33,8 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["COMMIT_STYLES", "OPTIMIZER_ROLES", "PER_RANK_ONLY_AT_ITS_WORLD", "STATE_SCOPES", "check_membership",
-           "commit_style", "meets", "membership_settings", "mode_name", "optimizer_role", "settings_refusal",
-           "state_scope", "wait_seconds"]
+           "commit_style", "leaving_now", "meets", "membership_settings", "mode_name", "optimizer_role",
+           "settings_refusal", "state_scope", "wait_seconds"]
 
 COMMIT_STYLES: dict[str, str] = {
     "reduce": "the fused and overlapped reducers: commit() runs the reduction, the members vote, "
@@ -115,6 +118,22 @@ def wait_seconds(mode: Any) -> float | None:
     ``stats.wait_seconds``), or ``None`` where it keeps none."""
     stats = getattr(mode, "stats", None)
     return None if stats is None else float(stats.wait_seconds)
+
+
+def leaving_now(mode: Any, asked: list[int], world: int) -> list[int]:
+    """Of the ranks of ``world`` that asked to leave at one poll (``asked``, in rank order), those
+    that leave at it: all of them, unless ``mode``'s state is ``sharded`` (or none stays: the job
+    ends); then each one in turn whose going, with the ones taken before it, leaves every shard
+    a holder among the ranks that stay (the mode's ``kept_without``). The others stay asked and
+    leave at a later poll, once the next epoch has placed the copies again (a ZeRO shard and
+    its only copy, asked away together, go one poll apart)."""
+    if mode is None or state_scope(mode) != "sharded" or len(set(asked)) >= world:
+        return list(asked)
+    out: list[int] = []
+    for r in asked:
+        if mode.kept_without({*out, r}):
+            out.append(r)
+    return out
 
 
 def membership_settings(mode: Any) -> dict[str, Any]:

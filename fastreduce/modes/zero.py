@@ -411,6 +411,11 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         averaged gradients complete (:meth:`step_held` would step them)."""
         return self._held is not None
 
+    def kept_without(self, ranks: set[int]) -> bool:
+        """Whether every shard keeps a holder (its rank, or one holding a copy) outside ``ranks``
+        (modes/contract.py: which members may leave at one poll)."""
+        return not ranks or self.placement is not None and self.placement.kept_without(ranks)
+
     def _step_shards(self, used: list[bool] | None) -> None:
         self._sync_hyperparameters()
         self._drop_template()

@@ -11,12 +11,19 @@ equals its shard bit for bit at every step. Memory: per copy a master, optimizer
 gradient chunk, 4P/N more per rank and copy with AdamW (P/N each for the master and gradient,
 2P/N for the moments; P/N more, once, for a buffer to send from where a dtype has several buckets).
 
-Where the copies sit (:class:`Placement`): the ranks are taken one of each host in turn (the
-hosts in the order of their first rank), and a shard's copies go to the k ranks after its owner
-in that order. On one host that is ranks r + 1, ..., r + k; over hosts, each copy on another
-host than the owner's and the other copies' wherever the hosts are as many as k + 1, so a whole
-host lost at once loses no shard, and any k ranks lost at once never do. A host is a host name
-and a network namespace (:func:`~fastreduce.process_identity.host_key`).
+Where the copies sit (:class:`Placement`): the ranks, listed host by host (the hosts with the
+most ranks first, then in the order of their first rank), are laid down a table column by
+column, in as many rows as the largest host has ranks (where it has more than half of them: as
+many as the other hosts have), and read row by row; a shard's copies go to the k ranks after its
+owner in that order. On one host that is ranks r + 1, ..., r + k; over hosts of one size, one
+rank of each host in turn. Of n ranks, wherever no host holds more than n / (k + 1) (hosts of
+one size: as many as k + 1), each copy sits on another host than the owner's and the other
+copies', so a whole host lost at once loses no shard; where one does, no placement can do that,
+and there the first copy is still on another host where no host holds more than half the ranks,
+and every shard still has a holder off its owner's host where none holds more than k / (k + 1)
+(the most any cyclic order gets, ``tests/test_zero.py``). Any k ranks lost at once never lose a
+shard. A host is a host name and a network namespace
+(:func:`~fastreduce.process_identity.host_key`).
 
 :func:`held` is what a rank holds, per parameter (torch.optim's index) as ranges of the
 parameter's elements: the masters and the optimizer state. :func:`reshard` moves those pieces
@@ -55,17 +62,24 @@ def copies_of(redundant: bool | int) -> int:
 
 
 class Placement:
-    """Which ranks hold each shard's copies (see the module doc): ``order`` takes one rank of
-    each host in turn; the j-th copy of rank d's shard is on the j-th rank after d in it."""
+    """Which ranks hold each shard's copies (see the module doc): ``order`` lists the ranks host
+    by host (the largest host first), laid down a table column by column and read row by row;
+    the j-th copy of rank d's shard is on the j-th rank after d in it."""
 
     def __init__(self, hosts: list[str], copies: int):
         columns: dict[str, list[int]] = {}
         for r, h in enumerate(hosts):
             columns.setdefault(h, []).append(r)
+        world = len(hosts)
+        listed = [r for c in sorted(columns.values(), key=len, reverse=True) for r in c]  # (ties: first rank first)
         tall = max(map(len, columns.values()))
-        self.order = [c[i] for i in range(tall) for c in columns.values() if i < len(c)]
+        # As many rows as the largest host has ranks: no row holds a host twice, and a host as large as that fills
+        # whole columns. A host of more than half the ranks: as many rows as the others have, one of theirs in each
+        # row, so that its ranks run in stretches as short as they can be between them.
+        rows = tall if 2 * tall <= world or tall == world else world - tall
+        self.order = [listed[i] for row in range(rows) for i in range(row, world, rows)]
         self._at = {r: p for p, r in enumerate(self.order)}
-        self.world, self.copies, self.hosts = len(hosts), min(copies, len(hosts) - 1), list(hosts)
+        self.world, self.copies, self.hosts = world, min(copies, world - 1), list(hosts)
 
     @classmethod
     def of_group(cls, group: Any, copies: int) -> Placement:
@@ -81,6 +95,10 @@ class Placement:
     def held(self, r: int) -> list[int]:
         """The ranks whose shards rank ``r`` holds a copy of: the j-th copy's first."""
         return [self.order[(self._at[r] - j) % self.world] for j in range(1, self.copies + 1)]
+
+    def kept_without(self, gone: set[int]) -> bool:
+        """Whether every rank's shard keeps a holder (the rank or a copy's) outside ``gone``."""
+        return all({d, *(self.holder(d, j) for j in range(1, self.copies + 1))} - gone for d in range(self.world))
 
 
 class ZeroMirror:
