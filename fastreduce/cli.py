@@ -103,17 +103,44 @@ def _plan(parser: argparse.ArgumentParser) -> None:
 def _coordinator(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTIONS["coordinator"]
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
-    parser.add_argument("--port", type=int, default=29400, help="port (default 29400; 0: any free one)")
+    parser.add_argument("--port", type=_port, default=29400, help="port (default 29400; 0: any free one)")
     parser.set_defaults(handler=_serve)
+
+
+def _port(text: str) -> int:
+    """``--port``: 0 to 65535 (argparse's one-line error otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0: any free one), got {text!r}")
+    return port
+
+
+def _quiet_cpp_logs() -> None:
+    """This command's own process: its errors are its one line, not c10d's C++ logs
+    (``TORCH_CPP_LOG_LEVEL`` is read once, as torch loads; one set by the user is kept)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    _quiet_cpp_logs()
+    import torch.distributed as dist
+
     from .membership import serve
 
-    store = serve(args.port, args.host)
+    try:
+        store = serve(args.port, args.host)
+    except (dist.DistError, OSError) as err:  # the port taken (EADDRINUSE), not ours (EACCES), a bad host
+        why = (str(err).strip().splitlines() or [""])[0][:300]
+        print(f"fastreduce coordinator: cannot listen on {args.host}:{args.port} ({type(err).__name__}: {why})",
+              file=sys.stderr)
+        return 1
     print(f"fastreduce coordinator: serving on {args.host}:{store.port}; give the members "
           f"FASTREDUCE_COORDINATOR=<this host>:{store.port}; Ctrl-C stops it", file=args.stdout, flush=True)
     stop = threading.Event()  # Ctrl-C, or SIGTERM (how Kubernetes, Slurm and kill stop it): exit 0
@@ -145,8 +172,7 @@ def _show_status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    if "torch" not in sys.modules:  # this command's own process: its errors are its one line, not c10d's C++ logs
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # (read once, as torch loads)
+    _quiet_cpp_logs()
     import torch.distributed as dist
 
     from .coordinator import MembershipError, connect

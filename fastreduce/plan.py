@@ -79,7 +79,7 @@ from .plan_overlap import Sizing, bucketed_exposed, choose, gathered_exposed
 __all__ = ["DDP_BUCKET_MB", "DDP_FIRST_BUCKET_MB", "LIMITS", "MB", "MTU", "TCP_PAYLOAD", "WIRE_BYTES", "Bounds",
            "Cluster", "Estimate", "Link", "Mode", "Plan", "Sizing", "Workload", "bucketed_exposed", "choose",
            "estimate", "gathered_exposed", "modes", "on_the_wire", "parse_bytes", "parse_rate", "parse_seconds", "plan",
-           "recommend"]
+           "recommend", "selected"]
 
 BLOCK_SCALE = 4 / 256
 """A quantized wire's fp32 scale per block of 256 values (:class:`~fastreduce.codecs.quant.BlockQuant`)."""
@@ -265,11 +265,22 @@ def recommend(rows: Iterable[Estimate], compute_s: float) -> dict[str, str]:
             "exact": best.mode}
 
 
+def selected(only: Iterable[str] | str) -> list[Mode]:
+    """The modes ``only`` names, by name or kind (``"zero"``: each ZeRO row), surrounding
+    spaces stripped, a string one name; a name that matches no mode is a ``ValueError``
+    naming it and listing the names, as is a selection of none."""
+    names = {n.strip() for n in ([only] if isinstance(only, str) else only)} - {""}
+    known = modes()
+    unknown = sorted(n for n in names if not any(n in (m.name, m.kind) for m in known))
+    if unknown or not names:
+        kinds = ", ".join(dict.fromkeys(m.kind for m in known))
+        raise ValueError(f"no mode matches {unknown or 'an empty selection'}; the modes are "
+                         f"{', '.join(m.name for m in known)} (or a kind: {kinds})")
+    return [m for m in known if m.name in names or m.kind in names]
+
+
 def plan(cluster: Cluster, workload: Workload, only: Iterable[str] | None = None) -> Plan:
-    chosen = [m for m in modes() if only is None or m.name in set(only) or m.kind in set(only)]
-    if not chosen:
-        raise ValueError(f"no mode matches {sorted(only or [])}; the modes are "
-                         f"{', '.join(m.name for m in modes())}")
+    chosen = modes() if only is None else selected(only)
     rows = [estimate(m, cluster, workload) for m in chosen]
     exact_rows = rows if any(r.exact for r in rows) else \
         [estimate(m, cluster, workload) for m in modes() if m.exact] + rows

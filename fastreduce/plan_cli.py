@@ -28,7 +28,7 @@ import textwrap
 from typing import Any, Callable
 
 from .plan import LIMITS, TCP_PAYLOAD, Bounds, Cluster, Link, Plan, Workload, parse_bytes, parse_rate, parse_seconds, \
-    plan
+    plan, selected
 
 __all__ = ["DEFAULT_GPUS_PER_HOST", "add_arguments", "format_sweep", "format_text", "pyplot", "run"]
 
@@ -384,10 +384,12 @@ def _finite(value: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    only = [m for m in args.modes.split(",") if m] if args.modes else None
+    only = args.modes.split(",") if args.modes else None  # (names stripped, each one checked: plan.selected)
     work = workload(args)
     if not args.probe and (args.ranks is None or args.link is None):
         raise ValueError("fastreduce plan needs --ranks and --link (or --probe on a live group)")
+    if only is not None:
+        selected(only)  # a name that matches no mode refused before a probe
     probed = probe(args) if args.probe else None
     plans = [plan(cluster(args, probed, n), work, only) for n in (args.ranks or [None])]
     if probed is not None:

@@ -43,6 +43,7 @@ choice changed.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -74,11 +75,14 @@ GOSSIP_AUTO_WHY = ("a bucket's exchange has a whole step to finish, whatever the
                    "pays for one launch, one optimizer step and one mix")
 GOSSIP_AUTO_RULE = "one bucket: " + GOSSIP_AUTO_WHY
 def check_bucket_mb(bucket_mb: object) -> None:
-    """``bucket_mb`` is ``"auto"``, ``None`` (the same) or a positive number."""
+    """``bucket_mb`` is ``"auto"``, ``None`` (the same) or a positive finite number (inf and
+    NaN are refused here, before a mode builds anything: a size becomes a count of bytes)."""
     if bucket_mb is None or bucket_mb == AUTO:
         return
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be a positive number of megabytes or 'auto', got {bucket_mb!r}")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
+        why = (" (one bucket: a size at least the gradients' megabytes, as a bucket is cut once it reaches "
+               "its size)") if bucket_mb == math.inf else ""
+        raise ValueError(f"bucket_mb must be a positive finite number of megabytes or 'auto', got {bucket_mb!r}{why}")
 
 
 def shared_memory(wire_bytes: int) -> Sizing:

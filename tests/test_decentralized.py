@@ -228,9 +228,13 @@ def case_unknown_topology(rank: int, world: int) -> dict:
 
 
 def case_bad_bucket_mb(rank: int, world: int) -> dict:
-    model = odd_model(SEED)
-    out = expect_raises(ValueError, lambda: make_ddp(model, bucket_mb=-1.0))
-    out["hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    """Per bad value, what was raised and the hooks left (inf was an OverflowError after the
+    hooks were on: the next mode built on the model failed in them at its first backward)."""
+    out = {}
+    for bad in (-1.0, float("inf")):
+        model = odd_model(SEED)
+        out[bad] = expect_raises(ValueError, lambda m=model, b=bad: make_ddp(m, bucket_mb=b))
+        out[bad]["hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     return out
 
 
@@ -962,9 +966,10 @@ def test_unknown_topology_raises_value_error(worlds) -> None:
 
 
 def test_bad_bucket_mb_is_refused_before_anything_is_built(worlds) -> None:
-    for rank, r in enumerate(ok(worlds(2), "bad_bucket_mb")):
-        assert r["raised"] == "ValueError" and "bucket_mb must be a positive number" in r["message"], r
-        assert r["hooks_left"] == 0, f"rank {rank}: the refused mode left gradient hooks on the model"
+    for rank, out in enumerate(ok(worlds(2), "bad_bucket_mb")):
+        for bad, r in out.items():
+            assert r["raised"] == "ValueError" and "bucket_mb must be a positive" in r["message"], r
+            assert r["hooks_left"] == 0, f"rank {rank}, bucket_mb={bad}: the refused mode left gradient hooks"
 
 
 def test_no_process_group_raises() -> None:

@@ -171,6 +171,9 @@ def test_cli_table_and_json(capfd: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("argv,match", [
     (["--params", "7e9", "--ranks", "8"], "needs --ranks and --link"),
     (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--modes", "nope"], "no mode matches"),
+    # A typo beside a name that matches was dropped silently (exit 0, the other row alone).
+    (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--modes", "ddp,zero_fp16, fused"],
+     "no mode matches ['zero_fp16']; the modes are ddp, fused_fp32"),
     (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--step-ms", "1", "--backward-ms", "5"],
      "--step-ms 1 is shorter than the backward (5 ms)"),
     (["--params", "7e9", "--ranks", "8", "--link", "1gbit", "--step-ms", "10", "--forward-ms", "5"],
@@ -243,6 +246,22 @@ def test_the_api_refuses_what_the_command_refuses() -> None:
     ]:
         with pytest.raises(ValueError, match=re.escape(match)):
             call()
+
+
+def test_a_selection_of_rows_is_each_name_it_gives() -> None:
+    """``only=`` by name or kind, spaces around a name stripped (``--modes "ddp, fused"``),
+    a generator read once (it was read up by the first row, and then no mode matched), a
+    string one name; a name that matches no mode is refused, naming it, even beside ones that do."""
+    cluster, work = P.Cluster(16, P.Link.of("100gbit"), 8), P.Workload(7e9, 0.57)
+    fused = [m.name for m in P.modes() if m.kind == "fused"]
+    for only in (["ddp", " fused"], (m for m in ["ddp", "fused "]), {"fused", "ddp"}):
+        assert [r.mode for r in P.plan(cluster, work, only).rows] == ["ddp", *fused]
+    assert [r.mode for r in P.plan(cluster, work, "zero_fp32").rows] == ["zero_fp32"]
+    for only, match in [(["ddp", "zero_fp16"], "no mode matches ['zero_fp16']; the modes are ddp, "),
+                        ((m for m in ["nope", "ddp", "also"]), "no mode matches ['also', 'nope']"),
+                        ([], "no mode matches an empty selection"), ([" "], "no mode matches an empty selection")]:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            P.plan(cluster, work, only)
 
 
 # ============================================================== any model size, any setting in range

@@ -72,9 +72,9 @@ def test_shared_memory_is_one_bucket() -> None:
     assert out.buckets == 1 and "shared memory" in out.describe()
 
 
-@pytest.mark.parametrize("bad", [0, -1, "big", True, float("nan")])
+@pytest.mark.parametrize("bad", [0, -1, "big", True, float("nan"), float("inf")])
 def test_bad_bucket_mb_is_refused(bad: Any) -> None:
-    with pytest.raises(ValueError, match="bucket_mb must be a positive number of megabytes or 'auto'"):
+    with pytest.raises(ValueError, match="bucket_mb must be a positive (finite )?number of megabytes or 'auto'"):
         fastreduce.ReducerConfig(overlap=True, bucket_mb=bad)
 
 

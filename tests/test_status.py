@@ -202,3 +202,21 @@ def test_status_watch_says_in_one_line_that_its_coordinator_went_away() -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fastreduce status: the coordinator at 127.0.0.1:{port} stopped "
                                                    "answering ("), err[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_on_a_taken_or_impossible_port_says_so_in_one_line(capsys) -> None:
+    """``fastreduce coordinator --port P`` where another job's coordinator already serves P:
+    one line and exit 1 (it was c10d's DistNetworkError, EADDRINUSE, in a Python traceback);
+    a port out of range (70000, -1): argparse's error and exit 2 (it was pybind's TypeError)."""
+    taken = serve(0, "127.0.0.1")
+    assert cli(["coordinator", "--host", "127.0.0.1", "--port", str(taken.port)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fastreduce coordinator: cannot listen on 127.0.0.1:{taken.port} "
+                                                   "(DistNetworkError: "), lines
+    assert "in use" in lines[0], lines
+    for port in ("70000", "-1"):
+        with pytest.raises(SystemExit) as stop:
+            cli(["coordinator", "--port", port])
+        assert stop.value.code == 2
+        assert f"argument --port: a port is 0 to 65535 (0: any free one), got '{port}'" in capsys.readouterr().err

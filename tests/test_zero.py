@@ -1534,6 +1534,16 @@ def _own_params(model: nn.Module) -> Any:
     return model.parameters()
 
 
+def _listed_twice(model: nn.Module) -> list:
+    """Tied weights listed once per module: ``list(encoder.parameters()) + list(decoder.parameters())``."""
+    params = list(model.parameters())
+    return params + params[:1]
+
+
+def listed_twice_case(rank: int, world: int) -> dict:
+    return construction_error(_listed_twice, ValueError)(rank, world)
+
+
 def meta_mixed_case(rank: int, world: int) -> dict:
     return construction_error(_meta_mixed, ValueError)(rank, world)
 
@@ -1655,6 +1665,9 @@ ERROR_CASES: dict[str, tuple[Callable[..., dict], tuple, str, list[str]]] = {
     **{f"replaced_{how}-{'overlap' if o else 'no_overlap'}": (replaced_case, (how, o), "RuntimeError",
                                                                ["changed", "ZeroOptimizer again"])
        for how in ("assign", "moved") for o in (False, True)},
+    # A parameter listed twice: refused on both ranks (it was a KeyError on rank 0 only,
+    # while rank 1 went on into a collective).
+    "param_listed_twice": (listed_twice_case, (), "ValueError", ["twice", "param_groups[0][0]"]),
     # Last: an error raised from inside backward (overlap=True) is the likeliest to leave
     # something pending in the group.
     "sparse-no_overlap": (sparse_case, (False,), "ValueError", ["sparse"]),

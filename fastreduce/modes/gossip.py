@@ -188,14 +188,15 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self._accumulating = False
         self._built = False
         self._broadcast_from_rank0()
+        if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
+            cut_graphs(self, self.bucket_mb, (p for _, p in named))  # steps during a compiled backward
+        # The hooks last, once nothing can raise: a failed build leaves the model unhooked.
         self._recorder: OrderRecorder | None = OrderRecorder([p for _, p in named])
         self._synced_backward = False  # the first step is taken after a backward outside no_sync
         self._first_queued = False  # the first step is taken as that backward ends
         self._end_queued = False  # a synced backward's end is to finish its step (_end_backward)
         self._owes_close = False  # a step taken as its backward ended, closed in the next forward
         self._marks = on_grad_ready([p for _, p in named], self._mark_synced)
-        if self.bucket_mb is not None:  # one bucket ("auto") steps after the backward: nothing to cut
-            cut_graphs(self, self.bucket_mb, (p for _, p in named))  # steps during a compiled backward
 
     # ------------------------------------------------------------------ public
 

@@ -58,7 +58,7 @@ from ..optim_kernels import fused_if_possible
 from .comm_stats import CommStats
 from .zero_pieces import ShardOptimizer
 from .zero_shard import make_shards
-from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, zero_bucket_mb, zero_buckets
+from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, trainable, zero_bucket_mb, zero_buckets
 from .zero_finite import ZeroFinite
 from .zero_grads import ZeroGradients
 from .zero_join import ZeroJoin
@@ -226,13 +226,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                accumulate_dtype: torch.dtype | None, bucket_mb: float | None, transport: str | None,
                quant: BlockQuant | None, error_feedback: bool) -> None:
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        named: list[tuple[str, torch.nn.Parameter]] = []
-        group_of: list[int] = []
-        for g, pg in enumerate(self.param_groups):
-            for k, p in enumerate(pg["params"]):
-                if p.requires_grad:
-                    named.append((names.get(id(p), f"param_groups[{g}][{k}]"), p))
-                    group_of.append(g)
+        named, group_of = trainable(self.param_groups, names)  # ValueError: a parameter listed twice
         if not named:
             raise ValueError("no parameter given to ZeroOptimizer requires grad: nothing to optimize")
         self.frozen = tuple(p for pg in self.param_groups for p in pg["params"] if not p.requires_grad)

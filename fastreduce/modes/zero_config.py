@@ -10,7 +10,7 @@ from ..codecs.quant import BlockQuant, check_wire
 from ..comm import Comm
 from ..sizing import AUTO, MB, ZERO_SHM_BUCKET_MB, AutoSizer, Sizing, check_bucket_mb
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "shared_memory_buckets", "zero_bucket_mb", "zero_buckets"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_settings", "trainable", "shared_memory_buckets", "zero_bucket_mb", "zero_buckets"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
@@ -104,3 +104,28 @@ def check_settings(optimizer_class: type, wire_dtype: torch.dtype | str | None, 
         raise ValueError(f"gather_dtype must be None, torch.bfloat16, torch.float16 or torch.float32 (the "
                          f"parameters' all-gather), got {gather_dtype!r}")
     return codec
+
+
+def trainable(param_groups: list[dict], names: dict[int, str]) -> tuple[list[tuple[str, torch.nn.Parameter]], list[int]]:
+    """The parameters that require grad, named (``names``: the module's, by id; else their
+    place), and each one's param group. A parameter listed twice (tied weights listed once
+    per module: torch.optim warns, then steps it twice) is refused here, on every rank
+    alike, before any collective: a shard holds each parameter once."""
+    named: list[tuple[str, torch.nn.Parameter]] = []
+    group_of: list[int] = []
+    seen: dict[int, str] = {}
+    for g, pg in enumerate(param_groups):
+        for k, p in enumerate(pg["params"]):
+            if not p.requires_grad:
+                continue
+            where = f"param_groups[{g}][{k}]"
+            if id(p) in seen:
+                what = f"the parameter {names[id(p)]}" if id(p) in names else f"a parameter of shape {list(p.shape)}"
+                raise ValueError(f"ZeroOptimizer was given {what} twice (as {seen[id(p)]} and {where}; tied "
+                                 "weights listed once per module?): "
+                                 "list each parameter once, e.g. list(dict.fromkeys(params)), or the "
+                                 "parameters() of the module that holds both (torch.optim would step it twice)")
+            seen[id(p)] = where
+            named.append((names.get(id(p), where), p))
+            group_of.append(g)
+    return named, group_of
