@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .torch_internals import parameter_slots
 
-__all__ = ["ALIGN", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
+__all__ = ["ALIGN", "FrozenAtBuild", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
            "holding_dtype", "verify_across_ranks", "verify_model", "wire_word"]
 
 ALIGN = 32
@@ -184,6 +184,33 @@ def _slots_at(root: torch.nn.Module, path: str) -> dict[str, Any]:
         return parameter_slots(root.get_submodule(path))
     except AttributeError:
         return {}
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+class FrozenAtBuild:
+    """The parameters of a model frozen (``requires_grad=False``) when a mode fixed the ones
+    it trains (LocalSGD, DiLoCo, gossip): left out of what it averages. One unfrozen since
+    (gradual unfreezing) would train outside it, each rank on its own; :meth:`check`, one
+    C-speed pass over the frozen ones (nothing where none is), raises before a collective."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = tuple(p for p in model.parameters() if not p.requires_grad)
+
+    def check(self, model: torch.nn.Module, mode: str, consequence: str, advice: str = "") -> None:
+        """Raise where one of them now requires grad: the same error on every rank that made
+        the same change, naming the parameters; the caller has changed nothing yet."""
+        if not (self.params and any(map(_requires_grad, self.params))):
+            return
+        names = {id(p): n for n, p in model.named_parameters()}
+        thawed = [names.get(id(p), "?") for p in self.params if p.requires_grad]
+        shown = ", ".join(repr(n) for n in thawed[:5]) + (f" and {len(thawed) - 5} more" if len(thawed) > 5 else "")
+        raise RuntimeError(f"parameter(s) {shown} now require grad but were frozen when {mode} was built, so "
+                           f"{consequence}; call close() on every rank and build {mode} again after changing "
+                           f"requires_grad{advice}; nothing was changed by this call")
 
 
 def counted(n: int, noun: str) -> str:

@@ -567,6 +567,26 @@ def case_split_mix(rank: int, world: int) -> dict:
             "sent": sent, "mixed": ddp._mixed[0].clone()}
 
 
+def case_unfrozen(rank: int, world: int) -> dict:
+    """Gradual unfreezing: the backbone frozen when the mode was built (in no bucket), then
+    unfrozen after a step. The next forward (which closes the step) must raise on every rank
+    and change nothing; closed and built again, the mode steps the backbone too."""
+    model = frozen_backbone_model(SEED)
+    ddp = make_ddp(model)
+    train(ddp, model, rank, range(1))
+    model.backbone.requires_grad_(True)
+    before = params_of(model)
+    raised = expect_raises(RuntimeError, lambda: train(ddp, model, rank, range(1, 2)))
+    unchanged = params_of(model)
+    ddp.close()
+    ddp = make_ddp(model)
+    train(ddp, model, rank, range(2, 4))
+    ddp.wait_exchanges()
+    after = params_of(model)
+    ddp.close()
+    return {"raised": raised, "before": before, "unchanged": unchanged, "after": after}
+
+
 def world_worker(rank: int, world: int, path: str) -> dict:
     res: dict[str, Any] = {}
     if world == 2:
@@ -580,6 +600,7 @@ def world_worker(rank: int, world: int, path: str) -> dict:
         res["release"] = guarded(case_release, rank, world)
         res["buffer_dtypes"] = guarded(case_buffer_dtypes, rank, world)
         res["split_mix"] = guarded(case_split_mix, rank, world)
+        res["unfrozen"] = guarded(case_unfrozen, rank, world)
     if world == 3:
         res["eval_mode"] = guarded(case_eval_mode, rank, world)
     for case in TRAJ_CASES.get(world, []):
@@ -1129,6 +1150,19 @@ def scaler_worker(rank: int, world: int) -> dict:
         out[name] = {"params": params_of(model), "scale": float(scaler.get_scale()),
                      "fused": ddp._optims[0].param_groups[0]["fused"]}
     return out
+
+
+def test_a_layer_unfrozen_after_building_raises_until_the_mode_is_built_again(worlds) -> None:
+    """In no bucket, it would silently never be stepped nor mixed."""
+    for rank, o in enumerate(ok(worlds(2), "unfrozen")):
+        r = o["raised"]
+        assert r["raised"] == "RuntimeError", f"rank {rank}: raised {r['raised']}: {r['message']}"
+        for words in ("'backbone.0.weight'", "frozen when DecentralizedDataParallel was built", "close()"):
+            assert words in r["message"], f"rank {rank}: {words!r} not in {r['message']!r}"
+        for n, p in o["before"].items():
+            assert torch.equal(o["unchanged"][n], p), f"rank {rank}: the failed forward changed {n}"
+            if n.startswith("backbone."):
+                assert not torch.equal(o["after"][n], p), f"rank {rank}: {n} not trained after the rebuild"
 
 
 def test_close_and_a_rebuild_give_the_shared_memory_back(worlds) -> None:

@@ -712,6 +712,53 @@ def case_error(rank: int, world: int, name: str) -> dict:
     return res
 
 
+UNFROZEN = ("local", "local-warmup", "diloco")
+
+
+def case_unfrozen(rank: int, world: int, kind: str) -> dict:
+    """Gradual unfreezing: the backbone frozen when the mode was built, unfrozen and given to
+    the optimizer after step 1. At step 2, which syncs (``sync_every=2``; in the warm-up every
+    step averages), the step, ``sync()`` and ``average_warmup_grads()`` must raise on every
+    rank and change nothing; the documented way (requires_grad as it was, ``sync()``,
+    ``close()``, unfreeze, build again) then averages the backbone too, with no warning
+    that the ranks differed."""
+    model = frozen_backbone_model(SEED + rank)
+    inner = inner_opt(model, "sgd")
+
+    def build() -> Any:
+        if kind == "diloco":
+            return fastreduce.DiLoCo(model, inner, outer_sgd(model, NESTEROV), 2, wire_dtype=torch.float32)
+        return fastreduce.LocalSGD(model, inner, 2, warmup_steps=2 if kind == "local-warmup" else 0)
+
+    mode = build()
+    step(model, inner, rank, 1)
+    model.backbone.requires_grad_(True)
+    inner.add_param_group({"params": list(model.backbone.parameters())})
+    inner.zero_grad()
+    loss_of(model, batch_for(model, rank, 2)).backward()
+    snap, sd = snapshot(model), copy.deepcopy(inner.state_dict())
+    calls = {"step": inner.step, "sync": mode.sync}
+    if kind == "local-warmup":
+        calls["average_warmup_grads"] = mode.average_warmup_grads
+    res: dict[str, Any] = {call: expect_raises(RuntimeError, fn) for call, fn in calls.items()}
+    res |= {"changed": changed_since(snap, model), "optim_same": same_state(inner.state_dict(), sd),
+            "steps": mode.steps}
+    model.backbone.requires_grad_(False)
+    mode.sync()
+    mode.close()
+    model.backbone.requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mode = build()
+    res["warned"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    before = params_of(model)
+    for s in (3, 4):  # the new mode's second step syncs
+        step(model, inner, rank, s)
+    res |= {"before": before, "after": params_of(model)}
+    mode.close()
+    return res
+
+
 # ------------------------------------------------------------------ group= (world 4)
 
 def case_group(rank: int, world: int, kind: str, group: Any, ref_group: Any) -> dict | None:
@@ -770,6 +817,8 @@ def world_worker(rank: int, world: int, path: str) -> dict:
             for differ in (True, False):
                 res[f"warn/{kind}-{'differ' if differ else 'same'}"] = guarded(case_warn, rank, world, kind, differ)
         res["strided"] = guarded(case_strided, rank, world)
+        for kind in UNFROZEN:
+            res["unfrozen/" + kind] = guarded(case_unfrozen, rank, world, kind)
     for name, spec in ERRORS.items():
         if spec[0] == world:
             res["error/" + name] = guarded(case_error, rank, world, name)
@@ -1116,6 +1165,24 @@ def test_error_is_raised_before_anything_changes(worlds, name) -> None:
         assert res["optim_same"], f"rank {rank}: the failed construction changed the optimizer's state"
         assert not res["hooks_left"], f"rank {rank}: the failed construction left hooks behind"
         assert res["plain_after"], f"rank {rank}: optimizer.step() after the failure is not a plain local step"
+
+
+@pytest.mark.parametrize("kind", UNFROZEN)
+def test_a_layer_unfrozen_after_building_raises_at_the_sync_until_the_mode_is_built_again(worlds, kind) -> None:
+    """Trained on every rank but never averaged, it would silently differ across ranks."""
+    outs = per_rank(worlds(2), "unfrozen/" + kind)
+    mode = "DiLoCo" if kind == "diloco" else "LocalSGD"
+    for rank, o in enumerate(outs):
+        for call in ("step", "sync") + (("average_warmup_grads",) if kind == "local-warmup" else ()):
+            r = o[call]
+            assert r["raised"] == "RuntimeError", f"rank {rank}: {call}: raised {r['raised']}: {r['message']}"
+            for words in ("'backbone.0.weight'", "'backbone.2.bias'", f"frozen when {mode} was built", "close()"):
+                assert words in r["message"], f"rank {rank}: {call}: {words!r} not in {r['message']!r}"
+        assert o["changed"] == [] and o["optim_same"] and o["steps"] == 1, (rank, o["changed"], o["steps"])
+        assert o["warned"] == [], f"rank {rank}: sync() before close() left the ranks apart: {o['warned']}"
+        for n, p in o["after"].items():
+            assert not torch.equal(p, o["before"][n]), f"rank {rank}: {n} did not train after the rebuild"
+            assert torch.equal(p, outs[0]["after"][n]), f"rank {rank}: {n} differs from rank 0's after a sync"
 
 
 @pytest.mark.parametrize("kind", ["local", "diloco"])

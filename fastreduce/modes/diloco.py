@@ -222,6 +222,7 @@ class DiLoCo(LocalUpdates):
         """An outer step of every fragment now (collective), the one on the wire first,
         without ``fragment_alpha``: every rank then holds the same global parameters
         (e.g. at the end of training). The schedule goes on counting as before."""
+        self._check_frozen()
         landed = set(self._in_flight)
         for k in sorted(landed):
             self._land(k, mix=False)

@@ -51,7 +51,7 @@ from ..faults import guarded
 from ..grads import FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, one_device, start_from_rank0
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
 from ..join import JoinableMode
-from ..layout import verify_model
+from ..layout import FrozenAtBuild, verify_model
 from ..sizing import AUTO, Sizing, check_bucket_mb
 from ..torch_internals import at_backward_end, in_backward
 from .comm_stats import CommStats
@@ -178,6 +178,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self.bucket_mb = None if bucket_mb in (None, AUTO) else float(bucket_mb)  # None: "auto"
         self.sizing: Sizing | None = None  # "auto"'s choice, once built
         self._named = named
+        self._frozen = FrozenAtBuild(model)  # in no bucket: checked at every step's forward
         self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -225,6 +226,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
     def _before_forward(self) -> None:
         if self.under_join and self._step_open():
             self._join_notify()  # under Join: this rank is active; closing the step opens the next
+        self._check_frozen()  # (after Join's notify: a joined rank's shadow checks too)
         self._catch_up()
         self._raise_nonfinite()
         keep_cut()
@@ -358,6 +360,13 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
             sched.finish(quiet=True)
             self._close_step()
 
+    def _check_frozen(self) -> None:
+        """Before a step is closed (its collectives): a parameter frozen at construction that
+        now requires grad is in no bucket (raised on every rank that made the change)."""
+        if self._frozen.params:
+            self._frozen.check(self.module, "DecentralizedDataParallel", "no bucket holds them: they would "
+                               "never be stepped nor mixed")
+
     def _step_open(self) -> bool:
         """Whether :meth:`_catch_up` has a step to close (collectives to run)."""
         if not self._built:
@@ -369,6 +378,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         """A joined rank's step under Join: close its last step, then every bucket
         exchanges as on the active ranks, with no optimizer step (the rank keeps mixing
         its parameters with its peers', it adds no gradient); closed at the next one."""
+        self._check_frozen()
         self._catch_up()
         if not self._built:
             raise RuntimeError("a rank joined before its first synced step: under Join every rank "

@@ -43,7 +43,7 @@ from ..faults import guarded
 from ..grads import one_device, start_from_rank0
 from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
-from ..layout import GradLayout, verify_model
+from ..layout import FrozenAtBuild, GradLayout, verify_model
 from .comm_stats import CommStats
 from .local_nonfinite import LocalNonFinite
 from .local_scaler import LocalScaler
@@ -170,7 +170,8 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         self._blocks: list[torch.Tensor] = []  # one per dtype: what a collective over all of them takes
         self._flats = params_as_views(self.layout, lambda n, d: self._blocks.append(alloc(n, d)) or self._blocks[-1])
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        frozen = [p.data for p in model.parameters() if not p.requires_grad]
+        self._frozen = FrozenAtBuild(model)  # broadcast once, never averaged: checked before each sync
+        frozen = [p.data for p in self._frozen.params]
         start_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group, type(self).__name__)
         self._anchor: list[torch.Tensor] = []
         self._wire: list[torch.Tensor] = []
@@ -212,7 +213,7 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         # Under Join: every inner step is an iteration; its notify precedes any collective
         # of the step (the warm-up's gradient average runs in a later pre-hook).
         self._init_join(group, self.device)
-        self._join_hook = on_step(optimizer, pre=lambda *_: self._join_notify())
+        self._join_hook = on_step(optimizer, pre=self._before_inner_step)
         self._take_scaler_steps()  # a GradScaler steps it every time (modes/local_scaler.py)
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -268,6 +269,25 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
     def _after_step(self, s: int) -> None:
         raise NotImplementedError
 
+    def _before_inner_step(self, *_: Any) -> None:
+        """The mode's first pre-step hook: under Join, this rank is active (the joined ranks'
+        shadow then checks as below); a step that communicates, the unfrozen check."""
+        self._join_notify()
+        self._check_frozen(self.steps + 1)
+
+    def _check_frozen(self, s: int | None = None) -> None:
+        """Before inner step ``s`` where it communicates (``None``: a sync now), before any
+        of its work: a parameter frozen at construction that now requires grad would train
+        on every rank and never be averaged (the layout is the construction's). Raised on
+        every rank that made the change, leaving parameters and optimizer state alone."""
+        if self._frozen.params and (s is None or self.communicates_at(s)):
+            self._frozen.check(self.model, type(self).__name__, "they would train on each rank and never be "
+                               "averaged", " (to keep what the ranks trained since the last sync, call sync() "
+                               "before close(), with requires_grad as it was)")
+
+    def communicates_at(self, s: int) -> bool:
+        raise NotImplementedError
+
     def close(self, drain: bool = True) -> None:
         """Take the step hooks off: the optimizer steps without syncing from here on, and
         the mode must not be used afterwards. ``drain``: a fragment's sync in flight
@@ -299,6 +319,7 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         collectives as on the active ranks (it sends zeros into every average)."""
         if not self._hooks:
             return
+        self._check_frozen(self.steps + 1)  # as the active ranks' pre-step hook does
         reducer = getattr(self, "_reducer", None)
         if reducer is not None and self.steps < getattr(self, "warmup_steps", 0):
             reducer._join_shadow()  # the warm-up's gradient average
