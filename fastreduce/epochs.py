@@ -80,8 +80,11 @@ class EpochChanges:
         self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         peers = [m for m in old.members if m != self.me.name]
+        self.announce(old)  # (before it leaves: a member told of that below finds it announced)
+        if why == "loss" and not lost:
+            self._left_alone()
         self.leave_group(abandon=why == "loss", gone=all_exited(self.store, self.call, peers) if why == "loss" else None)
-        said = self.gather(old, lost, why, beats)
+        said = self.gather(old, lost, why, beats, announced=True)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
@@ -143,19 +146,40 @@ class EpochChanges:
         self.enter(epoch)
         self.me.counters.stalls.append((why, time.perf_counter() - start))
 
-    def gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> dict[str, dict[str, Any]]:
-        """Announce this member for the epoch after ``old`` and wait for the other
-        survivors' announcements: those of the members of ``old`` present (its step and
-        whether it holds the job's state), in ``old``'s order: every member not ``lost``;
-        fewer where the epoch was formed by others meanwhile, or a survivor stayed silent
-        past the window and ``wait_s``. ``beats``: the old epoch's store, whose heartbeats
-        tell a slow survivor from a lost one."""
+    def announce(self, old: Epoch) -> None:
+        """This member's word for the epoch after ``old``: its step, whether it holds the
+        job's state (or its first members'), whether it holds a ZeRO step (:meth:`gather`)."""
+        alive = MEMBERS_PREFIX + f"e{old.number + 1}/alive"
+        self.call(self.store.set, f"{alive}/{self.me.name}",
+                  json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder,
+                              "held": self._held is not None}))
+        self.call(self.store.add, alive, 1)
+
+    def _left_alone(self) -> None:
+        """This member's collective failed where it found no member lost (every heartbeat
+        moved: its own link flapped), and it now leaves the epoch's group. The others may
+        still wait on it in a collective there, and would see it silent; its process runs
+        on their host (or seems to), so they would wait :data:`~fastreduce.faults.LOCAL_GRACE`
+        loss windows (10.7 s at a 1 s window) before they named it. So it names itself on
+        the epoch's heartbeat, as a finding of a loss: their watchdog reads that within a
+        heartbeat, and they form the next epoch with it (announced already: :meth:`announce`)."""
+        beat = faults_heartbeat.heartbeat_now()
+        if beat is not None and beat.current():
+            faults.note_lost({beat.rank: ""}, "its own collective failed while every member still beat (its link "
+                             "flapped): it left this epoch and registered for the next", faults.group_token())
+
+    def gather(self, old: Epoch, lost: set[str], why: str, beats: Any,
+               announced: bool = False) -> dict[str, dict[str, Any]]:
+        """Announce this member for the epoch after ``old`` (unless ``announced``: by
+        :meth:`announce`) and wait for the other survivors' announcements: those of the
+        members of ``old`` present (its step and whether it holds the job's state), in
+        ``old``'s order: every member not ``lost``; fewer where the epoch was formed by
+        others meanwhile, or a survivor stayed silent past the window and ``wait_s``.
+        ``beats``: the old epoch's store, whose heartbeats tell a slow survivor from a lost one."""
         n = old.number + 1
-        announced, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
-        self.call(self.store.set, alive + self.me.name,
-                       json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder,
-                                   "held": self._held is not None}))
-        self.call(self.store.add, announced, 1)
+        if not announced:
+            self.announce(old)
+        count, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
         expected = [m for m in old.members if m not in lost]
         window = faults.lost_after() if why == "loss" else self.settings.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.settings.wait_s
@@ -164,7 +188,7 @@ class EpochChanges:
         # Each tick reads the count (and whether the epoch was formed), not every member's key:
         # two requests a member, where a check per member made N^2 a tick at N members.
         while True:
-            if int(self.call(self.store.add, announced, 0)) >= len(expected) and \
+            if int(self.call(self.store.add, count, 0)) >= len(expected) and \
                     self.call(self.store.check, [alive + m for m in expected]):
                 present = [m for m in old.members if m not in lost or self.call(self.store.check, [alive + m])]
                 break

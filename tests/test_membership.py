@@ -124,12 +124,20 @@ def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed
     process lost, none of member 1's steps discarded, every member bit-identical. ZeRO
     (``redundant=True``): the members' meeting before the shards step completes everywhere,
     then fails on member 1 alone; the others step their shards, member 1 steps the gradients
-    it holds as the next epoch forms: the same run as torch.optim.AdamW on the mean (1e-6)."""
+    it holds as the next epoch forms: the same run as torch.optim.AdamW on the mean (1e-6).
+    One stall, as at a kill: member 1 names itself on the epoch's heartbeat as it leaves, where
+    the others, waiting on it in their next collective, saw it silent and waited 10 loss
+    windows for a process of their host (10.7 s); every step's parameters equal on all."""
     found = run(tmp_path, "process_group", {1: ("flaps", 10)}, joiners=0, mode=mode)
     final = [found[i] for i in (0, 1, 2)]
     for f in final:
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["epoch"] == 1, (f["epoch"], f["world"])
         assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 0, f["counters"]  # healed forward: no joiner
+        # the loss window is 1 s here (keep_training's heartbeat of 0.25 s: 3 beats, at least 1 s)
+        assert max(s for why, s in f["counters"]["stalls"] if why == "loss") < 4.0, f["counters"]["stalls"]
+    for s in range(1, STEPS + 1):  # no two members committed different parameters at any step
+        digests = [f["digests"].get(s) for f in final]
+        assert len(set(digests) - {None}) == 1, (s, digests)
     flapped = found[1]
     assert flapped["counters"]["discarded_steps"] == 0 and all(ok for _, ok, _, _ in flapped["steps"])
     assert [s for s, _, _, _ in flapped["steps"]] == list(range(1, STEPS + 1))  # step 11 healed forward, not skipped
