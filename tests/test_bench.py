@@ -672,6 +672,63 @@ def test_convergence_data_is_the_stdlib_deterministic_and_held_out_disjoint() ->
         convergence_suite.load_text(10_000)
 
 
+# ------------------------------------------------ suite internals on one 2-rank group
+
+def _gossip_as_users_write_it(rank: int, world: int) -> dict:
+    """``train_one("gossip_fp32")`` beside the gossip mode trained as its users (and the gossip
+    suite) write it, forward and backward alone, with the suite's AdamW and schedule per
+    bucket: the same batches, the same held-out losses (the ranks' averaged parameters)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    cv = convergence_suite
+    cfg = cv.quick_config(steps=4, eval_every=2, eval_seqs=4, width=32, positions=16, batch=2)
+    data = cv.load_text(1 / 16, 1 / 16)
+    held = cv.heldout_batch(data, cfg.positions, cfg.eval_seqs)
+    suite = cv.train_one("gossip_fp32", cfg, data, held)
+    model = cv.gpt2(cfg)
+    net = fastreduce.DecentralizedDataParallel(
+        model, lambda named: torch.optim.AdamW([p for _, p in named], lr=cfg.lr),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: cv.lr_factor(k, cfg.steps)),
+        topology="one-peer-exp", wire_dtype=torch.float32)
+    scratch = copy.deepcopy(model)
+    losses = []
+    for step in range(cfg.steps):
+        x = cv.train_batch(data, cfg.positions, cfg.batch, cfg.seed, step, rank, world)
+        net(input_ids=x, labels=x).loss.backward()
+        if (step + 1) % cfg.eval_every == 0:
+            flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+            dist.all_reduce(flat)
+            torch.nn.utils.vector_to_parameters(flat / world, scratch.parameters())
+            losses.append(cv._heldout_loss(scratch, held))
+    net.wait_exchanges()
+    return {"suite": suite and [e[2] for e in suite["evals"][1:]], "by_hand": losses}
+
+
+def bench_ranks_worker(rank: int, world: int) -> dict:
+    """Every case below on one group (one launch for them all)."""
+    return {"gossip": _gossip_as_users_write_it(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def bench_ranks() -> list[dict]:
+    from fastreduce.launch import run_ranks
+
+    return run_ranks(bench_ranks_worker, 2, timeout=150.0, threads=1)
+
+
+@pytest.mark.timeout(240)
+def test_convergence_gossip_rows_step_only_the_modes_own_optimizers(bench_ranks: list[dict]) -> None:
+    """The gossip rows' parameters are the mode's alone: the suite's loop neither steps its
+    own AdamW over them (zeroed gradients, not None: AdamW applied its weight decay a second
+    time every step) nor its schedule; held-out losses equal the mode's trained by hand."""
+    g = bench_ranks[0]["gossip"]
+    assert len(g["suite"]) == len(g["by_hand"]) == 2
+    assert g["suite"] == g["by_hand"], g
+
+
 @pytest.mark.parametrize(("argv", "words"), [(["--ranks", "1"], "--ranks needs"),
                                              (["--methods", "ddp,sgd"], "--methods takes names among"),
                                              (["--powersgd-warmup", "1"], "at least 2"),
