@@ -3,9 +3,14 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, joins them in
 one Gloo process group (its store on a loopback port that rank 0 binds), calls
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results in rank order. A rank that raises fails the whole
-call with every failing rank's traceback; a rank that has not answered within
-``timeout`` seconds (a hang in a collective, say) gets every rank killed and raises
-:class:`RankTimeout`, so a hang fails a test instead of a CI job.
+call with every failing rank's traceback; a rank that dies without a result (SIGKILL, the
+OOM killer, a segfault, ``os._exit``) is named with its exit code ahead of them (its peers'
+errors, Gloo's "Connection reset by peer", are only the consequence); a rank that has not
+answered within ``timeout`` seconds (a hang in a collective, say) gets every rank killed
+and raises :class:`RankTimeout`, so a hang fails a test instead of a CI job. On a failure
+or a timeout the ranks still running are stopped at once (SIGTERM, then SIGKILL after
+:data:`STOP_AFTER_FAILURE_S`); every process the call started has ended when it returns
+or raises.
 
 The processes fork from a server process (multiprocessing's ``forkserver``) that imported
 torch and fastreduce once: a 2-rank group starts in about 0.1 s instead of the 3-4 s two
@@ -22,6 +27,7 @@ import io
 import os
 import queue as queue_mod
 import random
+import signal
 import socket
 import time
 import traceback
@@ -35,6 +41,12 @@ __all__ = ["run_ranks", "rank_context", "RankFailure", "RankTimeout", "free_port
 
 PRELOAD = ("torch", "torch.distributed", "fastreduce")
 """Imported once by the fork server, before it forks any rank."""
+EXIT_AFTER_RESULT_S = 5.0
+"""How long a rank that handed back its result may take to end (its barrier, its group's
+and fastreduce's teardown) before it is killed."""
+STOP_AFTER_FAILURE_S = 1.0
+"""After a failure or a timeout: how long, in all, the ranks get to end after SIGTERM (or,
+those that reported, on their own) before SIGKILL."""
 
 
 class RankFailure(RuntimeError):
@@ -157,6 +169,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         p.start()
     outcome: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(outcome) < world_size:
             left = deadline - time.monotonic()
@@ -164,7 +177,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 missing = sorted(set(range(world_size)) - set(outcome))
                 raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f}s "
                                   f"(a hang in a collective?); all ranks were killed"
-                                  + _failures(outcome))
+                                  + _died(procs, outcome, "\n") + _failures(outcome))
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue_mod.Empty:
@@ -176,27 +189,68 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         outcome[rank] = (ok, value)
                     dead = [r for r in dead if r not in outcome]
                     if dead:
-                        raise RankFailure(f"ranks {dead} died without a result (exit codes "
-                                          f"{[procs[r].exitcode for r in dead]})" + _failures(outcome))
+                        raise RankFailure((_died(procs, outcome, "") + _failures(outcome)).rstrip("\n"))
                 continue
             outcome[rank] = (ok, value)
             if not ok:
-                # Give the other ranks a moment to report their own errors, then stop.
+                # Give the other ranks a moment to report their own errors (or to be seen
+                # dead: one that died without a result often caused this one's error), then stop.
                 end = time.monotonic() + 5.0
                 while len(outcome) < world_size and time.monotonic() < end:
                     try:
                         r2, ok2, v2 = results.get(timeout=0.2)
                         outcome[r2] = (ok2, v2)
                     except queue_mod.Empty:
-                        pass
-                raise RankFailure(_failures(outcome).lstrip("\n"))
+                        if all(p.exitcode is not None for r, p in enumerate(procs) if r not in outcome):
+                            break  # every rank left has ended: a result of theirs would be here by now
+                raise RankFailure((_died(procs, outcome, "") + _failures(outcome)).lstrip("\n"))
+        finished = True
     finally:
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop(procs, outcome, finished)
     return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _stop(procs: list[Any], outcome: dict[int, tuple[bool, Any]], finished: bool) -> None:
+    """End every rank process (the call that started them owns their stop). After a full
+    set of results, each gets :data:`EXIT_AFTER_RESULT_S` to end as it does; after a failure
+    or a timeout, those that never answered are sent SIGTERM at once, and all of them get
+    :data:`STOP_AFTER_FAILURE_S` in all; then SIGKILL to whatever still runs."""
+    if finished:
+        for p in procs:
+            p.join(timeout=EXIT_AFTER_RESULT_S)
+    else:
+        for r, p in enumerate(procs):
+            if r not in outcome and p.exitcode is None:
+                p.terminate()
+        end = time.monotonic() + STOP_AFTER_FAILURE_S
+        for p in procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def _died(procs: list[Any], outcome: dict[int, tuple[bool, Any]], lead: str) -> str:
+    """The ranks whose process ended without a result, with their exit codes (``""``: none)."""
+    dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+    if not dead:
+        return ""
+    codes = [_exit_code(procs[r].exitcode) for r in dead]
+    then = ("; the other ranks' errors below may only be its consequence"
+            if any(not ok for ok, _ in outcome.values()) else "")
+    return f"{lead}rank(s) {dead} died without a result (exit code(s) [{', '.join(codes)}]){then}\n"
+
+
+def _exit_code(code: int) -> str:
+    """``3``, or ``-9 (SIGKILL)`` for a process a signal ended."""
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
 
 
 def _failures(outcome: dict[int, tuple[bool, Any]]) -> str:

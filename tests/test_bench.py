@@ -672,6 +672,120 @@ def test_convergence_data_is_the_stdlib_deterministic_and_held_out_disjoint() ->
         convergence_suite.load_text(10_000)
 
 
+# ------------------------------------------------ suite internals on one 2-rank group
+
+def _gossip_as_users_write_it(rank: int, world: int) -> dict:
+    """``train_one("gossip_fp32")`` beside the gossip mode trained as its users (and the gossip
+    suite) write it, forward and backward alone, with the suite's AdamW and schedule per
+    bucket: the same batches, the same held-out losses (the ranks' averaged parameters)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    cv = convergence_suite
+    cfg = cv.quick_config(steps=4, eval_every=2, eval_seqs=4, width=32, positions=16, batch=2)
+    data = cv.load_text(1 / 16, 1 / 16)
+    held = cv.heldout_batch(data, cfg.positions, cfg.eval_seqs)
+    suite = cv.train_one("gossip_fp32", cfg, data, held)
+    model = cv.gpt2(cfg)
+    net = fastreduce.DecentralizedDataParallel(
+        model, lambda named: torch.optim.AdamW([p for _, p in named], lr=cfg.lr),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: cv.lr_factor(k, cfg.steps)),
+        topology="one-peer-exp", wire_dtype=torch.float32)
+    scratch = copy.deepcopy(model)
+    losses = []
+    for step in range(cfg.steps):
+        x = cv.train_batch(data, cfg.positions, cfg.batch, cfg.seed, step, rank, world)
+        net(input_ids=x, labels=x).loss.backward()
+        if (step + 1) % cfg.eval_every == 0:
+            flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+            dist.all_reduce(flat)
+            torch.nn.utils.vector_to_parameters(flat / world, scratch.parameters())
+            losses.append(cv._heldout_loss(scratch, held))
+    net.wait_exchanges()
+    return {"suite": suite and [e[2] for e in suite["evals"][1:]], "by_hand": losses}
+
+
+STEP_FAULT_CFG = step_suite.StepConfig(iters=1, params_m=0.05, batch=4, quick=True, warmup_rounds=0)
+
+
+def _step_with_a_wrong_average(rank: int, world: int) -> dict:
+    """``step_rank`` with ``fastreduce_fused_bf16`` averaging wrongly (its reduce halves the
+    mean, on both models): what the step suite's check against the fp32 loop is for."""
+    real = step_suite.build_methods
+
+    def build(base, cfg):  # noqa: ANN001, ANN202
+        methods = real(base, cfg)
+        m = next(m for m in methods if m.name == "fastreduce_fused_bf16")
+        good = m.reduce
+
+        def wrong() -> None:
+            good()
+            for p in m.params:
+                p.grad.mul_(0.5)
+        m.reduce = wrong
+        return methods
+    step_suite.build_methods = build  # this rank process's module alone
+    try:
+        return step_suite.step_rank(rank, world, STEP_FAULT_CFG)
+    finally:
+        step_suite.build_methods = real
+
+
+def bench_ranks_worker(rank: int, world: int) -> dict:
+    """Every case below on one group (one launch for them all)."""
+    import gc
+
+    step = _step_with_a_wrong_average(rank, world)
+    gc.collect()
+    return {"step": step, "gossip": _gossip_as_users_write_it(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def bench_ranks() -> list[dict]:
+    from fastreduce.launch import run_ranks
+
+    return run_ranks(bench_ranks_worker, 2, timeout=150.0, threads=1)
+
+
+@pytest.mark.timeout(240)
+def test_convergence_gossip_rows_step_only_the_modes_own_optimizers(bench_ranks: list[dict]) -> None:
+    """The gossip rows' parameters are the mode's alone: the suite's loop neither steps its
+    own AdamW over them (zeroed gradients, not None: AdamW applied its weight decay a second
+    time every step) nor its schedule; held-out losses equal the mode's trained by hand."""
+    g = bench_ranks[0]["gossip"]
+    assert len(g["suite"]) == len(g["by_hand"]) == 2
+    assert g["suite"] == g["by_hand"], g
+
+
+@pytest.mark.timeout(240)
+def test_step_suite_times_no_method_that_fails_its_gradient_check(bench_ranks: list[dict]) -> None:
+    """A method whose gradients are off the fp32 loop's by more than its wire's tolerance is
+    not timed, has no speed-up, and its targets are SKIP (with the reason), never judged;
+    every other method is timed and judged as usual."""
+    report = step_suite.build_report(STEP_FAULT_CFG, [r["step"] for r in bench_ranks], 0.0)
+    for kind, mod in report["models"].items():
+        bad = mod["methods"]["fastreduce_fused_bf16"]
+        assert bad["max_rel_err"] > 0.4 and bad["median_ms"] is None and bad["speedup_vs_ddp"] is None, (kind, bad)
+        assert bad["grad_tol"] == 3e-2, (kind, bad)
+        assert "not timed" in bad["skipped"], bad
+        for name, m in mod["methods"].items():
+            if name != "fastreduce_fused_bf16":
+                assert m["skipped"] is None and m["median_ms"] > 0, (kind, name, m)
+                if name != step_suite.REFERENCE:
+                    assert m["max_rel_err"] <= m["grad_tol"] == (1e-5 if "fp32" in name else 3e-2), (name, m)
+    t = report["targets"]
+    assert t["fused_bf16_vs_ddp"]["pass"] is None and "not timed" in t["fused_bf16_vs_ddp"]["what"], t
+    assert all(isinstance(v["pass"], bool) for k, v in t.items() if k != "fused_bf16_vs_ddp"), t
+    assert report["vs_fastest_ddp"]["fastreduce_fused_bf16"] is None
+    text = step_suite.format_text(report)
+    assert re.search(r"SKIP  fused_bf16_vs_ddp +many: fastreduce_fused_bf16 / ddp_fp32: fastreduce_fused_bf16: "
+                     r"gradients off the fp32 loop's by", text), text
+    assert re.search(r"\nfastreduce_fused_bf16 +- +- +- .*skipped: gradients off", text), text
+    assert "fastreduce_fused_bf16" not in {row["method"] for row in step_suite.csv_rows(report)}
+
+
 @pytest.mark.parametrize(("argv", "words"), [(["--ranks", "1"], "--ranks needs"),
                                              (["--methods", "ddp,sgd"], "--methods takes names among"),
                                              (["--powersgd-warmup", "1"], "at least 2"),

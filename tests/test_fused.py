@@ -15,6 +15,7 @@ import io
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fastreduce
 from fastreduce.backends import CheckedBackend, GraphContractError
 from fastreduce.compat import gloo_has_avg
-from fastreduce.launch import RankFailure, run_ranks
+from fastreduce.launch import RankFailure, RankTimeout, run_ranks
 
 from models import (ShapeModel, SparseEmbeddingModel, batch_for, frozen_backbone_model,
                     linear_stack, loss_of, many_tensor_model, mixed_dtype_model, skip_model)
@@ -958,6 +959,50 @@ def test_missing_grad_on_one_rank_reports_that_rank() -> None:
     assert "--- rank 1 failed ---" in text
     rank1 = text.split("--- rank 1 failed ---")[1]
     assert "'rank_dep.weight'" in rank1 and "unused_grads='zero'" in rank1
+
+
+def leaves_the_group(rank: int, world: int, how: str, folder: str) -> None:
+    """Rank 1 ends without a result (``how="exits"``: ``os._exit(3)``, as SIGKILL, a segfault
+    or the OOM killer would) while rank 0 waits for it in a barrier; or (``"hangs"``) every
+    rank sleeps past the launcher's timeout. Each rank writes its pid to ``folder`` first."""
+    import os
+
+    (Path(folder) / f"rank{rank}").write_text(str(os.getpid()))
+    if how == "hangs":
+        time.sleep(600)
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()  # rank 0 then fails with Gloo's "Connection reset by peer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exits", "hangs"])
+def test_a_rank_that_dies_or_hangs_is_named_and_every_rank_is_stopped(how: str, tmp_path: Path) -> None:
+    """A rank that ends without a result is named, with its exit code, ahead of the error it
+    caused in its peer (Gloo's, which names neither); a hang is stopped at the timeout with
+    no grace per rank (5 s each before: a 5 s timeout at 2 ranks took 15 s); either way no
+    rank process is left running."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure if how == "exits" else RankTimeout) as info:
+        run_ranks(leaves_the_group, 2, how, str(tmp_path), timeout=30.0 if how == "exits" else 5.0)
+    took = time.monotonic() - start
+    text = str(info.value)
+    if how == "exits":
+        assert text.startswith("rank(s) [1] died without a result (exit code(s) [3])"), text[:500]
+        assert "--- rank 0 failed ---" in text, text[:500]
+    else:
+        assert text.startswith("ranks [0, 1] did not finish within 5s"), text[:500]
+        assert took < 5.0 + 5.0, f"a 5 s timeout took {took:.1f} s"
+    pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    assert not [pid for pid in pids if _alive(pid)], f"rank processes {pids} left running"
 
 
 # ============================================================== world of one, bad arguments

@@ -53,7 +53,9 @@ the steps by default; torch's hook needs at least 2):
 * ``diloco_h32_fp32`` / ``diloco_h32_int4``: the same with an fp32 wire, or an int4 one
   (two values a byte, one fp32 scale per 256) with error feedback.
 * ``gossip_fp32`` / ``gossip_fp8``: ``fastreduce.DecentralizedDataParallel`` on
-  ``one-peer-exp``, an AdamW per bucket with the suite's lr and schedule; fp32, or an fp8
+  ``one-peer-exp``, an AdamW per bucket with the suite's lr, weight decay and schedule, which
+  the mode steps in backward (the loop's AdamW, schedule and ``zero_grad()`` are left out,
+  as the gossip suite's loop is forward and backward alone); fp32, or an fp8
   (e4m3) wire with CHOCO's public copies (:class:`~fastreduce.comm.quantized.QuantMix`).
   Bytes: one message a round (the bucket blocks, or their encodings).
 * ``diloco_h32_sparseloco``: the same with ``compression=fastreduce.SparseLoCo()`` (density
@@ -243,6 +245,8 @@ class Trainer:
     wire: Callable[[], tuple[float, float]]  # bytes sent per rank per step: (steady, mean over the run)
     synced: bool = True                   # every rank holds the same model after every step
     keep: Any = None                      # what must live as long as the training (a mode, a state)
+    steps_itself: bool = False            # the mode steps, schedules and zeroes its own optimizers
+    # in backward (gossip): the loop then leaves its AdamW, its LambdaLR and its zero_grad() out
 
 
 @dataclass(frozen=True)
@@ -353,9 +357,12 @@ def _diloco(wire: str | None) -> Callable[[Any, Any, Setup], Trainer]:
 
 
 def _gossip(wire: str) -> Callable[[Any, Any, Setup], Trainer]:
-    """Gossip on ``one-peer-exp``: an AdamW of the suite's settings and schedule per bucket
-    (the loop's own optimizer then finds no gradients: the buckets stepped in backward);
-    ``wire`` fp32, or quantized with CHOCO's public copies."""
+    """Gossip on ``one-peer-exp``: an AdamW of the suite's settings and schedule per bucket,
+    stepped (and its ``LambdaLR`` stepped, the gradients zeroed) by the mode in backward, so
+    the Trainer ``steps_itself``: the loop's own AdamW never steps these parameters (its
+    gradients are zeroed, not None, so AdamW would apply its weight decay a second time, and
+    write into a block whose exchange may be in flight); ``wire`` fp32, or quantized with
+    CHOCO's public copies."""
     def build(model: Any, opt: Any, s: Setup) -> Trainer:
         import torch
 
@@ -371,7 +378,7 @@ def _gossip(wire: str) -> Callable[[Any, Any, Setup], Trainer]:
             mixes = getattr(net, "_qmix", None)
             sent = sum(q.wire_bytes for q in mixes) if mixes else 4.0 * s.numel  # one peer a round
             return sent, sent
-        return Trainer(net, _nothing, wire_bytes, synced=False, keep=net)
+        return Trainer(net, _nothing, wire_bytes, synced=False, keep=net, steps_itself=True)
     return build
 
 
@@ -471,9 +478,10 @@ def train_one(name: str, cfg: ConvergenceConfig, data: TextData, held: Any) -> d
         loss = trainer.run(input_ids=x, labels=x).loss
         loss.backward()
         trainer.reduce()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        if not trainer.steps_itself:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
         times.append(time.perf_counter() - t0)
         train_loss.append(float(loss.detach()))
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:

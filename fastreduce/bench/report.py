@@ -32,10 +32,14 @@ def judge_ratios(specs: Iterable[tuple[str, str, str, str, float]], median: Call
 
 
 def target_lines(targets: dict[str, dict[str, Any]], width: int = 22) -> list[str]:
-    """One ``PASS``/``FAIL`` line per target (names padded to ``width``, or wider)."""
+    """One ``PASS``/``FAIL`` line per target (names padded to ``width``, or wider); ``SKIP``
+    and why where it was not judged (``pass`` None: a method in it was not timed)."""
     width = max([width] + [len(name) + 2 for name in targets])
     lines = []
     for name, t in targets.items():
+        if t["pass"] is None:
+            lines.append(f"  SKIP  {name:<{width}}{t['what']}")
+            continue
         value = f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"])
         lines.append(f"  {'PASS' if t['pass'] else 'FAIL'}  {name:<{width}}{t['what']} = {value} "
                      f"({t['op']} {t['limit']})")
