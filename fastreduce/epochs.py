@@ -125,10 +125,7 @@ class EpochChanges:
             if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
-                raise RankLostError(sorted(old.members.index(m) for m in set(old.members) - set(present)),
-                                    "Membership", f"{len(present)} member(s) are left, below min_ranks="
-                                    f"{self.settings.min_ranks}, and no process joined within {self.settings.wait_s:g} s",
-                                    "members were lost", old.world)
+                self._below_min_ranks(old, present, lost if why == "leave" else set())
             time.sleep(0.05)
         epoch = self.admission.propose(proposal, refusals) if holds else \
             Epoch.from_json(self.call(self.store.get, key))
@@ -142,6 +139,20 @@ class EpochChanges:
         self.me.counters.joins += sum(m not in old.members for m in epoch.receivers)  # not a survivor healed forward
         self.enter(epoch)
         self.me.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _below_min_ranks(self, old: Epoch, present: list[str], left: set[str]) -> None:
+        """No process joined within ``wait_s`` to bring the members ``present`` of the epoch
+        after ``old`` up to ``min_ranks``: :class:`RankLostError` naming the members lost, or,
+        where none was (only ``left``, the members that left at a poll), :class:`MembershipError`."""
+        below = (f"{len(present)} member(s) are left, below min_ranks={self.settings.min_ranks}, and no process joined "
+                 f"within {self.settings.wait_s:g} s")
+        lost = set(old.members) - set(present) - left
+        if lost:
+            raise RankLostError(sorted(old.members.index(m) for m in lost), "Membership", below, "members were lost",
+                                old.world)
+        raise MembershipError(f"fastreduce: {', '.join(sorted(left))} left the job (leave(), or asked to by the "
+                              f"straggler policy, evict_slower_than): {below}; start a joiner or a warm spare "
+                              "(spare=True) within wait_s, or run with a lower min_ranks")
 
     def gather(self, old: Epoch, lost: set[str], why: str, beats: Any) -> dict[str, dict[str, Any]]:
         """Announce this member for the epoch after ``old`` and wait for the other

@@ -71,7 +71,8 @@ class Membership:
         world_size: the members the job starts with (epoch 0 forms when they have all
             joined); later joiners grow it.
         min_ranks: below this many members the survivors wait up to ``wait_s`` for
-            joiners, then raise :class:`~fastreduce.RankLostError`.
+            joiners, then raise :class:`~fastreduce.RankLostError` (:class:`MembershipError`
+            where members left rather than were lost).
         backend: each epoch's process group backend (``"gloo"``; ``"nccl"``/``"hccl"``
             where each member has its own device).
         tag: the mode and its settings, in words (e.g. ``"fused bf16"``): a joiner with

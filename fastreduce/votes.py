@@ -44,7 +44,7 @@ class Votes:
         self._leaves_seen = 0  # requests to leave counted when this member last looked
         self._last_commit: float | None = None
         self.status = StatusReport(me, link)  # this member's figures at the coordinator, about once a second
-        self.evictions = Evictions(me, link, self.ask_to_leave)  # rank 0's (evict_slower_than)
+        self.evictions = Evictions(me, link, self.ask_to_leave, admission)  # rank 0's (evict_slower_than)
 
     def restart(self, first_step: int) -> None:
         """A new epoch, entered at ``first_step``: every epoch polls at its first step."""

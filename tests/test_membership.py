@@ -851,6 +851,29 @@ def test_a_process_that_joins_under_a_leavers_name_is_not_taken_for_it() -> None
         m.close()
 
 
+def test_a_member_alone_below_min_ranks_after_another_left_is_not_told_it_was_lost() -> None:
+    """Below min_ranks after a member left at a poll (leave(), or the straggler policy), with no
+    process joined within wait_s: MembershipError saying who left and what to do; it raised
+    RankLostError saying the leaver "was lost". A member that went silent is still a loss."""
+    from fastreduce.coordinator import Epoch
+    from fastreduce.faults import RankLostError
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    server = serve(0, "127.0.0.1")
+    m = Membership(f"127.0.0.1:{server.port}", world_size=3, min_ranks=3, member="w0", wait_s=1)
+    old = Epoch(0, ("w0", "w1", "w2"), 0, 3)
+    try:
+        with pytest.raises(MembershipError) as left:
+            m.epochs._below_min_ranks(old, ["w0", "w1"], {"w2"})
+        assert "w2 left the job" in str(left.value) and "below min_ranks=3" in str(left.value), left.value
+        assert "lost" not in str(left.value), left.value
+        with pytest.raises(RankLostError) as lost:  # w2 left, w1 silent: lost
+            m.epochs._below_min_ranks(old, ["w0"], {"w2"})
+        assert lost.value.ranks == [1], lost.value
+    finally:
+        m.close()
+
+
 def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
     against the members' (version, tag, layout), and the arguments."""

@@ -202,3 +202,66 @@ def test_status_watch_says_in_one_line_that_its_coordinator_went_away() -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fastreduce status: the coordinator at 127.0.0.1:{port} stopped "
                                                    "answering ("), err[-3000:]
+
+
+def _looked(evictions: Any) -> None:
+    """One look of rank 0's eviction policy, and its read in the background awaited (the
+    next look judges it)."""
+    evictions.look()
+    if evictions._reading is not None:
+        assert evictions._reading[0].wait(10), "the status read did not complete"
+
+
+def test_a_straggler_stays_where_its_eviction_leaves_the_job_below_min_ranks_with_no_one_waiting(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """world_size=2, min_ranks=2: member b, the straggler in every read for longer than
+    evict_for_s, stays (said once in the log) while no process waits to take its place; its
+    eviction left a alone below min_ranks, who waited wait_s and raised RankLostError saying
+    b was lost. A process with another layout waiting does not count; a warm spare registered
+    after the epoch formed (not in its Epoch.spares) does: b is asked to leave then. The real
+    policy on a real coordinator (read and asked there), on a clock of the test's."""
+    import logging
+    from types import SimpleNamespace
+
+    import fastreduce.status as status
+    from fastreduce.coordinator import MEMBERS_PREFIX, TICKETS, Epoch, epoch_key, ticket_key
+    from fastreduce.membership import Membership
+    from fastreduce.status import STATUS_PREFIX
+
+    clock = [100.0]
+    monkeypatch.setattr(status, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    server = serve(0, "127.0.0.1")
+    m = Membership(f"127.0.0.1:{server.port}", world_size=2, min_ranks=2, member="a", evict_slower_than=1.3,
+                   evict_for_s=2.0)
+    try:
+        m.me.epoch = Epoch(0, ("a", "b"), 0, 2, ())
+        server.set(epoch_key(0), m.me.epoch.to_json())
+        server.add(TICKETS, 2)
+        for name, busy in (("a", 0.01), ("b", 0.05)):
+            server.set(STATUS_PREFIX + name, json.dumps({"at": time.time(), "step": 5, "step_s": 0.1 + busy,
+                                                         "wait_s": 0.1}))
+        evictions, asked = m.votes.evictions, lambda: server.check([MEMBERS_PREFIX + "leaving/b"])
+
+        def reads(n: int) -> None:
+            for _ in range(n):
+                clock[0] += 1.0
+                _looked(evictions)
+
+        def register(ticket: dict[str, Any]) -> None:
+            t = server.add(TICKETS, 1)
+            server.set(ticket_key(t), json.dumps({"member": f"p{t}", "start": 0, "spare": True, **ticket}))
+
+        with caplog.at_level(logging.WARNING, logger="fastreduce.membership"):
+            _looked(evictions)
+            reads(6)  # named in every read for 6 s, evict_for_s=2
+            assert not asked(), "b was asked to leave: the job would be below min_ranks, no one to take its place"
+            register({"print": dict(m.admission.fingerprint(), tag="another mode")})
+            reads(3)
+            assert not asked(), "a process that would be refused was taken for one that takes b's place"
+            register({"print": m.admission.fingerprint()})  # a warm spare, after the epoch formed
+            reads(2)
+            assert asked(), "b stayed though a warm spare waits to take its place"
+        kept = [r.getMessage() for r in caplog.records if "it stays" in r.getMessage()]
+        assert len(kept) == 1 and "below min_ranks=2" in kept[0] and "member b" in kept[0], kept
+    finally:
+        m.close()
