@@ -40,6 +40,10 @@ EVERY_S = 1.0
 """About how often a member publishes its figures (at the first poll this long after the last)."""
 STRAGGLER_RATIO = 1.25
 """A member busy this many times the members' median per step is a straggler."""
+QUIET_READS = 3
+"""Two status reads further apart than this many :data:`EVERY_S` (or steps of the job's, where
+a step is longer) have no evidence between them (a pause: an evaluation, a checkpoint written):
+the eviction policy's count of a straggler's time starts again there."""
 
 
 class StatusReport:
@@ -73,17 +77,21 @@ class Evictions:
     status in the background about once a second, and ``ask(name)`` is called once for a
     member named the straggler in every read for ``evict_for_s``, unless the job would then
     be below ``min_ranks`` with no process waiting to take its place (``admission``'s
-    :meth:`~fastreduce.admission.Admission.standing_by`): it stays, watched, until one waits."""
+    :meth:`~fastreduce.admission.Admission.standing_by`): it stays, watched, until one waits.
+    The time is the reads': each is judged at the moment it was taken, and reads within one
+    epoch no further apart than :data:`QUIET_READS` count on (a pause between two restarts it)."""
 
     def __init__(self, me: Member, link: CoordinatorLink, ask: Callable[[str], None], admission: Admission):
         self.me, self.link, self.ask, self.admission = me, link, ask, admission
         self._reading: tuple[Any, list[Any]] | None = None  # a read in flight: (done event, its box)
         self._read_at = 0.0
         self._since: tuple[str, float] | None = None  # the straggler every read has named, since when
+        self._last: tuple[int | None, float] | None = None  # the last read judged: its epoch, when taken
         self._asked: set[str] = set()
         self._kept: set[str] = set()  # the stragglers kept for min_ranks (said once each)
 
-    def look(self) -> None:
+    def look(self, step_s: float | None = None) -> None:
+        """At a poll (``step_s``: the running seconds per step, which spaces the polls)."""
         ratio = self.me.settings.evict_slower_than
         if ratio is None or self.me.rank != 0:
             return
@@ -91,7 +99,7 @@ class Evictions:
         if self._reading is not None and self._reading[0].is_set():
             box, self._reading = self._reading[1], None
             if not isinstance(box[0], BaseException):
-                self._judge(*box[0], now)
+                self._judge(*box[0], QUIET_READS * max(EVERY_S, step_s or 0.0))
         if self._reading is None and now - self._read_at >= EVERY_S:
             self._read_at = now
             epoch = self.me.current()
@@ -99,15 +107,22 @@ class Evictions:
             self.admission.fingerprint()  # (made here, on the member's thread: the read compares with it)
             self._reading = self.link.submit(self._read, ratio, epoch, left)
 
-    def _read(self, ratio: float, epoch: Epoch, left: int) -> tuple[dict[str, Any], tuple[str, ...] | None]:
-        """The status, and, where an eviction would leave fewer than ``min_ranks`` members
-        (``left``), the processes waiting to take a place (else ``None``). On the link's thread."""
+    def _read(self, ratio: float, epoch: Epoch, left: int) -> tuple[float, dict[str, Any], tuple[str, ...] | None]:
+        """When it was taken, the status, and, where an eviction would leave fewer than
+        ``min_ranks`` members (``left``), the processes waiting to take a place (else
+        ``None``). On the link's thread."""
+        at = time.monotonic()
         status = read_status(self.link.store, ratio, epoch.number)
         short = status["straggler"] is not None and left < self.me.settings.min_ranks
-        return status, self.admission.standing_by(self.link.store, epoch) if short else None
+        return at, status, self.admission.standing_by(self.link.store, epoch) if short else None
 
-    def _judge(self, status: dict[str, Any], waiting: tuple[str, ...] | None, now: float) -> None:
-        straggler = status["straggler"]
+    def _judge(self, now: float, status: dict[str, Any], waiting: tuple[str, ...] | None, quiet: float) -> None:
+        """The read taken at ``now``; ``quiet``: the seconds past which the one before it is no
+        evidence for it (:data:`QUIET_READS`)."""
+        straggler, number = status["straggler"], (status["epoch"] or {}).get("number")
+        if self._last is None or self._last[0] != number or now - self._last[1] > quiet:
+            self._since = None  # a new epoch, or nothing read since a pause: its time starts again
+        self._last = (number, now)
         if straggler is None or (self._since is not None and self._since[0] != straggler):
             self._since = None if straggler is None else (straggler, now)
             return

@@ -65,7 +65,7 @@ class Votes:
         epoch, store = self.me.current(), self.link.store
         key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
         self.status.publish(self.step_s)
-        self.evictions.look()
+        self.evictions.look(self.step_s)
         value = None
         if self.link.call(store.add, key, 1) == epoch.world:
             if s >= self.poll_at:  # a poll: joiners, leavers, the next poll's step
