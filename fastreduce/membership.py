@@ -239,11 +239,11 @@ class Membership:
 
     def close(self) -> None:
         """Leave: take the mode's hooks off, stop fastreduce's background threads
-        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the
-        transport's workers) and then end this epoch's group."""
+        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the transport's
+        workers; within seconds where the coordinator went silent) and end this epoch's group."""
         if self.me.mode is not None:
             self.epochs.close_mode()
-        self.epochs.pulse.stop()
-        shutdown(rest=False)  # this member leaves: a member still counting on it sees it go
+        self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
+        shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():
             dist.destroy_process_group()
