@@ -98,6 +98,7 @@ class Votes:
     def ask_to_leave(self, member: str | None = None) -> None:
         """This member (or ``member``: evicted) asks to be out at the next poll
         (:meth:`fastreduce.Membership.leave`)."""
+        self.me.leaving = self.me.leaving or member is None
         self.link.call(self.link.store.set, f"{_LEAVING}/{member or self.me.name}", "1")
         self.link.call(self.link.store.add, _LEAVING, 1)
 

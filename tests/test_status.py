@@ -76,6 +76,11 @@ def _member(index: int, port: int, out: str, evict: bool, spare: bool = False) -
         if stop_at is None and store.check(["test/stop_at"]):
             stop_at = int(store.get("test/stop_at"))
     facts.update(step=m.step, left=m.left, world=m.world, leaves=m.counters.leaves)
+    if m.left:  # a loop that goes on after it (while m.step < steps: ...) is told why and what to do
+        try:
+            m.commit(opt.step)
+        except RuntimeError as err:
+            facts["commit_after"] = str(err)
     m.close()
     torch.save(facts, Path(out) / f"member{index}.pt")
 
@@ -123,6 +128,8 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         return
     world = 3 if spare else 2  # (the spare in member 2's place)
     assert facts[2]["left"] and all(f["world"] == world and f["leaves"] == 1 for f in facts[:2]), facts
+    said = facts[2]["commit_after"]  # (it said "leave()", which this member never called)
+    assert "the straggler policy, evict_slower_than, asked it to leave" in said and "not m.left" in said, said
     assert facts[0]["step"] == facts[1]["step"] > facts[2]["step"], [f["step"] for f in facts]  # the two went on
     if spare:
         taken = torch.load(tmp_path / "member3.pt")
