@@ -159,6 +159,22 @@ class Admission:
                 self.link.call(self.link.store.set, _admit(t), f"refused: {bad}")
         return waiting
 
+    def standing_by(self, store: Any, epoch: Epoch) -> tuple[str, ...]:
+        """The processes waiting now to enter ``epoch``'s job with this member's layout, whom
+        the next epoch would take (warm spares and joiners, those that registered after
+        ``epoch`` formed too), read on ``store`` directly: for a request made on the
+        coordinator's own thread (:class:`~fastreduce.status.Evictions`'s read). The layout
+        is this member's as :meth:`fingerprint` made it (call it first, on the member's thread)."""
+        mine, last = self.fingerprint(), int(store.add(TICKETS, 0))
+        waiting = []
+        for t in (*epoch.spares, *range(epoch.tickets + 1, last + 1)):
+            if store.check([_admit(t)]) or not store.check([ticket_key(t)]):  # answered, or not written yet
+                continue
+            ticket = json.loads(store.get(ticket_key(t)))
+            if self.differs(ticket["print"], mine) is None:
+                waiting.append(ticket["member"])
+        return tuple(waiting)
+
     def propose(self, proposal: Epoch, refusals: dict[int, str | None]) -> Epoch:
         """Write ``proposal`` unless another member's for that epoch was first; then admit
         the joiners of the epoch written and refuse the tickets it handled with another

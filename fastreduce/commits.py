@@ -50,6 +50,11 @@ class StepCommits:
     def commit(self, step: Callable[[], Any]) -> bool:
         """See :meth:`fastreduce.Membership.commit`."""
         me = self.me
+        if me.left:
+            why = "it called leave()" if me.leaving else \
+                "the straggler policy, evict_slower_than, asked it to leave: it worked slower than the others"
+            raise RuntimeError(f"this member left the job ({why}); end the training loop once m.left is True "
+                               "(while m.step < steps and not m.left: ...); start a new process to join again")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         kind, s = commit_style(me.mode), me.step
         if kind == "local":

@@ -19,6 +19,7 @@ import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
 from fastreduce.etcd_store import ETCD_SCHEME, EtcdSpaceExceeded, EtcdStore, parse_address
 from fastreduce.faults_errors import StoreUnreachable
+from fastreduce.lifecycle import JOIN_S
 
 __all__ = ["COORDINATOR_ENV", "TICKETS", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s",
            "serve", "ticket_key"]
@@ -32,6 +33,11 @@ def epoch_key(number: int) -> str:
     """The coordinator's key of epoch ``number`` (its :class:`Epoch` as JSON, once formed)."""
     return MEMBERS_PREFIX + f"epoch/{number}"
 
+
+SILENT_STOP_S = 1.0
+"""How long a member that closes waits for each of its threads where its coordinator stopped
+answering (:meth:`CoordinatorLink.stop_s`): one inside a request to it never ends (c10d's own
+timeout does not end a request on a silent link), the others end in milliseconds."""
 
 TICKETS = MEMBERS_PREFIX + "tickets"
 """The coordinator's count of the tickets taken (the last one's number)."""
@@ -153,6 +159,7 @@ class CoordinatorLink:
         self._caller = faults.StoreCaller("fastreduce-coordinator")  # every request bounded (a partition)
         self._waiter: Any = None
         self._here: bool | None = None  # whether the coordinator is served on this host
+        self.silent = False  # a request found it not answering (unreachable): nothing waits on it again
         # the vote's connection made now, apart: one made inside a vote can take 10 s (reach.SecondConnection)
         self._second = reach.SecondConnection(self.store, timeout_s, "fastreduce-vote-connect")
 
@@ -164,6 +171,12 @@ class CoordinatorLink:
         if self._here is None:
             self._here = process_identity.served_here(self.store)
         return max(5.0, 2 * faults.lost_after()) * (faults.LOCAL_GRACE if self._here else 1)
+
+    def stop_s(self) -> float:
+        """How long the member's threads are each waited for as it closes: the usual
+        :data:`~fastreduce.lifecycle.JOIN_S`, or :data:`SILENT_STOP_S` where a request found the
+        coordinator silent (a thread still inside one is left to end with the process)."""
+        return SILENT_STOP_S if self.silent else JOIN_S
 
     def call(self, fn: Callable[..., Any], *args: Any, seconds: float | None = None) -> Any:
         """A request to the coordinator, answered within ``seconds`` (default:
@@ -207,6 +220,7 @@ class CoordinatorLink:
 
     def unreachable(self, err: BaseException) -> MembershipError:
         faults_watchdog.abandon_groups()  # this member ends here: never join a thread stuck on a silent peer at exit
+        self.silent = not isinstance(err, EtcdSpaceExceeded)
         if isinstance(err, EtcdSpaceExceeded):
             return MembershipError(f"fastreduce: the coordinator's etcd cluster ({self.where}) is out of space "
                                    f"({err}); this member cannot go on. Restart the job from the last checkpoint once "

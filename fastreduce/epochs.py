@@ -26,6 +26,7 @@ from .admission import Admission
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
+from .gathering import Gathering, moved, poll_s
 from .heal import sync_state
 from .kept import kept_state, settled_step
 from .modes import zero_mirror
@@ -38,26 +39,6 @@ __all__ = ["EpochChanges"]
 
 log = logging.getLogger("fastreduce.membership")
 
-POLLS_PER_S = 4000.0
-"""How many times a second the members of an epoch poll the coordinator together while they
-gather for the next one (:meth:`EpochChanges.gather`) or enter it (``_rendezvous``): a member
-polls every ``max(5 ms, members / POLLS_PER_S)``. At a fixed 5 ms, 1,024 members made 400k
-requests a second to the one-threaded store, and their client threads on this 2-core machine
-could not finish one formation in 8 s (``fastreduce bench store --scenarios form``)."""
-
-
-def _poll_s(members: int, polls: int | None = None) -> float:
-    """Seconds between two polls of one member of an epoch of ``members``; ``polls``: after
-    that many of a meeting's, whose members come within milliseconds of each other (one
-    more after 1, 1, 2, 4 ms, then at the usual pace; never more often than the coordinator
-    was sized for)."""
-    pace = members / POLLS_PER_S  # the coordinator's sizing: no member polls more often
-    usual = max(0.005, pace)
-    if polls is None:
-        return usual
-    return min(usual, max(pace, 0.001 * 2 ** min(max(0, polls - 1), 20)))  # (a long wait: no float overflow)
-
-
 class EpochChanges:
     """How one member goes from epoch to epoch (see the module doc). It changes ``me`` (the
     :class:`~fastreduce.member.Member`), asks ``admission`` who may join and ``votes`` what a
@@ -69,6 +50,7 @@ class EpochChanges:
         self.settings, self.store, self.call = me.settings, link.store, link.call
         self._first_step_of: int | None = None  # the epoch whose members all reached its first step
         self._held: Any = None  # a closed ZeroOptimizer holding a step its all_arrived() ended (commits.py)
+        self.gathering = Gathering(me, link)
 
     def next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
@@ -80,11 +62,11 @@ class EpochChanges:
         self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         peers = [m for m in old.members if m != self.me.name]
-        self.announce(old)  # (before it leaves: a member told of that below finds it announced)
+        self.gathering.announce(old, held=self._held is not None)  # (before it leaves: one told below finds it)
         if why == "loss" and not lost:
-            self._left_alone()
+            self.gathering.name_self_lost()
         self.leave_group(abandon=why == "loss", gone=all_exited(self.store, self.call, peers) if why == "loss" else None)
-        said = self.gather(old, lost, why, beats, announced=True)
+        said = self.gathering.gather(old, lost, why, beats, announced=True)
         present, key = list(said), epoch_key(n)
         # The members holding the job's state at its latest step come first (rank 0 sends
         # it); the survivors one step behind (their reduction failed where these completed
@@ -128,10 +110,7 @@ class EpochChanges:
             if proposal.world >= self.settings.min_ranks or self.call(self.store.check, [key]):
                 break
             if time.monotonic() > deadline:
-                raise RankLostError(sorted(old.members.index(m) for m in set(old.members) - set(present)),
-                                    "Membership", f"{len(present)} member(s) are left, below min_ranks="
-                                    f"{self.settings.min_ranks}, and no process joined within {self.settings.wait_s:g} s",
-                                    "members were lost", old.world)
+                self._below_min_ranks(old, present, lost if why == "leave" else set())
             time.sleep(0.05)
         epoch = self.admission.propose(proposal, refusals) if holds else \
             Epoch.from_json(self.call(self.store.get, key))
@@ -146,92 +125,19 @@ class EpochChanges:
         self.enter(epoch)
         self.me.counters.stalls.append((why, time.perf_counter() - start))
 
-    def announce(self, old: Epoch) -> None:
-        """This member's word for the epoch after ``old``: its step, whether it holds the
-        job's state (or its first members'), whether it holds a ZeRO step (:meth:`gather`)."""
-        alive = MEMBERS_PREFIX + f"e{old.number + 1}/alive"
-        self.call(self.store.set, f"{alive}/{self.me.name}",
-                  json.dumps({"step": self.me.step, "healed": self.me.healed, "founder": self.me.founder,
-                              "held": self._held is not None}))
-        self.call(self.store.add, alive, 1)
-
-    def _left_alone(self) -> None:
-        """This member's collective failed where it found no member lost (every heartbeat
-        moved: its own link flapped), and it now leaves the epoch's group. The others may
-        still wait on it in a collective there, and would see it silent; its process runs
-        on their host (or seems to), so they would wait :data:`~fastreduce.faults.LOCAL_GRACE`
-        loss windows (10.7 s at a 1 s window) before they named it. So it names itself on
-        the epoch's heartbeat, as a finding of a loss: their watchdog reads that within a
-        heartbeat, and they form the next epoch with it (announced already: :meth:`announce`)."""
-        beat = faults_heartbeat.heartbeat_now()
-        if beat is not None and beat.current():
-            faults.note_lost({beat.rank: ""}, "its own collective failed while every member still beat (its link "
-                             "flapped): it left this epoch and registered for the next", faults.group_token())
-
-    def gather(self, old: Epoch, lost: set[str], why: str, beats: Any,
-               announced: bool = False) -> dict[str, dict[str, Any]]:
-        """Announce this member for the epoch after ``old`` (unless ``announced``: by
-        :meth:`announce`) and wait for the other survivors' announcements: those of the
-        members of ``old`` present (its step and whether it holds the job's state), in
-        ``old``'s order: every member not ``lost``; fewer where the epoch was formed by
-        others meanwhile, or a survivor stayed silent past the window and ``wait_s``.
-        ``beats``: the old epoch's store, whose heartbeats tell a slow survivor from a lost one."""
-        n = old.number + 1
-        if not announced:
-            self.announce(old)
-        count, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
-        expected = [m for m in old.members if m not in lost]
-        window = faults.lost_after() if why == "loss" else self.settings.timeout_s
-        deadline, last = time.monotonic() + window, time.monotonic() + self.settings.wait_s
-        counted: dict[str, int] = {}
-        key = epoch_key(n)
-        # Each tick reads the count (and whether the epoch was formed), not every member's key:
-        # two requests a member, where a check per member made N^2 a tick at N members.
-        while True:
-            if int(self.call(self.store.add, count, 0)) >= len(expected) and \
-                    self.call(self.store.check, [alive + m for m in expected]):
-                present = [m for m in old.members if m not in lost or self.call(self.store.check, [alive + m])]
-                break
-            if self.call(self.store.check, [key]):
-                # Formed already, by survivors that knew whom the failure lost (this one's
-                # collective may fail without naming anyone): they waited for this member.
-                present = self._present(old, alive)
-                break
-            if time.monotonic() > deadline:
-                # A survivor still beating in the old epoch (slow to see the loss: a long
-                # forward, a loaded host) is waited for, a window at a time, up to wait_s.
-                present = self._present(old, alive)
-                missing = [m for m in expected if m not in present]
-                if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
-                    break
-                deadline = time.monotonic() + window
-            time.sleep(_poll_s(old.world))
-        words = self.call(faults_heartbeat.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
-        return dict(zip(present, map(json.loads, words)))
-
-    def _present(self, old: Epoch, alive: str) -> list[str]:
-        """The members of ``old`` that announced themselves for the next epoch (a request each)."""
-        return [m for m in old.members if self.call(self.store.check, [alive + m])]
-
-    def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
-        """Whether a heartbeat of ``members`` in epoch ``old``, or a pulse of theirs, moved
-        since last counted (``True`` the first time: counted now, to compare a window later).
-        The pulse: a survivor whose entry into ``old`` failed before its heartbeat there
-        started (a starved host) shows it lives by its pulse alone, up since it left the
-        epoch before (:meth:`next_epoch`); read by the heartbeat only, it was left out."""
-        beating = {m: int(self.call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
-                   for m in members}
-        pulsing = {f"pulse {m}": n for m, n in pulses(self.store, self.call, members).items()}
-        return self._moved({**beating, **pulsing}, counted)
-
-    @staticmethod
-    def _moved(now: dict[str, int], counted: dict[str, int]) -> bool:
-        """Whether a count read ``now`` (a heartbeat's, a pulse's) moved since ``counted``
-        (``True`` the first time: counted now, to compare a window later)."""
-        first = not counted
-        moved = any(m in counted and counted[m] != n for m, n in now.items())
-        counted.update(now)
-        return first or moved
+    def _below_min_ranks(self, old: Epoch, present: list[str], left: set[str]) -> None:
+        """No process joined within ``wait_s`` to bring the members ``present`` of the epoch
+        after ``old`` up to ``min_ranks``: :class:`RankLostError` naming the members lost, or,
+        where none was (only ``left``, the members that left at a poll), :class:`MembershipError`."""
+        below = (f"{len(present)} member(s) are left, below min_ranks={self.settings.min_ranks}, and no process joined "
+                 f"within {self.settings.wait_s:g} s")
+        lost = set(old.members) - set(present) - left
+        if lost:
+            raise RankLostError(sorted(old.members.index(m) for m in lost), "Membership", below, "members were lost",
+                                old.world)
+        raise MembershipError(f"fastreduce: {', '.join(sorted(left))} left the job (leave(), or asked to by the "
+                              f"straggler policy, evict_slower_than): {below}; start a joiner or a warm spare "
+                              "(spare=True) within wait_s, or run with a lower min_ranks")
 
     def enter(self, epoch: Epoch) -> None:
         """This epoch's process group; the state from rank 0 where it has joiners; the mode.
@@ -363,7 +269,7 @@ class EpochChanges:
                 return lost
             if self.call(self.store.check, [aborted]):  # another member found a loss first
                 return self._published_lost(epoch) or watch.exited()
-            time.sleep(_poll_s(epoch.world, polls))
+            time.sleep(poll_s(epoch.world, polls))
             polls += 1
             here = int(self.call(self.store.add, key, 0))
         return None
@@ -414,14 +320,14 @@ class EpochChanges:
             if not lost and time.monotonic() > deadline:
                 lost = {m for m in epoch.members if not self.call(self.store.check, [f"{key}/{m}"])}
                 if lost and time.monotonic() < last and \
-                        self._moved(pulses(self.store, self.call, sorted(lost)), counted):
+                        moved(pulses(self.store, self.call, sorted(lost)), counted):
                     log.warning("fastreduce: %s not in epoch %d after %.1f s, alive (its pulse moves): waiting for "
                                 "it, up to wait_s", ", ".join(sorted(lost)), epoch.number, time.monotonic() - start)
                     lost, deadline = set(), time.monotonic() + bound  # alive, slow to come: a loaded host
                 elif not lost:
                     break  # every member came meanwhile
             if not lost:
-                time.sleep(_poll_s(epoch.world))
+                time.sleep(poll_s(epoch.world))
         said = self.call(self.store.compare_set, word, "", json.dumps(sorted(lost)) if lost else "go")
         if said not in (b"go", "go"):  # (bytes from a TCPStore)
             raise _Missing(set(json.loads(said)))

@@ -100,7 +100,8 @@ class Member:
         self.healed = False
         self.founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
         self.kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
-        self.left = False  # this member left the job (Membership.leave)
+        self.left = False  # this member left the job (Membership.leave, or evicted: status.Evictions)
+        self.leaving = False  # it asked to leave itself (Membership.leave): not evicted
         self.put_away: Any = None  # once it left: the last epoch's mode, closed (Membership.mode)
         self._points: dict[str, list[Callable[[Any], Any]]] = {}
 

@@ -71,7 +71,8 @@ class Membership:
         world_size: the members the job starts with (epoch 0 forms when they have all
             joined); later joiners grow it.
         min_ranks: below this many members the survivors wait up to ``wait_s`` for
-            joiners, then raise :class:`~fastreduce.RankLostError`.
+            joiners, then raise :class:`~fastreduce.RankLostError` (:class:`MembershipError`
+            where members left rather than were lost).
         backend: each epoch's process group backend (``"gloo"``; ``"nccl"``/``"hccl"``
             where each member has its own device).
         tag: the mode and its settings, in words (e.g. ``"fused bf16"``): a joiner with
@@ -99,7 +100,7 @@ class Membership:
         m = Membership("10.0.0.1:29400", world_size=4, min_ranks=2, tag="fused bf16")
         m.join({"model": model, "optimizer": opt},
                lambda: fastreduce.FusedReducer(model, wire_dtype=torch.bfloat16))
-        while m.step < steps:
+        while m.step < steps and not m.left:  # (left: its leave(), or evicted as a straggler)
             loss_fn(model(*batch_for(m.rank, m.world, m.step))).backward()
             m.commit(opt.step)    # the mode's reduce(), the vote, the step if committed
             opt.zero_grad()
@@ -134,7 +135,8 @@ class Membership:
     mode = property(lambda self: self.me.put_away if self.me.left else self.me.mode, doc="The mode built for "
                     "this epoch; once this member left (:attr:`left`), the last one, put away (closed).")
     counters = property(lambda self: self.me.counters, doc="Losses (and whom each named), joins, leaves, discarded steps, stalls.")
-    left = property(lambda self: self.me.left, doc="Whether this member left the job (leave()).")
+    left = property(lambda self: self.me.left, doc="Whether this member left the job (leave(), or asked to by the "
+                    "straggler policy, ``evict_slower_than``): its training loop ends there.")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")
     world = property(lambda self: self.me.current().world, doc="The current epoch's number of members.")
 
@@ -219,8 +221,6 @@ class Membership:
         if not callable(step):
             raise TypeError(f"commit() takes the optimizer's step (membership.commit(optimizer.step)), got "
                             f"{type(step).__name__}")
-        if self.me.left:
-            raise RuntimeError("this member left the job (leave()); start a new process to join again")
         if self.me.mode is not None and self.me.mode.under_join:  # each member alone, before any collective
             raise RuntimeError("fastreduce.Membership does not run a mode under torch's Join (uneven inputs): the "
                                "members re-shard the data at every epoch, so each has a batch at every step; a "
@@ -238,11 +238,11 @@ class Membership:
 
     def close(self) -> None:
         """Leave: take the mode's hooks off, stop fastreduce's background threads
-        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the
-        transport's workers) and then end this epoch's group."""
+        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the transport's
+        workers; within seconds where the coordinator went silent) and end this epoch's group."""
         if self.me.mode is not None:
             self.epochs.close_mode()
-        self.epochs.pulse.stop()
-        shutdown(rest=False)  # this member leaves: a member still counting on it sees it go
+        self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
+        shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():
             dist.destroy_process_group()

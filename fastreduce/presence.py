@@ -72,8 +72,8 @@ class Pulse:
         """Beat from now on (idempotent): the first beat and the record are written before
         this returns, so a reader never finds this member without them."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
+            if self._stopping is not None and self._thread is not None and self._thread.is_alive():
+                return  # (a thread told to stop and still in its last beat: a new one beats)
             if not self._said:
                 self.call(self.store.set, who_key(self.member), process_identity.identity())
                 self._said = True
@@ -97,16 +97,28 @@ class Pulse:
         self.stop(timeout=0)
 
     def stop(self, timeout: float | None = None) -> bool:
+        """Stop beating; wait up to ``timeout`` seconds for the thread to end (``0``: do not
+        wait). ``False`` where it has not: it is inside a beat on a coordinator that does not
+        answer (c10d's own timeout does not end a request on a silent link). Such a thread is
+        still listed (:func:`~.lifecycle.running`; a later stop waits for it again) until it
+        ends, and it un-lists itself then."""
         with self._lock:
             thread, stopping = self._thread, self._stopping
-            self._thread = self._stopping = None
-        disown(self)
-        if thread is None or stopping is None:
-            return True
-        stopping.set()
-        if timeout != 0 and thread is not threading.current_thread():
+            self._stopping = None
+        if stopping is not None:
+            stopping.set()
+        if thread is not None and timeout != 0 and thread is not threading.current_thread():
             thread.join(timeout)
-        return not thread.is_alive()
+        self._ended(thread)
+        return thread is None or not thread.is_alive()
+
+    def _ended(self, thread: threading.Thread | None) -> None:
+        """Un-list this pulse where ``thread`` is its thread and has ended (or is this one, ending)."""
+        with self._lock:
+            if self._thread is thread and (thread is None or thread is threading.current_thread()
+                                           or not thread.is_alive()):
+                self._thread = None
+                disown(self)
 
     def _run(self, stopping: threading.Event) -> None:
         beat = faults.heartbeat_interval()
@@ -118,7 +130,7 @@ class Pulse:
                 (own.conn or self.store).add(key, 1)
             except Exception:  # noqa: BLE001 - the coordinator is gone: the member's own requests say so
                 break
-        disown(self)
+        self._ended(threading.current_thread())
 
 
 class Watch:

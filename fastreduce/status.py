@@ -13,7 +13,8 @@ straggler when it works :data:`STRAGGLER_RATIO` times the members' median or mor
 With ``Membership(..., evict_slower_than=R, evict_for_s=T)`` the epoch's rank 0 looks about
 once a second (off its step's path) and asks a member named the straggler at ratio ``R`` in
 every look for ``T`` seconds to leave: it is out at the members' next poll, and the others
-go on without it (:class:`Evictions`). Off by default.
+go on without it (:class:`Evictions`). Not where the job would then be below ``min_ranks``
+with no process waiting to take its place: it stays, watched. Off by default.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from .admission import Admission
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, epoch_key
 from .faults_heartbeat import read_all
 from .member import Member
@@ -38,6 +40,10 @@ EVERY_S = 1.0
 """About how often a member publishes its figures (at the first poll this long after the last)."""
 STRAGGLER_RATIO = 1.25
 """A member busy this many times the members' median per step is a straggler."""
+QUIET_READS = 3
+"""Two status reads further apart than this many :data:`EVERY_S` (or steps of the job's, where
+a step is longer) have no evidence between them (a pause: an evaluation, a checkpoint written):
+the eviction policy's count of a straggler's time starts again there."""
 
 
 class StatusReport:
@@ -69,16 +75,23 @@ class Evictions:
     """The epoch's rank 0's eviction policy (``evict_slower_than``, ``evict_for_s`` of
     :class:`~fastreduce.member.MembershipSettings`): :meth:`look` at every poll reads the
     status in the background about once a second, and ``ask(name)`` is called once for a
-    member named the straggler in every read for ``evict_for_s``."""
+    member named the straggler in every read for ``evict_for_s``, unless the job would then
+    be below ``min_ranks`` with no process waiting to take its place (``admission``'s
+    :meth:`~fastreduce.admission.Admission.standing_by`): it stays, watched, until one waits.
+    The time is the reads': each is judged at the moment it was taken, and reads within one
+    epoch no further apart than :data:`QUIET_READS` count on (a pause between two restarts it)."""
 
-    def __init__(self, me: Member, link: CoordinatorLink, ask: Callable[[str], None]):
-        self.me, self.link, self.ask = me, link, ask
+    def __init__(self, me: Member, link: CoordinatorLink, ask: Callable[[str], None], admission: Admission):
+        self.me, self.link, self.ask, self.admission = me, link, ask, admission
         self._reading: tuple[Any, list[Any]] | None = None  # a read in flight: (done event, its box)
         self._read_at = 0.0
         self._since: tuple[str, float] | None = None  # the straggler every read has named, since when
+        self._last: tuple[int | None, float] | None = None  # the last read judged: its epoch, when taken
         self._asked: set[str] = set()
+        self._kept: set[str] = set()  # the stragglers kept for min_ranks (said once each)
 
-    def look(self) -> None:
+    def look(self, step_s: float | None = None) -> None:
+        """At a poll (``step_s``: the running seconds per step, which spaces the polls)."""
         ratio = self.me.settings.evict_slower_than
         if ratio is None or self.me.rank != 0:
             return
@@ -86,23 +99,53 @@ class Evictions:
         if self._reading is not None and self._reading[0].is_set():
             box, self._reading = self._reading[1], None
             if not isinstance(box[0], BaseException):
-                self._judge(box[0]["straggler"], now)
+                self._judge(*box[0], QUIET_READS * max(EVERY_S, step_s or 0.0))
         if self._reading is None and now - self._read_at >= EVERY_S:
             self._read_at = now
-            self._reading = self.link.submit(read_status, self.link.store, ratio, self.me.current().number)
+            epoch = self.me.current()
+            left = epoch.world - 1 - len(self._asked & set(epoch.members))  # the members an eviction leaves
+            self.admission.fingerprint()  # (made here, on the member's thread: the read compares with it)
+            self._reading = self.link.submit(self._read, ratio, epoch, left)
 
-    def _judge(self, straggler: str | None, now: float) -> None:
+    def _read(self, ratio: float, epoch: Epoch, left: int) -> tuple[float, dict[str, Any], tuple[str, ...] | None]:
+        """When it was taken, the status, and, where an eviction would leave fewer than
+        ``min_ranks`` members (``left``), the processes waiting to take a place (else
+        ``None``). On the link's thread."""
+        at = time.monotonic()
+        status = read_status(self.link.store, ratio, epoch.number)
+        short = status["straggler"] is not None and left < self.me.settings.min_ranks
+        return at, status, self.admission.standing_by(self.link.store, epoch) if short else None
+
+    def _judge(self, now: float, status: dict[str, Any], waiting: tuple[str, ...] | None, quiet: float) -> None:
+        """The read taken at ``now``; ``quiet``: the seconds past which the one before it is no
+        evidence for it (:data:`QUIET_READS`)."""
+        straggler, number = status["straggler"], (status["epoch"] or {}).get("number")
+        if self._last is None or self._last[0] != number or now - self._last[1] > quiet:
+            self._since = None  # a new epoch, or nothing read since a pause: its time starts again
+        self._last = (number, now)
         if straggler is None or (self._since is not None and self._since[0] != straggler):
             self._since = None if straggler is None else (straggler, now)
             return
         if self._since is None:
             self._since = (straggler, now)
-        elif now - self._since[1] >= self.me.settings.evict_for_s and straggler not in self._asked:
-            self._asked.add(straggler)
-            log.warning("fastreduce: member %s has worked %gx the members' median per step or more for %g s: it is "
-                        "asked to leave (evict_slower_than)", straggler, self.me.settings.evict_slower_than,
-                        now - self._since[1])
-            self.ask(straggler)
+            return
+        if now - self._since[1] < self.me.settings.evict_for_s or straggler in self._asked:
+            return
+        settings, epoch = self.me.settings, self.me.current()
+        left = epoch.world - 1 - len(self._asked & set(epoch.members))
+        if waiting is not None and left + len(waiting) < settings.min_ranks:  # (the read's figure: it said short)
+            if straggler not in self._kept:
+                self._kept.add(straggler)
+                log.warning("fastreduce: member %s has worked %gx the members' median per step or more for %g s, but "
+                            "it stays: without it the job would have %d member(s), below min_ranks=%d, and no process "
+                            "waits to take its place (a warm spare, spare=True, is taken as it leaves); it is asked "
+                            "to leave once one waits", straggler, settings.evict_slower_than, now - self._since[1],
+                            left, settings.min_ranks)
+            return
+        self._asked.add(straggler)
+        log.warning("fastreduce: member %s has worked %gx the members' median per step or more for %g s: it is "
+                    "asked to leave (evict_slower_than)", straggler, settings.evict_slower_than, now - self._since[1])
+        self.ask(straggler)
 
 
 def read_status(store: Any, ratio: float = STRAGGLER_RATIO, since: int = 0) -> dict[str, Any]:

@@ -45,7 +45,7 @@ class Votes:
         self._leaves_seen = 0  # requests to leave counted when this member last looked
         self._last_commit: float | None = None
         self.status = StatusReport(me, link)  # this member's figures at the coordinator, about once a second
-        self.evictions = Evictions(me, link, self.ask_to_leave)  # rank 0's (evict_slower_than)
+        self.evictions = Evictions(me, link, self.ask_to_leave, admission)  # rank 0's (evict_slower_than)
 
     def restart(self, first_step: int) -> None:
         """A new epoch, entered at ``first_step``: every epoch polls at its first step."""
@@ -66,7 +66,7 @@ class Votes:
         epoch, store = self.me.current(), self.link.store
         key = MEMBERS_PREFIX + f"e{epoch.number}/s{s}"
         self.status.publish(self.step_s)
-        self.evictions.look()
+        self.evictions.look(self.step_s)
         value = None
         if self.link.call(store.add, key, 1) == epoch.world:
             if s >= self.poll_at:  # a poll: joiners, leavers, the next poll's step
@@ -99,6 +99,7 @@ class Votes:
     def ask_to_leave(self, member: str | None = None) -> None:
         """This member (or ``member``: evicted) asks to be out at the next poll
         (:meth:`fastreduce.Membership.leave`)."""
+        self.me.leaving = self.me.leaving or member is None
         self.link.call(self.link.store.set, f"{_LEAVING}/{member or self.me.name}", "1")
         self.link.call(self.link.store.add, _LEAVING, 1)
 

@@ -57,6 +57,41 @@ def test_a_worker_let_go_of_ends_after_its_queue_and_unlists_itself() -> None:
     assert lifecycle.shutdown() == [] and done == [0, 1, 2] and not w.alive
 
 
+def test_a_pulse_stuck_in_a_beat_past_its_bounded_stop_stays_listed_until_it_ends(monkeypatch) -> None:
+    """A member's pulse (fastreduce.presence.Pulse) inside a beat on a coordinator gone silent
+    (a store stand-in whose add blocks: c10d's own timeout does not end such a request): a
+    bounded stop returns False and the pulse stays listed (it was un-listed at once, a thread
+    still running); beating again meanwhile starts a new thread, which the stuck one's end
+    does not un-list; a stop then ends it and un-lists the pulse."""
+    from fastreduce.presence import Pulse
+
+    class Silent:  # the coordinator: answers until told to go silent
+        def __init__(self) -> None:
+            self.silent, self.gate = False, threading.Event()
+
+        def set(self, key: str, value: str) -> None:
+            pass
+
+        def add(self, key: str, n: int) -> int:
+            if self.silent and threading.current_thread().name == "fastreduce-pulse":
+                self.gate.wait(30)
+            return 1
+
+    monkeypatch.setenv("FASTREDUCE_HEARTBEAT_S", "0.05")
+    store = Silent()
+    pulse = Pulse(store, "m0", lambda fn, *args: fn(*args))
+    pulse.up()
+    store.silent = True
+    time.sleep(0.3)  # its next beat blocks
+    assert not pulse.stop(timeout=0.2) and "fastreduce-pulse" in lifecycle.running()
+    store.silent = False
+    pulse.up()  # (the coordinator answers again)
+    store.gate.set()  # the stuck beat returns: that thread ends
+    time.sleep(0.3)
+    assert "fastreduce-pulse" in lifecycle.running() and pulse._thread.is_alive()
+    assert pulse.stop(timeout=5.0) and "fastreduce-pulse" not in lifecycle.running()
+
+
 def _threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("fastreduce-") and t.is_alive())
 

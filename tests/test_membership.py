@@ -805,10 +805,10 @@ def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_par
 
 
 def test_a_meeting_polls_fast_at_first_then_at_the_usual_pace_however_long_it_waits() -> None:
-    """epochs._poll_s: a meeting's looks after 1, 1, 2, 4 ms, then the usual pace (5 ms at 4
+    """gathering.poll_s: a meeting's looks after 1, 1, 2, 4 ms, then the usual pace (5 ms at 4
     members, never more often than the coordinator was sized for at 1,024), for as long as a
     member is waited for (a peer compiling its model for minutes: a million looks)."""
-    from fastreduce.epochs import POLLS_PER_S, _poll_s
+    from fastreduce.gathering import POLLS_PER_S, poll_s as _poll_s
 
     assert [_poll_s(4, n) for n in range(6)] == [0.001, 0.001, 0.002, 0.004, 0.005, 0.005]
     assert _poll_s(4) == 0.005 and _poll_s(1024) == _poll_s(1024, 3) == 1024 / POLLS_PER_S
@@ -908,6 +908,29 @@ def test_members_asked_away_together_whose_going_would_lose_a_shard_leave_one_po
     assert voter.votes.vote(1) == ("join", {"w3"})
     voter.me.mode = None  # (no mode to close)
     for m in (voter, *leavers):
+        m.close()
+
+
+def test_a_member_alone_below_min_ranks_after_another_left_is_not_told_it_was_lost() -> None:
+    """Below min_ranks after a member left at a poll (leave(), or the straggler policy), with no
+    process joined within wait_s: MembershipError saying who left and what to do; it raised
+    RankLostError saying the leaver "was lost". A member that went silent is still a loss."""
+    from fastreduce.coordinator import Epoch
+    from fastreduce.faults import RankLostError
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    server = serve(0, "127.0.0.1")
+    m = Membership(f"127.0.0.1:{server.port}", world_size=3, min_ranks=3, member="w0", wait_s=1)
+    old = Epoch(0, ("w0", "w1", "w2"), 0, 3)
+    try:
+        with pytest.raises(MembershipError) as left:
+            m.epochs._below_min_ranks(old, ["w0", "w1"], {"w2"})
+        assert "w2 left the job" in str(left.value) and "below min_ranks=3" in str(left.value), left.value
+        assert "lost" not in str(left.value), left.value
+        with pytest.raises(RankLostError) as lost:  # w2 left, w1 silent: lost
+            m.epochs._below_min_ranks(old, ["w0"], {"w2"})
+        assert lost.value.ranks == [1], lost.value
+    finally:
         m.close()
 
 

@@ -76,6 +76,11 @@ def _member(index: int, port: int, out: str, evict: bool, spare: bool = False) -
         if stop_at is None and store.check(["test/stop_at"]):
             stop_at = int(store.get("test/stop_at"))
     facts.update(step=m.step, left=m.left, world=m.world, leaves=m.counters.leaves)
+    if m.left:  # a loop that goes on after it (while m.step < steps: ...) is told why and what to do
+        try:
+            m.commit(opt.step)
+        except RuntimeError as err:
+            facts["commit_after"] = str(err)
     m.close()
     torch.save(facts, Path(out) / f"member{index}.pt")
 
@@ -123,6 +128,8 @@ def test_a_member_slowed_to_twice_its_step_is_named_by_fastreduce_status(tmp_pat
         return
     world = 3 if spare else 2  # (the spare in member 2's place)
     assert facts[2]["left"] and all(f["world"] == world and f["leaves"] == 1 for f in facts[:2]), facts
+    said = facts[2]["commit_after"]  # (it said "leave()", which this member never called)
+    assert "the straggler policy, evict_slower_than, asked it to leave" in said and "not m.left" in said, said
     assert facts[0]["step"] == facts[1]["step"] > facts[2]["step"], [f["step"] for f in facts]  # the two went on
     if spare:
         taken = torch.load(tmp_path / "member3.pt")
@@ -220,3 +227,103 @@ def test_coordinator_on_a_taken_or_impossible_port_says_so_in_one_line(capsys) -
             cli(["coordinator", "--port", port])
         assert stop.value.code == 2
         assert f"argument --port: a port is 0 to 65535 (0: any free one), got '{port}'" in capsys.readouterr().err
+
+
+class _Rank0:
+    """Member a, rank 0 of epoch 0 (a, b) on a real coordinator, its eviction policy real (it
+    reads the status there and asks there), on the test's clock (``at``); b, busy 5x a per
+    step in the figures both published, is the straggler in every read."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **settings: Any):
+        from types import SimpleNamespace
+
+        import fastreduce.status as status
+        from fastreduce.coordinator import TICKETS, Epoch, epoch_key
+        from fastreduce.membership import Membership
+        from fastreduce.status import STATUS_PREFIX
+
+        self.at = 100.0
+        monkeypatch.setattr(status, "time", SimpleNamespace(monotonic=lambda: self.at, time=time.time))
+        self.server = server = serve(0, "127.0.0.1")
+        self.m = Membership(f"127.0.0.1:{server.port}", world_size=2, member="a", evict_slower_than=1.3, **settings)
+        self.m.me.epoch = Epoch(0, ("a", "b"), 0, 2, ())
+        server.set(epoch_key(0), self.m.me.epoch.to_json())
+        server.add(TICKETS, 2)
+        for name, busy in (("a", 0.01), ("b", 0.05)):
+            server.set(STATUS_PREFIX + name, json.dumps({"at": time.time(), "step": 5, "step_s": 0.1 + busy,
+                                                         "wait_s": 0.1}))
+
+    def looks(self, n: int = 1, every_s: float = 1.0) -> None:
+        """``n`` looks of the policy ``every_s`` apart, each look's read in the background
+        awaited (the next look judges it)."""
+        evictions = self.m.votes.evictions
+        for _ in range(n):
+            self.at += every_s
+            evictions.look()
+            if evictions._reading is not None:
+                assert evictions._reading[0].wait(10), "the status read did not complete"
+
+    def asked(self) -> bool:
+        """Whether b was asked to leave."""
+        from fastreduce.coordinator import MEMBERS_PREFIX
+
+        return self.server.check([MEMBERS_PREFIX + "leaving/b"])
+
+
+def test_a_straggler_stays_where_its_eviction_leaves_the_job_below_min_ranks_with_no_one_waiting(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """world_size=2, min_ranks=2: member b, the straggler in every read for longer than
+    evict_for_s, stays (said once in the log) while no process waits to take its place; its
+    eviction left a alone below min_ranks, who waited wait_s and raised RankLostError saying
+    b was lost. A process with another layout waiting does not count; a warm spare registered
+    after the epoch formed (not in its Epoch.spares) does: b is asked to leave then."""
+    import logging
+
+    from fastreduce.coordinator import TICKETS, ticket_key
+
+    job = _Rank0(monkeypatch, min_ranks=2, evict_for_s=2.0)
+    m, server = job.m, job.server
+
+    def register(ticket: dict[str, Any]) -> None:
+        t = server.add(TICKETS, 1)
+        server.set(ticket_key(t), json.dumps({"member": f"p{t}", "start": 0, "spare": True, **ticket}))
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastreduce.membership"):
+            job.looks(7)  # named in every read for 6 s, evict_for_s=2
+            assert not job.asked(), "b was asked to leave: the job would be below min_ranks, no one to take its place"
+            register({"print": dict(m.admission.fingerprint(), tag="another mode")})
+            job.looks(3)
+            assert not job.asked(), "a process that would be refused was taken for one that takes b's place"
+            register({"print": m.admission.fingerprint()})  # a warm spare, after the epoch formed
+            job.looks(2)
+            assert job.asked(), "b stayed though a warm spare waits to take its place"
+        kept = [r.getMessage() for r in caplog.records if "it stays" in r.getMessage()]
+        assert len(kept) == 1 and "below min_ranks=2" in kept[0] and "member b" in kept[0], kept
+    finally:
+        m.close()
+
+
+def test_a_straggler_is_timed_by_its_reads_not_across_a_pause_or_an_epoch_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """evict_for_s=30: b named in two reads 1 s apart, then every member pauses 35 s (an
+    evaluation between two steps: no step, no poll, no read): b stays; the read taken before
+    the pause was judged after it, against that moment's clock, and b was asked to leave for
+    36 s of being slow. Its time starts again after the pause and at a new epoch (in epoch 1:
+    28 s, it stays; 30 s, it is asked)."""
+    from fastreduce.coordinator import Epoch, epoch_key
+
+    job = _Rank0(monkeypatch, evict_for_s=30.0)
+    try:
+        job.looks(1)  # read 1 taken
+        job.looks(1, every_s=0.2)  # judged: b named
+        job.looks(1, every_s=0.9)  # read 2 taken, 1.1 s after
+        job.looks(1, every_s=35.0)  # the first poll after the pause judges read 2 (and takes read 3)
+        assert not job.asked(), "b asked to leave on reads taken 1.1 s apart: the pause counted as time it was slow"
+        job.looks(20)
+        job.server.set(epoch_key(1), Epoch(1, ("a", "b"), 40, 2).to_json())  # (a joiner came and went, say)
+        job.looks(30)  # (each read is judged at the next look: these, over 28 s of epoch 1)
+        assert not job.asked(), "b asked to leave after 28 s of its reads in epoch 1: an earlier epoch's counted"
+        job.looks(2)
+        assert job.asked(), "b, named in every read of epoch 1 for 30 s, was not asked to leave"
+    finally:
+        job.m.close()

@@ -150,6 +150,57 @@ def test_a_listener_that_is_not_a_coordinator_is_named_within_the_timeout() -> N
     assert f"give it as etcd://127.0.0.1:{port}[/job]" in line, line
 
 
+def test_a_member_whose_coordinator_goes_silent_raises_and_closes_within_seconds() -> None:
+    """A warm spare waits (its pulse beating) when its coordinator's host hangs (SIGSTOP: a
+    partition is the same to a client, and the far side of one closes the same way): join()
+    raises MembershipError within seconds, and the ``finally: m.close()`` after it returns
+    within seconds too; it never did (Pulse.stop joined a thread stuck in a beat on the silent
+    link, which c10d's own timeout does not end). The coordinator's address counts as another
+    host's, as it usually is (requests bounded by 5 s)."""
+    import signal
+
+    from fastreduce.coordinator import connect, ticket_key
+
+    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1", "--port",
+                                    "0"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+        member = _start(f"""
+            import time
+            import torch
+            import fastreduce
+            import fastreduce.coordinator as coordinator
+            coordinator.process_identity.served_here = lambda store: False  # (another host's address)
+            model = torch.nn.Linear(4, 1)
+            m = fastreduce.Membership("127.0.0.1:{port}", world_size=1, member="spare", spare=True, wait_s=1)
+            try:
+                m.join({{"model": model}}, lambda: fastreduce.FusedReducer(model))
+            except fastreduce.MembershipError as err:
+                print("raised:", err, flush=True)
+            finally:
+                start = time.monotonic()
+                m.close()
+                print(f"closed in {{time.monotonic() - start:.2f}} s", flush=True)
+        """)
+        store = connect(f"127.0.0.1:{port}")
+        store.wait([ticket_key(1)])  # the spare registered (its pulse up before), waiting
+        os.kill(coordinator.pid, signal.SIGSTOP)
+        try:
+            out, err = member.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            member.kill()
+            out, err = member.communicate()
+            pytest.fail(f"the member did not end within 60 s; stdout:\n{out}\nstderr:\n{err[-4000:]}")
+    finally:
+        coordinator.kill()
+        coordinator.communicate()
+    print(out)
+    assert "raised: fastreduce: the coordinator (127.0.0.1:" in out and "stopped answering" in out, (out, err[-4000:])
+    seconds = float(out.split("closed in ")[1].split()[0])
+    assert seconds < 10, out
+    assert member.returncode == 0, (member.returncode, err[-4000:])
+
+
 def test_the_connect_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FASTREDUCE_CONNECT_TIMEOUT_S`` and ``connect_timeout_s=`` set how long a member
     tries; a bad value is named."""

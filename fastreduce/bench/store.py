@@ -19,7 +19,7 @@ sees, replaying the library's own code, never a copy of its request pattern:
   reads of every counter and of the published verdict, with the real loss decision) or
   the real per-step vote (``Votes.vote``: the step's counter, the decision written
   by the voter that completes it, the others' waiting get), or the real gathering of the
-  survivors for a next epoch (``EpochChanges.gather``).
+  survivors for a next epoch (``Gathering.gather``).
 
 Counting: a request is one call of a store method on a :class:`Counted` connection (one
 round trip of c10d's protocol; ``check`` and ``multi_get`` carry ``n`` keys each, counted
@@ -73,7 +73,7 @@ rank waiting in a collective longer than a heartbeat: a slow step, or a loss bei
 ``member_watch``: the same at a Membership's heartbeat period (its vote's wait reads the
 counters at this cadence too). ``vote``: a Membership's heartbeat and its per-step vote at
 ``step_rate`` steps per second. ``form``: a Membership's heartbeat and, over and over, the
-real gathering of the survivors for its next epoch after a loss (``EpochChanges.gather``:
+real gathering of the survivors for its next epoch after a loss (``Gathering.gather``:
 each member announces itself, polls until every survivor has, and reads their
 announcements), each member starting
 within 0.1 s of the others (as they see a loss); a formation's time: per member, from the
@@ -186,7 +186,7 @@ def _member(store: Any, rank: int, world: int, poll_s: float, step_s: float) -> 
 
 
 def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event, out: dict[str, list]) -> None:
-    """Epoch after epoch, the real gathering of the survivors (``EpochChanges.gather``) of
+    """Epoch after epoch, the real gathering of the survivors (``Gathering.gather``) of
     an epoch of ``world`` + 1 members whose last was lost; every survivor must be found."""
     lost, k = {str(world)}, 0
     members = tuple(str(r) for r in range(world + 1))
@@ -195,7 +195,7 @@ def _former(m: Any, world: int, beats: Any, start: float, done: threading.Event,
         time.sleep(random.uniform(0.0, 0.1))  # the survivors see the loss within a spread
         t0 = time.monotonic()  # (one clock for every process of this host)
         try:
-            present = m.epochs.gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
+            present = m.epochs.gathering.gather(Epoch(k, members, 0, world, ()), lost, "loss", beats)  # announcements
         except Exception as err:  # noqa: BLE001 - the store raised (the bench ended, or a real failure)
             if not done.is_set():
                 out["membership_errors"].append(f"{type(err).__name__}: {str(err)[:160]}")
