@@ -987,6 +987,31 @@ def stepped_after_close_case(rank: int, world: int) -> dict:
             "stale": runs[True][1]}
 
 
+def built_again_case(rank: int, world: int) -> dict:
+    """A second ZeroOptimizer built over a model's parameters while the first is still open
+    (a new optimizer, as one replaces a torch.optim one): the first is closed by the second
+    (its hooks raised at the next backward: the parameters were the second's views), and
+    training goes on exactly as where the user closed it first."""
+    runs = {}
+    for closing in (False, True):
+        model = odd_model(SEED)
+        first = zero_opt(model.parameters(), module=model)
+        loss_fn(model, batch_for(model, rank, 0)).backward()
+        first.step()
+        first.zero_grad()
+        if closing:
+            first.close()
+        again = zero_opt(model.parameters(), module=model)
+        again.load_state_dict(first.state_dict())
+        for step in range(1, 3):
+            loss_fn(model, batch_for(model, rank, step)).backward()
+            again.step()
+            again.zero_grad()
+        again.wait_params()
+        runs[closing] = params_of(model)
+    return {"same": all(torch.equal(runs[True][n], t) for n, t in runs[False].items())}
+
+
 def fp16_bf16_case(rank: int, world: int) -> dict:
     """The default wire (None) on fp16 and bf16 parameters, neither of which holds the other: an fp32
     reduce-scatter, so a bf16 gradient beyond fp16's range is stepped on as torch steps on its mean."""
@@ -1239,6 +1264,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["api"] = guarded(api_case, rank, world)
     out["fp16_bf16"] = guarded(fp16_bf16_case, rank, world)
     out["stepped_after_close"] = guarded(stepped_after_close_case, rank, world)
+    out["built_again"] = guarded(built_again_case, rank, world)
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
     out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
     out["group_keys"] = guarded(group_keys_case, rank, world)
@@ -1311,6 +1337,11 @@ def test_no_wire_dtype_steps_fp16_with_bf16_on_an_fp32_wire(misc) -> None:
         for got, want in zip(out["got"], out["want"]):
             assert got.dtype == want.dtype
             assert_close(got, want, rtol=2.0**-7, atol=0)
+
+
+def test_a_second_optimizer_over_the_parameters_closes_the_first(misc) -> None:
+    for out in per_rank(misc, "built_again"):
+        assert out == {"same": True}, out
 
 
 def test_a_step_after_close_leaves_no_parameter_stale(misc) -> None:

@@ -21,6 +21,8 @@ allocates them and each bucket copies its own in at its launch (:func:`~fastredu
 
 from __future__ import annotations
 
+import logging
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +41,11 @@ from ..profiling import span
 from .zero_mirror import exchange
 
 __all__ = ["GradStats", "ZeroGradients"]
+
+log = logging.getLogger(__name__)
+
+_HOLDERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""id(parameter) -> the open ZeroOptimizer whose flat buffers it is a view of."""
 
 _REBUILD = ("After changing the model's parameters, close() this optimizer and build the ZeroOptimizer "
             "again on every rank (this one's state_dict() loads into it); nothing was stepped")
@@ -79,6 +86,7 @@ class ZeroGradients:
         layout, comm, W = self.layout, self.comm, self.world_size
         self._schedule: OverlapSchedule | None = None
         self.quantized: QuantMeans | None = None
+        self._take_over(layout.params)
         self._params_held = held = ParamsHeld(layout, module, _REBUILD)
         self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1, held=held)
         if W == 1:
@@ -118,6 +126,19 @@ class ZeroGradients:
 
         self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready)
         self._schedule.sync = self.overlap
+
+    def _take_over(self, params: tuple[torch.nn.Parameter, ...]) -> None:
+        """These parameters are views of this optimizer's buffers now: one built before over
+        any of them and still open (a new optimizer where torch.optim's would simply be
+        replaced) can no longer reduce or step them, and its hooks would raise at the next
+        backward; it is closed (what it gathers waited for), with a warning."""
+        earlier = {id(old): old for p in params for old in [_HOLDERS.get(id(p))]
+                   if old is not None and old is not self and any(q is p for q in old.layout.params)}
+        for old in earlier.values():
+            log.warning("fastreduce: a new ZeroOptimizer took over parameters an earlier one still held; the "
+                        "earlier one is closed (call close() on it first to leave it no work)")
+            old.close()
+        _HOLDERS.update((id(p), self) for p in params)
 
     # ------------------------------------------------------------------ public
 
