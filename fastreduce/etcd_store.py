@@ -207,19 +207,26 @@ class EtcdStore(dist.Store):
                                          "count_only": True})
         return int(got.get("count", 0))
 
-    def created(self, key: str) -> int:
-        """The etcd revision at which ``key`` was created (0: it is missing)."""
-        kvs = self._conn.request("kv/range", {"key": _b64(self._k(key))}).get("kvs") or []
-        return int(kvs[0].get("create_revision", 0)) if kvs else 0
+    def values(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, ``None`` where it is missing, in one request: never waits (a key
+        deleted meanwhile is not waited for until it is written again, as ``get`` would)."""
+        return self._read(keys)
 
-    def clear_job(self, key: str, created: int) -> bool:
+    def modified(self, key: str) -> int:
+        """The etcd revision at which ``key`` was last written (0: it is missing)."""
+        kvs = self._conn.request("kv/range", {"key": _b64(self._k(key))}).get("kvs") or []
+        return int(kvs[0].get("mod_revision", 0)) if kvs else 0
+
+    def clear_job(self, key: str, modified: int) -> bool:
         """Every key of this job (``/fastreduce/<job>/``) deleted, in one transaction, where
-        ``key`` was still the one created at revision ``created`` (:meth:`created`, read
-        before: no other process cleared the job, or started it again, since); whether it was."""
+        ``key`` was still as written at revision ``modified`` (:meth:`modified`, read before: no
+        other process cleared the job, started it again or added to ``key`` since); whether it was."""
+        if not modified:
+            return False  # (etcd compares a missing key's revision as 0: nothing read, nothing cleared)
         root = self._root
         got = self._conn.request("kv/txn", {
-            "compare": [{"key": _b64(self._k(key)), "result": "EQUAL", "target": "CREATE",
-                         "create_revision": created}],
+            "compare": [{"key": _b64(self._k(key)), "result": "EQUAL", "target": "MOD",
+                         "mod_revision": modified}],
             "success": [{"request_delete_range": {"key": _b64(root), "range_end": _b64(root[:-1] + "0")}}],
             "failure": []})  # ('0' follows '/': every key under the root)
         self._conn.seen.clear()

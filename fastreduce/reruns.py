@@ -14,12 +14,17 @@ takes its ticket, :func:`start_clean` looks at what the coordinator holds:
   :func:`window_s`;
 * a run whose every process is gone (its process exited on this host, or its heartbeat and
   pulse stood still for :func:`window_s`): on etcd, every key of the job is deleted in one
-  transaction that holds only while the tickets' count is the one read (several new founders
-  at once: one deletes, the others find it done and look again) and this run starts clean; a
-  built-in coordinator cannot delete by prefix: :class:`MembershipError` at once, saying to
-  restart it;
+  transaction that holds only while the tickets' count is as it was when the look began
+  (several new founders at once: one deletes, the others find it done and look again; a ticket
+  taken meanwhile: look again) and this run starts clean; a built-in coordinator cannot delete by prefix:
+  :class:`MembershipError` at once, saying to restart it;
 * a run whose members are all gone while a process still waits to join it (a warm spare):
   :class:`MembershipError` at once, naming them.
+
+A look reads without waiting for any key (a key another new founder deleted meanwhile would
+be waited for until this run wrote it again: this process's own record, never, while the other
+founder waited for this one's ticket), and where the tickets' count changed during it (the
+earlier run cleared, or a ticket taken) it looks again before it decides anything.
 
 A member that can be told neither gone nor alive (its epoch's heartbeat never wrote:
 ``$FASTREDUCE_HEARTBEAT_S`` <= 0, or it died entering the epoch) or is at rest (its heartbeat
@@ -52,6 +57,7 @@ log = logging.getLogger("fastreduce.membership")
 
 _GONE, _ALIVE, _UNKNOWN = "gone", "alive", "unknown"
 _LOOK_S = 0.1  # between two reads of the counters
+_LOOKS = 5  # a job whose tickets changed under each look: joined (its tickets are being taken)
 
 
 def window_s() -> float:
@@ -61,8 +67,9 @@ def window_s() -> float:
 
 
 def latest_epoch(link: CoordinatorLink) -> Epoch | None:
-    """The job's newest epoch (``None``: none formed), in a few requests (epochs are numbered
-    from 0 without gaps, and never deleted: doubling, then halving)."""
+    """The job's newest epoch (``None``: none formed, or the job's keys were deleted while
+    it was looked for), in a few requests (epochs are numbered from 0 without gaps, and only
+    deleted with the whole job: doubling, then halving)."""
     def formed(n: int) -> bool:
         return bool(link.call(link.store.check, [epoch_key(n)]))
 
@@ -74,7 +81,8 @@ def latest_epoch(link: CoordinatorLink) -> Epoch | None:
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if formed(mid) else (low, mid)
-    return Epoch.from_json(link.call(link.store.get, epoch_key(low)))
+    found = _read(link, link.store, [epoch_key(low)])[0]
+    return Epoch.from_json(found) if found is not None else None
 
 
 def start_clean(link: CoordinatorLink) -> None:
@@ -82,27 +90,37 @@ def start_clean(link: CoordinatorLink) -> None:
     is gone is cleared (etcd), or refused with what to do (see the module doc)."""
     store, call = link.store, link.call
     etcd = store if isinstance(store, EtcdStore) else None
-    for _ in range(3):  # (another process cleared it meanwhile: look again)
-        if not call(store.check, [TICKETS]):
+    for _ in range(_LOOKS):  # (another process cleared it, or took a ticket, meanwhile: look again)
+        seen = call(etcd.modified, TICKETS) if etcd is not None else 0  # (first: a later change shows)
+
+        def changed(seen: int = seen) -> bool:
+            """Whether the tickets' count changed since the look began (a built-in coordinator's
+            keys are never deleted: a ticket taken meanwhile is seen at the next look)."""
+            return etcd is not None and call(etcd.modified, TICKETS) != seen
+
+        count = _read(link, store, [TICKETS])[0]
+        if count is None:
             return  # a new job
-        created = call(etcd.created, TICKETS) if etcd is not None else 0
-        epoch = latest_epoch(link)
-        taken = int(call(store.get, TICKETS))
+        epoch, taken = latest_epoch(link), int(count)
         if epoch is None and not taken:
             return  # a new job: no ticket taken yet (the count read as 0 made the key)
         members = list(epoch.members) if epoch is not None else []
         tickets = [*epoch.spares, *range(epoch.tickets + 1, taken + 1)] if epoch is not None else range(1, taken + 1)
-        waiting = []
-        for t in tickets:
-            if not call(store.check, [ticket_key(t)]):
-                return  # a process taking its ticket now
-            waiting.append(json.loads(call(store.get, ticket_key(t)))["member"])
+        records = _read(link, store, [ticket_key(t) for t in tickets])
+        if None in records:
+            return  # a process taking its ticket now (or the job cleared meanwhile: its new run's)
+        waiting = [json.loads(r)["member"] for r in records]
         if epoch is None:
-            state = _judge(link, None, [], waiting, lambda st: _ALIVE in st.values())
+            state = _judge(link, None, [], waiting, lambda st: _ALIVE in st.values(), changed)
+        else:
+            state = _judge(link, epoch, members, waiting,
+                           lambda st: any(st.get(m) == _ALIVE for m in members), changed)
+        if changed():
+            continue  # (what was read may mix the earlier run and a new one)
+        if epoch is None:
             if any(v != _GONE for v in state.values()):
                 return  # founders gathering
         else:
-            state = _judge(link, epoch, members, waiting, lambda st: any(st.get(m) == _ALIVE for m in members))
             if any(state[m] != _GONE for m in members):
                 return  # a running job: joined as before
             still = [m for m in waiting if state[m] != _GONE]
@@ -110,7 +128,7 @@ def start_clean(link: CoordinatorLink) -> None:
                 raise MembershipError(_waiting(link, etcd, epoch, still))
         if etcd is None:
             raise MembershipError(_gone(link, epoch, members or waiting))
-        if call(etcd.clear_job, TICKETS, created):
+        if call(etcd.clear_job, TICKETS, seen):
             log.warning("fastreduce: %s held an earlier run of this job whose processes are all gone (%s): its keys "
                         "(%s) are deleted, and this run starts clean", link.where, _named(epoch, members or waiting),
                         _root(etcd))
@@ -118,10 +136,11 @@ def start_clean(link: CoordinatorLink) -> None:
 
 
 def _judge(link: CoordinatorLink, epoch: Epoch | None, members: list[str], waiting: list[str],
-           enough: Callable[[dict[str, str]], bool]) -> dict[str, str]:
+           enough: Callable[[dict[str, str]], bool], changed: Callable[[], bool]) -> dict[str, str]:
     """Each process's state: gone, alive, or unknown (no heartbeat of its epoch, where a member;
-    no pulse, where waiting). Looked at until ``enough(states)`` or :func:`window_s` has passed,
-    a few requests a look however many processes (every key of a kind read in one)."""
+    no pulse, where waiting). Looked at until ``enough(states)``, :func:`window_s` has passed or
+    the job ``changed()``, a few requests a look however many processes (every key of a kind
+    read in one)."""
     store = link.store
     names = list(dict.fromkeys([*members, *waiting]))
     me, state = process_identity.identity(), {}
@@ -131,16 +150,14 @@ def _judge(link: CoordinatorLink, epoch: Epoch | None, members: list[str], waiti
         elif record is not None and process_identity.running_here(record.decode(), me):
             state[m] = _ALIVE
     left = [m for m in names if m not in state]
-    beats = None if epoch is None else \
-        torch_internals.default_group_store(dist.PrefixStore(MEMBERS_PREFIX + f"e{epoch.number}/pg/", store))
     counters = [(store, {m: pulse_key(m) for m in left})]  # (a store, member -> its counter there)
-    if beats is not None:
-        counters.append((beats, {m: f"{faults_heartbeat.STORE_PREFIX}heartbeat/{epoch.members.index(m)}"
-                                 for m in left if m in members}))
+    if epoch is not None:
+        counters.append(_in_group(store, epoch, {m: f"{faults_heartbeat.STORE_PREFIX}heartbeat/"
+                                                    f"{epoch.members.index(m)}" for m in left if m in members}))
     counters = [(s, {m: k for (m, k), v in zip(keys.items(), _read(link, s, list(keys.values()))) if v is not None})
                 for s, keys in counters]  # the counters that exist
-    beating = counters[1][1] if beats is not None else {}
-    told = {m: m in (beating if m in members and beats is not None else counters[0][1]) for m in left}
+    beating = counters[1][1] if epoch is not None else {}
+    told = {m: m in (beating if m in members and epoch is not None else counters[0][1]) for m in left}
     # (told: standing still says it is gone; a member's heartbeat says so, a waiting process's pulse)
 
     def read() -> dict[tuple[int, str], int]:
@@ -150,19 +167,33 @@ def _judge(link: CoordinatorLink, epoch: Epoch | None, members: list[str], waiti
     seen = read()
     state.update({m: _ALIVE for (_, m), count in seen.items() if count >= RESTING})  # at rest, on purpose
     deadline = time.monotonic() + window_s()
-    while not enough(state) and len(state) < len(names) and time.monotonic() < deadline:
+    while not enough(state) and len(state) < len(names) and time.monotonic() < deadline and not changed():
         time.sleep(_LOOK_S)
         state.update({key[1]: _ALIVE for key, count in read().items() if count != seen.get(key, count)})
     over = time.monotonic() >= deadline
-    for m in names:
+    for m in left:  # (the others told by their records)
         state.setdefault(m, _GONE if over and told[m] else _UNKNOWN)
     return state
 
 
+def _in_group(store: Any, epoch: Epoch, keys: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    """Where to read ``keys`` (member -> key) of ``epoch``'s default group, and their names
+    there: on etcd, the job's store and their whole names (:func:`_read` waits for none); else
+    the group's store."""
+    prefix = MEMBERS_PREFIX + f"e{epoch.number}/pg/"
+    if isinstance(store, EtcdStore):
+        return store, {m: torch_internals.default_group_key(prefix, k) for m, k in keys.items()}
+    return torch_internals.default_group_store(dist.PrefixStore(prefix, store)), keys
+
+
 def _read(link: CoordinatorLink, store: Any, keys: list[str]) -> list[bytes | None]:
-    """Each key's value, ``None`` where it is missing: two requests where all are set."""
+    """Each key's value, ``None`` where it is missing, never waited for: on etcd one request
+    (where another process may delete the job's keys meanwhile); else two where all are set
+    (a built-in coordinator's keys read here are never deleted)."""
     if not keys:
         return []
+    if isinstance(store, EtcdStore):
+        return link.call(store.values, keys)
     if link.call(store.check, keys):
         return list(link.call(faults_heartbeat.read_all, store, keys))
     return [link.call(store.get, k) if link.call(store.check, [k]) else None for k in keys]

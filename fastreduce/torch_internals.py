@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward",
+           "default_group_key", "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward",
            "make_wrapper_subclass", "parameter_slots", "profiler_enabled", "release_abandoned", "scale_handed",
            "scale_handed_back", "scaler_always_steps", "scaler_steps_fused", "store_base",
            "unsafe_preserve_version_counter"]
@@ -45,6 +45,13 @@ def default_group_store(store: Any) -> dist.PrefixStore:
     it): torch keeps a group's keys under its name, and names the first group a process
     makes (again after ``destroy_process_group()``, as every epoch's is) ``"0"``."""
     return dist.PrefixStore("0/", store)
+
+
+def default_group_key(prefix: str, key: str) -> str:
+    """The name ``key`` has in ``store`` as ``default_group_store(PrefixStore(prefix, store))``
+    keeps it (torch's ``PrefixStore`` joins its prefix and a key with ``/``): for a reader that
+    must not wait for a missing key, as a ``PrefixStore``'s reads do."""
+    return f"{prefix}/0//{key}"
 
 
 def store_base(store: Any) -> Any:

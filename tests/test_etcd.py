@@ -209,11 +209,11 @@ def test_an_earlier_run_is_cleared_only_once_every_process_of_it_is_gone(
         stop.set()
         beating.join()
     assert link.store.check([epoch_key(0)])
-    created = link.store.created("fastreduce/members/tickets")
+    seen = link.store.modified("fastreduce/members/tickets")
     t0 = time.monotonic()
     start_clean(link)  # both still: cleared
     assert 2 <= time.monotonic() - t0 < 10 and not link.store.check([epoch_key(0)]) and link.store.num_keys() == 0
-    assert not link.store.clear_job("fastreduce/members/tickets", created)  # a second founder's try: done already
+    assert not link.store.clear_job("fastreduce/members/tickets", seen)  # a second founder's try: done already
     _an_ended_run(link.store, ("a", "b"), waiting=("spare",))
     stop.clear()
     def pulse(store: EtcdStore) -> None:
@@ -235,6 +235,71 @@ def test_an_earlier_run_is_cleared_only_once_every_process_of_it_is_gone(
     with pytest.raises(MembershipError, match=r"holds an earlier run of this job whose processes are all gone "
                                               r"\(epoch 0: a, b; exited, or silent for 2 s\).*restart the coordinator"):
         start_clean(CoordinatorLink(server, 10))
+
+
+def _exited_here() -> str:
+    """The record (``process_identity.identity()``) of a process that ran on this host and exited."""
+    import subprocess
+
+    from fastreduce.process_identity import identity
+
+    pid, start = subprocess.run([sys.executable, "-c", "import os; print(os.getpid(), open('/proc/self/stat')"
+                                 ".read().rpartition(')')[2].split()[19])"], capture_output=True, text=True,
+                                check=True).stdout.split()
+    host, _, net, pids, _ = identity().split()
+    return f"{host} {pid} {net} {pids} {start}"
+
+
+@pytest.mark.parametrize("at,other", [("epoch/0", "clears"), ("who/a", "clears"), ("who/a", "joins")])
+def test_a_look_at_an_earlier_run_that_another_process_changes_meanwhile_looks_again(
+        one: EtcdCluster, monkeypatch: pytest.MonkeyPatch, at: str, other: str) -> None:
+    """Two new founders looking at an ended run at once (test_a_job_run_again_at_the_same_address_
+    starts_clean, about 1 run in 2): the other one clears it and takes its ticket right after this
+    one's request naming ``at``. This one then waited for a key deleted meanwhile (the epoch; the
+    ended members' records: its own comes only after its look) until the request's deadline, and
+    the other waited wait_s for it. Now a look waits for no key and, the tickets changed under it,
+    looks again: it joins the new run at once. ``joins``: the other takes a ticket in the ended run
+    instead (a joiner); the clear, which compared only that the count was not made again, deleted
+    its ticket; now the count changed: looked at again, a process still waits to join the run."""
+    from fastreduce.coordinator import TICKETS, CoordinatorLink, epoch_key, ticket_key
+    from fastreduce.presence import pulse_key, who_key
+    from fastreduce.process_identity import identity
+    from fastreduce.reruns import start_clean
+
+    address = one.address(f"changed-{at.replace('/', '-')}-{other}")
+    link, theirs = CoordinatorLink(address, 10), CoordinatorLink(address, 10)
+    _an_ended_run(link.store, ("a", "b"))
+    for name in ("a", "b"):
+        link.store.set(who_key(name), _exited_here())  # (gone at once: no window)
+
+    def meanwhile() -> None:  # the other process, as take_ticket (this one's identity stands in for it)
+        if other == "clears":
+            start_clean(theirs)
+        theirs.store.set(who_key("x"), identity())
+        theirs.store.add(pulse_key("x"), 1)
+        ticket = theirs.store.add(TICKETS, 1)
+        theirs.store.set(ticket_key(ticket), json.dumps({"member": "x", "print": {}, "start": 0, "spare": False}))
+
+    call, fired = link.call, []
+
+    def racing(fn: Any, *args: Any, **kw: Any) -> Any:
+        answer = call(fn, *args, **kw)
+        if not fired and f"fastreduce/members/{at}" in json.dumps(args, default=str):
+            fired.append(meanwhile())
+        return answer
+
+    monkeypatch.setattr(link, "call", racing)
+    t0 = time.monotonic()
+    if other == "clears":
+        start_clean(link)
+        assert time.monotonic() - t0 < 2 and not theirs.store.check([epoch_key(0)])
+        assert int(theirs.store.get(TICKETS)) == 1 and json.loads(theirs.store.get(ticket_key(1)))["member"] == "x"
+    else:
+        with pytest.raises(MembershipError, match=r"members are all gone \(epoch 0: a, b\), but 1 process\(es\) "
+                                                  r"still wait to join it \(x\)"):
+            start_clean(link)
+        assert theirs.store.check([ticket_key(3)])
+    assert fired
 
 
 def test_an_etcd_out_of_space_is_named_at_once_and_the_shipped_etcd_compacts(tmp_path: Path) -> None:
