@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib
 import io
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -962,8 +963,8 @@ def test_missing_grad_on_one_rank_reports_that_rank() -> None:
 
 
 def leaves_the_group(rank: int, world: int, how: str, folder: str) -> None:
-    """Rank 1 ends without a result (``how="exits"``: ``os._exit(3)``, as SIGKILL, a segfault
-    or the OOM killer would) while rank 0 waits for it in a barrier; or (``"hangs"``) every
+    """Rank 1 ends without a result (``how="exits"``: SIGKILL to itself, as the OOM killer, a
+    ``kill -9`` or a lost host would end it) while rank 0 waits for it in a barrier; or (``"hangs"``) every
     rank sleeps past the launcher's timeout. Each rank writes its pid to ``folder`` first."""
     import os
 
@@ -971,7 +972,7 @@ def leaves_the_group(rank: int, world: int, how: str, folder: str) -> None:
     if how == "hangs":
         time.sleep(600)
     if rank == 1:
-        os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # rank 0 then fails with Gloo's "Connection reset by peer"
 
 
@@ -996,7 +997,7 @@ def test_a_rank_that_dies_or_hangs_is_named_and_every_rank_is_stopped(how: str, 
     took = time.monotonic() - start
     text = str(info.value)
     if how == "exits":
-        assert text.startswith("rank(s) [1] died without a result (exit code(s) [3])"), text[:500]
+        assert text.startswith(f"rank(s) [1] died without a result (exit code(s) [{-signal.SIGKILL} (SIGKILL)])"), text[:500]
         assert "--- rank 0 failed ---" in text, text[:500]
     else:
         assert text.startswith("ranks [0, 1] did not finish within 5s"), text[:500]
