@@ -16,7 +16,7 @@ import functools
 import hashlib
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -190,27 +190,28 @@ _requires_grad = operator.attrgetter("requires_grad")
 
 
 class FrozenAtBuild:
-    """The parameters of a model frozen (``requires_grad=False``) when a mode fixed the ones
-    it trains (LocalSGD, DiLoCo, gossip): left out of what it averages. One unfrozen since
-    (gradual unfreezing) would train outside it, each rank on its own; :meth:`check`, one
-    C-speed pass over the frozen ones (nothing where none is), raises before a collective."""
+    """The parameters frozen (``requires_grad=False``) when a mode fixed the ones it reduces,
+    averages or steps (every mode's): left out of its layout. One unfrozen since (gradual
+    unfreezing) would train outside it, each rank on its own; :meth:`check`, one C-speed
+    pass over the frozen ones (nothing where none is), raises before a collective."""
 
     __slots__ = ("params",)
 
-    def __init__(self, model: torch.nn.Module):
-        self.params = tuple(p for p in model.parameters() if not p.requires_grad)
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.params = tuple(p for p in params if not p.requires_grad)
 
-    def check(self, model: torch.nn.Module, mode: str, consequence: str, advice: str = "") -> None:
+    def check(self, named: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]], when: str, consequence: str,
+              remedy: str) -> None:
         """Raise where one of them now requires grad: the same error on every rank that made
-        the same change, naming the parameters; the caller has changed nothing yet."""
+        the same change, naming the parameters (``named()``: the names to show); the caller has
+        changed nothing yet."""
         if not (self.params and any(map(_requires_grad, self.params))):
             return
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in named()}
         thawed = [names.get(id(p), "?") for p in self.params if p.requires_grad]
         shown = ", ".join(repr(n) for n in thawed[:5]) + (f" and {len(thawed) - 5} more" if len(thawed) > 5 else "")
-        raise RuntimeError(f"parameter(s) {shown} now require grad but were frozen when {mode} was built, so "
-                           f"{consequence}; call close() on every rank and build {mode} again after changing "
-                           f"requires_grad{advice}; nothing was changed by this call")
+        raise RuntimeError(f"parameter(s) {shown} now require grad but were frozen when {when}, so {consequence}; "
+                           f"{remedy}; nothing was changed by this call")
 
 
 def counted(n: int, noun: str) -> str:

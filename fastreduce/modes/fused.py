@@ -26,7 +26,6 @@ and each bucket's all-reduce starts from a gradient hook during backward
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,8 +56,6 @@ from .fused_state import ReducerState
 __all__ = ["FusedReducer", "NonFiniteGradError", "ReducerConfig", "ReducerStats", "UnusedGrads"]
 
 log = logging.getLogger(__name__)
-
-_get_requires_grad = operator.attrgetter("requires_grad")
 
 
 @dataclass(slots=True)
@@ -211,8 +208,8 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         if built is None:
             built = self._built = self._build(*checked)
         built.reattach.settle(done=True)  # re-attached but never written by backward: None again
-        if built.frozen and any(map(_get_requires_grad, built.frozen)):
-            self._raise_unfrozen(built)
+        built.frozen.check(self._named_parameters, "fastreduce learned the layout", "their gradients would not be "
+                           "reduced", "call reducer.rebuild() on every rank after changing requires_grad")
         if built.schedule is not None:  # the first step learns the order: all at finish()
             self.stats.launched_in_backward += built.schedule.next
             missing, works = built.schedule.finish(quiet=first)
@@ -449,11 +446,3 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         module it wraps, so that a compiled model and the plain one are reduced alike (PowerSGD
         seeds each matrix's first Q from its name) and load each other's states."""
         return compiled_inner(self.model).named_parameters()
-
-    def _raise_unfrozen(self, built: Built) -> None:
-        names = {id(p): n for n, p in self._named_parameters()}
-        thawed = [names.get(id(p), "?") for p in built.frozen if p.requires_grad]
-        raise RuntimeError(f"parameter(s) {thawed[:3]} now require grad but were frozen when "
-                           "fastreduce learned the layout, so their gradients would not be "
-                           "reduced; call reducer.rebuild() on every rank after changing "
-                           "requires_grad")

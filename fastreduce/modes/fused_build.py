@@ -18,7 +18,7 @@ from ..buffer import FusedBuffer
 from ..comm import Comm, MeanPlan, get_comm
 from ..comm.quantized import QuantMean, QuantMeans
 from ..grads import Reattach, check_grads, missing_message
-from ..layout import GradLayout, ParamsHeld, holding_dtype, verify_across_ranks
+from ..layout import FrozenAtBuild, GradLayout, ParamsHeld, holding_dtype, verify_across_ranks
 from ..torch_internals import compiled_inner
 from .compressed import Compressed
 from .fused_state import step_undo
@@ -42,7 +42,7 @@ class Built:
     pack: Callable[[], None] | None
     unpack: Callable[[], None] | None
     flags: torch.Tensor | None  # per-parameter "had a grad" counts, unused_grads="zero" only
-    frozen: tuple[torch.nn.Parameter, ...] = field(default_factory=tuple)
+    frozen: FrozenAtBuild = field(default_factory=lambda: FrozenAtBuild(()))
     held: ParamsHeld | None = None  # are the layout's parameters still the model's, on their storage?
     schedule: OverlapSchedule | None = None  # overlap mode only
     compressed: Compressed | None = None  # compression= only
@@ -72,7 +72,7 @@ class FusedBuild:
 
     def _build(self, named: list, device: torch.device, comm: Comm) -> Built:
         cfg = self.config
-        frozen = tuple(p for p in self.model.parameters() if not p.requires_grad)
+        frozen = FrozenAtBuild(self.model.parameters())
         recorder, self._recorder = self._recorder, None
         backward_s = recorder.backward_s if recorder is not None else 0.0
         seen = recorder.remove() if recorder is not None else None

@@ -178,7 +178,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self.bucket_mb = None if bucket_mb in (None, AUTO) else float(bucket_mb)  # None: "auto"
         self.sizing: Sizing | None = None  # "auto"'s choice, once built
         self._named = named
-        self._frozen = FrozenAtBuild(model)  # in no bucket: checked at every step's forward
+        self._frozen = FrozenAtBuild(model.parameters())  # in no bucket: checked at every step's forward
         self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -364,8 +364,9 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         """Before a step is closed (its collectives): a parameter frozen at construction that
         now requires grad is in no bucket (raised on every rank that made the change)."""
         if self._frozen.params:
-            self._frozen.check(self.module, "DecentralizedDataParallel", "no bucket holds them: they would "
-                               "never be stepped nor mixed")
+            self._frozen.check(self.module.named_parameters, "DecentralizedDataParallel was built", "no bucket "
+                               "holds them: they would never be stepped nor mixed", "call close() on every rank and "
+                               "build DecentralizedDataParallel again after changing requires_grad")
 
     def _step_open(self) -> bool:
         """Whether :meth:`_catch_up` has a step to close (collectives to run)."""

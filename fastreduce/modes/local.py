@@ -170,7 +170,7 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         self._blocks: list[torch.Tensor] = []  # one per dtype: what a collective over all of them takes
         self._flats = params_as_views(self.layout, lambda n, d: self._blocks.append(alloc(n, d)) or self._blocks[-1])
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self._frozen = FrozenAtBuild(model)  # broadcast once, never averaged: checked before each sync
+        self._frozen = FrozenAtBuild(model.parameters())  # broadcast once, never averaged: checked before each sync
         frozen = [p.data for p in self._frozen.params]
         start_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group, type(self).__name__)
         self._anchor: list[torch.Tensor] = []
@@ -281,9 +281,11 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         on every rank and never be averaged (the layout is the construction's). Raised on
         every rank that made the change, leaving parameters and optimizer state alone."""
         if self._frozen.params and (s is None or self.communicates_at(s)):
-            self._frozen.check(self.model, type(self).__name__, "they would train on each rank and never be "
-                               "averaged", " (to keep what the ranks trained since the last sync, call sync() "
-                               "before close(), with requires_grad as it was)")
+            name = type(self).__name__
+            self._frozen.check(self.model.named_parameters, f"{name} was built", "they would train on each rank and "
+                               "never be averaged", f"call close() on every rank and build {name} again after "
+                               "changing requires_grad (to keep what the ranks trained since the last sync, call "
+                               "sync() before close(), with requires_grad as it was)")
 
     def communicates_at(self, s: int) -> bool:
         raise NotImplementedError

@@ -52,7 +52,7 @@ from ..engine import GroupSnapshot
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, check_grad, check_nonfinite, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
-from ..layout import GradLayout, bucket_runs, counted, holding_dtype, verify_across_ranks, wire_word
+from ..layout import FrozenAtBuild, GradLayout, bucket_runs, counted, holding_dtype, verify_across_ranks, wire_word
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
 from .comm_stats import CommStats
@@ -229,7 +229,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         named, group_of = trainable(self.param_groups, names)  # ValueError: a parameter listed twice
         if not named:
             raise ValueError("no parameter given to ZeroOptimizer requires grad: nothing to optimize")
-        self.frozen = tuple(p for pg in self.param_groups for p in pg["params"] if not p.requires_grad)
+        self.frozen = FrozenAtBuild(p for pg in self.param_groups for p in pg["params"])
         device = one_device(named)
         for n, p in named:
             if p.grad is not None:

@@ -127,6 +127,12 @@ class ZeroGradients:
         self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready)
         self._schedule.sync = self.overlap
 
+    def _param_names(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Each parameter given, named by its place in ``param_groups`` (the error path's)."""
+        for g, pg in enumerate(self.param_groups):
+            for k, p in enumerate(pg["params"]):
+                yield f"param_groups[{g}][{k}]", p
+
     def _take_over(self, params: tuple[torch.nn.Parameter, ...]) -> None:
         """These parameters are views of this optimizer's buffers now: one built before over
         any of them and still open (a new optimizer where torch.optim's would simply be
@@ -215,10 +221,8 @@ class ZeroGradients:
                                "no_sync(): nothing would be averaged. Step after the no_sync() "
                                "block, once per accumulation window; nothing was changed")
         self._group_built.check("ZeroOptimizer")
-        if self.frozen and any(p.requires_grad for p in self.frozen):
-            raise RuntimeError("a parameter that was frozen (requires_grad=False) when ZeroOptimizer "
-                               "was built now requires grad; its shard does not exist: build the "
-                               "optimizer again after changing requires_grad")
+        self.frozen.check(self._param_names, "ZeroOptimizer was built", "no shard holds them", "close() this "
+                          "optimizer and build it again on every rank after changing requires_grad")
         if not self._params_held():  # replaced or moved parameters: raised before any collective of step()
             if self._schedule is not None:
                 self._schedule.drop()  # (what backward launched: waited for, left unused)
