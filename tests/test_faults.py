@@ -516,9 +516,11 @@ def test_abandoned_groups_leave_their_waiter_thread_and_later_waits_get_a_new_on
 
 
 def _peer_that_dies(port: int, prefix: str) -> None:
-    """The survivor's peer: joins a group of 2 over ``port``'s store, reduces once, then
-    waits to be killed."""
+    """The survivor's peer: says it is up (its start under a loaded machine may take longer
+    than the group's short timeout), joins a group of 2 over ``port``'s store, reduces once,
+    then waits to be killed."""
     store = dist.TCPStore("127.0.0.1", port, 2, False)
+    store.set(f"{prefix}/up", "1")
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=1, world_size=2,
                             timeout=timedelta(seconds=LOSS_PG_TIMEOUT))
     dist.all_reduce(torch.ones(4))
@@ -546,6 +548,7 @@ def _survivor_of_many_losses(losses: int, results: Any) -> None:
     for i in range(losses):
         peer = ctx.Process(target=_peer_that_dies, args=(store.port, f"loss{i}"), daemon=True)
         peer.start()
+        store.wait([f"loss{i}/up"], timedelta(seconds=SPAWN_DEADLINE))  # (then 3 s is ample to meet)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"loss{i}", store), rank=0, world_size=2,
                                 timeout=timedelta(seconds=LOSS_PG_TIMEOUT))
         dist.all_reduce(torch.ones(4))
