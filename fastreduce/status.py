@@ -56,7 +56,11 @@ class StatusReport:
 
     def publish(self, step_s: float | None) -> None:
         """Publish this member's figures where :data:`EVERY_S` has passed since the last
-        time (``step_s``: the running seconds per committed step), without waiting."""
+        time, without waiting: the seconds per step and the waits in them over the steps
+        since that time (one window for both: their difference is the member's own work;
+        a running mean of the steps beside this window's waits named a member slowed by its
+        peers a straggler, the running mean still short of the waits just begun), else
+        ``step_s`` (the running seconds per committed step) and no waits."""
         now, last = time.monotonic(), self._last
         if last is not None and now - last[0] < EVERY_S:
             return
@@ -65,6 +69,7 @@ class StatusReport:
         self._last = (now, self.me.step, mode, waited)
         steps = self.me.step - last[1] if last is not None and last[2] is mode and waited is not None else 0
         wait_s = (waited - last[3]) / steps if steps > 0 else None  # the epoch's mode is new: its stats too
+        step_s = (now - last[0]) / steps if steps > 0 else step_s
         epoch = self.me.current()
         figures = {"epoch": epoch.number, "rank": self.me.rank, "step": self.me.step, "step_s": step_s,
                    "wait_s": wait_s, "at": time.time()}
