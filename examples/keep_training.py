@@ -238,6 +238,16 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
+        if m.left:  # a warm spare the job ended without needing: join() returned, no epoch entered
+            say("a spare the job ended without: done")
+            facts.update(unneeded=True, ended_at=time.time())
+            try:
+                m.commit(opt.step)
+            except RuntimeError as err:  # (a loop that goes on: told why)
+                facts["commit_after"] = str(err)
+            m.close()
+            torch.save(facts, Path(out) / f"member{index}.pt")
+            return
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
         first_rank.append(m.rank if m.epoch.number == 0 else -1)
         (Path(out) / f"member{index}.joined").touch()

@@ -5,12 +5,15 @@ the difference in words, the others are admitted by the epoch that holds them (a
 records how many tickets it handled: ``Epoch.tickets``). A warm spare's ticket (``spare=True``)
 is admitted only where a member is missing: the epochs with ``world_size`` members leave it
 waiting (``Epoch.spares``), and the first epoch short of a member takes it, the one formed at
-a loss too.
+a loss too. A spare still waiting once every member of the job's newest epoch has closed
+(:meth:`Admission.closed`: the job is over, nobody is left to take it in) stops waiting: its
+``join()`` returns with :attr:`~fastreduce.Membership.left` set and no epoch entered.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
@@ -18,12 +21,17 @@ import torch
 from .coordinator import MEMBERS_PREFIX, TICKETS, CoordinatorLink, Epoch, MembershipError, epoch_key, ticket_key
 from .member import Member
 from .presence import Pulse
-from .reruns import start_clean
+from .reruns import latest_epoch, start_clean
 from .version import __version__
 
 __all__ = ["Admission"]
 
+log = logging.getLogger("fastreduce.membership")
+
 _FOUNDERS = MEMBERS_PREFIX + "founders"  # the tickets that are not a spare's: the world_size-th forms epoch 0
+_CLOSED = MEMBERS_PREFIX + "closed/e"  # + an epoch's number: how many of its members have closed
+SPARE_LOOK_S = 1.0
+"""How often a waiting spare looks whether the job is over (two requests to the coordinator)."""
 
 
 def _admit(t: int) -> str:
@@ -79,6 +87,16 @@ class Admission:
             return (f"its state holds {len(theirs['tensors'])} entries where the members hold "
                     f"{len(ours['tensors'])}: the same model and optimizer are needed")
         return None
+
+    def admitted(self, start: int, resumed: bool) -> Epoch:
+        """This process's ticket taken (:meth:`take_ticket`; the last of the first members to
+        count itself lays out epoch 0, ``resumed``: each holding its own part of a checkpoint),
+        and the epoch that admits it (:meth:`answer`)."""
+        ticket, last_founder = self.take_ticket(start)
+        if last_founder:
+            members, spares, last, refusals = self.founding(start)
+            self.propose(Epoch(0, members, start, last, () if resumed else members, spares), refusals)
+        return self.answer(ticket)
 
     def take_ticket(self, start: int = 0) -> tuple[int, bool]:
         """This process's ticket, with its layout and the step it would start the job at
@@ -194,12 +212,32 @@ class Admission:
         the job's first loss, however long that takes), or :class:`MembershipError` where it
         was refused."""
         settings, key = self.me.settings, _admit(ticket)
-        while not self.link.wait(key, settings.wait_s):
+        while not self.link.wait(key, SPARE_LOOK_S if settings.spare else settings.wait_s):
             if not settings.spare:
                 raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
                                       "reach a step boundary, or the job is not running (wait_s= waits longer; "
                                       "a job run again at an address that kept an earlier run: docs/faults.md)")
+            over = self._over()
+            if over is not None:  # (an epoch that took this spare in has it among its members: never over here)
+                log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed "
+                         "it; join() returns with left set", self.me.name, over.number)
+                self.me.left = True
+                return over
         answer = self.link.call(self.link.store.get, key).decode()
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
         return Epoch.from_json(self.link.call(self.link.store.get, epoch_key(int(answer))))
+
+    def closed(self) -> None:
+        """This member closes (:meth:`fastreduce.Membership.close`): counted at its epoch,
+        unless it left the job before (a spare that was never taken in, a member that left)."""
+        if self.me.epoch is not None and not self.me.left:
+            self.link.call(self.link.store.add, _CLOSED + str(self.me.epoch.number), 1)
+
+    def _over(self) -> Epoch | None:
+        """The job's newest epoch where every one of its members has closed (the job is over:
+        nobody is left to take a spare in), else ``None``."""
+        epoch = latest_epoch(self.link)
+        if epoch is None or int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 0)) < epoch.world:
+            return None
+        return epoch

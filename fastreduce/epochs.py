@@ -144,6 +144,8 @@ class EpochChanges:
         A member lost meanwhile (the joiners' source, say): the next epoch, without it."""
         self.me.passing("enter", epoch)
         self.me.epoch = epoch
+        if not self.me.healed:  # this process enters the job: a leave request under its name is an earlier one's
+            self.votes.forget_leave_request()
         try:
             self._set_up(epoch)
         except (RuntimeError, _Missing) as err:

@@ -136,7 +136,8 @@ class Membership:
                     "this epoch; once this member left (:attr:`left`), the last one, put away (closed).")
     counters = property(lambda self: self.me.counters, doc="Losses (and whom each named), joins, leaves, discarded steps, stalls.")
     left = property(lambda self: self.me.left, doc="Whether this member left the job (leave(), or asked to by the "
-                    "straggler policy, ``evict_slower_than``): its training loop ends there.")
+                    "straggler policy, ``evict_slower_than``; a spare: the job ended without needing it, "
+                    ":attr:`epoch` ``None``): its training loop ends there.")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")
     world = property(lambda self: self.me.current().world, doc="The current epoch's number of members.")
 
@@ -154,18 +155,17 @@ class Membership:
         same names on every member). ``build()`` makes the mode over the current default
         group (again at each new epoch). ``start_step``: the committed steps a job resumed
         from a checkpoint starts at (every first member the same, else refused; a joiner's
-        is the members'; with ``checkpoints``, its newest complete save's). Returns the epoch joined."""
+        is the members'; with ``checkpoints``, its newest complete save's). Returns the epoch joined
+        (a spare the job ended without needing: the job's last, not entered, :attr:`left` set)."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0 (the committed steps of the checkpoint resumed), got {start_step}")
         saves = self.settings.checkpoints
         found = saves.newest(start_step) if saves is not None else None
         start_step = found.step if found is not None else start_step
         self.me.state, self.me.build = dict(state), build
-        ticket, last_founder = self.admission.take_ticket(start_step)
-        if last_founder:  # the last of the first members to count itself lays out epoch 0
-            members, spares, last, refusals = self.admission.founding(start_step)
-            self.admission.propose(Epoch(0, members, start_step, last, () if found else members, spares), refusals)
-        epoch = self.admission.answer(ticket)
+        epoch = self.admission.admitted(start_step, resumed=found is not None)
+        if self.me.left:  # a spare, and the job ended without needing it: no epoch entered
+            return epoch
         self.me.founder = epoch.number == 0
         if self.me.founder:
             self.me.step = epoch.step
@@ -242,6 +242,7 @@ class Membership:
         workers; within seconds where the coordinator went silent) and end this epoch's group."""
         if self.me.mode is not None:
             self.epochs.close_mode()
+        self.admission.closed()  # (every member closed: a spare still waiting stops)
         self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
         shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():

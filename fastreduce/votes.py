@@ -103,6 +103,12 @@ class Votes:
         self.link.call(self.link.store.set, f"{_LEAVING}/{member or self.me.name}", "1")
         self.link.call(self.link.store.add, _LEAVING, 1)
 
+    def forget_leave_request(self) -> None:
+        """Delete a request to leave under this member's name: an earlier process's of that
+        name (``member=``), lost before the poll that would have let it go, which would vote
+        this one out at its first poll. Before this process's first vote."""
+        self.link.call(self.link.store.delete_key, f"{_LEAVING}/{self.me.name}")
+
     def _leavers(self) -> list[str]:
         """The members that leave at this poll: those that asked, looked for when the count of
         such requests changed since this member last looked (or it kept some for a later poll),

@@ -733,6 +733,22 @@ def test_a_warm_spare_waits_while_the_job_is_whole_and_takes_a_lost_members_plac
     _same(final)
 
 
+def test_a_warm_spare_the_job_never_needed_ends_once_the_members_close(tmp_path: Path) -> None:
+    """2 members and a warm spare, no loss: the members train to the end and close; the spare,
+    which waited the whole run, sees every member of the job's last epoch closed and its
+    join() returns (``left`` set, no epoch entered) within seconds: its process ends by itself
+    (it waited until killed), as a Slurm step or a pod that exits 0. A commit() after it says why."""
+    found = run(tmp_path, "process_group", {}, release_after=[-1], spares=True, members=2)
+    spare = found[2]
+    assert spare.get("unneeded") and "steps" in spare and not spare["steps"], spare
+    assert "left the job (a spare: the job ended without needing it)" in spare["commit_after"], spare
+    end = max(f["times"][STEPS] for f in (found[0], found[1]))
+    assert spare["ended_at"] - end < 10, (spare["ended_at"], end)  # (it looks once a second; launch waits 180 s)
+    for f in (found[0], found[1]):
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 2 and f["counters"]["joins"] == 0
+    _same([found[0], found[1]])
+
+
 @SLOW
 def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
     """The coordinator is the job's single point: killed mid-run, every member raises
@@ -875,6 +891,28 @@ def test_a_process_that_joins_under_a_leavers_name_is_not_taken_for_it() -> None
     assert leavers == set(), (decision, leavers)
     for m in (voter, leaver, newcomer):
         m.close()
+
+
+def test_a_process_that_joins_under_the_name_of_a_leaver_lost_before_its_poll_is_not_taken_for_it() -> None:
+    """"w3" asks to leave and is lost before the poll that would let it go (its request never
+    served); a new process joining later as "w3" (a StatefulSet's pod, restarted) deletes the
+    request as it enters the job (``EpochChanges.enter``, before its first vote): its first
+    poll, completed by itself, lets nobody go. Without that, it voted itself out."""
+    from fastreduce.coordinator import MEMBERS_PREFIX, Epoch
+    from fastreduce.membership import Membership, serve
+
+    server = serve(0, "127.0.0.1")
+    address = f"127.0.0.1:{server.port}"
+    lost = Membership(address, world_size=2, member="w3")
+    lost.me.epoch = Epoch(0, ("w1", "w3"), 0, 0)
+    lost.votes.ask_to_leave()  # ... and lost: the survivor's epoch 1 is w1's alone, then w3 joins again
+    newcomer = Membership(address, world_size=2, member="w3")
+    newcomer.me.epoch = Epoch(2, ("w1", "w3"), 5, 1)
+    newcomer.votes.forget_leave_request()  # (what enter() does for a process new to the job)
+    server.add(MEMBERS_PREFIX + "e2/s5", 1)  # w1's ballot: the newcomer completes the count
+    assert newcomer.votes.vote(5) == ("go", set())
+    lost.close()
+    newcomer.close()
 
 
 def test_members_asked_away_together_whose_going_would_lose_a_shard_leave_one_poll_apart() -> None:

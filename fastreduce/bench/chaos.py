@@ -348,6 +348,9 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
         if kill is not None and kill["kind"] in ("admitted", "healing"):
             _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
         m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
+        if m.left:  # a spare the job ended without needing: no record, never admitted (the launcher's untaken)
+            m.close()
+            return
         record.joined_step = m.step
         if go is not None:  # admitted (the launcher may end one never admitted once the job is done), healed:
             (Path(out) / f"{index}.joined").touch()

@@ -6,7 +6,8 @@ with ``redundant=True``, the mode and the optimizer in one).
 
 The job's size comes from ``FASTREDUCE_WORLD_SIZE`` (default 3), its floor from
 ``FASTREDUCE_MIN_RANKS`` (default 2), the member's name from ``FASTREDUCE_MEMBER`` where set;
-``FASTREDUCE_SPARE=1`` makes it a warm spare (it waits until a member is missing).
+``FASTREDUCE_SPARE=1`` makes it a warm spare (it waits until a member is missing, and exits
+0 where the job ends without needing it).
 It prints ``step N world W`` as it commits and its parameters' digest at the end; with
 ``OUT``, it also keeps ``OUT/<member>.json`` current (its step, world, losses counted,
 digest and Slurm step id). A pause of 50 ms a step stands in for a real model's work. It is
@@ -46,6 +47,10 @@ def main() -> None:
                                                                   module=model, redundant=True))
     else:
         m.join({"model": model, "optimizer": opt}, lambda: fastreduce.FusedReducer(model))
+    if m.left:  # a spare the job ended without needing: it exits 0
+        print("spare: the job ended without needing it", flush=True)
+        m.close()
+        return
     facts = {"member": name or f"{socket.gethostname()}-{os.getpid()}", "step_id": os.environ.get("SLURM_STEP_ID")}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
