@@ -50,6 +50,7 @@ class EpochChanges:
         self.settings, self.store, self.call = me.settings, link.store, link.call
         self._first_step_of: int | None = None  # the epoch whose members all reached its first step
         self._held: Any = None  # a closed ZeroOptimizer holding a step its all_arrived() ended (commits.py)
+        self._built_in: int | None = None  # the epoch whose layout the mode was built in (ZeRO's shards' tag)
         self.gathering = Gathering(me, link)
 
     def next_epoch(self, lost: set[str], why: str, start: float) -> None:
@@ -186,6 +187,7 @@ class EpochChanges:
         if self.me.build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
                 self.me.mode = self.me.build()  # (it starts every rank from rank 0's: each loads its own next)
+            self._built_in = epoch.number
             check_membership(self.me.mode)
             if own is not None and (per_rank or not fresh):
                 self.me.mode.load_state_dict(own)  # a member's own state goes on; a joiner's: rank 0's
@@ -340,10 +342,19 @@ class EpochChanges:
         exchanges in flight are dropped), else as it saves it (they are completed)."""
         if self.me.mode is None:
             return
-        self.me.kept_mode = kept_state(self.me.mode, after_loss)
+        self._keep(self.me.mode, after_loss)
         self._held = self.me.mode if after_loss and commit_style(self.me.mode) == "zero" and \
             self.me.mode.holds_step else None
         self.close_mode(drain=not after_loss)
+
+    def _keep(self, mode: Any, after_loss: bool) -> None:
+        """Keep ``mode``'s state (:func:`~.kept.kept_state`); ZeRO's shards tagged with the
+        epoch they were laid out in: where a member is lost as the others take their shards,
+        some may have taken theirs (the new layout) and others not (the old), and the next
+        epoch must not mix the two (:func:`~.modes.zero_mirror.reshard` refuses it)."""
+        self.me.kept_mode = kept_state(mode, after_loss)
+        if self.me.kept_mode[1] == "zero":
+            self.me.kept_mode[0]["layout"] = self._built_in
 
     def _step_held(self, top: int) -> None:
         """ZeRO: this member's step whose ``all_arrived()`` failed here but completed on
@@ -354,7 +365,7 @@ class EpochChanges:
         if held is None or top != self.me.step + 1:
             return
         held.step_held()
-        self.me.kept_mode = kept_state(held, after_loss=True)
+        self._keep(held, after_loss=True)
         self.me.step += 1
         log.info("fastreduce: member %s stepped its shards at step %d, which another survivor committed",
                  self.me.name, self.me.step - 1)

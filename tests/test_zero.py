@@ -419,8 +419,15 @@ def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: A
         lost = None
     except zero_mirror.ShardsLost as err:
         lost = str(err)
+    held = zero_mirror.held(opt)  # rank 0 took its shards in a new epoch's layout, the others not (a loss between)
+    held["layout"] = 2 if rank == 0 else 1
+    try:
+        zero_mirror.reshard(other, held)
+        mixed = None
+    except zero_mirror.ShardsLost as err:
+        mixed = str(err)
     return {"copies_equal": copies_equal(opt, rank, world, copies, 2), "joined_equal": joined_equal, "loaded_equal": loaded_equal,
-            "resharded_equal": resharded_equal, "lost": lost}
+            "resharded_equal": resharded_equal, "lost": lost, "mixed": mixed}
 
 
 class ExpertsModel(nn.Module):
@@ -640,7 +647,7 @@ def test_redundant_keeps_each_shard_on_the_next_ranks_and_the_pieces_join(parity
     ranks' pieces go point to point (each rank receiving its shard and its copies only) into an
     optimizer bucketed the same or otherwise, equal to ``state_dict()`` (stale parameters
     mended from the masters), its copies equal too; a shard lost with every holder is named
-    on every rank."""
+    on every rank, and so are pieces laid out in two epochs (a loss while the shards moved)."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "mirror")):
         assert got["same_run"], (world, rank)
@@ -649,6 +656,7 @@ def test_redundant_keeps_each_shard_on_the_next_ranks_and_the_pieces_join(parity
             assert c["copies_equal"], (world, rank, k, c)
             assert c["joined_equal"] and c["loaded_equal"] and c["resharded_equal"], (world, rank, k, c)
             assert c["lost"] is not None and "old rank(s) [1]" in c["lost"], c["lost"]
+            assert c["mixed"] is not None and "laid out in different epochs (1, 2)" in c["mixed"], c["mixed"]
 
 
 @pytest.mark.parametrize("wire", MOE_WIRES)

@@ -228,10 +228,11 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     layout (its shard and, with ``redundant=``, its copies of others'), point to
     point from one holder of each piece; nothing is gathered whole. Where some member's
     parameters were stale, the parameters are then all-gathered from the masters.
-    Collective. :class:`ShardsLost` on every rank alike where some piece has no holder."""
+    Collective. :class:`ShardsLost` on every rank alike where some piece has no holder, or
+    the members' pieces were laid out in different epochs (``mine["layout"]``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     head = None if mine is None else {
-        **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")},
+        **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")}, "layout": mine.get("layout"),
         "copies": mine.get("copies", 1),  # (a job checkpoint saved before redundant=k: one copy)
         "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"],
                        "pieces": [(i, o, n, sc) for i, o, n, _, sc in h["pieces"]]} for c, h in mine["chunks"].items()}}
@@ -240,6 +241,11 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     holders = [h for h in heads if h is not None]
     if not holders:
         raise ShardsLost("no member holds any ZeRO shard")
+    layouts = sorted({h["layout"] for h in holders}, key=str)  # (a Membership's tag: the epoch it was laid out in)
+    if len(layouts) > 1:  # chunks of one name would be two ranges: a range neither covers would load as zeros
+        raise ShardsLost(f"the members hold ZeRO shards laid out in different epochs ({', '.join(map(str, layouts))}): "
+                         "a member was lost while the others took their shards in a new epoch, after some of them "
+                         "had taken theirs")
     source: dict[str, int] = {}
     for r, h in enumerate(heads):
         for chunk in (h["chunks"] if h is not None else ()):
