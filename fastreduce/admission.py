@@ -6,8 +6,9 @@ records how many tickets it handled: ``Epoch.tickets``). A warm spare's ticket (
 is admitted only where a member is missing: the epochs with ``world_size`` members leave it
 waiting (``Epoch.spares``), and the first epoch short of a member takes it, the one formed at
 a loss too. A spare still waiting once every member of the job's newest epoch has closed
-(:meth:`Admission.closed`: the job is over, nobody is left to take it in) stops waiting: its
-``join()`` returns with :attr:`~fastreduce.Membership.left` set and no epoch entered.
+(:meth:`Admission.closed`: the job is over, nobody is left to take it in) is told so: its
+``join()`` returns with :attr:`~fastreduce.Membership.left` set and no epoch entered (a
+joiner's raises :class:`MembershipError`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ log = logging.getLogger("fastreduce.membership")
 
 _FOUNDERS = MEMBERS_PREFIX + "founders"  # the tickets that are not a spare's: the world_size-th forms epoch 0
 _CLOSED = MEMBERS_PREFIX + "closed/e"  # + an epoch's number: how many of its members have closed
-SPARE_LOOK_S = 1.0
-"""How often a waiting spare looks whether the job is over (two requests to the coordinator)."""
 
 
 def _admit(t: int) -> str:
@@ -210,29 +209,46 @@ class Admission:
     def answer(self, ticket: int) -> Epoch:
         """The epoch that admits ``ticket``, once one does (within ``wait_s``; a spare's, at
         the job's first loss, however long that takes), or :class:`MembershipError` where it
-        was refused."""
+        was refused, or the job ended first (a spare's ``join()`` then returns, ``left`` set).
+        The last member to close tells every process still waiting (:meth:`closed`); one that
+        came later finds the job over at its next look (every ``wait_s``)."""
         settings, key = self.me.settings, _admit(ticket)
-        while not self.link.wait(key, SPARE_LOOK_S if settings.spare else settings.wait_s):
+        while not self.link.wait(key, settings.wait_s):
+            over = self._over()
+            if over is not None:  # (compare_set: an admission written meanwhile stands)
+                self.link.call(self.link.store.compare_set, key, "", f"over {over.number}")
+                break
             if not settings.spare:
                 raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
                                       "reach a step boundary, or the job is not running (wait_s= waits longer; "
                                       "a job run again at an address that kept an earlier run: docs/faults.md)")
-            over = self._over()
-            if over is not None:  # (an epoch that took this spare in has it among its members: never over here)
-                log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed "
-                         "it; join() returns with left set", self.me.name, over.number)
-                self.me.left = True
-                return over
         answer = self.link.call(self.link.store.get, key).decode()
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")
-        return Epoch.from_json(self.link.call(self.link.store.get, epoch_key(int(answer))))
+        number = int(answer.split()[-1])
+        epoch = Epoch.from_json(self.link.call(self.link.store.get, epoch_key(number)))
+        if not answer.startswith("over"):
+            return epoch
+        if not settings.spare:
+            raise MembershipError(f"fastreduce: the job ended before it admitted this process (every member of its "
+                                  f"epoch {number} closed): nothing to join")
+        log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed it; "
+                 "join() returns with left set", self.me.name, number)
+        self.me.left = True
+        return epoch
 
     def closed(self) -> None:
         """This member closes (:meth:`fastreduce.Membership.close`): counted at its epoch,
-        unless it left the job before (a spare that was never taken in, a member that left)."""
-        if self.me.epoch is not None and not self.me.left:
-            self.link.call(self.link.store.add, _CLOSED + str(self.me.epoch.number), 1)
+        unless it left the job before (a spare that was never taken in, a member that left).
+        The last of the epoch's members to close tells every process still waiting to join
+        (spares, joiners) that the job is over, through its admission."""
+        epoch = self.me.epoch
+        if epoch is None or self.me.left:
+            return
+        if int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) < epoch.world:
+            return
+        for t in (*epoch.spares, *range(epoch.tickets + 1, self.tickets() + 1)):
+            self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
 
     def _over(self) -> Epoch | None:
         """The job's newest epoch where every one of its members has closed (the job is over:

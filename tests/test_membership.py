@@ -915,6 +915,34 @@ def test_a_process_that_joins_under_the_name_of_a_leaver_lost_before_its_poll_is
     newcomer.close()
 
 
+def test_a_joiner_still_waiting_when_the_last_member_closes_is_told_the_job_ended() -> None:
+    """A job of one member ("w1", epoch 0 formed); a joiner takes its ticket and waits; w1
+    closes: the joiner's wait ends at once with MembershipError saying the job ended (it
+    waited wait_s, then said the members did not reach a step boundary)."""
+    import threading
+    import time
+
+    from fastreduce.coordinator import Epoch, epoch_key
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    server = serve(0, "127.0.0.1")
+    address = f"127.0.0.1:{server.port}"
+    member = Membership(address, world_size=1, member="w1")
+    ticket, _ = member.admission.take_ticket()
+    epoch = Epoch(0, ("w1",), 0, ticket)
+    server.set(epoch_key(0), epoch.to_json())
+    member.me.epoch = epoch
+    joiner = Membership(address, world_size=1, member="w2", wait_s=60)
+    late, _ = joiner.admission.take_ticket()
+    threading.Timer(0.5, member.admission.closed).start()  # (what member.close() does first)
+    start = time.monotonic()
+    with pytest.raises(MembershipError, match="the job ended before it admitted this process"):
+        joiner.admission.answer(late)
+    assert time.monotonic() - start < 10
+    member.close()
+    joiner.close()
+
+
 def test_members_asked_away_together_whose_going_would_lose_a_shard_leave_one_poll_apart() -> None:
     """A sharded mode's (ZeRO's) members "w2" and "w3" ask to leave at once, rank 2 holding the
     only copy of rank 1's shard: the poll takes w2 alone; the next epoch's first poll takes
