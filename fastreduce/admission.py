@@ -243,12 +243,15 @@ class Admission:
         The last of the epoch's members to close tells every process still waiting to join
         (spares, joiners) that the job is over, through its admission."""
         epoch = self.me.epoch
-        if epoch is None or self.me.left:
+        if epoch is None or self.me.left or self.link.silent:
             return
-        if int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) < epoch.world:
-            return
-        for t in (*epoch.spares, *range(epoch.tickets + 1, self.tickets() + 1)):
-            self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
+        try:
+            if int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) < epoch.world:
+                return
+            for t in (*epoch.spares, *range(epoch.tickets + 1, self.tickets() + 1)):
+                self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
+        except MembershipError:  # the coordinator stopped answering now: nobody can be told; the close goes on
+            log.debug("fastreduce: member %s could not count its close at the coordinator", self.me.name)
 
     def _over(self) -> Epoch | None:
         """The job's newest epoch where every one of its members has closed (the job is over:
