@@ -68,6 +68,7 @@ def main() -> None:
             part.replace(out / f"{facts['member']}.json")
         time.sleep(0.05)
     print("digest", digest(model), flush=True)
+    m.close()  # (the last member to close tells a spare still waiting that the job is over)
 
 
 if __name__ == "__main__":
