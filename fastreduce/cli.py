@@ -130,13 +130,12 @@ def _serve(args: argparse.Namespace) -> int:
     import threading
 
     _quiet_cpp_logs()
-    import torch.distributed as dist
-
     from .membership import serve
 
     try:
         store = serve(args.port, args.host)
-    except (dist.DistError, OSError) as err:  # the port taken (EADDRINUSE), not ours (EACCES), a bad host
+    except (RuntimeError, OSError) as err:  # the port taken (EADDRINUSE), not ours (EACCES), a bad host
+        # (c10d's DistNetworkError; torch 2.6's a RuntimeError)
         why = (str(err).strip().splitlines() or [""])[0][:300]
         print(f"fastreduce coordinator: cannot listen on {args.host}:{args.port} ({type(err).__name__}: {why})",
               file=sys.stderr)

@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "SecondConnection", "connect_timeout",
+__all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "SecondConnection", "clone", "connect_timeout",
            "wait_for_listener"]
 
 CONNECT_TIMEOUT_ENV = "FASTREDUCE_CONNECT_TIMEOUT_S"
@@ -80,8 +80,21 @@ def wait_for_listener(host: str, port: int, seconds: float) -> str | None:
         pause = min(2 * pause, _LONGEST_PAUSE_S)
 
 
+def clone(store: Any) -> Any:
+    """``store.clone()``: a client of its own to the same server. torch 2.6's ``TCPStore`` has
+    no ``clone`` (2.7 added it): there, a second client to its host and port, which is what
+    ``clone`` makes. ``TypeError`` where neither is possible (2.6's ``PrefixStore``)."""
+    if hasattr(store, "clone"):
+        return store.clone()
+    import torch.distributed as dist
+
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
+    raise TypeError(f"a {type(store).__name__} cannot make a connection of its own on this torch")
+
+
 class SecondConnection:
-    """A connection of its own to a c10d ``store`` (``store.clone()``, each request bounded
+    """A connection of its own to a c10d ``store`` (:func:`clone`, each request bounded
     by ``timeout_s``), made on a thread of its own while its user goes on over ``store``.
 
     A new c10d connection can take 10 s: torch's client (and server) looks up the name of
@@ -104,7 +117,7 @@ class SecondConnection:
 
     def _make(self, store: Any, timeout_s: float, then: Callable[[Any], None] | None) -> None:
         try:
-            conn = store.clone()
+            conn = clone(store)
             conn.set_timeout(timedelta(seconds=timeout_s))
             with self._lock:
                 if not self._closed:

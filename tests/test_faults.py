@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fastreduce
-from fastreduce import faults_watchdog, process_identity
+from fastreduce import faults_watchdog, process_identity, reach
 from fastreduce.launch import free_port, rank_context
 
 from models import batch_for, linear_stack, loss_of
@@ -457,7 +457,7 @@ def test_a_store_is_served_here_where_its_address_is_this_hosts() -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
     assert process_identity.served_here(store) and process_identity.served_here(dist.PrefixStore("p/", store))
-    assert process_identity.served_here(dist.PrefixStore("q/", dist.PrefixStore("p/", store.clone())))
+    assert process_identity.served_here(dist.PrefixStore("q/", dist.PrefixStore("p/", reach.clone(store))))
     assert not process_identity.served_here(SimpleNamespace(host="192.0.2.1"))
     assert not process_identity.served_here(SimpleNamespace(host="no-such-host.invalid"))
     assert not process_identity.served_here(SimpleNamespace(host=None)) and not process_identity.served_here(object())

@@ -20,6 +20,7 @@ import fastreduce.faults as faults
 import fastreduce.faults_diagnosis as faults_diagnosis
 import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.faults_watchdog as faults_watchdog
+import fastreduce.reach as reach
 from fastreduce.bench import store as bench
 from fastreduce.launch import run_ranks
 
@@ -172,7 +173,7 @@ def test_at_a_large_world_each_rank_reads_its_successors_and_a_stopped_rank_is_n
                            timeout=timedelta(seconds=10))
     stop, stop_victim, done = threading.Event(), threading.Event(), threading.Event()
     logs: list[list] = [[] for _ in range(n)]
-    beats = _on_this_host([bench._heartbeat(bench._Stoppable(client.clone(), logs[r], stop_victim if r == victim
+    beats = _on_this_host([bench._heartbeat(bench._Stoppable(reach.clone(client), logs[r], stop_victim if r == victim
                                                              else stop, True), r, n, beat_s) for r in range(n)])
     out: dict[int, tuple] = {}
     try:
@@ -233,7 +234,7 @@ def test_at_a_large_world_a_diagnosis_names_every_rank_lost_at_once(monkeypatch:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     stop, stop_lost = threading.Event(), threading.Event()
-    beats = _on_this_host([bench._heartbeat(bench._Stoppable(client.clone(), [], stop_lost if r in lost else stop,
+    beats = _on_this_host([bench._heartbeat(bench._Stoppable(reach.clone(client), [], stop_lost if r in lost else stop,
                                                              True), r, n, beat_s) for r in range(n)])
     out: dict[int, tuple] = {}
     failed = threading.Barrier(n - len(lost))  # every survivor diagnoses the same failure

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import fastreduce.faults as faults
 import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.faults_watchdog as faults_watchdog
+import fastreduce.reach as reach
 from fastreduce import membership
 from fastreduce.coordinator import Epoch
 from fastreduce.launch import rank_context, run_ranks
@@ -142,7 +143,7 @@ class Counted:
         self.beats: list[float] = []  # when each heartbeat (an add of 1 to a heartbeat key) landed
 
     def clone(self) -> Counted:
-        return Counted(self._store.clone(), self.log, self.publish)
+        return Counted(reach.clone(self._store), self.log, self.publish)
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._store, name)
@@ -219,7 +220,7 @@ class _Stoppable(Counted):
         self.stop = stop
 
     def clone(self) -> _Stoppable:
-        return _Stoppable(self._store.clone(), self.log, self.stop, self.publish)
+        return _Stoppable(reach.clone(self._store), self.log, self.stop, self.publish)
 
     def __getattr__(self, name: str) -> Any:
         if self.stop.is_set() and name in REQUESTS:
