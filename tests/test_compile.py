@@ -58,6 +58,11 @@ from models import stepper
 STEPS = 6
 BUCKET_MB = 5000 / 2**20  # ~ one Linear(32, 32) per bucket: 7 buckets
 TOL = {"aot_eager": 1e-6, "inductor": 1e-5}
+# A bf16 wire: where inductor's fp32 result differs from eager's by an ulp, a pseudo-gradient
+# element g on a bf16 rounding boundary rounds the other way, and the outer Nesterov step
+# (lr 0.7, momentum 0.9) moves its parameter by about 1.9 * 0.7 * 2**-8 * |g| = 5e-3 |g|: on
+# torch 2.6, 4.05e-5 (within TOL on torch 2.13; plain DiLoCo's fp32 wire within it on both).
+TOL_BF16_WIRE = {"aot_eager": TOL["aot_eager"], "inductor": 1e-4}
 ADAM_EPS = 1e-3  # not 1e-8: see the module docstring (parity)
 BACKENDS = tuple(TOL)
 pytestmark = pytest.mark.timeout(600)
@@ -238,8 +243,9 @@ def test_compiled_matches_plain(parity: tuple[str, list[dict[str, Any]]], case: 
     backend, ranks = parity
     for rank, out in enumerate(ranks):
         diff, counts = out[case]
-        assert diff <= TOL[backend], f"{case} under torch.compile({backend}), rank {rank}: parameters {diff:.2e} " \
-                                     f"off the uncompiled run (tolerance {TOL[backend]:.0e})"
+        tol = (TOL_BF16_WIRE if case.startswith("streaming-diloco-bf16") else TOL)[backend]
+        assert diff <= tol, f"{case} under torch.compile({backend}), rank {rank}: parameters {diff:.2e} " \
+                            f"off the uncompiled run (tolerance {tol:.0e})"
         # where ZeRO's forward hooks stand down at the first compiled forward, torch 2.9 runs
         # that one frame eagerly (a graph break in a module's pre-hook) and compiles from the next
         first = 1 if case in HOOKS_STAND_DOWN else 0
