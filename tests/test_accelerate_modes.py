@@ -207,6 +207,7 @@ def _worker(out: Path, what: str) -> None:
             train(name, True, f"{name}_resumed", seed=1, resume="latest")
     elif what == "compiled":  # a process of its own: AcceleratorState keeps the first Accelerator's backend
         for name in MODES:
+            torch._dynamo.reset()  # each mode's compiled run from a clean dynamo (torch 2.6 crashed in the 4th)
             train(name, True, f"{name}_compiled", compiled=True)
     else:  # 3 ranks: the checkpoints whose state loads onto any world size, one step on
         for name in RESHARDED:
