@@ -393,19 +393,13 @@ def run(args: argparse.Namespace) -> int:
     probed = probe(args) if args.probe else None
     plans = [plan(cluster(args, probed, n), work, only) for n in (args.ranks or [None])]
     if probed is not None:
-        import torch
         import torch.distributed as dist
 
+        from .lifecycle import shutdown
+
         rank = dist.get_rank()
-        # torch 2.6's Gloo: the worker thread that drops the last collective's work as the group is
-        # destroyed frees a tensor Python let go of, which needs the GIL the destructor holds (1 run
-        # in 5 hung here). The last collective's tensor is kept alive past the group; the one
-        # before it is let go of while this rank waits in that collective, the GIL free.
-        last = torch.zeros(1)
-        if dist.get_backend() == "gloo":
-            dist.all_reduce(last)
+        shutdown()  # (a Gloo thread still to let go of the last work: exit_quiet's note; 1 run in 5 hung on torch 2.6)
         dist.destroy_process_group()
-        del last
         if rank:
             return 0
     out = getattr(args, "stdout", sys.stdout)
