@@ -138,8 +138,8 @@ class ZeroGradients:
         any of them and still open (a new optimizer where torch.optim's would simply be
         replaced) can no longer reduce or step them, and its hooks would raise at the next
         backward; it is closed (what it gathers waited for), with a warning."""
-        earlier = {id(old): old for p in params for old in [_HOLDERS.get(id(p))]
-                   if old is not None and old is not self and any(q is p for q in old.layout.params)}
+        # (an open holder keeps its parameters alive, so the id it registered is still that parameter's)
+        earlier = {id(old): old for old in map(_HOLDERS.get, map(id, params)) if old is not None and old is not self}
         for old in earlier.values():
             log.warning("fastreduce: a new ZeroOptimizer took over parameters an earlier one still held; the "
                         "earlier one is closed (call close() on it first to leave it no work)")
