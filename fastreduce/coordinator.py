@@ -207,8 +207,8 @@ class CoordinatorLink:
         the first while it waits), with the epoch's timeout."""
         if self._waiter is None:
             self._waiter = self._second.wait()  # (made at construction, on a thread of its own)
-            if self._waiter is None:  # a store that cannot clone (an older torch): a second client
-                self._waiter = connect(self.where, self.timeout_s) if ":" in self.where else self.store
+            if self._waiter is None:  # a store that can make no connection of its own (reach.clone): the member's
+                self._waiter = self.store
                 self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
         return self._waiter
 
