@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from .lifecycle import shutdown
+
 __all__ = ["run_ranks", "rank_context", "RankFailure", "RankTimeout", "free_port"]
 
 PRELOAD = ("torch", "torch.distributed", "fastreduce")
@@ -131,7 +133,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, ports: Any, args
         torch.save(fn(rank, world_size, *args), out)
         results.put((rank, True, out.getvalue()))
         dist.barrier()
-        dist.destroy_process_group()
+        shutdown()  # fastreduce's threads stopped and Gloo's let go of their works: then the destroy
+        dist.destroy_process_group()  # cannot wait, GIL held, on a thread that needs it (torch 2.6)
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
