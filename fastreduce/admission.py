@@ -210,18 +210,19 @@ class Admission:
         """The epoch that admits ``ticket``, once one does (within ``wait_s``; a spare's, at
         the job's first loss, however long that takes), or :class:`MembershipError` where it
         was refused, or the job ended first (a spare's ``join()`` then returns, ``left`` set).
-        The last member to close tells every process still waiting (:meth:`closed`); one that
-        came later finds the job over at its next look (every ``wait_s``)."""
+        The last member to close tells every process still waiting (:meth:`closed`); one whose
+        ticket came after that close's count of the tickets looks itself, as its ticket is
+        taken: that close counted itself first, so the look finds every member closed."""
         settings, key = self.me.settings, _admit(ticket)
-        while not self.link.wait(key, settings.wait_s):
-            over = self._over()
-            if over is not None:  # (compare_set: an admission written meanwhile stands)
-                self.link.call(self.link.store.compare_set, key, "", f"over {over.number}")
-                break
-            if not settings.spare:
+        over = None if self.link.call(self.link.store.check, [key]) else self._over()
+        while over is None and not self.link.wait(key, settings.wait_s):
+            over = self._over()  # (a spare waits for a loss however long; it looks again every wait_s)
+            if over is None and not settings.spare:
                 raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
                                       "reach a step boundary, or the job is not running (wait_s= waits longer; "
                                       "a job run again at an address that kept an earlier run: docs/faults.md)")
+        if over is not None:  # (compare_set: an admission written meanwhile stands)
+            self.link.call(self.link.store.compare_set, key, "", f"over {over.number}")
         answer = self.link.call(self.link.store.get, key).decode()
         if answer.startswith("refused"):
             raise MembershipError(f"fastreduce: this process was refused as a joiner: {answer[len('refused: '):]}")

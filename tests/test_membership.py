@@ -918,7 +918,9 @@ def test_a_process_that_joins_under_the_name_of_a_leaver_lost_before_its_poll_is
 def test_a_joiner_still_waiting_when_the_last_member_closes_is_told_the_job_ended() -> None:
     """A job of one member ("w1", epoch 0 formed); a joiner takes its ticket and waits; w1
     closes: the joiner's wait ends at once with MembershipError saying the job ended (it
-    waited wait_s, then said the members did not reach a step boundary)."""
+    waited wait_s, then said the members did not reach a step boundary). A spare that takes
+    its ticket after that close (which answered only the tickets taken before it) finds the
+    job over at once: its join returns, left set (it looked again only after wait_s)."""
     import threading
     import time
 
@@ -939,8 +941,14 @@ def test_a_joiner_still_waiting_when_the_last_member_closes_is_told_the_job_ende
     with pytest.raises(MembershipError, match="the job ended before it admitted this process"):
         joiner.admission.answer(late)
     assert time.monotonic() - start < 10
+    spare = Membership(address, world_size=1, member="w3", wait_s=60, spare=True)
+    later, _ = spare.admission.take_ticket()
+    start = time.monotonic()
+    assert spare.admission.answer(later).number == 0 and spare.left
+    assert time.monotonic() - start < 10
     member.close()
     joiner.close()
+    spare.close()
 
 
 def test_members_asked_away_together_whose_going_would_lose_a_shard_leave_one_poll_apart() -> None:
