@@ -351,7 +351,7 @@ class EpochChanges:
         """Keep ``mode``'s state (:func:`~.kept.kept_state`); ZeRO's shards tagged with the
         epoch they were laid out in: where a member is lost as the others take their shards,
         some may have taken theirs (the new layout) and others not (the old), and the next
-        epoch must not mix the two (:func:`~.modes.zero_mirror.reshard` refuses it)."""
+        epoch's :func:`~.modes.zero_mirror.reshard` takes each range from one layout."""
         self.me.kept_mode = kept_state(mode, after_loss)
         if self.me.kept_mode[1] == "zero":
             self.me.kept_mode[0]["layout"] = self._built_in

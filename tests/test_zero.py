@@ -419,15 +419,27 @@ def _copies_case(opt: Any, redundant: Any, rank: int, world: int, zero_mirror: A
         lost = None
     except zero_mirror.ShardsLost as err:
         lost = str(err)
-    held = zero_mirror.held(opt)  # rank 0 took its shards in a new epoch's layout, the others not (a loss between)
-    held["layout"] = 2 if rank == 0 else 1
-    try:
-        zero_mirror.reshard(other, held)
-        mixed = None
-    except zero_mirror.ShardsLost as err:
-        mixed = str(err)
+    def mixed(newer: Any, drop: str | None = None) -> bool | str:
+        """Rank 0 took its shards in a new epoch's layout (``newer``'s, epoch 2), the others
+        not (epoch 1: ``opt``'s; a loss between): moved into a fresh optimizer, its state
+        equal; ``drop``: the chunks so named lost on every rank (the error's words)."""
+        fresh_model = odd_model(SEED + 1)
+        fresh = zero_opt(fresh_model.parameters(), module=fresh_model, redundant=redundant, bucket_mb=SMALL_BUCKET_MB)
+        fresh_model.load_state_dict(dict(zip(params_of(fresh_model), params)))
+        held = zero_mirror.held(newer if rank == 0 else opt)
+        held["layout"] = 2 if rank == 0 else 1
+        held["chunks"] = {c: v for c, v in held["chunks"].items() if drop is None or not c.endswith(drop)}
+        try:
+            zero_mirror.reshard(fresh, held)
+        except zero_mirror.ShardsLost as err:
+            return str(err)
+        got = fresh.state_dict()
+        return all(torch.equal(got["state"][i][k], v) for i, st in want["state"].items() for k, v in st.items()) \
+            and copies_equal(fresh, rank, world, copies, 1)
+
     return {"copies_equal": copies_equal(opt, rank, world, copies, 2), "joined_equal": joined_equal, "loaded_equal": loaded_equal,
-            "resharded_equal": resharded_equal, "lost": lost, "mixed": mixed}
+            "resharded_equal": resharded_equal, "lost": lost, "mixed_other": mixed(other), "mixed_same": mixed(opt),
+            "mixed_lost": mixed(opt, "/1")}
 
 
 class ExpertsModel(nn.Module):
@@ -647,7 +659,9 @@ def test_redundant_keeps_each_shard_on_the_next_ranks_and_the_pieces_join(parity
     ranks' pieces go point to point (each rank receiving its shard and its copies only) into an
     optimizer bucketed the same or otherwise, equal to ``state_dict()`` (stale parameters
     mended from the masters), its copies equal too; a shard lost with every holder is named
-    on every rank, and so are pieces laid out in two epochs (a loss while the shards moved)."""
+    on every rank; pieces laid out in two epochs (a loss while the shards moved: rank 0's in
+    another bucketing, or the same) move as one, each range once, and where a range is lost
+    in both, every rank says so."""
     world, results = parity
     for rank, got in enumerate(per_rank(results, "mirror")):
         assert got["same_run"], (world, rank)
@@ -656,7 +670,8 @@ def test_redundant_keeps_each_shard_on_the_next_ranks_and_the_pieces_join(parity
             assert c["copies_equal"], (world, rank, k, c)
             assert c["joined_equal"] and c["loaded_equal"] and c["resharded_equal"], (world, rank, k, c)
             assert c["lost"] is not None and "old rank(s) [1]" in c["lost"], c["lost"]
-            assert c["mixed"] is not None and "laid out in different epochs (1, 2)" in c["mixed"], c["mixed"]
+            assert c["mixed_other"] is True and c["mixed_same"] is True, (world, rank, k, c)
+            assert "laid out in epochs 1, 2" in str(c["mixed_lost"]), c["mixed_lost"]
 
 
 @pytest.mark.parametrize("wire", MOE_WIRES)

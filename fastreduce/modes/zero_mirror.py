@@ -28,8 +28,10 @@ shard. A host is a host name and a network namespace
 :func:`held` is what a rank holds, per parameter (torch.optim's index) as ranges of the
 parameter's elements: the masters and the optimizer state. :func:`reshard` moves those pieces
 into a ZeroOptimizer built over the new group, at any world size: each rank receives, point to
-point, only what it holds there, and where some member's parameters were stale (a step's
-all-gather failed after its shards stepped) the parameters are all-gathered again from the masters.
+point, only what it holds there, each range from one holder (the members' pieces may be laid
+out in two epochs: a member lost as the others took theirs), and where some member's
+parameters were stale (a step's all-gather failed after its shards stepped) the parameters
+are all-gathered again from the masters.
 """
 
 from __future__ import annotations
@@ -228,8 +230,11 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     layout (its shard and, with ``redundant=``, its copies of others'), point to
     point from one holder of each piece; nothing is gathered whole. Where some member's
     parameters were stale, the parameters are then all-gathered from the masters.
-    Collective. :class:`ShardsLost` on every rank alike where some piece has no holder, or
-    the members' pieces were laid out in different epochs (``mine["layout"]``)."""
+    Collective. :class:`ShardsLost` on every rank alike where some piece has no holder.
+    Pieces laid out in different epochs (``mine["layout"]``: a member lost while the others
+    took their shards in a new epoch, after some had taken theirs) hold the same step (no
+    step commits in an epoch that a member failed to enter): :func:`_chosen` takes each range
+    once, the newest layout's first."""
     world, rank = dist.get_world_size(), dist.get_rank()
     head = None if mine is None else {
         **{k: mine[k] for k in ("world", "buckets", "stale", "param_groups")}, "layout": mine.get("layout"),
@@ -241,26 +246,13 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     holders = [h for h in heads if h is not None]
     if not holders:
         raise ShardsLost("no member holds any ZeRO shard")
-    layouts = sorted({h["layout"] for h in holders}, key=str)  # (a Membership's tag: the epoch it was laid out in)
-    if len(layouts) > 1:  # chunks of one name would be two ranges: a range neither covers would load as zeros
-        raise ShardsLost(f"the members hold ZeRO shards laid out in different epochs ({', '.join(map(str, layouts))}): "
-                         "a member was lost while the others took their shards in a new epoch, after some of them "
-                         "had taken theirs")
-    source: dict[str, int] = {}
-    for r, h in enumerate(heads):
-        for chunk in (h["chunks"] if h is not None else ()):
-            source.setdefault(chunk, r)
-    first = holders[0]
-    missing = sorted({k for s in range(first["buckets"]) for k in range(first["world"]) if f"{s}/{k}" not in source})
-    if missing:
-        raise ShardsLost(f"the ZeRO shards of old rank(s) {missing} were lost with every rank that held them (the "
-                         f"rank and the {first.get('copies', 1)} holding copies of its shard, lost at once)")
-    chunks = {c: heads[r]["chunks"][c] for c, r in source.items()}
+    chunks, pieces = _chosen(opt, heads)
     keys = chunks[min(chunks)]["keys"]
     if any(h["keys"] != keys for h in chunks.values()):
         raise RuntimeError(f"fastreduce: the ZeRO shards hold different optimizer state keys "
                            f"({sorted({tuple(h['keys']) for h in chunks.values()})}): a bug, please report it")
     scalars = {i: sc for h in chunks.values() for i, _, _, sc in h["pieces"]}  # per parameter; None: no state yet
+    first = holders[0]
     opt._load_hyperparameters(first["param_groups"])  # (which state keys each group keeps follows them)
     targets = {}  # (which, s, index) -> (piece, its master's range, its state: filled in place)
     for which, s, _, inner in _holdings(opt):
@@ -269,15 +261,14 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
             st.update({k: inner.scalar(k, float(x)) for k, x in (scalars.get(p.index) or {}).items()})
             inner.state[v] = st
             targets[(which, s, p.index)] = (p, v, st)
-    pieces: dict[int, dict[int, list[tuple[int, int, str]]]] = {r: {} for r in range(world)}
-    for chunk, r in sorted(source.items()):
-        for i, o, n, _ in chunks[chunk]["pieces"]:
-            pieces[r].setdefault(i, []).append((o, n, chunk))
-    mine_at = {} if mine is None else {(c, i, o): t for c, h in mine["chunks"].items() for i, o, _, t, _ in h["pieces"]}
+    mine_at: dict[tuple[str, int], list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
+    for c, h in ({} if mine is None else mine["chunks"]).items():
+        for i, o, n, t, _ in h["pieces"]:
+            mine_at.setdefault((_named(head["layout"], c), i), []).append((o, n, t))
 
     def held_range(chunk: str, index: int, x: int, n: int) -> dict[str, torch.Tensor]:
-        o, _ = next((o, m) for o, m, c in pieces[rank][index] if c == chunk and o <= x < o + m)
-        return {k: v[x - o:x - o + n] for k, v in mine_at[(chunk, index, o)].items()}
+        o, _, t = next(held for held in mine_at[(chunk, index)] if held[0] <= x < held[0] + held[1])
+        return {k: v[x - o:x - o + n] for k, v in t.items()}
 
     # One message per peer and dtype: each move's keys in order, the moves in _moves' order.
     sends: dict[torch.dtype, dict[int, torch.Tensor]] = {}
@@ -316,6 +307,63 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     if any(h["stale"] for h in holders):  # the parameters from the masters (full-precision ones hold them already)
         opt._gather()
         opt.wait_params()
+
+
+def _named(layout: Any, chunk: str) -> str:
+    """A chunk's name among the members' pieces: ``chunk`` (``"s/k"``) of the epoch it was laid out in."""
+    return f"{layout}:{chunk}"
+
+
+def _chosen(opt: Any, heads: list[Any]) -> tuple[dict[str, Any], dict[int, dict[int, list[tuple[int, int, str]]]]]:
+    """Which holder sends each range of each parameter, out of the members' ``heads`` (their
+    pieces' descriptions, ``None`` for a joiner's): per chunk of the newest layout one holder
+    (the first rank holding it), then the ranges of older layouts' chunks that those leave
+    uncovered. Returns the chunks chosen (by :func:`_named` name) and per rank, per parameter,
+    the ``(offset, length, chunk)`` it sends. :class:`ShardsLost` where a range ``opt``'s
+    layout holds has no holder."""
+    layouts = sorted({h["layout"] for h in heads if h is not None}, key=lambda t: -1 if t is None else t, reverse=True)
+    chunks: dict[str, Any] = {}
+    pieces: dict[int, dict[int, list[tuple[int, int, str]]]] = {r: {} for r in range(len(heads))}
+    covered: dict[int, list[tuple[int, int]]] = {}  # per parameter, the ranges chosen
+    for layout in layouts:
+        source: dict[str, int] = {}
+        for r, h in enumerate(heads):
+            for c in (h["chunks"] if h is not None and h["layout"] == layout else ()):
+                source.setdefault(c, r)
+        for c, r in sorted(source.items()):
+            name = _named(layout, c)
+            chunks[name] = heads[r]["chunks"][c]
+            for i, o, n, _ in chunks[name]["pieces"]:
+                for x, m in _uncovered(covered.setdefault(i, []), o, n):
+                    pieces[r].setdefault(i, []).append((x, m, name))
+                    covered[i].append((x, m))
+    needed = {(p.index, p.start, p.n) for s in range(len(opt.shards)) for k in range(opt.world_size)
+              for p in opt._chunk_pieces(s, k)}
+    if any(_uncovered(covered.get(i, []), o, n) for i, o, n in needed):
+        first = next(h for h in heads if h is not None)
+        if len(layouts) > 1:
+            raise ShardsLost(f"ZeRO shards were lost with every rank that held them: members lost as the others "
+                             f"took their shards in a new epoch (the members hold shards laid out in epochs "
+                             f"{', '.join(map(str, sorted(layouts, key=str)))}, and no range of a lost one's in any)")
+        missing = sorted({k for s in range(first["buckets"]) for k in range(first["world"])
+                          if _named(layouts[0], f"{s}/{k}") not in chunks})
+        raise ShardsLost(f"the ZeRO shards of old rank(s) {missing} were lost with every rank that held them (the "
+                         f"rank and the {first.get('copies', 1)} holding copies of its shard, lost at once)")
+    return chunks, pieces
+
+
+def _uncovered(ranges: list[tuple[int, int]], o: int, n: int) -> list[tuple[int, int]]:
+    """The parts of ``[o, o + n)`` that none of ``ranges`` (``(offset, length)``) covers."""
+    out, at = [], o
+    for x, m in sorted(ranges):
+        if x > at:
+            out.append((at, min(x, o + n) - at))
+        at = max(at, x + m)
+        if at >= o + n:
+            break
+    if at < o + n:
+        out.append((at, o + n - at))
+    return [(x, m) for x, m in out if m > 0]
 
 
 def _by_dtype(moves: list[tuple[Any, ...]], chunks: dict[str, Any]) -> dict[torch.dtype, list[tuple[Any, ...]]]:
