@@ -155,7 +155,7 @@ class EpochChanges:
                 raise
             if self.me.mode is not None:  # built in this entry, its state half loaded (ZeRO: half resharded):
                 self.close_mode(drain=False)  # dropped, so that the next epoch starts from the kept state
-            self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
+            lost = self._publish_lost(epoch, lost)  # the members that entered it stop waiting at its first step
             self.me.counters.lose(lost)
             log.warning("fastreduce: entering epoch %d failed (lost: %s); forming the next one", epoch.number,
                         ", ".join(sorted(lost)) or "a silent member")
@@ -230,15 +230,24 @@ class EpochChanges:
             members = [epoch.members[(me + i) % epoch.world] for i in range(1, k + 1)]
         return Watch(self.store, self.call, members)
 
-    def _publish_lost(self, epoch: Epoch, lost: set[str]) -> None:
+    def _publish_lost(self, epoch: Epoch, lost: set[str]) -> set[str]:
         """Tell the members of ``epoch`` still entering it (or waiting at its first step)
-        whom this member found lost, and abort its first step (the first word stays). Not
-        through the epoch's heartbeat: a member still in its first backward would raise
-        there, out of the mode's hooks and the commit (ZeRO's buckets launch in backward);
-        it learns of the loss at its own first step."""
+        whom this member found lost, and abort its first step. Not through the epoch's
+        heartbeat: a member still in its first backward would raise there, out of the
+        mode's hooks and the commit (ZeRO's buckets launch in backward); it learns of the
+        loss at its own first step. Returns the members lost as the first to publish found
+        them, which every member goes on with: a member whose entry failed only because
+        another had given it up first (their exchanges cut as that one left the group, in a
+        ZeRO reshard) finds that one silent on the epoch's heartbeat, alive, and would leave
+        it out of the next epoch (6 members, one lost as the others resharded: two live ones
+        left out, and their shards with them)."""
+        key = MEMBERS_PREFIX + f"e{epoch.number}/lost"
         if lost:
-            self.call(self.store.compare_set, MEMBERS_PREFIX + f"e{epoch.number}/lost", "", json.dumps(sorted(lost)))
+            lost = set(json.loads(self.call(self.store.compare_set, key, "", json.dumps(sorted(lost)))))
+        else:
+            lost = self._published_lost(epoch) or lost
         self.call(self.store.compare_set, done_key(epoch.number, epoch.step), "", "abort")
+        return lost
 
     def _published_lost(self, epoch: Epoch) -> set[str] | None:
         """The members another member of ``epoch`` found lost as it was entered, if one did."""
@@ -269,8 +278,7 @@ class EpochChanges:
         while here < epoch.world:
             lost = watch.lost()
             if lost:
-                self._publish_lost(epoch, lost)
-                return lost
+                return self._publish_lost(epoch, lost)
             if self.call(self.store.check, [aborted]):  # another member found a loss first
                 return self._published_lost(epoch) or watch.exited()
             time.sleep(poll_s(epoch.world, polls))

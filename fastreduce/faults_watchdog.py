@@ -4,6 +4,7 @@ fails no Gloo collective before the group's timeout)."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -18,7 +19,8 @@ from .faults_errors import TransportError
 from .faults_heartbeat import Heartbeat, StoreCaller, lost_after
 from .process_identity import who_of
 
-__all__ = ["abandon_groups", "all_reduce_watched", "wait_watched", "waiter", "watch_heartbeats"]
+__all__ = ["abandon_groups", "all_gather_object_watched", "all_reduce_watched", "wait_watched", "waiter",
+           "watch_heartbeats"]
 
 
 # [Note: no Python callback on a collective's future]
@@ -123,6 +125,31 @@ class _Timed:
 def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """A blocking ``dist.all_reduce`` of ``t``, waited through :func:`wait_watched`."""
     wait_watched(dist.all_reduce(t, op=op, group=group, async_op=True))
+
+
+def all_gather_object_watched(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """``dist.all_gather_object``: every rank's ``obj``, in rank order. Where a heartbeat
+    watches this process's default group (a :class:`~fastreduce.Membership`'s member), its
+    two gathers (the pickles' lengths, then the pickles) are waited for through
+    :func:`wait_watched`: a member lost while the others gather (as they enter an epoch)
+    names itself silent within the loss window, where the gather in torch's own waited the
+    group's whole timeout on a live member that had given up the epoch and left (its
+    sockets kept open: the group abandoned). Elsewhere, torch's own."""
+    beat, world = heartbeat.heartbeat_now(), dist.get_world_size(group)
+    if group not in (None, dist.GroupMember.WORLD) or beat is None or not beat.host_waits or not beat.current():
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    wait_watched(dist.all_gather(sizes, size, async_op=True))
+    most = max(int(n) for n in sizes)
+    mine = torch.zeros(most, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    theirs = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
+    wait_watched(dist.all_gather(theirs, mine, async_op=True))
+    return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(theirs, sizes)]
 
 
 _lock = threading.Lock()

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import complete
+from ..faults import all_gather_object_watched
 from ..process_identity import host_key
 from .zero_pieces import ShardOptimizer
 from .zero_state import MASTER_KEY
@@ -86,9 +87,7 @@ class Placement:
     @classmethod
     def of_group(cls, group: Any, copies: int) -> Placement:
         """The placement over ``group``'s ranks, from each one's host (collective)."""
-        hosts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, host_key(), group=group)
-        return cls(hosts, copies)
+        return cls(all_gather_object_watched(host_key(), group), copies)
 
     def holder(self, d: int, j: int) -> int:
         """The rank that holds the j-th copy (1 ... copies) of rank ``d``'s shard."""
@@ -241,8 +240,7 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
         "copies": mine.get("copies", 1),  # (a job checkpoint saved before redundant=k: one copy)
         "chunks": {c: {"dtype": h["dtype"], "keys": h["keys"],
                        "pieces": [(i, o, n, sc) for i, o, n, _, sc in h["pieces"]]} for c, h in mine["chunks"].items()}}
-    heads: list[Any] = [None] * world
-    dist.all_gather_object(heads, head)
+    heads = all_gather_object_watched(head)  # (watched: a member lost as the others take their shards)
     holders = [h for h in heads if h is not None]
     if not holders:
         raise ShardsLost("no member holds any ZeRO shard")
