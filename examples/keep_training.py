@@ -164,7 +164,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
     of ``ranks``: given to every member, several ranks lost at once, chosen by rank; a fourth
-    element, ranks of the first epoch that die as epoch 1's ZeRO mode takes its shards),
+    element, ranks of the first epoch that die as epoch 1's mode is built, ZeRO's as it takes its shards),
     a replacement's ``admitted`` (as it is admitted, before it enters its first epoch),
     ``healing`` (as its healing begins, the member sending it the state), ``first-step``
     (after its first backward, before its first commit),
@@ -225,8 +225,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "in-enter":  # dies as it enters epoch kill[1] (0: the first), before its group exists
             m.at("set_up", lambda e: die() if e.number == kill[1] else None)
         first_rank: list[int] = []  # its rank in the first epoch (ranks-mid-step's fourth element)
-        if kill is not None and kill[0] == "ranks-mid-step" and len(kill) > 3:  # ZeRO: then as epoch 1's mode takes its shards
-            m.at("reshard", lambda e: die() if e.number == 1 and first_rank and first_rank[0] in kill[3] else None)
+        if kill is not None and kill[0] == "ranks-mid-step" and len(kill) > 3:  # then as epoch 1's mode is built (ZeRO: takes its shards)
+            m.at("reshard" if mode == "zero" else "build", lambda e: die() if e.number == 1 and first_rank and first_rank[0] in kill[3] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)

@@ -184,6 +184,7 @@ class EpochChanges:
         pieces = None
         if kind == "zero":  # this member's pieces of the shards (a joiner's: none), resharded once built
             pieces, own = None if fresh else own, None
+        self.me.passing("build", epoch)
         if self.me.build is not None:
             with _quiet() if own is not None and per_rank else contextlib.nullcontext():
                 self.me.mode = self.me.build()  # (it starts every rank from rank 0's: each loads its own next)

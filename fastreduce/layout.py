@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .faults_watchdog import all_gather_object_watched, wait_watched
 from .torch_internals import parameter_slots
 
 __all__ = ["ALIGN", "FrozenAtBuild", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
@@ -267,11 +268,12 @@ def _agree(signature: tuple[str, ...], group: dist.ProcessGroup | None, device: 
     digest = hashlib.sha256("\n".join(signature).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device=device, dtype=torch.int32)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    # (watched: a Membership's member lost as the others build their modes names itself silent,
+    # where a plain gather waited the group's timeout on live members that had given the epoch up)
+    wait_watched(dist.all_gather(gathered, mine, group=group, async_op=True))
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
-    signatures: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(signatures, signature, group=group)
+    signatures = all_gather_object_watched(signature, group)
     raise LayoutMismatchError(_explain(signatures, dist.get_rank(group), head, tail))
 
 

@@ -15,12 +15,13 @@ from .coordinator import Epoch
 
 __all__ = ["FAULT_POINTS", "Counters", "Member", "MembershipSettings"]
 
-FAULT_POINTS = ("enter", "set_up", "sync_state", "reshard", "voted")
+FAULT_POINTS = ("enter", "set_up", "sync_state", "build", "reshard", "voted")
 """Where :meth:`fastreduce.Membership.at` calls its callables, and what they are given:
 
 * ``"enter"``: an epoch about to be entered (a joiner's first: as it is admitted);
 * ``"set_up"``: an epoch whose group is about to be made (after the entry is agreed on);
 * ``"sync_state"``: an epoch whose joiners are about to get the state (rank 0 sends it);
+* ``"build"``: an epoch whose mode is about to be built (every member came to build it);
 * ``"reshard"``: an epoch whose ZeRO mode is built and about to take its shards;
 * ``"voted"``: the step index whose vote just completed (before anything steps)."""
 

@@ -257,6 +257,26 @@ def test_a_zero_member_lost_as_the_survivors_reshard_leaves_their_kept_shards_wh
     assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
+@pytest.mark.parametrize("mode", ["gossip", "localsgd"])
+def test_a_member_lost_as_the_survivors_build_their_modes_leaves_every_other_survivor_in(tmp_path: Path,
+                                                                                       mode: str) -> None:
+    """6 members: rank 1 killed mid-step at step 10; as the 5 survivors build their modes for
+    the next epoch (``m.at("build")``), the last rank dies too. Every one of the 4 left goes on
+    to the last step, in one epoch of 4, bit-identical. Until 2026-12-06 the mode's layout
+    check (a plain gather) kept the survivors not next to the dead one for the group's whole
+    timeout on live members that had given the epoch up, and those formed the next epoch
+    without them (two live members left out)."""
+    found = run(tmp_path, "process_group", {i: ("ranks-mid-step", 10, (1,), (5,)) for i in range(6)},
+                joiners=0, mode=mode, members=6)
+    final = [f for f in found.values() if "params" in f]
+    assert len(final) == 4, sorted(found)
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 4, (f["steps"][-3:], f["world"])
+        assert f["counters"]["losses"] == 2, f["counters"]
+    for f in final[1:]:  # (their parameters after a last sync, or the exact mean)
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+
+
 @pytest.mark.parametrize("copies", [2, 1])
 @pytest.mark.cell("loop", "train", membership=True, modes=("zero",))
 def test_zero_with_k_copies_trains_on_through_k_ranks_lost_at_once(tmp_path: Path, copies: int) -> None:
