@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .buffer import FusedBuffer, attached, cast_in
 from .comm import Pending, complete
-from .faults import guarded
+from .faults import broadcast_object_watched, guarded
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
 
@@ -140,9 +140,8 @@ class OrderRecorder:
 
 def agreed_order(order: list[int], n: int, group: dist.ProcessGroup | None) -> list[int]:
     """Rank 0's backward order (then the params it never saw, in model order), on every rank."""
-    box = [order]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    order = [i for i in box[0] if i < n]  # (rank 0 holding more: the layout check says so next)
+    theirs = broadcast_object_watched(order, dist.get_global_rank(group, 0) if group else 0, group)
+    order = [i for i in theirs if i < n]  # (rank 0 holding more: the layout check says so next)
     seen = set(order)
     return order + [i for i in range(n) if i not in seen]
 

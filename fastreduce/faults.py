@@ -49,11 +49,12 @@ from .faults_errors import RankLostError, TransportError, is_transport_failure
 from .faults_guard import guard, guarded
 from .faults_heartbeat import (HEARTBEAT_ENV, LOCAL_GRACE, LOST_AFTER_ENV, WATCHED_SUCCESSORS, StoreCaller, group_token,
                                heartbeat_interval, lost_after, note_lost, start_heartbeat)
-from .faults_watchdog import all_gather_object_watched, all_reduce_watched, wait_watched
+from .faults_watchdog import all_gather_object_watched, all_reduce_watched, broadcast_object_watched, wait_watched
 from .process_identity import exited_here
 from .torch_internals import group_timeout
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "RankLostError", "StoreCaller",
-           "TransportError", "all_gather_object_watched", "all_reduce_watched", "diagnose", "exited_here",
+           "TransportError", "all_gather_object_watched", "all_reduce_watched", "broadcast_object_watched",
+           "diagnose", "exited_here",
            "group_timeout", "group_token", "guard", "guarded", "heartbeat_interval", "is_transport_failure",
            "lost_after", "note_lost", "start_heartbeat", "wait_watched"]

@@ -19,8 +19,8 @@ from .faults_errors import TransportError
 from .faults_heartbeat import Heartbeat, StoreCaller, lost_after
 from .process_identity import who_of
 
-__all__ = ["abandon_groups", "all_gather_object_watched", "all_reduce_watched", "wait_watched", "waiter",
-           "watch_heartbeats"]
+__all__ = ["abandon_groups", "all_gather_object_watched", "all_reduce_watched", "broadcast_object_watched",
+           "wait_watched", "waiter", "watch_heartbeats"]
 
 
 # [Note: no Python callback on a collective's future]
@@ -127,16 +127,22 @@ def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist
     wait_watched(dist.all_reduce(t, op=op, group=group, async_op=True))
 
 
+def _watched(group: dist.ProcessGroup | None) -> bool:
+    """Whether a heartbeat watches ``group`` (this process's default group, on a backend
+    whose host waits inside the collective: a :class:`~fastreduce.Membership`'s member)."""
+    beat = heartbeat.heartbeat_now()
+    return group in (None, dist.GroupMember.WORLD) and beat is not None and beat.host_waits and beat.current()
+
+
 def all_gather_object_watched(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """``dist.all_gather_object``: every rank's ``obj``, in rank order. Where a heartbeat
-    watches this process's default group (a :class:`~fastreduce.Membership`'s member), its
-    two gathers (the pickles' lengths, then the pickles) are waited for through
-    :func:`wait_watched`: a member lost while the others gather (as they enter an epoch)
-    names itself silent within the loss window, where the gather in torch's own waited the
-    group's whole timeout on a live member that had given up the epoch and left (its
-    sockets kept open: the group abandoned). Elsewhere, torch's own."""
-    beat, world = heartbeat.heartbeat_now(), dist.get_world_size(group)
-    if group not in (None, dist.GroupMember.WORLD) or beat is None or not beat.host_waits or not beat.current():
+    watches ``group`` (:func:`_watched`), its two gathers (the pickles' lengths, then the
+    pickles) are waited for through :func:`wait_watched`: a member lost while the others
+    gather (as they enter an epoch) names itself silent within the loss window, where the
+    gather in torch's own waited the group's whole timeout on a live member that had given
+    up the epoch and left (its sockets kept open: the group abandoned). Elsewhere, torch's own."""
+    world = dist.get_world_size(group)
+    if not _watched(group):
         out: list[Any] = [None] * world
         dist.all_gather_object(out, obj, group=group)
         return out
@@ -150,6 +156,23 @@ def all_gather_object_watched(obj: Any, group: dist.ProcessGroup | None = None) 
     theirs = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
     wait_watched(dist.all_gather(theirs, mine, async_op=True))
     return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(theirs, sizes)]
+
+
+def broadcast_object_watched(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """``dist.broadcast_object_list([obj], src)``: rank ``src``'s ``obj`` (a global rank) on
+    every rank, its two broadcasts (the pickle's length, then the pickle) waited for as
+    :func:`all_gather_object_watched`'s are, where a heartbeat watches ``group``."""
+    if not _watched(group):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    mine = dist.get_rank() == src
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    wait_watched(dist.broadcast(size, src=src, group=group, async_op=True))
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(size), dtype=torch.uint8)
+    wait_watched(dist.broadcast(buf, src=src, group=group, async_op=True))
+    return obj if mine else pickle.loads(buf.numpy().tobytes())
 
 
 _lock = threading.Lock()

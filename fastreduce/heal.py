@@ -77,20 +77,6 @@ def _broadcast(t: torch.Tensor, src: int) -> None:
     faults.wait_watched(dist.broadcast(t, src=src, async_op=True))
 
 
-def _broadcast_object(obj: Any, src: int, device: torch.device) -> Any:
-    """``obj`` (meaningful on ``src``) pickled, its length then its bytes broadcast."""
-    mine = dist.get_rank() == src
-    data = pickle.dumps(obj) if mine else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    _broadcast(size, src)
-    if mine:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(buf, src)
-    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
-
-
 def _pack(state: Any, device: torch.device) -> list[torch.Tensor]:
     """``state`` as tensors to send in order: the skeleton's length and pickled bytes, then
     one flat block per dtype (the empty ones left out)."""
@@ -137,7 +123,7 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
     tensors: dict[torch.dtype, list[torch.Tensor]] = {}
     sizes: dict[torch.dtype, int] = {}
     head = (_strip(state, tensors, sizes), sizes) if dist.get_rank() == src else None
-    skeleton, sizes = _broadcast_object(head, src, device)
+    skeleton, sizes = faults.broadcast_object_watched(head, src)
     blocks = {}
     for dtype in sorted(sizes, key=str):  # the same order on every rank
         if dist.get_rank() == src:

@@ -481,10 +481,10 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup |
         changed = False
         for piece in whole.view(-1).split(_BROADCAST_CHUNK):
             if rank0:
-                dist.broadcast(piece, src=src, group=group)
+                wait_watched(dist.broadcast(piece, src=src, group=group, async_op=True))
                 continue
             got = torch.empty_like(piece)
-            dist.broadcast(got, src=src, group=group)
+            wait_watched(dist.broadcast(got, src=src, group=group, async_op=True))
             if not torch.equal(got, piece):
                 changed = True
                 piece.copy_(got)
@@ -493,5 +493,5 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup |
         differed = differed or changed
     device = tensors[0].device if tensors else torch.device("cpu")
     flag = torch.tensor([float(differed)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    wait_watched(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True))
     return bool(flag.item())

@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..faults import RankLostError, TransportError, group_timeout
+from ..faults import RankLostError, TransportError, broadcast_object_watched, group_timeout, wait_watched
 from .shm_sync import LINE, FlagBarrier, channel_of, pid_namespace
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "MIX", "REDUCE_SCATTER", "ShmAllReduce", "ShmWork", "sum_order", "weighted_sum"]
@@ -313,8 +313,7 @@ class ShmAllReduce:
         box: list[str | None] = list(create_segment(size)) if rank == 0 else [None, None]
         made = box[0] if rank == 0 else None
         try:  # (a peer lost before all have mapped it: rank 0 unlinks it all the same)
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-            path, why = box
+            path, why = broadcast_object_watched(box, dist.get_global_rank(group, 0) if group else 0, group)
             segment = None
             if path is not None:
                 try:
@@ -328,7 +327,8 @@ class ShmAllReduce:
                 except OSError as err:
                     why = f"rank {rank} cannot map {path}: {err.strerror}"
             ok = torch.tensor([segment is not None], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also: everyone has mapped it
+            # (also: every rank has mapped it)
+            wait_watched(dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group, async_op=True))
         finally:
             if made is not None:
                 os.unlink(made)

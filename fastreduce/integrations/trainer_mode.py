@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Checkpointer
+from ..faults import all_reduce_watched
 from ..modes.comm_stats import CommStats
 
 __all__ = ["EVAL_PARAMS", "TrainerMode", "rebuild_args", "wire_counts"]
@@ -145,7 +146,7 @@ class TrainerMode:
         with torch.no_grad():
             own = torch.cat([t.reshape(-1).double() for t in tensors])  # this rank's, exact in fp64
             mean = own.clone()
-            dist.all_reduce(mean, group=group)  # one collective, not one per tensor
+            all_reduce_watched(mean, dist.ReduceOp.SUM, group)  # one collective, not one per tensor
             mean.div_(dist.get_world_size(group))
             _unflatten_into(tensors, mean)
         try:

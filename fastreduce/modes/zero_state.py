@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..buffer import slot_view
 from ..comm import all_gather_flat
+from ..faults import all_reduce_watched
 from ..torch_internals import disabled_torch_function, make_wrapper_subclass
 from .zero_pieces import Piece, chunk_pieces
 
@@ -91,7 +92,7 @@ class ZeroCheckpointing:
                     table[p.slot] = rows[j].nan_to_num(nan=float("-inf"))
         if self.world_size > 1:
             table = table.to(self.device)
-            dist.all_reduce(table, dist.ReduceOp.MAX, group=self.group)
+            all_reduce_watched(table, dist.ReduceOp.MAX, self.group)
             table = table.cpu()
         return {i: {k: inner.scalar(k, float(row[c])) for c, k in enumerate(inner.scalar_keys, 1)
                     if row[c] > float("-inf")}
@@ -278,7 +279,7 @@ class ZeroCheckpointing:
         for k in self._template:
             flags[index[k]] = 1
         if self.world_size > 1:
-            dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+            all_reduce_watched(flags, dist.ReduceOp.MAX, self.group)
         by_slot = self._optim_index()
         return sorted(by_slot[i] for i in flags.nonzero().flatten().tolist())
 
