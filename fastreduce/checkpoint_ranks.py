@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .faults_watchdog import all_gather_object_watched, broadcast_object_watched
+
 
 # ---------------------------------------------------------------------- ranks agree
 
@@ -28,7 +30,7 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             box[0] = (False, f"{type(e).__name__}: {e}")
     if current_world() > 1:
-        dist.broadcast_object_list(box, src=0)
+        box[0] = broadcast_object_watched(box[0], 0)
     ok, value = box[0]
     if not ok:
         raise RuntimeError(f"fastreduce checkpoint: rank 0 failed: {value}")
@@ -37,8 +39,5 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
 
 def every_rank_says(problem: str | None) -> list[tuple[int, str]]:
     """``(rank, problem)`` of every rank that has one, on every rank (collective)."""
-    problems = [problem]
-    if current_world() > 1:
-        problems = [None] * current_world()
-        dist.all_gather_object(problems, problem)
+    problems = all_gather_object_watched(problem) if current_world() > 1 else [problem]
     return [(r, p) for r, p in enumerate(problems) if p is not None]
