@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .faults import all_reduce_watched, wait_watched
 from .plan import MB, Link, Sizing, choose
 
 __all__ = ["AUTO", "AUTO_RULE", "GOSSIP_AUTO_RULE", "GOSSIP_AUTO_WHY", "ZERO_AUTO_RULE", "ZERO_SHM_BUCKET_MB",
@@ -101,10 +102,11 @@ def _sync(device: torch.device) -> None:
 def fastest(call: Callable[[], object], group: dist.ProcessGroup | None, device: torch.device,
             repeats: int) -> float:
     """Fewest seconds of ``repeats`` runs of the collective ``call``, each started after a
-    barrier (the least disturbed: a busy host only adds time)."""
+    barrier (the least disturbed: a busy host only adds time). Each collective waited
+    through the watchdog (a Membership's member lost in the probe is named at once)."""
     times = []
     for _ in range(repeats):
-        dist.barrier(group=group)
+        wait_watched(dist.barrier(group=group, async_op=True))
         _sync(device)
         t = time.perf_counter()
         call()
@@ -115,7 +117,7 @@ def fastest(call: Callable[[], object], group: dist.ProcessGroup | None, device:
 
 def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> float:
     """:func:`fastest` of ``repeats`` all-reduces of ``buf``."""
-    return fastest(lambda: dist.all_reduce(buf, group=group), group, buf.device, repeats)
+    return fastest(lambda: wait_watched(dist.all_reduce(buf, group=group, async_op=True)), group, buf.device, repeats)
 
 
 def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
@@ -127,7 +129,7 @@ def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
     big = torch.zeros(64 * 1024, device=device)  # 256 KB
     t_big = _timed(group, big, 2)
     fast = torch.tensor([float(t_big < 0.005)], device=device)
-    dist.all_reduce(fast, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same branch
+    all_reduce_watched(fast, dist.ReduceOp.MIN, group)  # every rank takes the same branch
     if fast.item():
         big = torch.zeros(MB, device=device)  # 4 MB: a fast link needs more bytes to show its bandwidth
         t_big = _timed(group, big, 2)
@@ -159,7 +161,7 @@ def agree(link: Link, backward_s: float, group: dist.ProcessGroup | None,
     """The slowest rank's view (largest latency and backward, smallest bandwidth), on every rank."""
     t = torch.tensor([link.latency_s, 1.0 / link.bytes_per_s, backward_s], dtype=torch.float64)
     t = t.to(device) if device.type != "hpu" else t.float().to(device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_watched(t, dist.ReduceOp.MAX, group)
     lat, inv_bw, back = t.double().cpu().tolist()
     return Link(lat, 1.0 / inv_bw), back
 
