@@ -181,6 +181,37 @@ def test_no_module_holds_two_concerns() -> None:
     assert not over, f"modules over the cap ({FILE_LINES} lines; membership.py {FACADE_LINES}): {over}"
 
 
+BLOCKING = {"all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object", "broadcast_object_list",
+            "reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+            "gather", "scatter", "reduce", "gather_object", "scatter_object_list", "send", "recv"}
+UNWATCHED = {  # module -> how many blocking collectives it may run, and why no Membership meets them
+    "comm/collectives.py": (1, "the AVG probe of a backend other than Gloo (a Membership's is Gloo)"),
+    "comm/shm_sync.py": (1, "the shared-memory channel's own group (a failed rank fails its flags)"),
+    "faults_watchdog.py": (2, "torch's own object collectives, where no heartbeat watches the group"),
+    "join.py": (4, "torch's Join protocol for uneven inputs, which a Membership does not run"),
+    "launch.py": (1, "run_ranks' workers' last barrier (tests and the bench)"),
+}
+
+
+def test_no_collective_a_membership_meets_waits_unwatched() -> None:
+    """Every collective of the library (bench/ apart) is launched ``async_op=True`` and waited
+    through the watchdog (``faults.wait_watched`` and the helpers over it), but those listed
+    in UNWATCHED: a plain one, met by a Membership's member whose peer was lost, waited the
+    group's whole timeout on members that had given the epoch up (docs/faults.md)."""
+    found: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        if "bench" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BLOCKING \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist" and not any(
+                        k.arg == "async_op" and isinstance(k.value, ast.Constant) and k.value.value is True
+                        for k in node.keywords):
+                found[rel] = found.get(rel, 0) + 1
+    assert found == {k: n for k, (n, _) in UNWATCHED.items()}, found
+
+
 def test_modes_are_thin() -> None:
     """One concern per mode module, and no transport or device code in any (docs/design.md: modes
     stand on the comm and backends layers and pick neither)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..faults import all_reduce_watched
+
 __all__ = ["GossipAverage"]
 
 
@@ -23,7 +25,7 @@ class GossipAverage:
         self._before_avg = ([t.clone() for t in self._state_tensors()],
                        [m.clone() for m in self._mixed] if self._built else [])
         for t in self._state_tensors():
-            dist.all_reduce(t, group=self.group)
+            all_reduce_watched(t, dist.ReduceOp.SUM, self.group)
             t.div_(self.world_size)
         for b, flat in enumerate(self._flats if self._built else ()):
             self._mixed[b].copy_(flat)  # the pending mix is now the average itself
@@ -45,8 +47,8 @@ class GossipAverage:
         0 when every rank holds the same parameters. The same number on every rank."""
         x = torch.cat([p.detach().reshape(-1).double() for _, p in self._named])
         mean = x.clone()
-        dist.all_reduce(mean, group=self.group)
+        all_reduce_watched(mean, dist.ReduceOp.SUM, self.group)
         mean.div_(self.world_size)
         d = torch.stack([(x - mean).norm() / mean.norm().clamp_min(1e-30)])
-        dist.all_reduce(d, group=self.group)
+        all_reduce_watched(d, dist.ReduceOp.SUM, self.group)
         return float(d.item() / self.world_size)
