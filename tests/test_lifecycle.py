@@ -225,9 +225,15 @@ def test_a_script_whose_last_collective_gloo_lets_go_of_as_it_exits_ends_0() -> 
     assert [rc for rc, _ in ours] == [0, 0], ours
     if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
         # the race is real: torch alone aborts (the rank whose collective was still in flight as it
-        # let go of the handle every time; the other where its collective finished first, often not)
-        plain = _launch_exit_worker("end", "plain")
-        assert any(rc < 0 and "terminate called without an active exception" in out for rc, out in plain), plain
+        # let go of the handle; the other where its collective finished first, often not). Under a
+        # loaded CI both ranks once finished theirs first and exited 0: up to 3 launches
+        seen = []
+        for _ in range(3):
+            seen.append(_launch_exit_worker("end", "plain"))
+            if any(rc < 0 and "terminate called without an active exception" in out for rc, out in seen[-1]):
+                break
+        else:
+            raise AssertionError(f"torch alone never aborted at exit in 3 launches: {seen}")
 
 
 def test_a_reducer_does_not_keep_alive_a_group_its_user_destroyed() -> None:
