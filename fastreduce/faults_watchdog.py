@@ -20,7 +20,7 @@ from .faults_heartbeat import Heartbeat, StoreCaller, lost_after
 from .process_identity import who_of
 
 __all__ = ["abandon_groups", "all_gather_object_watched", "all_reduce_watched", "broadcast_object_watched",
-           "wait_watched", "waiter", "watch_heartbeats"]
+           "pickled", "unpickled", "wait_watched", "waiter", "watch_heartbeats"]
 
 
 # [Note: no Python callback on a collective's future]
@@ -127,6 +127,15 @@ def all_reduce_watched(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist
     wait_watched(dist.all_reduce(t, op=op, group=group, async_op=True))
 
 
+def pickled(obj: Any) -> torch.Tensor:
+    """``obj`` pickled, as the uint8 tensor the object collectives send (:func:`unpickled` reads it)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def unpickled(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
 def _watched(group: dist.ProcessGroup | None) -> bool:
     """Whether a heartbeat watches ``group`` (this process's default group, on a backend
     whose host waits inside the collective: a :class:`~fastreduce.Membership`'s member)."""
@@ -146,16 +155,15 @@ def all_gather_object_watched(obj: Any, group: dist.ProcessGroup | None = None) 
         out: list[Any] = [None] * world
         dist.all_gather_object(out, obj, group=group)
         return out
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    data = pickled(obj)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     wait_watched(dist.all_gather(sizes, size, async_op=True))
-    most = max(int(n) for n in sizes)
-    mine = torch.zeros(most, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    theirs = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
+    mine = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)  # (every rank sends as many bytes)
+    mine[:data.numel()] = data
+    theirs = [torch.empty_like(mine) for _ in range(world)]
     wait_watched(dist.all_gather(theirs, mine, async_op=True))
-    return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(theirs, sizes)]
+    return [unpickled(t[:int(n)]) for t, n in zip(theirs, sizes)]
 
 
 def broadcast_object_watched(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
@@ -167,12 +175,12 @@ def broadcast_object_watched(obj: Any, src: int = 0, group: dist.ProcessGroup | 
         dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
     mine = dist.get_rank() == src
-    data = pickle.dumps(obj) if mine else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    buf = pickled(obj) if mine else None
+    size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
     wait_watched(dist.broadcast(size, src=src, group=group, async_op=True))
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(size), dtype=torch.uint8)
+    buf = buf if buf is not None else torch.empty(int(size), dtype=torch.uint8)
     wait_watched(dist.broadcast(buf, src=src, group=group, async_op=True))
-    return obj if mine else pickle.loads(buf.numpy().tobytes())
+    return obj if mine else unpickled(buf)
 
 
 _lock = threading.Lock()

@@ -20,14 +20,13 @@ dead joiner failed first) would wait for the group's timeout.
 from __future__ import annotations
 
 import math
-import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import fastreduce.faults as faults
-
+from .faults_watchdog import pickled, unpickled
 from .nested import map_leaves
 
 if TYPE_CHECKING:
@@ -83,9 +82,8 @@ def _pack(state: Any, device: torch.device) -> list[torch.Tensor]:
     tensors: dict[torch.dtype, list[torch.Tensor]] = {}
     sizes: dict[torch.dtype, int] = {}
     skeleton = _strip(state, tensors, sizes)
-    data = pickle.dumps((skeleton, sizes))
-    out = [torch.tensor([len(data)], dtype=torch.int64, device=device),
-           torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)]
+    data = pickled((skeleton, sizes)).to(device)
+    out = [torch.tensor([data.numel()], dtype=torch.int64, device=device), data]
     return out + [_block(tensors[d], device) for d in sorted(sizes, key=str) if sizes[d]]
 
 
@@ -108,7 +106,7 @@ def recv_state(device: torch.device, src: int = 0) -> Any:
     received blocks."""
     size = _recv(torch.zeros(1, dtype=torch.int64, device=device), src)
     raw = _recv(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src)
-    skeleton, sizes = pickle.loads(raw.cpu().numpy().tobytes())
+    skeleton, sizes = unpickled(raw)
     blocks = {d: torch.empty(sizes[d], dtype=d, device=device) for d in sorted(sizes, key=str)}
     for work in [dist.irecv(b, src) for b in blocks.values() if b.numel()]:  # (the order they were sent in)
         faults.wait_watched(work)

@@ -340,9 +340,9 @@ def _chosen(opt: Any, heads: list[Any]) -> tuple[dict[str, Any], dict[int, dict[
     if any(_uncovered(covered.get(i, []), o, n) for i, o, n in needed):
         first = next(h for h in heads if h is not None)
         if len(layouts) > 1:
-            raise ShardsLost(f"ZeRO shards were lost with every rank that held them: members lost as the others "
-                             f"took their shards in a new epoch (the members hold shards laid out in epochs "
-                             f"{', '.join(map(str, sorted(layouts, key=str)))}, and no range of a lost one's in any)")
+            raise ShardsLost(f"ZeRO shards were lost with every rank that held them: members were lost as the others "
+                             f"took their shards in a new epoch, and some range is in none of the shards the members "
+                             f"hold, laid out in epochs {', '.join(map(str, sorted(layouts, key=str)))}")
         missing = sorted({k for s in range(first["buckets"]) for k in range(first["world"])
                           if _named(layouts[0], f"{s}/{k}") not in chunks})
         raise ShardsLost(f"the ZeRO shards of old rank(s) {missing} were lost with every rank that held them (the "
