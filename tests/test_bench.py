@@ -1084,18 +1084,46 @@ def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:
 
 def test_chaos_digests_of_gossip_compare_heals_with_rank_0_and_the_final_averages() -> None:
     """Gossip's ranks differ by design: its steps are not compared across members (only rank
-    0 records them), a heal is the joiner's digest against rank 0's at that step, and the
-    final members' digests (after global_avg) must be one; the other modes compare every step."""
+    0 records them), a heal is the joiner's digest against rank 0's as it entered the joiner's
+    epoch (what it sent: at a loss, the failed step had stepped some of its buckets, so not
+    its digest at the last committed step), and the final members' digests (after
+    global_avg) must be one; the other modes compare every step."""
     from fastreduce.bench.chaos import _digests
 
-    def rec(digests: dict[str, str], final: str = "f", joined: int = -1, killed: str = "") -> dict:
-        return {"digests": digests, "final_digest": final, "joined_step": joined, "killed": killed}
+    def rec(digests: dict[str, str], final: str = "f", joined: int = -1, killed: str = "",
+            entered: dict[str, str] | None = None, epoch: int = -1) -> dict:
+        return {"digests": digests, "final_digest": final, "joined_step": joined, "killed": killed,
+                "entered": entered or {}, "joined_epoch": epoch}
 
     kills = [{"replacement": 2}]
-    ok = {0: rec({"5": "a", "6": "b"}), 1: rec({"5": "x"}), 2: rec({"6": "b"}, joined=6)}
+    # rank 0 (member 0) committed step 6 as "b", then a loss: its failed step 7 moved it to "c",
+    # which it sent the joiner of epoch 1; as rank 0 of epoch 2 it entered that at "d"
+    ok = {0: rec({"5": "a", "6": "b"}, entered={"1": "c", "2": "d"}), 1: rec({"5": "x"}),
+          2: rec({"6": "c"}, joined=6, entered={"1": "c", "2": "e"}, epoch=1)}
     got = _digests(ok, kills, per_step=False)
     assert got["equal"] and got["heals"] == [{"replacement": 2, "step": 6, "compared": 2, "equal": True}]
-    assert got["steps_compared"] == 0 and not _digests(ok, kills)["equal"]  # step 5 differs when compared
-    assert not _digests({**ok, 2: rec({"6": "c"}, joined=6)}, kills, per_step=False)["equal"]  # a bad heal
+    assert got["steps_compared"] == 0 and not _digests(ok, kills)["equal"]  # steps 5 and 6 differ when compared
+    bad = {**ok, 2: rec({"6": "b"}, joined=6, entered={"1": "b"}, epoch=1)}  # the digest of step 6, not what was sent
+    assert not _digests(bad, kills, per_step=False)["equal"]
     assert not _digests({**ok, 1: rec({}, final="g")}, kills, per_step=False)["final_equal"]  # averages differ
     assert _digests({**ok, 1: rec({}, final="g", killed="between")}, kills, per_step=False)["final_equal"]
+
+
+def test_chaos_figures_count_a_loss_a_spare_or_a_redone_sync_hid() -> None:
+    """A loss whose epoch took a warm spare in (the world as large) and whose step was not
+    discarded (DiLoCo redoes its sync) is still a loss: the commit that entered an epoch
+    formed at a loss says so; an epoch formed for a join is none."""
+    from fastreduce.bench.chaos import _losses
+
+    def rec(why: list[list[str]]) -> dict:
+        return {"iters": [(t + 0.99, t + 1.0 + (0.5 if w else 0.0), True, 4) for t, w in enumerate(why)],
+                "epochs": [sum(1 for w in why[:i + 1] if w) for i in range(len(why))],
+                "at": [(i, i + 1) for i in range(len(why))], "why": why,
+                "counters": {"stalls": [[w, 0.4] for ws in why for w in ws]}}
+
+    r = rec([[], [], ["loss"], [], ["join"], []])
+    got = _losses({0: r, 1: r}, 0.01)
+    assert [(e["epoch"], e["discarded"], e["at_step"]) for e in got] == [(1, 0, 2)]
+    assert got[0]["stall_s"] == pytest.approx(1.49) and got[0]["membership_stall_s"] == 0.4
+    del r["why"]  # a record from before this was recorded: as before, none seen
+    assert _losses({0: r}, 0.01) == []

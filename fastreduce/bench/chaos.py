@@ -233,9 +233,12 @@ class ChaosRecord(Record):
     losses: list[float] = field(default_factory=list)
     at: list[tuple[int, int]] = field(default_factory=list)  # committed steps before and after
     digests: dict[str, str] = field(default_factory=dict)  # committed step -> parameter digest
+    entered: dict[str, str] = field(default_factory=dict)  # gossip: epoch -> rank 0's digest as it entered it
+    why: list[list[str]] = field(default_factory=list)  # per step: why each epoch its commit entered formed
     final_digest: str = ""  # after the last step (gossip: after global_avg)
     lr_steps: list[int] = field(default_factory=list)  # gossip: each bucket's scheduler steps at the end
     joined_step: int = -1
+    joined_epoch: int = -1
     heldout: float | None = None
     heldout_initial: float | None = None
     killed: str = ""  # where this process was killed (its record saved as it died)
@@ -355,10 +358,13 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
         if go is not None:  # admitted (the launcher may end one never admitted once the job is done), healed:
             (Path(out) / f"{index}.joined").touch()
             record.digests[str(m.step)] = _digest(model)  # the members' parameters after that step
+            record.joined_epoch = m.epoch.number
+            record.entered[str(m.epoch.number)] = record.digests[str(m.step)]
         while m.step < cfg.steps and not m.left:
             if armed("between"):
                 crash()
             t0, before, since = time.time(), m.step, time.perf_counter()  # (since: the straggler's work)
+            epoch, changes = m.epoch.number, len(m.counters.stalls)
             shared[0].started(t0)
             x, y = batch_for(cfg, m.step, m.rank)  # type: ignore[arg-type]
             if mode == "gossip":  # the mode steps and exchanges inside forward and backward: commit runs them
@@ -381,6 +387,9 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
             for s in shared[1:]:
                 s.committed(m.step, record.iters[-1][1])
             record.epochs.append(m.epoch.number)
+            record.why.append([why for why, _ in m.counters.stalls[changes:]])
+            if mode == "gossip" and m.epoch.number != epoch and m.rank == 0:  # what it sent the joiners (a step
+                record.entered[str(m.epoch.number)] = _digest(model)  # failed at a loss stepped some buckets)
             record.losses.append(loss)
             record.at.append((before, m.step))
             if ok and m.step > before and _one_model(cfg, mode, m):
@@ -505,13 +514,16 @@ def _watch(procs: list[Any], out: Path, victims: set[int], deadline: float, wait
 # ---------------------------------------------------------------- the figures
 
 def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
-    """The losses one member lived through: the first step discarded or with fewer members
-    than the step before, the steps discarded up to the next committed one, the epoch that
-    one is in, the stall (as in the faults suite)."""
+    """The losses one member lived through: the first step discarded, with fewer members
+    than the step before, or whose commit entered an epoch formed at a loss (a warm spare
+    in the lost one's place, a local-update mode's sync run again: no step discarded, the
+    world as large), the steps discarded up to the next committed one, the epoch that one
+    is in, the stall (as in the faults suite)."""
     iters, events, i = r["iters"], [], 0
+    why = r.get("why") or [[] for _ in iters]
     while i < len(iters):
         shrank = i > 0 and iters[i][3] < iters[i - 1][3]
-        if iters[i][2] and not shrank:
+        if iters[i][2] and not shrank and "loss" not in why[i]:
             i += 1
             continue
         j = next((j for j in range(i, len(iters)) if iters[j][2]), None)
@@ -548,8 +560,10 @@ def _losses(records: dict[int, dict[str, Any]], median: float, left: int | None 
 def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], per_step: bool = True) -> dict[str, Any]:
     """Every step's digests equal across the members that recorded it (``per_step``; gossip:
     not compared, only its rank 0 records them); each heal: the replacement's digest right
-    after it against every member's at that step (gossip: rank 0's); the final members'
-    final digests (gossip: after ``global_avg``) equal."""
+    after it against every member's at that step (gossip: rank 0's as it entered the
+    replacement's epoch, what it sent: a step that failed at a loss had stepped some of
+    its buckets, which gossip keeps); the final members' final digests (gossip: after
+    ``global_avg``) equal."""
     by_step: dict[str, dict[int, str]] = {}
     for i, r in records.items():
         for step, d in r["digests"].items():
@@ -561,7 +575,8 @@ def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], pe
         if j is None or j["joined_step"] < 0:
             heals.append({"replacement": k["replacement"], "step": None, "compared": 0, "equal": False})
             continue
-        ds = by_step.get(str(j["joined_step"]), {})
+        ds = by_step.get(str(j["joined_step"]), {}) if per_step else \
+            {i: d for i, r in records.items() if (d := r["entered"].get(str(j["joined_epoch"]))) is not None}
         heals.append({"replacement": k["replacement"], "step": j["joined_step"], "compared": len(ds),
                       "equal": len(ds) > 1 and len(set(ds.values())) == 1})
     final = {r["final_digest"] for r in records.values() if not r["killed"] and r.get("left_at", -1) < 0}
@@ -594,6 +609,10 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
             joins.append({"replacement": i, "joined_step": -1, "first_commit_s": None, "members_stall_s": None,
                           "membership_joined_s": None})
             continue
+        if cfg.spares and j["first_commit"]:  # a warm spare waited from the job's start: its joining
+            # began with the loss that took it in (the last kill before its first commit)
+            j = {**j, "join_start": max((r["killed_s"] for r in records.values() if r and r["killed"]
+                                         and r["killed_s"] < j["first_commit"]), default=j["join_start"])}
         joins.append({"replacement": i, "joined_step": j["joined_step"],
                       # (none where it was killed before its first commit: a later kill's victim)
                       "first_commit_s": j["first_commit"] - j["join_start"] if j["first_commit"] else None,
@@ -795,8 +814,9 @@ def format_text(report: dict[str, Any]) -> str:
                              "launcher)")
                 continue
             first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
+            began = "the loss that took it in" if report["config"].get("spares") else "it began joining"
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
-                         f"{first} s after it began joining, members' stall {j['members_stall_s']:.2f} s")
+                         f"{first} s after {began}, members' stall {j['members_stall_s']:.2f} s")
     if happened:
         lines += ["straggler and coordinator:", *happened]
     if c["quick"]:
