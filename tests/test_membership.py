@@ -234,18 +234,19 @@ def test_zero_trains_on_with_the_lost_ranks_shard_from_its_copy(tmp_path: Path, 
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
-@pytest.mark.parametrize("members", [4, 6])
+@pytest.mark.parametrize("members, transport", [(4, "process_group"), (6, "process_group"), (6, "shm")])
 @pytest.mark.cell("loop", "train", membership=True, modes=("zero",))
-def test_a_zero_member_lost_as_the_survivors_reshard_leaves_their_kept_shards_whole(tmp_path: Path,
-                                                                                    members: int) -> None:
+def test_a_zero_member_lost_as_the_survivors_reshard_leaves_their_kept_shards_whole(tmp_path: Path, members: int,
+                                                                                    transport: str) -> None:
     """ZeRO (AdamW, ``redundant=True``) on 4 (6) members: rank 1 killed mid-step at step 10; as
     the survivors' new optimizers take their shards, the last rank dies too. The others form
     the next epoch from the shards they kept (not from the half-resharded ones), every one of
     them, and train on equal to torch.optim.AdamW on the mean gradient (10 steps of 4 (6), then
     2 (4)). At 6, until 2026-12-06, the survivors not next to the dead one waited in the
     reshard's first gather the group's whole timeout (on live members that had given the epoch
-    up), and the others formed the next epoch without them: the job ended, shards lost."""
-    found = run(tmp_path, "process_group", {i: ("ranks-mid-step", 10, (1,), (members - 1,)) for i in range(members)},
+    up), and the others formed the next epoch without them: the job ended, shards lost. On
+    shared memory too (its segment set up over the new epoch's group, its buckets moved there)."""
+    found = run(tmp_path, transport, {i: ("ranks-mid-step", 10, (1,), (members - 1,)) for i in range(members)},
                 joiners=0, mode="zero", members=members)
     final = [f for f in found.values() if "params" in f]
     assert len(final) == members - 2, sorted(found)
