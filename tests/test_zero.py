@@ -37,11 +37,13 @@ agree to rtol=1e-5, atol=1e-6.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -1014,8 +1016,9 @@ def built_again_case(rank: int, world: int) -> dict:
     """A second ZeroOptimizer built over a model's parameters while the first is still open
     (a new optimizer, as one replaces a torch.optim one): the first is closed by the second
     (its hooks raised at the next backward: the parameters were the second's views), and
-    training goes on exactly as where the user closed it first."""
-    runs = {}
+    training goes on exactly as where the user closed it first. It warns only where the first
+    was still open (a closed one let its parameters go: a Membership builds one per epoch)."""
+    runs, warned = {}, {}
     for closing in (False, True):
         model = odd_model(SEED)
         first = zero_opt(model.parameters(), module=model)
@@ -1024,7 +1027,9 @@ def built_again_case(rank: int, world: int) -> dict:
         first.zero_grad()
         if closing:
             first.close()
-        again = zero_opt(model.parameters(), module=model)
+        with _warnings_of("fastreduce.modes.zero_grads") as said:
+            again = zero_opt(model.parameters(), module=model)
+        warned[closing] = sum("took over parameters an earlier one still held" in m for m in said)
         again.load_state_dict(first.state_dict())
         for step in range(1, 3):
             loss_fn(model, batch_for(model, rank, step)).backward()
@@ -1032,7 +1037,20 @@ def built_again_case(rank: int, world: int) -> dict:
             again.zero_grad()
         again.wait_params()
         runs[closing] = params_of(model)
-    return {"same": all(torch.equal(runs[True][n], t) for n, t in runs[False].items())}
+    return {"same": all(torch.equal(runs[True][n], t) for n, t in runs[False].items()), "warned": warned}
+
+
+@contextlib.contextmanager
+def _warnings_of(logger: str) -> Iterator[list[str]]:
+    """The messages ``logger`` logs at WARNING or above within the block."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
 
 
 def fp16_bf16_case(rank: int, world: int) -> dict:
@@ -1364,7 +1382,7 @@ def test_no_wire_dtype_steps_fp16_with_bf16_on_an_fp32_wire(misc) -> None:
 
 def test_a_second_optimizer_over_the_parameters_closes_the_first(misc) -> None:
     for out in per_rank(misc, "built_again"):
-        assert out == {"same": True}, out
+        assert out == {"same": True, "warned": {False: 1, True: 0}}, out
 
 
 def test_a_step_after_close_leaves_no_parameter_stale(misc) -> None:

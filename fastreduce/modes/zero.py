@@ -367,6 +367,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self._reattach.remove()
         if self._schedule is not None:
             self._schedule.remove()
+        self._let_go()
 
     @contextmanager
     def commit_point(self, fn: Callable[[], None]) -> Iterator[None]:

@@ -146,6 +146,12 @@ class ZeroGradients:
             old.close()
         _HOLDERS.update((id(p), self) for p in params)
 
+    def _let_go(self) -> None:
+        """Closed: no parameter is held by this optimizer any more (the next one built over
+        them takes them over without a warning)."""
+        for key in [k for k, holder in _HOLDERS.items() if holder is self]:
+            del _HOLDERS[key]
+
     # ------------------------------------------------------------------ public
 
     def reattach(self) -> None:
