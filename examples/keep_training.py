@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import os
 import signal
+import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -84,6 +85,15 @@ def die() -> None:
     """Crash as the OS crashes a process: SIGKILL to itself (no teardown, no flush; what
     ``kill -9`` from outside does too)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze(seconds: float) -> None:
+    """Stop this whole process (every thread, its heartbeat's too: SIGSTOP to itself) for
+    ``seconds``, as ``kill -STOP`` and ``kill -CONT`` from outside, or a host that hangs, do;
+    a shell started first sends the SIGCONT."""
+    thaw = subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    thaw.wait()
 
 
 def die_as_source(flag: Path, m: Any) -> None:
@@ -162,6 +172,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     on every member, then a transport error on this one alone: it is healed forward to the
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
+    ``frozen`` (not killed: mid-step, the whole process stopped for 4 s, as ``kill -STOP`` and
+    ``kill -CONT`` from outside: the others leave it out, and it joins again),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
     of ``ranks``: given to every member, several ranks lost at once, chosen by rank; a fourth
     element, ranks of the first epoch that die as epoch 1's mode is built, ZeRO's as it takes its shards),
@@ -279,6 +291,10 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
+                if kill == ("frozen", m.step) and "froze" not in facts:  # every thread stopped, then let go
+                    say(f"frozen mid-step, at step {m.step}")
+                    facts["froze"] = m.step
+                    freeze(4)
 
             epoch = m.epoch.number
             if mode == "gossip":  # the mode steps inside forward and backward: commit runs them

@@ -97,14 +97,15 @@ class Admission:
             self.propose(Epoch(0, members, start, last, () if resumed else members, spares), refusals)
         return self.answer(ticket)
 
-    def take_ticket(self, start: int = 0) -> tuple[int, bool]:
+    def take_ticket(self, start: int = 0, rejoining: bool = False) -> tuple[int, bool]:
         """This process's ticket, with its layout and the step it would start the job at
         (``start``: a first member's, resumed from a checkpoint); and whether it is the last of
         the first ``world_size`` members' (the one that lays out epoch 0; a spare's never is).
         An earlier run of the job whose keys the coordinator kept is cleared first, where every
-        process of it is gone (:mod:`.reruns`), and this member's pulse is up before its ticket:
-        admitted, it is watched before its group exists."""
-        start_clean(self.link)
+        process of it is gone (:mod:`.reruns`; not for a member ``rejoining`` its own run), and
+        this member's pulse is up before its ticket: admitted, it is watched before its group exists."""
+        if not rejoining:
+            start_clean(self.link)
         self.pulse.up()
         spare = self.me.settings.spare
         ticket = self.link.call(self.link.store.add, TICKETS, 1)

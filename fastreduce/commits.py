@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .epochs import EpochChanges
+from .epochs import EpochChanges, LeftOut
 from .kept import kept_state
 from .member import Member
 from .modes.contract import commit_style
@@ -57,6 +57,13 @@ class StepCommits:
             raise RuntimeError(f"this member left the job ({why}); end the training loop once m.left is True "
                                "(while m.step < steps and not m.left: ...); start a new process to join again")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
+        try:
+            return self._commit(step, start)
+        except LeftOut:  # left out of the next epoch: in the job again (or out, where it asked to leave)
+            return False
+
+    def _commit(self, step: Callable[[], Any], start: float) -> bool:
+        me = self.me
         kind, s = commit_style(me.mode), me.step
         if kind == "local":
             return self._commit_local(step, start)

@@ -49,8 +49,9 @@ def ticket_key(t: int) -> str:
 
 
 class MembershipError(RuntimeError):
-    """This process cannot be (or stay) a member: refused as a joiner, left out of an
-    epoch, or the coordinator is unreachable. The message says which and what to do."""
+    """This process cannot be (or stay) a member: refused as a joiner, the job over before
+    it was admitted, shards lost, or the coordinator is unreachable. The message says which
+    and what to do."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .member import Member
 from .presence import Pulse, Watch, all_exited, pulses
 from .votes import Votes, done_key
 
-__all__ = ["EpochChanges"]
+__all__ = ["EpochChanges", "LeftOut"]
 
 log = logging.getLogger("fastreduce.membership")
 
@@ -116,8 +116,7 @@ class EpochChanges:
         epoch = self.admission.propose(proposal, refusals) if holds else \
             Epoch.from_json(self.call(self.store.get, key))
         if self.me.name not in epoch.members:
-            raise MembershipError(f"fastreduce: this member ({self.me.name}) was left out of epoch {epoch.number} "
-                                  "(it registered after the others had formed it); start it again to rejoin")
+            self._rejoin(epoch)
         if self.me.healed and self.me.name not in epoch.receivers and epoch.step != self.me.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.me.step}: the members disagree on the committed steps (a bug: "
@@ -125,6 +124,37 @@ class EpochChanges:
         self.me.counters.joins += sum(m not in old.members for m in epoch.receivers)  # not a survivor healed forward
         self.enter(epoch)
         self.me.counters.stalls.append((why, time.perf_counter() - start))
+
+    def _rejoin(self, epoch: Epoch) -> None:
+        """This member was left out of ``epoch``: the others found it silent (a process
+        frozen, a host cut off from them past the loss window) and formed it without it.
+        Alive and back, it joins the job again as a new process does (a ticket, admitted at
+        the members' next poll, their state sent it: its own is stale); one that asked to
+        leave (:meth:`~fastreduce.Membership.leave`) is out instead,
+        :attr:`~fastreduce.Membership.left` set. Either way it raises :class:`LeftOut`."""
+        if self.me.leaving:
+            log.warning("fastreduce: member %s was left out of epoch %d, as it had asked to leave", self.me.name,
+                        epoch.number)
+            self.pulse.down()
+            self.me.left = True
+            raise LeftOut(self.me.name)
+        log.warning("fastreduce: member %s was left out of epoch %d (the others found it silent: frozen, or cut off "
+                    "from them); it joins the job again, taking the members' state", self.me.name, epoch.number)
+        self.me.healed, self.me.kept_mode, self._held = False, (None, ""), None
+        self.me.counters.rejoins += 1
+        ticket, _ = self.admission.take_ticket(rejoining=True)
+        self.enter(self.admission.answer(ticket))
+        raise LeftOut(self.me.name)
+
+    def first_entry(self, epoch: Epoch) -> Epoch:
+        """This process enters the job at ``epoch`` (:meth:`fastreduce.Membership.join`), the
+        seconds it took counted (``"joined"``); returns the epoch it is in (a later one where
+        it was left out of ``epoch`` as it entered and joined again)."""
+        start = time.perf_counter()
+        with contextlib.suppress(LeftOut):
+            self.enter(epoch)
+        self.me.counters.stalls.append(("joined", time.perf_counter() - start))
+        return self.me.current()
 
     def _below_min_ranks(self, old: Epoch, present: list[str], left: set[str]) -> None:
         """No process joined within ``wait_s`` to bring the members ``present`` of the epoch
@@ -400,6 +430,12 @@ class EpochChanges:
             quiet_backends()  # (lifecycle.shutdown's note: a Gloo thread still letting go of a work)
             dist.destroy_process_group()
         torch_internals.release_abandoned()  # the groups abandoned a timeout ago: their sockets closed
+
+
+class LeftOut(Exception):
+    """This member was left out of an epoch (:meth:`EpochChanges._rejoin`) and joined the job
+    again, or is out (it had asked to leave): the step it was committing is not the job's;
+    :meth:`fastreduce.Membership.commit` returns ``False``."""
 
 
 class _Missing(Exception):

@@ -69,6 +69,7 @@ class Counters:
     losses: int = 0
     joins: int = 0
     leaves: int = 0  # members that left at a poll (Membership.leave)
+    rejoins: int = 0  # times this member, left out of an epoch (found silent), joined the job again
     stalls: list[tuple[str, float]] = field(default_factory=list)
     """Per new epoch: why (``"loss"``, ``"join"``; a joiner's own: ``"joined"``) and the
     seconds the step that ended the old one took (detection, agreement, healing)."""

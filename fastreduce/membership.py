@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from typing import Any, Callable, Mapping
 
@@ -171,10 +170,7 @@ class Membership:
             self.me.step = epoch.step
             if found is not None:  # each first member holds its own part of the job: none is sent the state
                 saves.resume(self.me, found, epoch, self.admission)
-        start = time.perf_counter()
-        self.epochs.enter(epoch)
-        self.me.counters.stalls.append(("joined", time.perf_counter() - start))
-        return epoch
+        return self.epochs.first_entry(epoch)
 
     def at(self, point: str, fn: Callable[[Any], Any]) -> None:
         """Call ``fn`` at ``point`` of this member's life (one of
@@ -197,7 +193,9 @@ class Membership:
         step's reduction, so every member discarded it; ``True`` after a loss: another
         survivor completed it (with this member's gradients in it) and this member took
         its state. Either way the next epoch is formed already: read :attr:`rank` and
-        :attr:`world` again.
+        :attr:`world` again. ``False`` also where the others found this member silent
+        (its process stopped, its host cut off) and went on without it: back, it joined
+        the job again, its state theirs and :attr:`step` theirs (``counters.rejoins``).
 
         Gossip (:class:`~fastreduce.DecentralizedDataParallel`): ``step`` is the step's
         forward and backward through :attr:`mode` (``m.commit(lambda:

@@ -712,6 +712,35 @@ def test_a_member_slow_to_enter_the_next_epoch_is_waited_for_while_its_pulse_bea
     _same(final)
 
 
+@pytest.mark.parametrize("mode", ["fused", pytest.param("zero", marks=SLOW), pytest.param("diloco", marks=SLOW)])
+@pytest.mark.cell("loop", "train", membership=True, modes=("fused", "zero", "diloco"))
+def test_a_member_frozen_past_the_loss_window_joins_the_job_again_once_it_thaws(tmp_path: Path, mode: str) -> None:
+    """Member 2 stopped whole mid-step at step 10 (SIGSTOP: every thread, its heartbeat too;
+    SIGCONT 4 s later), as a host that hangs or a process the OS stops: the others find it
+    silent and go on without it. Thawed, it finds itself left out of their epoch and joins the
+    job again in the same process (a ticket, admitted at their next poll, their state sent it),
+    its commit of that step ``False``; all three reach the last step in one epoch of 3 with the
+    same parameters (and AdamW state, where the members share it), each step committed once.
+    Until 2026-12-06 it raised ``MembershipError`` ("left out of epoch 1 ... start it again")."""
+    found = run(tmp_path, "process_group", {2: ("frozen", 10)}, joiners=0, mode=mode, steps=300)
+    final = [found[i] for i in range(3)]
+    for f in final:
+        assert f["steps"][-1][:2] == (300, True) and f["world"] == 3 and f["epoch"] == 2, (f["steps"][-3:], f["epoch"])
+    for f in final[:2]:
+        c = f["counters"]
+        assert c["losses"] == 1 and c["joins"] == 1 and c["rejoins"] == 0, c
+        committed = [s for s, ok, _, _ in f["steps"] if ok]
+        assert committed == sorted(set(committed)) and committed[-1] == 300, committed[-5:]
+    again = final[2]
+    assert again["froze"] == 10 and again["counters"]["rejoins"] == 1, again["counters"]
+    back = next(k for k, (s, ok, e, _) in enumerate(again["steps"]) if e == 2)  # its commit that joined again
+    assert again["steps"][back][1] is False and again["steps"][back][0] > 10, again["steps"][back - 1:back + 2]
+    if mode == "diloco":  # (each member's inner AdamW state is its own: the parameters after the last sync)
+        assert all(torch.equal(f["params"], final[0]["params"]) for f in final)
+    else:
+        _same(final)
+
+
 @SLOW
 def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_joiner(tmp_path: Path) -> None:
     found = run(tmp_path, "process_group", {1: ("mid-step", 8), 2: ("mid-step", 8)}, joiners=1)
