@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from keep_training import die, graphs  # this folder's: SIGKILL to itself; the graphs compiled
+from keep_training import die, freeze, graphs  # this folder's: SIGKILL or SIGSTOP to itself; the graphs compiled
 
 STEPS = 24
 BATCH = 4
@@ -50,6 +50,7 @@ PAUSE_MISSING = 0.5  # s per step while a member is missing and its replacement 
 PAUSE_WAITING = 2.0  # s per step while a member is missing and its replacement has not asked yet (a
 #                    compiled trainer's set-up, Lightning's sanity check, on a loaded machine): it still
 #                    arrives mid-run, and the members never stop stepping (it is admitted at their polls)
+FROZEN_S = 6.0  # s a frozen member stays stopped: past the loss window (LOST_AFTER) and the others' next epoch
 ASKING = "replacement.asking"  # written by a replacement as its trainer is about to join (in ``out``)
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 _HF_IMPORTS = ("transformers.trainer", "fastreduce.integrations.transformers")
@@ -137,12 +138,22 @@ def _asking(out: str, go: Any) -> None:
         (Path(out) / ASKING).touch()
 
 
-def _die_at(module: nn.Module, index: int, kill: int | None, step: Any) -> None:
+def _die_at(module: nn.Module, index: int, kill: int | tuple[str, int] | None, step: Any) -> None:
     """Member ``index`` dies in the forward of step ``kill`` (``step()``: the trainer's count)
-    as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does). (Left
-    out of a compiled forward: traced, the step count would be a guard, a graph per step.)"""
-    if kill is not None:
-        module.register_forward_pre_hook(torch.compiler.disable(lambda *_: die() if step() == kill else None))
+    as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does); ``kill``
+    ``("frozen", k)``: stopped whole there for :data:`FROZEN_S` instead (SIGSTOP, then SIGCONT),
+    once. (Left out of a compiled forward: traced, the step count would be a guard, a graph per step.)"""
+    if kill is None:
+        return
+    at, act = (kill[1], lambda: freeze(FROZEN_S)) if isinstance(kill, tuple) else (kill, die)
+    done: list[int] = []
+
+    def hook(*_: Any) -> None:
+        if step() == at and not done:
+            done.append(at)
+            act()
+
+    module.register_forward_pre_hook(torch.compiler.disable(hook))
 
 
 class Draws:
@@ -181,7 +192,7 @@ class Regressor(nn.Module):
         return {"loss": nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
 
 
-def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
+def hf_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str, int] | None, steps: int,
               go: Any = None, resume: str | None = None, saves: str = "", world: int = 3,
               gaudi: bool = False, compiled: str = "") -> dict[str, Any]:
     """A member through ``FastReduceTrainer`` (``gaudi``: optimum-habana's ``GaudiTrainer``,
@@ -243,7 +254,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | None, step
 # ====================================================================== Lightning
 
 
-def lightning_member(port: int, out: str, mode: str, index: int, kill: int | None, steps: int,
+def lightning_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str, int] | None, steps: int,
                      go: Any = None, saves: str = "", world: int = 3, compiled: str = "") -> dict[str, Any]:
     """A member through ``FastReduceStrategy`` (``compiled``: ``trainer.fit(torch.compile(module,
     backend=compiled))``, as Lightning's users compile)."""
@@ -326,7 +337,7 @@ def gaudi_on_cpu() -> None:
     gaudi_trainer_module.get_hpu_memory_stats = lambda device=None: {}
 
 
-def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | None, go: Any, steps: int,
+def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | tuple[str, int] | None, go: Any, steps: int,
            transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3,
            compiled: str = "") -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
@@ -357,10 +368,11 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
            timeout: float = 180, transport: str = "process_group", resume: str | None = None,
-           saves: str = "", members: int = 3, compiled: str = "") -> dict[int, dict]:
+           saves: str = "", members: int = 3, compiled: str = "", frozen: bool = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (member 2 dies in the forward of step ``kill_at``;
     ``None``: none does) and, where one dies, a replacement told to join once it is gone;
-    returns what each member saved. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
+    returns what each member saved. ``frozen``: member 2 is stopped whole there instead
+    (:func:`_die_at`), and no replacement is started. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
 
     The members are forked from this process's fork server (:func:`fastreduce.launch.rank_context`),
     which imports the trainer's libraries once (:data:`PRELOAD`) where it starts here: on 2
@@ -371,16 +383,17 @@ def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 1
     server = serve(0, "127.0.0.1")
     ctx = rank_context("keep_training_trainers", *PRELOAD[trainer])
     go = ctx.Event()
-    procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode, kill_at if i == 2 else None,
+    kill = ("frozen", kill_at) if frozen and kill_at is not None else kill_at
+    procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode, kill if i == 2 else None,
                                                  None, steps, transport, resume, saves, members, compiled))
              for i in range(members)}
-    if kill_at is not None:
+    if kill_at is not None and not frozen:
         procs[members] = ctx.Process(target=member, args=(trainer, members, server.port, str(out), mode, None, go,
                                                           steps, transport, None, saves, members, compiled))
     for p in procs.values():
         p.start()
     try:
-        if kill_at is not None:
+        if kill_at is not None and not frozen:
             procs[2].join(timeout)
             go.set()
         for p in procs.values():

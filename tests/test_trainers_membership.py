@@ -170,6 +170,38 @@ def test_a_zero_member_whose_meeting_failed_moves_its_data_position_with_the_oth
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+@pytest.mark.cell(None, "train", membership=True, modes=("fused",))
+def test_a_trainer_member_frozen_past_the_loss_window_joins_the_job_again(tmp_path: Path, trainer: str) -> None:
+    """Member 2 stopped whole (SIGSTOP, then SIGCONT 6 s later) in the forward of step 11: the
+    others lose it and train on at 2; thawed, it joins the job again inside its trainer's step
+    (no new process, no replacement): the trainer's global step, its LR schedulers and its
+    data position jump to the members', and every member reaches the last step in one epoch
+    of 3, bit-identical, each step it trained at the failure-free run's learning rate. (Its
+    schedulers were a step behind the members' until it did the rest of the step it was
+    admitted at, as a joiner does: the parameters differed.)"""
+    _need(trainer)
+    found = launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen=True)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    final, lrs = [found[i] for i in (0, 1, 2)], expected_lrs(STEPS)
+    for f in final:
+        assert f["global_step"] == STEPS and f["world"] == 3 and f["epoch"] == 2, (f["index"], f["global_step"])
+        bad = [(s, lr, lrs[s - 1]) for s, lr in f["lrs"] if lr != lrs[s - 1]]
+        assert not bad, (f["index"], bad[:3])
+    for f in final[:2]:
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1, f["counters"]
+    again = final[2]
+    assert again["counters"]["rejoins"] == 1, again["counters"]
+    trained = sorted({s for s, _ in again["lrs"]})
+    assert trained[:KILL_AT + 1] == list(range(1, KILL_AT + 2)) and trained[-1] == STEPS and \
+        len(trained) < STEPS, trained  # (it missed the steps the others trained without it)
+    assert len({f["position"] for f in final}) == 1, [f["position"] for f in final]
+    for f in final[1:]:
+        assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
+
+
 @pytest.mark.timeout(60)
 def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     """Checked by each process alone, before it joins: modes a Membership cannot run, a

@@ -305,13 +305,19 @@ class TrainerMembership:
             self.sampler.load_state_dict(self._resumed["data"])
         self.m.join(state, self._build, start_step=start)
         self.joined_at = self.m.step
-        if self.m.step > self.booked.steps:  # admitted right after a committed step: do the rest of it
+        self._catch_up()
+        return self.m.step
+
+    def _catch_up(self) -> None:
+        """Admitted right after a committed step (joining, or joining again: left out of an
+        epoch), with the members' state from before their trainers stepped its schedulers:
+        do the rest of that step here."""
+        if self.m.step > self.booked.steps:
             with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer here
                 warnings.simplefilter("ignore", UserWarning)
                 for sched in self.schedulers:
                     sched.step()
             self.booked.steps = self.m.step
-        return self.m.step
 
     def state_dict(self) -> dict[str, Any]:
         """What a trainer's checkpoint keeps of the job beside its own files (the model, the
@@ -384,7 +390,7 @@ class TrainerMembership:
     def commit(self, real_step: Callable[[], Any]) -> bool:
         """The optimizer's step through the Membership: committed on every member or none."""
         self.pending = self.m.step + 1
-        sampler, pending = self.sampler, self.pending
+        sampler, pending, rejoins = self.sampler, self.pending, self.m.counters.rejoins
 
         def step() -> None:
             style = commit_style(self.mode.obj)
@@ -408,6 +414,8 @@ class TrainerMembership:
         finally:
             self.failed = None
             sampler.redraw()
+        if self.m.counters.rejoins != rejoins:  # left out of an epoch and in the job again: the members' state
+            self._catch_up()
         if self.committed:
             self.booked.steps = self.m.step  # the trainer steps its schedulers next
         else:  # discarded: the trainer steps them next all the same; kept as they are, to put back
