@@ -36,8 +36,11 @@ def _run(*argv: str) -> None:
     assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
 
 
-@pytest.mark.parametrize("split", ["3+1", pytest.param("2+2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("split", ["3+1", pytest.param("2+2", marks=pytest.mark.slow), "3+1 back"])
 def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str) -> None:
+    """``3+1 back``: host D's link back up after 3 s (within a request's deadline, 5 s): the
+    others went on without D; D, its requests answered again, finds itself left out of their
+    epoch and joins the job again (no new process): all four reach the last step together."""
     with namespace_hosts(4, "1gbit") as hosts:
         a = hosts[0]
         procs = [subprocess.Popen(a.command([sys.executable, "-m", "fastreduce", "coordinator", "--host", a.addr,
@@ -56,9 +59,12 @@ def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str
                 assert time.monotonic() < deadline, "the members did not start"
                 time.sleep(0.1)
             time.sleep(0.5)
-            cut = hosts[3:] if split == "3+1" else hosts[2:]
-            if split == "3+1":
+            cut = hosts[2:] if split == "2+2" else hosts[3:]
+            if split.startswith("3+1"):
                 cut[0].set_link(False)
+            if split == "3+1 back":
+                time.sleep(3)
+                cut[0].set_link(True)
             else:  # C and D on a bridge of their own
                 other = f"frx{hosts[0].ns[2:]}"[:15]
                 _run("ip", "link", "add", other, "type", "bridge")
@@ -77,6 +83,12 @@ def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str
     facts = [torch.load(tmp_path / f"member{k}.pt", weights_only=False) for k in range(4)]
     for f in facts:
         assert "error" not in f, f"{f['error']}\n{logs}"
+    if split == "3+1 back":
+        for f in facts:
+            assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 4, (f["index"], f["steps"][-1], logs)
+        assert facts[3]["counters"]["rejoins"] == 1 and facts[0]["counters"]["joins"] == 1, \
+            (facts[3]["counters"], facts[0]["counters"], logs)
+        cut = []  # (every member's digests compared below)
     kept = facts[:4 - len(cut)]
     for f in kept:  # the coordinator's side trains on, without the others
         assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == len(kept), (f["steps"][-1], logs)
@@ -89,5 +101,5 @@ def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str
             by_step.setdefault(step, set()).add(d)
     split_steps = {s: d for s, d in by_step.items() if len(d) > 1}
     assert not split_steps, f"members committed different parameters at steps {sorted(split_steps)[:5]}\n{logs}"
-    last_cut = max(max(f["digests"], default=0) for f in facts[len(kept):])
+    last_cut = max((max(f["digests"], default=0) for f in facts[len(kept):]), default=0)
     assert last_cut < STEPS and len(by_step) == STEPS
