@@ -337,8 +337,8 @@ def gaudi_on_cpu() -> None:
     gaudi_trainer_module.get_hpu_memory_stats = lambda device=None: {}
 
 
-def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | tuple[str, int] | None, go: Any, steps: int,
-           transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3,
+def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | tuple[str, int] | None, go: Any,
+           steps: int, transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3,
            compiled: str = "") -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
     save what it saw to ``out/member<index>.pt``. ``resume`` (the HF Trainer): ``"save"``, a
