@@ -173,7 +173,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
     ``frozen`` (not killed: mid-step, the whole process stopped for 4 s, as ``kill -STOP`` and
-    ``kill -CONT`` from outside: the others leave it out, and it joins again),
+    ``kill -CONT`` from outside: the others leave it out, and it joins again), ``leaves-frozen``
+    (asks to leave at that step and is frozen in it: out once it thaws),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
     of ``ranks``: given to every member, several ranks lost at once, chosen by rank; a fourth
     element, ranks of the first epoch that die as epoch 1's mode is built, ZeRO's as it takes its shards),
@@ -272,7 +273,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     released = None
                 else:
                     time.sleep(0.5)
-            if kill == ("leaves", m.step) or (kill is not None and kill[:2] == ("ranks-leave", m.step)
+            if kill in (("leaves", m.step), ("leaves-frozen", m.step)) or (kill is not None and kill[:2] == ("ranks-leave", m.step)
                                               and m.epoch.number == 0 and m.rank in kill[2]):  # out at the next poll
                 say(f"asks to leave at step {m.step}")
                 m.leave()
@@ -291,7 +292,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
-                if kill == ("frozen", m.step) and "froze" not in facts:  # every thread stopped, then let go
+                if kill in (("frozen", m.step), ("leaves-frozen", m.step)) and "froze" not in facts:  # stopped, let go
                     say(f"frozen mid-step, at step {m.step}")
                     facts["froze"] = m.step
                     freeze(4)

@@ -741,6 +741,19 @@ def test_a_member_frozen_past_the_loss_window_joins_the_job_again_once_it_thaws(
         _same(final)
 
 
+def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path) -> None:
+    """Member 2 asks to leave at step 10 and is stopped whole in that step (4 s), before a poll
+    answered its request: the others lose it and go on at 2; thawed and left out of their
+    epoch, it is out as it asked (``m.left``), not back in the job, and ends with no error."""
+    found = run(tmp_path, "process_group", {2: ("leaves-frozen", 10)}, joiners=0, steps=300)
+    leaver, final = found[2], [found[0], found[1]]
+    assert leaver["froze"] == 10 and leaver["left_at"] >= 10 and leaver["counters"]["rejoins"] == 0, leaver
+    for f in final:
+        assert f["steps"][-1][:2] == (300, True) and f["world"] == 2, (f["steps"][-3:], f["world"])
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 0, f["counters"]
+    _same(final)
+
+
 @SLOW
 def test_two_members_lost_at_once_leave_one_below_min_ranks_who_waits_for_a_joiner(tmp_path: Path) -> None:
     found = run(tmp_path, "process_group", {1: ("mid-step", 8), 2: ("mid-step", 8)}, joiners=1)
