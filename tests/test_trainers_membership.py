@@ -194,6 +194,9 @@ def test_a_trainer_member_frozen_past_the_loss_window_joins_the_job_again(tmp_pa
         assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 1, f["counters"]
     again = final[2]
     assert again["counters"]["rejoins"] == 1, again["counters"]
+    for f in final:  # in the trainer's log too
+        logged = f["logs"][-1] if trainer == "hf" else f["logged"]
+        assert logged["fastreduce/rejoins"] == (1 if f is again else 0), (f["index"], logged)
     trained = sorted({s for s, _ in again["lrs"]})
     assert trained[:KILL_AT + 1] == list(range(1, KILL_AT + 2)) and trained[-1] == STEPS and \
         len(trained) < STEPS, trained  # (it missed the steps the others trained without it)

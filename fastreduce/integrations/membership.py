@@ -438,4 +438,5 @@ class TrainerMembership:
         c = self.m.counters
         return {"fastreduce/world": float(self.m.world), "fastreduce/membership_epoch": float(self.m.epoch.number),
                 "fastreduce/discarded_steps": float(c.discarded_steps), "fastreduce/losses": float(c.losses),
-                "fastreduce/joins": float(c.joins), "fastreduce/resyncs": float(c.resyncs)}
+                "fastreduce/joins": float(c.joins), "fastreduce/resyncs": float(c.resyncs),
+                "fastreduce/rejoins": float(c.rejoins)}
