@@ -174,7 +174,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
     ``frozen`` (not killed: mid-step, the whole process stopped for 4 s, as ``kill -STOP`` and
     ``kill -CONT`` from outside: the others leave it out, and it joins again), ``leaves-frozen``
-    (asks to leave at that step and is frozen in it: out once it thaws),
+    (asks to leave at that step and is frozen in it: out once it thaws), ``frozen-at``
+    (``(where, point, epoch)``: frozen at ``Membership.at(point)`` of epoch ``epoch``'s entry),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
     of ``ranks``: given to every member, several ranks lost at once, chosen by rank; a fourth
     element, ranks of the first epoch that die as epoch 1's mode is built, ZeRO's as it takes its shards),
@@ -240,6 +241,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         first_rank: list[int] = []  # its rank in the first epoch (ranks-mid-step's fourth element)
         if kill is not None and kill[0] == "ranks-mid-step" and len(kill) > 3:  # then as epoch 1's mode is built (ZeRO: takes its shards)
             m.at("reshard" if mode == "zero" else "build", lambda e: die() if e.number == 1 and first_rank and first_rank[0] in kill[3] else None)
+        if kill is not None and kill[0] == "frozen-at":  # stopped whole at point kill[1] of epoch kill[2]'s entry
+            m.at(kill[1], lambda e: freeze(4) if getattr(e, "number", None) == kill[2] else None)
         if kill is not None and kill[0] == "slow-enter":  # enters epoch kill[1] 8 s late (a starved process)
             m.at("set_up", lambda e: time.sleep(8) if e.number == kill[1] else None)
         wrapped = net if mode == "gossip" else model  # (gossip's forward is the mode's: it wraps the compiled model)

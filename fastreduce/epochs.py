@@ -315,6 +315,9 @@ class EpochChanges:
             time.sleep(poll_s(epoch.world, polls))
             polls += 1
             here = int(self.call(self.store.add, key, 0))
+        if self.call(self.store.check, [aborted]):  # every member came, this one (stopped whole meanwhile)
+            # after the others had given it up and left: it must not go on into the epoch alone
+            return self._published_lost(epoch) or watch.exited()
         return None
 
     def reach_first_step(self) -> set[str] | None:

@@ -741,6 +741,21 @@ def test_a_member_frozen_past_the_loss_window_joins_the_job_again_once_it_thaws(
         _same(final)
 
 
+def test_a_member_frozen_as_it_enters_an_epoch_goes_no_further_into_it_and_joins_again(tmp_path: Path) -> None:
+    """Member 2 stopped whole (4 s) as it builds its mode for epoch 1 (formed for a fourth
+    process joining): the others lose it at epoch 1's first-step meeting and form epoch 2
+    without it. Thawed, it finishes building and comes to that meeting, which every member
+    had come to: it sees that the others gave the epoch up (it went into it alone and waited
+    in a collective on members that had left, until they exited: the job was over before it
+    was admitted) and joins again: all four at the last step, bit-identical."""
+    found = run(tmp_path, "process_group", {2: ("frozen-at", "build", 1)}, joiners=1, release_after=[-1], steps=300)
+    final = [found[i] for i in range(4)]
+    for f in final:
+        assert f["steps"][-1][:2] == (300, True) and f["world"] == 4, (f["index"], f["steps"][-3:], f["world"])
+    assert found[2]["counters"]["rejoins"] == 1, found[2]["counters"]
+    _same(final)
+
+
 def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path) -> None:
     """Member 2 asks to leave at step 10 and is stopped whole in that step (4 s), before a poll
     answered its request: the others lose it and go on at 2; thawed and left out of their
