@@ -610,9 +610,10 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
                           "membership_joined_s": None})
             continue
         if cfg.spares and j["first_commit"]:  # a warm spare waited from the job's start: its joining
-            # began with the loss that took it in (the last kill before its first commit)
-            j = {**j, "join_start": max((r["killed_s"] for r in records.values() if r and r["killed"]
-                                         and r["killed_s"] < j["first_commit"]), default=j["join_start"])}
+            # began with the loss (or the eviction) that took it in: the last before its first commit
+            gone = [r["killed_s"] if r["killed"] else r["left_s"] for r in records.values()
+                    if r and (r["killed"] or r.get("left_at", -1) >= 0)]
+            j = {**j, "join_start": max((t for t in gone if t < j["first_commit"]), default=j["join_start"])}
         joins.append({"replacement": i, "joined_step": j["joined_step"],
                       # (none where it was killed before its first commit: a later kill's victim)
                       "first_commit_s": j["first_commit"] - j["join_start"] if j["first_commit"] else None,
@@ -814,7 +815,7 @@ def format_text(report: dict[str, Any]) -> str:
                              "launcher)")
                 continue
             first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
-            began = "the loss that took it in" if report["config"].get("spares") else "it began joining"
+            began = "the loss (or eviction) that took it in" if report["config"].get("spares") else "it began joining"
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
                          f"{first} s after {began}, members' stall {j['members_stall_s']:.2f} s")
     if happened:
