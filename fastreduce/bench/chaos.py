@@ -298,7 +298,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
     slow = Slowdown(events, index)
     try:
         import fastreduce
-        from fastreduce.membership import Membership
+        from fastreduce.membership import Membership, MembershipError
 
         for name in ("FusedReducer", "ZeroOptimizer", "DiLoCo", "DecentralizedDataParallel"):
             getattr(fastreduce, name)  # imported now (names load on first use), not in a timed join
@@ -350,8 +350,14 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
                        **membership_policy(events))
         if kill is not None and kill["kind"] in ("admitted", "healing"):
             _die_joining(m, kill["kind"], record, Path(out) / f"{index}.json")
-        m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
-        if m.left:  # a spare the job ended without needing: no record, never admitted (the launcher's untaken)
+        try:
+            m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
+            late = False
+        except MembershipError as err:  # a replacement told to join so late (on etcd: a join takes 1.5-3 s)
+            late = go is not None and "the job ended before it admitted this process" in str(err)  # that the
+            if not late:  # job ended first: as a spare never needed (where the launcher waits for it: an error)
+                raise
+        if m.left or late:  # a spare the job ended without needing: no record, never admitted (the launcher's untaken)
             m.close()
             return
         record.joined_step = m.step
@@ -641,7 +647,8 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
             "lr_steps": sorted({n for r in final.values() for n in r["lr_steps"]}),
             "heldout": heldout[0], "heldout_equal": len(heldout) == 1,
             "heldout_initial": next(iter(final.values()))["heldout_initial"],
-            "wall_s": max(r["iters"][-1][1] for r in final.values()) - first,
+            "wall_s": max(r["iters"][-1][1] for r in final.values() if r["iters"]) - first,  # (none: admitted
+            # at the last step, on etcd)
             "members": {i: _timeline(r, first) for i, r in records.items()}}
 
 
@@ -811,8 +818,8 @@ def format_text(report: dict[str, Any]) -> str:
                          f"times (committed steps: {min(ch['final_steps'])})")
         for j in ch["per_join"]:
             if j["members_stall_s"] is None:  # the straggler's spare never taken, or a replacement never admitted
-                lines.append(f"  {key:<24} {j['replacement']} never admitted before the last step (ended by the "
-                             "launcher)")
+                lines.append(f"  {key:<24} {j['replacement']} never admitted before the last step (the job "
+                             "ended first)")
                 continue
             first = "-" if j["first_commit_s"] is None else f"{j['first_commit_s']:.2f}"
             began = "the loss (or eviction) that took it in" if report["config"].get("spares") else "it began joining"
