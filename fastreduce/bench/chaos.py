@@ -353,9 +353,11 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
         try:
             m.join({"model": model} if mode == "zero" else {"model": model, "optimizer": opt}, build)
             late = False
-        except MembershipError as err:  # a replacement told to join so late (on etcd: a join takes 1.5-3 s)
-            late = go is not None and "the job ended before it admitted this process" in str(err)  # that the
-            if not late:  # job ended first: as a spare never needed (where the launcher waits for it: an error)
+        except MembershipError as err:
+            # a replacement told to join so late that the job ended first (on etcd a join takes
+            # 1.5-3 s): as a spare never needed (where the launcher waits for it: an error)
+            late = go is not None and "the job ended before it admitted this process" in str(err)
+            if not late:
                 raise
         if m.left or late:  # a spare the job ended without needing: no record, never admitted (the launcher's untaken)
             m.close()
