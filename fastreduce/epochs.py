@@ -306,19 +306,19 @@ class EpochChanges:
         key, aborted = MEMBERS_PREFIX + f"e{epoch.number}/{point}", done_key(epoch.number, epoch.step)
         here = int(self.call(self.store.add, key, 1))
         watch, polls = self._watch(epoch), 0
-        while here < epoch.world:
+        while True:
+            # Another member found a loss first; also where every member came: this one, stopped
+            # whole meanwhile, after the others had given it up and left (not into the epoch alone).
+            if self.call(self.store.check, [aborted]):
+                return self._published_lost(epoch) or watch.exited()
+            if here >= epoch.world:
+                return None
             lost = watch.lost()
             if lost:
                 return self._publish_lost(epoch, lost)
-            if self.call(self.store.check, [aborted]):  # another member found a loss first
-                return self._published_lost(epoch) or watch.exited()
             time.sleep(poll_s(epoch.world, polls))
             polls += 1
             here = int(self.call(self.store.add, key, 0))
-        if self.call(self.store.check, [aborted]):  # every member came, this one (stopped whole meanwhile)
-            # after the others had given it up and left: it must not go on into the epoch alone
-            return self._published_lost(epoch) or watch.exited()
-        return None
 
     def reach_first_step(self) -> set[str] | None:
         """Before the mode's first collective in this epoch (:meth:`_meet`): the members lost

@@ -117,7 +117,7 @@ def fastest(call: Callable[[], object], group: dist.ProcessGroup | None, device:
 
 def _timed(group: dist.ProcessGroup | None, buf: torch.Tensor, repeats: int) -> float:
     """:func:`fastest` of ``repeats`` all-reduces of ``buf``."""
-    return fastest(lambda: wait_watched(dist.all_reduce(buf, group=group, async_op=True)), group, buf.device, repeats)
+    return fastest(lambda: all_reduce_watched(buf, dist.ReduceOp.SUM, group), group, buf.device, repeats)
 
 
 def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
