@@ -172,7 +172,7 @@ def test_a_zero_member_whose_meeting_failed_moves_its_data_position_with_the_oth
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
-@pytest.mark.cell(None, "train", membership=True, modes=("fused",))
+@pytest.mark.cell(None, "train", "compile", membership=True, modes=("fused",))
 def test_a_trainer_member_frozen_past_the_loss_window_joins_the_job_again(tmp_path: Path, trainer: str) -> None:
     """Member 2 stopped whole (SIGSTOP, then SIGCONT 6 s later) in the forward of step 11: the
     others lose it and train on at 2; thawed, it joins the job again inside its trainer's step
@@ -180,12 +180,14 @@ def test_a_trainer_member_frozen_past_the_loss_window_joins_the_job_again(tmp_pa
     data position jump to the members', and every member reaches the last step in one epoch
     of 3, bit-identical, each step it trained at the failure-free run's learning rate. (Its
     schedulers were a step behind the members' until it did the rest of the step it was
-    admitted at, as a joiner does: the parameters differed.)"""
+    admitted at, as a joiner does: the parameters differed.) The model compiled as each
+    trainer's users ask (``aot_eager``), its graphs captured on every member."""
     _need(trainer)
-    found = launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen=True)
+    found = launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen=True, compiled="aot_eager")
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
     final, lrs = [found[i] for i in (0, 1, 2)], expected_lrs(STEPS)
+    assert all(f["graphs"] > 0 for f in final), [f["graphs"] for f in final]
     for f in final:
         assert f["global_step"] == STEPS and f["world"] == 3 and f["epoch"] == 2, (f["index"], f["global_step"])
         bad = [(s, lr, lrs[s - 1]) for s, lr in f["lrs"] if lr != lrs[s - 1]]
