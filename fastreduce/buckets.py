@@ -192,6 +192,7 @@ class OverlapSchedule:
         self.next = 0
         self.works: list[Pending] = []
         self.missing: list[int] = []
+        self.failure: RuntimeError | None = None  # a launch in backward failed: raised by finish()
         self._first_grad = self._last_grad = 0.0
 
     def remove(self) -> None:
@@ -217,8 +218,13 @@ class OverlapSchedule:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self._launch(self.next)
+        if self.failure is not None:
+            return
+        try:
+            while self.next < len(self.buckets) and self.pending[self.next] == 0:
+                self._launch(self.next)
+        except RuntimeError as err:  # (a peer lost): raised by finish(), which the step calls, not out of
+            self.failure = err  # the user's backward (under a Membership, its commit discards the step)
 
     @guarded("a bucket's launch in backward", "This step's gradients are lost (some buckets were "
              "launched, others not); the parameters and optimizer state are as before the step.")
@@ -241,7 +247,12 @@ class OverlapSchedule:
 
     def finish(self, quiet: bool = False) -> tuple[list[int], list[Pending]]:
         """Launch the buckets still waiting, in order; return the missing grads and, per
-        bucket, its collective and what to run once it is done (its unpack)."""
+        bucket, its collective and what to run once it is done (its unpack). A launch that
+        failed in backward is raised here, the step dropped."""
+        if self.failure is not None:  # what was launched before it is not waited for: on the group that
+            failure = self.failure  # failed, a receive from a peer that left it waits for the group's timeout
+            self._reset()
+            raise failure
         if self.next < len(self.buckets):
             if not (self.late or quiet):
                 self.late = True

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_group_key", "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward",
+           "default_group_key", "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward", "is_abandoned",
            "make_wrapper_subclass", "parameter_slots", "profiler_enabled", "release_abandoned", "scale_handed",
            "scale_handed_back", "scaler_always_steps", "scaler_steps_fused", "store_base",
            "unsafe_preserve_version_counter"]
@@ -110,6 +110,12 @@ def abandon_groups(gone: Callable[[], bool] | None = None) -> None:
                 pg.abort()
             except Exception:  # noqa: BLE001 - not supported by this backend or torch
                 pass
+
+
+def is_abandoned(pg: Any) -> bool:
+    """Whether ``pg`` was abandoned (:func:`abandon_groups`) and not let go of yet."""
+    with _pinning:
+        return any(entry[0] is pg for entry in _pinned)
 
 
 def _may_go(entry: list[Any], now: float) -> bool:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..compat import gloo_has_avg
 from ..faults import wait_watched
 from ..lifecycle import Worker
+from ..torch_internals import is_abandoned
 from ..profiling import span
 from .shm import ShmAllReduce, sum_order
 
@@ -252,8 +253,9 @@ class RingReduceScatter:
     piece by piece, and the next launch's first step is already on the wire when this
     one ends. Every step of every launch has a tag of its own, so which thread posts
     first never matters. ``wait()`` is watched for lost ranks like any Gloo wait
-    (:func:`~fastreduce.faults.wait_watched`); a job whose wait raised is abandoned (it
-    sends nothing more).
+    (:func:`~fastreduce.faults.wait_watched`); a job whose wait raised, or whose group was
+    abandoned, sends nothing more (its group is the one it was launched on, never the default
+    group of a later epoch, which a later piece would otherwise go to).
 
     ``rider`` = ``(mine, total)``: ``total`` := the sum of every rank's ``mine`` (a few
     fp32 counts), carried around the same ring at the end of each step's last piece: no
@@ -263,7 +265,7 @@ class RingReduceScatter:
 
     def __init__(self, rows: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
                  global_rank: Callable[[int], int], rider: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.rows, self.out, self.group, self.rider = rows, out, group, rider
+        self.rows, self.out, self.group, self.rider = rows, out, group or dist.group.WORLD, rider  # (pinned: see run)
         self.rank, self.world = dist.get_rank(group), rows.shape[0]
         r, w, n = self.rank, self.world, rows.shape[1]
         m = 0 if rider is None else rider[0].numel()
@@ -299,7 +301,7 @@ class RingReduceScatter:
                 own = self.rows[(r - 2 - s) % w]
                 for (a, b), work in zip(self.pieces, self.recvs[s]):
                     work.wait()
-                    if self.abandoned:
+                    if self.abandoned or is_abandoned(self.group):  # (not a send more on a group let go of)
                         return
                     got = self.recv[s, a:b]  # the piece, and the rider's running sum behind the last one
                     piece = got[:min(b, n) - a].add_(own[a:min(b, n)])
