@@ -87,13 +87,25 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def freeze(seconds: float) -> None:
+def freeze(seconds: float, until: list[Path] = ()) -> None:
     """Stop this whole process (every thread, its heartbeat's too: SIGSTOP to itself) for
     ``seconds``, as ``kill -STOP`` and ``kill -CONT`` from outside, or a host that hangs, do;
-    a shell started first sends the SIGCONT."""
-    thaw = subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    a shell started first sends the SIGCONT (``until``: once these files exist instead, or
+    after ``seconds`` at the latest)."""
+    wait = " && ".join(f"[ -e '{p}' ]" for p in until)
+    script = f"sleep {seconds}" if not until else \
+        f"end=$(( $(date +%s) + {int(seconds)} )); until {wait} || [ $(date +%s) -ge $end ]; do sleep 0.1; done"
+    thaw = subprocess.Popen(["sh", "-c", f"{script}; kill -CONT {os.getpid()}"])
     os.kill(os.getpid(), signal.SIGSTOP)
     thaw.wait()
+
+
+def frozen_once(facts: dict[str, Any], step: int, say: Any) -> None:
+    """Stopped whole for 4 s (:func:`freeze`), once: ``facts["froze"]`` the step."""
+    if "froze" not in facts:
+        say(f"frozen in backward, at step {step}")
+        facts["froze"] = step
+        freeze(4)
 
 
 def die_as_source(flag: Path, m: Any) -> None:
@@ -173,7 +185,11 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     step the others committed), ``in-heal``, ``in-enter`` (as it enters epoch ``kill[1]``),
     ``slow-enter`` (not killed: it enters epoch ``kill[1]`` 8 s late, past the members' entry bound),
     ``frozen`` (not killed: mid-step, the whole process stopped for 4 s, as ``kill -STOP`` and
-    ``kill -CONT`` from outside: the others leave it out, and it joins again), ``leaves-frozen``
+    ``kill -CONT`` from outside: the others leave it out, and it joins again), ``frozen-in-backward``
+    (as ``frozen``, inside backward as the first layer's gradient is computed: its later
+    buckets' launches, after its thaw, fail on the group the others left), ``frozen-past-end``
+    (as ``frozen``, stopped until the other first members have ended: back, it finds the job
+    over), ``leaves-frozen``
     (asks to leave at that step and is frozen in it: out once it thaws), ``frozen-at``
     (``(where, point, epoch)``: frozen at ``Membership.at(point)`` of epoch ``epoch``'s entry),
     ``ranks-mid-step`` (``(where, step, ranks)``: dies mid-step if its rank in the first epoch is one
@@ -254,6 +270,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             m.at("voted", lambda s: die() if s == kill[1] else None)
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
+        if kill is not None and kill[0] == "frozen-in-backward":  # its last buckets launched after its thaw
+            model[0].weight.register_hook(lambda g: (frozen_once(facts, m.step, say), g)[1] if m.step == kill[1] else g)
         if m.left:  # a warm spare the job ended without needing: join() returned, no epoch entered
             say("a spare the job ended without: done")
             facts.update(unneeded=True, ended_at=time.time())
@@ -295,10 +313,14 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
-                if kill in (("frozen", m.step), ("leaves-frozen", m.step)) and "froze" not in facts:  # stopped, let go
+                if kill in (("frozen", m.step), ("leaves-frozen", m.step), ("frozen-past-end", m.step)) and \
+                        "froze" not in facts:  # stopped, let go
                     say(f"frozen mid-step, at step {m.step}")
                     facts["froze"] = m.step
-                    freeze(4)
+                    if kill[0] == "frozen-past-end":  # (at most 2 minutes)
+                        freeze(120, [Path(out) / f"member{i}.pt" for i in range(world) if i != index])
+                    else:
+                        freeze(4)
 
             epoch = m.epoch.number
             if mode == "gossip":  # the mode steps inside forward and backward: commit runs them

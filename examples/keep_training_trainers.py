@@ -138,14 +138,22 @@ def _asking(out: str, go: Any) -> None:
         (Path(out) / ASKING).touch()
 
 
-def _die_at(module: nn.Module, index: int, kill: int | tuple[str, int] | None, step: Any) -> None:
+def _die_at(module: nn.Module, index: int, kill: int | tuple[str, int] | None, step: Any,
+            others: list[Path] = ()) -> None:
     """Member ``index`` dies in the forward of step ``kill`` (``step()``: the trainer's count)
     as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does); ``kill``
     ``("frozen", k)``: stopped whole there for :data:`FROZEN_S` instead (SIGSTOP, then SIGCONT),
-    once. (Left out of a compiled forward: traced, the step count would be a guard, a graph per step.)"""
+    once; ``("frozen-past-end", k)``: stopped until the files ``others`` (the other members'
+    results) exist. (Left out of a compiled forward: traced, the step count would be a guard, a
+    graph per step.)"""
     if kill is None:
         return
-    at, act = (kill[1], lambda: freeze(FROZEN_S)) if isinstance(kill, tuple) else (kill, die)
+    if not isinstance(kill, tuple):
+        at, act = kill, die
+    elif kill[0] == "frozen-past-end":
+        at, act = kill[1], lambda: freeze(120, others)
+    else:
+        at, act = kill[1], lambda: freeze(FROZEN_S)
     done: list[int] = []
 
     def hook(*_: Any) -> None:
@@ -236,7 +244,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str,
     trainer = made(model=model, args=args, train_dataset=Samples(as_dict=True), eval_dataset=Samples(as_dict=True),
                    optimizers=(opt, schedule(opt, steps)), callbacks=[Record()], fastreduce_mode=mode,
                    fastreduce_config=SETTINGS[mode], fastreduce_membership=_membership(port, saves, world), **extra)
-    _die_at(model.net, index, kill, lambda: trainer.state.global_step)
+    _die_at(model.net, index, kill, lambda: trainer.state.global_step, _others(out, index, world))
     if go is not None:  # a replacement: everything built, join when told
         go.wait(120)
     trainer.train(resume_from_checkpoint=resume if resume not in (None, "save") else None)
@@ -248,7 +256,13 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str,
             "position": glue.sampler.position, "seed": glue.sampler.seed,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
-            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
+            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None),
+            "left": glue.m.left}
+
+
+def _others(out: str, index: int, world: int) -> list[Path]:
+    """The results the other first members save as they end (``frozen-past-end`` waits for them)."""
+    return [Path(out) / f"member{i}.pt" for i in range(world) if i != index]
 
 
 # ====================================================================== Lightning
@@ -305,7 +319,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | tup
                          gradient_clip_val=1.0, log_every_n_steps=LOG_EVERY, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
                          check_val_every_n_epoch=None, val_check_interval=2 * EVAL_EVERY)  # in batches
-    _die_at(module.net, index, kill, lambda: trainer.global_step)
+    _die_at(module.net, index, kill, lambda: trainer.global_step, _others(out, index, world))
     if go is not None:
         go.wait(120)
     fitted = torch.compile(module, backend=compiled) if compiled else module
@@ -317,7 +331,8 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | tup
             "position": glue.sampler.position, "seed": glue.sampler.seed, "joined_at": glue.joined_at,
             "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]), "graphs": graphs(),
             "counters": vars(glue.m.counters), "world": glue.m.world, "epoch": glue.m.epoch.number, "m": glue.m,
-            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None)}
+            "mode_class": type(glue.m.mode).__name__, "redundant": getattr(glue.m.mode, "redundant", None),
+            "left": glue.m.left}
 
 
 # ====================================================================== the job on one host
@@ -368,11 +383,12 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
            timeout: float = 180, transport: str = "process_group", resume: str | None = None,
-           saves: str = "", members: int = 3, compiled: str = "", frozen: bool = False) -> dict[int, dict]:
+           saves: str = "", members: int = 3, compiled: str = "", frozen: bool | str = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (member 2 dies in the forward of step ``kill_at``;
     ``None``: none does) and, where one dies, a replacement told to join once it is gone;
     returns what each member saved. ``frozen``: member 2 is stopped whole there instead
-    (:func:`_die_at`), and no replacement is started. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
+    (:func:`_die_at`; ``"past-end"``: until the others have ended), and no replacement is
+    started. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
 
     The members are forked from this process's fork server (:func:`fastreduce.launch.rank_context`),
     which imports the trainer's libraries once (:data:`PRELOAD`) where it starts here: on 2
@@ -383,7 +399,8 @@ def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 1
     server = serve(0, "127.0.0.1")
     ctx = rank_context("keep_training_trainers", *PRELOAD[trainer])
     go = ctx.Event()
-    kill = ("frozen", kill_at) if frozen and kill_at is not None else kill_at
+    kill = ("frozen-past-end" if frozen == "past-end" else "frozen", kill_at) if frozen and kill_at is not None \
+        else kill_at
     procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode, kill if i == 2 else None,
                                                  None, steps, transport, resume, saves, members, compiled))
              for i in range(members)}

@@ -207,10 +207,11 @@ class Admission:
                 self.link.call(self.link.store.set, _admit(t), str(epoch.number) if joined else f"refused: {bad}")
         return epoch
 
-    def answer(self, ticket: int) -> Epoch:
+    def answer(self, ticket: int, rejoining: bool = False) -> Epoch:
         """The epoch that admits ``ticket``, once one does (within ``wait_s``; a spare's, at
         the job's first loss, however long that takes), or :class:`MembershipError` where it
-        was refused, or the job ended first (a spare's ``join()`` then returns, ``left`` set).
+        was refused, or the job ended first (a spare's ``join()`` then returns, ``left`` set;
+        a member ``rejoining`` after it was left out is out too: the job finished without it).
         The last member to close tells every process still waiting (:meth:`closed`); one whose
         ticket came after that close's count of the tickets looks itself, as its ticket is
         taken: that close counted itself first, so the look finds every member closed."""
@@ -231,12 +232,18 @@ class Admission:
         epoch = Epoch.from_json(self.link.call(self.link.store.get, epoch_key(number)))
         if not answer.startswith("over"):
             return epoch
-        if not settings.spare:
+        if not (settings.spare or rejoining):
             raise MembershipError(f"fastreduce: the job ended before it admitted this process (every member of its "
                                   f"epoch {number} closed): nothing to join")
-        log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed it; "
-                 "join() returns with left set", self.me.name, number)
-        self.me.left = True
+        if rejoining:  # (its parameters are not the job's final ones: the others' are)
+            log.warning("fastreduce: member %s, left out and back, found the job over (every member of epoch %d "
+                        "closed): it is out of the job, left set; the job's result is the other members'",
+                        self.me.name, number)
+        else:
+            log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed it; "
+                     "join() returns with left set", self.me.name, number)
+        self.me.out("left out and back, it found the job over" if rejoining else
+                    "a spare: the job ended without needing it")
         return epoch
 
     def closed(self) -> None:

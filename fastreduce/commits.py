@@ -51,10 +51,7 @@ class StepCommits:
         """See :meth:`fastreduce.Membership.commit`."""
         me = self.me
         if me.left:
-            why = "a spare: the job ended without needing it" if me.epoch is None else "it called leave()" \
-                if me.leaving else "the straggler policy, evict_slower_than, asked it to leave: it worked slower " \
-                "than the others"
-            raise RuntimeError(f"this member left the job ({why}); end the training loop once m.left is True "
+            raise RuntimeError(f"this member left the job ({me.left_why}); end the training loop once m.left is True "
                                "(while m.step < steps and not m.left: ...); start a new process to join again")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         try:

@@ -131,19 +131,22 @@ class EpochChanges:
         Alive and back, it joins the job again as a new process does (a ticket, admitted at
         the members' next poll, their state sent it: its own is stale); one that asked to
         leave (:meth:`~fastreduce.Membership.leave`) is out instead,
-        :attr:`~fastreduce.Membership.left` set. Either way it raises :class:`LeftOut`."""
+        :attr:`~fastreduce.Membership.left` set, as is one that finds the job over (every
+        member closed while it was away). Either way it raises :class:`LeftOut`."""
         if self.me.leaving:
             log.warning("fastreduce: member %s was left out of epoch %d, as it had asked to leave", self.me.name,
                         epoch.number)
             self.pulse.down()
-            self.me.left = True
+            self.me.out("it called leave()")
             raise LeftOut(self.me.name)
         log.warning("fastreduce: member %s was left out of epoch %d (the others found it silent: frozen, or cut off "
                     "from them); it joins the job again, taking the members' state", self.me.name, epoch.number)
         self.me.healed, self.me.kept_mode, self._held = False, (None, ""), None
         self.me.counters.rejoins += 1
         ticket, _ = self.admission.take_ticket(rejoining=True)
-        self.enter(self.admission.answer(ticket))
+        epoch = self.admission.answer(ticket, rejoining=True)
+        if not self.me.left:  # (left: the job ended while it was away)
+            self.enter(epoch)
         raise LeftOut(self.me.name)
 
     def first_entry(self, epoch: Epoch) -> Epoch:
@@ -420,7 +423,8 @@ class EpochChanges:
         self.leave_group(abandon=False)
         self.pulse.down()
         self.me.kept_mode = (None, "")
-        self.me.left = True
+        self.me.out("it called leave()" if self.me.leaving else "the straggler policy, evict_slower_than, asked it "
+                    "to leave: it worked slower than the others")
 
     def close_mode(self, drain: bool = True) -> None:
         self.me.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)

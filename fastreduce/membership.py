@@ -136,7 +136,7 @@ class Membership:
     counters = property(lambda self: self.me.counters, doc="Losses (and whom each named), joins, leaves, discarded steps, stalls.")
     left = property(lambda self: self.me.left, doc="Whether this member left the job (leave(), or asked to by the "
                     "straggler policy, ``evict_slower_than``; a spare: the job ended without needing it, "
-                    ":attr:`epoch` ``None``): its training loop ends there.")
+                    ":attr:`epoch` ``None``; left out and back, it found the job over): its training loop ends there.")
     rank = property(lambda self: self.me.rank, doc="This member's rank in the current epoch.")
     world = property(lambda self: self.me.current().world, doc="The current epoch's number of members.")
 
@@ -194,8 +194,8 @@ class Membership:
         survivor completed it (with this member's gradients in it) and this member took
         its state. Either way the next epoch is formed already: read :attr:`rank` and
         :attr:`world` again. ``False`` also where the others found this member silent
-        (its process stopped, its host cut off) and went on without it: back, it joined
-        the job again, its state theirs and :attr:`step` theirs (``counters.rejoins``).
+        (its process stopped, its host cut off) and went on without it: back, it joined the
+        job again, its state and :attr:`step` theirs (``counters.rejoins``; job over: :attr:`left`).
 
         Gossip (:class:`~fastreduce.DecentralizedDataParallel`): ``step`` is the step's
         forward and backward through :attr:`mode` (``m.commit(lambda:

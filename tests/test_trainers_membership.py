@@ -207,6 +207,28 @@ def test_a_trainer_member_frozen_past_the_loss_window_joins_the_job_again(tmp_pa
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_a_trainer_member_frozen_until_the_job_ended_stops_its_training_with_no_error(tmp_path: Path,
+                                                                                      trainer: str) -> None:
+    """Member 2 stopped whole in the forward of step 11 until the others have finished the
+    job at 2 and ended. Thawed, it finds itself left out and the job over: out of the job
+    (``m.left``), its trainer's training ends there with no error, and nothing more is saved,
+    evaluated or logged (until 2026-12-07 the trainer's next step raised "this member left
+    the job"); the others, bit-identical, at the last step."""
+    _need(trainer)
+    found = launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen="past-end")
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    final, away = [found[0], found[1]], found[2]
+    for f in final:
+        assert f["global_step"] == STEPS and f["world"] == 2 and not f["left"], (f["index"], f["global_step"])
+        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 0, f["counters"]
+    assert torch.equal(final[0]["params"], final[1]["params"])
+    assert away["left"] and away["counters"]["rejoins"] == 1 and away["global_step"] <= KILL_AT + 1, \
+        (away["global_step"], away["counters"])
+
+
 @pytest.mark.timeout(60)
 def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     """Checked by each process alone, before it joins: modes a Membership cannot run, a

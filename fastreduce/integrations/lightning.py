@@ -412,6 +412,9 @@ class _Figures(Callback):
             glue.undo_schedulers()  # (Lightning stepped them after the optimizer's step)
             set_global_step(trainer, glue.m.step, stepping=True)
             glue.committed = None
+        if glue is not None and glue.m.left:  # out of the job (evicted, leave(), or left out and back once it
+            trainer.should_stop = True  # ended): its training ends here, nothing more logged
+            return
         mode = getattr(strategy, "mode", None) if isinstance(strategy, FastReduceStrategy) else None
         step, every = trainer.global_step, trainer.log_every_n_steps
         if mode is None or mode.obj is None or not every or step == self._last or step % every:

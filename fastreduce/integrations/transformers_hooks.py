@@ -65,6 +65,9 @@ def membership_callback(trainer: Any) -> Any:
                 state.global_step = glue.m.step
                 control.should_log = control.should_save = control.should_evaluate = False
                 control.should_training_stop = control.should_training_stop and state.global_step >= state.max_steps
+            if glue.m.left:  # out of the job (evicted, leave(), or left out and back once it ended): it ends here
+                control.should_training_stop = True
+                control.should_log = control.should_save = control.should_evaluate = False
             state.epoch = glue.sampler.data_epoch  # data epochs drawn, the same on every member
 
     return FastReduceMembership()
