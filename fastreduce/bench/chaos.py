@@ -50,10 +50,12 @@ and world size against wall time, a panel per mode; the ``plot`` extra, else ski
 note). ``--quick``: 3 members, 30 steps, one kill (``in-flight``) and one join, the
 overlapped mode on shared memory.
 
-Two more failure kinds (:mod:`.chaos_events`): ``--straggler F`` (a first member no kill takes
+Three more failure kinds (:mod:`.chaos_events`): ``--straggler F`` (a first member no kill takes
 works ``F`` times as long per step for a window; ``--evict``: the job asks it to leave, and
-with ``--spares`` a spare takes its place) and ``--coordinator etcd`` (a 3-member etcd cluster
-as the coordinator, its leader killed mid-run).
+with ``--spares`` a spare takes its place), ``--coordinator etcd`` (a 3-member etcd cluster
+as the coordinator, its leader killed mid-run) and ``--freeze S`` (a first member stopped
+whole for ``S`` s mid-step, left out by the others, back in the job in the same process:
+:mod:`.chaos_freeze`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ from .chaos_events import (Slowdown, check_events, coordinator, coordinator_figu
                            event_checks, event_lines, event_title, events_for, legend_handles, membership_policy,
                            only_untaken, eviction_epoch, straggler_figures, summary_cells, summary_fields,
                            timeline_events)
+from .chaos_freeze import (Freeze, Freezer, freeze_figures, is_frozen_step, mark_freeze_loss, note_freeze, thaw_by,
+                           without_stop)
 from .common import crash, machine_info
 from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
 
@@ -157,6 +161,9 @@ class ChaosConfig:
     coordinator: str = "builtin"
     """``--coordinator etcd``: the job's coordinator is a 3-member etcd cluster, its leader killed
     (SIGKILL) at a step drawn in the middle third of the run; ``builtin``: the launcher's."""
+    freeze: float = 0.0
+    """``--freeze S``: a first member no kill takes (nor the straggler) stopped whole for ``S`` s
+    mid-step, then back (0: none; :mod:`.chaos_freeze`)."""
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -247,11 +254,14 @@ class ChaosRecord(Record):
     slowed_s: list[float] = field(default_factory=list)  # the first's begin and the last's end (time.time())
     left_at: int = -1  # evicted: the committed steps when it was out (m.left)
     left_s: float = 0.0  # and when
+    rejoined_step: int = -1  # the frozen member (--freeze): the step and epoch it rejoined at
+    rejoined_epoch: int = -1
 
     def finish(self, m: Any) -> None:
         c = m.counters
         self.counters = {"discarded_steps": c.discarded_steps, "losses": c.losses, "joins": c.joins,
-                         "resyncs": c.resyncs, "stalls": [list(s) for s in c.stalls], "epoch": m.epoch.number,
+                         "resyncs": c.resyncs, "rejoins": c.rejoins, "stalls": [list(s) for s in c.stalls],
+                         "epoch": m.epoch.number,
                          "world": m.world}
         self.final_step = m.step
 
@@ -295,7 +305,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
     ``kill``: where and at which step it dies; ``port``: the coordinator's (or its address,
     ``etcd://...``); ``events``: the straggler and the eviction policy (:mod:`.chaos_events`)."""
     record = ChaosRecord(**asdict(_enter(env, spawned, index)))
-    slow = Slowdown(events, index)
+    slow, frozen = Slowdown(events, index), Freeze(events, index)
     try:
         import fastreduce
         from fastreduce.membership import Membership, MembershipError
@@ -389,6 +399,7 @@ def member(index: int, cfg: ChaosConfig, mode: str, port: int | str, out: str, e
                 ok, loss = m.commit(stepper.step), train_loss.item()
                 (m.mode if mode == "zero" else opt).zero_grad()
             record.step_done(t0, ok, m.world, shared[0], m.step)
+            frozen.after(m, record, lambda: _digest(model))
             if m.left:  # evicted (asked to leave at this step's poll): out, its step committed with the others'
                 record.left_at, record.left_s = m.step, time.time()
             slow.note(record, before)
@@ -468,21 +479,29 @@ def run_job(cfg: ChaosConfig, mode: str, transport: str, kills: list[dict[str, A
 
     events = events or {}
     plan = events.get("straggler")
-    extra = plan["spare"] if plan else None
+    extra = [p["spare"] for p in (plan, events.get("freeze")) if p and p["spare"] is not None]
     ctx = rank_context("fastreduce.bench.chaos")
-    n = cfg.members + len(kills) + (extra is not None)
+    n = cfg.members + len(kills) + len(extra)
     shared = [Shared.make(ctx, k["step"] + cfg.join_after, n) for k in kills] or [Shared.make(ctx, cfg.steps + 1, n)]
     env = _env(FASTREDUCE_HEARTBEAT_S=str(cfg.heartbeat_s), FASTREDUCE_TRANSPORT=transport)
     victims = {k["victim"]: k for k in kills}
-    # a spare more than the losses; on etcd (a vote about once a second), a replacement told late
-    waiting = set(range(cfg.members, n)) if extra is not None or events.get("coordinator") == "etcd" else set()
+    # a spare more than the kills; on etcd (a vote about once a second), a replacement told late
+    waiting = set(range(cfg.members, n)) if extra or events.get("coordinator") == "etcd" else set()
     with coordinator(events, lambda: serve(0, "127.0.0.1"), shared[0].progress) as (where, leader_kill):
         procs = start_members(ctx, n, cfg, mode, where, out, env, victims, shared, events=events)
+        freeze = events.get("freeze")
+        freezer = None if not freeze else \
+            Freezer(procs[freeze["index"]].pid, freeze, shared[0].progress, thaw_by(cfg.steps))
         try:
+            if freezer is not None:
+                freezer.start()
             _watch(procs, out, set(victims), time.time() + TIMEOUT_S, waiting, cfg.steps)
         finally:
+            frozen = freezer.stop() if freezer is not None else None  # (thawed first, where still stopped)
             _wait(procs, time.time())
     job = {"records": records_of(out, n), "first": shared[0].first.value, "codes": [p.exitcode for p in procs]}
+    if freeze:
+        note_freeze(job["records"], freeze, frozen)
     if events:  # a spare never taken (no eviction), or a replacement never admitted, was ended here
         job.update(untaken=[i for i in sorted(waiting) if job["records"][i] is None and
                             not (out / f"{i}.joined").exists()], coordinator_kill=leader_kill.get("kill"))
@@ -539,7 +558,7 @@ def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
             break
         before = iters[i - 1][1] if i else iters[i][0]
         events.append({"epoch": r["epochs"][j], "discarded": j - i, "stall_s": iters[j][1] - before - median,
-                       "at_step": r["at"][i][0]})
+                       "at_step": r["at"][i][0], "at_s": iters[i][0]})
         i = j + 1
     return events
 
@@ -547,10 +566,12 @@ def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
 def _losses(records: dict[int, dict[str, Any]], median: float, left: int | None = None) -> list[dict[str, Any]]:
     """Per loss (the epoch it formed, in order): the largest stall and discard count over
     the members that saw it, and Membership's own stall (its counters, the largest).
-    ``left``: the epoch formed without the evicted straggler (its shrink is a leave, not a loss)."""
+    ``left``: the epoch formed without the evicted straggler (its shrink is a leave, not a loss).
+    The frozen member's own step discarded as it was left out is no loss it saw."""
     by_epoch: dict[int, list[dict[str, Any]]] = {}
     for r in records.values():
-        events = [e for e in _loss_events(r, median) if e["epoch"] != left or e["discarded"]]
+        events = [e for e in _loss_events(r, median)
+                  if (e["epoch"] != left or e["discarded"]) and not is_frozen_step(r, e)]
         own = [s for why, s in r["counters"].get("stalls", []) if why == "loss"]
         for k, e in enumerate(events):
             e["membership_stall_s"] = own[k] if len(own) == len(events) else None
@@ -560,6 +581,7 @@ def _losses(records: dict[int, dict[str, Any]], median: float, left: int | None 
         seen = by_epoch[epoch]
         own = [e["membership_stall_s"] for e in seen if e["membership_stall_s"] is not None]
         out.append({"epoch": epoch, "members": len(seen), "at_step": min(e["at_step"] for e in seen),
+                    "at_s": min(e["at_s"] for e in seen),  # (when the first step it failed began)
                     "stall_s": max(e["stall_s"] for e in seen), "discarded": max(e["discarded"] for e in seen),
                     "membership_stall_s": max(own) if own else None})
     return out
@@ -570,8 +592,9 @@ def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], pe
     not compared, only its rank 0 records them); each heal: the replacement's digest right
     after it against every member's at that step (gossip: rank 0's as it entered the
     replacement's epoch, what it sent: a step that failed at a loss had stepped some of
-    its buckets, which gossip keeps); the final members' final digests (gossip: after
-    ``global_avg``) equal."""
+    its buckets, which gossip keeps); the frozen member's right after it rejoined (``kills``'
+    entries with a ``rejoined`` index), as a heal; the final members' final digests (gossip:
+    after ``global_avg``) equal."""
     by_step: dict[str, dict[int, str]] = {}
     for i, r in records.items():
         for step, d in r["digests"].items():
@@ -579,13 +602,16 @@ def _digests(records: dict[int, dict[str, Any]], kills: list[dict[str, Any]], pe
     differ = sorted((int(s) for s, ds in by_step.items() if len(set(ds.values())) > 1)) if per_step else []
     heals = []
     for k in kills:
-        j = records.get(k["replacement"])
-        if j is None or j["joined_step"] < 0:
-            heals.append({"replacement": k["replacement"], "step": None, "compared": 0, "equal": False})
+        who = k["rejoined"] if "rejoined" in k else k["replacement"]
+        j = records.get(who)
+        step, epoch = (j["rejoined_step"], j["rejoined_epoch"]) if j and "rejoined" in k else \
+            (j["joined_step"], j["joined_epoch"]) if j else (-1, -1)
+        if step < 0:
+            heals.append({"replacement": who, "step": None, "compared": 0, "equal": False})
             continue
-        ds = by_step.get(str(j["joined_step"]), {}) if per_step else \
-            {i: d for i, r in records.items() if (d := r["entered"].get(str(j["joined_epoch"]))) is not None}
-        heals.append({"replacement": k["replacement"], "step": j["joined_step"], "compared": len(ds),
+        ds = by_step.get(str(step), {}) if per_step else \
+            {i: d for i, r in records.items() if (d := r["entered"].get(str(epoch))) is not None}
+        heals.append({"replacement": who, "step": step, "compared": len(ds),
                       "equal": len(ds) > 1 and len(set(ds.values())) == 1})
     final = {r["final_digest"] for r in records.values() if not r["killed"] and r.get("left_at", -1) < 0}
     return {"steps_compared": sum(1 for ds in by_step.values() if len(ds) > 1) if per_step else 0,
@@ -608,27 +634,32 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
     seen = {i: r for i, r in records.items() if not r["killed"]}  # Membership's counters: the evicted's too
     final = {i: r for i, r in seen.items() if r["left_at"] < 0}  # (evicted: out)
     median = _median_step(list(final.values()))
-    plan = (events or {}).get("straggler")
+    plan, freeze = (events or {}).get("straggler"), (events or {}).get("freeze")
     losses = _losses(records, median, eviction_epoch(records, plan))
-    joins, spare = [], plan["spare"] if plan else None
-    for i in [k["replacement"] for k in kills] + ([spare] if spare is not None else []):
+    joins = []
+    spares = [p["spare"] for p in (plan, freeze) if p and p["spare"] is not None]
+    for i in [k["replacement"] for k in kills] + spares:
         j = records.get(i)
         if j is None:  # a spare never taken, or a replacement the job ended before admitting
             joins.append({"replacement": i, "joined_step": -1, "first_commit_s": None, "members_stall_s": None,
                           "membership_joined_s": None})
             continue
         if cfg.spares and j["first_commit"]:  # a warm spare waited from the job's start: its joining
-            # began with the loss (or the eviction) that took it in: the last before its first commit
+            # began with the loss (or the eviction, or the freeze) that took it in: the last before its first commit
             gone = [r["killed_s"] if r["killed"] else r["left_s"] for r in records.values()
                     if r and (r["killed"] or r.get("left_at", -1) >= 0)]
+            gone += [r["frozen_s"][0] for r in records.values() if r and r.get("frozen_s")]
             j = {**j, "join_start": max((t for t in gone if t < j["first_commit"]), default=j["join_start"])}
         joins.append({"replacement": i, "joined_step": j["joined_step"],
                       # (none where it was killed before its first commit: a later kill's victim)
                       "first_commit_s": j["first_commit"] - j["join_start"] if j["first_commit"] else None,
-                      "members_stall_s": max(_join_stall(r, j, median) for o, r in records.items() if o != i),
+                      "members_stall_s": max(_join_stall(without_stop(r), j, median)  # (not the frozen one's stop)
+                                             for o, r in records.items() if o != i),
                       "membership_joined_s": next((s for w, s in j["counters"]["stalls"] if w == "joined"), None)})
-    healed = [k for k in kills if k["replacement"] not in untaken] if spare is None else \
+    healed = [k for k in kills if k["replacement"] not in untaken] if not spares else \
         [{"replacement": j["replacement"]} for j in joins if j["joined_step"] >= 0]
+    if freeze and records.get(freeze["index"], {}).get("rejoined_step", -1) >= 0:
+        healed.append({"rejoined": freeze["index"]})
     first = job["first"]
     heldout = sorted({r["heldout"] for r in final.values()})
     extra: dict[str, Any] = {}
@@ -636,6 +667,9 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
         extra["straggler"] = straggler_figures(plan, records, final, first, median, losses, len(kills))
     if (events or {}).get("coordinator_kill_step") is not None:
         extra["coordinator"] = coordinator_figures(job.get("coordinator_kill"), final, median, first)
+    if freeze:
+        mark_freeze_loss(losses, records, freeze, median)
+        extra["freeze"] = freeze_figures(freeze, records, final, first, median, losses)
     return {**extra, "median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
             "final_world": sorted({r["counters"]["world"] for r in final.values()}),
             "losses": max(r["counters"]["losses"] for r in seen.values()),
@@ -690,8 +724,8 @@ def run_chaos_bench(cfg: ChaosConfig) -> dict[str, Any]:
                               "model_params": sum(p.numel() for p in build_model(cfg.params_m).parameters()),
                               "schedule": {m: schedule(cfg, m) for m in cfg.modes},
                               "runs": {}}
-    new_events = bool(cfg.straggler) or cfg.coordinator != "builtin"
-    if new_events:  # the straggler and the coordinator's leader, per mode (the chaos runs')
+    new_events = bool(cfg.straggler) or cfg.coordinator != "builtin" or bool(cfg.freeze)
+    if new_events:  # the straggler, the coordinator's leader and the freeze, per mode (the chaos runs')
         report["events"] = {m: events_for(cfg, report["schedule"][m]) for m in cfg.modes}
     for mode in cfg.modes:
         kills = report["schedule"][mode]
@@ -724,8 +758,11 @@ def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]
             targets[f"{key} ran"] = {"value": "failed", "limit": "ran", "op": "==", "pass": False, "what": "the run"}
             continue
         n = len(report["schedule"][run["mode"]])
-        strag = c.get("straggler")
+        strag, frozen = c.get("straggler"), c.get("freeze")
         spare = int(bool(strag and strag["spare"] is not None and strag["evicted"]))  # taken in at the eviction
+        froze = int(bool(frozen and frozen["frozen_s"]))  # a loss more
+        if froze and frozen["spare"] is not None:  # a spare taken in at it, and none at the first kill after its
+            spare += 1 - int(frozen["kills_after"] > 0)  # rejoin (the world was then one above its size)
         checks = [("held-out", abs(run["heldout_diff_pct"]), "<=", cfg.tolerance_pct,
                    "|held-out loss - failure-free's| (%)"),
                   ("digests", int(not c["digests"]["equal"] or not c["heldout_equal"]), "<=", 0,
@@ -733,11 +770,12 @@ def judge(cfg: ChaosConfig, report: dict[str, Any]) -> dict[str, dict[str, Any]]
                    "heals against rank 0, the final global average)"),
                   ("discarded", max((e["discarded"] for e in c["per_loss"]), default=0), "<=", 1,
                    "steps discarded at one loss (the most)"),
-                  ("losses", len(c["per_loss"]), "==", n, "losses seen (one per kill)"),
+                  ("losses", len(c["per_loss"]), "==", n + froze, "losses seen (one per kill"
+                   + (", and the freeze)" if froze else ")")),
                   ("joins", c["replacements_joined"], "==", n + spare, "replacements joined (one per kill"
-                   + (", and the spare at the eviction)" if spare else ")")),
+                   + (", and the spares at the eviction or the freeze)" if spare else ")")),
                   ("steps", min(c["final_steps"]), "==", cfg.steps, "committed steps of the final members")]
-        checks += event_checks(strag, c.get("coordinator"))
+        checks += event_checks(strag, c.get("coordinator"), frozen, cfg.steps)
         for name, value, op, limit, what in checks:
             ok = value <= limit if op == "<=" else value == limit
             targets[f"{key} {name}"] = {"value": value, "limit": limit, "op": op, "pass": bool(ok), "what": what}
@@ -812,8 +850,10 @@ def format_text(report: dict[str, Any]) -> str:
             continue
         if "error" in run["failure_free"]:
             lines.append(f"  {key} failure-free run FAILED:\n{run['failure_free']['error']}")
-        for k, e in zip(report["schedule"][run["mode"]], ch["per_loss"]):
-            lines.append(f"  {key:<24} {k['kind']:<9} step {k['step']:>3}: stall {e['stall_s']:.2f} s (Membership's "
+        causes = iter(f"{k['kind']:<9} step {k['step']:>3}" for k in report["schedule"][run["mode"]])
+        for e in ch["per_loss"]:
+            cause = "freeze    " + " " * 8 if e.get("freeze") else next(causes, "(no kill) " + " " * 8)
+            lines.append(f"  {key:<24} {cause}: stall {e['stall_s']:.2f} s (Membership's "
                          f"{_cell(e['membership_stall_s'])}), {e['discarded']} discarded, seen at step {e['at_step']}")
         if ch["lr_steps"]:
             lines.append(f"  {key:<24} each bucket's lr scheduler stepped {'/'.join(map(str, ch['lr_steps']))} "
@@ -828,7 +868,7 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {key:<24} join of {j['replacement']} at step {j['joined_step']}: first commit "
                          f"{first} s after {began}, members' stall {j['members_stall_s']:.2f} s")
     if happened:
-        lines += ["straggler and coordinator:", *happened]
+        lines += ["straggler, coordinator and freeze:", *happened]
     if c["quick"]:
         lines.append("(--quick: one kill, one join, a tiny model and 30 steps: proves the suite runs)")
     if report["targets"]:

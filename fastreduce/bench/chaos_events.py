@@ -26,6 +26,8 @@ the etcd leader (SIGKILL; :class:`LeaderKill`); the cluster goes on with two. It
 (:func:`coordinator_figures`): the step and wall time of the kill, the stall (the longest gap
 between two commits of a final member from the kill to :data:`STALL_WITHIN_S` after it, less
 the median step).
+
+**A member stopped whole and back** (``--freeze S``): :mod:`.chaos_freeze`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from .chaos_freeze import back_in, check_freeze, freeze_checks, freeze_line, freeze_plan
 
 __all__ = ["COORDINATORS", "LeaderKill", "Slowdown", "check_events", "coordinator",
            "coordinator_figures", "draw_events", "etcd_missing", "event_checks", "event_lines",
@@ -103,6 +107,8 @@ def check_events(cfg: Any, schedule: Callable[[Any, str], list[dict[str, Any]]])
         if straggler_index(cfg, schedule(cfg, cfg.modes[0])) is None:
             raise ValueError(f"every first member of {cfg.members} is killed: no straggler to slow "
                              "(more members, or fewer kinds)")
+    kills = schedule(cfg, cfg.modes[0])  # (the same victims in every mode)
+    check_freeze(cfg, {k["victim"] for k in kills}, straggler_index(cfg, kills) if cfg.straggler else None)
 
 
 # ---------------------------------------------------------------- the plan (the launcher)
@@ -168,9 +174,12 @@ def coordinator_kill_step(cfg: Any, kills: list[dict[str, Any]]) -> int | None:
 
 def events_for(cfg: Any, kills: list[dict[str, Any]], chaos: bool = True) -> dict[str, Any]:
     """A run's failures beside its ``kills``: the straggler's plan, the coordinator and the step
-    its leader dies at. The failure-free run (``chaos`` false): the coordinator alone."""
-    return {"straggler": straggler_plan(cfg, kills) if chaos else None, "coordinator": cfg.coordinator,
-            "coordinator_kill_step": coordinator_kill_step(cfg, kills) if chaos else None}
+    its leader dies at, the freeze's plan. The failure-free run (``chaos`` false): the coordinator alone."""
+    if not chaos:
+        return {"straggler": None, "coordinator": cfg.coordinator, "coordinator_kill_step": None, "freeze": None}
+    straggler, leader = straggler_plan(cfg, kills), coordinator_kill_step(cfg, kills)
+    return {"straggler": straggler, "coordinator": cfg.coordinator, "coordinator_kill_step": leader,
+            "freeze": freeze_plan(cfg, kills, straggler, leader)}
 
 
 # ---------------------------------------------------------------- one process
@@ -369,7 +378,8 @@ def _epoch_changed(final: dict[int, dict[str, Any]], at: float) -> bool:
 
 def timeline_events(r: dict[str, Any], first: float) -> dict[str, Any]:
     """A member's timeline's event times (s from the run's first step), where it has them:
-    ``killed_s``; the straggler's ``slowed_steps`` and ``slowed_s``; evicted, ``left_at`` and ``left_s``."""
+    ``killed_s``; the straggler's ``slowed_steps`` and ``slowed_s``; evicted, ``left_at`` and ``left_s``;
+    the frozen member's ``frozen_s`` and, rejoined, ``rejoined_s`` (its first commit after)."""
     out: dict[str, Any] = {}
     if r.get("killed_s"):
         out["killed_s"] = round(r["killed_s"] - first, 4)
@@ -377,11 +387,17 @@ def timeline_events(r: dict[str, Any], first: float) -> dict[str, Any]:
         out.update(slowed_steps=r["slowed_steps"], slowed_s=[round(t - first, 4) for t in r["slowed_s"]])
     if r.get("left_at", -1) >= 0:
         out.update(left_at=r["left_at"], left_s=round(r["left_s"] - first, 4))
+    if r.get("frozen_s"):
+        out["frozen_s"] = [round(t - first, 4) for t in r["frozen_s"]]
+        if (back := back_in(r)) is not None:
+            out["rejoined_s"] = round(back - first, 4)
     return out
 
 
-def event_checks(straggler: dict[str, Any] | None, coord: dict[str, Any] | None) -> list[tuple[Any, ...]]:
-    """The judge's checks of a run's straggler and coordinator kill: ``(name, value, op, limit, what)``."""
+def event_checks(straggler: dict[str, Any] | None, coord: dict[str, Any] | None, freeze: dict[str, Any] | None = None,
+                 steps: int = 0) -> list[tuple[Any, ...]]:
+    """The judge's checks of a run's straggler, coordinator kill and freeze (``steps``: the
+    run's): ``(name, value, op, limit, what)``."""
     checks: list[tuple[Any, ...]] = []
     if straggler:
         checks.append(("evicted", int(straggler["evicted"]), "==", int(straggler["evict"]),
@@ -389,7 +405,7 @@ def event_checks(straggler: dict[str, Any] | None, coord: dict[str, Any] | None)
     if coord:
         checks.append(("etcd leader", coord["stall_s"] if coord["killed"] else math.inf, "<=", COORDINATOR_STALL_S,
                        "s of stall at the etcd leader's kill (the longest gap between commits, less the median)"))
-    return checks
+    return checks + freeze_checks(freeze, steps)
 
 
 # ---------------------------------------------------------------- the report
@@ -412,11 +428,17 @@ def event_lines(report: dict[str, Any]) -> tuple[list[str], list[str]]:
         if ev.get("coordinator_kill_step") is not None:
             plans.append(f"coordinator ({mode}): a {ETCD_MEMBERS}-member etcd cluster, its leader killed (SIGKILL) "
                          f"at step {ev['coordinator_kill_step']}")
+        if f := ev.get("freeze"):
+            plans.append(f"freeze ({mode}): process {f['index']} stopped whole (SIGSTOP, wherever it is) once the "
+                         f"members reach step {f['step']}, for {f['seconds']:g} s, then back" + (f" (spare {f['spare']} started for its loss)"
+                                                                 if f["spare"] is not None else ""))
     for key, run in report["runs"].items():
         ch = run["chaos"]
         s, c = ch.get("straggler"), ch.get("coordinator")
         if s:
             runs.append(_straggler_line(key, s))
+        if ch.get("freeze"):
+            runs.append(freeze_line(key, ch["freeze"]))
         if c:
             runs.append(f"  {key:<24} etcd leader e{c['leader']} killed at step {c['step']} ({c['at_s']:.2f} s): "
                         f"stall {c['stall_s']:.2f} s (longest gap between commits {c['longest_gap_s']:.2f} s within "
@@ -461,6 +483,10 @@ def summary_cells(chaos: dict[str, Any]) -> dict[str, Any]:
     if c:
         row.update(coordinator_kill_step=c.get("step"), coordinator_kill_s=c.get("at_s"),
                    coordinator_stall_s=c.get("stall_s"))
+    if f := chaos.get("freeze"):
+        row.update(frozen=f["index"], frozen_step=f["frozen_at"], frozen_loss_stall_s=f["loss_stall_s"],
+                   rejoined_step=f["rejoined_step"], rejoin_s=f["rejoin_s"],
+                   rejoin_members_stall_s=f["members_stall_s"])
     return row
 
 
@@ -471,22 +497,28 @@ def summary_fields(fields: tuple[str, ...], rows: list[dict[str, Any]]) -> tuple
 
 SUMMARY_EXTRA = ("straggler", "straggler_factor", "straggler_from", "straggler_to", "straggler_evicted_step",
                  "straggler_evicted_s", "step_ms_before", "step_ms_during", "step_ms_after", "coordinator_kill_step",
-                 "coordinator_kill_s", "coordinator_stall_s")
+                 "coordinator_kill_s", "coordinator_stall_s", "frozen", "frozen_step", "frozen_loss_stall_s",
+                 "rejoined_step", "rejoin_s", "rejoin_members_stall_s")
 
 
 STYLES = {"kill": {"color": "red", "ls": ":", "lw": 1.2},
           "join": {"color": "green", "ls": "--", "lw": 0.9},
           "slow": {"color": "orange", "alpha": 0.18},
           "evicted": {"color": "purple", "ls": "-.", "lw": 1.6},
-          "coordinator": {"color": "black", "ls": "-", "lw": 1.8}}
+          "coordinator": {"color": "black", "ls": "-", "lw": 1.8},
+          "frozen": {"color": "blue", "alpha": 0.15},
+          "rejoined": {"color": "blue", "ls": "--", "lw": 1.2}}
 LABELS = {"kill": "a member killed", "join": "a replacement's first step", "slow": "the straggler slowed",
-          "evicted": "the straggler evicted", "coordinator": "the etcd leader killed"}
+          "evicted": "the straggler evicted", "coordinator": "the etcd leader killed",
+          "frozen": "a member stopped whole", "rejoined": "its first step, rejoined"}
+SPANS = ("slow", "frozen")
 
 
 def draw_events(ax: Any, run: dict[str, Any]) -> set[str]:
     """Mark a chaos run's events on ``ax`` (wall time, s from the first step): each kill and
     each replacement's first step (vertical lines), the straggler's slowed steps (a shaded
-    span) and its eviction, the etcd leader's kill. Returns the kinds drawn (for the legend)."""
+    span) and its eviction, the etcd leader's kill, the frozen member's stop (a span) and its
+    first step rejoined. Returns the kinds drawn (for the legend)."""
     drawn: set[str] = set()
     for mem in run.get("members", {}).values():
         if mem.get("killed") and mem.get("killed_s") is not None:
@@ -501,6 +533,12 @@ def draw_events(ax: Any, run: dict[str, Any]) -> set[str]:
         if mem.get("left_s") is not None:
             ax.axvline(mem["left_s"], **STYLES["evicted"])
             drawn.add("evicted")
+        if mem.get("frozen_s"):
+            ax.axvspan(*mem["frozen_s"], **STYLES["frozen"])
+            drawn.add("frozen")
+        if mem.get("rejoined_s") is not None:
+            ax.axvline(mem["rejoined_s"], **STYLES["rejoined"])
+            drawn.add("rejoined")
     c = run.get("coordinator")
     if c and c.get("killed"):
         ax.axvline(c["at_s"], **STYLES["coordinator"])
@@ -519,6 +557,8 @@ def event_title(events: dict[str, Any] | None) -> str:
                      + (f" (evict at {p['evict_slower_than']:g}x for {p['evict_for_s']:g} s)" if p["evict"] else ""))
     if events.get("coordinator_kill_step") is not None:
         words.append(f"etcd leader killed @{events['coordinator_kill_step']}")
+    if f := events.get("freeze"):
+        words.append(f"member {f['index']} stopped {f['seconds']:g} s @{f['step']}")
     return ("\n" + "; ".join(words)) if words else ""
 
 
@@ -531,6 +571,6 @@ def legend_handles(drawn: set[str]) -> list[Any]:
     for kind in LABELS:
         if kind in drawn:
             style = STYLES[kind]
-            handles.append(Patch(color=style["color"], alpha=0.35, label=LABELS[kind]) if kind == "slow" else
+            handles.append(Patch(color=style["color"], alpha=0.35, label=LABELS[kind]) if kind in SPANS else
                            Line2D([], [], color=style["color"], ls=style["ls"], lw=style["lw"], label=LABELS[kind]))
     return handles

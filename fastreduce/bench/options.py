@@ -158,6 +158,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--exits-membership", "membership jobs (a member killed and replaced in each)", inside="--membership",
            kwargs={"type": int, "metavar": "N"}),
     Option("--chaos-transports", "the transports", inside="--transports", kwargs={"metavar": "NAME,NAME"}),
+    Option("--chaos-members", "processes the job starts with (and returns to after each join)", inside="--members",
+           kwargs={"type": int, "metavar": "N"}),
     Option("--chaos-joiner-runs", "instead of the chaos run: a replacement killed as it is admitted, as it is "
            "healed and in its first step, N jobs per mode, transport and point", inside="--joiner-runs",
            kwargs={"type": int, "metavar": "N"}),
@@ -177,6 +179,9 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--chaos-coordinator", "the job's coordinator: the launcher's, or a 3-member etcd cluster whose leader "
            "is killed (SIGKILL) mid-run (apt-get install etcd-server; pip install 'fastreduce[etcd]')",
            inside="--coordinator", kwargs={"choices": CHAOS_COORDINATORS}),
+    Option("--chaos-freeze", "a first member no kill takes is stopped whole (SIGSTOP) for S seconds mid-step at a "
+           "step drawn from --seed, left out by the others, and joins the job again in its process",
+           inside="--freeze", kwargs={"type": float, "metavar": "S"}),
     Option("--seed", "draws the kills (steps, victims, order) and the data", kwargs={"type": int}),
     Option("--eval-every", "steps between held-out evaluations", kwargs={"type": int}),
     Option("--train-mb", "MiB of stdlib source to train on (the next MiB is held out)", kwargs={"type": float}),
@@ -242,13 +247,15 @@ SUITE_OPTIONS: dict[str, tuple[tuple[Any, ...], ...]] = {
                ("iters", "100; 3 with --quick", "steps per timed block with no failure")),
     "chaos": (("chaos_modes", "all: " + ",".join(CHAOS_MODES) + "; overlap with --quick"),
               ("chaos_transports", ",".join(CHAOS_TRANSPORTS) + "; shm with --quick"),
+              ("chaos_members", "4; 3 with --quick"),
               ("steps", "300; 30 with --quick"), ("seed", "0"),
               ("params_m", "0.1; 0.05 with --quick", "the MLP's size in millions of parameters"),
               ("batch", "64; 32 with --quick"), ("chaos_joiner_runs", "0: the chaos run"),
               ("chaos_spares", None), ("chaos_straggler", "0: none"),
               ("chaos_straggler_steps", "a fifth of the steps"), ("chaos_evict", None),
               ("chaos_evict_slower_than", f"{ChaosConfig.evict_slower_than:g}"),
-              ("chaos_evict_for_s", f"{ChaosConfig.evict_for_s:g}"), ("chaos_coordinator", "builtin")),
+              ("chaos_evict_for_s", f"{ChaosConfig.evict_for_s:g}"), ("chaos_coordinator", "builtin"),
+              ("chaos_freeze", "0: none")),
     "store": (("store_clients", "64,256,1024; 16 with --quick"),
               ("store_scenarios", "all: " + ",".join(STORE_SCENARIOS) + "; beat,watch with --quick"),
               ("store_seconds", f"{StoreConfig().seconds:g}; 2 with --quick"),
@@ -602,7 +609,9 @@ def chaos_config(args: argparse.Namespace) -> ChaosConfig:
                        ("evict", getattr(args, "chaos_evict", None) or None),
                        ("evict_slower_than", getattr(args, "chaos_evict_slower_than", None)),
                        ("evict_for_s", getattr(args, "chaos_evict_for_s", None)),
-                       ("coordinator", getattr(args, "chaos_coordinator", None))):
+                       ("coordinator", getattr(args, "chaos_coordinator", None)),
+                       ("freeze", getattr(args, "chaos_freeze", None)),
+                       ("members", getattr(args, "chaos_members", None))):
         if value is not None:
             given[key] = value
     cfg = chaos_quick_config(**given) if args.quick else ChaosConfig(**given)
