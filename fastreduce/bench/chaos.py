@@ -895,8 +895,9 @@ def _write(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> N
 
 
 def _curve(run: dict[str, Any], every: int = 10) -> tuple[list[float], list[float], list[float], list[int]]:
-    """Per committed step: the time it ended (the last member), the members' mean training
-    loss (smoothed over ``every`` steps), and the world over time."""
+    """Per committed step: the time it ended (the members' median: not a frozen member's step
+    that ended after its thaw), the members' mean training loss (smoothed over ``every``
+    steps), and the world over time."""
     by_step: dict[int, list[tuple[float, float]]] = {}
     world: list[tuple[float, int]] = []
     for mem in run["members"].values():
@@ -905,7 +906,7 @@ def _curve(run: dict[str, Any], every: int = 10) -> tuple[list[float], list[floa
             if ok and after > step and loss is not None:
                 by_step.setdefault(step, []).append((end, loss))
     steps = sorted(by_step)
-    t = [max(e for e, _ in by_step[s]) for s in steps]
+    t = [statistics.median(e for e, _ in by_step[s]) for s in steps]
     loss = [statistics.fmean(v for _, v in by_step[s]) for s in steps]
     smooth = [statistics.fmean(loss[max(0, i - every + 1):i + 1]) for i in range(len(loss))]
     world.sort()

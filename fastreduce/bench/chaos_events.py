@@ -521,24 +521,18 @@ def draw_events(ax: Any, run: dict[str, Any]) -> set[str]:
     first step rejoined. Returns the kinds drawn (for the legend)."""
     drawn: set[str] = set()
     for mem in run.get("members", {}).values():
-        if mem.get("killed") and mem.get("killed_s") is not None:
-            ax.axvline(mem["killed_s"], **STYLES["kill"])
-            drawn.add("kill")
-        if mem.get("joined_step", -1) > 0 and mem["steps"]:  # (a first member's is 0)
-            ax.axvline(mem["steps"][0][0], **STYLES["join"])
-            drawn.add("join")
-        if mem.get("slowed_s"):
-            ax.axvspan(*mem["slowed_s"], **STYLES["slow"])
-            drawn.add("slow")
-        if mem.get("left_s") is not None:
-            ax.axvline(mem["left_s"], **STYLES["evicted"])
-            drawn.add("evicted")
-        if mem.get("frozen_s"):
-            ax.axvspan(*mem["frozen_s"], **STYLES["frozen"])
-            drawn.add("frozen")
-        if mem.get("rejoined_s") is not None:
-            ax.axvline(mem["rejoined_s"], **STYLES["rejoined"])
-            drawn.add("rejoined")
+        marks = {"kill": mem.get("killed_s") if mem.get("killed") else None,
+                 "join": mem["steps"][0][0] if mem.get("joined_step", -1) > 0 and mem["steps"] else None,  # (a
+                 "slow": mem.get("slowed_s"), "evicted": mem.get("left_s"),  # first member's joined_step is 0)
+                 "frozen": mem.get("frozen_s"), "rejoined": mem.get("rejoined_s")}
+        for kind, at in marks.items():
+            if at is None or (kind in SPANS and not at):
+                continue
+            if kind in SPANS:
+                ax.axvspan(*at, **STYLES[kind])
+            else:
+                ax.axvline(at, **STYLES[kind])
+            drawn.add(kind)
     c = run.get("coordinator")
     if c and c.get("killed"):
         ax.axvline(c["at_s"], **STYLES["coordinator"])
