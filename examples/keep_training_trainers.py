@@ -51,7 +51,9 @@ PAUSE_WAITING = 2.0  # s per step while a member is missing and its replacement 
 #                    compiled trainer's set-up, Lightning's sanity check, on a loaded machine): it still
 #                    arrives mid-run, and the members never stop stepping (it is admitted at their polls)
 FROZEN_S = 6.0  # s a frozen member stays stopped: past the loss window (LOST_AFTER) and the others' next epoch
+SLOWED_S = 0.6  # s more per forward of a slowed member: the straggler policy asks it to leave within seconds
 ASKING = "replacement.asking"  # written by a replacement as its trainer is about to join (in ``out``)
+NONE_COMING = "none.coming"  # written by launch where no member comes back (in ``out``): no longer pauses
 MODES = ("fused", "overlap", "zero", "localsgd", "diloco", "gossip")
 _HF_IMPORTS = ("transformers.trainer", "fastreduce.integrations.transformers")
 PRELOAD = {"hf": _HF_IMPORTS, "gaudi": _HF_IMPORTS, "lightning": ("lightning.pytorch", "fastreduce.integrations.lightning")}
@@ -118,17 +120,21 @@ def digest(params: torch.Tensor) -> str:
 SAVE_EVERY = 2 * EVAL_EVERY  # committed steps between the job's own checkpoints (where a member is given ``saves``)
 
 
-def _membership(port: int, saves: str = "", world: int = 3) -> Any:
+def _membership(port: int, saves: str = "", world: int = 3, evict: bool = False) -> Any:
+    """``evict``: a member busy 1.5x the members' median for 1 s is asked to leave."""
     from fastreduce.membership import JobCheckpoints, Membership
 
+    policy = {"evict_slower_than": 1.5, "evict_for_s": 1.0} if evict else {}
     return Membership(f"127.0.0.1:{port}", world_size=world, min_ranks=2, wait_s=60,
-                      checkpoints=JobCheckpoints(saves, every=SAVE_EVERY) if saves else None)
+                      checkpoints=JobCheckpoints(saves, every=SAVE_EVERY) if saves else None, **policy)
 
 
 def _pause(m: Any, world: int, out: str) -> None:
     """A step long enough for the replacement to arrive mid-run: longer while the job is short
-    of the ``world`` members it started with, longest until the replacement asks to join."""
-    time.sleep(PAUSE if m.world >= world else PAUSE_MISSING if (Path(out) / ASKING).exists() else PAUSE_WAITING)
+    of the ``world`` members it started with, longest until the replacement asks to join (none
+    of that where no member comes back: :data:`NONE_COMING`)."""
+    missing = m.world < world and not (Path(out) / NONE_COMING).exists()
+    time.sleep(PAUSE if not missing else PAUSE_MISSING if (Path(out) / ASKING).exists() else PAUSE_WAITING)
 
 
 def _asking(out: str, go: Any) -> None:
@@ -144,7 +150,8 @@ def _die_at(module: nn.Module, index: int, kill: int | tuple[str, int] | None, s
     as the OS kills a process: SIGKILL to itself, no teardown (what ``kill -9`` does); ``kill``
     ``("frozen", k)``: stopped whole there for :data:`FROZEN_S` instead (SIGSTOP, then SIGCONT),
     once; ``("frozen-past-end", k)``: stopped until the files ``others`` (the other members'
-    results) exist. (Left out of a compiled forward: traced, the step count would be a guard, a
+    results) exist; ``("slowed", k)``: each forward from step ``k`` on :data:`SLOWED_S` longer
+    (a straggler). (Left out of a compiled forward: traced, the step count would be a guard, a
     graph per step.)"""
     if kill is None:
         return
@@ -152,12 +159,15 @@ def _die_at(module: nn.Module, index: int, kill: int | tuple[str, int] | None, s
         at, act = kill, die
     elif kill[0] == "frozen-past-end":
         at, act = kill[1], lambda: freeze(120, others)
+    elif kill[0] == "slowed":
+        at, act = kill[1], lambda: time.sleep(SLOWED_S)
     else:
         at, act = kill[1], lambda: freeze(FROZEN_S)
     done: list[int] = []
+    every = isinstance(kill, tuple) and kill[0] == "slowed"
 
     def hook(*_: Any) -> None:
-        if step() == at and not done:
+        if (step() >= at) if every else (step() == at and not done):
             done.append(at)
             act()
 
@@ -202,7 +212,7 @@ class Regressor(nn.Module):
 
 def hf_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str, int] | None, steps: int,
               go: Any = None, resume: str | None = None, saves: str = "", world: int = 3,
-              gaudi: bool = False, compiled: str = "") -> dict[str, Any]:
+              gaudi: bool = False, compiled: str = "", evict: bool = False) -> dict[str, Any]:
     """A member through ``FastReduceTrainer`` (``gaudi``: optimum-habana's ``GaudiTrainer``,
     ``FastReduceGaudiTrainer``, on its CPU path: ``use_habana=False``; ``compiled``: the
     ``torch_compile_backend`` of ``torch_compile=True``)."""
@@ -243,7 +253,7 @@ def hf_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str,
 
     trainer = made(model=model, args=args, train_dataset=Samples(as_dict=True), eval_dataset=Samples(as_dict=True),
                    optimizers=(opt, schedule(opt, steps)), callbacks=[Record()], fastreduce_mode=mode,
-                   fastreduce_config=SETTINGS[mode], fastreduce_membership=_membership(port, saves, world), **extra)
+                   fastreduce_config=SETTINGS[mode], fastreduce_membership=_membership(port, saves, world, evict), **extra)
     _die_at(model.net, index, kill, lambda: trainer.state.global_step, _others(out, index, world))
     if go is not None:  # a replacement: everything built, join when told
         go.wait(120)
@@ -269,7 +279,8 @@ def _others(out: str, index: int, world: int) -> list[Path]:
 
 
 def lightning_member(port: int, out: str, mode: str, index: int, kill: int | tuple[str, int] | None, steps: int,
-                     go: Any = None, saves: str = "", world: int = 3, compiled: str = "") -> dict[str, Any]:
+                     go: Any = None, saves: str = "", world: int = 3, compiled: str = "",
+                     evict: bool = False) -> dict[str, Any]:
     """A member through ``FastReduceStrategy`` (``compiled``: ``trainer.fit(torch.compile(module,
     backend=compiled))``, as Lightning's users compile)."""
     import lightning.pytorch as pl
@@ -314,7 +325,7 @@ def lightning_member(port: int, out: str, mode: str, index: int, kill: int | tup
             _asking(out, go)
 
     module = Module()
-    strategy = FastReduceStrategy(mode, membership=_membership(port, saves, world), **SETTINGS[mode])
+    strategy = FastReduceStrategy(mode, membership=_membership(port, saves, world, evict), **SETTINGS[mode])
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, strategy=strategy, accumulate_grad_batches=2,
                          gradient_clip_val=1.0, log_every_n_steps=LOG_EVERY, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
@@ -354,13 +365,14 @@ def gaudi_on_cpu() -> None:
 
 def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int | tuple[str, int] | None, go: Any,
            steps: int, transport: str = "process_group", resume: str | None = None, saves: str = "", world: int = 3,
-           compiled: str = "") -> None:
+           compiled: str = "", evict: bool = False) -> None:
     """One process: train (``go``: an event to wait for before training, for a replacement),
     save what it saw to ``out/member<index>.pt``. ``resume`` (the HF Trainer): ``"save"``, a
     checkpoint every ``EVAL_EVERY`` steps; a checkpoint folder: the job resumed from it.
     ``saves``: a directory where the job saves itself every :data:`SAVE_EVERY` committed steps
     (:class:`fastreduce.JobCheckpoints`), and which a new job resumes from; ``world``: the members the
-    job starts with; ``compiled``: a ``torch.compile`` backend the trainer compiles the model with."""
+    job starts with; ``compiled``: a ``torch.compile`` backend the trainer compiles the model with;
+    ``evict``: the straggler policy on (:func:`_membership`)."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_LOST_AFTER_S=LOST_AFTER,
                       FASTREDUCE_TRANSPORT=transport, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     torch.set_num_threads(1)
@@ -372,9 +384,9 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
             gaudi_on_cpu()
         if trainer in ("hf", "gaudi"):
             facts.update(hf_member(port, out, mode, index, kill, steps, go, resume, saves, world, trainer == "gaudi",
-                                   compiled))
+                                   compiled, evict))
         else:
-            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world, compiled))
+            facts.update(lightning_member(port, out, mode, index, kill, steps, go, saves, world, compiled, evict))
         facts.pop("m").close()
     except BaseException:  # noqa: BLE001 - reported by the launcher
         facts["error"] = traceback.format_exc()
@@ -383,12 +395,14 @@ def member(trainer: str, index: int, port: int, out: str, mode: str, kill: int |
 
 def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 10, steps: int = STEPS,
            timeout: float = 180, transport: str = "process_group", resume: str | None = None,
-           saves: str = "", members: int = 3, compiled: str = "", frozen: bool | str = False) -> dict[int, dict]:
+           saves: str = "", members: int = 3, compiled: str = "", frozen: bool | str = False,
+           slowed: bool = False) -> dict[int, dict]:
     """A coordinator, ``members`` members (member 2 dies in the forward of step ``kill_at``;
     ``None``: none does) and, where one dies, a replacement told to join once it is gone;
     returns what each member saved. ``frozen``: member 2 is stopped whole there instead
     (:func:`_die_at`; ``"past-end"``: until the others have ended), and no replacement is
-    started. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
+    started; ``slowed``: member 2 is slowed from there on, every member runs the straggler
+    policy, and no replacement is started. ``resume``, ``saves``, ``compiled``: :func:`member`'s.
 
     The members are forked from this process's fork server (:func:`fastreduce.launch.rank_context`),
     which imports the trainer's libraries once (:data:`PRELOAD`) where it starts here: on 2
@@ -400,9 +414,12 @@ def launch(trainer: str, out: Path, mode: str = "fused", kill_at: int | None = 1
     ctx = rank_context("keep_training_trainers", *PRELOAD[trainer])
     go = ctx.Event()
     kill = ("frozen-past-end" if frozen == "past-end" else "frozen", kill_at) if frozen and kill_at is not None \
-        else kill_at
+        else ("slowed", kill_at) if slowed else kill_at
+    if frozen == "past-end" or slowed:
+        (out / NONE_COMING).touch()
+    frozen = frozen or slowed  # (no replacement)
     procs = {i: ctx.Process(target=member, args=(trainer, i, server.port, str(out), mode, kill if i == 2 else None,
-                                                 None, steps, transport, resume, saves, members, compiled))
+                                                 None, steps, transport, resume, saves, members, compiled, slowed))
              for i in range(members)}
     if kill_at is not None and not frozen:
         procs[members] = ctx.Process(target=member, args=(trainer, members, server.port, str(out), mode, None, go,

@@ -229,6 +229,27 @@ def test_a_trainer_member_frozen_until_the_job_ended_stops_its_training_with_no_
         (away["global_step"], away["counters"])
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_a_trainer_member_evicted_as_a_straggler_stops_its_training_with_no_error(tmp_path: Path,
+                                                                                  trainer: str) -> None:
+    """Every member runs the straggler policy (``evict_slower_than=1.5, evict_for_s=1``);
+    member 2's forward takes 0.6 s more from step 4 on. The epoch's rank 0 asks it to leave
+    within seconds: out at a poll, after a step committed with the others, its trainer's
+    training ends there with no error (until 2026-12-07 its next step raised "this member left
+    the job"); the others train on at 2 to the last step, bit-identical."""
+    _need(trainer)
+    found = launch(trainer, tmp_path, "fused", 3, timeout=150, slowed=True)
+    for i, f in found.items():
+        assert "error" not in f, f"member {i} failed:\n{f['error']}"
+    final, away = [found[0], found[1]], found[2]
+    for f in final:
+        assert f["global_step"] == STEPS and f["world"] == 2 and not f["left"], (f["index"], f["global_step"])
+        assert f["counters"]["leaves"] == 1 and f["counters"]["losses"] == 0, f["counters"]
+    assert torch.equal(final[0]["params"], final[1]["params"])
+    assert away["left"] and 4 <= away["global_step"] < STEPS, (away["global_step"], away["counters"])
+
+
 @pytest.mark.timeout(60)
 def test_what_a_trainer_refuses_under_membership(tmp_path: Path) -> None:
     """Checked by each process alone, before it joins: modes a Membership cannot run, a

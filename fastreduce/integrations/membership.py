@@ -134,7 +134,7 @@ class _Seen:
     """A trainer's mode as the Membership sees it: the mode's own state, closed through the
     trainer's side of it (:meth:`TrainerMode.close`)."""
 
-    commit_style = ""  # each kind's own (modes/contract.py)
+    commit_style = state_scope = ""  # each kind's own, as its modes declare them (modes/contract.py)
     under_join = False  # (a trainer runs no mode under torch's Join)
 
     def __init__(self, mode: TrainerMode, owner: TrainerMembership):
@@ -167,7 +167,7 @@ class _Reduced(_Seen):
     """A fused mode: the reduction ran right after backward (before the trainer clipped);
     :meth:`reduce` raises its error again, if any, inside the commit."""
 
-    commit_style = "reduce"
+    commit_style, state_scope = "reduce", "replicated"
 
     def reduce(self) -> None:
         self.owner.raise_kept()
@@ -178,7 +178,7 @@ class _Gossiped(_Seen):
     trainer calls :class:`ModeModule`); the commit raises their error again, if any, and at
     a loss each survivor keeps its own state, the exchanges in flight dropped."""
 
-    commit_style = "gossip"
+    commit_style, state_scope = "gossip", "per_rank"
 
     def set_round(self, round_: int) -> None:
         self.obj.set_round(round_)
@@ -202,7 +202,7 @@ class _Local(_Seen):
     """LocalSGD or DiLoCo: the run's last step communicates too (every fragment synced inside
     its commit)."""
 
-    commit_style = "local"
+    commit_style, state_scope = "local", "per_rank"
 
     @property
     def steps(self) -> int:
