@@ -217,14 +217,7 @@ def test_a_trainer_member_frozen_until_the_job_ended_stops_its_training_with_no_
     evaluated or logged (until 2026-12-07 the trainer's next step raised "this member left
     the job"); the others, bit-identical, at the last step."""
     _need(trainer)
-    found = launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen="past-end")
-    for i, f in found.items():
-        assert "error" not in f, f"member {i} failed:\n{f['error']}"
-    final, away = [found[0], found[1]], found[2]
-    for f in final:
-        assert f["global_step"] == STEPS and f["world"] == 2 and not f["left"], (f["index"], f["global_step"])
-        assert f["counters"]["losses"] == 1 and f["counters"]["joins"] == 0, f["counters"]
-    assert torch.equal(final[0]["params"], final[1]["params"])
+    away = _one_out(launch(trainer, tmp_path, "fused", KILL_AT, timeout=150, frozen="past-end"), losses=1, leaves=0)
     assert away["left"] and away["counters"]["rejoins"] == 1 and away["global_step"] <= KILL_AT + 1, \
         (away["global_step"], away["counters"])
 
@@ -239,15 +232,22 @@ def test_a_trainer_member_evicted_as_a_straggler_stops_its_training_with_no_erro
     training ends there with no error (until 2026-12-07 its next step raised "this member left
     the job"); the others train on at 2 to the last step, bit-identical."""
     _need(trainer)
-    found = launch(trainer, tmp_path, "fused", 3, timeout=150, slowed=True)
+    away = _one_out(launch(trainer, tmp_path, "fused", 3, timeout=150, slowed=True), losses=0, leaves=1)
+    assert away["left"] and 4 <= away["global_step"] < STEPS, (away["global_step"], away["counters"])
+
+
+def _one_out(found: dict[int, dict], losses: int, leaves: int) -> dict:
+    """Members 0 and 1 at the last step at 2, bit-identical, having seen ``losses`` and
+    ``leaves``; no member failed. Returns member 2's record (out of the job)."""
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
-    final, away = [found[0], found[1]], found[2]
+    final = [found[0], found[1]]
     for f in final:
         assert f["global_step"] == STEPS and f["world"] == 2 and not f["left"], (f["index"], f["global_step"])
-        assert f["counters"]["leaves"] == 1 and f["counters"]["losses"] == 0, f["counters"]
+        c = f["counters"]
+        assert (c["losses"], c["leaves"], c["joins"]) == (losses, leaves, 0), c
     assert torch.equal(final[0]["params"], final[1]["params"])
-    assert away["left"] and 4 <= away["global_step"] < STEPS, (away["global_step"], away["counters"])
+    return found[2]
 
 
 @pytest.mark.timeout(60)
