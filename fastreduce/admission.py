@@ -235,15 +235,11 @@ class Admission:
         if not (settings.spare or rejoining):
             raise MembershipError(f"fastreduce: the job ended before it admitted this process (every member of its "
                                   f"epoch {number} closed): nothing to join")
-        if rejoining:  # (its parameters are not the job's final ones: the others' are)
-            log.warning("fastreduce: member %s, left out and back, found the job over (every member of epoch %d "
-                        "closed): it is out of the job, left set; the job's result is the other members'",
-                        self.me.name, number)
-        else:
-            log.info("fastreduce: spare %s: the job is over (every member of epoch %d closed) and never needed it; "
-                     "join() returns with left set", self.me.name, number)
-        self.me.out("left out and back, it found the job over" if rejoining else
-                    "a spare: the job ended without needing it")
+        why = "left out and back, it found the job over (its parameters are not the job's: the others' are)" \
+            if rejoining else "a spare: the job ended without needing it"
+        log.log(logging.WARNING if rejoining else logging.INFO, "fastreduce: member %s: %s (every member of epoch "
+                "%d closed); left set", self.me.name, why, number)
+        self.me.out(why)
         return epoch
 
     def closed(self) -> None:

@@ -102,15 +102,19 @@ class Member:
         self.healed = False
         self.founder = False  # admitted to epoch 0: it holds the job's start until an epoch is entered
         self.kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
-        self.left = False  # this member left the job (Membership.leave, or evicted: status.Evictions): out()
-        self.left_why = ""  # why, in words
+        self.left_why = ""  # why this member left the job (Membership.leave, evicted: status.Evictions), in words: out()
         self.leaving = False  # it asked to leave itself (Membership.leave): not evicted
         self.put_away: Any = None  # once it left: the last epoch's mode, closed (Membership.mode)
         self._points: dict[str, list[Callable[[Any], Any]]] = {}
 
     def out(self, why: str) -> None:
         """This member is out of the job (:attr:`fastreduce.Membership.left`), for ``why``."""
-        self.left, self.left_why = True, why
+        self.left_why = why
+
+    @property
+    def left(self) -> bool:
+        """Whether it is out of the job (:meth:`out`)."""
+        return bool(self.left_why)
 
     def current(self) -> Epoch:
         if self.epoch is None:
