@@ -100,12 +100,13 @@ def freeze(seconds: float, until: list[Path] = ()) -> None:
     thaw.wait()
 
 
-def frozen_once(facts: dict[str, Any], step: int, say: Any) -> None:
-    """Stopped whole for 4 s (:func:`freeze`), once: ``facts["froze"]`` the step."""
+def frozen_once(facts: dict[str, Any], step: int, say: Any, where: str, until: list[Path] = ()) -> None:
+    """Stopped whole for 4 s (:func:`freeze`; ``until``: until these files exist, at most 2
+    minutes), once: ``facts["froze"]`` the step."""
     if "froze" not in facts:
-        say(f"frozen in backward, at step {step}")
+        say(f"frozen {where}, at step {step}")
         facts["froze"] = step
-        freeze(4)
+        freeze(120 if until else 4, until)
 
 
 def die_as_source(flag: Path, m: Any) -> None:
@@ -271,7 +272,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "in-backward":
             model[0].weight.register_hook(lambda g: die() if m.step == kill[1] else g)
         if kill is not None and kill[0] == "frozen-in-backward":  # its last buckets launched after its thaw
-            model[0].weight.register_hook(lambda g: (frozen_once(facts, m.step, say), g)[1] if m.step == kill[1] else g)
+            model[0].weight.register_hook(lambda g: (frozen_once(facts, m.step, say, "in backward"), g)[1]
+                                          if m.step == kill[1] else g)
         if m.left:  # a warm spare the job ended without needing: join() returned, no epoch entered
             say("a spare the job ended without: done")
             facts.update(unneeded=True, ended_at=time.time())
@@ -313,14 +315,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
-                if kill in (("frozen", m.step), ("leaves-frozen", m.step), ("frozen-past-end", m.step)) and \
-                        "froze" not in facts:  # stopped, let go
-                    say(f"frozen mid-step, at step {m.step}")
-                    facts["froze"] = m.step
-                    if kill[0] == "frozen-past-end":  # (at most 2 minutes)
-                        freeze(120, [Path(out) / f"member{i}.pt" for i in range(world) if i != index])
-                    else:
-                        freeze(4)
+                if kill in (("frozen", m.step), ("leaves-frozen", m.step), ("frozen-past-end", m.step)):  # stopped
+                    others = [Path(out) / f"member{i}.pt" for i in range(world) if i != index]
+                    frozen_once(facts, m.step, say, "mid-step", others if kill[0] == "frozen-past-end" else [])
 
             epoch = m.epoch.number
             if mode == "gossip":  # the mode steps inside forward and backward: commit runs them
