@@ -144,6 +144,11 @@ def test_the_freeze_is_a_loss_the_others_saw_and_its_rejoin_a_heal() -> None:
     late = _rec([(1.0, True, 3, 0), (4.05, True, 3, 0, 1.5), (4.1, False, 3, 2), (4.3, True, 3, 2)])
     note_freeze({2: late}, plan, {"at": 2.05, "thawed": 4.0, "step": 2})  # stopped as its commit was done
     assert (late["frozen_index"], late["frozen_at"], late["left_out_at"]) == (1, 1, 2)
+    between = _rec([(1.0, True, 3, 0), (2.0, True, 3, 0), (4.1, False, 3, 2, 4.01), (4.3, True, 3, 2)])
+    note_freeze({2: between}, plan, {"at": 2.05, "thawed": 4.0, "step": 2})  # stopped between two steps
+    again = [{**kill, "freeze": None}, {**losses[0], "freeze": None}]
+    mark_freeze_loss(again, {2: between}, plan, 0.01)  # (its next step began at the thaw: the stop counts)
+    assert [e["freeze"] for e in again] == [False, True]
     frozen["digests"]["5"] = "stale"
     got = _digests(records, [{"rejoined": 2}])
     assert not got["equal"] and got["heals"] == [{"replacement": 2, "step": 5, "compared": 3, "equal": False}]

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .chaos_freeze import back_in, check_freeze, freeze_checks, freeze_line, freeze_plan
+from .common import last_free
 
 __all__ = ["COORDINATORS", "LeaderKill", "Slowdown", "check_events", "coordinator",
-           "coordinator_figures", "draw_events", "etcd_missing", "event_checks", "event_lines",
+           "coordinator_figures", "draw_events", "etcd_missing", "event_checks", "event_lines", "event_spares",
            "event_title", "eviction_epoch", "events_for", "legend_handles", "membership_policy", "only_untaken",
            "straggler_figures", "straggler_plan", "summary_cells", "summary_fields", "timeline_events"]
 
@@ -125,8 +126,7 @@ def straggler_tail(cfg: Any) -> int:
 
 def straggler_index(cfg: Any, kills: list[dict[str, Any]]) -> int | None:
     """The highest-index first member no kill takes (``None``: every first member dies)."""
-    victims = {k["victim"] for k in kills}
-    return max((i for i in range(cfg.members) if i not in victims), default=None)
+    return last_free(cfg.members, {k["victim"] for k in kills})
 
 
 def straggler_plan(cfg: Any, kills: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -183,6 +183,13 @@ def events_for(cfg: Any, kills: list[dict[str, Any]], chaos: bool = True) -> dic
 
 
 # ---------------------------------------------------------------- one process
+
+def event_spares(events: dict[str, Any] | None) -> list[int]:
+    """The process indices of the spares started beside the kills' (``--spares``): for the
+    straggler's eviction and for the freeze's loss."""
+    plans = [(events or {}).get(kind) for kind in ("straggler", "freeze")]
+    return [p["spare"] for p in plans if p and p["spare"] is not None]
+
 
 def membership_policy(events: dict[str, Any] | None) -> dict[str, Any]:
     """``Membership``'s eviction settings for a run (empty: the policy off, the default)."""

@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from .common import last_free
+
 __all__ = ["FREEZE_MIN_S", "Freeze", "Freezer", "back_in", "check_freeze", "freeze_checks", "freeze_figures",
            "freeze_line", "freeze_plan", "freeze_spare", "is_frozen_step", "mark_freeze_loss", "note_freeze", "thaw_by",
            "without_stop"]
@@ -51,13 +53,9 @@ def check_freeze(cfg: Any, victims: set[int], straggler: int | None) -> None:
                          f"silent before it thaws), got {cfg.freeze:g}")
     if cfg.freeze and cfg.joiner_runs:
         raise ValueError("freeze is the chaos run's; --joiner-runs runs another scenario")
-    if cfg.freeze and _frozen_index(cfg, victims, straggler) is None:
+    if cfg.freeze and last_free(cfg.members, victims | {straggler}) is None:
         raise ValueError(f"no first member of {cfg.members} is left to freeze (the kills and the straggler take "
                          "them all): more members (--members), or fewer kinds")
-
-
-def _frozen_index(cfg: Any, victims: set[int], straggler: int | None) -> int | None:
-    return max((i for i in range(cfg.members) if i not in victims and i != straggler), default=None)
 
 
 def freeze_spare(cfg: Any, kills: list[dict[str, Any]], straggler: dict[str, Any] | None) -> int | None:
@@ -72,7 +70,8 @@ def freeze_plan(cfg: Any, kills: list[dict[str, Any]], straggler: dict[str, Any]
     """The freeze (``None`` without ``--freeze``): the process ``index`` stopped once the
     members have committed ``step``, for ``seconds`` (or to :func:`thaw_by`); ``spare``: the
     process index of the spare started for it (or ``None``)."""
-    index = _frozen_index(cfg, {k["victim"] for k in kills}, straggler and straggler["index"]) if cfg.freeze else None
+    taken = {k["victim"] for k in kills} | ({straggler["index"]} if straggler else set())
+    index = last_free(cfg.members, taken) if cfg.freeze else None
     if index is None:
         return None
     busy = [(k["step"] - 3, k["step"] + 5) for k in kills]
@@ -193,12 +192,13 @@ def is_frozen_step(r: dict[str, Any], event: dict[str, Any]) -> bool:
 def mark_freeze_loss(losses: list[dict[str, Any]], records: dict[int, dict[str, Any]], plan: dict[str, Any],
                      median: float) -> None:
     """Mark (``freeze``) which of the losses the others saw (:func:`.chaos._losses`') is the
-    freeze's: the first whose failed step began at most a median step before the frozen
-    member's stopped one (the others were in the same step; the kills are 3 steps or more
-    from it; a local-update mode sees it at its next sync)."""
+    freeze's: the first whose failed step began at most two median steps before the frozen
+    member's last step ended before it was stopped (whether the stop came inside a step or
+    between two). The others were in the step after that one; the kills are 3 steps or more
+    from it; a local-update mode sees it at its next sync."""
     r = records.get(plan["index"]) or {}
     k = r.get("frozen_index")
-    at = r["iters"][k][0] - median if k is not None else None
+    at = None if k is None else (r["iters"][k - 1][1] if k else r["iters"][k][0]) - 2 * median
     mine = next((e for e in sorted(losses, key=lambda e: e["at_s"]) if at is not None and e["at_s"] >= at), None)
     for e in losses:
         e["freeze"] = e is mine
@@ -208,9 +208,9 @@ def freeze_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], fin
                    first: float, median: float, losses: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """What the freeze cost (the module doc): ``None`` values where it did not happen;
     ``losses``: the run's (:func:`.chaos._losses`), the freeze's marked (:func:`mark_freeze_loss`);
-    ``kills_after``: how many of the others formed the epoch it rejoined in or a later one
-    (with spares it filled that loss's room, or the world was one above its size: the first
-    of them takes no spare in)."""
+    ``kills_after``: how many of the others were still forming after its thaw (its ticket
+    then taken: with spares it may fill that loss's room, or make the world one above its
+    size before it, so that no spare is taken there)."""
     from .faults import _join_stall
 
     r = records.get(plan["index"]) or {}
@@ -229,8 +229,7 @@ def freeze_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], fin
     back = back_in(r)
     if back is not None:
         joining = {"join_start": frozen[1], "first_commit": back}
-        # (the epoch that took it back in formed at a loss: it filled the room a spare would have)
-        out["kills_after"] = sum(1 for e in losses if e is not mine and e["epoch"] >= r["rejoined_epoch"])
+        out["kills_after"] = sum(1 for e in losses if e is not mine and e["at_s"] + e["stall_s"] > frozen[1])
         out.update(rejoined_step=r["rejoined_step"], rejoined_epoch=r["rejoined_epoch"], rejoin_s=back - frozen[1],
                    members_stall_s=max((_join_stall(o, joining, median) for o in others.values()), default=None))
     return out

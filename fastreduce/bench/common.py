@@ -23,13 +23,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEAD_SIZE", "VOCAB", "Method", "byte_gpt2", "crash",
+__all__ = ["HEAD_SIZE", "VOCAB", "Method", "byte_gpt2", "crash", "last_free",
            "machine_info", "ohabana_loop", "percentile", "slowest_rank", "summary_ms",
            "time_call", "time_round_robin"]
 
 
 def _noop() -> None:
     pass
+
+
+def last_free(members: int, taken: set[int]) -> int | None:
+    """The highest index below ``members`` not in ``taken`` (``None``: none is free): the
+    chaos run's first member for a failure kind beside the kills."""
+    return max((i for i in range(members) if i not in taken), default=None)
 
 
 def crash() -> Any:
