@@ -53,14 +53,21 @@ def test_a_bad_freeze_exits_2_before_spawning(argv: list[str], capsys: pytest.Ca
     assert "freeze" in err, err
 
 
-def test_the_launcher_stops_a_process_whole_and_lets_it_go_at_the_plan_s_step_and_seconds() -> None:
+TICKING = "import time\nwhile True:\n    print(repr(time.time()), flush=True)\n    time.sleep(0.001)"
+
+
+def test_the_launcher_stops_a_process_whole_and_lets_it_go_at_the_plan_s_step_and_seconds(tmp_path: Path) -> None:
     """A real process (a shell counting time): stopped (``T`` in /proc) once the committed
     steps reach the plan's, thawed after its seconds, or at once where the steps reach the
-    thaw bound first; one already ended is an error in the result, not a crash."""
+    thaw bound first; one already ended is an error in the result, not a crash. Its thaw's
+    time is taken before it goes on: nothing it does once going on is timed before it (the
+    accounting finds the step it was stopped in as the first to end after the thaw)."""
     class Progress:
         value = 0
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ticks = tmp_path / "ticks"
+    with ticks.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", TICKING], stdout=out)
     try:
         progress = Progress()
         freezer = Freezer(proc.pid, {"step": 5, "seconds": FREEZE_MIN_S}, progress, last=100)
@@ -69,13 +76,19 @@ def test_the_launcher_stops_a_process_whole_and_lets_it_go_at_the_plan_s_step_an
         assert _state(proc.pid) != "T" and freezer.result is None  # (not at its step yet)
         progress.value = 5
         assert _becomes(proc.pid, "T")
+        stopped = time.time()
+        time.sleep(0.05)
         progress.value = 100  # the thaw bound: let go now, not its 2 s later
         result = freezer.stop()
         assert _becomes(proc.pid, "S") and result["step"] == 5, result
         assert result["thawed"] - result["at"] < FREEZE_MIN_S, result
+        time.sleep(0.1)
     finally:
         proc.kill()
         proc.wait()
+    times = [float(t) for t in ticks.read_text().split()]
+    assert any(t > result["thawed"] for t in times)  # (it went on)
+    assert not [t for t in times if stopped < t < result["thawed"]], result
     gone = Freezer(proc.pid, {"step": 0, "seconds": 2.0}, Progress(), last=100)
     gone.start()
     assert "ended before its freeze" in gone.stop()["error"]

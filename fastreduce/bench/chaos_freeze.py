@@ -120,9 +120,10 @@ class Freezer(threading.Thread):
                 if self.done.wait(0.01):
                     break
         finally:
+            thawed = time.time()  # (before the signal: a step it ends once going on ends after this)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGCONT)
-        self.result = {"at": at, "thawed": time.time(), "step": step}
+        self.result = {"at": at, "thawed": thawed, "step": step}
 
     def stop(self) -> dict[str, Any] | None:
         self.done.set()
