@@ -268,7 +268,7 @@ class FastReduceMixin:
         if self.fastreduce_membership is None:
             return super().get_train_dataloader()
         accelerator = self.accelerator
-        # this call only: the loader as the Trainer made it (transformers 4.55.4 and 5.24.0 prepare
+        # this call only: the loader as the Trainer made it (transformers 4.55.4 and 5.25.0 prepare
         # it inside get_train_dataloader, with no setting to keep it as it is)
         accelerator.prepare = unprepared
         try:

@@ -20,7 +20,7 @@ __all__ = ["clip_with", "membership_callback", "unprepared"]
 def clip_with(accelerator: Any, mode: TrainerMode) -> None:
     """Make ``accelerator.clip_grad_norm_`` (which every Trainer clips and reads its
     ``grad_norm`` through) the mode's own, on this accelerator only: transformers (4.55.4,
-    5.24.0 tested) clips through it with no hook of its own (5.x's ``_clip_grad_norm`` is
+    5.25.0 tested) clips through it with no hook of its own (5.x's ``_clip_grad_norm`` is
     private; 4.55's clips inline), and the Trainer makes its Accelerator itself."""
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         return mode.clip_grad_norm_(max_norm, norm_type)
@@ -47,7 +47,7 @@ def membership_callback(trainer: Any) -> Any:
             step = glue.join(trainer._fastreduce_model, unwrapped(trainer.optimizer),
                              [trainer.lr_scheduler], last_step=state.max_steps,
                              scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
-            # transformers (4.55.4, 5.24.0 tested) sets these two from the step count only before
+            # transformers (4.55.4, 5.25.0 tested) sets these two from the step count only before
             # on_train_begin, the first public hook after the model is prepared: a joiner's step
             # (the members') comes after, so the loss averaged per log and the throughput count
             # from it only if they are set here too (no public way)
