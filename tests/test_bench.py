@@ -985,6 +985,8 @@ def test_chaos_quick_with_a_straggler_slows_it_for_its_window_and_ends_the_unuse
     joined = sorted(j["joined_step"] for j in chaos["per_join"])  # (which spare a loss takes: the coordinator's pick)
     assert len(joined) == 2 and joined[0] == -1 <= kill["step"] <= joined[1]  # one spare never taken
     assert chaos["replacements_joined"] == 1 and report["targets"]["overlap/shm joins"]["pass"]
+    evicted = report["targets"]["overlap/shm evicted"]  # slow for less than evict_for_s: it must stay
+    assert evicted["pass"] and evicted["limit"] == [0, 0], evicted
     with (tmp_path / "chaos.csv").open() as f:
         [row] = list(csv.DictReader(f))
     assert row["straggler"] == str(plan["index"]) and row["straggler_evicted_step"] == ""
@@ -1058,6 +1060,13 @@ def test_chaos_figures_take_an_eviction_for_a_leave_not_a_loss() -> None:
     assert got["evicted"] and got["left_at"] == 3 and got["slowed_steps"] == [1, 2] and not got["loss_near"]
     assert got["median_step_ms"] == {"before": pytest.approx(10.0), "during": pytest.approx(10.0),
                                      "after": pytest.approx(10.0)}
+    # the judge: the policy acts in seconds, so the straggler's eviction is asked for by how
+    # long it was slow (here 1.01 s), not by its window of steps
+    from fastreduce.bench.chaos_events import EVICTION_LAG_S, eviction_expected
+    assert eviction_expected(got) == [0, 0]  # under evict_for_s (3 s): out would be too soon
+    assert eviction_expected({**got, "evict_for_s": 1.0}) == [0, 1]
+    assert eviction_expected({**got, "evict_for_s": 1.0, "slowed_s": [0.0, 1.0 + EVICTION_LAG_S]}) == [1, 1]
+    assert eviction_expected({**got, "evict": False, "slowed_s": [0.0, 60.0]}) == [0, 0]
 
 
 def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:

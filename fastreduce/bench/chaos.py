@@ -79,8 +79,8 @@ from .chaos_events import (Slowdown, check_events, coordinator, coordinator_figu
                            event_checks, event_lines, event_spares, event_title, events_for, legend_handles, membership_policy,
                            only_untaken, eviction_epoch, straggler_figures, summary_cells, summary_fields,
                            timeline_events)
-from .chaos_freeze import (Freeze, Freezer, freeze_figures, is_frozen_step, mark_freeze_loss, note_freeze, thaw_by,
-                           without_stop)
+from .chaos_freeze import (REJOIN_GRACE_S, Freeze, Freezer, but_frozen, freeze_figures, is_frozen_step,
+                           mark_freeze_loss, note_freeze, thaw_by, without_stop)
 from .common import crash, machine_info
 from .faults import TIMEOUT_S, Record, Shared, _enter, _env, _join_stall, _median_step, _wait, batch_for, build_model
 
@@ -662,13 +662,15 @@ def figures(cfg: ChaosConfig, job: dict[str, Any], kills: list[dict[str, Any]], 
     first = job["first"]
     heldout = sorted({r["heldout"] for r in final.values()})
     extra: dict[str, Any] = {}
+    running = but_frozen(final, freeze)  # (the stall another event cost: not the frozen member's stop)
     if plan:
-        extra["straggler"] = straggler_figures(plan, records, final, first, median, losses, len(kills))
+        extra["straggler"] = straggler_figures(plan, records, running, first, median, losses, len(kills))
     if (events or {}).get("coordinator_kill_step") is not None:
-        extra["coordinator"] = coordinator_figures(job.get("coordinator_kill"), final, median, first)
+        extra["coordinator"] = coordinator_figures(job.get("coordinator_kill"), running, median, first)
     if freeze:
         mark_freeze_loss(losses, records, freeze, median)
-        extra["freeze"] = freeze_figures(freeze, records, final, first, median, losses)
+        extra["freeze"] = freeze_figures(freeze, records, final, first, median, losses,
+                                         REJOIN_GRACE_S[(events or {}).get("coordinator", "builtin")])
     return {**extra, "median_step_s": median, "final_steps": sorted({r["final_step"] for r in final.values()}),
             "final_world": sorted({r["counters"]["world"] for r in final.values()}),
             "losses": max(r["counters"]["losses"] for r in seen.values()),

@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 from .common import last_free
 
-__all__ = ["FREEZE_MIN_S", "Freeze", "Freezer", "back_in", "check_freeze", "freeze_checks", "freeze_figures",
-           "freeze_line", "freeze_plan", "freeze_spare", "is_frozen_step", "mark_freeze_loss", "note_freeze", "thaw_by",
-           "without_stop"]
+__all__ = ["FREEZE_MIN_S", "REJOIN_GRACE_S", "Freeze", "Freezer", "back_in", "but_frozen", "check_freeze",
+           "freeze_checks", "freeze_figures", "freeze_line", "freeze_plan", "freeze_spare", "is_frozen_step",
+           "mark_freeze_loss", "note_freeze", "thaw_by", "without_stop"]
 
 FREEZE_MIN_S = 2.0
 """The shortest stop: the others must find the member silent (3 heartbeats of 0.25 s, a
@@ -142,8 +142,9 @@ class Freeze:
     def after(self, m: Any, record: Any, digest: Callable[[], str]) -> None:
         """Once its commit found it left out and it joined again: the step and epoch it is in
         and its parameters then (``digest()``: the members' after that step; as ``entered``
-        too, gossip's heal check)."""
-        if self.plan is None or record.rejoined_step >= 0 or not m.counters.rejoins:
+        too, gossip's heal check). Not one that took its ticket to rejoin and found the job
+        over (``m.left``): it never rejoined."""
+        if self.plan is None or record.rejoined_step >= 0 or not m.counters.rejoins or m.left:
             return
         record.rejoined_step, record.rejoined_epoch = m.step, m.epoch.number
         record.digests[str(m.step)] = record.entered[str(m.epoch.number)] = digest()
@@ -173,6 +174,14 @@ def back_in(r: dict[str, Any]) -> float | None:
     if r.get("rejoined_step", -1) < 0 or r.get("left_out_index") is None:
         return None
     return next((t1 for _, t1, ok, _ in r["iters"][r["left_out_index"] + 1:] if ok), None)
+
+
+def but_frozen(final: dict[int, dict[str, Any]], plan: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """The final members but the frozen one: the stall another event cost (the etcd leader's
+    kill, an eviction: the longest gap between two commits around it) is the others'; the
+    frozen member's gap runs from its stop to its first commit back (a leader killed while it
+    was stopped read as a stall of the stop's seconds, 4.0 s at ``--freeze 4``)."""
+    return {i: r for i, r in final.items() if plan is None or i != plan["index"]}
 
 
 def without_stop(r: dict[str, Any]) -> dict[str, Any]:
@@ -205,13 +214,23 @@ def mark_freeze_loss(losses: list[dict[str, Any]], records: dict[int, dict[str, 
         e["freeze"] = e is mine
 
 
+REJOIN_GRACE_S = {"builtin": 1.0, "etcd": 3.0}
+"""Per coordinator, how long before the job's end a thawed member may come back and find it
+over instead (no rejoin asked of it): a rejoin is admitted at the members' next vote, 0.06-0.5
+s after the thaw on the built-in coordinator here and 0.6-3.0 s on etcd (a vote about once a
+second, each request a quorum write)."""
+
+
 def freeze_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], final: dict[int, dict[str, Any]],
-                   first: float, median: float, losses: list[dict[str, Any]] = ()) -> dict[str, Any]:
+                   first: float, median: float, losses: list[dict[str, Any]] = (),
+                   grace_s: float = 0.0) -> dict[str, Any]:
     """What the freeze cost (the module doc): ``None`` values where it did not happen;
     ``losses``: the run's (:func:`.chaos._losses`), the freeze's marked (:func:`mark_freeze_loss`);
     ``kills_after``: how many of the others were still forming after its thaw (its ticket
     then taken: with spares it may fill that loss's room, or make the world one above its
-    size before it, so that no spare is taken there)."""
+    size before it, so that no spare is taken there); ``found_over``: thawed, it found the job
+    over (``m.left``) and the others ended under ``grace_s`` after its thaw (``thaw_to_end_s``),
+    too soon for a rejoin (:data:`REJOIN_GRACE_S`)."""
     from .faults import _join_stall
 
     r = records.get(plan["index"]) or {}
@@ -222,10 +241,14 @@ def freeze_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], fin
                            "frozen_s": [round(t - first, 4) for t in frozen] if frozen else None,
                            "rejoins": r.get("counters", {}).get("rejoins", 0), "rejoined_step": None,
                            "rejoined_epoch": None, "rejoin_s": None, "members_stall_s": None,
-                           "loss_stall_s": None, "final_step": r.get("final_step"), "kills_after": 0}
+                           "loss_stall_s": None, "final_step": r.get("final_step"), "kills_after": 0,
+                           "thaw_to_end_s": None, "found_over": False}
     if not frozen:
         return out
-    others = {i: o for i, o in final.items() if i != plan["index"]}
+    others = but_frozen(final, plan)
+    end = max((o["iters"][-1][1] for o in others.values() if o["iters"]), default=frozen[1])
+    out["thaw_to_end_s"] = end - frozen[1]
+    out["found_over"] = r.get("left_at", -1) >= 0 and r.get("rejoined_step", -1) < 0 and end - frozen[1] < grace_s
     out["loss_stall_s"] = mine["stall_s"] if mine else None
     back = back_in(r)
     if back is not None:
@@ -241,8 +264,9 @@ def freeze_checks(f: dict[str, Any] | None, steps: int) -> list[tuple[Any, ...]]
     if not f:
         return []
     back = int(f["rejoins"] == 1 and f["rejoined_step"] is not None and f["final_step"] == steps)
-    return [("rejoined", back, "==", 1, "the frozen member left out, in the job again (counters.rejoins 1) "
-             "and at the last step with the others")]
+    return [("rejoined", back, "in", [0 if f.get("found_over") else 1, 1], "the frozen member left out, in the "
+             "job again (counters.rejoins 1) and at the last step with the others (or, thawed too near the end, "
+             "found the job over)")]
 
 
 def freeze_line(key: str, f: dict[str, Any]) -> str:
@@ -255,6 +279,8 @@ def freeze_line(key: str, f: dict[str, Any]) -> str:
     t0, t1 = f["frozen_s"]
     back = (f"rejoined at step {f['rejoined_step']} (epoch {f['rejoined_epoch']}), its first commit back "
             f"{s(f['rejoin_s'])} s after its thaw, the members' stall {s(f['members_stall_s'])} s" if f["rejoined_step"] is not None else
-            f"NOT rejoined (counters.rejoins {f['rejoins']})")
+            f"NOT rejoined (counters.rejoins {f['rejoins']}" + (f"; the job ended {s(f['thaw_to_end_s'])} s after "
+                                                                "its thaw, too soon: it found the job over" if
+                                                                f.get("found_over") else "") + ")")
     return (f"  {key:<24} member {f['index']} stopped at step {f['frozen_at']} ({t0:.2f}-{t1:.2f} s): the others' "
             f"stall {s(f['loss_stall_s'])} s; {back}")
