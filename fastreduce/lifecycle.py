@@ -136,8 +136,9 @@ class Worker:
     new one. A callable handles its own errors (one that raises ends nothing: it is logged
     and the next one runs)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, given_up: Callable[[], bool] | None = None):
         self.name = name
+        self.given_up = given_up  # whether what it serves was given up (:meth:`stop` then waits for nothing)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue | None = None
@@ -191,8 +192,8 @@ class Worker:
         if thread is None:
             return True
         jobs.put(None)
-        if thread is threading.current_thread() or timeout == 0:
-            return True
+        if thread is threading.current_thread() or timeout == 0 or self.given_up is not None and self.given_up():
+            return True  # (given up: a job may wait for good on a peer that never answers; it ends with the process)
         thread.join(timeout)
         return not thread.is_alive()
 

@@ -515,6 +515,52 @@ def test_abandoned_groups_leave_their_waiter_thread_and_later_waits_get_a_new_on
     assert sum(t.name == "fastreduce-waiter" for t in threading.enumerate()) == 1
 
 
+def _ring_rank(rank: int, port: int, results: Any) -> None:
+    """Rank ``rank`` of 3 in a Gloo group: ranks 0 and 1 launch a ring reduce-scatter that
+    rank 2 (alive, its sockets open, as a member gone on to its next epoch is) never joins;
+    rank 0 then abandons the group, as a Membership's survivor does at a loss, and times
+    ``fastreduce.shutdown()`` (what ``Membership.close()`` and the interpreter's exit call)."""
+    from fastreduce.comm.collectives import RingReduceScatter, ring_scratch_numel
+
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank < 2:
+        rows = torch.ones(3, 1024)
+        RingReduceScatter(rows, torch.empty(1024), torch.empty(ring_scratch_numel(3, 1024)), None, lambda r: r)
+    if rank == 0:
+        time.sleep(0.5)  # its ring thread waits for rank 2's piece, which never comes
+        faults_watchdog.abandon_groups()
+        start = time.monotonic()
+        stuck = fastreduce.shutdown()
+        results.put((time.monotonic() - start, stuck))
+    store.wait(["done"], timedelta(seconds=SPAWN_DEADLINE)) if rank else store.set("done", "1")
+
+
+def test_an_abandoned_groups_ring_thread_does_not_hold_up_the_shutdown() -> None:
+    """A ring reduce-scatter (ZeRO's on Gloo beyond 2 ranks) whose piece never comes waits in
+    a receive that nothing can cut short while the peer's sockets stay open (a member gone on
+    to the next epoch keeps its abandoned group's, pinned until its timeout). Once its group
+    is abandoned, that thread is not waited for: ``shutdown()`` (a member's ``close()``) took
+    10 s per such thread (``JOIN_S``), a member evicted or at the job's end after a loss as
+    long, and a launcher that gave it 5 s killed it with no record."""
+    ctx = rank_context(__name__)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_ring_rank, args=(r, port, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        took, stuck = results.get(timeout=SPAWN_DEADLINE)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert took < 2.0 and stuck == [], (took, stuck)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
 def _peer_that_dies(port: int, prefix: str) -> None:
     """The survivor's peer: says it is up (its start under a loaded machine may take longer
     than the group's short timeout), joins a group of 2 over ``port``'s store, reduces once,

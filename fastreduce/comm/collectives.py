@@ -346,12 +346,15 @@ _ring_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _ring_of(group: dist.ProcessGroup | None) -> tuple[Worker, Iterator[int]]:
     """``group``'s ring thread (a :class:`~fastreduce.lifecycle.Worker`: started on first
     use, stopped by ``fastreduce.shutdown()`` or once the group is gone: a launch in its queue
-    holds the group, so none is left then), and its count of launches (the same on every
-    rank: they launch in the same order)."""
+    holds the group, so none is left then; not waited for once the group is abandoned, where a
+    receive from a peer gone on to its next epoch, its sockets open, waits for good), and its
+    count of launches (the same on every rank: they launch in the same order)."""
     pg = group or dist.group.WORLD
     ring = _ring_queues.get(pg)
     if ring is None:
-        ring = _ring_queues[pg] = (Worker("fastreduce-ring"), itertools.count())
+        held = weakref.ref(pg)  # (given up with its group: a receive from a peer gone on waits for good)
+        ring = _ring_queues[pg] = (Worker("fastreduce-ring", lambda: (g := held()) is not None and is_abandoned(g)),
+                                   itertools.count())
         weakref.finalize(pg, ring[0].let_go).atexit = False  # at the exit, shutdown() stops it
     return ring
 
