@@ -1063,10 +1063,18 @@ def test_chaos_figures_take_an_eviction_for_a_leave_not_a_loss() -> None:
     # the judge: the policy acts in seconds, so the straggler's eviction is asked for by how
     # long it was slow (here 1.01 s), not by its window of steps
     from fastreduce.bench.chaos_events import EVICTION_LAG_S, eviction_expected
+    assert got["calm_s"] == pytest.approx(1.01)  # (slow in one epoch throughout)
     assert eviction_expected(got) == [0, 0]  # under evict_for_s (3 s): out would be too soon
     assert eviction_expected({**got, "evict_for_s": 1.0}) == [0, 1]
-    assert eviction_expected({**got, "evict_for_s": 1.0, "slowed_s": [0.0, 1.0 + EVICTION_LAG_S]}) == [1, 1]
+    long = {**got, "evict_for_s": 1.0, "slowed_s": [0.0, 1.0 + EVICTION_LAG_S], "calm_s": 1.0 + EVICTION_LAG_S,
+            "ratio_during": 1.6}
+    assert eviction_expected(long) == [1, 1]
+    assert eviction_expected({**long, "calm_s": 2.0}) == [0, 1]  # a loss in its window: the count began again
+    assert eviction_expected({**long, "ratio_during": 1.4}) == [0, 1]  # the job slowed less than the policy's 1.5x
     assert eviction_expected({**got, "evict": False, "slowed_s": [0.0, 60.0]}) == [0, 0]
+    from fastreduce.bench.chaos_events import _calm_s
+    r = {"iters": [(t - 0.5, t, True, 3) for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)], "epochs": [0, 0, 1, 1, 1, 2]}
+    assert _calm_s(r, [1.0, 6.0]) == pytest.approx(3.0)  # (epochs changed at 3.0 and 6.0 s: 3.0 to 6.0)
 
 
 def test_chaos_schedule_is_seeded_ordered_and_kills_only_the_living() -> None:

@@ -352,6 +352,7 @@ def straggler_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], 
              if first_spare is not None and i >= first_spare and o["joined_step"] >= left]
     return {**{k: plan[k] for k in ("index", "factor", "from", "to", "evict", "evict_slower_than", "evict_for_s")},
             "slowed_steps": r.get("slowed_steps") or None, "slowed_s": slowed_s or None,
+            "calm_s": _calm_s(r, r["slowed_s"]) if r.get("slowed_s") else None,
             "evicted": left >= 0, "left_at": left if left >= 0 else None,
             "left_s": round(r["left_s"] - first, 4) if left >= 0 else None,
             "slow_for_s": round(r["left_s"] - r["slowed_s"][0], 3) if left >= 0 and r.get("slowed_s") else None,
@@ -361,6 +362,17 @@ def straggler_figures(plan: dict[str, Any], records: dict[int, dict[str, Any]], 
             "eviction_stall_s": gap_stall(final, r["left_s"], median, EVICTION_WITHIN_S)[1] if left >= 0 else None,
             "loss_near": left >= 0 and any(left - 10 <= e["at_step"] <= left + 10 for e in losses),
             "spare": plan["spare"], "spare_joined_step": min(taken, default=None)}
+
+
+def _calm_s(r: dict[str, Any], span: list[float]) -> float:
+    """The longest stretch of ``span`` (the straggler's slowed seconds) in which the straggler
+    ``r`` stayed in one epoch: a loss, a join or a rejoin there starts the policy's count
+    again (an epoch's first status has no waits to subtract)."""
+    t0, t1 = span
+    cuts = [it[1] for it, e, before in zip(r["iters"][1:], r["epochs"][1:], r["epochs"])
+            if e != before and t0 < it[1] < t1]
+    bounds = [t0, *cuts, t1]
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def coordinator_figures(kill: dict[str, Any] | None, final: dict[int, dict[str, Any]], median: float,
@@ -415,12 +427,18 @@ def eviction_expected(s: dict[str, Any]) -> list[int]:
     """The straggler's ``evicted`` as the policy must have it, ``[low, high]``: never without
     ``--evict``; with it, by the seconds it was slow (its slowed steps' span, to its eviction
     where that came first): under ``evict_for_s`` it must stay (the policy acts in seconds:
-    a fast mode's window of steps can be over in one), from ``evict_for_s`` plus
-    :data:`EVICTION_LAG_S` on it must be out, between either."""
+    a fast mode's window of steps can be over in one); slow in one epoch (``calm_s``: no
+    loss, join or rejoin, each of which starts the count again) for ``evict_for_s`` plus
+    :data:`EVICTION_LAG_S` or more, with the job's median step ``evict_slower_than`` times
+    its median before or more (``ratio_during``: the policy compares busy times, and a
+    sleep of ``F - 1`` times the straggler's work slowed the job 1.2-2.0x at ``F`` = 3
+    here), it must be out; else either."""
     if not s["evict"]:
         return [0, 0]
-    slow = slow_s(s)
-    return [0, 0] if slow < s["evict_for_s"] else [0, 1] if slow < s["evict_for_s"] + EVICTION_LAG_S else [1, 1]
+    calm, ratio = s.get("calm_s"), s.get("ratio_during")
+    long_and_slow = calm is not None and calm >= s["evict_for_s"] + EVICTION_LAG_S and \
+        ratio is not None and ratio >= s["evict_slower_than"]
+    return [0, 0] if slow_s(s) < s["evict_for_s"] else [1, 1] if long_and_slow else [0, 1]
 
 
 def event_checks(straggler: dict[str, Any] | None, coord: dict[str, Any] | None, freeze: dict[str, Any] | None = None,
