@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import fastreduce
-from fastreduce.comm.collectives import _ring_queues as ring_threads
+from fastreduce.comm.ring import _ring_queues as ring_threads
 
 
 def build(mode: str, model: nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-import fastreduce.comm.collectives as collectives
+import fastreduce.comm.ring as ring
 import fastreduce.comm.shm as shm_mod
 from fastreduce.comm import Comm, get_comm
 from fastreduce.comm.collectives import exchange_ops
@@ -120,7 +120,7 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
             buf.copy_(src)
             total.fill_(float("nan"))
             if piece_bytes is not None:
-                collectives.__dict__["RING_PIECE_BYTES"], piece_bytes = piece_bytes, collectives.RING_PIECE_BYTES
+                ring.__dict__["RING_PIECE_BYTES"], piece_bytes = piece_bytes, ring.RING_PIECE_BYTES
             try:
                 work, then = comm.reduce_scatter(buf, into, fp32_sum=into is not None, rider=(mine, total))
             except ValueError as e:
@@ -128,7 +128,7 @@ def comm_worker(rank: int, world: int, transport: str) -> dict:
                 continue
             finally:
                 if piece_bytes is not None:
-                    collectives.__dict__["RING_PIECE_BYTES"] = piece_bytes
+                    ring.__dict__["RING_PIECE_BYTES"] = piece_bytes
             work.wait()
             if then is not None:
                 then()

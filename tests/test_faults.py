@@ -520,7 +520,7 @@ def _ring_rank(rank: int, port: int, results: Any) -> None:
     rank 2 (alive, its sockets open, as a member gone on to its next epoch is) never joins;
     rank 0 then abandons the group, as a Membership's survivor does at a loss, and times
     ``fastreduce.shutdown()`` (what ``Membership.close()`` and the interpreter's exit call)."""
-    from fastreduce.comm.collectives import RingReduceScatter, ring_scratch_numel
+    from fastreduce.comm.ring import RingReduceScatter, ring_scratch_numel
 
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60))

@@ -26,7 +26,7 @@ How the bytes travel, per buffer:
                     every receive posted before any send
                     (:func:`~.collectives.exchange_ops`), with the sum done locally in
                     fp32; an fp32 reduce-scatter over more than two ranks goes around a
-                    ring instead (:class:`~.collectives.RingReduceScatter`: one flow per
+                    ring instead (:class:`~.ring.RingReduceScatter`: one flow per
                     link, about 0.85x the time of the direct exchange over 100 Mbit/s
                     links): measured on torch 2.13 (2 ranks, 48 MB fp32, one host),
                     ``all_to_all_single`` 21 ms, the point-to-point exchange 21 ms,
@@ -58,9 +58,9 @@ import torch.distributed as dist
 from ..codecs.quant import divisor
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
-from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, RingReduceScatter, all_gather_flat,
-                          exchange_ops, gather_by_exchange, held_group, plan_mean, reduce_scatter_flat,
-                          ring_scratch_numel, start_all_reduce)
+from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, all_gather_flat, exchange_ops,
+                          gather_by_exchange, held_group, plan_mean, reduce_scatter_flat, start_all_reduce)
+from .ring import RingReduceScatter, ring_scratch_numel
 from .shm import ALL_GATHER, MIX, REDUCE_SCATTER, ShmAllReduce, sum_order, weighted_sum
 from .transport import resolve_transport, wants_shm
 
