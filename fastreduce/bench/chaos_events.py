@@ -431,7 +431,7 @@ def eviction_expected(s: dict[str, Any]) -> list[int]:
     loss, join or rejoin, each of which starts the count again) for ``evict_for_s`` plus
     :data:`EVICTION_LAG_S` or more, with the job's median step ``evict_slower_than`` times
     its median before or more (``ratio_during``: the policy compares busy times, and a
-    sleep of ``F - 1`` times the straggler's work slowed the job 1.2-2.0x at ``F`` = 3
+    sleep of ``F - 1`` times the straggler's work slowed the job 0.9-2.4x at ``F`` = 3
     here), it must be out; else either."""
     if not s["evict"]:
         return [0, 0]
