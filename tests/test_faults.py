@@ -522,7 +522,7 @@ def _ring_rank(rank: int, port: int, results: Any) -> None:
     ``fastreduce.shutdown()`` (what ``Membership.close()`` and the interpreter's exit call)."""
     from fastreduce.comm.ring import RingReduceScatter, ring_scratch_numel
 
-    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", port, 4, False)  # (the test's: it outlives every rank)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60))
     dist.barrier()
     if rank < 2:
@@ -546,8 +546,8 @@ def test_an_abandoned_groups_ring_thread_does_not_hold_up_the_shutdown() -> None
     long, and a launcher that gave it 5 s killed it with no record."""
     ctx = rank_context(__name__)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ring_rank, args=(r, port, results)) for r in range(3)]
+    store = dist.TCPStore("127.0.0.1", 0, 4, True, wait_for_workers=False)
+    procs = [ctx.Process(target=_ring_rank, args=(r, store.port, results)) for r in range(3)]
     for p in procs:
         p.start()
     try:
