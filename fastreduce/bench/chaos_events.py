@@ -48,7 +48,7 @@ from .common import last_free
 __all__ = ["COORDINATORS", "LeaderKill", "Slowdown", "check_events", "coordinator",
            "coordinator_figures", "draw_events", "etcd_missing", "event_checks", "event_lines", "event_spares",
            "event_title", "eviction_epoch", "eviction_expected", "events_for", "legend_handles", "membership_policy",
-           "only_untaken", "slow_s", "straggler_figures", "straggler_plan", "summary_cells", "summary_fields",
+           "only_untaken", "straggler_figures", "straggler_plan", "summary_cells", "summary_fields",
            "timeline_events"]
 
 COORDINATORS = ("builtin", "etcd")

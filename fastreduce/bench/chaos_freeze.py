@@ -277,10 +277,10 @@ def freeze_line(key: str, f: dict[str, Any]) -> str:
     if not f["frozen_s"]:
         return f"  {key:<24} member {f['index']} NOT frozen (the run ended before step {f['step']})"
     t0, t1 = f["frozen_s"]
+    over = f"; the job ended {s(f['thaw_to_end_s'])} s after its thaw, too soon: it found the job over" \
+        if f.get("found_over") else ""
     back = (f"rejoined at step {f['rejoined_step']} (epoch {f['rejoined_epoch']}), its first commit back "
-            f"{s(f['rejoin_s'])} s after its thaw, the members' stall {s(f['members_stall_s'])} s" if f["rejoined_step"] is not None else
-            f"NOT rejoined (counters.rejoins {f['rejoins']}" + (f"; the job ended {s(f['thaw_to_end_s'])} s after "
-                                                                "its thaw, too soon: it found the job over" if
-                                                                f.get("found_over") else "") + ")")
+            f"{s(f['rejoin_s'])} s after its thaw, the members' stall {s(f['members_stall_s'])} s"
+            if f["rejoined_step"] is not None else f"NOT rejoined (counters.rejoins {f['rejoins']}{over})")
     return (f"  {key:<24} member {f['index']} stopped at step {f['frozen_at']} ({t0:.2f}-{t1:.2f} s): the others' "
             f"stall {s(f['loss_stall_s'])} s; {back}")
