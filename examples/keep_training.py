@@ -23,6 +23,7 @@ what :func:`member` does. docs/faults.md says what each step costs and what a lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import signal
@@ -147,6 +148,24 @@ def flapping(mode: Any, m: Any, kill: tuple[str, int] | None, name: str) -> Any:
 
     mode.reduce = flaky
     return mode
+
+
+def connections_to(port: int | str) -> set[int]:
+    """The local ports of this process's open TCP connections to ``port`` on this host (its
+    connections to the coordinator: a test sees whether an epoch change opened a new one)."""
+    if not isinstance(port, int):
+        return set()
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            sockets.add(os.readlink(f"/proc/self/fd/{fd}"))
+    found = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()  # local, remote (hex address:port), state (01: established), ..., inode
+            if int(f[2].rsplit(":", 1)[1], 16) == port and f[3] == "01" and f"socket:[{f[9]}]" in sockets:
+                found.add(int(f[1].rsplit(":", 1)[1], 16))
+    return found
 
 
 def _user_error() -> None:
@@ -300,6 +319,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                                               and m.epoch.number == 0 and m.rank in kill[2]):  # out at the next poll
                 say(f"asks to leave at step {m.step}")
                 m.leave()
+            if m.step == 5 and "connections" not in facts:  # (its connections made apart are made by then)
+                facts["connections"] = connections_to(port)
             if kill == ("between", m.step):
                 say(f"dies between steps, at step {m.step}")
                 die()
@@ -357,6 +378,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         st = (m.mode if mode == "zero" else opt).state_dict()["state"]  # (empty in gossip: its optimizers are the mode's)
         import threading
         facts["store_threads"] = sum(t.name == "fastreduce-store" for t in threading.enumerate())  # one per epoch: a leak
+        facts["connections_end"] = connections_to(port)
         facts.update(params=params, adam=torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)]).cpu()
                                                     for s in st.values()] or [torch.zeros(0)]),
                      devices=sorted({str(t.device) for t in [*model.parameters(), *(s["exp_avg"] for s in st.values())]}),

@@ -17,16 +17,22 @@ import fastreduce.faults as faults
 import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.process_identity as process_identity
 import fastreduce.reach as reach
+import fastreduce.torch_internals as torch_internals
 from fastreduce.etcd_store import ETCD_SCHEME, EtcdSpaceExceeded, EtcdStore, parse_address
 from fastreduce.faults_errors import StoreUnreachable
 from fastreduce.lifecycle import JOIN_S
 
 __all__ = ["COORDINATOR_ENV", "TICKETS", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s",
-           "serve", "ticket_key"]
+           "group_prefix", "serve", "ticket_key"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
 MEMBERS_PREFIX = "fastreduce/members/"
+
+
+def group_prefix(number: int) -> str:
+    """The prefix of epoch ``number``'s process group's keys on the coordinator."""
+    return MEMBERS_PREFIX + f"e{number}/pg/"
 
 
 def epoch_key(number: int) -> str:
@@ -163,6 +169,8 @@ class CoordinatorLink:
         self.silent = False  # a request found it not answering (unreachable): nothing waits on it again
         # the vote's connection made now, apart: one made inside a vote can take 10 s (reach.SecondConnection)
         self._second = reach.SecondConnection(self.store, timeout_s, "fastreduce-vote-connect")
+        # and the epochs' heartbeats' (:meth:`beats_store`): an epoch change opens no connection
+        self._beats = reach.SecondConnection(self.store, self.deadline(), "fastreduce-beats-connect")
 
     def deadline(self) -> float:
         """How long a request may take: twice the loss window, at least 5 s, and
@@ -212,6 +220,18 @@ class CoordinatorLink:
                 self._waiter = self.store
                 self._waiter.set_timeout(timedelta(seconds=self.timeout_s))
         return self._waiter
+
+    def beats_store(self, number: int) -> Any:
+        """Epoch ``number``'s default group's store on a connection this member made once, for
+        the epoch's heartbeat (``None`` until it is made: the heartbeat then makes its own).
+        The built-in coordinator's server (torch's ``TCPStore``) looks up the host name of each
+        client that connects, on the one thread that answers every member: a resolver slow to
+        answer stalls the whole job that long (a dropped query: 5 s). A heartbeat connection
+        per epoch did that at every epoch change."""
+        conn = self._beats.wait(0)
+        if conn is None:
+            return None
+        return torch_internals.default_group_store(dist.PrefixStore(group_prefix(number), conn))
 
     def await_key(self, key: str, timeout_s: float, what: str) -> str:
         if not self.wait(key, timeout_s):

@@ -23,7 +23,7 @@ import fastreduce.faults_watchdog as faults_watchdog
 import fastreduce.torch_internals as torch_internals
 
 from .admission import Admission
-from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key
+from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key, group_prefix
 from .exit_quiet import quiet_backends
 from .faults import RankLostError
 from .gathering import Gathering, moved, poll_s
@@ -203,7 +203,7 @@ class EpochChanges:
         own, kind = self.me.kept_mode
         self._rendezvous(epoch)
         self._init_group(epoch)
-        faults.start_heartbeat()  # this epoch's: the vote watches it
+        faults.start_heartbeat(connection=self.link.beats_store(epoch.number))  # this epoch's: the vote watches it
         joining = self.me.name in epoch.receivers
         fresh = joining and not self.me.healed  # a new process (a survivor one step behind keeps its mode's state)
         if epoch.receivers:  # a per-rank mode's state too (a fused mode's is rank 0's own residuals: not sent)
@@ -249,7 +249,7 @@ class EpochChanges:
         from the start: Gloo's point-to-point waits keep the timeout the group was made with
         (``ProcessGroup.set_timeout`` reaches only its collectives), so a group made with a
         short one and raised after failed the state's transfer to a joiner on a loaded host."""
-        store = dist.PrefixStore(MEMBERS_PREFIX + f"e{epoch.number}/pg/", self.store)
+        store = dist.PrefixStore(group_prefix(epoch.number), self.store)
         dist.init_process_group(self.settings.backend, store=store, rank=epoch.members.index(self.me.name),
                                 world_size=epoch.world, timeout=timedelta(seconds=self.settings.timeout_s))
 

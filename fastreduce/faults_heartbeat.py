@@ -140,7 +140,7 @@ class Heartbeat:
     _known_keys: list[str] | None = None  # the counters' keys known to exist (:meth:`counts`)
     rests = True  # lifecycle.shutdown() tells its stop() whether this rank rests or leaves
 
-    def __init__(self, default: Any, interval: float):
+    def __init__(self, default: Any, interval: float, connection: Any = None):
         # The default store by a weak reference: holding it would keep rank 0's store server
         # alive after destroy_process_group(); and an id can come back as a later group's
         # store at the same address (a Membership's next epoch then went on with the last
@@ -159,11 +159,17 @@ class Heartbeat:
             default.add(self.key, -RESTING)
         self.name, self._stopping = "fastreduce-heartbeat", threading.Event()
         # a connection of its own for the beats and reads: never queued behind a long wait on
-        # the group's; its timeout past the reads' deadline (the deadline decides). Made apart
-        # (reach.SecondConnection: it can take 10 s), the rank registered and beating meanwhile.
-        self._own: SecondConnection | None = SecondConnection(default, max(5.0, 2 * lost_after()) * self.store_windows,
-                                     "fastreduce-store-connect", then=self._take)
-        self.connected = self._own.done
+        # the group's; its timeout past the reads' deadline (the deadline decides). ``connection``:
+        # the group's store on one its caller made and keeps (a Membership's, one for every epoch);
+        # else made apart (reach.SecondConnection: it can take 10 s), the rank beating meanwhile.
+        self._own: SecondConnection | None = None
+        if connection is not None:
+            self.store, self.connected = connection, threading.Event()
+            self.connected.set()
+        else:
+            self._own = SecondConnection(default, max(5.0, 2 * lost_after()) * self.store_windows,
+                                         "fastreduce-store-connect", then=self._take)
+            self.connected = self._own.done
         """Set once the beats and reads go over a connection of their own (or it could not be made)."""
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
@@ -378,10 +384,11 @@ def _forget(beat: Heartbeat) -> None:
             _beat = None
 
 
-def start_heartbeat() -> None:
+def start_heartbeat(connection: Any = None) -> None:
     """Start this process's heartbeat (idempotent; a no-op without a process group of
     more than one rank, or with ``$FASTREDUCE_HEARTBEAT_S`` <= 0). Called by
-    :func:`~fastreduce.comm.get_comm`."""
+    :func:`~fastreduce.comm.get_comm`; ``connection``: the default group's store on a
+    connection its caller keeps, to beat over (:class:`Heartbeat`)."""
     global _beat
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -395,7 +402,7 @@ def start_heartbeat() -> None:
     with _lock:
         if _beat is None or not _beat.current():
             try:
-                _beat = Heartbeat(default, interval)
+                _beat = Heartbeat(default, interval, connection)
             except Exception:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
                 _beat = None
 
