@@ -6,6 +6,7 @@ the counters that the watchdog and the diagnosis make.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -51,6 +52,8 @@ goes for the store: one served at an address of this host's network namespace
 Membership of 64 members on 2 cores: 39 of them stopped after its 1 s), since no link
 between can be cut; elsewhere, one window."""
 STORE_PREFIX = "fastreduce/"
+
+log = logging.getLogger("fastreduce")
 
 
 # ---------------------------------------------------------------------- settings
@@ -403,7 +406,9 @@ def start_heartbeat(connection: Any = None) -> None:
         if _beat is None or not _beat.current():
             try:
                 _beat = Heartbeat(default, interval, connection)
-            except Exception:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
+            except Exception as err:  # noqa: BLE001 - no heartbeat: diagnosis then finds nothing
+                log.warning("fastreduce: this rank's heartbeat did not start (%s: %s): a rank lost in this group is "
+                            "found by the group's timeout only", type(err).__name__, err)
                 _beat = None
 
 
