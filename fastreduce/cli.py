@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
-import re
 import sys
 from typing import IO, Any, Callable, Iterator
 
@@ -35,20 +35,6 @@ DESCRIPTIONS = {
               "it works 1.25x the median or more).",
 }
 """Each subcommand's description in its ``--help``: plain text, as a terminal shows it."""
-
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`x`, :func:`~a.b` -> x, a.b
-_PREFIX = re.compile(r"^fastreduce [a-z]+: *")  # a module docstring's "fastreduce plan: " opening
-
-
-def plain(docstring: str) -> str:
-    """The first sentence-paragraph of an rst docstring as plain text: roles and ``literals``
-    reduced to their text, the ``fastreduce NAME:`` opening dropped (the usage line names
-    the command), the first letter capitalised."""
-    first = docstring.strip().split("\n\n", 1)[0]
-    text = " ".join(_ROLE.sub(r"\1", first).replace("``", "").split())
-    text = _PREFIX.sub("", text)
-    return text[:1].upper() + text[1:]
-
 
 class _Subcommand(argparse.ArgumentParser):
     """A subcommand's parser whose arguments ``setup(parser)`` adds on first use."""
@@ -76,28 +62,15 @@ class _Subcommand(argparse.ArgumentParser):
         return super().format_help()
 
 
-def _bench(parser: argparse.ArgumentParser) -> None:
-    from . import bench
-
-    parser.description = DESCRIPTIONS["bench"]
-    bench.add_arguments(parser)
-    parser.set_defaults(handler=bench.run)
-
-
-def _info(parser: argparse.ArgumentParser) -> None:
-    from . import info
-
-    parser.description = DESCRIPTIONS["info"]
-    info.add_arguments(parser)
-    parser.set_defaults(handler=info.run)
-
-
-def _plan(parser: argparse.ArgumentParser) -> None:
-    from . import plan_cli
-
-    parser.description = plain(plan_cli.__doc__ or "")
-    plan_cli.add_arguments(parser)
-    parser.set_defaults(handler=plan_cli.run)
+def _module(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    """The set-up of the subcommand that module ``name`` (imported on first use) serves: its
+    arguments and its ``run``."""
+    def setup(parser: argparse.ArgumentParser) -> None:
+        module = importlib.import_module(f".{name}", __package__)
+        parser.description = DESCRIPTIONS.get(name)  # (plan_cli writes its own)
+        module.add_arguments(parser)
+        parser.set_defaults(handler=module.run)
+    return setup
 
 
 def _coordinator(parser: argparse.ArgumentParser) -> None:
@@ -214,12 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="'fastreduce COMMAND --help' shows a command's options.")
     parser.add_argument("--version", action="version", version=f"fastreduce {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Subcommand)
-    sub.add_parser("bench", setup=_bench, help="time gradient reduction, alone and in whole training steps, "
+    sub.add_parser("bench", setup=_module("bench"), help="time gradient reduction, alone and in whole training steps, "
                                                "against its baselines and DDP")
-    sub.add_parser("info", setup=_info, help="what fastreduce would do on this machine: device, process-group "
+    sub.add_parser("info", setup=_module("info"), help="what fastreduce would do on this machine: device, process-group "
                                              "backend, graph capture, transport, each mode's defaults, "
                                              "optional integrations")
-    sub.add_parser("plan", setup=_plan, help="what each data-parallel mode will cost on a cluster (bytes, time on "
+    sub.add_parser("plan", setup=_module("plan_cli"), help="what each data-parallel mode will cost on a cluster (bytes, time on "
                                              "the wire and exposed, memory) and which to use")
     sub.add_parser("coordinator", setup=_coordinator, help="serve the coordinator of a fault-tolerant job "
                                                            "(fastreduce.Membership)")
