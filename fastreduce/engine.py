@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .backends import detect_device
 from .reach import CONNECT_TIMEOUT_ENV, connect_timeout, wait_for_listener
 
-__all__ = ["DistInfo", "GroupSnapshot", "init_distributed"]
+__all__ = ["DistInfo", "GroupSnapshot", "init_distributed", "require_distributed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,14 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+
+
+def require_distributed() -> None:
+    """``RuntimeError`` unless torch.distributed is initialized (what every mode needs first)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() (or "
+                           "torch.distributed.init_process_group) on every rank first, e.g. in a script "
+                           "launched with torchrun")
 
 
 def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10),

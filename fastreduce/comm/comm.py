@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.quant import divisor
+from ..engine import require_distributed
 from ..faults import start_heartbeat, wait_watched
 from ..profiling import span
 from .collectives import (Fp32Accumulate, MeanPlan, Messages, Pending, all_gather_flat, exchange_ops,
@@ -479,10 +480,7 @@ _comms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def get_comm(group: dist.ProcessGroup | None, device: torch.device, transport: str | None = None) -> Comm:
     """The :class:`Comm` of ``group`` for ``device`` and ``transport`` (``None``:
     ``$FASTREDUCE_TRANSPORT``, else ``auto``), made on first use and then shared."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("torch.distributed is not initialized: call "
-                           "fastreduce.init_distributed() (or torch.distributed.init_process_group) "
-                           "on every rank first, e.g. in a script launched with torchrun")
+    require_distributed()
     pg = group or dist.group.WORLD
     per_pg = _comms.setdefault(pg, {})
     key = (torch.device(device), resolve_transport(transport))

@@ -40,7 +40,7 @@ from ..buffer import attached
 from ..comm import Pending, wants_shm
 from ..comm.quantized import QuantMean
 from ..compiling import ModeCut, keep_cut, uncut_graphs
-from ..engine import GroupSnapshot
+from ..engine import GroupSnapshot, require_distributed
 from ..faults import guarded, wait_watched
 from ..hooks import optional_before_forward, remove_hooks
 from ..grads import FiniteCheck, NonFiniteGradError, adopt, attach_used, first_nonfinite, nonfinite_error
@@ -126,10 +126,7 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
     def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None, **config: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() (or "
-                               "torch.distributed.init_process_group) on every rank first, e.g. in a script "
-                               "launched with torchrun")
+        require_distributed()
         self.config = ReducerConfig(**config)
         self.model = model
         self.group = group

@@ -47,6 +47,7 @@ from ..buffer import TensorBlock
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..compiling import cut_graphs, keep_cut, uncut_graphs
+from ..engine import require_distributed
 from ..faults import guarded
 from ..grads import FiniteCheck, NonFinite, NonFiniteGradError, check_nonfinite, one_device, start_from_rank0
 from ..hooks import eager_methods, on_grad_ready, remove_hooks
@@ -153,9 +154,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self._quant = check_wire(wire_dtype, "DecentralizedDataParallel")
         check_bucket_mb(bucket_mb)  # before any buffer or hook exists
         self._compensate = bool(error_feedback)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
-                               "(or torch.distributed.init_process_group) on every rank first")
+        require_distributed()
         if grad_clip_norm < 0:
             raise ValueError(f"grad_clip_norm must be >= 0, got {grad_clip_norm}")
         self.module = model

@@ -50,7 +50,7 @@ from .local_scaler import LocalScaler
 from .local_state import RESEND, LocalState
 
 __all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
-           "require_distributed", "trainable"]
+           "trainable"]
 
 BUFFERS = ("average", "local")
 
@@ -439,8 +439,3 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
             return sum(w.numel() * w.element_size() for w in self._frag_wire)
         return sum(f.numel() * f.element_size() for f in self._whole_flats())
 
-
-def require_distributed() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
-                           "(or torch.distributed.init_process_group) on every rank first")

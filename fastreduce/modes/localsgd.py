@@ -27,10 +27,11 @@ from torch import nn
 from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
+from ..engine import require_distributed
 from ..faults import all_reduce_watched, guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
 from ..hooks import on_grad_ready, on_step, remove_hooks
-from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, require_distributed, trainable
+from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, trainable
 
 __all__ = ["LocalSGD"]
 

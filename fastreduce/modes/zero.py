@@ -48,7 +48,7 @@ from ..buffer import FusedBuffer, params_as_views
 from ..codecs.quant import BlockQuant
 from ..comm import Pending, complete, get_comm
 from ..compiling import graphs_wait, keep_cut, recut, uncut_graphs, wait_in_graphs
-from ..engine import GroupSnapshot
+from ..engine import GroupSnapshot, require_distributed
 from ..faults import all_reduce_watched, guarded
 from ..grads import FiniteCheck, NonFinite, check_grad, check_nonfinite, one_device
 from ..hooks import forward_waits, remove_hooks, stand_down
@@ -169,9 +169,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self.last_step_skipped = False  # the last step() was skipped (nonfinite="skip", or the scaler's inf)
         self.stats = CommStats()
         """Bytes this rank's reduce-scatters and all-gathers were handed, seconds waited on them."""
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torch.distributed is not initialized: call fastreduce.init_distributed() "
-                               "(or torch.distributed.init_process_group) on every rank first")
+        require_distributed()
         params = [{**g, "params": _listed(g["params"])} if isinstance(g, dict) and "params" in g else g
                   for g in params]  # (read more than once below: a group's generator too)
         if dist.get_world_size(group) > 1:  # one rank: the plain optimizer, its own kernel
