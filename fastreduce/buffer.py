@@ -213,12 +213,8 @@ def params_as_views(layout: GradLayout, alloc: Callable[[int, torch.dtype], torc
 
 
 def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """One fused ``_foreach_copy_`` (torch >= 2.2); a plain loop on older torch."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(list(dsts), list(srcs))
-    else:  # pragma: no cover - torch 2.1 only
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
+    """One fused ``_foreach_copy_`` of ``srcs`` into ``dsts``."""
+    torch._foreach_copy_(list(dsts), list(srcs))
 
 
 class TensorBlock:

@@ -13,19 +13,15 @@ from torch.profiler import record_function
 
 from .torch_internals import profiler_enabled
 
-__all__ = ["profiling", "span"]
+__all__ = ["span"]
 
 _NULL = nullcontext()
 
 
-def profiling() -> bool:
-    """Is a profiler recording: on this thread, or anywhere in the process (a profile
-    taken with ``profile_all_threads=True`` also records fastreduce's worker thread)?"""
-    return profiler_enabled()
-
-
 def span(name: str) -> AbstractContextManager:
-    """``record_function(name)`` while a profiler records, else a no-op context."""
-    if profiling():
+    """``record_function(name)`` while a profiler records (on this thread, or anywhere in the
+    process: a profile taken with ``profile_all_threads=True`` also records fastreduce's
+    worker thread), else a no-op context."""
+    if profiler_enabled():
         return record_function(name)
     return _NULL

@@ -108,9 +108,6 @@ class BlockQuant:
             raise ValueError(f"unknown quantized format {self.fmt!r}; the formats are {', '.join(FORMATS)}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 8 or self.block % 8:
             raise ValueError(f"the quantization block must be a multiple of 8, at least 8; got {self.block!r}")
-        if self.fmt in _FP8 and not hasattr(torch, _FP8[self.fmt]):
-            raise ValueError(f"{self.fmt} needs torch.{_FP8[self.fmt]}, which this torch ({torch.__version__}) "
-                             "lacks; use 'int8'")
 
     @property
     def bits(self) -> int:

@@ -27,7 +27,6 @@ class Shard:
     """Rank r's chunk of one bucket."""
 
     group: int  # param group index
-    seg: int  # layout segment (= bucket) index
     params: torch.Tensor  # the bucket's slice of the flat parameter buffer
     master: torch.Tensor  # chunk r of ``params`` (a view), or its fp32 copy
     out: torch.Tensor | None  # where the reduce-scatter puts chunk r (None: the wire itself)
@@ -59,5 +58,5 @@ def make_shards(layout: GradLayout, flats: list[torch.Tensor], buckets: list[Buc
         out = None if (master.dtype == bucket.wire.dtype and not separate_out) else \
             torch.zeros(c, dtype=master.dtype, device=master.device)
         master.grad = bucket.wire[rank * c:(rank + 1) * c] if out is None else out
-        shards.append(Shard(groups[s], s, flat, master, out, alloc(seg.numel, gather) if narrow else None))
+        shards.append(Shard(groups[s], flat, master, out, alloc(seg.numel, gather) if narrow else None))
     return shards
