@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .checks import check_int
 from .checkpoint_folders import FORMAT, MARKER, complete_steps, first_difference, fresh_folder, inspect_folder
 from .checkpoint_folders import step_folder, step_folders
 from .checkpoint_ranks import every_rank_says, on_rank0, current_rank, current_world
@@ -129,8 +130,7 @@ class Checkpointer:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        check_int("keep", keep, 1)
         extras = dict(extras or {})
         for name, obj in extras.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -176,8 +176,7 @@ class Checkpointer:
         the folder."""
         import torch.distributed.checkpoint as dcp
 
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        check_int("step", step, 0)
         t0 = time.perf_counter()
         path = step_folder(self.directory, step)
         on_rank0(lambda: fresh_folder(path))  # what a killed save of this step left, gone

@@ -40,6 +40,7 @@ import torch
 
 from .admission import Admission
 from .checkpoint_folders import step_folder, step_folders
+from .checks import check_int
 from .checkpoint_state import capture_rng_state, restore_rng_state
 from .coordinator import Epoch, MembershipError
 from .member import Member
@@ -74,8 +75,7 @@ class JobCheckpoints:
 
     def __init__(self, directory: str | os.PathLike, every: int, *, keep: int = 2):
         for name, v in (("every", every), ("keep", keep)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"JobCheckpoints: {name} must be an integer >= 1, got {v!r}")
+            check_int(f"JobCheckpoints: {name}", v, 1)
         self.directory, self.every, self.keep = os.fspath(directory), every, keep
 
     def due(self, step: int) -> bool:

@@ -29,13 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buffer import slot_view
+from ..checks import check_int
 from ..codecs.quant import check_wire, wire_format
 from ..codecs.sparse import SparseLoCo
 from ..engine import require_distributed
 from ..faults import guarded
 from ..grads import NonFinite, check_nonfinite, one_device
 from ..layout import counted, wire_word
-from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, optimizer_params, trainable
+from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, optimizer_params, trainable
 from .local_state import RESEND
 
 __all__ = ["DiLoCo"]

@@ -49,19 +49,13 @@ from .local_nonfinite import LocalNonFinite
 from .local_scaler import LocalScaler
 from .local_state import RESEND, LocalState
 
-__all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "check_int", "optimizer_params",
+__all__ = ["BUFFERS", "SYNC_LOST", "LocalUpdates", "check_inner", "optimizer_params",
            "trainable"]
 
 BUFFERS = ("average", "local")
 
 
 # ---------------------------------------------------------------------- checks
-
-
-def check_int(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return value
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

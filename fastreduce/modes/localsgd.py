@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import check_int
 from ..codecs.quant import check_wire
 from ..codecs.sparse import SparseLoCo
 from ..comm import Comm, get_comm, resolve_transport
@@ -31,7 +32,7 @@ from ..engine import require_distributed
 from ..faults import all_reduce_watched, guarded
 from ..grads import NonFinite, agree_first, check_nonfinite, first_nonfinite, nonfinite_error, one_device
 from ..hooks import on_grad_ready, on_step, remove_hooks
-from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, check_int, trainable
+from .local import BUFFERS, SYNC_LOST, LocalUpdates, check_inner, trainable
 
 __all__ = ["LocalSGD"]
 

@@ -88,6 +88,8 @@ from typing import ClassVar, TypeVar
 
 import torch
 
+from ..checks import check_int
+
 __all__ = [
     "TOPOLOGIES",
     "AlternatingExpRing",
@@ -137,11 +139,11 @@ class Topology(ABC):
     )
 
     def __post_init__(self) -> None:
-        _check_size("world_size", self.world_size)
+        check_int("world_size", self.world_size, 1)
         if self.local_world_size is not None:
-            _check_size("local_world_size", self.local_world_size)
+            check_int("local_world_size", self.local_world_size, 1)
         self.check_sizes()
-        _check_size("period", self.period)
+        check_int("period", self.period, 1)
         self._matrices = tuple(self._validated(step) for step in range(self.period))
 
     @property
@@ -205,11 +207,6 @@ class Topology(ABC):
             label = self.name or type(self).__name__
             raise ValueError(f"topology {label!r}: round {step} mixing matrix {problem}")
         return w.to(torch.float64)
-
-
-def _check_size(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
 
 
 def _stochastic_problem(w: torch.Tensor, n: int) -> str:
@@ -300,9 +297,9 @@ def make_topology(
         topo = make_topology("alternating-exp-ring", world_size=16, local_world_size=8)
         W = topo.mixing(round=3)
     """
-    _check_size("world_size", world_size)
+    check_int("world_size", world_size, 1)
     if local_world_size is not None:
-        _check_size("local_world_size", local_world_size)
+        check_int("local_world_size", local_world_size, 1)
     if isinstance(name_or_instance, Topology):
         return _checked_instance(name_or_instance, world_size, local_world_size)
     cls = TOPOLOGIES.get(name_or_instance)
@@ -366,7 +363,7 @@ def _one_peer_schedule(n: int) -> Schedule:
 
 def consensus_rounds(n: int) -> int:
     """Rounds T(n) after which ``one-peer-exp`` over n ranks is an exact average (T(1) = 0)."""
-    _check_size("n", n)
+    check_int("n", n, 1)
     return len(_one_peer_schedule(n))
 
 
