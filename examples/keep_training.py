@@ -304,6 +304,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
             torch.save(facts, Path(out) / f"member{index}.pt")
             return
         facts["joined_s"], facts["joined_at"] = time.perf_counter() - started, m.step
+        facts["name"] = m.epoch.members[m.rank]  # its name at the coordinator (what others' counters.lost hold)
         first_rank.append(m.rank if m.epoch.number == 0 else -1)
         (Path(out) / f"member{index}.joined").touch()
         say(f"joined epoch {m.epoch.number} as rank {m.rank} of {m.world} at step {m.step} "

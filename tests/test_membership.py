@@ -633,6 +633,22 @@ def test_a_member_that_leaves_is_out_at_the_next_poll_with_nothing_discarded(tmp
         assert torch.equal(final[0]["params"], final[1]["params"])
 
 
+def test_a_member_that_leaves_as_another_is_lost_counts_one_leave_and_one_loss(tmp_path: Path) -> None:
+    """Of 4 members, member 1 asks to leave at step 10 and member 2 dies between steps at the
+    same step: the survivors count 1 loss (member 2's, named) and 1 leave, never the leaver
+    as lost; member 1 is out, the replacement in, every final member bit-identical."""
+    found = run(tmp_path, "process_group", {1: ("leaves", 10), 2: ("between", 10)}, joiners=1, members=4)
+    assert 2 not in found and found[1]["left_at"] >= 10, sorted(found)
+    final = [found[i] for i in (0, 3, 4)]
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3, (f["steps"][-3:], f["world"])
+    for f in final[:2]:
+        c = f["counters"]
+        assert (c["losses"], c["leaves"], c["joins"]) == (1, 1, 1), c
+        assert len(c["lost"]) == 1 and found[1]["name"] not in c["lost"][0], c["lost"]
+    _same(final)
+
+
 @SLOW
 def test_an_extra_process_joins_a_running_job_and_the_world_grows(tmp_path: Path) -> None:
     """No loss: a fourth process joins the 3 members mid-run (started with them: whichever
