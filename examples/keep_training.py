@@ -320,6 +320,9 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                                               and m.epoch.number == 0 and m.rank in kill[2]):  # out at the next poll
                 say(f"asks to leave at step {m.step}")
                 m.leave()
+            if kill == ("evicted-frozen", m.step):  # asked to leave by the straggler policy, for it (as rank 0's asks)
+                say(f"is asked to leave at step {m.step}")
+                m.votes.ask_to_leave(m.epoch.members[m.rank])
             if m.step == 5 and "connections" not in facts:  # (its connections made apart are made by then)
                 facts["connections"] = connections_to(port)
             if kill == ("between", m.step):
@@ -337,7 +340,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                     die()
                 if kill == ("slow", m.step):  # a long step: it sees a loss well after the others
                     time.sleep(3)
-                if kill in (("frozen", m.step), ("leaves-frozen", m.step), ("frozen-past-end", m.step)):  # stopped
+                if kill in (("frozen", m.step), ("leaves-frozen", m.step), ("evicted-frozen", m.step),
+                            ("frozen-past-end", m.step)):  # stopped
                     others = [Path(out) / f"member{i}.pt" for i in range(world) if i != index]
                     frozen_once(facts, m.step, say, "mid-step", others if kill[0] == "frozen-past-end" else [])
 

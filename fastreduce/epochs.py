@@ -130,14 +130,16 @@ class EpochChanges:
         frozen, a host cut off from them past the loss window) and formed it without it.
         Alive and back, it joins the job again as a new process does (a ticket, admitted at
         the members' next poll, their state sent it: its own is stale); one that asked to
-        leave (:meth:`~fastreduce.Membership.leave`) is out instead,
-        :attr:`~fastreduce.Membership.left` set, as is one that finds the job over (every
-        member closed while it was away). Either way it raises :class:`LeftOut`."""
-        if self.me.leaving:
-            log.warning("fastreduce: member %s was left out of epoch %d, as it had asked to leave", self.me.name,
-                        epoch.number)
+        leave (:meth:`~fastreduce.Membership.leave`) or was asked to (the straggler policy,
+        ``evict_slower_than``) is out instead, :attr:`~fastreduce.Membership.left` set, as is
+        one that finds the job over (every member closed while it was away). Either way it
+        raises :class:`LeftOut`."""
+        if self.votes.asked_to_leave():
+            log.warning("fastreduce: member %s was left out of epoch %d; it is out: %s", self.me.name,
+                        epoch.number, self._leave_why())
+            self.votes.forget_leave_request()  # (no poll will serve it: this member is in no epoch)
             self.pulse.down()
-            self.me.out("it called leave()")
+            self.me.out(self._leave_why())
             raise LeftOut(self.me.name)
         log.warning("fastreduce: member %s was left out of epoch %d (the others found it silent: frozen, or cut off "
                     "from them); it joins the job again, taking the members' state", self.me.name, epoch.number)
@@ -423,8 +425,12 @@ class EpochChanges:
         self.leave_group(abandon=False)
         self.pulse.down()
         self.me.kept_mode = (None, "")
-        self.me.out("it called leave()" if self.me.leaving else "the straggler policy, evict_slower_than, asked it "
-                    "to leave: it worked slower than the others")
+        self.me.out(self._leave_why())
+
+    def _leave_why(self) -> str:
+        """Why this member, asked to leave, is out (:meth:`~.member.Member.out`)."""
+        return "it called leave()" if self.me.leaving else \
+            "the straggler policy, evict_slower_than, asked it to leave: it worked slower than the others"
 
     def close_mode(self, drain: bool = True) -> None:
         self.me.mode.close(drain=drain)  # every mode's (``drain=False``: a peer was lost, nothing waited for)

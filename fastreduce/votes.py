@@ -103,6 +103,11 @@ class Votes:
         self.link.call(self.link.store.set, f"{_LEAVING}/{member or self.me.name}", "1")
         self.link.call(self.link.store.add, _LEAVING, 1)
 
+    def asked_to_leave(self) -> bool:
+        """Whether this member asked to leave, or was asked to (the straggler policy's request
+        under its name, :class:`~fastreduce.status.Evictions`), and no poll let it go yet."""
+        return self.me.leaving or bool(self.link.call(self.link.store.check, [f"{_LEAVING}/{self.me.name}"]))
+
     def forget_leave_request(self) -> None:
         """Delete a request to leave under this member's name: an earlier process's of that
         name (``member=``), lost before the poll that would have let it go, which would vote

@@ -797,11 +797,13 @@ def test_a_member_frozen_as_it_enters_an_epoch_goes_no_further_into_it_and_joins
     _same(final)
 
 
-def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path) -> None:
-    """Member 2 asks to leave at step 10 and is stopped whole in that step (4 s), before a poll
-    answered its request: the others lose it and go on at 2; thawed and left out of their
-    epoch, it is out as it asked (``m.left``), not back in the job, and ends with no error."""
-    found = run(tmp_path, "process_group", {2: ("leaves-frozen", 10)}, joiners=0, steps=300)
+@pytest.mark.parametrize("asked", ["leaves-frozen", "evicted-frozen"])
+def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path, asked: str) -> None:
+    """Member 2 asks to leave at step 10 (or is asked to, as the straggler policy asks) and is
+    stopped whole in that step (4 s), before a poll answered the request: the others lose it
+    and go on at 2; thawed and left out of their epoch, it is out as asked (``m.left``), not
+    back in the job (where the policy's spare took its place), and ends with no error."""
+    found = run(tmp_path, "process_group", {2: (asked, 10)}, joiners=0, steps=300)
     leaver, final = found[2], [found[0], found[1]]
     assert leaver["froze"] == 10 and leaver["left_at"] >= 10 and leaver["counters"]["rejoins"] == 0, leaver
     for f in final:
