@@ -333,8 +333,11 @@ class _Connection:
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` posted to ``/v3/<path>`` at the first endpoint that answers (from the one
         that answered last), or :class:`StoreUnreachable` once none has for ``unavailable_after_s``
-        (after one, each endpoint is asked once: a member stopping makes its last requests in
-        about a second each, not in ``unavailable_after_s``)."""
+        and each has been asked (a request that waited for the connection, or whose process was
+        stopped as it was made, is not given up after one endpoint: a member frozen past the
+        bound, its first endpoint gone meanwhile, stopped the job's chaos run that way); after
+        one, each endpoint is asked once: a member stopping makes its last requests in about a
+        second each, not in ``unavailable_after_s``."""
         start, tried, last = time.monotonic(), 0, ""
         while True:
             endpoint = self.endpoints[self.at]
@@ -360,7 +363,7 @@ class _Connection:
             self.at = (self.at + 1) % len(self.endpoints)
             if self.down is not None and tried >= len(self.endpoints):
                 raise self.down
-            if time.monotonic() - start >= self.unavailable_after_s:
+            if time.monotonic() - start >= self.unavailable_after_s and tried >= len(self.endpoints):
                 self.down = StoreUnreachable(
                     f"fastreduce: no etcd endpoint of {', '.join(self.endpoints)} answered for "
                     f"{self.unavailable_after_s:g} s ({tried} tries; last {last}): the etcd cluster lost its "

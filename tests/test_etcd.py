@@ -11,6 +11,7 @@ each recording the digest of its parameters at every step it commits and when.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -344,6 +345,25 @@ def test_addresses_and_a_cluster_out_of_reach_are_clear_errors() -> None:
     assert time.monotonic() - t0 < 10
     with pytest.raises(StoreUnreachable, match="lost its quorum"):
         EtcdStore(["127.0.0.1:1"], unavailable_after_s=0.2).set("k", "v")
+
+
+def test_a_request_past_the_bound_at_a_silent_endpoint_asks_the_others_before_it_gives_up(one: EtcdCluster) -> None:
+    """A first endpoint that accepts and never answers, its one try past ``unavailable_after_s``
+    (as a request made just before its process was stopped comes back past it): the store asks
+    the live endpoint before calling etcd unreachable. Each store starts at an endpoint of its
+    own (by its client id): of 8, some start at the silent one."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts (the backlog), never reads or answers
+    try:
+        endpoints, job = parse_address(one.address("silent-first"))
+        for i in range(8):
+            store = EtcdStore([f"127.0.0.1:{silent.getsockname()[1]}", *endpoints], job, request_timeout_s=0.3,
+                              unavailable_after_s=0.1)
+            store.set(f"k{i}", "v")
+            assert store.get(f"k{i}") == b"v"
+    finally:
+        silent.close()
 
 
 def _wait_steps(cluster: EtcdCluster, job: str, steps: int, procs: list) -> None:
