@@ -335,7 +335,7 @@ class _Connection:
         that answered last), or :class:`StoreUnreachable` once none has for ``unavailable_after_s``
         and each has been asked (a request that waited for the connection, or whose process was
         stopped as it was made, is not given up after one endpoint: a member frozen past the
-        bound, its first endpoint gone meanwhile, stopped the job's chaos run that way); after
+        bound, its connection closed meanwhile, stopped in the chaos run that way); after
         one, each endpoint is asked once: a member stopping makes its last requests in about a
         second each, not in ``unavailable_after_s``."""
         start, tried, last = time.monotonic(), 0, ""
