@@ -23,7 +23,7 @@ from fastreduce.faults_errors import StoreUnreachable
 from fastreduce.lifecycle import JOIN_S
 
 __all__ = ["COORDINATOR_ENV", "TICKETS", "CoordinatorLink", "Epoch", "MembershipError", "connect", "default_poll_s",
-           "group_prefix", "serve", "ticket_key"]
+           "group_prefix", "group_store", "serve", "ticket_key"]
 
 COORDINATOR_ENV = "FASTREDUCE_COORDINATOR"
 """``host:port`` of the coordinator, where :class:`~fastreduce.Membership` is given none."""
@@ -33,6 +33,13 @@ MEMBERS_PREFIX = "fastreduce/members/"
 def group_prefix(number: int) -> str:
     """The prefix of epoch ``number``'s process group's keys on the coordinator."""
     return MEMBERS_PREFIX + f"e{number}/pg/"
+
+
+def group_store(number: int, store: Any) -> Any:
+    """Epoch ``number``'s default group's store as its members see it, over ``store`` (a
+    connection to the coordinator): for a reader outside the group, or a member's connection
+    of its own."""
+    return torch_internals.default_group_store(dist.PrefixStore(group_prefix(number), store))
 
 
 def epoch_key(number: int) -> str:
@@ -229,9 +236,7 @@ class CoordinatorLink:
         answer stalls the whole job that long (a dropped query: 5 s). A heartbeat connection
         per epoch did that at every epoch change."""
         conn = self._beats.wait(0)
-        if conn is None:
-            return None
-        return torch_internals.default_group_store(dist.PrefixStore(group_prefix(number), conn))
+        return None if conn is None else group_store(number, conn)
 
     def await_key(self, key: str, timeout_s: float, what: str) -> str:
         if not self.wait(key, timeout_s):

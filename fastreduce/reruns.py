@@ -39,14 +39,13 @@ import logging
 import time
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 import fastreduce.faults as faults
 import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.process_identity as process_identity
 import fastreduce.torch_internals as torch_internals
 
-from .coordinator import TICKETS, CoordinatorLink, Epoch, MembershipError, epoch_key, group_prefix, ticket_key
+from .coordinator import (TICKETS, CoordinatorLink, Epoch, MembershipError, epoch_key, group_prefix, group_store,
+                          ticket_key)
 from .etcd_store import EtcdStore
 from .lifecycle import RESTING
 from .presence import pulse_key, who_key
@@ -180,10 +179,9 @@ def _in_group(store: Any, epoch: Epoch, keys: dict[str, str]) -> tuple[Any, dict
     """Where to read ``keys`` (member -> key) of ``epoch``'s default group, and their names
     there: on etcd, the job's store and their whole names (:func:`_read` waits for none); else
     the group's store."""
-    prefix = group_prefix(epoch.number)
     if isinstance(store, EtcdStore):
-        return store, {m: torch_internals.default_group_key(prefix, k) for m, k in keys.items()}
-    return torch_internals.default_group_store(dist.PrefixStore(prefix, store)), keys
+        return store, {m: torch_internals.default_group_key(group_prefix(epoch.number), k) for m, k in keys.items()}
+    return group_store(epoch.number, store), keys
 
 
 def _read(link: CoordinatorLink, store: Any, keys: list[str]) -> list[bytes | None]:
