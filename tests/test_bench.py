@@ -1144,3 +1144,25 @@ def test_chaos_figures_count_a_loss_a_spare_or_a_redone_sync_hid() -> None:
     assert got[0]["stall_s"] == pytest.approx(1.49) and got[0]["membership_stall_s"] == 0.4
     del r["why"]  # a record from before this was recorded: as before, none seen
     assert _losses({0: r}, 0.01) == []
+
+
+def test_chaos_figures_count_one_loss_where_a_member_evicted_at_the_next_poll_saw_it() -> None:
+    """A kill at step 2 fails it on every member (epoch 1 formed at the loss); at the step's
+    retry, epoch 1's first poll lets the evicted straggler go: it commits in epoch 1 and is
+    out, the others commit and form epoch 2 without it. One loss, at epoch 1, seen by all
+    three (the epoch each commit ended in would have made two: chaos seed 8 on etcd). An
+    epoch formed at a loss while the one formed at a poll was entered comes after it."""
+    from fastreduce.bench.chaos import _loss_epoch, _losses
+
+    def rec(rows: list[tuple[bool, int, int, list[str]]]) -> dict:  # (committed, world, epoch, why)
+        return {"iters": [(t + 0.99, t + 1.0, ok, w) for t, (ok, w, _, _) in enumerate(rows)],
+                "epochs": [e for _, _, e, _ in rows], "why": [y for *_, y in rows],
+                "at": [(i - (i > 2), i - (i > 2) + ok) for i, (ok, *_) in enumerate(rows)], "counters": {"stalls": []}}
+
+    head = [(True, 4, 0, []), (True, 4, 0, []), (False, 3, 1, ["loss"])]
+    others = rec(head + [(True, 3, 2, ["leave"]), (True, 2, 2, [])])
+    evicted = rec(head + [(True, 3, 1, [])])
+    got = _losses({0: others, 1: others, 2: evicted}, 0.01, left=2)
+    assert [(e["epoch"], e["members"], e["discarded"], e["at_step"]) for e in got] == [(1, 3, 1, 2)]
+    nested = rec(head[:2] + [(False, 3, 2, ["loss", "join"])])  # a poll's epoch 1 entered, a loss formed 2
+    assert _loss_epoch(nested, 2, 2) == 2 and _loss_epoch(others, 2, 3) == 1 and _loss_epoch(evicted, 2, 3) == 1

@@ -543,8 +543,8 @@ def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
     """The losses one member lived through: the first step discarded, with fewer members
     than the step before, or whose commit entered an epoch formed at a loss (a warm spare
     in the lost one's place, a local-update mode's sync run again: no step discarded, the
-    world as large), the steps discarded up to the next committed one, the epoch that one
-    is in, the stall (as in the faults suite)."""
+    world as large), the steps discarded up to the next committed one, the epoch formed at
+    the loss (:func:`_loss_epoch`), the stall (as in the faults suite)."""
     iters, events, i = r["iters"], [], 0
     why = r.get("why") or [[] for _ in iters]
     while i < len(iters):
@@ -556,10 +556,27 @@ def _loss_events(r: dict[str, Any], median: float) -> list[dict[str, Any]]:
         if j is None:
             break
         before = iters[i - 1][1] if i else iters[i][0]
-        events.append({"epoch": r["epochs"][j], "discarded": j - i, "stall_s": iters[j][1] - before - median,
+        events.append({"epoch": _loss_epoch(r, i, j), "discarded": j - i, "stall_s": iters[j][1] - before - median,
                        "at_step": r["at"][i][0], "at_s": iters[i][0]})
         i = j + 1
     return events
+
+
+def _loss_epoch(r: dict[str, Any], i: int, j: int) -> int:
+    """The epoch formed at the loss of the event that begins at iteration ``i`` and ends
+    with the commit of iteration ``j`` (the key by which the members' views of one loss are
+    merged): the survivors form it together, whereas the epoch the commit ended in can
+    differ between them (a member evicted at that commit's poll stays in it, the others
+    form one more without it). The epochs an iteration formed follow the last one's
+    number; ``why`` lists them inner first (an epoch formed at a loss while another was
+    entered comes before the outer one), so the loss's comes after those formed at a poll.
+    Without a loss named (a shrink at a leave): the epoch the commit ended in."""
+    why = r.get("why") or []
+    k = next((k for k in range(i, j + 1) if k < len(why) and "loss" in why[k]), None)
+    if k is None:
+        return r["epochs"][j]
+    prev = r["epochs"][k - 1] if k else r["epochs"][k] - len(why[k])
+    return prev + 1 + sum(w != "loss" for w in why[k])
 
 
 def _losses(records: dict[int, dict[str, Any]], median: float, left: int | None = None) -> list[dict[str, Any]]:
