@@ -59,6 +59,7 @@ from .checkpoint_state import _TensorAt  # noqa: F401 - pickled as fastreduce.ch
 from .modes.contract import commit_style, mode_name, optimizer_role, state_scope
 from .modes.functional import functional_state, load_functional_state
 from .nested import map_leaves
+from .torch_internals import with_metadata_of
 
 __all__ = ["Checkpointer", "CheckpointDamagedError", "CheckpointMismatchError"]
 
@@ -408,9 +409,8 @@ class Checkpointer:
         same_world, per_rank = saved["world_size"] == world, self.scope == "per_rank"
         mine = unpack_tree(state, f"rank{src}")
         if not per_rank:
-            model = OrderedDict(state["model"])
+            model = with_metadata_of(OrderedDict(state["model"]), self.model)
             model.update(mine.get("buffers", {}))
-            model._metadata = getattr(self.model.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
             self.model.load_state_dict(model)
         for live, staged in ranges:
             live.copy_(staged)

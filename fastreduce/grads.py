@@ -25,7 +25,7 @@ from .comm import broadcast_from_rank0
 from .faults import all_reduce_watched
 from .hooks import on_grad_ready, remove_hooks
 from .layout import GradLayout
-from .torch_internals import at_backward_end
+from .torch_internals import at_backward_end, non_finite_check_and_unscale_
 
 __all__ = ["NONFINITE", "FiniteCheck", "NonFinite", "NonFiniteGradError", "Reattach", "adopt", "agree_first",
            "attach_used", "check_grad", "check_grads", "check_nonfinite", "first_nonfinite", "missing_message",
@@ -68,8 +68,7 @@ class FiniteCheck:
         for t in tensors:  # a few flat buffers, or one list per dtype
             dtypes.setdefault(t.dtype, []).append(t)
         for same in dtypes.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, self.found,
-                                                             self.unit if inv_scale is None else inv_scale)
+            non_finite_check_and_unscale_(same, self.found, self.unit if inv_scale is None else inv_scale)
         return self.found
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:

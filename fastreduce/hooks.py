@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from .torch_internals import compiled_inner
+from .torch_internals import compiled_in_place, compiled_inner
 
 __all__ = ["before_forward", "compiled", "eager", "eager_methods", "forward_waits", "on_grad_ready", "on_step",
            "optional_before_forward", "remove_hooks", "stand_down"]
@@ -103,7 +103,7 @@ def optional_before_forward(module: torch.nn.Module, fn: Callable[[], None]) -> 
 
 def compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``-d (the returned wrapper, or ``module.compile()``)."""
-    return compiled_inner(module) is not module or getattr(module, "_compiled_call_impl", None) is not None
+    return compiled_inner(module) is not module or compiled_in_place(module)
 
 
 def on_step(optimizer: torch.optim.Optimizer, *, pre: Callable[..., Any] | None = None,

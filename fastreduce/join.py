@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .faults import wait_watched
+from .torch_internals import disabled_join_config
 
 __all__ = ["JoinableMode", "sync_from_last_joiner"]
 
@@ -50,7 +51,7 @@ class JoinableMode(Joinable):
     meanwhile) and optionally ``_join_finish(is_last_joiner)`` and ``_join_check()``.
     """
 
-    _join_config: _JoinConfig
+    _join_config: Any  # torch's _JoinConfig
     _join_group: dist.ProcessGroup | None
     _join_dev: torch.device
 
@@ -63,7 +64,7 @@ class JoinableMode(Joinable):
         return self._join_config.enable
 
     def _init_join(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._join_config = disabled_join_config()
         self._join_group = group
         self._join_dev = torch.device(device)
         self._join_count: tuple[Any, torch.Tensor] | None = None  # (work, ones) of this iteration
@@ -150,7 +151,7 @@ class JoinableMode(Joinable):
             torch._foreach_mul_(bufs, factor)
 
     def _join_reset(self) -> None:
-        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._join_config = disabled_join_config()
         self._join_count = None
         self._join_ratio = 1.0
         self._join_joined = False

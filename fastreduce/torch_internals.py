@@ -19,12 +19,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
+from torch.utils._python_dispatch import TorchDispatchMode  # (a mode that sees every op: backends/checked.py)
+from torch.utils._pytree import tree_flatten  # (the tensors in an op's nested arguments)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "abandon_groups", "at_backward_end", "compiled_inner", "ddp_first_bucket_bytes",
-           "default_group_key", "default_group_store", "default_store", "disabled_torch_function", "group_timeout", "in_backward", "is_abandoned",
-           "make_wrapper_subclass", "parameter_slots", "profiler_enabled", "release_abandoned", "scale_handed",
-           "scale_handed_back", "scaler_always_steps", "scaler_steps_fused", "store_base",
-           "unsafe_preserve_version_counter"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TorchDispatchMode", "abandon_groups", "at_backward_end", "compiled_in_place", "compiled_inner",
+           "ddp_first_bucket_bytes", "ddp_ignored_names", "default_group_key", "default_group_store", "default_store",
+           "disabled_join_config", "disabled_torch_function", "group_timeout", "in_backward", "is_abandoned",
+           "make_wrapper_subclass", "non_finite_check_and_unscale_", "op_schema", "parameter_slots",
+           "profiler_enabled", "release_abandoned", "scale_handed", "scale_handed_back", "scaler_always_steps",
+           "scaler_found_inf", "scaler_scale", "scaler_steps_fused", "store_base", "sync_params_and_buffers",
+           "tree_flatten", "unsafe_preserve_version_counter", "with_metadata_of"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -193,10 +197,67 @@ def scale_handed_back(optimizer: torch.optim.Optimizer, handed: tuple[torch.Tens
     optimizer.grad_scale, optimizer.found_inf = handed
 
 
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """A ``GradScaler``'s scale as the tensor it multiplies by (``get_scale()`` would wait for
+    the device and return a float), or ``None`` before it has scaled a loss."""
+    return scaler._scale
+
+
+def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The inf flags (one per device) that ``scaler`` recorded for ``optimizer`` this step:
+    what its ``update()`` reads to lower the scale."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
+def non_finite_check_and_unscale_(tensors: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``GradScaler``'s own kernel over ``tensors`` (one dtype, one device): ``found`` set to
+    1.0 where any holds an inf or NaN, each multiplied by ``inv_scale`` in place."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+
+
+def sync_params_and_buffers(group: Any, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:
+    """DDP's broadcast of ``tensors`` from rank ``src`` of ``group`` in buckets of
+    ``bucket_bytes`` (what it runs over a module's buffers)."""
+    from torch.distributed.utils import _sync_params_and_buffers
+    _sync_params_and_buffers(group, tensors, bucket_bytes, src=src)
+
+
+def ddp_ignored_names(module: torch.nn.Module) -> set[str]:
+    """The names of the parameters and buffers DDP is told to leave alone on ``module``
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def with_metadata_of(state: Any, module: torch.nn.Module) -> Any:
+    """``state`` (an ``OrderedDict`` for ``module.load_state_dict``) given the version
+    metadata that ``module.state_dict()`` carries, by which a module converts an older
+    layout as it loads."""
+    state._metadata = getattr(module.state_dict(), "_metadata", None)
+    return state
+
+
+def disabled_join_config() -> Any:
+    """What ``Joinable.join_config`` holds outside torch's ``Join`` context (every
+    Join-aware operation off)."""
+    from torch.distributed.algorithms.join import _JoinConfig
+    return _JoinConfig.construct_disabled_join_config()
+
+
+def op_schema(func: Any) -> Any:
+    """The schema of an ATen operator as a dispatch mode receives it (which arguments it
+    writes: ``is_mutable``, ``arguments[i].alias_info``)."""
+    return func._schema
+
+
 def compiled_inner(module: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else ``module``
     itself: the wrapper names each parameter ``_orig_mod.<its name>``."""
     return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place (its compiled call kept on it)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..torch_internals import TorchDispatchMode, op_schema, tree_flatten
 
 __all__ = ["CheckedBackend", "GraphContractError"]
 
@@ -49,7 +49,7 @@ def _written(schema: Any, args: tuple, kwargs: dict) -> Any:
 
 def _mutates_only(func: Any) -> bool:
     """True for in-place/out= ops and views: the ops a graph over fixed buffers may hold."""
-    schema = func._schema
+    schema = op_schema(func)
     if schema.is_mutable:
         return True
     return all(r.alias_info is not None for r in schema.returns)
@@ -70,8 +70,8 @@ class _Recorder(TorchDispatchMode):
             if not _mutates_only(func):
                 raise GraphContractError(f"captured function allocates ({func}); graphs "
                                          "must only read and write persistent buffers")
-            if func._schema.is_mutable:
-                return _written(func._schema, args, kwargs)
+            if op_schema(func).is_mutable:
+                return _written(op_schema(func), args, kwargs)
             return func(*args, **kwargs)
         if i >= len(self.expected) or self.expected[i] != fp:
             want = self.expected[i] if i < len(self.expected) else "<nothing>"

@@ -45,12 +45,12 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.utils import _sync_params_and_buffers
 
 from ..comm import broadcast_from_rank0
 from ..compat import preserve_version_counters
 from ..lifecycle import shutdown
 from ..modes.fused import FusedReducer, ReducerConfig
+from ..torch_internals import ddp_ignored_names, sync_params_and_buffers
 from .lightning_checkpoints import CheckpointMixin
 from .lightning_membership import MembershipMixin, set_global_step
 from .lightning_optimizers import OptimizerMixin, by_norm_only
@@ -208,7 +208,7 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         assert isinstance(self.model, LightningModule)
         self._release()
         if _world() > 1:
-            ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+            ignore = ddp_ignored_names(self.model)
             state = list(self.model.named_parameters())
             if self._broadcast_buffers:
                 state += list(self.model.named_buffers())
@@ -365,11 +365,11 @@ class FastReduceStrategy(MembershipMixin, CheckpointMixin, OptimizerMixin, DDPSt
         if _world() <= 1:
             return
         assert self.model is not None
-        ignore = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+        ignore = ddp_ignored_names(self.model)
         bufs = [b.detach() for n, b in self.model.named_buffers() if n not in ignore]
         if bufs:
             with preserve_version_counters(bufs):
-                _sync_params_and_buffers(dist.group.WORLD, bufs, _BROADCAST_BUCKET_BYTES, src=0)
+                sync_params_and_buffers(dist.group.WORLD, bufs, _BROADCAST_BUCKET_BYTES, src=0)
 
     def _release(self) -> None:
         """Take the mode's hooks (and wrapper) off the module, parameters and optimizer, so

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..faults import all_reduce_watched
 from ..grads import agree_first, nonfinite_error
 from ..profiling import span
+from ..torch_internals import scaler_found_inf, scaler_scale
 
 __all__ = ["ZeroFinite"]
 
@@ -89,7 +90,7 @@ class ZeroFinite:
         scaler = self.scaler
         if scaler is None or self._found is not None or not scaler.is_enabled():
             return
-        scale = scaler._scale
+        scale = scaler_scale(scaler)
         if scale is None:  # the scaler has not scaled a loss yet
             return
         self._found = self._shard_flag(scale.double().reciprocal().float().to(self.device))
@@ -112,7 +113,6 @@ class ZeroFinite:
         assert found is not None
         # GradScaler.update() reads the inf flags it recorded from this rank's local
         # gradients; every rank must see the same verdict, or the scales drift apart.
-        state = self.scaler._per_optimizer_states[id(self)]
-        for flag in state["found_inf_per_device"].values():
+        for flag in scaler_found_inf(self.scaler, self):
             flag.copy_(found.reshape(flag.shape).to(flag.device))
         return bool(found.item())
