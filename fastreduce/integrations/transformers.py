@@ -143,7 +143,7 @@ class FastReduceMixin:
         self.fastreduce_mode: TrainerMode = make_mode(fastreduce_mode, fastreduce_config,  # a typo fails here
                                                       fastreduce_eval_params)
         """The mode (settings now; :attr:`TrainerMode.obj` is the mode object once training starts)."""
-        self._fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
+        self.fastreduce_model: torch.nn.Module | None = None  # the module the mode is built on
         self.fastreduce_membership: TrainerMembership | None = None
         """This trainer's side of ``fastreduce_membership`` (:mod:`fastreduce.integrations.membership`)."""
         if fastreduce_membership is not None:
@@ -184,7 +184,7 @@ class FastReduceMixin:
             if isinstance(model, ModeModule):
                 return model  # prepared by an earlier train()
             prepared = prepare_model_without_ddp(self.accelerator, model)
-            self._fastreduce_model = self.accelerator.unwrap_model(prepared, keep_torch_compile=False)
+            self.fastreduce_model = self.accelerator.unwrap_model(prepared, keep_torch_compile=False)
             return ModeModule(prepared, self.fastreduce_mode) if self.fastreduce_mode.wraps_module else prepared
         if not training or not self._fastreduce_world():
             return super()._wrap_model(model, training=training, dataloader=dataloader)
@@ -195,10 +195,10 @@ class FastReduceMixin:
             return model  # prepared by an earlier train() (e.g. compiled, or gossip's wrapper): keep it and its mode
         prepared = prepare_model_without_ddp(accelerator, model)
         inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
-        if inner is not self._fastreduce_model:
+        if inner is not self.fastreduce_model:
             mode.close()
             mode.obj = None
-            self._fastreduce_model = inner
+            self.fastreduce_model = inner
             broadcast_parameters(inner, mode.config.get("group"))
             self._fastreduce_build()
         return prepared if mode.obj is None else mode.module_to_call(prepared)
@@ -289,7 +289,7 @@ class FastReduceMixin:
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The Trainer's evaluation, on the ranks' mean parameters where each holds its own
         (or each rank's own: ``fastreduce_eval_params="own"``)."""
-        model = self._fastreduce_model
+        model = self.fastreduce_model
         own = model is None or self.fastreduce_membership is not None  # no collective outside a commit
         with contextlib.nullcontext() if own else self.fastreduce_mode.evaluating(model):
             return super().evaluate(*args, **kwargs)
@@ -348,7 +348,7 @@ class FastReduceMixin:
     def _fastreduce_build(self) -> None:
         """Build the mode once the model is prepared and (but for the fused modes) the
         optimizer exists; ``_wrap_model`` and ``create_optimizer`` come in either order."""
-        mode, model = self.fastreduce_mode, self._fastreduce_model
+        mode, model = self.fastreduce_mode, self.fastreduce_model
         if self.fastreduce_membership is not None or mode.obj is not None or model is None or \
                 (self.optimizer is None and optimizer_role(mode.cls) != "user"):  # (the reducers need none)
             return
@@ -391,10 +391,10 @@ class FastReduceMixin:
 
     def _fastreduce_checkpointer(self, output_dir: str) -> Any:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        return self.fastreduce_mode.checkpointer(os.path.join(output_dir, _FOLDER), self._fastreduce_model, optimizer)
+        return self.fastreduce_mode.checkpointer(os.path.join(output_dir, _FOLDER), self.fastreduce_model, optimizer)
 
     def _fastreduce_averaged(self) -> contextlib.AbstractContextManager:
-        model = self._fastreduce_model
+        model = self.fastreduce_model
         own = model is None or self.fastreduce_membership is not None  # no collective outside a commit
         return contextlib.nullcontext() if own else self.fastreduce_mode.averaged(model)
 

@@ -44,7 +44,7 @@ def membership_callback(trainer: Any) -> Any:
             if "unused_grads" in mode.settings() and "unused_grads" not in mode.config \
                     and args.ddp_find_unused_parameters:
                 mode.config["unused_grads"] = "zero"
-            step = glue.join(trainer._fastreduce_model, unwrapped(trainer.optimizer),
+            step = glue.join(trainer.fastreduce_model, unwrapped(trainer.optimizer),
                              [trainer.lr_scheduler], last_step=state.max_steps,
                              scaler=getattr(trainer.accelerator, "scaler", None), max_grad_norm=args.max_grad_norm)
             # transformers (4.55.4, 5.25.0 tested) sets these two from the step count only before

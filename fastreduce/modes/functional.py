@@ -103,7 +103,7 @@ def gradient_reducer(model: torch.nn.Module, fusion_buffer_dtype: torch.dtype | 
            use_hpu_graphs, backend, unused_grads, accumulate_dtype, transport, error_feedback, nonfinite, compression)
     reducer = cache.get(key)
     if reducer is None:
-        for old in [k for k, r in cache.items() if r._group_built.changed()]:
+        for old in [k for k, r in cache.items() if r.group_built.changed()]:
             cache.pop(old).close()  # built on a process group since destroyed and re-made
         extra = {} if transport is None else {"transport": transport}
         reducer = cache[key] = FusedReducer(model, group=group, wire_dtype=fusion_buffer_dtype,

@@ -131,7 +131,7 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
         self.model = model
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self._group_built = GroupSnapshot(group)
+        self.group_built = GroupSnapshot(group)
         self.stats = ReducerStats()
         self._built: Built | None = None
         self._syncing = True
@@ -183,7 +183,7 @@ class FusedReducer(ReducerState, FusedBuild, FusedJoin):
                                "gradients are left as they were")
         if self.world_size == 1:  # nothing to average: the gradients themselves checked
             return self.config.nonfinite == "ignore" or self._alone_finite()
-        self._group_built.check("FusedReducer")
+        self.group_built.check("FusedReducer")
         built = self._built
         if built is not None and not built.held():  # replaced or moved parameters: raised before any collective
             if built.schedule is not None:

@@ -27,6 +27,12 @@ class FusedJoin(JoinableMode):
         if factor != 1.0:
             torch._foreach_mul_(built.buffer.flats, factor)
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply this step's averaged gradients by ``factor``: a mode over this reducer
+        that runs its own Join count (LocalSGD's warm-up)."""
+        if self._built is not None:
+            self._scale_grads(self._built, factor)
+
     def _join_check(self) -> None:
         """Joinables communicate in the order listed, an overlapped reducer from backward: not as the fused step."""
         if self.config.overlap and self._built is not None and self._built.schedule is None:

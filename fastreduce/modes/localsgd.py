@@ -284,7 +284,7 @@ class LocalSGD(LocalUpdates):
             self.stats.wait_seconds += st.wait_seconds - waited
             if self.nonfinite != "ignore":
                 self._warm_verdict = finite  # the same on every rank: skip (or not) alike
-            self._reducer._scale_grads(self._reducer._built, self._join_factor())  # under Join
+            self._reducer.scale_grads(self._join_factor())  # under Join
             return True
         return False
 

@@ -181,10 +181,10 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self._shadowing = False  # a joined rank's step (Join): it used no parameter
         self._used_mask: torch.Tensor | None = None  # this step's parameters with a gradient on some rank
         self.optimizer_class = optimizer_class
-        self._kwargs = defaults
+        self.inner_kwargs = defaults
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self._group_built = GroupSnapshot(group)
+        self.group_built = GroupSnapshot(group)
         self.rank = dist.get_rank(group)
         self.overlap = overlap
         self.scaler = scaler
@@ -259,7 +259,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                                   gather=self.gather_dtype if self.world_size > 1 else None, alloc=comm.buffer)
         self.inner = ShardOptimizer(self.optimizer_class, self.param_groups, [s.group for s in self.shards],
                                     [s.master for s in self.shards],
-                                    [self._chunk_pieces(s, self.rank) for s in range(len(self.shards))], self._kwargs)
+                                    [self.pieces_of(s, self.rank) for s in range(len(self.shards))], self.inner_kwargs)
         self._build_grads(module, accumulate_dtype, quant, error_feedback)
         if module is not None:  # its forward waits for the gathers, compiled or not
             bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -345,7 +345,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                 self._held = None
             if not skip:
                 self._step_shards(used)
-                self._gather()
+                self.gather_params()
             self._last_clip = self._clip_args  # a joined rank repeats a step's clip only if it completed
         finally:  # done or raised, this step's gradients are spent: the next step reduces its own
             self._reduced, self._found, self._clip_args, self._used_mask = False, None, None, None
@@ -432,8 +432,9 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
 
     # ------------------------------------------------------------------ every step
 
-    def _gather(self) -> None:
-        """Copy the updated shard into the parameters and all-gather every bucket."""
+    def gather_params(self) -> None:
+        """Copy the updated shard into the parameters and launch every bucket's all-gather
+        (:meth:`wait_params` waits for them)."""
         W, r = self.world_size, self.rank
         for s in self.shards:
             if s.low:

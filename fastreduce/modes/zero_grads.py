@@ -63,7 +63,7 @@ class ZeroGradients:
     """The gradient half of :class:`~fastreduce.ZeroOptimizer` (a mixin).
 
     It reads what the optimizer built: ``layout``, ``buffer``, ``buckets``, ``shards``,
-    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``_group_built``, ``mirrors``, ``stats``, and
+    ``comm``, ``world_size``, ``rank``, ``overlap``, ``frozen``, ``group_built``, ``mirrors``, ``stats``, and
     the Join protocol (``_join_notify``, ``_join_factor``); it owns ``_schedule``,
     ``quantized``, ``_reattach``, ``grad_stats``, ``_syncing`` and ``_reduced``, and sets
     ``_used_mask`` in :meth:`_reduce` (which parameters some rank's backward reached this step;
@@ -226,7 +226,7 @@ class ZeroGradients:
             raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called inside "
                                "no_sync(): nothing would be averaged. Step after the no_sync() "
                                "block, once per accumulation window; nothing was changed")
-        self._group_built.check("ZeroOptimizer")
+        self.group_built.check("ZeroOptimizer")
         self.frozen.check(self._param_names, "ZeroOptimizer was built", "no shard holds them", "close() this "
                           "optimizer and build it again on every rank after changing requires_grad")
         if not self._params_held():  # replaced or moved parameters: raised before any collective of step()

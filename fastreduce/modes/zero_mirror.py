@@ -131,7 +131,7 @@ class ZeroMirror:
             m.grad = self.recv[d][at[d]:at[d] + m.numel()]
             at[d] += m.numel()
         self.inner = ShardOptimizer(opt.optimizer_class, opt.param_groups, [s.group for s in opt.shards], self.masters,
-                                    [opt._chunk_pieces(s, self.k) for s in range(len(opt.shards))], opt._kwargs)
+                                    [opt.pieces_of(s, self.k) for s in range(len(opt.shards))], opt.inner_kwargs)
 
     def grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.masters]
@@ -195,7 +195,7 @@ def held(opt: Any) -> dict[str, Any]:
         master = inner.masters[s]
         pieces = []
         for j, p in enumerate(inner.pieces[s]):
-            st = {} if p.index in opt._template else inner.state_of(s, j)
+            st = {} if p.index in opt.template else inner.state_of(s, j)
             tensors = {key: st[key].clone() if key in st else master.new_zeros(p.n) for key in inner.keys}
             tensors[MASTER_KEY] = master[p.at:p.at + p.n].clone()
             scalars = {key: v.clone() if torch.is_tensor(v) else v for key, v in st.items() if key not in inner.keys}
@@ -214,7 +214,7 @@ def _moves(opt: Any, d: int, pieces: dict[int, list[tuple[int, int, str]]]) -> l
     out = []
     for which, k in _copies(opt, d):
         for s in range(len(opt.shards)):
-            for p in opt._chunk_pieces(s, k):
+            for p in opt.pieces_of(s, k):
                 for off, n, chunk in pieces.get(p.index, ()):
                     x, y = max(p.start, off), min(p.start + p.n, off + n)
                     if x < y:
@@ -251,7 +251,7 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
                            f"({sorted({tuple(h['keys']) for h in chunks.values()})}): a bug, please report it")
     scalars = {i: sc for h in chunks.values() for i, _, _, sc in h["pieces"]}  # per parameter; None: no state yet
     first = holders[0]
-    opt._load_hyperparameters(first["param_groups"])  # (which state keys each group keeps follows them)
+    opt.load_hyperparameters(first["param_groups"])  # (which state keys each group keeps follows them)
     targets = {}  # (which, s, index) -> (piece, its master's range, its state: filled in place)
     for which, s, _, inner in _holdings(opt):
         for p, v in zip(inner.pieces[s], inner.views[s]):
@@ -301,9 +301,9 @@ def reshard(opt: Any, mine: dict[str, Any] | None) -> None:
     unstepped = {i for i, sc in scalars.items() if sc is None}
     for inner in {id(h[3]): h[3] for h in _holdings(opt)}.values():  # what had no state yet has none
         inner.drop(unstepped)
-    opt._template = frozenset()
+    opt.clear_template()
     if any(h["stale"] for h in holders):  # the parameters from the masters (full-precision ones hold them already)
-        opt._gather()
+        opt.gather_params()
         opt.wait_params()
 
 
@@ -336,7 +336,7 @@ def _chosen(opt: Any, heads: list[Any]) -> tuple[dict[str, Any], dict[int, dict[
                     pieces[r].setdefault(i, []).append((x, m, name))
                     covered[i].append((x, m))
     needed = {(p.index, p.start, p.n) for s in range(len(opt.shards)) for k in range(opt.world_size)
-              for p in opt._chunk_pieces(s, k)}
+              for p in opt.pieces_of(s, k)}
     if any(_uncovered(covered.get(i, []), o, n) for i, o, n in needed):
         first = next(h for h in heads if h is not None)
         if len(layouts) > 1:

@@ -70,7 +70,7 @@ class ZeroCheckpointing:
             per_group.append(ids)
         return index, per_group
 
-    def _chunk_pieces(self, s: int, k: int) -> list[Piece]:
+    def pieces_of(self, s: int, k: int) -> list[Piece]:
         """Chunk ``k`` of bucket ``s``: the pieces of its parameters it holds."""
         return chunk_pieces(self.layout, self.buckets[s].slots, self._optim_index(), s, k, self.world_size)
 
@@ -181,7 +181,7 @@ class ZeroCheckpointing:
                 else:
                     inner.state.pop(v, None)
         self._template = frozenset()
-        self._load_hyperparameters(state_dict["param_groups"])
+        self.load_hyperparameters(state_dict["param_groups"])
         for m in self.mirrors:  # the copies of other ranks' shards, as loaded
             m.pull()
 
@@ -201,7 +201,7 @@ class ZeroCheckpointing:
                 master = shard.master[p.at:p.at + p.n]
                 master.copy_(torch.where(kept.to(shown).to(now.dtype) == now[p.at:p.at + p.n], kept, master))
 
-    def _load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
+    def load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         """The loaded param groups' hyperparameters (not their parameters) into
         :attr:`param_groups` and the shard's optimizers, whose state keys follow them."""
         for pg, src in zip(self.param_groups, groups):
@@ -302,7 +302,7 @@ class ZeroCheckpointing:
                             st[key].copy_(v)
                         else:
                             st[key] = v
-        self._load_hyperparameters(groups)
+        self.load_hyperparameters(groups)
         fresh = state_dict.get("fresh", False)  # a bool: saved before fastreduce kept it per parameter
         self._template = frozenset(self._index()[0]) if fresh is True else frozenset(fresh or ())
         for m in self.mirrors:
@@ -312,6 +312,15 @@ class ZeroCheckpointing:
         """Give every parameter without state one: a step at lr=0 of those alone, on zero
         gradients; they join :attr:`_template`."""
         self._template = self._template | self.inner.materialize()
+
+    @property
+    def template(self) -> frozenset[int]:
+        """The torch.optim indices whose state is still the template's (see the class doc)."""
+        return self._template
+
+    def clear_template(self) -> None:
+        """Forget the template states, which the caller dropped itself (a reshard keeps none)."""
+        self._template = frozenset()
 
     def _drop_template(self) -> None:
         """Before a step: template states go, so those parameters start from none."""
