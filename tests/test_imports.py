@@ -266,3 +266,105 @@ def test_quick_tier_runs_every_mode() -> None:
              "fused_build", "comm_stats", "gossip_average", "gossip_buckets", "gossip_step", "step_undo", "local_scaler"}
     missing = sorted(modes - parts - set(QUICK))
     assert not missing, f"the quick tier (tests/conftest.py QUICK) has no test of {missing}"
+
+
+# ---------------------------------------------------------------------- private names (docs/design.md)
+
+TORCH_INTERNALS_TOO = {  # module -> why it reaches torch's internals itself, not through torch_internals.py
+    "compiling.py": "dynamo's hooks the compiled overlap needs (its DDP optimizer's active module)",
+    "hooks.py": "dynamo's hooks the compiled overlap needs (eval_frame's, and its reset)",
+}
+OTHER_OBJECTS = {  # module -> the private names of another library it reads, writes or imports
+    "integrations/transformers_hooks.py": {"_globalstep_last_logged", "_initial_global_step"},  # a joiner's step
+    "integrations/lightning_optimizers.py": {"_opt_called", "_wrapped_by_lr_sched"},  # torch's LR scheduler's marks
+    "integrations/lightning_membership.py": {"_update_dataloader"},  # a loader given the job's sampler
+    "compiling.py": {"_active_ddp_module"},
+}
+PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make"}  # namedtuple's API
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and not name.startswith("_foreach_")
+
+
+def _library_files() -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(PACKAGE)), ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))
+            if "bench" not in p.relative_to(PACKAGE).parts]
+
+
+def _torch_internals_used(tree: ast.Module) -> list[str]:
+    """torch's private modules imported, private names imported from torch, and private
+    attributes read off ``torch``, ``dist`` or ``nn`` (its ``_foreach_*`` kernels apart)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            found += [f"{node.module} {a.name}" for a in node.names
+                      if any(map(_private, node.module.split("."))) or _private(a.name)]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("torch.") and any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in ("torch", "dist", "nn"):
+                found.append(ast.unparse(node))
+    return found
+
+
+def _foreign_private(tree: ast.Module) -> set[str]:
+    """Private attributes this module reads or writes on an object that is not ``self``
+    (nor ``cls``), which the module neither keeps on ``self`` nor defines: another
+    module's or another library's private state. fastreduce's own marks (``_fastreduce_*``)
+    apart."""
+    own = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+           and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")}
+    own |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    found = set()
+    for node in ast.walk(tree):
+        name, base = None, None
+        if isinstance(node, ast.Attribute):
+            name, base = node.attr, node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            name, base = node.args[1].value, node.args[0]
+        if name is None or not _private(name) or name in own or name in PUBLIC_UNDERSCORED or \
+                name.startswith("_fastreduce"):
+            continue
+        if isinstance(base, ast.Name) and base.id in ("self", "cls", "torch", "dist", "nn"):
+            continue  # (torch's: the test above)
+        found.add(name)
+    return found
+
+
+def test_torch_internals_are_reached_in_one_module() -> None:
+    """Every use of torch's private internals is in torch_internals.py, behind a public
+    function (docs/design.md), but in the modules listed with their reason."""
+    used = {rel: found for rel, tree in _library_files()
+            if rel != "torch_internals.py" and (found := _torch_internals_used(tree))}
+    assert _torch_internals_used(ast.parse((PACKAGE / "torch_internals.py").read_text())), "the reader finds none"
+    assert set(used) <= set(TORCH_INTERNALS_TOO), {k: v for k, v in used.items() if k not in TORCH_INTERNALS_TOO}
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    """No module imports another's private name (but the one kept for old checkpoints), reads
+    or writes another module's private attributes, or another library's beyond those listed
+    (docs/design.md, "Other libraries' objects"), or swaps an object's class."""
+    imported, foreign, swapped = [], {}, []
+    for rel, tree in _library_files():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fastreduce")):
+                imported += [f"{rel}: {node.module}.{a.name}" for a in node.names if _private(a.name)]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] != "torch":
+                imported += [f"{rel}: {node.module}.{a.name}" for a in node.names
+                             if _private(a.name) and a.name not in OTHER_OBJECTS.get(rel, ())]
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                    for t in node.targets):
+                swapped.append(f"{rel}:{node.lineno}")
+        if rel != "torch_internals.py" and (found := _foreign_private(tree) - OTHER_OBJECTS.get(rel, set())):
+            foreign[rel] = sorted(found)
+    assert imported == ["checkpoint.py: checkpoint_state._TensorAt"], imported  # pickled under checkpoint's name
+    assert not foreign, foreign
+    assert not swapped, swapped
+    planted = ast.parse("def f(opt):\n    opt._template = 1\n    return getattr(opt, '_kwargs')\n")
+    assert _foreign_private(planted) == {"_template", "_kwargs"}  # the reader sees a read and a write
