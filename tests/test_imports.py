@@ -368,3 +368,31 @@ def test_no_private_name_crosses_a_module() -> None:
     assert not swapped, swapped
     planted = ast.parse("def f(opt):\n    opt._template = 1\n    return getattr(opt, '_kwargs')\n")
     assert _foreign_private(planted) == {"_template", "_kwargs"}  # the reader sees a read and a write
+
+
+MODE_HOOKS = {"communicates_at", "mirror", "mirrors", "local_state_dict", "reduce", "all_arrived", "commit_point",
+              "global_avg", "outer_step"}  # what a mode has and another lacks: asked by hasattr, a guess at the mode
+
+
+def test_no_mode_is_guessed_outside_the_contract() -> None:
+    """Membership, the checkpoints, the trainers and plan ask the contract (modes/contract.py, the
+    registry in integrations/modes.py) what a mode is: no ``isinstance``/``issubclass`` of a
+    mode's class and no ``hasattr`` of a hook only some modes have anywhere else."""
+    from fastreduce.integrations.modes import MODES
+
+    classes = {m.cls.__name__ for m in MODES.values()} | {m.__name__ for m in MODES.values()}
+    assert {"ZeroOptimizer", "FusedReducer", "DiLoCo"} <= classes
+    found = []
+    for rel, tree in _library_files():
+        if rel in ("modes/contract.py", "integrations/modes.py"):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1):
+                continue
+            if node.func.id in ("isinstance", "issubclass"):
+                named = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+                if named & classes:
+                    found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+            elif node.func.id == "hasattr" and isinstance(node.args[1], ast.Constant) and node.args[1].value in MODE_HOOKS:
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
