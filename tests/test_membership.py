@@ -797,13 +797,14 @@ def test_a_member_frozen_as_it_enters_an_epoch_goes_no_further_into_it_and_joins
     _same(final)
 
 
-@pytest.mark.parametrize("asked", ["leaves-frozen", "evicted-frozen"])
-def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path, asked: str) -> None:
+@pytest.mark.parametrize("asked, mode", [("leaves-frozen", "fused"), ("evicted-frozen", "zero")])
+def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: Path, asked: str, mode: str) -> None:
     """Member 2 asks to leave at step 10 (or is asked to, as the straggler policy asks) and is
     stopped whole in that step (4 s), before a poll answered the request: the others lose it
     and go on at 2; thawed and left out of their epoch, it is out as asked (``m.left``), not
-    back in the job (where the policy's spare took its place), and ends with no error."""
-    found = run(tmp_path, "process_group", {2: (asked, 10)}, joiners=0, steps=300)
+    back in the job (where the policy's spare took its place), and ends with no error (ZeRO:
+    its loop's ``m.mode.zero_grad()`` after that step runs on the last epoch's mode, closed)."""
+    found = run(tmp_path, "process_group", {2: (asked, 10)}, joiners=0, steps=300, mode=mode)
     leaver, final = found[2], [found[0], found[1]]
     assert leaver["froze"] == 10 and leaver["left_at"] >= 10 and leaver["counters"]["rejoins"] == 0, leaver
     for f in final:
@@ -812,13 +813,15 @@ def test_a_member_frozen_after_it_asked_to_leave_is_out_once_it_thaws(tmp_path: 
     _same(final)
 
 
-def test_a_member_frozen_until_the_job_ended_is_out_once_it_thaws_with_no_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["fused", "zero"])
+def test_a_member_frozen_until_the_job_ended_is_out_once_it_thaws_with_no_error(tmp_path: Path, mode: str) -> None:
     """Member 2 stopped whole mid-step at step 10 of a 40-step job until the others have
     finished the job at 2 and closed. Back, it finds itself left out and asks to join again;
     the job is over, so it is out (``m.left``, its loop ended, no error: the job's result is
     the others'), not stopped with "the job ended before it admitted this process" as a late
-    replacement is."""
-    found = run(tmp_path, "process_group", {2: ("frozen-past-end", 10)}, joiners=0, steps=40)
+    replacement is. ZeRO: ``m.mode`` is the last epoch's mode, closed, as for a member that left
+    at a poll (it was ``None``: the loop's ``m.mode.zero_grad()`` raised; chaos seed 27, shared memory)."""
+    found = run(tmp_path, "process_group", {2: ("frozen-past-end", 10)}, joiners=0, steps=40, mode=mode)
     away, final = found[2], [found[0], found[1]]
     assert "refused" not in away, away.get("refused")
     assert away["froze"] == 10 and away["left_at"] == 10 and away["counters"]["rejoins"] == 1, away
