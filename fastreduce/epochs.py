@@ -50,7 +50,6 @@ class EpochChanges:
         self.settings, self.store, self.call = me.settings, link.store, link.call
         self._first_step_of: int | None = None  # the epoch whose members all reached its first step
         self._held: Any = None  # a closed ZeroOptimizer holding a step its all_arrived() ended (commits.py)
-        self._last_mode: Any = None  # the mode an epoch change put away: Membership.mode if this member is out
         self._built_in: int | None = None  # the epoch whose layout the mode was built in (ZeRO's shards' tag)
         self.gathering = Gathering(me, link)
 
@@ -61,7 +60,7 @@ class EpochChanges:
         old = self.me.current()
         n = old.number + 1
         self.pulse.up()  # alive to the others until this member has entered the next epoch
-        self._last_mode = self.me.mode
+        self.me.put_away = self.me.mode  # (Membership.mode if this member is out at this change)
         self.stash_mode(after_loss=why == "loss")
         beats = torch_internals.default_store()  # the old epoch's: its members' heartbeats stay readable
         peers = [m for m in old.members if m != self.me.name]
@@ -119,7 +118,7 @@ class EpochChanges:
             Epoch.from_json(self.call(self.store.get, key))
         if self.me.name not in epoch.members:
             self._rejoin(epoch)
-        self._last_mode = None  # (not kept while the next one is built)
+        self.me.put_away = None  # (not kept while the next one is built)
         if self.me.healed and self.me.name not in epoch.receivers and epoch.step != self.me.step:
             raise MembershipError(f"fastreduce: epoch {epoch.number} begins at step {epoch.step} but this member "
                                   f"committed {self.me.step}: the members disagree on the committed steps (a bug: "
@@ -142,7 +141,6 @@ class EpochChanges:
                         epoch.number, self._leave_why())
             self.votes.forget_leave_request()  # (no poll will serve it: this member is in no epoch)
             self.pulse.down()
-            self.me.put_away = self._last_mode  # (its loop's m.mode.zero_grad() after this step runs)
             self.me.out(self._leave_why())
             raise LeftOut(self.me.name)
         log.warning("fastreduce: member %s was left out of epoch %d (the others found it silent: frozen, or cut off "
@@ -151,10 +149,8 @@ class EpochChanges:
         self.me.counters.rejoins += 1
         ticket, _ = self.admission.take_ticket(rejoining=True)
         epoch = self.admission.answer(ticket, rejoining=True)
-        if self.me.left:  # the job ended while it was away
-            self.me.put_away = self._last_mode
-        self._last_mode = None
-        if not self.me.left:
+        if not self.me.left:  # (left: the job ended while it was away; m.mode the one put away)
+            self.me.put_away = None
             self.enter(epoch)
         raise LeftOut(self.me.name)
 

@@ -104,7 +104,7 @@ class Member:
         self.kept_mode: tuple[Any, str] = (None, "")  # (the mode's state, its commit_style)
         self.left_why = ""  # why this member left the job (Membership.leave, evicted: status.Evictions), in words: out()
         self.leaving = False  # it asked to leave itself (Membership.leave): not evicted
-        self.put_away: Any = None  # once it left: the last epoch's mode, closed (Membership.mode)
+        self.put_away: Any = None  # the mode a leave or an epoch change put away, closed (Membership.mode once it left)
         self._points: dict[str, list[Callable[[Any], Any]]] = {}
 
     def out(self, why: str) -> None:
