@@ -209,10 +209,10 @@ def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torc
     return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
-def non_finite_check_and_unscale_(tensors: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """``GradScaler``'s own kernel over ``tensors`` (one dtype, one device): ``found`` set to
-    1.0 where any holds an inf or NaN, each multiplied by ``inv_scale`` in place."""
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+"""``GradScaler``'s own kernel, ``(tensors, found, inv_scale)`` over tensors of one dtype and
+device: ``found`` set to 1.0 where any holds an inf or NaN, each multiplied by ``inv_scale``
+in place (the op itself: no call added on the step's path)."""
 
 
 def sync_params_and_buffers(group: Any, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:

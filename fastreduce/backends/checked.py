@@ -70,8 +70,9 @@ class _Recorder(TorchDispatchMode):
             if not _mutates_only(func):
                 raise GraphContractError(f"captured function allocates ({func}); graphs "
                                          "must only read and write persistent buffers")
-            if op_schema(func).is_mutable:
-                return _written(op_schema(func), args, kwargs)
+            schema = op_schema(func)
+            if schema.is_mutable:
+                return _written(schema, args, kwargs)
             return func(*args, **kwargs)
         if i >= len(self.expected) or self.expected[i] != fp:
             want = self.expected[i] if i < len(self.expected) else "<nothing>"
