@@ -223,7 +223,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
     ``ranks``: given to every member, several asking at once, chosen by rank), ``slow``
     (not killed: that step takes 3 s more), ``step-raises`` (not killed: the optimizer's step raises
     ``ValueError`` in that step's commit, given to every member: a user's error; the member takes the
-    step again, its batch the same);
+    step again, its batch the same), ``held-before-close`` (not killed: done, it writes
+    ``member<index>.finished`` and waits for ``out/close.go`` before ``close()``);
     ``go``: an event to wait for before joining, for a replacement; ``mode``: one of :data:`MODES`; ``port``: the
     coordinator's on this host, or its ``host:port``; ``compiled``: a
     ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``), the forward through
@@ -391,6 +392,11 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                      epoch=m.epoch.number, world=m.world, graphs=graphs(),
                      hosts=len(set(m.mode.placement.hosts)) if mode == "zero" and m.world > 1 else None)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
+        if kill is not None and kill[0] == "held-before-close":  # the test cuts or kills something, then lets it close
+            (Path(out) / f"member{index}.finished").touch()
+            deadline = time.monotonic() + 120
+            while not (Path(out) / "close.go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         m.close()
     except MembershipError as err:
         facts["refused"], facts["failed_at"] = str(err), time.time()

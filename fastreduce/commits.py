@@ -55,7 +55,8 @@ class StepCommits:
                                "(while m.step < steps and not m.left: ...); start a new process to join again")
         start = time.perf_counter()  # a stall counts from here: detection, the new epoch, healing
         try:
-            return self._commit(step, start)
+            with me.telling():
+                return self._commit(step, start)
         except LeftOut:  # left out of the next epoch: in the job again (or out, where it asked to leave)
             return False
 

@@ -159,7 +159,7 @@ class EpochChanges:
         seconds it took counted (``"joined"``); returns the epoch it is in (a later one where
         it was left out of ``epoch`` as it entered and joined again)."""
         start = time.perf_counter()
-        with contextlib.suppress(LeftOut):
+        with self.me.telling(), contextlib.suppress(LeftOut):
             self.enter(epoch)
         self.me.counters.stalls.append(("joined", time.perf_counter() - start))
         return self.me.current()

@@ -6,12 +6,14 @@ each own their own bookkeeping and change this one object.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .coordinator import Epoch
+from .coordinator import Epoch, MembershipError
+from .faults_errors import RankLostError
 
 __all__ = ["FAULT_POINTS", "Counters", "Member", "MembershipSettings"]
 
@@ -105,7 +107,18 @@ class Member:
         self.left_why = ""  # why this member left the job (Membership.leave, evicted: status.Evictions), in words: out()
         self.leaving = False  # it asked to leave itself (Membership.leave): not evicted
         self.put_away: Any = None  # the mode a leave or an epoch change put away, closed (Membership.mode once it left)
+        self.failed = False  # an error ended its membership, raised to the caller (telling()): close() adds none
         self._points: dict[str, list[Callable[[Any], Any]]] = {}
+
+    @contextlib.contextmanager
+    def telling(self) -> Iterator[None]:
+        """Where an error that ends the membership reaches the caller (``join()``,
+        ``commit()``): :attr:`failed` set, so that ``close()`` raises none over it."""
+        try:
+            yield
+        except (MembershipError, RankLostError):
+            self.failed = True
+            raise
 
     def out(self, why: str) -> None:
         """This member is out of the job (:attr:`fastreduce.Membership.left`), for ``why``."""

@@ -13,22 +13,21 @@ gave (each survivor keeping its own mode state: error-feedback residuals).
 
 Per step, :meth:`Membership.commit` runs the mode's reduction and, where it succeeded,
 the optimizer's step: no request to the coordinator on the way. A step is still **committed
-on every member or on none**, decided when the epoch ends: a member is lost, the
-survivors' reductions fail (some survivors may have completed that step's reduction before
-the loss, with every member's gradients in it, and stepped), and each survivor registers
-for the next epoch with its committed steps. The members holding the most (at most one
-more than the others: a step's reduction needs every member) send their state to the
-others as to a joiner, so every survivor enters the next epoch at that step; where none
-completed it, the step is discarded on every member (its gradients lost with the batch;
-the caller steps only on ``True``). At most one step is discarded per loss.
+on every member or on none**, decided when the epoch ends by the members that reach the
+coordinator: a member is lost, the survivors' reductions fail (some may have completed it,
+with every member's gradients in it, and stepped), and each registers for the next epoch
+with its committed steps. The members holding the most (at most one more) send their state
+to the others as to a joiner; where none completed it, the step is discarded on every
+member (the caller steps only on ``True``; at most one step per loss). A member cut off
+from the coordinator mid-step may have completed the step its side discards: its next
+request to the coordinator raises :class:`MembershipError` (:meth:`Membership.close` too).
 
 The protocol in full (losses and the window a survivor waits, the polls, admission and
 what a joiner is refused for, leaving, the commit in each mode's style): docs/faults.md and
 :mod:`fastreduce.commits`.
 
-The data: :attr:`Membership.rank` and :attr:`Membership.world` change with the epoch; a
-sampler re-shards from them at each epoch (:attr:`Membership.epoch`). A discarded step's
-batches are skipped, not re-run.
+The data: :attr:`Membership.rank` and :attr:`Membership.world` change with the epoch (a sampler
+re-shards from them at each :attr:`Membership.epoch`); a discarded step's batches are skipped.
 """
 
 from __future__ import annotations
@@ -237,11 +236,15 @@ class Membership:
     def close(self) -> None:
         """Leave: take the mode's hooks off, stop fastreduce's background threads
         (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the transport's
-        workers; within seconds where the coordinator went silent) and end this epoch's group."""
+        workers; within seconds where the coordinator went silent) and end this epoch's group.
+        Then :class:`MembershipError` where its steps are not confirmed as the job's (the
+        coordinator silent, or the others went on without it: :meth:`.Admission.closed`)."""
         if self.me.mode is not None:
             self.epochs.close_mode()
-        self.admission.closed()  # (every member closed: a spare still waiting stops)
+        unconfirmed = self.admission.closed()  # (every member closed: a spare still waiting stops)
         self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
         shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():
             dist.destroy_process_group()
+        if unconfirmed:
+            raise MembershipError(unconfirmed)

@@ -42,6 +42,7 @@ def run(tmp_path: Path, transport: str, kills: dict[int, tuple[str, int]], joine
     found = launch(tmp_path, transport, kills, joiners, joiner_width, mode=mode, **settings)
     for i, f in found.items():
         assert "error" not in f, f"member {i} failed:\n{f['error']}"
+        assert "not confirmed" not in f.get("refused", ""), f"member {i}'s close() raised: {f['refused']}"
     return found
 
 
@@ -932,6 +933,51 @@ def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) ->
         assert "error" not in f, f["error"]
         assert "the coordinator (127.0.0.1:" in f["refused"] and "stopped answering" in f["refused"], f["refused"]
         assert f["failed_at"] - killed < 10, f["failed_at"] - killed
+
+
+def test_a_close_that_cannot_reach_the_coordinator_is_a_clear_error(tmp_path: Path) -> None:
+    """A member's last steps are confirmed as the job's at its close(): the coordinator killed
+    after both members' last commit and before their close(), each close() raises
+    MembershipError naming the steps it could not confirm (a link lost in the last step's
+    reduction can leave that step completed on one side of a partition and discarded by the
+    side that reaches the coordinator: tests/test_membership_partition.py), after closing all
+    the same (no thread of the member left running)."""
+    import signal
+    import subprocess
+    import time
+
+    from keep_training import member
+
+    from fastreduce.launch import rank_context
+
+    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
+                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+        ctx = rank_context("keep_training")
+        procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", ("held-before-close",), None),
+                             kwargs={"steps": 12, "world": 2}) for i in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"member{i}.finished").exists() for i in range(2)):
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not finish"
+            time.sleep(0.1)
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+        (tmp_path / "close.go").touch()
+        for p in procs:
+            p.join(60)
+            assert not p.is_alive(), "a member's close() hangs with its coordinator gone"
+    finally:
+        coordinator.kill()
+    found = [torch.load(tmp_path / f"member{i}.pt", weights_only=False) for i in range(2)]
+    for f in found:
+        assert "error" not in f, f["error"]
+        assert f["steps"][-1][:2] == (12, True), f["steps"][-1]
+        assert "closed with its 12 committed steps not confirmed" in f.get("refused", ""), f.get("refused")
+        assert "stopped answering" in f["refused"], f["refused"]
+    _same(found)
 
 
 def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_part(tmp_path: Path) -> None:
