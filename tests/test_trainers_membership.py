@@ -170,6 +170,32 @@ def test_a_zero_member_whose_meeting_failed_moves_its_data_position_with_the_oth
         assert torch.equal(f["params"], final[0]["params"]), float((f["params"] - final[0]["params"]).abs().max())
 
 
+@pytest.mark.timeout(120)
+def test_a_trainer_member_cut_off_at_its_last_step_raises_before_the_trainer_saves(tmp_path: Path) -> None:
+    """The coordinator killed during the last step (every member's reduction done, before its
+    optimizer step; no poll due): that commit completes, and the trainer's side confirms the
+    run's steps with the coordinator there (the request that, a partition in that step's
+    reduction, tells a member its last step may be one the others discarded), so the
+    trainer's step raises MembershipError before the trainer goes on to save anything
+    (before: it returned, and only close() could have told)."""
+    import signal
+    import subprocess
+
+    from trainer_loop import launch as loop
+
+    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
+                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+        found = loop(tmp_path, "fused", 6, coordinator=port,
+                     held=lambda: (coordinator.send_signal(signal.SIGKILL), coordinator.wait(10)))
+    finally:
+        coordinator.kill()
+    assert sorted(found) == [0, 1, 2], sorted(found)
+    for f in found.values():
+        assert "ended its training with its 6 committed steps not confirmed" in f.get("error", ""), f.get("error")
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
 @pytest.mark.cell(None, "train", "compile", membership=True, modes=("fused",))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,10 +21,12 @@ from keep_training import HEARTBEAT, flapping  # noqa: E402
 from keep_training_trainers import BATCH, LR, SETTINGS, Draws, Samples, net  # noqa: E402
 
 
-def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | None) -> None:
+def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | None, held: bool = False) -> None:
     """One member of 3: ``steps`` committed steps of ``BATCH`` samples (``flap``: ZeRO, this
     member's meeting after ``flap`` committed steps fails after it completed on the others:
-    ``keep_training.flapping``); what it saw saved to ``out/member<index>.pt``."""
+    ``keep_training.flapping``); what it saw saved to ``out/member<index>.pt``. ``held``: the
+    last step's optimizer step (its reduction done on every member) waits for ``out/go``
+    after writing ``member<index>.held``, and the members poll only at an epoch's first step."""
     os.environ.update(FASTREDUCE_HEARTBEAT_S=HEARTBEAT, FASTREDUCE_TRANSPORT="process_group")
     torch.set_num_threads(1)
     facts: dict[str, Any] = {"index": index}
@@ -34,7 +37,9 @@ def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | N
 
         model = net()
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, wait_s=60)
+        m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, wait_s=60, poll_s=600 if held else None)
+        if held:
+            opt.register_step_pre_hook(lambda *_: _hold(Path(out), index) if m.step == steps - 1 else None)
         if flap is not None:
             flapping(None, m, ("flaps", flap), mode)
         glue = TrainerMembership(m, make_mode(mode, dict(SETTINGS[mode])), "a hand-written trainer loop")
@@ -59,19 +64,36 @@ def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | N
     torch.save(facts, Path(out) / f"member{index}.pt")
 
 
-def launch(out: Path, mode: str, steps: int, flap_at: int | None = None, timeout: float = 90) -> dict[int, dict]:
-    """A coordinator and 3 members (member 1's meeting flaps after ``flap_at`` committed steps);
-    what each saved."""
+def _hold(out: Path, index: int) -> None:
+    (out / f"member{index}.held").touch()
+    deadline = time.monotonic() + 60
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def launch(out: Path, mode: str, steps: int, flap_at: int | None = None, timeout: float = 90,
+           coordinator: int | None = None, held: Callable[[], None] | None = None) -> dict[int, dict]:
+    """A coordinator (or the one at port ``coordinator``) and 3 members (member 1's meeting
+    flaps after ``flap_at`` committed steps); what each saved. ``held``: called once every
+    member is held at its last optimizer step (:func:`member`), which then goes on."""
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
-    server = serve(0, "127.0.0.1")
+    server = serve(0, "127.0.0.1") if coordinator is None else None
+    port = server.port if server is not None else coordinator
     ctx = rank_context("torch._dynamo", "fastreduce.integrations.membership", "keep_training_trainers", "trainer_loop")
-    procs = [ctx.Process(target=member, args=(i, server.port, str(out), mode, steps, flap_at if i == 1 else None))
-             for i in range(3)]
+    procs = [ctx.Process(target=member, args=(i, port, str(out), mode, steps, flap_at if i == 1 else None,
+                                              held is not None)) for i in range(3)]
     for p in procs:
         p.start()
     try:
+        if held is not None:
+            deadline = time.monotonic() + timeout
+            while not all((out / f"member{i}.held").exists() for i in range(3)):
+                assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members were not held"
+                time.sleep(0.1)
+            held()
+            (out / "go").touch()
         for p in procs:
             p.join(timeout)
     finally:
