@@ -1,13 +1,16 @@
 """A test file's own ``torchrun`` launch (its ``__main__`` part as the worker) and what the
-worker leaves: per-rank facts saved as ``RUN.rankR.pt``, read back by :func:`load_runs`."""
+worker leaves: per-rank facts saved as ``RUN.rankR.pt``, read back by :func:`load_runs`; a
+Membership coordinator in a process of its own (:func:`coordinator_process`), to kill."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,6 +25,19 @@ default stack (and the newest, by hand). Read by the torchrun workers too (inher
 TEST_ALL = os.environ.get("FASTREDUCE_TEST_ALL") == "1"
 """make test-all: the product's cells make test leaves out (tests/conftest.py FULL), where a
 module fixture's launch, not a test id, holds the cell."""
+
+
+@contextlib.contextmanager
+def coordinator_process(**popen: Any) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``fastreduce coordinator`` on 127.0.0.1, a free port: (its process, the port); killed
+    at the end, whatever the test did to it (``popen``: more of ``subprocess.Popen``'s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, **popen)
+    try:
+        yield proc, int(proc.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 def torchrun(script: str | Path, world: int, *args: str, timeout: float) -> str:

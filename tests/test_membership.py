@@ -895,39 +895,45 @@ def test_a_warm_spare_the_job_never_needed_ends_once_the_members_close(tmp_path:
     _same([found[0], found[1]])
 
 
+def _coordinator_killed(tmp_path: Path, kill: tuple | None, steps: int, ready: str, after_s: float = 0.0,
+                        then: Any = None) -> float:
+    """2 members (``keep_training.member``, ``kill``) on a coordinator of its own, killed
+    ``after_s`` after both wrote ``member<i>.<ready>`` (``then()`` after it); when it was killed."""
+    import signal
+    import time
+
+    from keep_training import member
+    from launching import coordinator_process
+
+    from fastreduce.launch import rank_context
+
+    with coordinator_process() as (coordinator, port):
+        ctx = rank_context("keep_training")
+        procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", kill, None),
+                             kwargs={"steps": steps, "world": 2}) for i in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"member{i}.{ready}").exists() for i in range(2)):
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), f"the members did not get {ready}"
+            time.sleep(0.1)
+        time.sleep(after_s)
+        killed = time.time()
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+        if then is not None:
+            then()
+        for p in procs:
+            p.join(60)
+            assert not p.is_alive(), "a member hangs after its coordinator died"
+    return killed
+
+
 @SLOW
 def test_the_coordinator_lost_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
     """The coordinator is the job's single point: killed mid-run, every member raises
     MembershipError naming it within seconds (no hang, whatever the group's timeout)."""
-    import signal
-    import subprocess
-    import time
-
-    from keep_training import member
-
-    from fastreduce.launch import rank_context
-
-    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
-                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
-        ctx = rank_context("keep_training")
-        procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", None, None),
-                             kwargs={"steps": 100_000, "world": 2}) for i in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"member{i}.joined").exists() for i in range(2)):
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not start"
-            time.sleep(0.1)
-        time.sleep(0.5)
-        killed = time.time()
-        coordinator.send_signal(signal.SIGKILL)
-        for p in procs:
-            p.join(60)
-            assert not p.is_alive(), "a member hangs after its coordinator died"
-    finally:
-        coordinator.kill()
+    killed = _coordinator_killed(tmp_path, None, 100_000, "joined", after_s=0.5)
     for i in range(2):
         f = torch.load(tmp_path / f"member{i}.pt", weights_only=False)
         assert "error" not in f, f["error"]
@@ -942,35 +948,7 @@ def test_a_close_that_cannot_reach_the_coordinator_is_a_clear_error(tmp_path: Pa
     reduction can leave that step completed on one side of a partition and discarded by the
     side that reaches the coordinator: tests/test_membership_partition.py), after closing all
     the same (no thread of the member left running)."""
-    import signal
-    import subprocess
-    import time
-
-    from keep_training import member
-
-    from fastreduce.launch import rank_context
-
-    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
-                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
-        ctx = rank_context("keep_training")
-        procs = [ctx.Process(target=member, args=(i, port, str(tmp_path), "process_group", ("held-before-close",), None),
-                             kwargs={"steps": 12, "world": 2}) for i in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"member{i}.finished").exists() for i in range(2)):
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not finish"
-            time.sleep(0.1)
-        coordinator.send_signal(signal.SIGKILL)
-        coordinator.wait(10)
-        (tmp_path / "close.go").touch()
-        for p in procs:
-            p.join(60)
-            assert not p.is_alive(), "a member's close() hangs with its coordinator gone"
-    finally:
-        coordinator.kill()
+    _coordinator_killed(tmp_path, ("held-before-close",), 12, "finished", then=(tmp_path / "close.go").touch)
     found = [torch.load(tmp_path / f"member{i}.pt", weights_only=False) for i in range(2)]
     for f in found:
         assert "error" not in f, f["error"]

@@ -71,15 +71,23 @@ def _split_2_2(hosts: list) -> None:
         _run("ip", "link", "set", f"{h.ifname}b", "master", other)
 
 
+def _wait_ended(procs: list[subprocess.Popen], timeout: float) -> None:
+    for p in procs[1:]:  # (the members; procs[0] is the coordinator)
+        p.wait(timeout=timeout)
+
+
 def _end(procs: list[subprocess.Popen], hosts: list) -> None:
+    """Every process killed, the 2+2 bridge removed (where there is one)."""
     for p in procs:
         if p.poll() is None:
             p.kill()
     subprocess.run(["ip", "link", "del", f"frx{hosts[0].ns[2:]}"[:15]], capture_output=True)
 
 
-def _logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("log-*")))
+def _found(tmp_path: Path) -> tuple[str, list[dict]]:
+    """The members' logs, and what each saved."""
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("log-*")))
+    return logs, [torch.load(tmp_path / f"member{k}.pt", weights_only=False) for k in range(4)]
 
 
 @pytest.mark.parametrize("split", ["3+1", pytest.param("2+2", marks=pytest.mark.slow), "3+1 back"])
@@ -100,12 +108,10 @@ def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str
                 cut[0].set_link(True)
             else:
                 _split_2_2(hosts)
-            for p in procs[1:]:
-                p.wait(timeout=150)
+            _wait_ended(procs, 150)
         finally:
             _end(procs, hosts)
-    logs = _logs(tmp_path)
-    facts = [torch.load(tmp_path / f"member{k}.pt", weights_only=False) for k in range(4)]
+    logs, facts = _found(tmp_path)
     for f in facts:
         assert "error" not in f, f"{f['error']}\n{logs}"
     if split == "3+1 back":
@@ -154,12 +160,10 @@ def test_the_far_side_of_a_split_after_the_last_step_is_told_at_close(tmp_path: 
             _wait_for(tmp_path, "finished")
             _split_2_2(hosts)
             (tmp_path / "close.go").touch()
-            for p in procs[1:]:
-                p.wait(timeout=60)
+            _wait_ended(procs, 60)
         finally:
             _end(procs, hosts)
-    logs = _logs(tmp_path)
-    facts = [torch.load(tmp_path / f"member{k}.pt", weights_only=False) for k in range(4)]
+    logs, facts = _found(tmp_path)
     for f in facts:
         assert "error" not in f and f["steps"][-1][:2] == (20, True), (f.get("error"), f["steps"][-1], logs)
     for f in facts[:2]:

@@ -179,18 +179,13 @@ def test_a_trainer_member_cut_off_at_its_last_step_raises_before_the_trainer_sav
     trainer's step raises MembershipError before the trainer goes on to save anything
     (before: it returned, and only close() could have told)."""
     import signal
-    import subprocess
 
+    from launching import coordinator_process
     from trainer_loop import launch as loop
 
-    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1",
-                                    "--port", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+    with coordinator_process() as (coordinator, port):
         found = loop(tmp_path, "fused", 6, coordinator=port,
                      held=lambda: (coordinator.send_signal(signal.SIGKILL), coordinator.wait(10)))
-    finally:
-        coordinator.kill()
     assert sorted(found) == [0, 1, 2], sorted(found)
     for f in found.values():
         assert "ended its training with its 6 committed steps not confirmed" in f.get("error", ""), f.get("error")

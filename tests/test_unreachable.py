@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from launching import coordinator_process
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(180)
@@ -161,10 +162,7 @@ def test_a_member_whose_coordinator_goes_silent_raises_and_closes_within_seconds
 
     from fastreduce.coordinator import connect, ticket_key
 
-    coordinator = subprocess.Popen([sys.executable, "-m", "fastreduce", "coordinator", "--host", "127.0.0.1", "--port",
-                                    "0"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(coordinator.stdout.readline().split("serving on 127.0.0.1:")[1].split(";")[0])
+    with coordinator_process(cwd=ROOT, env=_env()) as (coordinator, port):
         member = _start(f"""
             import time
             import torch
@@ -191,9 +189,6 @@ def test_a_member_whose_coordinator_goes_silent_raises_and_closes_within_seconds
             member.kill()
             out, err = member.communicate()
             pytest.fail(f"the member did not end within 60 s; stdout:\n{out}\nstderr:\n{err[-4000:]}")
-    finally:
-        coordinator.kill()
-        coordinator.communicate()
     print(out)
     assert "raised: fastreduce: the coordinator (127.0.0.1:" in out and "stopped answering" in out, (out, err[-4000:])
     seconds = float(out.split("closed in ")[1].split()[0])
