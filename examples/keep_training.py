@@ -101,6 +101,16 @@ def freeze(seconds: float, until: list[Path] = ()) -> None:
     thaw.wait()
 
 
+def hold(out: Path, index: int, here: str, go: str, seconds: float = 120) -> None:
+    """Write ``out/member<index>.<here>``, then wait until ``out/<go>`` exists (at most
+    ``seconds``): the test does something to the job meanwhile (kills its coordinator, cuts
+    the network) with every member at the same point."""
+    (out / f"member{index}.{here}").touch()
+    deadline = time.monotonic() + seconds
+    while not (out / go).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def frozen_once(facts: dict[str, Any], step: int, say: Any, where: str, until: list[Path] = ()) -> None:
     """Stopped whole for 4 s (:func:`freeze`; ``until``: until these files exist, at most 2
     minutes), once: ``facts["froze"]`` the step."""
@@ -393,10 +403,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
                      hosts=len(set(m.mode.placement.hosts)) if mode == "zero" and m.world > 1 else None)
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         if kill is not None and kill[0] == "held-before-close":  # the test cuts or kills something, then lets it close
-            (Path(out) / f"member{index}.finished").touch()
-            deadline = time.monotonic() + 120
-            while not (Path(out) / "close.go").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            hold(Path(out), index, "finished", "close.go")
         m.close()
     except MembershipError as err:
         facts["refused"], facts["failed_at"] = str(err), time.time()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +26,16 @@ default stack (and the newest, by hand). Read by the torchrun workers too (inher
 TEST_ALL = os.environ.get("FASTREDUCE_TEST_ALL") == "1"
 """make test-all: the product's cells make test leaves out (tests/conftest.py FULL), where a
 module fixture's launch, not a test id, holds the cell."""
+
+
+def members_wrote(out: Path, count: int, what: str, procs: Any = (), timeout: float = 120) -> None:
+    """Wait until members ``0..count-1`` each wrote ``out/member<i>.<what>``; the test fails
+    after ``timeout`` s, or at once where one of ``procs`` (``multiprocessing`` processes)
+    ended first."""
+    deadline = time.monotonic() + timeout
+    while not all((out / f"member{i}.{what}").exists() for i in range(count)):
+        assert time.monotonic() < deadline and all(p.is_alive() for p in procs), f"the members did not get {what}"
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager

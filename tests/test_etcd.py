@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launching import members_wrote
 
 from fastreduce.bench.etcd import LAN, EtcdCluster, etcd_binary, temporary_cluster
 
@@ -408,10 +409,7 @@ def test_a_job_on_etcd_outlives_its_leader_and_another_member_and_stops_without_
         for p in procs:
             p.start()
         try:
-            deadline = time.monotonic() + 120
-            while not all((tmp_path / f"member{i}.joined").exists() for i in range(4)):
-                assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members did not start"
-                time.sleep(0.1)
+            members_wrote(tmp_path, 4, "joined", procs)
             _wait_steps(cluster, "outlives", 20, procs)
             kills = []
             first = cluster.leader()

@@ -903,7 +903,7 @@ def _coordinator_killed(tmp_path: Path, kill: tuple | None, steps: int, ready: s
     import time
 
     from keep_training import member
-    from launching import coordinator_process
+    from launching import coordinator_process, members_wrote
 
     from fastreduce.launch import rank_context
 
@@ -913,10 +913,7 @@ def _coordinator_killed(tmp_path: Path, kill: tuple | None, steps: int, ready: s
                              kwargs={"steps": steps, "world": 2}) for i in range(2)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"member{i}.{ready}").exists() for i in range(2)):
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), f"the members did not get {ready}"
-            time.sleep(0.1)
+        members_wrote(tmp_path, 2, ready, procs)
         time.sleep(after_s)
         killed = time.time()
         coordinator.send_signal(signal.SIGKILL)

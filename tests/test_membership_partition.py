@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import members_wrote
 
 from fastreduce.bench.hosts import namespace_hosts
 from test_partition import _hosts_possible  # noqa: F401  (autouse: skipped where namespace hosts cannot be made)
@@ -52,14 +53,6 @@ def _job(hosts: list, tmp_path: Path, kill: tuple | None, steps: int) -> list[su
                                                 {"OMP_NUM_THREADS": "1"}),
                                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     return procs
-
-
-def _wait_for(tmp_path: Path, what: str) -> None:
-    """Until every member wrote ``member<k>.<what>``."""
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"member{k}.{what}").exists() for k in range(4)):
-        assert time.monotonic() < deadline, f"the members did not get {what}"
-        time.sleep(0.1)
 
 
 def _split_2_2(hosts: list) -> None:
@@ -98,7 +91,7 @@ def test_only_the_side_with_the_coordinator_trains_on(tmp_path: Path, split: str
     with namespace_hosts(4, "1gbit") as hosts:
         procs = _job(hosts, tmp_path, None, STEPS)
         try:
-            _wait_for(tmp_path, "joined")
+            members_wrote(tmp_path, 4, "joined")
             time.sleep(0.5)
             cut = hosts[2:] if split == "2+2" else hosts[3:]
             if split.startswith("3+1"):
@@ -157,7 +150,7 @@ def test_the_far_side_of_a_split_after_the_last_step_is_told_at_close(tmp_path: 
     with namespace_hosts(4, "1gbit") as hosts:
         procs = _job(hosts, tmp_path, ("held-before-close",), 20)
         try:
-            _wait_for(tmp_path, "finished")
+            members_wrote(tmp_path, 4, "finished")
             _split_2_2(hosts)
             (tmp_path / "close.go").touch()
             _wait_ended(procs, 60)

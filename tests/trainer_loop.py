@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from keep_training import HEARTBEAT, flapping  # noqa: E402
+from keep_training import HEARTBEAT, flapping, hold  # noqa: E402
 from keep_training_trainers import BATCH, LR, SETTINGS, Draws, Samples, net  # noqa: E402
 
 
@@ -39,7 +38,7 @@ def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | N
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         m = Membership(f"127.0.0.1:{port}", world_size=3, min_ranks=2, wait_s=60, poll_s=600 if held else None)
         if held:
-            opt.register_step_pre_hook(lambda *_: _hold(Path(out), index) if m.step == steps - 1 else None)
+            opt.register_step_pre_hook(lambda *_: hold(Path(out), index, "held", "go") if m.step == steps - 1 else None)
         if flap is not None:
             flapping(None, m, ("flaps", flap), mode)
         glue = TrainerMembership(m, make_mode(mode, dict(SETTINGS[mode])), "a hand-written trainer loop")
@@ -64,18 +63,13 @@ def member(index: int, port: int, out: str, mode: str, steps: int, flap: int | N
     torch.save(facts, Path(out) / f"member{index}.pt")
 
 
-def _hold(out: Path, index: int) -> None:
-    (out / f"member{index}.held").touch()
-    deadline = time.monotonic() + 60
-    while not (out / "go").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def launch(out: Path, mode: str, steps: int, flap_at: int | None = None, timeout: float = 90,
            coordinator: int | None = None, held: Callable[[], None] | None = None) -> dict[int, dict]:
     """A coordinator (or the one at port ``coordinator``) and 3 members (member 1's meeting
     flaps after ``flap_at`` committed steps); what each saved. ``held``: called once every
     member is held at its last optimizer step (:func:`member`), which then goes on."""
+    from launching import members_wrote
+
     from fastreduce.launch import rank_context
     from fastreduce.membership import serve
 
@@ -88,10 +82,7 @@ def launch(out: Path, mode: str, steps: int, flap_at: int | None = None, timeout
         p.start()
     try:
         if held is not None:
-            deadline = time.monotonic() + timeout
-            while not all((out / f"member{i}.held").exists() for i in range(3)):
-                assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the members were not held"
-                time.sleep(0.1)
+            members_wrote(out, 3, "held", procs, timeout)
             held()
             (out / "go").touch()
         for p in procs:
