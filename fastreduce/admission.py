@@ -246,53 +246,18 @@ class Admission:
         """This member closes (:meth:`fastreduce.Membership.close`): counted at its epoch,
         unless it left the job before (a spare that was never taken in, a member that left).
         The last of the epoch's members to close tells every process still waiting to join
-        (spares, joiners) that the job is over, through its admission. Returns
-        :meth:`unconfirmed`'s text once counted (``""`` where it left, or where an error
-        ended its membership: told already)."""
+        (spares, joiners) that the job is over, through its admission. Returns what a
+        request found where the coordinator stopped answering (``""``: it answered)."""
         epoch = self.me.epoch
-        if epoch is None or self.me.left:
+        if epoch is None or self.me.left or self.link.silent:
             return ""
-        why = ""
         try:
-            if not self.link.silent and \
-                    int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) >= epoch.world:
+            if int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) >= epoch.world:
                 for t in (*epoch.spares, *range(epoch.tickets + 1, self.tickets() + 1)):
                     self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
         except MembershipError as err:  # the coordinator stopped answering now: nobody can be told; the close goes on
-            why = str(err)
-        return "" if self.me.failed else self.unconfirmed("closed", why)
-
-    def confirm(self, doing: str) -> None:
-        """:class:`MembershipError` where this member's steps are not confirmed as the job's
-        (:meth:`unconfirmed`; a trainer's last step: before the trainer saves anything)."""
-        with self.me.telling():
-            unconfirmed = self.unconfirmed(doing)
-            if unconfirmed:
-                raise MembershipError(unconfirmed)
-
-    def unconfirmed(self, doing: str, why: str = "") -> str:
-        """Why this member's committed steps are not confirmed as the job's, as an error's
-        text (``""``: they are): the coordinator silent (``why``: what a request found), or
-        the job's newest epoch formed without it. A step's reduction can complete on one
-        side of a partition and not on the other, and only the side that reaches the
-        coordinator decides the step (it discards it): the far side's last step is its own.
-        Mid-run its next request raises; at the end this one is that request."""
-        epoch = self.me.current()
-        why = why or ("the coordinator stopped answering" if self.link.silent else "")
-        if not why:
-            try:
-                newest = latest_epoch(self.link)
-            except MembershipError as err:
-                newest, why = None, str(err)
-            if newest is not None and newest.number > epoch.number and self.me.name not in newest.members:
-                why = f"the others formed epoch {newest.number} without it (they found it silent)"
-        if not why:
-            return ""
-        return (f"fastreduce: member {self.me.name} {doing} with its {self.me.step} committed steps not confirmed by "
-                f"the job ({why}). A link lost during a step's reduction can leave the step completed here and "
-                "discarded by the members that reach the coordinator: this member's parameters may be one step "
-                "ahead of the job's, not the job's. Take the job's from a member whose close() returned, or from its "
-                "last complete checkpoint")
+            return str(err)
+        return ""
 
     def _over(self) -> Epoch | None:
         """The job's newest epoch where every one of its members has closed (the job is over:

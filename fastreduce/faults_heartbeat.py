@@ -23,7 +23,7 @@ from .torch_internals import default_store
 
 __all__ = ["HEARTBEAT_ENV", "LOCAL_GRACE", "LOST_AFTER_ENV", "WATCHED_SUCCESSORS", "StoreCaller", "group_token",
            "Heartbeat", "STORE_PREFIX", "default_interval", "heartbeat_interval", "heartbeat_now", "lost_after", "note_lost", "read_all",
-           "start_heartbeat"]
+           "start_heartbeat", "stop_leaving"]
 
 HEARTBEAT_ENV = "FASTREDUCE_HEARTBEAT_S"
 """Seconds between two heartbeats of a process (default 1; 0 or less: no heartbeat)."""
@@ -378,6 +378,14 @@ _beat: Heartbeat | None = None
 def heartbeat_now() -> Heartbeat | None:
     """This process's heartbeat, where one beats (its group may have ended since)."""
     return _beat
+
+
+def stop_leaving(timeout: float) -> None:
+    """Stop this process's heartbeat as a leaving rank's: its silence then reads as a loss
+    to the others, as a crash's would (:meth:`Heartbeat.stop`); none beating: nothing."""
+    beat = _beat
+    if beat is not None:
+        beat.stop(timeout, rest=False)
 
 
 def _forget(beat: Heartbeat) -> None:

@@ -2,14 +2,14 @@
 
 A job's processes (its *members*) agree through a **coordinator** on numbered **epochs**:
 who is in, in rank order, and at which committed step the epoch began. The coordinator
-is a c10d ``TCPStore`` that no member hosts (``fastreduce coordinator --port P``, or any
-``TCPStore(is_master=True)``); it is the job's one documented single point: a member that
-cannot reach it raises :class:`MembershipError` within the store's timeout, and a network
-partition never splits the job in two, as only the side that reaches the coordinator can
-form the next epoch. Each epoch gets a process group of its own (the default group, made
-again on a fresh store prefix), so every fastreduce mode, built over the default group,
-runs in it unchanged; the mode is rebuilt at each new epoch from the builder the members
-gave (each survivor keeping its own mode state: error-feedback residuals).
+is a c10d ``TCPStore`` that no member hosts (``fastreduce coordinator --port P``) or an
+etcd cluster (``etcd://h1:2379,h2:2379,...``: no single point); a member that cannot reach
+it raises :class:`MembershipError` within the store's timeout, and a network partition
+never splits the job in two, as only the side that reaches it can form the next epoch.
+Each epoch gets a process group of its own (the default group, made again on a fresh store
+prefix), so every fastreduce mode, built over the default group, runs in it unchanged; the
+mode is rebuilt at each new epoch from the builder the members gave (each survivor keeping
+its own mode state: error-feedback residuals).
 
 Per step, :meth:`Membership.commit` runs the mode's reduction and, where it succeeded,
 the optimizer's step: no request to the coordinator on the way. A step is still **committed
@@ -18,9 +18,8 @@ coordinator: a member is lost, the survivors' reductions fail (some may have com
 with every member's gradients in it, and stepped), and each registers for the next epoch
 with its committed steps. The members holding the most (at most one more) send their state
 to the others as to a joiner; where none completed it, the step is discarded on every
-member (the caller steps only on ``True``; at most one step per loss). A member cut off
-from the coordinator mid-step may have completed the step its side discards: its next
-request to the coordinator raises :class:`MembershipError` (:meth:`Membership.close` too).
+member (the caller steps only on ``True``; at most one step per loss). After the last
+step, :meth:`Membership.close` settles it so (:mod:`.ending`).
 
 The protocol in full (losses and the window a survivor waits, the polls, admission and
 what a joiner is refused for, leaving, the commit in each mode's style): docs/faults.md and
@@ -44,6 +43,7 @@ import fastreduce.faults_heartbeat as faults_heartbeat
 from .admission import Admission
 from .commits import StepCommits
 from .coordinator import COORDINATOR_ENV, CoordinatorLink, Epoch, MembershipError, connect, default_poll_s, serve
+from .ending import Ending
 from .epochs import EpochChanges
 from .job_checkpoints import JobCheckpoints
 from .lifecycle import shutdown
@@ -60,8 +60,9 @@ class Membership:
     """This process's membership of a fault-tolerant job (see the module doc): a facade over
     its parts, each owning its own bookkeeping: the link to the coordinator
     (:class:`~fastreduce.coordinator.CoordinatorLink`), the tickets (:class:`~.admission.Admission`),
-    the vote (:class:`~.votes.Votes`), the epoch changes (:class:`~.epochs.EpochChanges`) and the
-    commits (:class:`~.commits.StepCommits`), over one :class:`~.member.Member`.
+    the vote (:class:`~.votes.Votes`), the epoch changes (:class:`~.epochs.EpochChanges`), the
+    commits (:class:`~.commits.StepCommits`) and its end (:class:`~.ending.Ending`), over one
+    :class:`~.member.Member`.
 
     Args:
         coordinator: ``"host:port"`` of the coordinator, or a store; default
@@ -124,6 +125,7 @@ class Membership:
         self.votes = Votes(self.me, self.link, self.admission)
         self.epochs = EpochChanges(self.me, self.link, self.admission, self.votes, pulse)
         self.commits = StepCommits(self.me, self.votes, self.epochs)
+        self.ending = Ending(self.me, self.link)
 
     # ------------------------------------------------------------------ reading
 
@@ -183,38 +185,26 @@ class Membership:
     def commit(self, step: Callable[[], Any]) -> bool:
         """Commit this step on every member or on none; ``True`` when committed.
 
-        ``step``: the optimizer's (``opt.step``), run here once the reduction succeeded, so
-        that a joiner admitted at this step takes the state after it (the members form
-        the next epoch right after it, before any backward of the next step).
+        ``step``, in the style the mode declares (:mod:`.commits`: how each commits, and
+        what a loss does to it):
 
-        The fused and overlapped modes: the mode's ``reduce()``, then ``step()``, then,
-        at a poll, the vote. ``False``: a member was lost and no survivor completed this
-        step's reduction, so every member discarded it; ``True`` after a loss: another
-        survivor completed it (with this member's gradients in it) and this member took
-        its state. Either way the next epoch is formed already: read :attr:`rank` and
-        :attr:`world` again. ``False`` also where the others found this member silent
-        (its process stopped, its host cut off) and went on without it: back, it joined the
-        job again, its state and :attr:`step` theirs (``counters.rejoins``; job over: :attr:`left`).
+        * the fused and overlapped modes, LocalSGD and DiLoCo: the optimizer's step
+          (``m.commit(opt.step)``), run once the reduction (a sync) succeeded, so that a
+          joiner admitted at this step takes the state after it;
+        * ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``, the mode and the
+          optimizer in one): the mode's ``step()``, clipping inside it as it is collective
+          (``m.commit(lambda: (m.mode.clip_grad_norm_(1.0), m.mode.step()))``);
+        * gossip (:class:`~fastreduce.DecentralizedDataParallel`): the step's forward and
+          backward through :attr:`mode` (``m.commit(lambda: loss_fn(m.mode(x), y).backward())``).
 
-        Gossip (:class:`~fastreduce.DecentralizedDataParallel`): ``step`` is the step's
-        forward and backward through :attr:`mode` (``m.commit(lambda:
-        loss_fn(m.mode(x), y).backward())``), as the mode steps and exchanges inside them;
-        at a loss every survivor keeps its own state and the exchanges in flight are dropped.
-
-        ZeRO (:class:`~fastreduce.ZeroOptimizer` with ``redundant=True``, the mode and the
-        optimizer in one): ``step`` calls the mode's ``step()``
-        (``m.commit(m.mode.step)``), and clipping goes inside it too, as it is collective
-        (``m.commit(lambda: (m.mode.clip_grad_norm_(1.0), m.mode.step()))``): the members
-        meet between the reduce-scatter (and clipping) and the shards' step (in-band, then
-        a vote at the polls); ``False``: a member was lost before every member met, nothing
-        stepped. The all-gather is waited for here.
-
-        LocalSGD and DiLoCo (their collectives run inside the optimizer's step): an
-        inner step without a collective just runs. At a sync,
-        the mode's state and the optimizer's are kept first; if a member is lost during
-        the sync or before the vote completes, every survivor puts them back and runs
-        the same step (the same gradients) again over the next epoch: the sync is redone
-        over the survivors, nothing is discarded (``counters.resyncs``)."""
+        ``False``: a member was lost and no survivor completed this step, so every member
+        discarded it (LocalSGD and DiLoCo run a failed sync again over the survivors
+        instead: ``counters.resyncs``); ``True`` after a loss: another survivor completed it
+        and this member took its state. Either way the next epoch is formed already: read
+        :attr:`rank` and :attr:`world` again. ``False`` also where the others found this
+        member silent (its process stopped, its host cut off) and went on without it: back,
+        it joined the job again, its state and :attr:`step` theirs (``counters.rejoins``;
+        job over: :attr:`left`)."""
         if not callable(step):
             raise TypeError(f"commit() takes the optimizer's step (membership.commit(optimizer.step)), got "
                             f"{type(step).__name__}")
@@ -233,15 +223,25 @@ class Membership:
         self.me.current()
         self.votes.ask_to_leave()
 
+    def confirm(self) -> None:
+        """Confirm this member's committed steps as the job's, now: after its last step and
+        before it saves anything as the job's result (a trainer's last step does it). Waits
+        for every other member of its epoch to end too, go on or stop; then
+        :class:`MembershipError` where its steps are not the job's (:mod:`.ending`)."""
+        self.ending.confirm("ended its training")
+
     def close(self) -> None:
-        """Leave: take the mode's hooks off, stop fastreduce's background threads
-        (:func:`fastreduce.shutdown`: the heartbeat, the coordinator's requests, the transport's
-        workers; within seconds where the coordinator went silent) and end this epoch's group.
-        Then :class:`MembershipError` where its steps are not confirmed as the job's (the
-        coordinator silent, or the others went on without it: :meth:`.Admission.closed`)."""
+        """Leave: take the mode's hooks off, end its heartbeat (a member still counting on it
+        sees it go), confirm its steps as :meth:`confirm` does, stop fastreduce's background
+        threads (:func:`fastreduce.shutdown`; within seconds where the coordinator went
+        silent) and end this epoch's group; then :class:`MembershipError` where its steps
+        were not confirmed."""
         if self.me.mode is not None:
             self.epochs.close_mode()
-        unconfirmed = self.admission.closed()  # (every member closed: a spare still waiting stops)
+        faults_heartbeat.stop_leaving(self.link.stop_s())
+        why = self.admission.closed()  # (every member closed: a spare still waiting stops)
+        ending = self.me.epoch is not None and not self.me.left and not self.me.failed
+        unconfirmed = self.ending.unconfirmed("closed", why) if ending else ""
         self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
         shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
         if dist.is_initialized():

@@ -955,6 +955,45 @@ def test_a_close_that_cannot_reach_the_coordinator_is_a_clear_error(tmp_path: Pa
     _same(found)
 
 
+def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_or_went_on_without_it(monkeypatch) -> None:
+    """A step's reduction can complete on some members and fail on others (a member lost in the
+    middle of it, a link cut one way); after the last step no later collective settles it, so
+    close() waits for the others' word (fastreduce/ending.py). Epoch 0 of "w1".."w3" at a real
+    coordinator, w1 ended with 5 steps: w2 announced itself for epoch 1 with 4 (its last step
+    failed, it goes on without w1): w1's close() raises naming it. Again with w2 announcing 5
+    (it went on past w1's end: w1's steps are the job's), w3 closed with 5 and a fourth member
+    that never beat nor spoke (stopped): w1's close() returns."""
+    import threading
+
+    from fastreduce.coordinator import Epoch, epoch_key
+    from fastreduce.ending import done_key
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    monkeypatch.setenv("FASTREDUCE_LOST_AFTER_S", "0.2")
+    for behind, closes in ((4, True), (5, False)):
+        server = serve(0, "127.0.0.1")
+        names = ("w1", "w2", "w3") if closes else ("w1", "w2", "w3", "w4")
+        members = [Membership(f"127.0.0.1:{server.port}", world_size=len(names), member=n, timeout_s=30)
+                   for n in names]
+        epoch = Epoch(0, names, 0, len(names))
+        server.set(epoch_key(0), epoch.to_json())
+        for m, steps in zip(members, (5, behind, 5, 5)):
+            m.me.epoch, m.me.step = epoch, steps
+        server.set(done_key(0, "w3"), "5")  # w3 ended with 5 (what its close() writes first)
+        members[1].epochs.pulse.up()  # w2 alive (as a survivor is from its failed step on), then for epoch 1:
+        threading.Timer(0.5, members[1].epochs.gathering.announce, (epoch,)).start()
+        if closes:
+            with pytest.raises(MembershipError, match=r"member w2 went on to the next epoch at step 4: its last "
+                                                      r"step failed where this member's completed"):
+                members[0].close()
+        else:
+            members[0].close()  # (w4 never beat nor spoke: stopped after its loss window)
+        for m in members[1:]:
+            m.me.failed = True  # (their own ends are not under test here)
+            m.close()
+        server = None
+
+
 def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_part(tmp_path: Path) -> None:
     """Which save a new job resumes: the newest step whose parts of one epoch are all there
     (a member lost before writing leaves its step incomplete); what rank 0 prunes as it

@@ -417,7 +417,7 @@ class TrainerMembership:
         if self.m.counters.rejoins != rejoins:  # left out of an epoch and in the job again: the members' state
             self._catch_up()
         if self.committed and self.m.step == self.last_step:  # the run's end, before the trainer saves anything
-            self.m.admission.confirm("ended its training")  # (MembershipError: cut off, its steps not the job's)
+            self.m.confirm()  # (MembershipError: cut off, its steps not the job's)
         if self.committed:
             self.booked.steps = self.m.step  # the trainer steps its schedulers next
         else:  # discarded: the trainer steps them next all the same; kept as they are, to put back
