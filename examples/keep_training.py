@@ -405,6 +405,7 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         if kill is not None and kill[0] == "held-before-close":  # the test cuts or kills something, then lets it close
             hold(Path(out), index, "finished", "close.go")
         m.close()
+        facts["closed_in"] = m.epoch.number  # (a close that settled the last step with the others: the next epoch)
     except MembershipError as err:
         facts["refused"], facts["failed_at"] = str(err), time.time()
         say(f"stops: {err}")

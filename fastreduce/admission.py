@@ -242,22 +242,21 @@ class Admission:
         self.me.out(why)
         return epoch
 
-    def closed(self) -> str:
+    def closed(self) -> None:
         """This member closes (:meth:`fastreduce.Membership.close`): counted at its epoch,
         unless it left the job before (a spare that was never taken in, a member that left).
         The last of the epoch's members to close tells every process still waiting to join
-        (spares, joiners) that the job is over, through its admission. Returns what a
-        request found where the coordinator stopped answering (``""``: it answered)."""
+        (spares, joiners) that the job is over, through its admission (where the coordinator
+        answers: else nobody can be told, and the close goes on)."""
         epoch = self.me.epoch
         if epoch is None or self.me.left or self.link.silent:
-            return ""
+            return
         try:
             if int(self.link.call(self.link.store.add, _CLOSED + str(epoch.number), 1)) >= epoch.world:
                 for t in (*epoch.spares, *range(epoch.tickets + 1, self.tickets() + 1)):
                     self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
-        except MembershipError as err:  # the coordinator stopped answering now: nobody can be told; the close goes on
-            return str(err)
-        return ""
+        except MembershipError:
+            pass
 
     def _over(self) -> Epoch | None:
         """The job's newest epoch where every one of its members has closed (the job is over:

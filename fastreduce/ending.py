@@ -10,9 +10,11 @@ epoch without it. So an ending member writes the steps it ended with at the coor
 (``done/e<epoch>/<member>``) and waits until every other member of its epoch has done as
 much, or went on to the next epoch (its announcement there says at which step), or stopped
 (its process exited on this host, or neither its heartbeat nor its pulse moved for the
-loss window), or the next epoch formed. Its steps are the job's where no member ended, or
-went on, at fewer steps and the next epoch (if formed) began at its step or later; else
-the text of :meth:`Ending.unconfirmed` says why not.
+loss window), or the next epoch formed. Where another went on with fewer steps (its last
+step failed), this member goes on with it, as a survivor holding a step does mid-run: it
+joins the next epoch, sends the others the step they lack, and ends again there. Its steps
+are the job's where no member ended with fewer steps and the next epoch (if formed without
+it) began at its step or later; else the text of :meth:`Ending.unconfirmed` says why not.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.process_identity as process_identity
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key, group_store
+from .epochs import EpochChanges, LeftOut
+from .faults_errors import RankLostError
 from .gathering import poll_s
 from .member import Member
 from .presence import Watch, pulses
@@ -38,10 +42,11 @@ def done_key(epoch: int, member: str) -> str:
 
 
 class Ending:
-    """One member's end (see the module doc): ``me`` over ``link``."""
+    """One member's end (see the module doc): ``me`` over ``link``, going on to the next
+    epoch through ``epochs`` where another member's last step failed."""
 
-    def __init__(self, me: Member, link: CoordinatorLink):
-        self.me, self.link = me, link
+    def __init__(self, me: Member, link: CoordinatorLink, epochs: EpochChanges):
+        self.me, self.link, self.epochs = me, link, epochs
 
     def confirm(self, doing: str) -> None:
         """:class:`MembershipError` where this member's steps are not confirmed as the job's
@@ -51,19 +56,32 @@ class Ending:
             if unconfirmed:
                 raise MembershipError(unconfirmed)
 
-    def unconfirmed(self, doing: str, why: str = "") -> str:
+    def unconfirmed(self, doing: str, why: str = "", leaving: bool = False) -> str:
         """Why this member's committed steps are not confirmed as the job's, as an error's
         text (``""``: they are): the coordinator silent (``why``: what a request found), or
-        another member ended, or went on, at fewer steps, or the next epoch formed without it
-        at fewer steps (see the module doc). Mid-run a member's next request raises where the
-        others went on without it; at the end this one is that request."""
-        epoch = self.me.current()
-        why = why or ("the coordinator stopped answering" if self.link.silent else "")
-        if not why:
+        another member ended with fewer steps, or the next epoch formed without it at fewer
+        steps (see the module doc). Where another went on to the next epoch with fewer steps,
+        this member goes on with it and sends it the step it lacks, as a survivor holding a
+        step does mid-run, then ends again there. ``leaving``: its heartbeat ends first (a
+        close: a member still in a collective with it sees it go), its pulse beating instead
+        until the close ends (a member gathering for the next epoch waits for its word)."""
+        while not why:
+            why = "the coordinator stopped answering" if self.link.silent else ""
+            if why:
+                break
             try:
-                why = self._settled(epoch)
-            except MembershipError as err:
+                if leaving:  # (its pulse up instead: a member that went on waits for its word, not for a lost one's)
+                    faults_heartbeat.stop_leaving(self.link.stop_s())
+                    self.epochs.pulse.up()
+                why, behind = self._settled(self.me.current())
+                if behind:  # (its steps then are the job's too: the epoch formed holds them)
+                    self.epochs.next_epoch(set(), "end", time.perf_counter())
+                    continue
+            except (MembershipError, RankLostError) as err:
                 why = str(err)
+            except LeftOut:
+                why = "the others formed the next epoch without it, and it took their state"
+            break
         if not why:
             return ""
         return (f"fastreduce: member {self.me.name} {doing} with its {self.me.step} committed steps not confirmed by "
@@ -72,50 +90,71 @@ class Ending:
                 "ahead of the job's, not the job's. Take the job's from a member whose close() returned, or from its "
                 "last complete checkpoint")
 
-    def _settled(self, epoch: Epoch) -> str:
-        """Wait for the others' word on this epoch's end (the module doc); ``""`` where this
-        member's steps are the job's, else why not."""
-        store, call, n = self.link.store, self.link.call, self.me.step
-        call(store.set, done_key(epoch.number, self.me.name), str(n))
-        open_ = [m for m in epoch.members if m != self.me.name]
-        quiet = _Quiet(self.link, epoch)
-        deadline, nxt = time.monotonic() + self.me.settings.timeout_s, epoch_key(epoch.number + 1)
-        while open_:
+    def _settled(self, epoch: Epoch) -> tuple[str, bool]:
+        """Wait for the others' word on this epoch's end (the module doc): ``("", False)``
+        where this member's steps are the job's, ``(why, False)`` where not, ``("", True)``
+        where another went on to the next epoch with fewer steps. Each poll reads three keys
+        (the next epoch, how many went on to it, how many ended); each member's own keys are
+        read only where one went on, or where the count of those ended stood still."""
+        store, call, n, e = self.link.store, self.link.call, self.me.step, epoch.number
+        self.tell(epoch)
+        others, went_on = [m for m in epoch.members if m != self.me.name], MEMBERS_PREFIX + f"e{e + 1}/alive"
+        quiet, nxt, every = _Quiet(self.link, epoch), epoch_key(e + 1), max(0.25, epoch.world / 1000)
+        deadline, counted, looked = time.monotonic() + self.me.settings.timeout_s, -1, time.monotonic()
+        while True:
+            gone_on = self._gone_on(e, others) if int(call(store.add, went_on, 0)) else {}
+            if any(s < n for s in gone_on.values()):
+                return "", True
             if call(store.check, [nxt]):
                 formed = Epoch.from_json(call(store.get, nxt))
                 if formed.step < n and self.me.name not in formed.members:
                     return (f"the others formed epoch {formed.number} at step {formed.step} without it: its last step "
-                            "failed on them")
-                return ""
-            words = self._words(epoch, open_)
-            for m, (went, s) in words.items():
-                if s < n:
-                    return (f"member {m} {'ended' if went == 'ended' else 'went on to the next epoch'} at step {s}: "
-                            "its last step failed where this member's completed")
-            open_ = [m for m in open_ if m not in words]
-            open_ = [m for m in open_ if m not in quiet.stopped(open_)]
-            if open_ and time.monotonic() > deadline:
-                return (f"{', '.join(open_)} neither ended nor stopped within timeout_s={self.me.settings.timeout_s:g} "
-                        "s: close every member after the same last step")
-            if open_:
-                time.sleep(max(0.05, poll_s(epoch.world)))
-        return ""
+                            "failed on them"), False
+                return "", False
+            ended, now = int(call(store.add, _ended(e), 0)), time.monotonic()
+            if ended >= epoch.world:
+                return self._fewer(epoch, others, n), False
+            if ended != counted:
+                counted, looked = ended, now
+            if ended + len(gone_on) >= epoch.world or now - looked >= every:  # (none ended for a while: alive?)
+                looked = now
+                out = [m for m in others if m not in gone_on and not call(store.check, [done_key(e, m)])]
+                if set(out) <= quiet.stopped(out):
+                    return self._fewer(epoch, [m for m in others if m not in out and m not in gone_on], n), False
+            if now > deadline:
+                return (f"members of epoch {e} neither ended nor stopped within timeout_s="
+                        f"{self.me.settings.timeout_s:g} s: close every member after the same last step"), False
+            time.sleep(max(0.05, poll_s(epoch.world)))
 
-    def _words(self, epoch: Epoch, members: list[str]) -> dict[str, tuple[str, int]]:
-        """What each of ``members`` said of its end: ``("ended", step)`` or ``("went on",
-        step)`` (it announced itself for the next epoch with its steps); none where it said nothing."""
+    def _gone_on(self, e: int, others: list[str]) -> dict[str, int]:
+        """The steps of each of ``others`` that announced itself for epoch ``e + 1``."""
+        call, alive = self.link.call, MEMBERS_PREFIX + f"e{e + 1}/alive/"
+        return {m: int(json.loads(call(self.link.store.get, alive + m))["step"]) for m in others
+                if call(self.link.store.check, [alive + m])}
+
+    def tell(self, epoch: Epoch) -> None:
+        """Write at the coordinator that this member ended ``epoch`` with its committed steps
+        (counted once: a trainer's last step, then its close())."""
         store, call = self.link.store, self.link.call
-        done = [done_key(epoch.number, m) for m in members]
-        if call(store.check, done):  # (every one ended: one request for all)
-            return {m: ("ended", int(v)) for m, v in zip(members, call(faults_heartbeat.read_all, store, done))}
-        words = {}
-        for m, key in zip(members, done):
-            alive = MEMBERS_PREFIX + f"e{epoch.number + 1}/alive/{m}"
-            if call(store.check, [key]):
-                words[m] = ("ended", int(call(store.get, key)))
-            elif call(store.check, [alive]):
-                words[m] = ("went on", int(json.loads(call(store.get, alive))["step"]))
-        return words
+        if not call(store.check, [done_key(epoch.number, self.me.name)]):
+            call(store.set, done_key(epoch.number, self.me.name), str(self.me.step))
+            call(store.add, _ended(epoch.number), 1)
+
+    def _fewer(self, epoch: Epoch, ended: list[str], n: int) -> str:
+        """Why not, where one of ``ended`` (members that wrote their end) ended with fewer than
+        ``n`` steps (``""``: none did)."""
+        keys = [done_key(epoch.number, m) for m in ended]
+        steps = [int(v) for v in self.link.call(faults_heartbeat.read_all, self.link.store, keys)] if keys else []
+        fewer = [(m, s) for m, s in zip(ended, steps) if s < n]
+        if not fewer:
+            return ""
+        m, s = fewer[0]
+        return f"member {m} ended at step {s}: its last step failed where this member's completed"
+
+
+def _ended(epoch: int) -> str:
+    """The coordinator's count of the members that ended ``epoch``."""
+    return MEMBERS_PREFIX + f"ended/e{epoch}"
 
 
 class _Quiet:

@@ -56,7 +56,9 @@ class EpochChanges:
     def next_epoch(self, lost: set[str], why: str, start: float) -> None:
         """With the other survivors: the next epoch, without ``lost`` and with the
         joiners waiting; then its group, the state for the joiners and the mode
-        (``start``: when the step that ends the epoch began, for :attr:`counters`)."""
+        (``start``: when the step that ends the epoch began, for :attr:`counters`).
+        ``why``: ``"loss"``, ``"join"``, ``"leave"``, or ``"end"`` (its last step done, another
+        member's failed: :mod:`.ending`; as after a loss, the others waited for one window)."""
         old = self.me.current()
         n = old.number + 1
         self.pulse.up()  # alive to the others until this member has entered the next epoch

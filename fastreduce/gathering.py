@@ -91,7 +91,7 @@ class Gathering:
             self.announce(old)
         count, alive = MEMBERS_PREFIX + f"e{n}/alive", MEMBERS_PREFIX + f"e{n}/alive/"  # how many, and each one's word
         expected = [m for m in old.members if m not in lost]
-        window = faults.lost_after() if why == "loss" else self.settings.timeout_s
+        window = faults.lost_after() if why in ("loss", "end") else self.settings.timeout_s
         deadline, last = time.monotonic() + window, time.monotonic() + self.settings.wait_s
         counted: dict[str, int] = {}
         key = epoch_key(n)

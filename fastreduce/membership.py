@@ -125,7 +125,7 @@ class Membership:
         self.votes = Votes(self.me, self.link, self.admission)
         self.epochs = EpochChanges(self.me, self.link, self.admission, self.votes, pulse)
         self.commits = StepCommits(self.me, self.votes, self.epochs)
-        self.ending = Ending(self.me, self.link)
+        self.ending = Ending(self.me, self.link, self.epochs)
 
     # ------------------------------------------------------------------ reading
 
@@ -231,20 +231,20 @@ class Membership:
         self.ending.confirm("ended its training")
 
     def close(self) -> None:
-        """Leave: take the mode's hooks off, end its heartbeat (a member still counting on it
-        sees it go), confirm its steps as :meth:`confirm` does, stop fastreduce's background
-        threads (:func:`fastreduce.shutdown`; within seconds where the coordinator went
-        silent) and end this epoch's group; then :class:`MembershipError` where its steps
-        were not confirmed."""
-        if self.me.mode is not None:
-            self.epochs.close_mode()
-        faults_heartbeat.stop_leaving(self.link.stop_s())
-        why = self.admission.closed()  # (every member closed: a spare still waiting stops)
+        """Leave: end its heartbeat (a member still counting on it sees it go), confirm its
+        steps as :meth:`confirm` does, take the mode's hooks off, stop fastreduce's threads
+        (:func:`fastreduce.shutdown`) and end this epoch's group; then :class:`MembershipError`
+        where its steps were not confirmed."""
         ending = self.me.epoch is not None and not self.me.left and not self.me.failed
-        unconfirmed = self.ending.unconfirmed("closed", why) if ending else ""
-        self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
-        shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            unconfirmed = self.ending.unconfirmed("closed", leaving=True) if ending else ""
+        finally:
+            if self.me.mode is not None:
+                self.epochs.close_mode()
+            self.admission.closed()  # (every member closed: a spare still waiting stops)
+            self.epochs.pulse.stop(timeout=min(self.link.stop_s(), self.link.deadline()))  # (a beat on a silent link)
+            shutdown(self.link.stop_s(), rest=False)  # this member leaves: a member still counting on it sees it go
+            if dist.is_initialized():
+                dist.destroy_process_group()
         if unconfirmed:
             raise MembershipError(unconfirmed)

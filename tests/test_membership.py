@@ -150,6 +150,29 @@ def test_a_member_whose_reduction_failed_where_the_others_completed_it_is_healed
         assert torch.allclose(final[0]["params"], want, rtol=0, atol=1e-6), float((final[0]["params"] - want).abs().max())
 
 
+def test_a_last_step_that_failed_on_one_member_alone_is_settled_at_the_others_close(tmp_path: Path) -> None:
+    """As above, at the last step: member 1's reduction completes on every member, then fails on
+    member 1 alone. Members 0 and 2 committed it and close(); no later collective fails for
+    them, so their close() settles it (fastreduce/ending.py): it finds member 1 gone on to
+    the next epoch with one step fewer, joins that epoch and sends it the step, as a survivor
+    holding a step does mid-run. Every close() returns, every member ends at the last step in
+    epoch 1, none discarded a step, and every step's parameters are equal on all three
+    (before: members 0 and 2 closed with the step, member 1 formed epoch 1 alone, below
+    min_ranks=2, and raised; with min_ranks=1 it would have taken that step again alone,
+    a second final model and no error)."""
+    found = run(tmp_path, "process_group", {1: ("flaps", STEPS - 1)}, joiners=0)
+    final = [found[i] for i in (0, 1, 2)]
+    assert found[1]["epoch"] == 1 and found[1]["counters"]["losses"] == 1, found[1]["counters"]  # healed forward
+    for f in final:
+        assert f["steps"][-1][:2] == (STEPS, True) and f["world"] == 3 and f["closed_in"] == 1, (f["closed_in"], f)
+        assert f["counters"]["discarded_steps"] == 0 and f["counters"]["joins"] == 0, f["counters"]
+        assert [s for s, _, _, _ in f["steps"]] == list(range(1, STEPS + 1)), f["steps"][-3:]
+    for s in range(1, STEPS + 1):
+        digests = [f["digests"].get(s) for f in final]
+        assert len(set(digests) - {None}) == 1, (s, digests)
+    _same(final)
+
+
 @SLOW
 @pytest.mark.parametrize("mode", ["overlap"])  # (fused passed too at stop 53; left out for CI's time)
 @pytest.mark.cell("loop", "compile", membership=True, against="equal")
@@ -955,36 +978,36 @@ def test_a_close_that_cannot_reach_the_coordinator_is_a_clear_error(tmp_path: Pa
     _same(found)
 
 
-def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_or_went_on_without_it(monkeypatch) -> None:
-    """A step's reduction can complete on some members and fail on others (a member lost in the
-    middle of it, a link cut one way); after the last step no later collective settles it, so
-    close() waits for the others' word (fastreduce/ending.py). Epoch 0 of "w1".."w3" at a real
-    coordinator, w1 ended with 5 steps: w2 announced itself for epoch 1 with 4 (its last step
-    failed, it goes on without w1): w1's close() raises naming it. Again with w2 announcing 5
-    (it went on past w1's end: w1's steps are the job's), w3 closed with 5 and a fourth member
-    that never beat nor spoke (stopped): w1's close() returns."""
+def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fewer_steps(monkeypatch) -> None:
+    """close() waits for the other members' word on their end (fastreduce/ending.py). Epoch 0
+    of "w1".."w3" at a real coordinator, w1 ended with 5 steps: w2 ended with 4 (its close()
+    wrote so): w1's close() raises naming it. Again with w2 announcing itself for epoch 1
+    with 5 (it went on past w1's end: w1's steps are a prefix of the job's), w3 ended with 5
+    and a fourth member that never beat nor spoke (stopped): w1's close() returns. (A member
+    gone on with fewer steps: the test above, in a real job.)"""
     import threading
 
     from fastreduce.coordinator import Epoch, epoch_key
-    from fastreduce.ending import done_key
     from fastreduce.membership import Membership, MembershipError, serve
 
     monkeypatch.setenv("FASTREDUCE_LOST_AFTER_S", "0.2")
-    for behind, closes in ((4, True), (5, False)):
+    for dispute in (True, False):
         server = serve(0, "127.0.0.1")
-        names = ("w1", "w2", "w3") if closes else ("w1", "w2", "w3", "w4")
+        names = ("w1", "w2", "w3") if dispute else ("w1", "w2", "w3", "w4")
         members = [Membership(f"127.0.0.1:{server.port}", world_size=len(names), member=n, timeout_s=30)
                    for n in names]
         epoch = Epoch(0, names, 0, len(names))
         server.set(epoch_key(0), epoch.to_json())
-        for m, steps in zip(members, (5, behind, 5, 5)):
+        for m, steps in zip(members, (5, 4 if dispute else 5, 5, 5)):
             m.me.epoch, m.me.step = epoch, steps
-        server.set(done_key(0, "w3"), "5")  # w3 ended with 5 (what its close() writes first)
-        members[1].epochs.pulse.up()  # w2 alive (as a survivor is from its failed step on), then for epoch 1:
-        threading.Timer(0.5, members[1].epochs.gathering.announce, (epoch,)).start()
-        if closes:
-            with pytest.raises(MembershipError, match=r"member w2 went on to the next epoch at step 4: its last "
-                                                      r"step failed where this member's completed"):
+        members[2].ending.tell(epoch)  # w3 ended with 5 (what its close() writes first)
+        members[1].epochs.pulse.up()  # w2 alive, then its word:
+        said = (lambda: members[1].ending.tell(epoch)) if dispute else \
+            (lambda: members[1].epochs.gathering.announce(epoch))
+        threading.Timer(0.5, said).start()
+        if dispute:
+            with pytest.raises(MembershipError, match=r"member w2 ended at step 4: its last step failed where this "
+                                                      r"member's completed"):
                 members[0].close()
         else:
             members[0].close()  # (w4 never beat nor spoke: stopped after its loss window)
