@@ -190,7 +190,8 @@ class EpochChanges:
         try:
             self._set_up(epoch)
         except (RuntimeError, _Missing) as err:
-            lost = err.members if isinstance(err, _Missing) else self.votes.lost_in(err) if dist.is_initialized() else None
+            lost = err.members if isinstance(err, _Missing) else self.votes.lost_in(err) if dist.is_initialized() else \
+                self._unmade(epoch, err)
             if lost is None:
                 raise
             if self.me.mode is not None:  # built in this entry, its state half loaded (ZeRO: half resharded):
@@ -245,6 +246,22 @@ class EpochChanges:
                 self.me.mode.keep_sent()  # payload kept, to be sent again over the survivors after a loss
             if commit_style(self.me.mode) == "gossip":  # the members' rounds may differ by one after a loss
                 self.me.mode.set_round(epoch.step)
+
+    def _unmade(self, epoch: Epoch, err: RuntimeError) -> set[str]:
+        """The group of ``epoch`` could not be made (``err``: Gloo's connect failed): the members
+        whose pulse stopped within two loss windows (lost as it formed); where every one still
+        lives, they reach the coordinator but not each other: :class:`MembershipError`."""
+        watch, until = self._watch(epoch), time.monotonic() + 2 * faults.lost_after()
+        while time.monotonic() < until:
+            lost = watch.lost()
+            if lost:
+                return lost
+            time.sleep(0.05)
+        raise MembershipError(f"fastreduce: epoch {epoch.number}'s process group could not be made ({err}), and every "
+                              "member still lives at the coordinator: they reach it but not each other (the members' "
+                              "network split with the coordinator on both sides, or a firewall on the ports of their "
+                              "group: GLOO_SOCKET_IFNAME names its interface). Restart the job from its last "
+                              "checkpoint on members that reach each other") from err
 
     def _entry_bound(self) -> float:
         """How long the members of a new epoch wait for each other to enter it: they all read
