@@ -22,16 +22,14 @@ from __future__ import annotations
 import json
 import time
 
-import fastreduce.faults as faults
 import fastreduce.faults_heartbeat as faults_heartbeat
-import fastreduce.process_identity as process_identity
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, MembershipError, epoch_key, group_store
 from .epochs import EpochChanges, LeftOut
 from .faults_errors import RankLostError
 from .gathering import poll_s
 from .member import Member
-from .presence import Watch, pulses
+from .presence import Watch
 
 __all__ = ["Ending", "done_key"]
 
@@ -65,9 +63,10 @@ class Ending:
         step does mid-run, then ends again there. ``leaving``: its heartbeat ends first (a
         close: a member still in a collective with it sees it go), its pulse beating instead
         until the close ends (a member gathering for the next epoch waits for its word)."""
-        while not why:
-            why = "the coordinator stopped answering" if self.link.silent else ""
-            if why:
+        behind = True
+        while behind and not why:
+            if self.link.silent:
+                why = "the coordinator stopped answering"
                 break
             try:
                 if leaving:  # (its pulse up instead: a member that went on waits for its word, not for a lost one's)
@@ -76,12 +75,10 @@ class Ending:
                 why, behind = self._settled(self.me.current())
                 if behind:  # (its steps then are the job's too: the epoch formed holds them)
                     self.epochs.next_epoch(set(), "end", time.perf_counter())
-                    continue
             except (MembershipError, RankLostError) as err:
                 why = str(err)
             except LeftOut:
                 why = "the others formed the next epoch without it, and it took their state"
-            break
         if not why:
             return ""
         return (f"fastreduce: member {self.me.name} {doing} with its {self.me.step} committed steps not confirmed by "
@@ -99,7 +96,8 @@ class Ending:
         store, call, n, e = self.link.store, self.link.call, self.me.step, epoch.number
         self.tell(epoch)
         others, went_on = [m for m in epoch.members if m != self.me.name], MEMBERS_PREFIX + f"e{e + 1}/alive"
-        quiet, nxt, every = _Quiet(self.link, epoch), epoch_key(e + 1), max(0.25, epoch.world / 1000)
+        watch = Watch(store, call, others, beats=(group_store(e, store), epoch))  # (who of them stopped)
+        nxt, every = epoch_key(e + 1), max(0.25, epoch.world / 1000)
         deadline, counted, looked = time.monotonic() + self.me.settings.timeout_s, -1, time.monotonic()
         while True:
             gone_on = self._gone_on(e, others) if int(call(store.add, went_on, 0)) else {}
@@ -119,7 +117,7 @@ class Ending:
             if ended + len(gone_on) >= epoch.world or now - looked >= every:  # (none ended for a while: alive?)
                 looked = now
                 out = [m for m in others if m not in gone_on and not call(store.check, [done_key(e, m)])]
-                if set(out) <= quiet.stopped(out):
+                if set(out) <= watch.lost():
                     return self._fewer(epoch, [m for m in others if m not in out and m not in gone_on], n), False
             if now > deadline:
                 return (f"members of epoch {e} neither ended nor stopped within timeout_s="
@@ -155,35 +153,3 @@ class Ending:
 def _ended(epoch: int) -> str:
     """The coordinator's count of the members that ended ``epoch``."""
     return MEMBERS_PREFIX + f"ended/e{epoch}"
-
-
-class _Quiet:
-    """Which members of ``epoch`` stopped: their process exited on this host, or neither
-    their heartbeat in ``epoch`` nor their pulse moved for the loss window (for
-    :data:`~fastreduce.faults.LOCAL_GRACE` windows where their process still runs here)."""
-
-    def __init__(self, link: CoordinatorLink, epoch: Epoch):
-        self.link, self.epoch = link, epoch
-        self.beats = group_store(epoch.number, link.store)
-        self.watch = Watch(link.store, link.call, list(epoch.members))
-        self.seen: dict[str, tuple[tuple[int, int], float]] = {}
-        self.read_at = 0.0
-
-    def stopped(self, members: list[str]) -> set[str]:
-        gone = self.watch.exited() & set(members)
-        now = time.monotonic()
-        if now - self.read_at < min(faults.heartbeat_interval() or 0.25, 0.25):
-            return gone
-        self.read_at, call = now, self.link.call
-        beat = {m: int(call(self.beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{self.epoch.members.index(m)}", 0))
-                for m in members}
-        pulse = pulses(self.link.store, call, members)
-        window = faults.lost_after()
-        for m in members:
-            counts = (beat[m], pulse.get(m, 0))
-            if m not in self.seen or self.seen[m][0] != counts:
-                self.seen[m] = (counts, now)
-            here = process_identity.running_here(self.watch.records.get(m, ""), self.watch.me)
-            if now - self.seen[m][1] >= window * (faults.LOCAL_GRACE if here else 1):
-                gone.add(m)
-        return gone

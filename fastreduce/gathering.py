@@ -16,7 +16,7 @@ import fastreduce.faults_heartbeat as faults_heartbeat
 
 from .coordinator import MEMBERS_PREFIX, CoordinatorLink, Epoch, epoch_key
 from .member import Member
-from .presence import pulses
+from .presence import heartbeats, pulses
 
 __all__ = ["POLLS_PER_S", "Gathering", "moved", "poll_s"]
 
@@ -129,7 +129,6 @@ class Gathering:
         The pulse: a survivor whose entry into ``old`` failed before its heartbeat there
         started (a starved host) shows it lives by its pulse alone, up since it left the
         epoch before (:meth:`~fastreduce.epochs.EpochChanges.next_epoch`); read by the heartbeat only, it was left out."""
-        beating = {m: int(self.call(beats.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{old.members.index(m)}", 0))
-                   for m in members}
+        beating = heartbeats(beats, old, self.call, members)
         pulsing = {f"pulse {m}": n for m, n in pulses(self.store, self.call, members).items()}
         return moved({**beating, **pulsing}, counted)

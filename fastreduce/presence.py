@@ -31,12 +31,13 @@ import fastreduce.faults as faults
 import fastreduce.faults_heartbeat as faults_heartbeat
 import fastreduce.process_identity as process_identity
 
-from .coordinator import MEMBERS_PREFIX
+from .coordinator import MEMBERS_PREFIX, Epoch
 from .faults import exited_here
 from .lifecycle import disown, own
 from .reach import SecondConnection
 
-__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "all_exited", "exited_here", "pulse_key", "pulses", "who_key"]
+__all__ = ["EXIT_CHECK_S", "Pulse", "Watch", "all_exited", "exited_here", "heartbeats", "pulse_key", "pulses",
+           "who_key"]
 
 EXIT_CHECK_S = 0.02
 """How often a waiting member looks whether a watched member's process on this host has
@@ -136,10 +137,12 @@ class Pulse:
 class Watch:
     """One wait's view of other members' pulses (:class:`Pulse`): :meth:`lost` names those
     that stopped. ``call`` makes a request to the coordinator within a deadline (a
-    :class:`~fastreduce.coordinator.CoordinatorLink`'s ``call``)."""
+    :class:`~fastreduce.coordinator.CoordinatorLink`'s ``call``). ``beats``: an epoch's group
+    store and the epoch, whose heartbeats count as a sign of life too (:func:`heartbeats`)."""
 
-    def __init__(self, store: Any, call: Callable[..., Any], members: list[str]):
-        self.store, self.call, self.members = store, call, list(members)
+    def __init__(self, store: Any, call: Callable[..., Any], members: list[str],
+                 beats: tuple[Any, Epoch] | None = None):
+        self.store, self.call, self.members, self.beats = store, call, list(members), beats
         self.me = process_identity.identity()
         self.window = faults.lost_after()
         self.every = min(faults.heartbeat_interval() or 0.25, 0.25)  # between two reads of the pulses
@@ -186,7 +189,17 @@ class Watch:
                     self.records[m] = self.call(self.store.get, k).decode()
 
     def _pulses(self) -> dict[str, int]:
-        return pulses(self.store, self.call, self.members)
+        counts = pulses(self.store, self.call, self.members)
+        if self.beats is not None:  # (both only grow: their sum moves where either does)
+            for m, n in heartbeats(*self.beats, self.call, self.members).items():
+                counts[m] += n
+        return counts
+
+
+def heartbeats(store: Any, epoch: Epoch, call: Callable[..., Any], members: list[str]) -> dict[str, int]:
+    """Each of ``members``' heartbeat count in ``epoch`` (``store``: its group's store)."""
+    return {m: int(call(store.add, f"{faults_heartbeat.STORE_PREFIX}heartbeat/{epoch.members.index(m)}", 0))
+            for m in members}
 
 
 def pulses(store: Any, call: Callable[..., Any], members: list[str]) -> dict[str, int]:
