@@ -220,9 +220,7 @@ class Admission:
         while over is None and not self.link.wait(key, settings.wait_s):
             over = self._over()  # (a spare waits for a loss however long; it looks again every wait_s)
             if over is None and not settings.spare:
-                raise MembershipError(f"fastreduce: no admission within {settings.wait_s:g} s: the members did not "
-                                      "reach a step boundary, or the job is not running (wait_s= waits longer; "
-                                      "a job run again at an address that kept an earlier run: docs/faults.md)")
+                raise MembershipError(self._not_admitted())
         if over is not None:  # (compare_set: an admission written meanwhile stands)
             self.link.call(self.link.store.compare_set, key, "", f"over {over.number}")
         answer = self.link.call(self.link.store.get, key).decode()
@@ -257,6 +255,19 @@ class Admission:
                     self.link.call(self.link.store.compare_set, _admit(t), "", f"over {epoch.number}")
         except MembershipError:
             pass
+
+    def _not_admitted(self) -> str:
+        """Why no epoch admitted this process within ``wait_s``, in words: the job never formed
+        (fewer than ``world_size`` first members came), or its members reached no step boundary."""
+        settings = self.me.settings
+        if not self.link.call(self.link.store.check, [epoch_key(0)]):
+            came = int(self.link.call(self.link.store.add, _FOUNDERS, 0))
+            return (f"fastreduce: the job did not form within wait_s={settings.wait_s:g} s: {came} of its "
+                    f"world_size={settings.world_size} first members came, and it starts with all of them (start "
+                    "the others, or give a lower world_size; one that raised at its start said why)")
+        return (f"fastreduce: no admission within {settings.wait_s:g} s: the members did not reach a step boundary, "
+                "or the job is not running (wait_s= waits longer; a job run again at an address that kept an "
+                "earlier run: docs/faults.md)")
 
     def _over(self) -> Epoch | None:
         """The job's newest epoch where every one of its members has closed (the job is over:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from . import reach
 from .coordinator import Epoch, MembershipError
 from .faults_errors import RankLostError
 
@@ -62,6 +63,9 @@ class MembershipSettings:
         if self.evict_slower_than is not None and not (self.evict_slower_than > 1 and self.evict_for_s > 0):
             raise ValueError(f"evict_slower_than must be > 1 (times the median member's work) and evict_for_s > 0 "
                              f"seconds, got {self.evict_slower_than} and {self.evict_for_s}")
+        problem = reach.gloo_transport_problem() if self.backend == "gloo" else None
+        if problem:  # (found here, before the coordinator: else the others wait for it in the group's creation)
+            raise ValueError(f"fastreduce: backend='gloo' cannot make its transport on this host: {problem}")
 
 
 @dataclass

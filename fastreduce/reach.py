@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 __all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "SecondConnection", "clone", "connect_timeout",
-           "wait_for_listener"]
+           "gloo_transport_problem", "wait_for_listener"]
 
 CONNECT_TIMEOUT_ENV = "FASTREDUCE_CONNECT_TIMEOUT_S"
 """Seconds to keep trying to reach a store's server (the coordinator, ``MASTER_ADDR``)."""
@@ -78,6 +78,37 @@ def wait_for_listener(host: str, port: int, seconds: float) -> str | None:
             return why
         time.sleep(min(pause, left))
         pause = min(2 * pause, _LONGEST_PAUSE_S)
+
+
+def gloo_transport_problem() -> str | None:
+    """Why this process cannot make its end of a Gloo group (``None``: it can), found
+    before it waits on any other process: Gloo's devices made as torch makes them for a
+    group, and let go at once (one per interface named in ``$GLOO_SOCKET_IFNAME``, comma
+    separated, where it is set; else one on the address this host's name resolves to).
+
+    Where a member's device cannot be made, the group's creation fails on that member
+    alone, and only after every member has come to it: the others wait at the store for the
+    address it never writes, for the group's whole timeout (a Membership's ``timeout_s``)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "this torch was built without Gloo"
+    names = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        if names is not None:  # (torch's test too: set at all, each name an interface)
+            for name in names.split(","):
+                dist.ProcessGroupGloo.create_device(interface=name)
+        else:
+            dist.ProcessGroupGloo.create_default_device()
+    except RuntimeError as err:
+        here = ", ".join(name for _, name in socket.if_nameindex())
+        what = str(err).strip().splitlines()[0].split("] ")[-1]  # (Gloo's text, without the source line)
+        if names is not None:
+            return (f"$GLOO_SOCKET_IFNAME={names!r} names no interface with an address here ({what}); this host's "
+                    f"interfaces: {here}. Name the one that reaches the other members' hosts")
+        return (f"no address of this host to listen on ({what}): set $GLOO_SOCKET_IFNAME to the interface, of "
+                f"{here}, that reaches the other members' hosts")
+    return None
 
 
 def clone(store: Any) -> Any:

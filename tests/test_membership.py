@@ -1236,9 +1236,11 @@ def test_a_member_alone_below_min_ranks_after_another_left_is_not_told_it_was_lo
         m.close()
 
 
-def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
+def test_what_a_joiner_is_refused_for_and_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked by each process alone, before it waits on anyone: the joiner's fingerprint
-    against the members' (version, tag, layout), and the arguments."""
+    against the members' (version, tag, layout), the arguments, and its Gloo transport (a
+    member whose device cannot be made failed the group's creation alone, the others waiting
+    there for its address for timeout_s: 30 s of 30 measured, 3 members)."""
     from fastreduce.admission import Admission, _starts_elsewhere
     from fastreduce.membership import Membership, MembershipError, serve
 
@@ -1265,6 +1267,13 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     for name in ("node 1", "node,1", ""):  # (a leaver's name in a vote's decision: "leave 7 a,b")
         with pytest.raises(ValueError, match="without spaces or commas") if name else contextlib.nullcontext():
             Membership(f"127.0.0.1:{server.port}", world_size=2, member=name).close()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,nope0")  # (before the coordinator: there is none at port 1)
+    with pytest.raises(ValueError, match=r"backend='gloo' cannot make its transport on this host: "
+                       r"\$GLOO_SOCKET_IFNAME='lo,nope0' names no interface .*Unable to find address for: nope0.*lo"):
+        Membership("127.0.0.1:1", world_size=2)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    Membership(f"127.0.0.1:{server.port}", world_size=2).close()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     with pytest.raises(MembershipError, match="cannot reach the coordinator at 127.0.0.1:1"):
         from fastreduce.membership import connect
         connect("127.0.0.1:1", timeout_s=1)
@@ -1285,6 +1294,19 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="Zero under fastreduce.Membership needs redundant=True: each rank's optimizer "
                        "shard is then also kept on another rank"):
         check_membership(unmirrored)  # as ZeroOptimizer(redundant=False)
+
+
+def test_a_job_short_of_its_first_members_says_how_many_came() -> None:
+    """A first member whose job never formed (one of world_size=3 came: the others raised at
+    their start, say) is told so at wait_s, not that the members reached no step boundary."""
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    server, model = serve(0, "127.0.0.1"), torch.nn.Linear(2, 2)
+    m = Membership(f"127.0.0.1:{server.port}", world_size=3, wait_s=1)
+    with pytest.raises(MembershipError, match="the job did not form within wait_s=1 s: 1 of its world_size=3 first "
+                       "members came, and it starts with all of them"):
+        m.join({"model": model}, lambda: fastreduce.FusedReducer(model))
+    m.close()
 
 
 def _heal_worker(rank: int, world: int) -> dict:
