@@ -63,9 +63,9 @@ class MembershipSettings:
         if self.evict_slower_than is not None and not (self.evict_slower_than > 1 and self.evict_for_s > 0):
             raise ValueError(f"evict_slower_than must be > 1 (times the median member's work) and evict_for_s > 0 "
                              f"seconds, got {self.evict_slower_than} and {self.evict_for_s}")
-        problem = reach.gloo_transport_problem() if self.backend == "gloo" else None
+        problem = reach.transport_problem(self.backend)
         if problem:  # (found here, before the coordinator: else the others wait for it in the group's creation)
-            raise ValueError(f"fastreduce: backend='gloo' cannot make its transport on this host: {problem}")
+            raise ValueError(f"fastreduce: backend={self.backend!r} cannot make its transport on this host: {problem}")
 
 
 @dataclass

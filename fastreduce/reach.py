@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 __all__ = ["CONNECT_TIMEOUT_ENV", "DEFAULT_CONNECT_TIMEOUT_S", "SecondConnection", "clone", "connect_timeout",
-           "gloo_transport_problem", "wait_for_listener"]
+           "transport_problem", "wait_for_listener"]
 
 CONNECT_TIMEOUT_ENV = "FASTREDUCE_CONNECT_TIMEOUT_S"
 """Seconds to keep trying to reach a store's server (the coordinator, ``MASTER_ADDR``)."""
@@ -80,18 +80,26 @@ def wait_for_listener(host: str, port: int, seconds: float) -> str | None:
         pause = min(2 * pause, _LONGEST_PAUSE_S)
 
 
-def gloo_transport_problem() -> str | None:
-    """Why this process cannot make its end of a Gloo group (``None``: it can), found
-    before it waits on any other process: Gloo's devices made as torch makes them for a
-    group, and let go at once (one per interface named in ``$GLOO_SOCKET_IFNAME``, comma
-    separated, where it is set; else one on the address this host's name resolves to).
+def transport_problem(backend: str) -> str | None:
+    """Why this process cannot make its end of a ``backend`` group (``None``: it can, or
+    ``backend`` is not one checked here), found before it waits on any other process.
 
-    Where a member's device cannot be made, the group's creation fails on that member
-    alone, and only after every member has come to it: the others wait at the store for the
-    address it never writes, for the group's whole timeout (a Membership's ``timeout_s``)."""
+    Where one member cannot, the group's creation fails on that member alone, and only
+    after every member has come to it: the others wait at the store for the address it
+    never writes, for the group's whole timeout (a Membership's ``timeout_s``). Gloo: its
+    devices made as torch makes them for a group, and let go at once (one per interface
+    named in ``$GLOO_SOCKET_IFNAME``, comma separated, where it is set; else one on the
+    address this host's name resolves to). NCCL: built in, and a CUDA device visible."""
+    import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_gloo_available():
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            return "this torch was built without NCCL"
+        return None if torch.cuda.is_available() else "no CUDA device is visible to this process"
+    if backend != "gloo":
+        return None
+    if not dist.is_gloo_available():
         return "this torch was built without Gloo"
     names = os.environ.get("GLOO_SOCKET_IFNAME")
     try:

@@ -1274,6 +1274,10 @@ def test_what_a_joiner_is_refused_for_and_bad_arguments(monkeypatch: pytest.Monk
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     Membership(f"127.0.0.1:{server.port}", world_size=2).close()
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    if not torch.cuda.is_available():  # (a member on a host without its GPU among the others)
+        with pytest.raises(ValueError, match="backend='nccl' cannot make its transport on this host: this torch was "
+                           "built without NCCL|no CUDA device is visible"):
+            Membership("127.0.0.1:1", world_size=2, backend="nccl")
     with pytest.raises(MembershipError, match="cannot reach the coordinator at 127.0.0.1:1"):
         from fastreduce.membership import connect
         connect("127.0.0.1:1", timeout_s=1)
