@@ -20,6 +20,7 @@ it) began at its step or later; else the text of :meth:`Ending.unconfirmed` says
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import fastreduce.faults_heartbeat as faults_heartbeat
@@ -31,7 +32,13 @@ from .gathering import poll_s
 from .member import Member
 from .presence import Watch
 
-__all__ = ["Ending", "done_key"]
+__all__ = ["SAY_AFTER_S", "Ending", "done_key"]
+
+log = logging.getLogger("fastreduce")
+SAY_AFTER_S = 30.0
+"""How long an ending member waits for another's word before it says (a warning) whom it
+waits for: a member alive that has not ended (its loop runs on, or it evaluates after its
+last step before it closes) is waited for up to ``timeout_s``, which is 10 minutes by default."""
 
 
 def done_key(epoch: int, member: str) -> str:
@@ -98,7 +105,8 @@ class Ending:
         others, went_on = [m for m in epoch.members if m != self.me.name], MEMBERS_PREFIX + f"e{e + 1}/alive"
         watch = Watch(store, call, others, beats=(group_store(e, store), epoch))  # (who of them stopped)
         nxt, every = epoch_key(e + 1), max(0.25, epoch.world / 1000)
-        deadline, counted, looked = time.monotonic() + self.me.settings.timeout_s, -1, time.monotonic()
+        began, counted, said = time.monotonic(), -1, False
+        deadline, looked = began + self.me.settings.timeout_s, began
         while True:
             gone_on = self._gone_on(e, others) if int(call(store.add, went_on, 0)) else {}
             if any(s < n for s in gone_on.values()):
@@ -117,8 +125,15 @@ class Ending:
             if ended + len(gone_on) >= epoch.world or now - looked >= every:  # (none ended for a while: alive?)
                 looked = now
                 out = [m for m in others if m not in gone_on and not call(store.check, [done_key(e, m)])]
-                if set(out) <= watch.lost():
+                stopped = watch.lost()
+                if set(out) <= stopped:
                     return self._fewer(epoch, [m for m in others if m not in out and m not in gone_on], n), False
+                if not said and now - began >= SAY_AFTER_S:
+                    said = True
+                    log.warning("fastreduce: member %s ended epoch %d with %d steps and waits for the word of %s, "
+                                "alive and not ended (each member's close(), or confirm() after its last step), up to "
+                                "timeout_s=%g s", self.me.name, e, n, ", ".join(m for m in out if m not in stopped),
+                                self.me.settings.timeout_s)
             if now > deadline:
                 return (f"members of epoch {e} neither ended nor stopped within timeout_s="
                         f"{self.me.settings.timeout_s:g} s: close every member after the same last step"), False

@@ -22,6 +22,7 @@ members train on undisturbed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -978,19 +979,23 @@ def test_a_close_that_cannot_reach_the_coordinator_is_a_clear_error(tmp_path: Pa
     _same(found)
 
 
-def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fewer_steps(monkeypatch) -> None:
+def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fewer_steps(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """close() waits for the other members' word on their end (fastreduce/ending.py). Epoch 0
     of "w1".."w3" at a real coordinator, w1 ended with 5 steps: w2 ended with 4 (its close()
     wrote so): w1's close() raises naming it. Again with w2 announcing itself for epoch 1
     with 5 (it went on past w1's end: w1's steps are a prefix of the job's), w3 ended with 5
     and a fourth member that never beat nor spoke (stopped): w1's close() returns. (A member
-    gone on with fewer steps: the test above, in a real job.)"""
+    gone on with fewer steps: the test above, in a real job.) Waiting past ``SAY_AFTER_S``,
+    w1 says whom it waits for: w2, alive (not w3, which ended, nor w4, stopped)."""
     import threading
 
+    from fastreduce import ending
     from fastreduce.coordinator import Epoch, epoch_key
     from fastreduce.membership import Membership, MembershipError, serve
 
     monkeypatch.setenv("FASTREDUCE_LOST_AFTER_S", "0.2")
+    monkeypatch.setattr(ending, "SAY_AFTER_S", 0.1)
     for dispute in (True, False):
         server = serve(0, "127.0.0.1")
         names = ("w1", "w2", "w3") if dispute else ("w1", "w2", "w3", "w4")
@@ -1004,13 +1009,19 @@ def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fe
         members[1].epochs.pulse.up()  # w2 alive, then its word:
         said = (lambda: members[1].ending.tell(epoch)) if dispute else \
             (lambda: members[1].epochs.gathering.announce(epoch))
-        threading.Timer(0.5, said).start()
-        if dispute:
-            with pytest.raises(MembershipError, match=r"member w2 ended at step 4: its last step failed where this "
-                                                      r"member's completed"):
-                members[0].close()
-        else:
-            members[0].close()  # (w4 never beat nor spoke: stopped after its loss window)
+        threading.Timer(1.0, said).start()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastreduce"):
+            if dispute:
+                with pytest.raises(MembershipError, match=r"member w2 ended at step 4: its last step failed where this "
+                                                          r"member's completed"):
+                    members[0].close()
+            else:
+                members[0].close()  # (w4 never beat nor spoke: stopped after its loss window)
+        said = [r.getMessage() for r in caplog.records if "waits for the word of" in r.getMessage()]
+        assert said and all("waits for the word of w2" in s and "w3" not in s and s.endswith(
+            "alive and not ended (each member's close(), or confirm() after its last step), up to timeout_s=30 s")
+            for s in said), said  # (w3 ended; w4, stopped, is named only until its loss window passed)
         for m in members[1:]:
             m.me.failed = True  # (their own ends are not under test here)
             m.close()
