@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import __version__
+from . import __version__, reach
 from .backends import detect_device, select_backend
 from .buckets import default_bucket_mb, first_bucket_mb
 from .sizing import AUTO, AUTO_RULE, GOSSIP_AUTO_RULE, ZERO_AUTO_RULE
@@ -170,8 +170,9 @@ def _backend(pg: str | None) -> dict[str, Any]:
     built = {"gloo": dist.is_available() and dist.is_gloo_available(),
              "nccl": dist.is_available() and dist.is_nccl_available(),
              "hccl": importlib.util.find_spec("habana_frameworks") is not None}
-    return {"name": pg, "built": built.get(pg) if pg is not None else None,
-            "distributed": dist.is_available(), "initialized": dist.is_available() and dist.is_initialized()}
+    return {"name": pg, "built": built.get(pg) if pg is not None else None, "distributed": dist.is_available(),
+            "initialized": dist.is_available() and dist.is_initialized(),
+            "problem": reach.transport_problem(pg) if pg is not None and dist.is_available() else None}
 
 
 def _graphs(device: torch.device | None, cuda: dict[str, Any], hpu: dict[str, Any]) -> dict[str, Any]:
@@ -410,8 +411,8 @@ def format_text(info: dict[str, Any]) -> str:
         ("cuda", cuda_line),
         ("hpu", hpu_line),
         ("cpu cores", str(dev["cpu_cores"])),
-        ("process group", f"{pg}  (init_distributed's pick; init_distributed(backend=...) overrides)"
-                          if be["name"] else pg),
+        ("process group", f"{pg}  (cannot make its transport here: {be['problem']})" if be.get("problem") else
+         f"{pg}  (init_distributed's pick; init_distributed(backend=...) overrides)" if be["name"] else pg),
     ]))
 
     def yes(g: dict[str, Any]) -> str:

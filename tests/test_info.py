@@ -143,6 +143,9 @@ def test_bad_settings_are_reported_not_raised() -> None:
     assert info["transport"]["name"] is None and "carrier-pigeon" in info["transport"]["error"]
     assert info["device"]["type"] is None and "tpu" in info["device"]["error"]
     assert info["backend"]["name"] is None
+    info = _json({"FASTREDUCE_DEVICE": "cpu", "GLOO_SOCKET_IFNAME": "nope0"})  # (a Membership would refuse it)
+    assert info["backend"]["name"] == "gloo" and "'nope0' names no interface" in info["backend"]["problem"]
+    assert _json({"FASTREDUCE_DEVICE": "cpu"})["backend"]["problem"] is None
 
 
 # ---------------------------------------------------------------------- defaults
