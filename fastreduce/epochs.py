@@ -249,14 +249,17 @@ class EpochChanges:
 
     def _unmade(self, epoch: Epoch, err: RuntimeError) -> set[str]:
         """The group of ``epoch`` could not be made (``err``: Gloo's connect failed): the members
-        whose pulse stopped within two loss windows (lost as it formed); where every one still
-        lives, they reach the coordinator but not each other: :class:`MembershipError`."""
-        watch, until = self._watch(epoch), time.monotonic() + 2 * faults.lost_after()
+        whose pulse stopped within two loss windows (lost as it formed), found here or published
+        by their watchers (past :data:`~.faults_heartbeat.WATCHED_SUCCESSORS` + 1 members this one
+        watches only its successors); where every one still lives, they reach the coordinator
+        but not each other: :class:`MembershipError`."""
+        watch, until, polls = self._watch(epoch), time.monotonic() + 2 * faults.lost_after(), 0
         while time.monotonic() < until:
-            lost = watch.lost()
+            lost = watch.lost() or self._published_lost(epoch)
             if lost:
                 return lost
-            time.sleep(0.05)
+            time.sleep(poll_s(epoch.world, polls))
+            polls += 1
         raise MembershipError(f"fastreduce: epoch {epoch.number}'s process group could not be made ({err}), and every "
                               "member still lives at the coordinator: they reach it but not each other (the members' "
                               "network split with the coordinator on both sides, or a firewall on the ports of their "

@@ -1028,6 +1028,41 @@ def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fe
         server = None
 
 
+def test_a_group_that_could_not_be_made_names_the_lost_or_says_the_members_reach_not_each_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Epoch 0 of w1..w4 at a real coordinator, its group not made on w1 (Gloo's connect failed):
+    w1 watches only its successor w2 (WATCHED_SUCCESSORS=1, as past 9 members). w4 published
+    lost by its watcher: w1 goes on without it (it raised that every member lives before: the
+    job split, its watchers going on and the rest raising). Nothing published, w2's pulse
+    beating: MembershipError after two loss windows. w2 silent: w2 lost."""
+    from fastreduce import faults_heartbeat
+    from fastreduce.coordinator import Epoch, epoch_key
+    from fastreduce.membership import Membership, MembershipError, serve
+
+    monkeypatch.setenv("FASTREDUCE_LOST_AFTER_S", "0.3")
+    monkeypatch.setattr(faults_heartbeat, "WATCHED_SUCCESSORS", 1)
+    for case in ("published", "alive", "silent"):
+        server = serve(0, "127.0.0.1")
+        names = ("w1", "w2", "w3", "w4")
+        members = [Membership(f"127.0.0.1:{server.port}", world_size=4, member=n, timeout_s=30) for n in names]
+        epoch = Epoch(0, names, 0, 4)
+        server.set(epoch_key(0), epoch.to_json())
+        if case != "silent":
+            members[1].epochs.pulse.up()
+        if case == "published":
+            members[2].epochs._publish_lost(epoch, {"w4"})
+        failed = RuntimeError("Gloo connectFullMesh failed")
+        if case == "alive":
+            with pytest.raises(MembershipError, match=r"epoch 0's process group could not be made \(Gloo "
+                               r"connectFullMesh failed\), and every member still lives"):
+                members[0].epochs._unmade(epoch, failed)
+        else:
+            assert members[0].epochs._unmade(epoch, failed) == ({"w4"} if case == "published" else {"w2"}), case
+        for m in members:
+            m.me.failed = True  # (their ends are not under test here)
+            m.close()
+
+
 def test_a_job_checkpoint_is_complete_once_every_rank_of_one_epoch_wrote_its_part(tmp_path: Path) -> None:
     """Which save a new job resumes: the newest step whose parts of one epoch are all there
     (a member lost before writing leaves its step incomplete); what rank 0 prunes as it
