@@ -19,7 +19,6 @@ it) began at its step or later; else the text of :meth:`Ending.unconfirmed` says
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -108,7 +107,8 @@ class Ending:
         began, counted, said = time.monotonic(), -1, False
         deadline, looked = began + self.me.settings.timeout_s, began
         while True:
-            gone_on = self._gone_on(e, others) if int(call(store.add, went_on, 0)) else {}
+            gone_on = {m: int(w["step"]) for m, w in self.epochs.gathering.announced(epoch, others).items()} \
+                if int(call(store.add, went_on, 0)) else {}
             if any(s < n for s in gone_on.values()):
                 return "", True
             if call(store.check, [nxt]):
@@ -138,12 +138,6 @@ class Ending:
                 return (f"members of epoch {e} neither ended nor stopped within timeout_s="
                         f"{self.me.settings.timeout_s:g} s: close every member after the same last step"), False
             time.sleep(max(0.05, poll_s(epoch.world)))
-
-    def _gone_on(self, e: int, others: list[str]) -> dict[str, int]:
-        """The steps of each of ``others`` that announced itself for epoch ``e + 1``."""
-        call, alive = self.link.call, MEMBERS_PREFIX + f"e{e + 1}/alive/"
-        return {m: int(json.loads(call(self.link.store.get, alive + m))["step"]) for m in others
-                if call(self.link.store.check, [alive + m])}
 
     def tell(self, epoch: Epoch) -> None:
         """Write at the coordinator that this member ended ``epoch`` with its committed steps

@@ -105,23 +105,35 @@ class Gathering:
             if self.call(self.store.check, [key]):
                 # Formed already, by survivors that knew whom the failure lost (this one's
                 # collective may fail without naming anyone): they waited for this member.
-                present = self._present(old, alive)
+                present = self._present(old)
                 break
             if time.monotonic() > deadline:
                 # A survivor still beating in the old epoch (slow to see the loss: a long
                 # forward, a loaded host) is waited for, a window at a time, up to wait_s.
-                present = self._present(old, alive)
+                present = self._present(old)
                 missing = [m for m in expected if m not in present]
                 if beats is None or time.monotonic() > last or not self._beating(beats, old, missing, counted):
                     break
                 deadline = time.monotonic() + window
             time.sleep(poll_s(old.world))
-        words = self.call(faults_heartbeat.read_all, self.store, [alive + m for m in present])  # one request (torch >= 2.5)
-        return dict(zip(present, map(json.loads, words)))
+        return self._words(old, present)
 
-    def _present(self, old: Epoch, alive: str) -> list[str]:
-        """The members of ``old`` that announced themselves for the next epoch (a request each)."""
-        return [m for m in old.members if self.call(self.store.check, [alive + m])]
+    def announced(self, old: Epoch, members: list[str]) -> dict[str, dict[str, Any]]:
+        """The word (:meth:`announce`) of each of ``members`` that announced itself for the
+        epoch after ``old``."""
+        return self._words(old, self._present(old, members))
+
+    def _present(self, old: Epoch, members: list[str] | None = None) -> list[str]:
+        """The members of ``old`` (of ``members``) that announced themselves for the next epoch
+        (a request each)."""
+        alive = MEMBERS_PREFIX + f"e{old.number + 1}/alive/"
+        return [m for m in (old.members if members is None else members) if self.call(self.store.check, [alive + m])]
+
+    def _words(self, old: Epoch, present: list[str]) -> dict[str, dict[str, Any]]:
+        """The words of ``present``, every one announced (one request, torch >= 2.5)."""
+        alive = MEMBERS_PREFIX + f"e{old.number + 1}/alive/"
+        words = self.call(faults_heartbeat.read_all, self.store, [alive + m for m in present]) if present else []
+        return dict(zip(present, map(json.loads, words)))
 
     def _beating(self, beats: Any, old: Epoch, members: list[str], counted: dict[str, int]) -> bool:
         """Whether a heartbeat of ``members`` in epoch ``old``, or a pulse of theirs, moved
