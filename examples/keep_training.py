@@ -404,10 +404,8 @@ def member(index: int, port: int | str, out: str, transport: str, kill: tuple[st
         say(f"done at step {m.step}, epoch {m.epoch.number}, world {m.world}: parameters {digest(model)}")
         if kill is not None and kill[0] == "held-before-close":  # the test cuts or kills something, then lets it close
             hold(Path(out), index, "finished", "close.go")
-        closing = time.perf_counter()
         m.close()
         facts["closed_in"] = m.epoch.number  # (a close that settled the last step with the others: the next epoch)
-        facts["close_s"] = time.perf_counter() - closing
     except MembershipError as err:
         facts["refused"], facts["failed_at"] = str(err), time.time()
         say(f"stops: {err}")
