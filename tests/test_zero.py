@@ -1291,6 +1291,51 @@ def group_keys_case(rank: int, world: int) -> dict:
     return out
 
 
+def momentum_later_case(rank: int, world: int) -> dict:
+    """SGD built with ``lr`` alone (momentum 0) under ``OneCycleLR``, which sets a momentum
+    before the first step (its ``cycle_momentum``, on by default), ``redundant=True``: 3
+    steps beside ``torch.optim.SGD`` on the mean gradient; its ``state_dict()``, resumed in
+    a fresh ZeroOptimizer and stepped twice more beside torch's; a Membership's
+    :func:`~fastreduce.modes.zero_mirror.reshard` into another."""
+    from fastreduce.modes import zero_mirror
+
+    def sched(o: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, s: Any, at: int, ref: bool = False) -> None:
+        for r in (range(world) if ref else [rank]):
+            (loss_fn(m, batch_for(m, r, at)) / (world if ref else 1)).backward()
+        o.step()
+        o.zero_grad()
+        s.step()
+
+    model = odd_model(SEED)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt = fastreduce.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.05, redundant=True)
+    ref_sched, opt_sched = sched(ref_opt), sched(opt)
+    for at in range(3):
+        step(ref, ref_opt, ref_sched, at, ref=True)
+        step(model, opt, opt_sched, at)
+    out: dict[str, Any] = {"want": copy.deepcopy(ref_opt.state_dict()), "state": opt.state_dict()}
+    moved = fastreduce.ZeroOptimizer(copy.deepcopy(model).parameters(), torch.optim.SGD, lr=0.05,
+                                     bucket_mb=SMALL_BUCKET_MB, redundant=True)
+    zero_mirror.reshard(moved, zero_mirror.held(opt))
+    out["resharded"] = moved.state_dict()
+    twin = copy.deepcopy(model)
+    resumed = fastreduce.ZeroOptimizer(twin.parameters(), torch.optim.SGD, lr=0.05)
+    resumed_sched = sched(resumed)
+    resumed.load_state_dict(out["state"])
+    resumed_sched.load_state_dict(opt_sched.state_dict())
+    for at in range(3, 5):
+        step(ref, ref_opt, ref_sched, at, ref=True)
+        step(twin, resumed, resumed_sched, at)
+    out["resumed"], out["ref"] = params_of(twin), params_of(ref)
+    for o in (opt, moved, resumed):
+        o.close()
+    return out
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1309,6 +1354,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["moe_sgd"] = guarded(moe_sgd_case, rank, world)
     out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
     out["group_keys"] = guarded(group_keys_case, rank, world)
+    out["momentum_later"] = guarded(momentum_later_case, rank, world)
     for kind in ROUND_TRIPS:
         out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
@@ -1505,6 +1551,21 @@ def test_param_groups_with_different_state_keys_save_load_and_copy_as_torch_adam
         assert_state_dicts_equal(got["dcp"], got["state"], f"rank {rank} dcp")
         assert_state_dicts_equal(got["resharded"], got["state"], f"rank {rank} resharded")
         assert all(got[f"{k}_copies"] for k in ("loaded", "unlike", "dcp", "resharded")), rank
+
+
+def test_a_momentum_a_scheduler_sets_after_construction_is_kept_in_the_state_as_torch_sgd_keeps_it(misc) -> None:
+    """SGD built without momentum, ``OneCycleLR`` cycling it: the momentum buffers are in
+    ``state_dict()`` as in torch's (keys per parameter, values 1e-6) and in a reshard, and the
+    state resumed steps on as torch's that never stopped (1e-6). Before, the state keys were
+    those of the hyperparameters at construction: the buffers were left out, and the resumed
+    run was 4.8e-2 off."""
+    for rank, got in enumerate(per_rank(misc, "momentum_later")):
+        want, state = got["want"]["state"], got["state"]["state"]
+        assert {i: sorted(st) for i, st in state.items()} == {i: sorted(st) for i, st in want.items()}, rank
+        for i, st in want.items():
+            assert_close(state[i]["momentum_buffer"], st["momentum_buffer"], rtol=0, atol=1e-6)
+            assert torch.equal(got["resharded"]["state"][i]["momentum_buffer"], state[i]["momentum_buffer"]), (rank, i)
+        assert_params_close(got["resumed"], got["ref"], f"rank {rank} resumed", rtol=0, atol=1e-6)
 
 
 def test_api_surface(misc) -> None:

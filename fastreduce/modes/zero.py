@@ -484,6 +484,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                 for k, v in ours.items():
                     if k != "params":
                         theirs[k] = v
+            inner.probe_keys(grow=True)  # (momentum set from 0: its buffer is state to keep from now on)
 
 
 def _listed(params: Any) -> Any:

@@ -72,16 +72,29 @@ class ShardOptimizer:
             [{**h, "params": [v for vs, g in zip(self.views, groups) if g == i for v in vs]} for i, h in enumerate(hypers)],
             **defaults)
         self._defaults = defaults
+        self._probed: tuple[Any, ...] | None = None
         self.probe_keys()
         self.groups, self._count = list(groups), sum(map(len, self.views))
         self._attached: bool | None = None  # every view's gradient attached (True), or as some mask left them
 
-    def probe_keys(self) -> None:
+    def probe_keys(self, grow: bool = False) -> None:
         """Which state keys each param group keeps (:attr:`group_keys`, :attr:`keys`: every
         group's, :attr:`scalar_keys`), from its hyperparameters as they are now: at
-        construction, and after a load replaced them (``amsgrad`` may be another's)."""
+        construction, and after a load replaced them (``amsgrad`` may be another's).
+
+        ``grow``: at a step, where the hyperparameters changed in kind since the last probe
+        (:func:`_kind`: SGD's ``momentum`` set from 0 by a warm-up or ``OneCycleLR``), the
+        keys they add join the kept ones; none is dropped, as torch keeps a momentum buffer
+        that a momentum set back to 0 no longer reads."""
         hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.group_keys, self._scalars = _probe(type(self.optimizer), hypers, self._defaults, self.masters[0])
+        kind = tuple(_kind(h) for h in hypers)
+        if grow and kind == self._probed:
+            return
+        group_keys, scalars = _probe(type(self.optimizer), hypers, self._defaults, self.masters[0])
+        if grow:
+            group_keys = [sorted({*old, *new}) for old, new in zip(self.group_keys, group_keys)]
+            scalars = {**self._scalars, **scalars}
+        self.group_keys, self._scalars, self._probed = group_keys, scalars, kind
         self.keys = sorted({k for keys in self.group_keys for k in keys})
         self.scalar_keys = sorted(self._scalars)
 
@@ -218,6 +231,21 @@ class ShardOptimizer:
                 g["lr"] = lr
             self._attach(None)
         return made
+
+
+def _kind(hypers: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a param group's hyperparameters can change which state torch keeps: each flag
+    and choice as it is, each number (a tensor's too) only zero or not (a momentum buffer
+    exists where ``momentum`` is not 0): a scheduler moving ``lr`` every step changes none."""
+    def of(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return tuple(map(of, v))
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)) or torch.is_tensor(v) and v.numel() == 1:
+            return bool(v != 0)
+        return type(v).__name__
+    return tuple((k, of(v)) for k, v in sorted(hypers.items()))
 
 
 def _probe(optimizer_class: type[torch.optim.Optimizer], hypers: list[dict[str, Any]], defaults: dict[str, Any],
