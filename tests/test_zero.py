@@ -1336,6 +1336,40 @@ def momentum_later_case(rank: int, world: int) -> dict:
     return out
 
 
+def empty_param_dcp_case(rank: int, world: int) -> dict:
+    """A model with a parameter of 0 elements beside others, AdamW stepped twice; its
+    ``sharded_state_dict()`` saved through DCP and loaded into another ZeroOptimizer."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> tuple[nn.Module, fastreduce.ZeroOptimizer]:
+        m = odd_model(SEED)
+        m.register_parameter("empty", nn.Parameter(torch.zeros(0, 4)))
+        return m, fastreduce.ZeroOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    model, opt = make()
+    for step in range(2):
+        (loss_fn(model, batch_for(model, rank, step)) + model.empty.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    box = [tempfile.mkdtemp(prefix="fastreduce-empty-") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=box[0])
+    _, other = make()
+    sd = other.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=box[0])
+    other.load_sharded_state_dict(sd)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0])
+    out = {"state": opt.state_dict(), "loaded": other.state_dict()}
+    opt.close()
+    other.close()
+    return out
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1355,6 +1389,7 @@ def misc_worker(rank: int, world: int) -> dict:
     out["unstepped_export"] = guarded(unstepped_export_case, rank, world)
     out["group_keys"] = guarded(group_keys_case, rank, world)
     out["momentum_later"] = guarded(momentum_later_case, rank, world)
+    out["empty_param_dcp"] = guarded(empty_param_dcp_case, rank, world)
     for kind in ROUND_TRIPS:
         out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
@@ -1566,6 +1601,14 @@ def test_a_momentum_a_scheduler_sets_after_construction_is_kept_in_the_state_as_
             assert_close(state[i]["momentum_buffer"], st["momentum_buffer"], rtol=0, atol=1e-6)
             assert torch.equal(got["resharded"]["state"][i]["momentum_buffer"], state[i]["momentum_buffer"]), (rank, i)
         assert_params_close(got["resumed"], got["ref"], f"rank {rank} resumed", rtol=0, atol=1e-6)
+
+
+def test_a_parameter_of_no_elements_goes_through_a_sharded_checkpoint(misc) -> None:
+    """DCP's save and load of ``sharded_state_dict()`` with a parameter of 0 elements: the
+    state loaded equals the state saved. Before, no rank wrote that parameter's ranges and
+    every rank's load raised that the checkpoint lacked them."""
+    for rank, got in enumerate(per_rank(misc, "empty_param_dcp")):
+        assert_state_dicts_equal(got["loaded"], got["state"], f"rank {rank}")
 
 
 def test_api_surface(misc) -> None:

@@ -267,7 +267,8 @@ class ZeroCheckpointing:
                 if shard.low:
                     ranges[MASTER_KEY] = shard.master[p.at:p.at + p.n] if p is not None else shard.master.new_empty(0)
                 for key, v in ranges.items():
-                    entry[key] = RangeShard(v, 0 if p is None else p.start, slot.numel)
+                    if slot.numel:  # (of a parameter of 0 elements no rank holds a range, nor writes one)
+                        entry[key] = RangeShard(v, 0 if p is None else p.start, slot.numel)
                 state[str(by_slot[i])] = entry
         groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
         return {"state": state, "param_groups": groups, "fresh": fresh}
