@@ -198,6 +198,11 @@ class OverlapSchedule:
     def remove(self) -> None:
         remove_hooks(self.handles)
 
+    @property
+    def got_grads(self) -> bool:
+        """Whether a synced gradient was accumulated since the last :meth:`finish`."""
+        return bool(self._first_grad)
+
     # -- hot path: one call per parameter per backward
     def _ready(self, i: int) -> None:
         if self.on_grad is not None:

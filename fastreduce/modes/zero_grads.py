@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..buckets import OverlapSchedule
+from ..buffer import attached
 from ..comm import Pending, complete
 from ..comm.quantized import QuantMean, QuantMeans
 from ..faults import guarded
@@ -186,6 +187,7 @@ class ZeroGradients:
         them as zeroed views (the same memset, moved), so neither allocates gradients in
         backward. It does not wait for the parameters' all-gather (the gradients are
         other memory), so that stays overlapped with what follows."""
+        self._spent = False
         for p, v in zip(self.layout.params, self.buffer.views):
             if set_to_none:
                 p.grad = None
@@ -227,6 +229,12 @@ class ZeroGradients:
                                "no_sync(): nothing would be averaged. Step after the no_sync() "
                                "block, once per accumulation window; nothing was changed")
         self.group_built.check("ZeroOptimizer")
+        if self._spent and self._schedule is not None and not self._schedule.got_grads and not self._shadowing \
+                and attached(self.layout.params, self.buffer.views):
+            raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called again with no backward "
+                               "since the last step, whose reduce-scatter spent the gradients (each rank's "
+                               "buffer now holds its own shard's mean and, elsewhere, its own gradients): "
+                               "run backward before each step (zero_grad() in between); nothing was changed")
         self.frozen.check(self._param_names, "ZeroOptimizer was built", "no shard holds them", "close() this "
                           "optimizer and build it again on every rank after changing requires_grad")
         if not self._params_held():  # replaced or moved parameters: raised before any collective of step()
