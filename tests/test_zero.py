@@ -1370,6 +1370,39 @@ def empty_param_dcp_case(rank: int, world: int) -> dict:
     return out
 
 
+def stepped_twice_case(rank: int, world: int, overlap: bool) -> dict:
+    """``step()`` twice on one backward (and ``clip_grad_norm_()`` after a step): refused on
+    every rank, nothing changed; a step after ``zero_grad()`` and no backward steps zero
+    gradients, as torch's on zeroed gradients does (1e-6)."""
+    model = odd_model(SEED)
+    ref = copy.deepcopy(model)
+    opt = zero_opt(model.parameters(), bucket_mb=SMALL_BUCKET_MB, overlap=overlap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HPARAMS["adamw"])
+    loss_fn(model, batch_for(model, rank, 0)).backward()
+    opt.step()
+    out: dict[str, Any] = {}
+    for what, call in (("step", opt.step), ("clip", lambda: opt.clip_grad_norm_(1.0))):
+        opt.wait_params()
+        before, state = params_of(model), copy.deepcopy(opt.state_dict())
+        try:
+            call()
+        except RuntimeError as err:
+            out[what] = str(err)
+        after = opt.state_dict()
+        out[f"{what}_unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters()) and all(
+            torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
+    opt.zero_grad(set_to_none=False)
+    opt.step()  # zero gradients: weight decay and the moments move, as torch's
+    for r in range(world):
+        (loss_fn(ref, batch_for(ref, r, 0)) / world).backward()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=False)
+    ref_opt.step()
+    out["zero"], out["ref"] = params_of(model), params_of(ref)
+    opt.close()
+    return out
+
+
 def misc_worker(rank: int, world: int) -> dict:
     ref_group = dist.new_group(backend="gloo")
     out = {name: guarded(bf16_case, rank, world, kind, lr, ref_group) for name, (kind, lr) in LOW_CASES.items()}
@@ -1390,6 +1423,8 @@ def misc_worker(rank: int, world: int) -> dict:
     out["group_keys"] = guarded(group_keys_case, rank, world)
     out["momentum_later"] = guarded(momentum_later_case, rank, world)
     out["empty_param_dcp"] = guarded(empty_param_dcp_case, rank, world)
+    for overlap in (True, False):
+        out[f"stepped_twice-{overlap}"] = guarded(stepped_twice_case, rank, world, overlap)
     for kind in ROUND_TRIPS:
         out[f"round_trip-{kind}"] = guarded(plain_round_trip_case, rank, world, kind)
     return out
@@ -1609,6 +1644,19 @@ def test_a_parameter_of_no_elements_goes_through_a_sharded_checkpoint(misc) -> N
     every rank's load raised that the checkpoint lacked them."""
     for rank, got in enumerate(per_rank(misc, "empty_param_dcp")):
         assert_state_dicts_equal(got["loaded"], got["state"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_a_second_step_on_one_backward_is_refused_and_one_after_zero_grad_steps_zeros(misc, overlap) -> None:
+    """torch.optim steps the same gradients twice; ZeroOptimizer's first step spent them
+    (its reduce-scatter left each rank its own shard's mean), so a second step, or a clip,
+    with no backward in between raises on every rank, changing nothing. Before, it
+    reduce-scattered the spent buffer again and stepped that (5e-2 off torch's second step)."""
+    for rank, got in enumerate(per_rank(misc, f"stepped_twice-{overlap}")):
+        for what in ("step", "clip"):
+            assert "no backward since the last step" in got.get(what, ""), (rank, what, got.get(what))
+            assert got[f"{what}_unchanged"], (rank, what)
+        assert_params_close(got["zero"], got["ref"], f"rank {rank} a step on zeroed gradients", rtol=0, atol=1e-6)
 
 
 def test_api_surface(misc) -> None:
