@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .faults_watchdog import all_gather_object_watched, wait_watched
-from .torch_internals import parameter_slots
+from .torch_internals import parameter_slots, submodule_slots
 
 __all__ = ["ALIGN", "FrozenAtBuild", "GradLayout", "LayoutMismatchError", "ParamsHeld", "Slot", "Segment", "bucket_runs", "counted",
            "holding_dtype", "verify_across_ranks", "verify_model", "wire_word"]
@@ -138,11 +138,19 @@ class ParamsHeld:
     were, such parameters would never be averaged. Without ``root`` (or for a parameter
     ``root`` does not hold under its layout name) only the storage is watched.
 
+    ``whole``: the layout is every parameter of ``root`` that trains (a reducer's), so one
+    added to ``root`` since (``model.head = nn.Linear(...)``, ``register_parameter``) that
+    requires grad would train outside it, each rank on its own: caught too, by one more
+    C-speed pass (the sizes of ``root``'s modules' parameter and submodule dicts); one added
+    frozen is watched until it is unfrozen.
+
     ``remedy``: what the error tells the user to do (the owner's way to learn the layout again)."""
 
-    __slots__ = ("params", "names", "owned", "owners", "keys", "ptrs", "fresh", "remedy")
+    __slots__ = ("params", "names", "owned", "owners", "keys", "ptrs", "fresh", "remedy", "root", "known", "dicts",
+                 "count", "added")
 
-    def __init__(self, layout: GradLayout, root: torch.nn.Module | None, remedy: str = _REBUILD):
+    def __init__(self, layout: GradLayout, root: torch.nn.Module | None, remedy: str = _REBUILD,
+                 whole: bool = False):
         self.params, self.names, self.remedy = layout.params, layout.names, remedy
         found = [] if root is None else [(p, owner, key) for p, (path, _, key) in
                                          zip(self.params, (n.rpartition(".") for n in self.names))
@@ -150,14 +158,31 @@ class ParamsHeld:
         self.owned, self.owners, self.keys = (tuple(x) for x in zip(*found)) if found else ((), (), ())
         self.ptrs = tuple(map(_data_ptr, self.params))
         self.fresh = False  # checked already this step (every bucket's adopt asks; one pass a step)
+        self.root = root if whole else None
+        self.known = tuple(self.root.parameters()) if self.root is not None else ()  # (held: their ids stay theirs)
+        self.added: tuple[torch.nn.Parameter, ...] = ()  # root's parameters since: frozen, or raised
+        self._look()
+
+    def _look(self) -> None:
+        """Note the dicts of ``root``'s modules (their parameters, their submodules) and their sizes."""
+        modules = () if self.root is None else tuple(self.root.modules())
+        self.dicts = tuple(map(parameter_slots, modules)) + tuple(map(submodule_slots, modules))
+        self.count = sum(map(len, self.dicts))
 
     def __call__(self) -> bool:
-        """True while every parameter is the one learned, on the same storage: looked at once
-        a step (until :meth:`expire`)."""
+        """True while every parameter is the one learned, on the same storage, and none that
+        trains was added: looked at once a step (until :meth:`expire`)."""
         if not self.fresh:
             self.fresh = tuple(map(_data_ptr, self.params)) == self.ptrs and \
-                all(map(operator.is_, map(dict.get, self.owners, self.keys), self.owned))
+                all(map(operator.is_, map(dict.get, self.owners, self.keys), self.owned)) and self._none_added()
         return self.fresh
+
+    def _none_added(self) -> bool:
+        if self.root is not None and sum(map(len, self.dicts)) != self.count:  # a parameter or module came or went
+            known = set(map(id, self.known))
+            self.added = tuple(p for p in self.root.parameters() if id(p) not in known)
+            self._look()
+        return not any(map(_requires_grad, self.added))
 
     def expire(self) -> None:
         """The step is over: the next call looks again (the model may change between steps)."""
@@ -171,11 +196,21 @@ class ParamsHeld:
     def error(self) -> RuntimeError:
         """What :meth:`__call__` found, and what to do."""
         names = self.changed()
-        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        if not names and self.root is not None:
+            training = {id(p) for p in self.added if p.requires_grad}
+            added = [n for n, p in self.root.named_parameters() if id(p) in training]
+            return RuntimeError(
+                f"parameter(s) {_shown(added)} were added to the model (or unfrozen after being added frozen) "
+                "since fastreduce learned the gradient layout, so their gradients would not be averaged: each "
+                f"rank would train them on its own. {self.remedy}")
         return RuntimeError(
-            f"parameter(s) {shown} changed since fastreduce learned the gradient layout: replaced by new "
+            f"parameter(s) {_shown(names)} changed since fastreduce learned the gradient layout: replaced by new "
             "Parameter objects (e.g. load_state_dict(..., assign=True)) or moved to new storage (e.g. "
             f"model.double(), model.to(...)), so their gradients would not be averaged. {self.remedy}")
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _slots_at(root: torch.nn.Module, path: str) -> dict[str, Any]:
@@ -210,8 +245,7 @@ class FrozenAtBuild:
             return
         names = {id(p): n for n, p in named()}
         thawed = [names.get(id(p), "?") for p in self.params if p.requires_grad]
-        shown = ", ".join(repr(n) for n in thawed[:5]) + (f" and {len(thawed) - 5} more" if len(thawed) > 5 else "")
-        raise RuntimeError(f"parameter(s) {shown} now require grad but were frozen when {when}, so {consequence}; "
+        raise RuntimeError(f"parameter(s) {_shown(thawed)} now require grad but were frozen when {when}, so {consequence}; "
                            f"{remedy}; nothing was changed by this call")
 
 

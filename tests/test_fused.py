@@ -501,13 +501,17 @@ REPLACED_CASES = {  # name: (how the parameters change, overlap, how grads are z
     "overlap-assign": ("assign", True, "none"),
     "overlap-double": ("double", True, "reducer"),
     "overlap-double-after-none": ("double", True, "none"),
+    "added": ("added", False, "grads"),
+    "overlap-added-after-none": ("added", True, "none"),
+    "added-frozen-then-unfrozen": ("added-frozen", False, "grads"),
 }
 
 
 def replaced_case(rank: int, world: int, name: str) -> dict:
-    """Parameters replaced (load_state_dict(assign=True)) or moved to new storage (model.double())
-    after the layout was learned: a clear error on every rank, nothing touched; averaged again after
-    rebuild()."""
+    """Parameters replaced (load_state_dict(assign=True)), moved to new storage (model.double())
+    or added (a layer appended; one appended frozen is reduced without, until it is unfrozen)
+    after the layout was learned: a clear error on every rank, nothing touched; averaged again
+    after rebuild()."""
     how, overlap, zero = REPLACED_CASES[name]
     model = linear_stack(SEED, 6)
     kw = {"overlap": True, "bucket_mb": 1e-4, "transport": "process_group"} if overlap else {}
@@ -526,8 +530,16 @@ def replaced_case(rank: int, world: int, name: str) -> dict:
         model.zero_grad(set_to_none=True)
     elif zero == "reducer":
         reducer.zero_grad()
+    frozen_ok = None
     if how == "assign":
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    elif how.startswith("added"):
+        model.layers.append(nn.Linear(4, 4).requires_grad_(how == "added"))
+        if how == "added-frozen":  # reduced as before (its parameters have no grad), until unfrozen
+            backward(2)
+            frozen_ok = expect_raises(RuntimeError, reducer.reduce)["raised"] is None
+            model.zero_grad(set_to_none=False)
+            model.layers[-1].requires_grad_(True)
     else:
         model.double()
         dtype = torch.float64
@@ -544,7 +556,8 @@ def replaced_case(rank: int, world: int, name: str) -> dict:
     for n, p in model.named_parameters():
         dist.all_reduce(local[n])
         worst = max(worst, float((p.grad - local[n] / world).abs().max()))
-    return {"failed": failed, "after_rebuild": worst, "dtype": str(model.layers[0].weight.grad.dtype)}
+    return {"failed": failed, "after_rebuild": worst, "dtype": str(model.layers[0].weight.grad.dtype),
+            "frozen_ok": frozen_ok}
 
 
 def op_trace_case(rank: int, world: int) -> dict:
@@ -687,12 +700,18 @@ def test_unfreezing_after_first_call_needs_rebuild(misc) -> None:
 
 
 @pytest.mark.parametrize("name", list(REPLACED_CASES))
-def test_parameters_replaced_after_the_layout_raise_on_every_rank_until_rebuild(misc, name) -> None:
+def test_parameters_replaced_moved_or_added_after_the_layout_raise_on_every_rank_until_rebuild(misc, name) -> None:
     for rank, out in enumerate(per_rank(misc, f"replaced-{name}")):
         failed = out["failed"]
         assert failed["raised"] == "RuntimeError", f"rank {rank}: {failed['raised']}: {failed['message']}"
-        assert "changed since fastreduce learned the gradient layout" in failed["message"], failed["message"]
-        assert "'layers.0.bias'" in failed["message"] and "rebuild()" in failed["message"], failed["message"]
+        if "added" in name:  # (before, the new layer trained on each rank's own gradients, unsaid)
+            assert "were added to the model" in failed["message"], failed["message"]
+            assert "'layers.3.weight', 'layers.3.bias'" in failed["message"], failed["message"]
+            assert out["frozen_ok"] is (True if "frozen" in name else None), out["frozen_ok"]
+        else:
+            assert "changed since fastreduce learned the gradient layout" in failed["message"], failed["message"]
+            assert "'layers.0.bias'" in failed["message"], failed["message"]
+        assert "rebuild()" in failed["message"], failed["message"]
         assert failed.get("changed", []) == [], f"rank {rank}: a failed call changed {failed['changed']}"
         assert failed["elapsed"] < 10.0
         assert out["after_rebuild"] < 1e-6, out["after_rebuild"]

@@ -114,7 +114,7 @@ class FusedBuild:
         pack, unpack = (None, None) if overlap else self._capture(backend, buffer, plan)
         flags = torch.zeros(len(layout), device=device) if cfg.unused_grads == "zero" else None
         built = Built(layout, buffer, comm, plan, backend, pack, unpack, flags, frozen,
-                      held=ParamsHeld(layout, compiled_inner(self.model)))
+                      held=ParamsHeld(layout, compiled_inner(self.model), whole=True))
         built.reattach = reattach = Reattach(layout, buffer, self.stats, grad_hooks=not overlap, held=built.held)
         if overlap:
             built.schedule, means = overlap_schedule(
