@@ -1131,6 +1131,9 @@ def moe_sgd_case(rank: int, world: int) -> dict:
     runs = [params for _, params in moe_steps(model, opt, rank)]
     out = {"ref": refs, "ref_state": ref_opt.state_dict(), "runs": runs, "state": opt.state_dict(),
            "fused": [g.get("fused") for g in opt.inner.param_groups]}
+    plain = torch.optim.SGD(copy.deepcopy(model).parameters(), **HPARAMS["sgd"])
+    plain.load_state_dict(out["state"])  # the kernel chosen for the shards is not the user's: not saved
+    out["loaded_fused"] = [g.get("fused") for g in plain.param_groups]
     opt.close()
     return out
 
@@ -1567,9 +1570,14 @@ def test_sgd_momentum_steps_a_parameter_first_used_late_as_torch_sgd(misc) -> No
     """An expert first routed at step 5, when the other parameters have momentum buffers:
     ZeroOptimizer(SGD, momentum=0.9) on torch's fused kernel (its pieces without a buffer
     stepped apart from those with one) steps as torch.optim.SGD on the mean gradient, every
-    parameter after each of 20 steps and the momentum buffers within 1e-6."""
+    parameter after each of 20 steps and the momentum buffers within 1e-6. That kernel is
+    the shards' own: ``state_dict()``'s param groups hold the user's choice (none), as
+    torch's; before, ``fused=True``, which a plain SGD loading it took, then failed to step
+    parameters with and without a momentum buffer together."""
     for rank, got in enumerate(per_rank(misc, "moe_sgd")):
         assert got["fused"] == [True], got["fused"]
+        want = [g.get("fused") for g in got["ref_state"]["param_groups"]]
+        assert [g.get("fused") for g in got["state"]["param_groups"]] == want == got["loaded_fused"], rank
         assert_runs_close(got["runs"], got["ref"], f"rank {rank}", rtol=0, atol=1e-6)
         ref_state, state = got["ref_state"]["state"], got["state"]["state"]
         assert state.keys() == ref_state.keys()

@@ -172,9 +172,10 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         require_distributed()
         params = [{**g, "params": _listed(g["params"])} if isinstance(g, dict) and "params" in g else g
                   for g in params]  # (read more than once below: a group's generator too)
-        if dist.get_world_size(group) > 1:  # one rank: the plain optimizer, its own kernel
-            defaults = fused_if_possible(optimizer_class, params, defaults)
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks defaults
+        if dist.get_world_size(group) > 1:  # one rank: the plain optimizer, its own kernel
+            defaults = fused_if_possible(optimizer_class, params, defaults)  # (the shards' kernel: not in
+            # param_groups, which a torch optimizer loading this one's state_dict() takes as its own)
         self._ready = False
         super().__init__(params, dict(probe.defaults))
         self._ready = True
@@ -484,7 +485,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         for inner in [self.inner, *(m.inner for m in self.mirrors)]:
             for ours, theirs in zip(self.param_groups, inner.param_groups):
                 for k, v in ours.items():
-                    if k != "params":
+                    if k != "params" and (k != "fused" or v is not None):  # (no kernel chosen: the shards' stays)
                         theirs[k] = v
             inner.probe_keys(grow=True)  # (momentum set from 0: its buffer is state to keep from now on)
 

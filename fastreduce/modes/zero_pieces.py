@@ -67,7 +67,8 @@ class ShardOptimizer:
         self.masters, self.pieces = list(masters), list(pieces)
         self.views = [[m[p.at:p.at + p.n] for p in ps] for m, ps in zip(masters, pieces)]
         self._grads = [[m.grad[p.at:p.at + p.n] for p in ps] for m, ps in zip(masters, pieces)]
-        hypers = [{k: v for k, v in pg.items() if k != "params"} for pg in param_groups]
+        hypers = [{k: v for k, v in pg.items() if k != "params" and (k != "fused" or v is not None)}
+                  for pg in param_groups]  # (no kernel chosen in a group: ``defaults``' choice)
         self.optimizer = optimizer_class(
             [{**h, "params": [v for vs, g in zip(self.views, groups) if g == i for v in vs]} for i, h in enumerate(hypers)],
             **defaults)
