@@ -215,7 +215,8 @@ class OverlapSchedule:
         if self.fired[i]:
             raise RuntimeError(f"parameter {self.layout.names[i]!r} got a second gradient in one "
                                "step while its bucket was already being reduced; run every "
-                               "backward but the last of an accumulation under reducer.no_sync()")
+                               "backward but the last of an accumulation under the mode's no_sync() "
+                               "(reducer.no_sync(), or opt.no_sync() of a ZeroOptimizer)")
         self.fired[i] = True
         b = self.bucket_of[i]
         self.pending[b] -= 1
