@@ -231,6 +231,14 @@ def ckpt_case(rank: int, world: int, fmt: str, transport: str) -> dict:
     c.load_state_dict(a.state_dict())
     rc = fastreduce.FusedReducer(c, **kw)  # the control: no state loaded
     out: dict[str, Any] = {"a": [], "b": [], "c": [], "saved_keys": sorted(saved), "saved_wire": saved["wire"]}
+    # Buckets laid out otherwise, as many values in all (another bucket_mb): each rank's chunk of each
+    # bucket would be other elements. Into ra (built, in the saved buckets), which must stay as it is.
+    moved = {k: v + torch.tensor([64, -64] + [0] * (len(v) - 2)) if k.endswith(".buckets") else v
+             for k, v in saved["wire"].items()}
+    out["d_sizes"] = [saved["wire"]["residual.buckets"].tolist(), moved["residual.buckets"].tolist()]
+    before = ra.state_dict()["wire"]
+    out["d"] = expect_raises(ValueError, lambda: ra.load_state_dict({**saved, "wire": moved}))
+    out["d_unchanged"] = all(torch.equal(v, ra.state_dict()["wire"][k]) for k, v in before.items())
     for step in range(CKPT_AT, 2 * CKPT_AT):
         for model, reducer, key in ((a, ra, "a"), (b, rb, "b"), (c, rc, "c")):
             out[key].append(step_once(model, reducer, batch(rank, step))[2])
@@ -517,7 +525,10 @@ def test_error_feedback_matches_the_reference_bit_for_bit(fmt: str, transport: s
     for rank, out in enumerate(outs):
         assert out["residuals"] == {}, "the quantized wire keeps its residuals under 'wire' only"
         st = out["wire_state"]
-        assert set(st) == {"residual", "mean_residual"}
+        assert set(st) == {"residual", "mean_residual", "residual.buckets", "mean_residual.buckets"}
+        for key in ("residual", "mean_residual"):  # per bucket, how many of its values
+            sizes = st[f"{key}.buckets"].tolist()
+            assert len(sizes) == len(out["segments"]) and sum(sizes) == st[key].numel(), (rank, key, sizes)
         e, f = ref.residual(rank), ref.mean_residual(rank)
         assert st["residual"].shape == e.shape and st["mean_residual"].shape == f.shape
         assert e.abs().max() > 0 and f.abs().max() > 0
@@ -531,10 +542,11 @@ def test_error_feedback_matches_the_reference_bit_for_bit(fmt: str, transport: s
 def test_checkpoint_resume_is_bit_for_bit(fmt: str, transport: str) -> None:
     """A fresh overlapped reducer that loads the state (saved after 3 steps, through
     torch.save) before its first reduce() gives the original's gradients and residuals
-    bit for bit for 3 more steps; one that does not load it differs."""
+    bit for bit for 3 more steps; one that does not load it differs. A state whose buckets
+    hold as many values in all, but laid out otherwise, is refused, changing nothing."""
     for rank, out in enumerate(per_rank(run(2), ("ckpt", fmt, transport))):
         assert out["saved_keys"] == ["residuals", "wire"]
-        assert set(out["saved_wire"]) == {"residual", "mean_residual"}
+        assert set(out["saved_wire"]) == {"residual", "mean_residual", "residual.buckets", "mean_residual.buckets"}
         assert out["saved_wire"]["residual"].abs().max() > 0 and out["saved_wire"]["mean_residual"].abs().max() > 0
         for step, (a, b) in enumerate(zip(out["a"], out["b"])):
             assert_grads_equal(b, a, f"rank {rank} step {CKPT_AT + step} resumed vs original")
@@ -542,6 +554,12 @@ def test_checkpoint_resume_is_bit_for_bit(fmt: str, transport: str) -> None:
             assert torch.equal(out["state_a"][key], out["state_b"][key]), f"rank {rank} {key}"
         assert any(not torch.equal(a[k], c[k]) for a, c in zip(out["a"], out["c"]) for k in a), \
             "the control (no state loaded) gives the same gradients: the test shows nothing"
+        # Saved in other buckets of as many values in all: refused, nothing changed (before, loaded
+        # with each rank's chunk of the mean's residual on other elements).
+        sizes, saved = out["d_sizes"]
+        assert sum(sizes) == sum(saved) and sizes != saved, out["d_sizes"]  # else the test shows nothing
+        assert out["d"]["raised"] == "ValueError" and "bucket_mb" in out["d"]["message"], (rank, out["d"])
+        assert out["d_unchanged"], rank
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -310,23 +310,31 @@ class QuantMeans:
         return [t for m in self.means for t in m.state_tensors()]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Each residual of every bucket, one after the other, and (``<key>.buckets``) how
+        many of its values each bucket holds."""
         states = [m.state_dict() for m in self.means]
-        return {key: torch.cat([s[key] for s in states]) for key in states[0]}
+        return {k: v for key in states[0] for k, v in (
+            (key, torch.cat([s[key] for s in states])),
+            (f"{key}.buckets", torch.tensor([s[key].numel() for s in states], dtype=torch.int64)))}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Put :meth:`state_dict` back; checked first (``ValueError``, nothing changed): saved
+        in other buckets (another ``bucket_mb``), even as many values in all would hold other
+        elements' residuals (each rank's chunk of each bucket)."""
         keys = list(self.means[0]._residuals())
         if not state or not keys:
             for m in self.means:
                 m.load_state_dict({})
             return
         for key in keys:
-            saved = state.get(key)
+            saved, sizes = state.get(key), state.get(f"{key}.buckets")  # (sizes: none in a state saved before)
             if not torch.is_tensor(saved):
                 raise ValueError(f"not a quantized wire's state: no tensor {key!r}")
-            mine = sum(m._residuals()[key].numel() for m in self.means)
-            if saved.shape != (mine,):
-                raise ValueError(f"quantized wire state {key!r} holds {tuple(saved.shape)} values, this "
-                                 f"reducer ({len(self.means)} buckets) {mine}: resume on the same world size, "
+            mine = [m._residuals()[key].numel() for m in self.means]
+            if saved.shape != (sum(mine),) or sizes is not None and sizes.tolist() != mine:
+                held = tuple(saved.shape) if sizes is None else f"{tuple(saved.shape)} in buckets of {sizes.tolist()}"
+                raise ValueError(f"quantized wire state {key!r} holds {held} values, this reducer ({len(mine)} "
+                                 f"buckets) {sum(mine)} in buckets of {mine}: resume on the same world size, "
                                  "model and bucket_mb")
         for key in keys:
             parts = state[key].split([m._residuals()[key].numel() for m in self.means])
