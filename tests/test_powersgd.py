@@ -42,7 +42,7 @@ import fastreduce
 from fastreduce.launch import run_ranks
 from fastreduce.modes.functional import functional_state
 
-from test_fused import guarded, spawn_once
+from test_fused import expect_raises, guarded, spawn_once
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -697,9 +697,27 @@ def ckpt_train(rank: int, mode: str, directory: str, start: int, built_first: bo
     return out
 
 
-def ckpt_worker(rank: int, world: int, runs: list[tuple[str, str, int, bool]]) -> dict:
-    return {f"{mode}-{start}-{built}": guarded(ckpt_train, rank, mode, d, start, built)
-            for mode, d, start, built in runs}
+def ckpt_mismatch(rank: int, mode: str, directory: str) -> dict:
+    """A fresh job with another PowerSGD rank resumes from the checkpoint, its reducer not
+    built yet: refused at the load, nothing changed; it then trains from where it was."""
+    from fastreduce.checkpoint import CheckpointMismatchError, Checkpointer
+    model = power_net()
+    reducer = fastreduce.FusedReducer(model, wire_dtype=torch.float32, overlap=mode == "overlap",
+                                      bucket_mb=BUCKET_MB if mode == "overlap" else None,
+                                      compression=fastreduce.PowerSGD(**{**CKPT_COMP, "rank": 3}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    failed = expect_raises(CheckpointMismatchError, Checkpointer(directory, model, opt, mode=reducer).load_latest)
+    unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and not opt.state
+    loss_of(model, batch(rank, 0)).backward()
+    reducer.reduce()
+    return {"failed": failed, "unchanged": unchanged, "reduced": reducer.state_dict()["compression"]["step"]}
+
+
+def ckpt_worker(rank: int, world: int, runs: list[tuple[str, str, int, Any]]) -> dict:
+    """Each run: ``(mode, directory, start, built first)``, or ``("mismatch", directory, start, mode)``."""
+    return {f"{mode}-{start}-{built}": guarded(ckpt_mismatch, rank, built, d) if mode == "mismatch" else
+            guarded(ckpt_train, rank, mode, d, start, built) for mode, d, start, built in runs}
 
 
 @pytest.mark.parametrize("mode", ("fused", "overlap"))
@@ -707,7 +725,8 @@ def test_checkpoint_resume_is_bit_for_bit(tmp_path: Any, mode: str) -> None:
     first = run_ranks(ckpt_worker, 2, [(mode, str(tmp_path / "a"), 0, False)], timeout=TIMEOUT)
     # fresh processes: the state loaded before the reducer is built, and after
     resumed = run_ranks(ckpt_worker, 2, [(mode, str(tmp_path / "a"), CKPT_AT, False),
-                                         (mode, str(tmp_path / "a"), CKPT_AT, True)], timeout=TIMEOUT)
+                                         (mode, str(tmp_path / "a"), CKPT_AT, True),
+                                         ("mismatch", str(tmp_path / "a"), CKPT_AT, mode)], timeout=TIMEOUT)
     for rank in range(2):
         whole = unwrap(first[rank][f"{mode}-0-False"])
         assert whole["saved_error_norm"] > 0, "the checkpointed state holds no residual"
@@ -719,6 +738,11 @@ def test_checkpoint_resume_is_bit_for_bit(tmp_path: Any, mode: str) -> None:
                 diff = float((res["params"][name] - p).abs().max())
                 assert diff <= 1e-7, (f"rank {rank} {name} (state loaded {'after' if built else 'before'} "
                                       f"the reducer was built): {diff} from the uninterrupted run")
+        # saved at rank 2, resumed at rank 3 before the reducer was built: refused at the load, nothing
+        # changed (before, the model and optimizer were loaded and the first reduce() raised)
+        other = unwrap(resumed[rank][f"mismatch-{CKPT_AT}-{mode}"])
+        assert "PowerSGD q saved for" in other["failed"]["message"], other["failed"]
+        assert other["unchanged"] and other["reduced"] == 1, other
 
 
 def state_dict_roundtrip(rank: int, world: int) -> dict:

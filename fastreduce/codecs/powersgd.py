@@ -38,13 +38,13 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from ..buffer import foreach_copy
 
-__all__ = ["LowRank", "LowRankGroup", "PowerSGD", "initial_q", "orthonormalize_", "orthonormalize_scratch"]
+__all__ = ["LowRank", "LowRankGroup", "PowerSGD", "check_state", "initial_q", "orthonormalize_", "orthonormalize_scratch"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,18 @@ class PowerSGD:
         if r == 0 or not self.min_compression_rate * (n + m) * r < n * m:  # torch's rule (_should_compress)
             return 0
         return r
+
+    def state_sizes(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int | None]]:
+        """Per matrix this setting compresses among ``named`` (the trainable parameters), the
+        values of its ``Q`` and of its residual (``None``: no error feedback): what
+        :meth:`LowRank.load_state_dict` takes, known before the layout exists."""
+        sizes = {}
+        for name, p in named:
+            r = self.matrix_rank(p.shape, p.dtype)
+            if r:
+                n, m = p.shape[0], p.numel() // p.shape[0]
+                sizes[name] = (m * r, n * m if self.error_feedback else None)
+        return sizes
 
     def order_key(self, param: torch.Tensor) -> tuple[int, ...]:
         """Where the layout puts ``param`` in its group: uncompressed ones first (model
@@ -357,23 +369,13 @@ class LowRank:
         """Restore :meth:`state_dict`; checked first (``ValueError``, nothing changed).
         ``strict=False`` (a rebuild after the model changed) keeps what still fits and
         starts the rest afresh."""
-        if not isinstance(state, dict) or not {"step", "q", "error"} <= set(state):
-            raise ValueError("not a PowerSGD state (it needs 'step', 'q' and 'error')")
-        if not strict:
-            state = {"step": state["step"], **{key: {n: t for n, t in state[key].items() if self._fits(key, n, t)}
+        sizes = {name: (b.qt[k].numel(), None if b.e is None else b.e[k].numel()) for name, (b, k) in self._names.items()}
+        if not strict and isinstance(state, dict) and {"step", "q", "error"} <= set(state):
+            state = {"step": state["step"], **{key: {n: t for n, t in state[key].items() if _fits(sizes, key, n, t)}
                                                for key in ("q", "error")}}
             state["q"].update({n: batch.qt[k].T.clone() for n, (batch, k) in self._names.items()
                                if n not in state["q"]})
-        for key in ("q", "error"):
-            for name, t in state[key].items():
-                if not self._fits(key, name, t):
-                    raise ValueError(f"the PowerSGD {key} saved for {name!r} does not fit this model and "
-                                     f"setting (rank, min_compression_rate, error_feedback); build the "
-                                     f"reducer as it was saved")
-        missing = set(self._names) - set(state["q"])
-        if missing:
-            raise ValueError(f"the PowerSGD state has no Q for {sorted(missing)[:3]}: saved with another rank "
-                             "or min_compression_rate?")
+        check_state(state, sizes)
         for name, (batch, k) in self._names.items():
             batch.qt[k].copy_(state["q"][name].reshape(batch.qt[k].T.shape).T)
             if batch.e is not None:
@@ -386,10 +388,28 @@ class LowRank:
                 g._q_wire.copy_(g._q_flat)
         self.step = int(state["step"])
 
-    def _fits(self, key: str, name: str, t: Any) -> bool:
-        got = self._names.get(name)
-        want = None if got is None else (got[0].qt if key == "q" else got[0].e)
-        return want is not None and torch.is_tensor(t) and t.numel() == want[got[1]].numel()
+
+
+def check_state(state: Any, sizes: dict[str, tuple[int, int | None]]) -> None:
+    """``ValueError`` unless ``state`` is a PowerSGD state that fits ``sizes`` (per compressed
+    matrix, its Q's values and its residual's: :meth:`PowerSGD.state_sizes`)."""
+    if not isinstance(state, dict) or not {"step", "q", "error"} <= set(state):
+        raise ValueError("not a PowerSGD state (it needs 'step', 'q' and 'error')")
+    for key in ("q", "error"):
+        for name, t in state[key].items():
+            if not _fits(sizes, key, name, t):
+                raise ValueError(f"the PowerSGD {key} saved for {name!r} does not fit this model and "
+                                 f"setting (rank, min_compression_rate, error_feedback); build the "
+                                 f"reducer as it was saved")
+    missing = set(sizes) - set(state["q"])
+    if missing:
+        raise ValueError(f"the PowerSGD state has no Q for {sorted(missing)[:3]}: saved with another rank "
+                         "or min_compression_rate?")
+
+
+def _fits(sizes: dict[str, tuple[int, int | None]], key: str, name: str, t: Any) -> bool:
+    want = sizes.get(name, (None, None))[0 if key == "q" else 1]
+    return want is not None and torch.is_tensor(t) and t.numel() == want
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..codecs.powersgd import check_state
 from .step_undo import StepUndo
 
 __all__ = ["ReducerState", "step_undo"]
@@ -77,6 +78,9 @@ class ReducerState:
         if codec is not None and self.config.compression is None:
             raise ValueError("this state holds a codec's state (PowerSGD's residuals and Q) but the reducer was "
                              "built without compression=; build it with the settings it was saved with")
+        if codec is not None and self._built is None:  # checked against the model now, as a built codec's load is
+            check_state(codec, self.config.compression.state_sizes(
+                (n, p) for n, p in self._named_parameters() if p.requires_grad))
         wire = state_dict.get("wire")
         if wire and not (self.config.quant is not None and self.config.error_feedback):
             raise ValueError("this state holds a quantized wire's error-feedback residuals but the reducer was "
