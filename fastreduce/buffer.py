@@ -85,11 +85,12 @@ class FusedBuffer:
             self.flats.append(flat)
             self.wires.append(wire_part)
             start += seg.numel
-        # Error feedback: per segment that is cast to a narrower wire, what the last cast
-        # rounded away, added back before the next one (persistent, zero at first).
+        # Error feedback: per segment whose cast to the wire can round (a wire that does not
+        # hold every value of the segment's dtype: fp32 or fp16 on bf16, bf16 on fp16), what
+        # the last cast rounded away, added back before the next one (persistent, zero at first).
         self.residuals: list[torch.Tensor | None] = [
             torch.zeros_like(flat) if error_feedback and flat is not wire_part
-            and torch.finfo(wire_dtype).bits < torch.finfo(flat.dtype).bits else None
+            and torch.promote_types(flat.dtype, wire_dtype) != wire_dtype else None
             for flat, wire_part in zip(self.flats, self.wires)]
         self.views: tuple[torch.Tensor, ...] = tuple(
             slot_view(flat, slot) for seg, flat in zip(layout.segments, self.flats) for slot in seg.slots)
