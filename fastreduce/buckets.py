@@ -194,17 +194,19 @@ class OverlapSchedule:
         self.missing: list[int] = []
         self.failure: RuntimeError | None = None  # a launch in backward failed: raised by finish()
         self._first_grad = self._last_grad = 0.0
+        self._touched = False  # a gradient accumulated since (under no_sync too)
 
     def remove(self) -> None:
         remove_hooks(self.handles)
 
     @property
     def got_grads(self) -> bool:
-        """Whether a synced gradient was accumulated since the last :meth:`finish`."""
-        return bool(self._first_grad)
+        """Whether a gradient was accumulated (synced or not) since the last :meth:`finish`."""
+        return self._touched
 
     # -- hot path: one call per parameter per backward
     def _ready(self, i: int) -> None:
+        self._touched = True
         if self.on_grad is not None:
             self.on_grad(i)
         if not self.sync:

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "TorchDispatchMode", "abandon_groups", "at_backw
            "make_wrapper_subclass", "non_finite_check_and_unscale_", "op_schema", "parameter_slots", "submodule_slots",
            "profiler_enabled", "release_abandoned", "scale_handed", "scale_handed_back", "scaler_always_steps",
            "scaler_found_inf", "scaler_scale", "scaler_steps_fused", "store_base", "sync_params_and_buffers",
-           "tree_flatten", "unsafe_preserve_version_counter", "with_metadata_of"]
+           "tree_flatten", "unsafe_preserve_version_counter", "version", "with_metadata_of"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout
 
@@ -293,6 +293,12 @@ def profiler_enabled() -> bool:
     """Whether a profiler records on this thread, or anywhere in the process (one taken
     with ``profile_all_threads=True``; a torch without it: this thread only)."""
     return torch._C._autograd._profiler_enabled() or getattr(_autograd_profiler, "_is_profiler_enabled", False)
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version``: how many in-place writes ``t``'s storage has seen through torch's ops
+    (a view shares its base's), to tell whether anything wrote it between two points."""
+    return t._version
 
 
 def unsafe_preserve_version_counter(tensors: Any) -> AbstractContextManager:

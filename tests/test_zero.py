@@ -1375,8 +1375,8 @@ def empty_param_dcp_case(rank: int, world: int) -> dict:
 
 def stepped_twice_case(rank: int, world: int, overlap: bool) -> dict:
     """``step()`` twice on one backward (and ``clip_grad_norm_()`` after a step): refused on
-    every rank, nothing changed; a step after ``zero_grad()`` and no backward steps zero
-    gradients, as torch's on zeroed gradients does (1e-6)."""
+    every rank, nothing changed; a step after ``zero_grad()`` (the optimizer's, or the
+    model's in place) and no backward steps zero gradients, as torch's does (1e-6)."""
     model = odd_model(SEED)
     ref = copy.deepcopy(model)
     opt = zero_opt(model.parameters(), bucket_mb=SMALL_BUCKET_MB, overlap=overlap)
@@ -1396,8 +1396,18 @@ def stepped_twice_case(rank: int, world: int, overlap: bool) -> dict:
             torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
     opt.zero_grad(set_to_none=False)
     opt.step()  # zero gradients: weight decay and the moments move, as torch's
+    model.zero_grad(set_to_none=False)  # (the model's zero_grad, in place: the buffer zeroed all the same)
+    loss_fn(model, batch_for(model, rank, 1)).backward()
+    opt.step()
+    model.zero_grad(set_to_none=False)
+    opt.step()
     for r in range(world):
         (loss_fn(ref, batch_for(ref, r, 0)) / world).backward()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=False)
+    ref_opt.step()
+    for r in range(world):
+        (loss_fn(ref, batch_for(ref, r, 1)) / world).backward()
     ref_opt.step()
     ref_opt.zero_grad(set_to_none=False)
     ref_opt.step()

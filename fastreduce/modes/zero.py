@@ -191,7 +191,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
         self.scaler = scaler
         self._syncing = True
         self._reduced = False  # this step's reduce-scatter is done
-        self._spent = False  # the last step reduced the gradients, and none came since (no backward, no zero_grad)
+        self._spent: int | None = None  # the last step reduced the gradients: the buffer's version then, until zero_grad()
         self._found: torch.Tensor | None = None  # set when the shard was unscaled this step
         self._gathers: list[Pending | None] = []
         self._module_hooks: list[Any] = []
@@ -350,7 +350,7 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
                 self.gather_params()
             self._last_clip = self._clip_args  # a joined rank repeats a step's clip only if it completed
         finally:  # done or raised, this step's gradients are spent: the next step reduces its own
-            self._spent = self._reduced
+            self._spent = self._grads_version() if self._reduced else None
             self._reduced, self._found, self._clip_args, self._used_mask = False, None, None, None
         return loss
 

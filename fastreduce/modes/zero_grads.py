@@ -39,6 +39,7 @@ from ..grads import Reattach, adopt
 from ..layout import ParamsHeld
 from ..hooks import optional_before_forward
 from ..profiling import span
+from ..torch_internals import version
 from .zero_mirror import exchange
 
 __all__ = ["GradStats", "ZeroGradients"]
@@ -187,7 +188,7 @@ class ZeroGradients:
         them as zeroed views (the same memset, moved), so neither allocates gradients in
         backward. It does not wait for the parameters' all-gather (the gradients are
         other memory), so that stays overlapped with what follows."""
-        self._spent = False
+        self._spent = None
         for p, v in zip(self.layout.params, self.buffer.views):
             if set_to_none:
                 p.grad = None
@@ -229,8 +230,9 @@ class ZeroGradients:
                                "no_sync(): nothing would be averaged. Step after the no_sync() "
                                "block, once per accumulation window; nothing was changed")
         self.group_built.check("ZeroOptimizer")
-        if self._spent and self._schedule is not None and not self._schedule.got_grads and not self._shadowing \
-                and attached(self.layout.params, self.buffer.views):
+        if self._spent is not None and self._schedule is not None and not self._schedule.got_grads and \
+                not self._shadowing and attached(self.layout.params, self.buffer.views) and \
+                self._grads_version() == self._spent:  # (model.zero_grad(set_to_none=False) wrote them: zeros)
             raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called again with no backward "
                                "since the last step, whose reduce-scatter spent the gradients (each rank's "
                                "buffer now holds its own shard's mean and, elsewhere, its own gradients): "
@@ -277,6 +279,10 @@ class ZeroGradients:
         if self.world_size > 1:
             with span("fastreduce::wait"), self.stats.waiting():
                 complete(self.comm.all_reduce(self._arrived, self._arrived_plan))
+
+    def _grads_version(self) -> int:
+        """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`)."""
+        return sum(map(version, self.buffer.flats))
 
     def _local_used(self) -> torch.Tensor:
         """1.0 for each parameter (layout order) this rank's backward gave a gradient (after
