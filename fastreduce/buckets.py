@@ -165,15 +165,19 @@ class OverlapSchedule:
             pack must also divide).
         on_grad: also called with every gradient's index as it is accumulated, synced
             or not (the fused reducer's re-attach of freed gradients).
+        version: where given, read at the first gradient after each :meth:`finish` (into
+            ``first_version``): the gradient buffer's in-place writes, one of them that
+            gradient's accumulation (ZeRO tells whether a ``zero_grad()`` came before).
 
     Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
     def __init__(self, layout: GradLayout, buckets: list[Bucket], launch: Launch,
                  adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool = True,
-                 on_grad: Callable[[int], None] | None = None):
+                 on_grad: Callable[[int], None] | None = None, version: Callable[[], int] | None = None):
         self.layout, self.buckets, self.launch, self.adopt = layout, buckets, launch, adopt
-        self.on_grad = on_grad
+        self.on_grad, self.version = on_grad, version
+        self.first_version = 0
         self.direct = direct
         self.bucket_of = [0] * len(layout)
         for b, bucket in enumerate(buckets):
@@ -206,7 +210,10 @@ class OverlapSchedule:
 
     # -- hot path: one call per parameter per backward
     def _ready(self, i: int) -> None:
-        self._touched = True
+        if not self._touched:
+            self._touched = True
+            if self.version is not None:
+                self.first_version = self.version()
         if self.on_grad is not None:
             self.on_grad(i)
         if not self.sync:

@@ -1384,7 +1384,11 @@ def stepped_twice_case(rank: int, world: int, overlap: bool) -> dict:
     loss_fn(model, batch_for(model, rank, 0)).backward()
     opt.step()
     out: dict[str, Any] = {}
-    for what, call in (("step", opt.step), ("clip", lambda: opt.clip_grad_norm_(1.0))):
+    def accumulated() -> None:  # a backward onto the spent gradients, no zero_grad() between
+        loss_fn(model, batch_for(model, rank, 2)).backward()
+        opt.step()
+
+    for what, call in (("step", opt.step), ("clip", lambda: opt.clip_grad_norm_(1.0)), ("accumulated", accumulated)):
         opt.wait_params()
         before, state = params_of(model), copy.deepcopy(opt.state_dict())
         try:
@@ -1668,11 +1672,13 @@ def test_a_parameter_of_no_elements_goes_through_a_sharded_checkpoint(misc) -> N
 def test_a_second_step_on_one_backward_is_refused_and_one_after_zero_grad_steps_zeros(misc, overlap) -> None:
     """torch.optim steps the same gradients twice; ZeroOptimizer's first step spent them
     (its reduce-scatter left each rank its own shard's mean), so a second step, or a clip,
-    with no backward in between raises on every rank, changing nothing. Before, it
-    reduce-scattered the spent buffer again and stepped that (5e-2 off torch's second step)."""
+    with no backward in between raises on every rank, changing nothing, as does a backward
+    accumulated onto them (no zero_grad() between). Before, it reduce-scattered the spent
+    buffer again and stepped that (5e-2 off torch's second step; 2e-2 accumulated)."""
     for rank, got in enumerate(per_rank(misc, f"stepped_twice-{overlap}")):
-        for what in ("step", "clip"):
-            assert "no backward since the last step" in got.get(what, ""), (rank, what, got.get(what))
+        for what in ("step", "clip", "accumulated"):
+            want = "accumulated onto the last step's" if what == "accumulated" else "no backward since the last step"
+            assert want in got.get(what, ""), (rank, what, got.get(what))
             assert got[f"{what}_unchanged"], (rank, what)
         assert_params_close(got["zero"], got["ref"], f"rank {rank} a step on zeroed gradients", rtol=0, atol=1e-6)
 

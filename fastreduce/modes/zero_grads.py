@@ -126,7 +126,8 @@ class ZeroGradients:
                 means[b - 1].advance()
             return pending
 
-        self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready)
+        self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready,
+                                         version=self._grads_version)
         self._schedule.sync = self.overlap
 
     def _param_names(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -230,13 +231,7 @@ class ZeroGradients:
                                "no_sync(): nothing would be averaged. Step after the no_sync() "
                                "block, once per accumulation window; nothing was changed")
         self.group_built.check("ZeroOptimizer")
-        if self._spent is not None and self._schedule is not None and not self._schedule.got_grads and \
-                not self._shadowing and attached(self.layout.params, self.buffer.views) and \
-                self._grads_version() == self._spent:  # (model.zero_grad(set_to_none=False) wrote them: zeros)
-            raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called again with no backward "
-                               "since the last step, whose reduce-scatter spent the gradients (each rank's "
-                               "buffer now holds its own shard's mean and, elsewhere, its own gradients): "
-                               "run backward before each step (zero_grad() in between); nothing was changed")
+        self._refuse_spent()
         self.frozen.check(self._param_names, "ZeroOptimizer was built", "no shard holds them", "close() this "
                           "optimizer and build it again on every rank after changing requires_grad")
         if not self._params_held():  # replaced or moved parameters: raised before any collective of step()
@@ -280,9 +275,33 @@ class ZeroGradients:
             with span("fastreduce::wait"), self.stats.waiting():
                 complete(self.comm.all_reduce(self._arrived, self._arrived_plan))
 
+    def _refuse_spent(self) -> None:
+        """Raise where this step's gradients are the last step's, which its reduce-scatter spent
+        (each rank's buffer holds its own shard's mean and, elsewhere, its own gradients), with
+        nothing written since (a second step on one backward) or a backward accumulated onto them
+        (no ``zero_grad()`` between: one gradient's accumulation the only write before the
+        backward's first hook, where a zeroing in place, the model's, writes every one)."""
+        schedule = self._schedule
+        if self._spent is None or schedule is None or self._shadowing or \
+                not attached(self.layout.params, self.buffer.views):
+            return
+        if not schedule.got_grads and self._grads_version() == self._spent:
+            raise RuntimeError("ZeroOptimizer.step() (or clip_grad_norm_()) was called again with no backward "
+                               "since the last step, whose reduce-scatter spent the gradients (each rank's "
+                               "buffer now holds its own shard's mean and, elsewhere, its own gradients): "
+                               "run backward before each step (zero_grad() in between); nothing was changed")
+        if schedule.got_grads and schedule.first_version - self._spent <= 1:
+            schedule.drop()  # (what backward launched: waited for, left unused)
+            raise RuntimeError("this backward accumulated onto the last step's gradients, which its "
+                               "reduce-scatter spent (each rank's buffer holds its own shard's mean and, "
+                               "elsewhere, its own gradients): ZeroOptimizer cannot accumulate across steps. "
+                               "Call zero_grad() after each step (no_sync() accumulates within one); nothing "
+                               "was stepped: zero_grad(), then run this step's backward again")
+
     def _grads_version(self) -> int:
-        """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`)."""
-        return sum(map(version, self.buffer.flats))
+        """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`):
+        one count per storage (the flats that are views of one wire share their base's)."""
+        return sum(map(version, {f.untyped_storage().data_ptr(): f for f in self.buffer.flats}.values()))
 
     def _local_used(self) -> torch.Tensor:
         """1.0 for each parameter (layout order) this rank's backward gave a gradient (after
