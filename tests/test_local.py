@@ -533,12 +533,29 @@ def case_resume_outer_groups(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def case_resume_other_delay(rank: int, world: int, path: str) -> dict:
+    """The saved "diloco-fragments" state (fragment_delay=1, fragment 0 on the wire) loaded
+    into a DiLoCo built with fragment_delay=0, and into one built with sync_every=8."""
+    _, opt_name, H, _, _, kw = RESUME["diloco-fragments"]
+    state = torch.load(resume_files(path, "diloco-fragments", rank)["mode"])
+    out: dict[str, Any] = {"in_flight": bool(state["in_flight"] or state.get("to_send"))}
+    for what, (h, delay) in {"delay": (H, 0), "sync_every": (2 * H, 1)}.items():
+        model = odd_model(SEED + 1)
+        inner = inner_opt(model, opt_name)
+        mode = fastreduce.DiLoCo(model, inner, outer_sgd(model, NESTEROV), h, **{**kw, "fragment_delay": delay})
+        out[what] = expect_raises(ValueError, lambda: mode.load_state_dict(state))
+        out[f"{what}_steps"] = mode.steps
+        mode.remove()
+    return out
+
+
 def resume_worker(rank: int, world: int, path: str) -> dict:
     res = {}
     for name in RESUME:
         res[name] = guarded(case_resume_load, rank, world, name, path, True)
         res[name + "/without-mode-state"] = guarded(case_resume_load, rank, world, name, path, False)
     res["outer-groups"] = guarded(case_resume_outer_groups, rank, world, path)
+    res["other-delay"] = guarded(case_resume_other_delay, rank, world, path)
     return res
 
 
@@ -1156,6 +1173,18 @@ def test_a_diloco_state_its_outer_optimizer_cannot_take_changes_nothing(worlds, 
         assert out["load"]["raised"] == "ValueError", (rank, out["load"])
         assert "parameter groups" in out["load"]["message"], out["load"]["message"]
         assert out["steps"] == 3 and out["same"] == [True] * len(out["same"]), (rank, out)
+
+
+def test_a_diloco_state_with_a_fragment_on_the_wire_needs_the_schedule_it_was_saved_with(worlds, resumed) -> None:
+    """Its fragment is due at the step that sync_every and fragment_delay set: loaded into a
+    mode with another, it was taken, and landed with the mode's own launch of it at that
+    step (two outer steps of one fragment in one inner step). Now refused, nothing changed."""
+    for rank, out in enumerate(per_rank(resumed, "other-delay")):
+        assert out["in_flight"], "the saved state has no fragment on the wire: the test shows nothing"
+        for what in ("delay", "sync_every"):
+            assert out[what]["raised"] == "ValueError" and "fragment on the wire" in out[what]["message"], \
+                (rank, what, out[what])
+            assert out[f"{what}_steps"] == 0, (rank, what)
 
 
 # ============================================================== errors

@@ -223,7 +223,7 @@ class DiLoCo(LocalUpdates):
         """An outer step of every fragment now (collective), the one on the wire first,
         without ``fragment_alpha``: every rank then holds the same global parameters
         (e.g. at the end of training). The schedule goes on counting as before."""
-        self._check_frozen()
+        self._check_model()
         landed = set(self._in_flight)
         for k in sorted(landed):
             self._land(k, mix=False)
@@ -253,7 +253,8 @@ class DiLoCo(LocalUpdates):
         return {**self._header(), **self._state()}
 
     def _header(self) -> dict[str, Any]:
-        return {"mode": "DiLoCo", "sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer.state_dict()}
+        return {"mode": "DiLoCo", "sync_every": self.sync_every, "fragment_delay": self.fragment_delay,
+                "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (build the model, both optimizers and the mode first).
@@ -263,6 +264,12 @@ class DiLoCo(LocalUpdates):
         if state_dict.get("mode") != "DiLoCo":
             raise ValueError(f"not a DiLoCo state_dict (mode {state_dict.get('mode')!r})")
         _check_outer(self.outer_optimizer, state_dict.get("outer_optimizer"))
+        saved = (state_dict.get("sync_every"), state_dict.get("fragment_delay", self.fragment_delay))
+        if (state_dict.get("in_flight") or state_dict.get("to_send")) and saved != (self.sync_every, self.fragment_delay):
+            raise ValueError(f"this state_dict holds a fragment on the wire, due at the step its (sync_every, "
+                             f"fragment_delay) = {saved} set, this mode's are {(self.sync_every, self.fragment_delay)}: "
+                             "it would land at another step (or twice); build the mode with the settings it was saved "
+                             "with (they may change at a resume saved with no fragment on the wire)")
         self._load(state_dict)
         self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
 
