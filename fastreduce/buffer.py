@@ -19,10 +19,27 @@ from typing import Callable, Sequence
 import torch
 
 from .layout import GradLayout, Slot
+from .torch_internals import buffer_slots
 
-__all__ = ["FusedBuffer", "TensorBlock", "attached", "cast_in", "foreach_copy", "params_as_views"]
+__all__ = ["FloatBuffers", "FusedBuffer", "TensorBlock", "attached", "cast_in", "foreach_copy", "params_as_views"]
 
 _get_grad = operator.attrgetter("grad")
+
+
+class FloatBuffers:
+    """A module's floating-point buffers, read by name at each use (:meth:`now`): a module may
+    replace one (``self.ema = 0.9 * self.ema + 0.1 * x``) rather than update it in place, and
+    the one a mode averages must be the module's now, not the one it had at construction."""
+
+    def __init__(self, module: torch.nn.Module):
+        seen: set[int] = set()
+        slots = [(d, k) for m in module.modules() for d in [buffer_slots(m)] for k, b in d.items()
+                 if b is not None and b.is_floating_point() and not (id(b) in seen or seen.add(id(b)))]
+        self.dicts, self.keys = tuple(d for d, _ in slots), tuple(k for _, k in slots)
+
+    def now(self) -> list[torch.Tensor]:
+        """Each buffer as its module holds it now (one C-speed pass)."""
+        return list(map(dict.get, self.dicts, self.keys))
 
 
 def attached(params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor]) -> bool:
@@ -236,6 +253,17 @@ class TensorBlock:
         dtype: nothing is rounded on its way in."""
         return [cls([t for t in tensors if t.dtype == dtype], alloc, dtype)
                 for dtype in dict.fromkeys(t.dtype for t in tensors)]
+
+    @staticmethod
+    def follow(blocks: Sequence[TensorBlock], tensors: Sequence[torch.Tensor], owner: str) -> None:
+        """``blocks`` (:meth:`per_dtype`'s) hold ``tensors`` from now on: the same tensors, or
+        ones that replaced them (a module's ``self.ema = ...``), of the same dtypes and shapes."""
+        for block in blocks:
+            now = [t for t in tensors if t.dtype == block.flat.dtype]
+            if len(now) != len(block.tensors) or any(t.shape != v.shape for t, v in zip(now, block.views)):
+                raise RuntimeError(f"the model's floating-point buffers changed dtype or shape since {owner} was "
+                                   f"built: call close() on every rank and build {owner} again; nothing was averaged")
+            block.tensors = now
 
     def load(self) -> None:
         """The block := the tensors (one fused copy, casting to the block's dtype)."""

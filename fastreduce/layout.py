@@ -144,19 +144,21 @@ class ParamsHeld:
     C-speed pass (the sizes of ``root``'s modules' parameter and submodule dicts); one added
     frozen is watched until it is unfrozen.
 
-    ``remedy``: what the error tells the user to do (the owner's way to learn the layout again)."""
+    ``remedy``: what the error tells the user to do (the owner's way to learn the layout again);
+    ``storage=False``: the storage is not watched (an owner that moves the parameters itself:
+    gossip swaps them between two blocks at each step)."""
 
     __slots__ = ("params", "names", "owned", "owners", "keys", "ptrs", "fresh", "remedy", "root", "known", "dicts",
                  "count", "added")
 
     def __init__(self, layout: GradLayout, root: torch.nn.Module | None, remedy: str = _REBUILD,
-                 whole: bool = False):
+                 whole: bool = False, storage: bool = True):
         self.params, self.names, self.remedy = layout.params, layout.names, remedy
         found = [] if root is None else [(p, owner, key) for p, (path, _, key) in
                                          zip(self.params, (n.rpartition(".") for n in self.names))
                                          for owner in [_slots_at(root, path)] if owner.get(key) is p]
         self.owned, self.owners, self.keys = (tuple(x) for x in zip(*found)) if found else ((), (), ())
-        self.ptrs = tuple(map(_data_ptr, self.params))
+        self.ptrs = tuple(map(_data_ptr, self.params)) if storage else None
         self.fresh = False  # checked already this step (every bucket's adopt asks; one pass a step)
         self.root = root if whole else None
         self.known = tuple(self.root.parameters()) if self.root is not None else ()  # (held: their ids stay theirs)
@@ -173,7 +175,7 @@ class ParamsHeld:
         """True while every parameter is the one learned, on the same storage, and none that
         trains was added: looked at once a step (until :meth:`expire`)."""
         if not self.fresh:
-            self.fresh = tuple(map(_data_ptr, self.params)) == self.ptrs and \
+            self.fresh = (self.ptrs is None or tuple(map(_data_ptr, self.params)) == self.ptrs) and \
                 all(map(operator.is_, map(dict.get, self.owners, self.keys), self.owned)) and self._none_added()
         return self.fresh
 
@@ -191,7 +193,9 @@ class ParamsHeld:
     def changed(self) -> list[str]:
         """The names of the parameters replaced or moved (the error path)."""
         replaced = {id(p) for p, owner, key in zip(self.owned, self.owners, self.keys) if owner.get(key) is not p}
-        return [n for n, p, ptr in zip(self.names, self.params, self.ptrs) if id(p) in replaced or p.data_ptr() != ptr]
+        ptrs = self.ptrs or (None,) * len(self.params)
+        return [n for n, p, ptr in zip(self.names, self.params, ptrs)
+                if id(p) in replaced or ptr is not None and p.data_ptr() != ptr]
 
     def error(self) -> RuntimeError:
         """What :meth:`__call__` found, and what to do."""
@@ -201,12 +205,12 @@ class ParamsHeld:
             added = [n for n, p in self.root.named_parameters() if id(p) in training]
             return RuntimeError(
                 f"parameter(s) {_shown(added)} were added to the model (or unfrozen after being added frozen) "
-                "since fastreduce learned the gradient layout, so their gradients would not be averaged: each "
+                "since fastreduce learned the gradient layout, so they would not be averaged: each "
                 f"rank would train them on its own. {self.remedy}")
         return RuntimeError(
             f"parameter(s) {_shown(names)} changed since fastreduce learned the gradient layout: replaced by new "
             "Parameter objects (e.g. load_state_dict(..., assign=True)) or moved to new storage (e.g. "
-            f"model.double(), model.to(...)), so their gradients would not be averaged. {self.remedy}")
+            f"model.double(), model.to(...), p.data = t), so they would not be averaged. {self.remedy}")
 
 
 def _shown(names: list[str]) -> str:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten  # (the tensors in an op's nested a
 __all__ = ["DEFAULT_TIMEOUT_S", "TorchDispatchMode", "abandon_groups", "at_backward_end", "compiled_in_place", "compiled_inner",
            "ddp_first_bucket_bytes", "ddp_ignored_names", "default_group_key", "default_group_store", "default_store",
            "disabled_join_config", "disabled_torch_function", "group_timeout", "in_backward", "is_abandoned",
-           "make_wrapper_subclass", "non_finite_check_and_unscale_", "op_schema", "parameter_slots", "submodule_slots",
+           "make_wrapper_subclass", "non_finite_check_and_unscale_", "op_schema", "parameter_slots", "buffer_slots", "submodule_slots",
            "profiler_enabled", "release_abandoned", "scale_handed", "scale_handed_back", "scaler_always_steps",
            "scaler_found_inf", "scaler_scale", "scaler_steps_fused", "store_base", "sync_params_and_buffers",
            "tree_flatten", "unsafe_preserve_version_counter", "version", "with_metadata_of"]
@@ -264,6 +264,12 @@ def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
     """The dict in which ``module`` holds its own parameters by name (``Module._parameters``):
     the entry that ``setattr`` and ``load_state_dict(assign=True)`` replace, read at C speed."""
     return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """The dict in which ``module`` holds its own buffers by name (``Module._buffers``): the
+    entry that ``self.ema = ...`` replaces, read at C speed."""
+    return module._buffers
 
 
 def submodule_slots(module: torch.nn.Module) -> dict[str, Any]:

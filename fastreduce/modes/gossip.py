@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buckets import OrderRecorder, agreed_order
-from ..buffer import TensorBlock
+from ..buffer import FloatBuffers, TensorBlock
 from ..codecs.quant import check_wire
 from ..comm import Pending, complete, get_comm
 from ..compiling import cut_graphs, keep_cut, uncut_graphs
@@ -180,7 +180,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         self._frozen = FrozenAtBuild(model.parameters())  # in no bucket: checked at every step's forward
         self.buffer_mode = buffers  # not "buffers": that is nn.Module.buffers(), which torch and users call
         self._check = FiniteCheck(self.device)  # nonfinite's one fused check
-        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._float_buffers = FloatBuffers(model)
         self._buffer_blocks: list[tuple[TensorBlock, TensorBlock]] | None = None  # per dtype: (sent, mixed)
         self._comm_blocks: list[torch.Tensor] = []  # what comm.buffer gave the buckets' layout
         self._buffer_comm_blocks: list[torch.Tensor] = []  # and the float buffers' mix
@@ -225,7 +225,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
     def _before_forward(self) -> None:
         if self.under_join and self._step_open():
             self._join_notify()  # under Join: this rank is active; closing the step opens the next
-        self._check_frozen()  # (after Join's notify: a joined rank's shadow checks too)
+        self._check_model()  # (after Join's notify: a joined rank's shadow checks too)
         self._catch_up()
         self._raise_nonfinite()
         keep_cut()
@@ -359,9 +359,15 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
             sched.finish(quiet=True)
             self._close_step()
 
-    def _check_frozen(self) -> None:
-        """Before a step is closed (its collectives): a parameter frozen at construction that
-        now requires grad is in no bucket (raised on every rank that made the change)."""
+    def _check_model(self) -> None:
+        """Before a step is closed (its collectives): a parameter replaced or added since the
+        buckets were laid out (:class:`~fastreduce.layout.ParamsHeld`: their hooks and blocks
+        hold the old one), or frozen at construction and requiring grad now, is in no bucket
+        (raised on every rank that made the change)."""
+        if self._built:
+            self._held.expire()
+            if not self._held():
+                raise self._held.error()
         if self._frozen.params:
             self._frozen.check(self.module.named_parameters, "DecentralizedDataParallel was built", "no bucket "
                                "holds them: they would never be stepped nor mixed", "call close() on every rank and "
@@ -378,7 +384,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         """A joined rank's step under Join: close its last step, then every bucket
         exchanges as on the active ranks, with no optimizer step (the rank keeps mixing
         its parameters with its peers', it adds no gradient); closed at the next one."""
-        self._check_frozen()
+        self._check_model()
         self._catch_up()
         if not self._built:
             raise RuntimeError("a rank joined before its first synced step: under Join every rank "
@@ -395,13 +401,15 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         """``buffers="mix"``: this round's mix of the float buffers, synchronously (they
         are small, and the forward about to run reads them), one block per dtype (each
         mixed in its own: a float64 mean is not rounded to float32)."""
-        bufs = self._float_buffers
+        bufs = self._float_buffers.now()  # (the module's now: one it replaced is mixed, not the first)
         if self.buffer_mode != "mix" or not bufs:
             return
         if self._buffer_blocks is None:  # made on the first step
             private = lambda n, d: torch.zeros(n, dtype=d, device=self.device)  # noqa: E731
             self._buffer_blocks = list(zip(TensorBlock.per_dtype(bufs, self._taking(self._buffer_comm_blocks)),
                                            TensorBlock.per_dtype(bufs, private)))
+        for blocks in zip(*self._buffer_blocks):
+            TensorBlock.follow(blocks, bufs, type(self).__name__)
         matrix = self.topology.mixing(self._round)
         for send, out in self._buffer_blocks:
             send.load()

@@ -16,7 +16,7 @@ from ..buffer import slot_view, params_as_views
 from ..comm import Pending
 from ..comm.quantized import QuantMix
 from ..hooks import remove_hooks
-from ..layout import GradLayout, bucket_runs, counted
+from ..layout import GradLayout, ParamsHeld, bucket_runs, counted
 from ..optim_kernels import prefer_fused
 from ..sizing import GOSSIP_AUTO_WHY, Sizing
 
@@ -63,6 +63,8 @@ class GossipBuckets:
         alloc = shared if in_place else private
         self._flats = params_as_views(layout, alloc)
         self._mixed = self._blocks_like([f.dtype for f in self._flats], alloc)
+        self._held = ParamsHeld(layout, self.module, "Call close() on every rank and build DecentralizedDataParallel "
+                                "again after changing the model's parameters", whole=True, storage=False)
         # Per bucket, each parameter's view of either block: the mix lands in the block
         # the parameters do not use, and applying it swaps the two (no copy).
         self._views = [[(s.param, slot_view(f, s), slot_view(m, s)) for s in seg.slots]

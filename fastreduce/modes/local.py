@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buffer import TensorBlock, params_as_views
+from ..buffer import FloatBuffers, TensorBlock, params_as_views
 from ..codecs.quant import BlockQuant
 from ..codecs.sparse import SparseLoCo, SparseState
 from ..comm import Comm, Pending, advance, complete, get_comm
@@ -43,7 +43,7 @@ from ..faults import guarded
 from ..grads import one_device, start_from_rank0
 from ..hooks import on_step, remove_hooks
 from ..join import JoinableMode
-from ..layout import FrozenAtBuild, GradLayout, verify_model
+from ..layout import FrozenAtBuild, GradLayout, ParamsHeld, verify_model
 from .comm_stats import CommStats
 from .local_nonfinite import LocalNonFinite
 from .local_scaler import LocalScaler
@@ -163,8 +163,12 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         alloc = self._param_alloc() if not self._delta else self._zeros
         self._blocks: list[torch.Tensor] = []  # one per dtype: what a collective over all of them takes
         self._flats = params_as_views(self.layout, lambda n, d: self._blocks.append(alloc(n, d)) or self._blocks[-1])
-        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._float_buffers = FloatBuffers(model)
         self._frozen = FrozenAtBuild(model.parameters())  # broadcast once, never averaged: checked before each sync
+        name = type(self).__name__  # the parameters, views of the blocks now: checked before each sync
+        self._held = ParamsHeld(self.layout, model, f"Call close() on every rank and build {name} again after "
+                                "changing the model's parameters (sync() first keeps what the ranks trained "
+                                "since the last sync); nothing was averaged", whole=True)
         frozen = [p.data for p in self._frozen.params]
         start_from_rank0(self._whole_flats() + frozen + list(model.buffers()), group, type(self).__name__)
         self._anchor: list[torch.Tensor] = []
@@ -267,14 +271,20 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         """The mode's first pre-step hook: under Join, this rank is active (the joined ranks'
         shadow then checks as below); a step that communicates, the unfrozen check."""
         self._join_notify()
-        self._check_frozen(self.steps + 1)
+        self._check_model(self.steps + 1)
 
-    def _check_frozen(self, s: int | None = None) -> None:
+    def _check_model(self, s: int | None = None) -> None:
         """Before inner step ``s`` where it communicates (``None``: a sync now), before any
-        of its work: a parameter frozen at construction that now requires grad would train
-        on every rank and never be averaged (the layout is the construction's). Raised on
-        every rank that made the change, leaving parameters and optimizer state alone."""
-        if self._frozen.params and (s is None or self.communicates_at(s)):
+        of its work: a parameter replaced, moved to new storage or added since construction
+        (:class:`~fastreduce.layout.ParamsHeld`), or frozen then and requiring grad now, would
+        train on every rank and never be averaged (the layout is the construction's). Raised
+        on every rank that made the change, leaving parameters and optimizer state alone."""
+        if s is not None and not self.communicates_at(s):
+            return
+        self._held.expire()
+        if not self._held():  # replaced, moved to new storage or added: the blocks averaged would be stale
+            raise self._held.error()
+        if self._frozen.params:
             name = type(self).__name__
             self._frozen.check(self.model.named_parameters, f"{name} was built", "they would train on each rank and "
                                "never be averaged", f"call close() on every rank and build {name} again after "
@@ -315,7 +325,7 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         collectives as on the active ranks (it sends zeros into every average)."""
         if not self._hooks:
             return
-        self._check_frozen(self.steps + 1)  # as the active ranks' pre-step hook does
+        self._check_model(self.steps + 1)  # as the active ranks' pre-step hook does
         reducer = getattr(self, "_reducer", None)
         if reducer is not None and self.steps < getattr(self, "warmup_steps", 0):
             reducer._join_shadow()  # the warm-up's gradient average
@@ -337,11 +347,12 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
                 complete(p)
 
     def _average_buffers(self, comm: Comm) -> None:
-        bufs = self._float_buffers
+        bufs = self._float_buffers.now()  # (the module's now: one it replaced is averaged, not the first)
         if self.buffers != "average" or not bufs:
             return
         if self._buffer_blocks is None:  # one per dtype: a float64 buffer is averaged in float64
             self._buffer_blocks = TensorBlock.per_dtype(bufs, self._buffer_of(self.comm))
+        TensorBlock.follow(self._buffer_blocks, bufs, type(self).__name__)
         for block in self._buffer_blocks:
             block.load()
         self._average([block.flat for block in self._buffer_blocks], comm)

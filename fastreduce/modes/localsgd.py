@@ -214,7 +214,7 @@ class LocalSGD(LocalUpdates):
     @torch.no_grad()
     def sync(self) -> None:
         """Average the parameters (and float buffers) over the whole group now (collective)."""
-        self._check_frozen()
+        self._check_model()
         self._sync(self._levels[-1][1])
 
     def communicates_at(self, s: int) -> bool:
@@ -276,7 +276,7 @@ class LocalSGD(LocalUpdates):
     def _reduce_warmup(self) -> bool:
         """The warm-up's gradient average (``False`` past the warm-up: nothing done)."""
         if self._reducer is not None and self.steps < self.warmup_steps:
-            self._check_frozen()  # (before the reducer's own check, which would say rebuild() it)
+            self._check_model()  # (before the reducer's own check, which would say rebuild() it)
             st = self._reducer.stats
             sent, waited = st.bytes_reduced, st.wait_seconds
             finite = self._reducer.reduce()  # nonfinite="raise": raises here, on every rank
