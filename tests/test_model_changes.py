@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fastreduce
