@@ -167,17 +167,17 @@ class OverlapSchedule:
             or not (the fused reducer's re-attach of freed gradients).
         version: where given, read at the first gradient after each :meth:`finish` (into
             ``first_version``): the gradient buffer's in-place writes, one of them that
-            gradient's accumulation (ZeRO tells whether a ``zero_grad()`` came before).
+            gradient's accumulation, or ``None`` (ZeRO tells whether a ``zero_grad()`` came before).
 
     Before :meth:`finish`, ``next`` counts the buckets started from hooks this step.
     """
 
     def __init__(self, layout: GradLayout, buckets: list[Bucket], launch: Launch,
                  adopt: Callable[[list[int], bool], tuple[list[int], bool]], direct: bool = True,
-                 on_grad: Callable[[int], None] | None = None, version: Callable[[], int] | None = None):
+                 on_grad: Callable[[int], None] | None = None, version: Callable[[], int | None] | None = None):
         self.layout, self.buckets, self.launch, self.adopt = layout, buckets, launch, adopt
         self.on_grad, self.version = on_grad, version
-        self.first_version = 0
+        self.first_version: int | None = None
         self.direct = direct
         self.bucket_of = [0] * len(layout)
         for b, bucket in enumerate(buckets):

@@ -127,7 +127,7 @@ class ZeroGradients:
             return pending
 
         self._schedule = OverlapSchedule(layout, self.buckets, launch, self._adopt, on_grad=reattach.grad_ready,
-                                         version=self._grads_version)
+                                         version=self._accumulating_version)
         self._schedule.sync = self.overlap
 
     def _param_names(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -279,8 +279,9 @@ class ZeroGradients:
         """Raise where this step's gradients are the last step's, which its reduce-scatter spent
         (each rank's buffer holds its own shard's mean and, elsewhere, its own gradients), with
         nothing written since (a second step on one backward) or a backward accumulated onto them
-        (no ``zero_grad()`` between: one gradient's accumulation the only write before the
-        backward's first hook, where a zeroing in place, the model's, writes every one)."""
+        (no ``zero_grad()`` between: every gradient a view of the buffer at the backward's first
+        hook, and that gradient's accumulation the only write since, where a zeroing in place,
+        the model's, writes every one; gradients set to ``None`` are allocated afresh)."""
         schedule = self._schedule
         if self._spent is None or schedule is None or self._shadowing or \
                 not attached(self.layout.params, self.buffer.views):
@@ -290,13 +291,19 @@ class ZeroGradients:
                                "since the last step, whose reduce-scatter spent the gradients (each rank's "
                                "buffer now holds its own shard's mean and, elsewhere, its own gradients): "
                                "run backward before each step (zero_grad() in between); nothing was changed")
-        if schedule.got_grads and schedule.first_version - self._spent <= 1:
+        if schedule.got_grads and schedule.first_version is not None and schedule.first_version - self._spent <= 1:
             schedule.drop()  # (what backward launched: waited for, left unused)
             raise RuntimeError("this backward accumulated onto the last step's gradients, which its "
                                "reduce-scatter spent (each rank's buffer holds its own shard's mean and, "
                                "elsewhere, its own gradients): ZeroOptimizer cannot accumulate across steps. "
                                "Call zero_grad() after each step (no_sync() accumulates within one); nothing "
                                "was stepped: zero_grad(), then run this step's backward again")
+
+    def _accumulating_version(self) -> int | None:
+        """At a backward's first gradient: :meth:`_grads_version` where every gradient is a view
+        of the buffer (backward accumulates into it), else ``None`` (some were set to ``None``:
+        backward allocated them afresh, and a launch copies them in)."""
+        return self._grads_version() if attached(self.layout.params, self.buffer.views) else None
 
     def _grads_version(self) -> int:
         """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`):
