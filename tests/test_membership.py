@@ -1019,9 +1019,12 @@ def test_a_close_confirms_its_last_step_only_where_no_other_member_ended_with_fe
             else:
                 members[0].close()  # (w4 never beat nor spoke: stopped after its loss window)
         said = [r.getMessage() for r in caplog.records if "waits for the word of" in r.getMessage()]
-        assert said and all("waits for the word of w2" in s and "w3" not in s and s.endswith(
+        # w2 named (alive, its word not yet said); w3 never (it ended). w4, stopped, may be named
+        # until its loss window passed, and w2 missed by a say before its first beat was read:
+        # on a loaded host (CI) the first say named w4 alone, then the next one w2.
+        assert any("waits for the word of w2" in s for s in said) and all("w3" not in s and s.endswith(
             "alive and not ended (each member's close(), or confirm() after its last step), up to timeout_s=30 s")
-            for s in said), said  # (w3 ended; w4, stopped, is named only until its loss window passed)
+            for s in said), said
         for m in members[1:]:
             m.me.failed = True  # (their own ends are not under test here)
             m.close()
