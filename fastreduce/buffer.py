@@ -259,10 +259,11 @@ class TensorBlock:
         """``blocks`` (:meth:`per_dtype`'s) hold ``tensors`` from now on: the same tensors, or
         ones that replaced them (a module's ``self.ema = ...``), of the same dtypes and shapes."""
         for block in blocks:
-            now = [t for t in tensors if t.dtype == block.flat.dtype]
+            now = [t for t in tensors if t is not None and t.dtype == block.flat.dtype]  # (None: one set to None)
             if len(now) != len(block.tensors) or any(t.shape != v.shape for t, v in zip(now, block.views)):
-                raise RuntimeError(f"the model's floating-point buffers changed dtype or shape since {owner} was "
-                                   f"built: call close() on every rank and build {owner} again; nothing was averaged")
+                raise RuntimeError(f"the model's floating-point buffers changed dtype or shape (or one was set to "
+                                   f"None) since {owner} was built: call close() on every rank and build {owner} "
+                                   "again; nothing was averaged")
             block.tensors = now
 
     def load(self) -> None:
