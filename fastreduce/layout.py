@@ -190,6 +190,13 @@ class ParamsHeld:
         """The step is over: the next call looks again (the model may change between steps)."""
         self.fresh = False
 
+    def check(self) -> None:
+        """Look now (not once a step) and raise :meth:`error` where a parameter changed: for an
+        owner that checks once per collective of its own (a local mode's sync, gossip's step)."""
+        self.fresh = False
+        if not self():
+            raise self.error()
+
     def changed(self) -> list[str]:
         """The names of the parameters replaced or moved (the error path)."""
         replaced = {id(p) for p, owner, key in zip(self.owned, self.owners, self.keys) if owner.get(key) is not p}

@@ -365,9 +365,7 @@ class DecentralizedDataParallel(GossipState, GossipAverage, GossipBuckets, Gossi
         hold the old one), or frozen at construction and requiring grad now, is in no bucket
         (raised on every rank that made the change)."""
         if self._built:
-            self._held.expire()
-            if not self._held():
-                raise self._held.error()
+            self._held.check()
         if self._frozen.params:
             self._frozen.check(self.module.named_parameters, "DecentralizedDataParallel was built", "no bucket "
                                "holds them: they would never be stepped nor mixed", "call close() on every rank and "

@@ -281,9 +281,7 @@ class LocalUpdates(LocalState, LocalNonFinite, LocalScaler, JoinableMode):
         on every rank that made the change, leaving parameters and optimizer state alone."""
         if s is not None and not self.communicates_at(s):
             return
-        self._held.expire()
-        if not self._held():  # replaced, moved to new storage or added: the blocks averaged would be stale
-            raise self._held.error()
+        self._held.check()  # replaced, moved to new storage or added: the blocks averaged would be stale
         if self._frozen.params:
             name = type(self).__name__
             self._frozen.check(self.model.named_parameters, f"{name} was built", "they would train on each rank and "
