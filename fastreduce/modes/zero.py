@@ -56,7 +56,7 @@ from ..layout import FrozenAtBuild, GradLayout, bucket_runs, counted, holding_dt
 from ..profiling import span
 from ..optim_kernels import fused_if_possible
 from .comm_stats import CommStats
-from .zero_pieces import ShardOptimizer
+from .zero_pieces import ShardOptimizer, kinds
 from .zero_shard import make_shards
 from .zero_config import ELEMENTWISE_OPTIMIZERS, check_settings, trainable, zero_bucket_mb, zero_buckets
 from .zero_finite import ZeroFinite
@@ -482,12 +482,13 @@ class ZeroOptimizer(ZeroGradients, ZeroCheckpointing, ZeroFinite, torch.optim.Op
     def _sync_hyperparameters(self) -> None:
         """Carry lr, weight decay, ... (set by the user or a scheduler) to the shard's groups
         (and to those of its copies of other ranks', ``redundant=``)."""
+        kind = kinds(self.param_groups)  # (momentum set from 0: its buffer is state to keep from now on)
         for inner in [self.inner, *(m.inner for m in self.mirrors)]:
             for ours, theirs in zip(self.param_groups, inner.param_groups):
                 for k, v in ours.items():
                     if k != "params" and (k != "fused" or v is not None):  # (no kernel chosen: the shards' stays)
                         theirs[k] = v
-            inner.probe_keys(grow=True)  # (momentum set from 0: its buffer is state to keep from now on)
+            inner.probe_keys(grow=True, kind=kind)
 
 
 def _listed(params: Any) -> Any:

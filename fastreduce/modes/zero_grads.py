@@ -91,6 +91,8 @@ class ZeroGradients:
         self._take_over(layout.params)
         self._params_held = held = ParamsHeld(layout, module, _REBUILD)
         self._reattach = reattach = Reattach(layout, self.buffer, self.grad_stats, grad_hooks=W == 1, held=held)
+        # one flat per storage (flats that are views of one wire share their base's write count)
+        self._grad_storages = tuple({f.untyped_storage().data_ptr(): f for f in self.buffer.flats}.values())
         if W == 1:
             return
         # A flag per parameter, > 0 where some rank's backward reached it: summed with the last
@@ -306,9 +308,8 @@ class ZeroGradients:
         return self._grads_version() if attached(self.layout.params, self.buffer.views) else None
 
     def _grads_version(self) -> int:
-        """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`):
-        one count per storage (the flats that are views of one wire share their base's)."""
-        return sum(map(version, {f.untyped_storage().data_ptr(): f for f in self.buffer.flats}.values()))
+        """How many in-place writes the gradient buffer has seen (:func:`~.torch_internals.version`)."""
+        return sum(map(version, self._grad_storages))
 
     def _local_used(self) -> torch.Tensor:
         """1.0 for each parameter (layout order) this rank's backward gave a gradient (after

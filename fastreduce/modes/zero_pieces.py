@@ -26,7 +26,7 @@ import torch
 
 from ..layout import GradLayout
 
-__all__ = ["Piece", "ShardOptimizer", "chunk_pieces"]
+__all__ = ["Piece", "ShardOptimizer", "chunk_pieces", "kinds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class ShardOptimizer:
         self.groups, self._count = list(groups), sum(map(len, self.views))
         self._attached: bool | None = None  # every view's gradient attached (True), or as some mask left them
 
-    def probe_keys(self, grow: bool = False) -> None:
+    def probe_keys(self, grow: bool = False, kind: tuple[Any, ...] | None = None) -> None:
         """Which state keys each param group keeps (:attr:`group_keys`, :attr:`keys`: every
         group's, :attr:`scalar_keys`), from its hyperparameters as they are now: at
         construction, and after a load replaced them (``amsgrad`` may be another's).
@@ -86,11 +86,12 @@ class ShardOptimizer:
         ``grow``: at a step, where the hyperparameters changed in kind since the last probe
         (:func:`_kind`: SGD's ``momentum`` set from 0 by a warm-up or ``OneCycleLR``), the
         keys they add join the kept ones; none is dropped, as torch keeps a momentum buffer
-        that a momentum set back to 0 no longer reads."""
-        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        kind = tuple(_kind(h) for h in hypers)
+        that a momentum set back to 0 no longer reads. ``kind``: :func:`kinds` of the param
+        groups, where the caller has it (the same for the shard and its copies)."""
+        kind = kinds(self.optimizer.param_groups) if kind is None else kind
         if grow and kind == self._probed:
             return
+        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         group_keys, scalars = _probe(type(self.optimizer), hypers, self._defaults, self.masters[0])
         if grow:
             group_keys = [sorted({*old, *new}) for old, new in zip(self.group_keys, group_keys)]
@@ -234,10 +235,11 @@ class ShardOptimizer:
         return made
 
 
-def _kind(hypers: dict[str, Any]) -> tuple[Any, ...]:
-    """What of a param group's hyperparameters can change which state torch keeps: each flag
-    and choice as it is, each number (a tensor's too) only zero or not (a momentum buffer
-    exists where ``momentum`` is not 0): a scheduler moving ``lr`` every step changes none."""
+def kinds(param_groups: Sequence[dict[str, Any]]) -> tuple[Any, ...]:
+    """What of each param group's hyperparameters can change which state torch keeps: each
+    flag and choice as it is, each number (a tensor's too) only zero or not (a momentum
+    buffer exists where ``momentum`` is not 0): a scheduler moving ``lr`` every step changes
+    none. Not the kernel (``fused``: the shards' own choice, the user's groups hold theirs)."""
     def of(v: Any) -> Any:
         if isinstance(v, (tuple, list)):
             return tuple(map(of, v))
@@ -246,7 +248,7 @@ def _kind(hypers: dict[str, Any]) -> tuple[Any, ...]:
         if isinstance(v, (int, float)) or torch.is_tensor(v) and v.numel() == 1:
             return bool(v != 0)
         return type(v).__name__
-    return tuple((k, of(v)) for k, v in sorted(hypers.items()))
+    return tuple(tuple((k, of(v)) for k, v in sorted(g.items()) if k not in ("params", "fused")) for g in param_groups)
 
 
 def _probe(optimizer_class: type[torch.optim.Optimizer], hypers: list[dict[str, Any]], defaults: dict[str, Any],
